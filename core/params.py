@@ -1,0 +1,81 @@
+"""Validators for component parameters (attrs fields that come from registry.toml).
+
+Each validator raises ``ValueError``/``TypeError`` with the field's name and what is accepted; the
+registry wraps that message with the pipeline and slot it came from.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Iterable
+
+import attrs
+
+
+def integer(min_value: int | None = None, max_value: int | None = None):
+    """An int (not a bool) within [min_value, max_value]."""
+
+    def check(_instance: Any, attribute: attrs.Attribute, value: Any) -> None:
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise TypeError(f"'{attribute.name}' must be an integer, got {value!r} ({type(value).__name__})")
+        if min_value is not None and value < min_value:
+            raise ValueError(f"'{attribute.name}' must be >= {min_value}, got {value}")
+        if max_value is not None and value > max_value:
+            raise ValueError(f"'{attribute.name}' must be <= {max_value}, got {value}")
+
+    return check
+
+
+def number(min_value: float | None = None, max_value: float | None = None):
+    """A float or int (not a bool) within [min_value, max_value]."""
+
+    def check(_instance: Any, attribute: attrs.Attribute, value: Any) -> None:
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise TypeError(f"'{attribute.name}' must be a number, got {value!r} ({type(value).__name__})")
+        if min_value is not None and value < min_value:
+            raise ValueError(f"'{attribute.name}' must be >= {min_value}, got {value}")
+        if max_value is not None and value > max_value:
+            raise ValueError(f"'{attribute.name}' must be <= {max_value}, got {value}")
+
+    return check
+
+
+def choice(options: Iterable[str]):
+    """One string out of ``options``."""
+    allowed = tuple(options)
+
+    def check(_instance: Any, attribute: attrs.Attribute, value: Any) -> None:
+        if value not in allowed:
+            raise ValueError(f"'{attribute.name}' must be one of {', '.join(map(repr, allowed))}; got {value!r}")
+
+    return check
+
+
+def int_tuple(value: Any) -> tuple[int, ...]:
+    """Converter: a TOML array of integers to a tuple (left unchanged when it is not a list)."""
+    if isinstance(value, list):
+        return tuple(value)
+    return value
+
+
+def describe_fields(cls: type) -> list[dict[str, Any]]:
+    """The parameter schema of a component class: name, type, default, doc (from field metadata)."""
+    rows = []
+    for field in attrs.fields(cls):
+        if not field.init:
+            continue
+        default = field.default
+        if isinstance(default, attrs.Factory):  # type: ignore[arg-type]
+            default = default.factory()
+        if default is attrs.NOTHING:
+            default = None
+        type_name = field.type if isinstance(field.type, str) else getattr(field.type, "__name__", str(field.type))
+        rows.append(
+            {
+                "name": field.name,
+                "type": type_name,
+                "default": default,
+                "required": field.default is attrs.NOTHING,
+                "doc": field.metadata.get("doc", ""),
+            }
+        )
+    return rows

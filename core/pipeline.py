@@ -1,0 +1,23 @@
+"""Assemble a cache from a pipeline: ``build_cache(pipeline_or_name, model)``."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from .cache import KVWeaveCache
+from .registry import Registry, ResolvedPipeline, load_pipeline
+
+
+def build_cache(
+    pipeline: str | ResolvedPipeline, model: Any, registry: str | Path | Registry | None = None
+) -> KVWeaveCache:
+    """A fresh :class:`KVWeaveCache` for ``model`` (a transformers model or its config).
+
+    ``pipeline`` is a resolved pipeline or a name looked up in the built-in registry (plus ``registry``,
+    a user's file). Build one cache per ``generate`` call.
+    """
+    if isinstance(pipeline, str):
+        pipeline = load_pipeline(pipeline, registry)
+    config = getattr(model, "config", model)
+    return KVWeaveCache(pipeline, config)

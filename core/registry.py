@@ -1,0 +1,230 @@
+"""registry.toml: named pipelines, one component per slot, with ``extends`` inheritance.
+
+Format::
+
+    [pipelines.int4]
+    description = "4-bit per-token keys and values, exact recent window"
+    extends = "full"            # optional: start from another pipeline
+    recent_window = 128         # pipeline settings (see StorageSettings)
+    [pipelines.int4.quantizer]  # a slot: 'use' names a registered component, other keys are its parameters
+    use = "int4-group"
+    group = 32
+
+A child slot with ``use`` replaces the parent's slot wholly; a child slot without ``use`` overrides
+only the parameters it names. Every pipeline is resolved and validated (components exist, parameters
+are accepted) before any model is loaded. A user's registry file is read on top of the built-in one:
+its pipelines may extend the built-in pipelines but not redefine them.
+"""
+
+from __future__ import annotations
+
+import tomllib
+from pathlib import Path
+from typing import Any
+
+import attrs
+
+from . import plugins
+from .errors import ComponentError, RegistryError
+from .interfaces import SLOT_GROUPS, Component
+from .params import integer
+
+BUILTIN_REGISTRY = Path(__file__).with_name("registry.toml")
+PIPELINE_KEYS = ("description", "extends")
+
+
+@attrs.frozen
+class StorageSettings:
+    """Pipeline-level settings of the compressed cache."""
+
+    recent_window: int = attrs.field(
+        default=128, validator=integer(0), metadata={"doc": "most recent tokens kept exact (not compressed)"}
+    )
+    block_tokens: int = attrs.field(
+        default=64, validator=integer(1), metadata={"doc": "tokens compressed together once they leave the window"}
+    )
+    compress: bool = attrs.field(
+        default=True, metadata={"doc": "false keeps every token exact (the 'full' pipeline)"}
+    )
+
+    @compress.validator
+    def _boolean(self, attribute: attrs.Attribute, value: Any) -> None:
+        if not isinstance(value, bool):
+            raise TypeError(f"'compress' must be true or false, got {value!r}")
+
+
+SETTING_KEYS = tuple(field.name for field in attrs.fields(StorageSettings))
+
+
+@attrs.frozen
+class SlotConfig:
+    """One slot of a resolved pipeline: the component, its parameters, who provides it."""
+
+    use: str
+    params: dict[str, Any]
+    component: Component
+    plugin: str
+    distribution: str
+
+
+@attrs.frozen
+class ResolvedPipeline:
+    """A pipeline with inheritance applied and every component built and validated."""
+
+    name: str
+    description: str
+    chain: tuple[str, ...]
+    source: str
+    settings: StorageSettings
+    slots: dict[str, SlotConfig]
+
+    def component(self, slot: str) -> Component:
+        return self.slots[slot].component
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "name": self.name,
+            "description": self.description,
+            "extends_chain": list(self.chain),
+            "source": self.source,
+            "settings": attrs.asdict(self.settings),
+            "slots": {
+                slot: {"use": cfg.use, "params": _effective_params(cfg), "plugin": cfg.plugin, "distribution": cfg.distribution}
+                for slot, cfg in self.slots.items()
+            },
+        }
+
+
+def _effective_params(cfg: SlotConfig) -> dict[str, Any]:
+    """Every parameter of the slot's component, defaults included."""
+    return {field.name: getattr(cfg.component, field.name) for field in attrs.fields(type(cfg.component)) if field.init}
+
+
+@attrs.define
+class Registry:
+    """Raw pipeline tables by name, with the file each came from."""
+
+    tables: dict[str, dict[str, Any]] = attrs.field(factory=dict)
+    sources: dict[str, str] = attrs.field(factory=dict)
+
+    def names(self) -> list[str]:
+        return list(self.tables)
+
+    def add_file(self, path: Path) -> None:
+        path = Path(path)
+        if not path.is_file():
+            raise RegistryError(f"registry file {path} does not exist")
+        try:
+            data = tomllib.loads(path.read_text(encoding="utf-8"))
+        except tomllib.TOMLDecodeError as exc:
+            raise RegistryError(f"registry {path} is not valid TOML: {exc}") from exc
+        unknown = sorted(set(data) - {"pipelines"})
+        if unknown:
+            raise RegistryError(f"registry {path}: unknown top-level table(s) {unknown}; only [pipelines.NAME] tables are accepted")
+        pipelines = data.get("pipelines", {})
+        if not isinstance(pipelines, dict) or not pipelines:
+            raise RegistryError(f"registry {path} defines no pipelines; add a [pipelines.NAME] table")
+        for name, table in pipelines.items():
+            if not isinstance(table, dict):
+                raise RegistryError(f"registry {path}: 'pipelines.{name}' must be a table, got {type(table).__name__}")
+            if name in self.tables:
+                raise RegistryError(
+                    f"registry {path}: pipeline '{name}' is already defined in {self.sources[name]}; "
+                    f"give it another name and use extends = \"{name}\" to build on it"
+                )
+            self.tables[name] = table
+            self.sources[name] = str(path)
+
+    def resolve(self, name: str) -> ResolvedPipeline:
+        merged, chain = self._merge(name, ())
+        where = f"registry {self.sources[name]}, pipeline '{name}'"
+        settings_raw = {key: merged[key] for key in SETTING_KEYS if key in merged}
+        try:
+            settings = StorageSettings(**settings_raw)
+        except (TypeError, ValueError) as exc:
+            raise RegistryError(f"{where}: {exc}") from exc
+        catalog = plugins.catalog()
+        slots: dict[str, SlotConfig] = {}
+        for slot, group in SLOT_GROUPS.items():
+            table = merged.get(slot)
+            if table is None or "use" not in table:
+                raise RegistryError(
+                    f"{where}: slot '{slot}' has no component; add [pipelines.{name}.{slot}] with use = one of: "
+                    f"{', '.join(sorted(catalog.components[group]))}"
+                )
+            use = table["use"]
+            if not isinstance(use, str):
+                raise RegistryError(f"{where}, slot '{slot}': 'use' must be a component name (a string), got {use!r}")
+            params = {key: value for key, value in table.items() if key != "use"}
+            slot_where = f"{where}, slot '{slot}'"
+            try:
+                info = catalog.get(group, use)
+            except ComponentError as exc:
+                raise RegistryError(f"{slot_where}: {exc}") from exc
+            component = plugins.build_component(info, params, slot_where)
+            slots[slot] = SlotConfig(use, params, component, info.plugin, info.distribution)
+        description = merged.get("description", f"extends {chain[1]}" if len(chain) > 1 else "")
+        return ResolvedPipeline(name, description, chain, self.sources[name], settings, slots)
+
+    def _merge(self, name: str, stack: tuple[str, ...]) -> tuple[dict[str, Any], tuple[str, ...]]:
+        if name in stack:
+            cycle = " -> ".join((*stack, name))
+            raise RegistryError(f"registry {self.sources[stack[0]]}: 'extends' forms a cycle: {cycle}")
+        if name not in self.tables:
+            referrer = f"pipeline '{stack[-1]}' extends unknown pipeline" if stack else "unknown pipeline"
+            raise RegistryError(f"{referrer} '{name}'; defined pipelines: {', '.join(sorted(self.tables))}")
+        table = self.tables[name]
+        where = f"registry {self.sources[name]}, pipeline '{name}'"
+        accepted = (*PIPELINE_KEYS, *SETTING_KEYS, *SLOT_GROUPS)
+        for key, value in table.items():
+            if key not in accepted:
+                raise RegistryError(
+                    f"{where}: unknown key '{key}'; accepted keys: settings {', '.join(SETTING_KEYS)}, "
+                    f"{', '.join(PIPELINE_KEYS)}, and slot tables {', '.join(SLOT_GROUPS)}"
+                )
+            if key in SLOT_GROUPS and not isinstance(value, dict):
+                raise RegistryError(f"{where}: slot '{key}' must be a table ([pipelines.{name}.{key}]), got {value!r}")
+        for key in PIPELINE_KEYS:
+            if key in table and not isinstance(table[key], str):
+                raise RegistryError(f"{where}: '{key}' must be a string, got {table[key]!r}")
+        parent_name = table.get("extends")
+        if parent_name is None:
+            merged: dict[str, Any] = {}
+            chain: tuple[str, ...] = (name,)
+        else:
+            merged, parent_chain = self._merge(parent_name, (*stack, name))
+            chain = (name, *parent_chain)
+        for key, value in table.items():
+            if key == "extends":
+                continue
+            if key in SLOT_GROUPS:
+                if "use" in value:
+                    merged[key] = dict(value)
+                elif key in merged:
+                    merged[key] = {**merged[key], **value}
+                else:
+                    raise RegistryError(
+                        f"{where}: slot '{key}' overrides parameters but no parent defines that slot; add 'use'"
+                    )
+            else:
+                merged[key] = value
+        return merged, chain
+
+    def resolve_all(self) -> list[ResolvedPipeline]:
+        return [self.resolve(name) for name in self.tables]
+
+
+def load_registry(path: str | Path | None = None) -> Registry:
+    """The built-in registry, with the pipelines of ``path`` (a user's file) added on top."""
+    registry = Registry()
+    registry.add_file(BUILTIN_REGISTRY)
+    if path is not None:
+        registry.add_file(Path(path))
+    return registry
+
+
+def load_pipeline(name: str, registry: str | Path | Registry | None = None) -> ResolvedPipeline:
+    """Resolve pipeline ``name`` from the built-in registry (plus a user file, or a given Registry)."""
+    if not isinstance(registry, Registry):
+        registry = load_registry(registry)
+    return registry.resolve(name)

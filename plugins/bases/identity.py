@@ -1,0 +1,32 @@
+"""``identity``: no basis; the coefficients are the key/value vectors themselves (r = D).
+
+Used by the pipelines that only quantize (``full``, ``int8``, ``int4``). Nothing is shared across
+layers, so each layer is its own group.
+"""
+
+from __future__ import annotations
+
+import attrs
+import torch
+
+from kvweave.core import hookimpl
+from kvweave.core.interfaces import BasisBuilder, ModelShape
+
+
+@attrs.frozen
+class IdentityBasis(BasisBuilder):
+    """Coefficients [1, B, H, n, D] equal to the input vectors; no stored state."""
+
+    def coefficient_width(self, shape: ModelShape) -> int:
+        return shape.head_dim
+
+    def encode(self, state: dict[str, torch.Tensor], x: torch.Tensor) -> torch.Tensor:
+        return x
+
+    def decode(self, state: dict[str, torch.Tensor], coefficients: torch.Tensor, member: int) -> torch.Tensor:
+        return coefficients[member]
+
+
+@hookimpl
+def kvweave_register_bases(registrar) -> None:
+    registrar.add("identity", IdentityBasis)

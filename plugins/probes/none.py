@@ -1,0 +1,18 @@
+"""``none``: no online probe; the router's decisions are never revised."""
+
+from __future__ import annotations
+
+import attrs
+
+from kvweave.core import hookimpl
+from kvweave.core.interfaces import Probe
+
+
+@attrs.frozen
+class NoProbe(Probe):
+    """Observes nothing."""
+
+
+@hookimpl
+def kvweave_register_probes(registrar) -> None:
+    registrar.add("none", NoProbe)
