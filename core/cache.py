@@ -121,17 +121,16 @@ class KVWeaveCache(Cache):
         return self.full_cache_bytes_16bit() / stored if stored else float("nan")
 
     # ------------------------------------------------------------------ batch operations
-    def _index_batch(self, index: torch.Tensor) -> None:
-        self.engine.map_batch(lambda tensor, dim: tensor.index_select(dim, index.to(tensor.device)))
-
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
-        self._index_batch(beam_idx)
+        self.engine.select_batch(torch.as_tensor(beam_idx).long().cpu())
 
     def batch_select_indices(self, indices: torch.Tensor) -> None:
-        self._index_batch(torch.as_tensor(indices))
+        self.engine.select_batch(torch.as_tensor(indices).long().cpu())
 
     def batch_repeat_interleave(self, repeats: int) -> None:
-        self.engine.map_batch(lambda tensor, dim: tensor.repeat_interleave(repeats, dim=dim))
+        batch = self.engine.batch_size()
+        if batch > 0:
+            self.engine.select_batch(torch.arange(batch).repeat_interleave(repeats))
 
     def reset(self) -> None:
         self.engine.reset()

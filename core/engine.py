@@ -19,16 +19,18 @@ import torch
 from .errors import CacheStateError, ComponentError, ModelError
 from .interfaces import AttentionKernel, BasisBuilder, ModelShape, Probe, Quantizer, Router
 from .registry import ResolvedPipeline
+from .residuals import ResidualList, add_residuals, encode_residuals
 from .storage import Segment, TensorMap, tensor_bytes
 
 KINDS = ("keys", "values")
 
 
 class LayerWindow:
-    """The exact (uncompressed) recent tokens of one layer, and how many of its tokens are stored packed."""
+    """One layer's exact (uncompressed) recent tokens, its routed residuals, and its packed-token count."""
 
-    def __init__(self) -> None:
+    def __init__(self, levels: tuple[int, ...]) -> None:
         self.exact: dict[str, torch.Tensor | None] = {"keys": None, "values": None}
+        self.residuals = {kind: {rank: ResidualList(rank) for rank in levels if rank > 0} for kind in KINDS}
         self.compressed_tokens = 0
 
     @property
@@ -38,16 +40,11 @@ class LayerWindow:
 
 
 class GroupStore:
-    """Packed blocks of one basis group for keys or values, plus the basis state they decode with."""
+    """Packed coefficients of one basis group for keys or values, plus the basis state they decode with."""
 
     def __init__(self) -> None:
         self.state: TensorMap | None = None
         self.coefficients = Segment()
-        self.residual_index = Segment()
-        self.residual = Segment()
-
-    def segments(self) -> tuple[Segment, ...]:
-        return (self.coefficients, self.residual_index, self.residual)
 
 
 class CompressionEngine:
@@ -69,16 +66,13 @@ class CompressionEngine:
         self.group_of = self._index_groups()
         where = f"pipeline '{pipeline.name}'"
         self.quantizer.check_width(self.basis.coefficient_width(shape), f"{where}, slot 'quantizer' (coefficients)")
-        levels = self.router.levels()
-        if len(levels) != 1:
-            raise ComponentError(
-                f"{where}: router '{pipeline.slots['router'].use}' assigns {len(levels)} rank levels {levels}; "
-                "this engine stores one residual rank per pipeline (a router with a single level, e.g. 'uniform')"
-            )
-        self.residual_rank = levels[0]
-        if self.residual_rank > 0:
-            self.residual_quantizer.check_width(self.residual_rank, f"{where}, slot 'residual_quantizer' (rank {self.residual_rank})")
-        self.windows = [LayerWindow() for _ in range(shape.num_layers)]
+        self.levels = tuple(self.router.levels())
+        for rank in self.levels:
+            if rank > shape.head_dim or rank < 0:
+                raise ModelError(f"{where}: router rank level {rank} is outside 0..head_dim ({shape.head_dim})")
+            if rank > 0:
+                self.residual_quantizer.check_width(rank, f"{where}, slot 'residual_quantizer' (rank level {rank})")
+        self.windows = [LayerWindow(self.levels) for _ in range(shape.num_layers)]
         self.stores = [{kind: GroupStore() for kind in KINDS} for _ in self.groups]
 
     def _index_groups(self) -> dict[int, tuple[int, int]]:
@@ -131,7 +125,7 @@ class CompressionEngine:
             return
         for kind in KINDS:
             block = torch.stack([self.windows[layer].exact[kind][..., :count, :] for layer in members])
-            self._encode(self.stores[group_index][kind], members, block)
+            self._encode(kind, group_index, block)
         for layer in members:
             window = self.windows[layer]
             for kind in KINDS:
@@ -139,28 +133,28 @@ class CompressionEngine:
                 window.exact[kind] = window.exact[kind][..., count:, :].clone()
             window.compressed_tokens += count
 
-    def _encode(self, store: GroupStore, members: tuple[int, ...], block: torch.Tensor) -> None:
-        """Encode ``block`` [G, B, H, n, D] into ``store``."""
+    def _encode(self, kind: str, group_index: int, block: torch.Tensor) -> None:
+        """Encode ``block`` [G, B, H, n, D] of group ``group_index`` into its store and residual lists."""
+        store = self.stores[group_index][kind]
         work = block.float()
         if store.state is None:
             store.state = self.basis.init_state(work)
         coefficients = self.basis.encode(store.state, work)
         packed = self.quantizer.quantize(coefficients)
         store.coefficients.append(packed)
-        if self.residual_rank == 0:
+        if not any(self.levels):
             return
         decoded = self.quantizer.dequantize(packed, torch.float32)
-        indices, residual_values = [], []
-        for member, layer in enumerate(members):
-            missing = work[member] - self.basis.decode(store.state, decoded, member)
+        for member, layer in enumerate(self.groups[group_index]):
             ranks = self.router.assign(layer, work[member])
-            if not bool((ranks == self.residual_rank).all()):
-                raise ComponentError(f"router '{self.pipeline.slots['router'].use}' assigned ranks outside its levels")
-            top = missing.abs().topk(self.residual_rank, dim=-1).indices
-            indices.append(top.to(torch.uint8))
-            residual_values.append(missing.gather(-1, top))
-        store.residual_index.append({"index": torch.stack(indices)})
-        store.residual.append(self.residual_quantizer.quantize(torch.stack(residual_values)))
+            stray = set(torch.unique(ranks).tolist()) - set(self.levels)
+            if stray:
+                raise ComponentError(
+                    f"router '{self.pipeline.slots['router'].use}' assigned rank(s) {sorted(stray)} outside its levels {self.levels}"
+                )
+            missing = work[member] - self.basis.decode(store.state, decoded, member)
+            window = self.windows[layer]
+            encode_residuals(missing, ranks, window.compressed_tokens, window.residuals[kind], self.residual_quantizer)
 
     # -------------------------------------------------------------------------- reconstruct
     def reconstruct(self, layer: int, kind: str, dtype: torch.dtype) -> torch.Tensor:
@@ -169,10 +163,8 @@ class CompressionEngine:
         store = self.stores[group_index][kind]
         coefficients = self.quantizer.dequantize(store.coefficients.fields, dtype)
         vectors = self.basis.decode(store.state or {}, coefficients, member)
-        if self.residual_rank > 0:
-            values = self.residual_quantizer.dequantize(store.residual.fields, dtype)[member]
-            index = store.residual_index.fields["index"][member].long()
-            vectors = vectors.clone().scatter_add_(-1, index, values)
+        if any(self.levels):
+            vectors = add_residuals(vectors, self.windows[layer].residuals[kind], self.residual_quantizer)
         return vectors
 
     # ------------------------------------------------------------------------------ queries
@@ -187,7 +179,7 @@ class CompressionEngine:
         return {
             "exact_window": tensor_bytes(exact),
             "coefficients": sum(store.coefficients.nbytes() for store in stores),
-            "residuals": sum(store.residual.nbytes() + store.residual_index.nbytes() for store in stores),
+            "residuals": sum(r.nbytes() for w in self.windows for lists in w.residuals.values() for r in lists.values()),
             "basis_state": tensor_bytes(t for store in stores for t in (store.state or {}).values()),
         }
 
@@ -199,19 +191,22 @@ class CompressionEngine:
         return -1 if tensor is None else tensor.shape[0]
 
     # ---------------------------------------------------------------------------- batch ops
-    def map_batch(self, fn) -> None:
-        """Apply ``fn`` (taking a tensor and its batch dim) to every stored tensor."""
+    def select_batch(self, index: torch.Tensor) -> None:
+        """Keep batch rows ``index`` [B'] (reordering and repeats allowed) of every stored tensor.
+
+        Basis state tensors are per sequence, with the batch on dim 0."""
         for window in self.windows:
             for kind in KINDS:
                 if window.exact[kind] is not None:
-                    window.exact[kind] = fn(window.exact[kind], 0)
+                    window.exact[kind] = window.exact[kind].index_select(0, index.to(window.exact[kind].device))
+                for residuals in window.residuals[kind].values():
+                    residuals.select_batch(index, self.shape.num_kv_heads)
         for group in self.stores:
             for store in group.values():
-                for segment in store.segments():
-                    segment.map(lambda tensor: fn(tensor, 1))
+                store.coefficients.map(lambda tensor: tensor.index_select(1, index.to(tensor.device)))
                 if store.state:
-                    store.state = {name: fn(tensor, 0) for name, tensor in store.state.items()}
+                    store.state = {name: t.index_select(0, index.to(t.device)) for name, t in store.state.items()}
 
     def reset(self) -> None:
-        self.windows = [LayerWindow() for _ in range(self.shape.num_layers)]
+        self.windows = [LayerWindow(self.levels) for _ in range(self.shape.num_layers)]
         self.stores = [{kind: GroupStore() for kind in KINDS} for _ in self.groups]

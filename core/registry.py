@@ -29,7 +29,7 @@ from .errors import ComponentError, RegistryError
 from .interfaces import SLOT_GROUPS, Component
 from .params import integer
 
-BUILTIN_REGISTRY = Path(__file__).with_name("registry.toml")
+BUILTIN_REGISTRY = Path(__file__).with_name("registry.toml").resolve()
 PIPELINE_KEYS = ("description", "extends")
 
 
