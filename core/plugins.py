@@ -178,21 +178,30 @@ class PluginHost:
         warnings.warn(f"kvweave plugin '{name}' (distribution {distribution}) was skipped: {error}", stacklevel=3)
 
     def collect(self) -> Catalog:
-        """Call every plugin's registration hooks and return what they registered."""
-        catalog = Catalog(plugins=sorted(self._info.values(), key=lambda p: p.name), failures=list(self.failures))
+        """Call every plugin's registration hooks and return what they registered.
+
+        A plugin whose hook raises is dropped whole: its components from earlier hooks are removed and
+        its later hooks are not called. A duplicate name or a non-component (:class:`PluginError`) is
+        an error of the installation and propagates."""
+        catalog = Catalog(failures=list(self.failures))
+        crashed: set[str] = set()
         for group, hook_name in HOOK_FOR_GROUP.items():
             for impl in getattr(self.manager.hook, hook_name).get_hookimpls():
                 plugin = self._info[impl.plugin_name]
+                if plugin.name in crashed:
+                    continue
                 try:
                     impl.function(registrar=Registrar(catalog, group, plugin))
                 except PluginError:
                     raise
                 except Exception as exc:  # a hook that crashes is that plugin's failure alone
+                    crashed.add(plugin.name)
                     catalog.failures.append(PluginFailure(plugin.name, plugin.distribution, f"{hook_name} raised {exc!r}"))
                     for table in catalog.components.values():
                         for name in [n for n, c in table.items() if c.plugin == plugin.name]:
                             del table[name]
-                    warnings.warn(f"kvweave plugin '{plugin.name}' ({plugin.distribution}) was skipped: {exc!r}")
+                    warnings.warn(f"kvweave plugin '{plugin.name}' ({plugin.distribution}) was skipped: {exc!r}", stacklevel=2)
+        catalog.plugins = sorted((p for p in self._info.values() if p.name not in crashed), key=lambda p: p.name)
         return catalog
 
 

@@ -126,3 +126,32 @@ def test_plugins_can_be_disabled_by_name(monkeypatch):
     assert "int8-block" not in catalog.components["quantizers"]
     assert "uniform" not in catalog.components["routers"]
     assert "int4-group" in catalog.components["quantizers"]
+
+
+def test_a_plugin_whose_hook_crashes_is_dropped_whole():
+    @attrs.frozen
+    class Passthrough(plugins.GROUP_INTERFACES["quantizers"]):
+        def quantize(self, x):
+            return {"values": x}
+
+        def dequantize(self, packed, dtype):
+            return packed["values"].to(dtype)
+
+        def bytes_per_vector(self, width, dtype):
+            return width * 4
+
+    class HalfBroken:
+        @hookimpl
+        def kvweave_register_bases(self, registrar):
+            raise RuntimeError("bases hook exploded")
+
+        @hookimpl
+        def kvweave_register_quantizers(self, registrar):
+            registrar.add("q-from-broken", Passthrough)
+
+    plugins.register_plugin(HalfBroken(), "half-broken")
+    with pytest.warns(UserWarning, match="half-broken"):
+        catalog = plugins.catalog()
+    assert "q-from-broken" not in catalog.components["quantizers"]
+    assert "half-broken" not in {p.name for p in catalog.plugins}
+    assert any(f.name == "half-broken" and "exploded" in f.error for f in catalog.failures)
