@@ -110,6 +110,8 @@ def cmd_generate(args: argparse.Namespace) -> int:
     from .models import load_model
     from .pipeline import build_cache
 
+    if args.max_new_tokens < 1:
+        raise KvweaveError(f"--max-new-tokens must be at least 1, got {args.max_new_tokens}")
     if args.prompt_file is not None:
         path = Path(args.prompt_file)
         if not path.is_file():
@@ -118,7 +120,10 @@ def cmd_generate(args: argparse.Namespace) -> int:
     else:
         prompt = args.prompt
     pipeline = load_registry(args.registry).resolve(args.pipeline)  # fail before loading any model
-    model, tokenizer = load_model(args.model, device=args.device)
+    import torch
+
+    dtype = None if args.dtype == "auto" else getattr(torch, args.dtype)
+    model, tokenizer = load_model(args.model, device=args.device, dtype=dtype)
     cache = build_cache(pipeline, model)
     if args.chat and getattr(tokenizer, "chat_template", None):
         text = tokenizer.apply_chat_template([{"role": "user", "content": prompt}], tokenize=False, add_generation_prompt=True)
@@ -127,8 +132,6 @@ def cmd_generate(args: argparse.Namespace) -> int:
     inputs = tokenizer(text, return_tensors="pt", add_special_tokens=not args.chat).to(model.device)
     options: dict[str, Any] = {"max_new_tokens": args.max_new_tokens, "pad_token_id": tokenizer.pad_token_id}
     if args.sample:
-        import torch
-
         torch.manual_seed(args.seed)
         options.update(do_sample=True, temperature=args.temperature, top_p=args.top_p)
     else:
@@ -183,6 +186,10 @@ def build_parser() -> argparse.ArgumentParser:
     prompt.add_argument("--prompt-file")
     p.add_argument("--max-new-tokens", type=int, default=64)
     p.add_argument("--device", default="cpu", help="cpu or cuda")
+    p.add_argument(
+        "--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
+        help="compute dtype; auto is float32 on cpu, bfloat16 on cuda (the exact window is stored in it)",
+    )
     p.add_argument("--registry")
     p.add_argument("--no-chat", dest="chat", action="store_false", help="do not wrap the prompt in the chat template")
     p.add_argument("--sample", action="store_true", help="sample instead of greedy decoding")
