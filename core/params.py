@@ -11,32 +11,26 @@ from typing import Any, Iterable
 import attrs
 
 
-def integer(min_value: int | None = None, max_value: int | None = None):
-    """An int (not a bool) within [min_value, max_value]."""
-
+def _bounded(kinds: tuple[type, ...], noun: str, min_value: float | None, max_value: float | None):
     def check(_instance: Any, attribute: attrs.Attribute, value: Any) -> None:
-        if isinstance(value, bool) or not isinstance(value, int):
-            raise TypeError(f"'{attribute.name}' must be an integer, got {value!r} ({type(value).__name__})")
+        if isinstance(value, bool) or not isinstance(value, kinds):
+            raise TypeError(f"'{attribute.name}' must be {noun}, got {value!r} ({type(value).__name__})")
         if min_value is not None and value < min_value:
             raise ValueError(f"'{attribute.name}' must be >= {min_value}, got {value}")
         if max_value is not None and value > max_value:
             raise ValueError(f"'{attribute.name}' must be <= {max_value}, got {value}")
 
     return check
+
+
+def integer(min_value: int | None = None, max_value: int | None = None):
+    """An int (not a bool) within [min_value, max_value]."""
+    return _bounded((int,), "an integer", min_value, max_value)
 
 
 def number(min_value: float | None = None, max_value: float | None = None):
     """A float or int (not a bool) within [min_value, max_value]."""
-
-    def check(_instance: Any, attribute: attrs.Attribute, value: Any) -> None:
-        if isinstance(value, bool) or not isinstance(value, (int, float)):
-            raise TypeError(f"'{attribute.name}' must be a number, got {value!r} ({type(value).__name__})")
-        if min_value is not None and value < min_value:
-            raise ValueError(f"'{attribute.name}' must be >= {min_value}, got {value}")
-        if max_value is not None and value > max_value:
-            raise ValueError(f"'{attribute.name}' must be <= {max_value}, got {value}")
-
-    return check
+    return _bounded((int, float), "a number", min_value, max_value)
 
 
 def choice(options: Iterable[str]):
