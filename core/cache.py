@@ -20,6 +20,7 @@ from transformers.cache_utils import Cache, CacheLayerMixin
 from .engine import CompressionEngine
 from .errors import CacheStateError, ModelError
 from .interfaces import ModelShape
+from .observation import bind_model, set_active
 from .registry import ResolvedPipeline
 
 SUPPORTED_LAYER_TYPES = ("full_attention", "sliding_attention")
@@ -69,6 +70,7 @@ class KVWeaveLayer(CacheLayerMixin):
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs) -> tuple[torch.Tensor, torch.Tensor]:
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
+        set_active(self.engine)
         return self.engine.update(self.layer_idx, key_states, value_states)
 
     def get_seq_length(self) -> int:
@@ -99,6 +101,11 @@ class KVWeaveCache(Cache):
         self.pipeline = pipeline
         self.engine = CompressionEngine(pipeline, self.shape)
         super().__init__(layers=[KVWeaveLayer(self.engine, i) for i in range(self.shape.num_layers)])
+
+    def bind(self, model: Any, tokenizer: Any = None) -> KVWeaveCache:
+        """Let the cache observe ``model`` where its router or probe needs queries or token ids."""
+        bind_model(model, self.engine, tokenizer)
+        return self
 
     def __repr__(self) -> str:
         return f"KVWeaveCache(pipeline={self.pipeline.name!r}, tokens={self.get_seq_length()}, bytes={self.memory_bytes()})"

@@ -2,22 +2,29 @@
 
 Per layer, new tokens enter an exact window (model dtype). Once every layer of a basis group holds
 ``recent_window + block_tokens`` exact tokens, the oldest whole blocks leave the window: the basis
-encodes them to coefficients ``[S, B, H, n, r]``, the quantizer packs those, and, where the router
-gives a token a residual rank ``rho > 0``, the ``rho`` largest channels of what the packed coefficients
-miss are kept as channel indices (uint8) plus values packed by the residual quantizer. The exact
-copies are then dropped, so the memory is really freed.
+encodes them to coefficients ``[S, B, H, n, r]``, the quantizer packs those, the router gives every
+token a residual rank, and a token at rank ``rho > 0`` keeps the ``rho`` largest channels of what the
+packed coefficients miss (:mod:`kvweave.core.residuals`). The exact copies are then dropped, so the
+memory is really freed.
 
 ``update`` returns the K/V the model attends over: the stored blocks reconstructed, then the exact
 window (the reference path). Tokens are compressed after the forward pass that added them, so a
 prompt attends to itself exactly during prefill and compressed afterwards.
+
+Budget: when the router has a ``target_reduction``, each group's K (and V) storage is held to its share
+of ``16-bit bytes / target_reduction`` for the tokens cached so far, counting its coefficients, basis
+state, residuals and its layers' exact windows; the residuals of a block get what is left, and the probe
+moves budget between groups (shares stay 1 on average). See docs/depthweave.md.
 """
 
 from __future__ import annotations
 
 import torch
 
+from .budget import BudgetPlan
 from .errors import CacheStateError, ComponentError, ModelError
-from .interfaces import AttentionKernel, BasisBuilder, ModelShape, Probe, Quantizer, Router
+from .interfaces import AttentionKernel, BasisBuilder, ModelShape, Probe, Quantizer, RouteBlock, Router
+from .observation import Observer
 from .registry import ResolvedPipeline
 from .residuals import ResidualList, add_residuals, encode_residuals
 from .storage import Segment, TensorMap, tensor_bytes
@@ -45,6 +52,10 @@ class GroupStore:
     def __init__(self) -> None:
         self.state: TensorMap | None = None
         self.coefficients = Segment()
+        self.flushes = 0
+        self.share = 1.0
+        self.probe_state: dict[str, float] = {}
+        self.probe_error: torch.Tensor | None = None
 
 
 class CompressionEngine:
@@ -72,6 +83,11 @@ class CompressionEngine:
                 raise ModelError(f"{where}: router rank level {rank} is outside 0..head_dim ({shape.head_dim})")
             if rank > 0:
                 self.residual_quantizer.check_width(rank, f"{where}, slot 'residual_quantizer' (rank level {rank})")
+        self.budget = BudgetPlan.for_engine(self)  # raises BudgetError when the target cannot be met
+        self.observer = Observer(
+            shape, pipeline.settings.observe_queries if (self.router.needs_attention or self.probe.needs_queries) else 0
+        )
+        self.boundary_ids: torch.Tensor | None = None
         self.windows = [LayerWindow(self.levels) for _ in range(shape.num_layers)]
         self.stores = [{kind: GroupStore() for kind in KINDS} for _ in self.groups]
 
@@ -100,6 +116,8 @@ class CompressionEngine:
                 f"layer {layer} sent keys shaped {tuple(keys.shape)}; the cache was built for "
                 f"{self.shape.num_kv_heads} KV heads of dim {self.shape.head_dim}"
             )
+        if layer == 0:
+            self.observer.start_forward(keys.shape[-2])
         window = self.windows[layer]
         for kind, new in zip(KINDS, (keys, values)):
             old = window.exact[kind]
@@ -107,6 +125,7 @@ class CompressionEngine:
         full = tuple(self._full(layer, kind) for kind in KINDS)
         group_index, member = self.group_of[layer]
         if self.settings.compress and member == len(self.groups[group_index]) - 1:
+            self.observer.require(self.pipeline.name)
             self._flush(group_index)
         return full  # type: ignore[return-value]
 
@@ -132,29 +151,89 @@ class CompressionEngine:
                 # clone: a slice would keep the whole old window's storage alive
                 window.exact[kind] = window.exact[kind][..., count:, :].clone()
             window.compressed_tokens += count
+        self.observer.forget_boundaries(min(w.compressed_tokens for w in self.windows))
 
     def _encode(self, kind: str, group_index: int, block: torch.Tensor) -> None:
         """Encode ``block`` [G, B, H, n, D] of group ``group_index`` into its store and residual lists."""
         store = self.stores[group_index][kind]
+        members = self.groups[group_index]
         work = block.float()
         if store.state is None:
             store.state = self.basis.init_state(work)
-        coefficients = self.basis.encode(store.state, work)
-        packed = self.quantizer.quantize(coefficients)
+        first = store.coefficients.tokens
+        packed = self.quantizer.quantize(self.basis.encode(store.state, work).to(block.dtype))
         store.coefficients.append(packed)
-        if not any(self.levels):
+        store.flushes += 1
+        if not any(self.levels) and not self.probe.wants(store.flushes):
             return
         decoded = self.quantizer.dequantize(packed, torch.float32)
-        for member, layer in enumerate(self.groups[group_index]):
-            ranks = self.router.assign(layer, work[member])
+        approx = torch.stack([self.basis.decode(store.state, decoded, m, start=first) for m in range(len(members))])
+        entries: list[dict[int, TensorMap]] = [{} for _ in members]
+        if any(self.levels):
+            ranks = self.router.assign(self._route_block(kind, group_index, work))
             stray = set(torch.unique(ranks).tolist()) - set(self.levels)
-            if stray:
+            if stray or ranks.shape != work.shape[:-1]:
                 raise ComponentError(
-                    f"router '{self.pipeline.slots['router'].use}' assigned rank(s) {sorted(stray)} outside its levels {self.levels}"
+                    f"router '{self.pipeline.slots['router'].use}' returned ranks {sorted(stray)} / shape "
+                    f"{tuple(ranks.shape)}; expected values in {self.levels} shaped {tuple(work.shape[:-1])}"
                 )
-            missing = work[member] - self.basis.decode(store.state, decoded, member)
-            window = self.windows[layer]
-            encode_residuals(missing, ranks, window.compressed_tokens, window.residuals[kind], self.residual_quantizer)
+            for member, layer in enumerate(members):
+                missing = (work[member] - approx[member]).to(block.dtype)
+                entries[member] = encode_residuals(missing, ranks[member], self.residual_quantizer)
+                approx[member] = add_residuals(approx[member], entries[member], self.residual_quantizer, self.router.gates(layer, kind))
+                for rank, fields in entries[member].items():
+                    fields["token"] = fields["token"] + self.windows[layer].compressed_tokens
+                    self.windows[layer].residuals[kind][rank].append(fields)
+        if self.probe.wants(store.flushes):
+            self._probe(kind, group_index, block, approx)
+
+    def _route_block(self, kind: str, group_index: int, work: torch.Tensor) -> RouteBlock:
+        members = self.groups[group_index]
+        store = self.stores[group_index][kind]
+        mass = spike = None
+        if self.router.needs_attention:
+            stats = [self.observer.attention_stats(layer, self._full(layer, "keys"), work.shape[-2], self.windows[layer].compressed_tokens) for layer in members]
+            mass = torch.stack([s[0] for s in stats])
+            spike = torch.stack([s[1] for s in stats])
+        first = self.windows[members[0]].compressed_tokens
+        return RouteBlock(
+            layers=tuple(members),
+            kind=kind,
+            vectors=work,
+            level_bytes=self.budget.level_bytes,
+            budget_bytes=self.budget.residual_budget(self, group_index, kind, work.shape[-2]),
+            attention_mass=mass,
+            attention_spike=spike,
+            boundary=self.observer.boundaries(first, work.shape[-2]),
+            probe_error=store.probe_error,
+        )
+
+    def _probe(self, kind: str, group_index: int, block: torch.Tensor, approx: torch.Tensor) -> None:
+        """Eq. (3) on the block just encoded, for the observed queries; moves budget between groups."""
+        store = self.stores[group_index][kind]
+        errors = []
+        for member, layer in enumerate(self.groups[group_index]):
+            queries = self.observer.queries(layer)
+            exact_k = self.windows[layer].exact["keys"]
+            exact_v = self.windows[layer].exact["values"]
+            n = block.shape[-2]
+            dtype = torch.float32
+            if kind == "keys":
+                keys, approx_keys = block[member], approx[member]
+                values = approx_values = exact_v[..., :n, :].to(dtype)
+            else:
+                values, approx_values = block[member], approx[member]
+                keys = approx_keys = exact_k[..., :n, :].to(dtype)
+            errors.append(
+                self.probe.measure(queries.to(dtype), keys, values, approx_keys, approx_values,
+                                   exact_k[..., n:, :].to(dtype), exact_v[..., n:, :].to(dtype))
+            )
+        store.probe_error = torch.stack(errors)
+        store.share = self.probe.adjust(store.share, store.probe_error, store.probe_state)
+        shares = [s[kind].share for s in self.stores]
+        mean = sum(shares) / len(shares)
+        for s in self.stores:  # keep the average share at 1 so the total budget holds
+            s[kind].share = s[kind].share / mean
 
     # -------------------------------------------------------------------------- reconstruct
     def reconstruct(self, layer: int, kind: str, dtype: torch.dtype) -> torch.Tensor:
@@ -164,7 +243,8 @@ class CompressionEngine:
         coefficients = self.quantizer.dequantize(store.coefficients.fields, dtype)
         vectors = self.basis.decode(store.state or {}, coefficients, member)
         if any(self.levels):
-            vectors = add_residuals(vectors, self.windows[layer].residuals[kind], self.residual_quantizer)
+            lists = {rank: r.fields for rank, r in self.windows[layer].residuals[kind].items()}
+            vectors = add_residuals(vectors, lists, self.residual_quantizer, self.router.gates(layer, kind))
         return vectors
 
     # ------------------------------------------------------------------------------ queries
@@ -173,7 +253,8 @@ class CompressionEngine:
         return window.compressed_tokens + window.exact_tokens
 
     def memory_breakdown(self) -> dict[str, int]:
-        """Stored bytes by part: exact window, coefficients, residuals (indices included), basis state."""
+        """Stored bytes by part: exact window, coefficients, residuals (positions and indices included),
+        basis state, and the observation state of the router and probe (recent queries, token flags)."""
         exact = [t for w in self.windows for t in w.exact.values() if t is not None]
         stores = [store for group in self.stores for store in group.values()]
         return {
@@ -181,6 +262,7 @@ class CompressionEngine:
             "coefficients": sum(store.coefficients.nbytes() for store in stores),
             "residuals": sum(r.nbytes() for w in self.windows for lists in w.residuals.values() for r in lists.values()),
             "basis_state": tensor_bytes(t for store in stores for t in (store.state or {}).values()),
+            "observation": self.observer.nbytes(),
         }
 
     def memory_bytes(self) -> int:
@@ -192,9 +274,7 @@ class CompressionEngine:
 
     # ---------------------------------------------------------------------------- batch ops
     def select_batch(self, index: torch.Tensor) -> None:
-        """Keep batch rows ``index`` [B'] (reordering and repeats allowed) of every stored tensor.
-
-        Basis state tensors are per sequence, with the batch on dim 0."""
+        """Keep batch rows ``index`` [B'] (reordering and repeats allowed) of every stored tensor."""
         for window in self.windows:
             for kind in KINDS:
                 if window.exact[kind] is not None:
@@ -206,7 +286,9 @@ class CompressionEngine:
                 store.coefficients.map(lambda tensor: tensor.index_select(1, index.to(tensor.device)))
                 if store.state:
                     store.state = {name: t.index_select(0, index.to(t.device)) for name, t in store.state.items()}
+        self.observer.select_batch(index)
 
     def reset(self) -> None:
         self.windows = [LayerWindow(self.levels) for _ in range(self.shape.num_layers)]
         self.stores = [{kind: GroupStore() for kind in KINDS} for _ in self.groups]
+        self.observer.reset()

@@ -78,7 +78,7 @@ class BasisBuilder(Component):
 
     Layers of one group (``layer_groups``) are encoded together once every one of them has the block;
     ``state`` is the builder's stored tensors for one group and one of K/V (e.g. the shared bases),
-    counted in the cache's bytes.
+    counted in the cache's bytes, each with the batch on dim 0.
     """
 
     group: ClassVar[str] = "bases"
@@ -97,34 +97,98 @@ class BasisBuilder(Component):
 
     @abstractmethod
     def encode(self, state: dict[str, torch.Tensor], x: torch.Tensor) -> torch.Tensor:
-        """``x`` [G, B, H, n, D] -> coefficients [S, B, H, n, r] (S = G, or 1 when shared by the group)."""
+        """``x`` [G, B, H, n, D] -> coefficients [S, B, H, n, r] (S = G, or 1 when shared by the group).
+
+        May update ``state`` in place (e.g. a new basis version); tokens encoded before must still
+        decode as they did."""
+
+    def coefficient_rows(self, group_size: int) -> int:
+        """``S``: coefficient vectors stored per token for a group of ``group_size`` layers."""
+        return group_size
 
     @abstractmethod
-    def decode(self, state: dict[str, torch.Tensor], coefficients: torch.Tensor, member: int) -> torch.Tensor:
-        """coefficients [S, B, H, n, r] -> the ``member``-th layer's vectors [B, H, n, D]."""
+    def decode(
+        self, state: dict[str, torch.Tensor], coefficients: torch.Tensor, member: int, start: int = 0
+    ) -> torch.Tensor:
+        """coefficients [S, B, H, T, r] of the group's packed tokens ``start .. start + T`` (in encoding
+        order) -> the ``member``-th layer's vectors [B, H, T, D], in the coefficients' dtype."""
+
+
+@attrs.frozen
+class RouteBlock:
+    """What a router sees of one block of one basis group, for keys or for values.
+
+    ``vectors`` [G, B, H, n, D] float32; ``attention_mass`` and ``attention_spike`` [G, B, H, n] (the
+    summed and the largest attention probability the observed recent queries give each token, over the
+    query heads of each KV head), present when the router sets ``needs_attention``; ``boundary`` [B, n]
+    (1.0 where the token is a delimiter or an instruction boundary), present when the cache knows the
+    token ids; ``probe_error`` [G, H], the last attention-output error the probe measured (zeros before
+    the first probe); ``level_bytes`` the stored bytes of one residual entry at each rank level > 0;
+    ``budget_bytes`` the bytes this block's residuals may take (None: no budget).
+    """
+
+    layers: tuple[int, ...]
+    kind: str
+    vectors: torch.Tensor
+    level_bytes: dict[int, float]
+    budget_bytes: float | None = None
+    attention_mass: torch.Tensor | None = None
+    attention_spike: torch.Tensor | None = None
+    boundary: torch.Tensor | None = None
+    probe_error: torch.Tensor | None = None
 
 
 class Router(Component):
     """Chooses the residual rank of every compressed token."""
 
     group: ClassVar[str] = "routers"
+    #: whether ``assign`` needs the attention statistics of recent queries (the cache then observes them)
+    needs_attention: ClassVar[bool] = False
+    #: whether ``assign`` uses delimiter flags (the cache then needs the tokenizer and the token ids)
+    needs_boundaries: ClassVar[bool] = False
 
     @abstractmethod
     def levels(self) -> tuple[int, ...]:
         """The residual ranks this router assigns, ascending (0 = no residual)."""
 
     @abstractmethod
-    def assign(self, layer: int, x: torch.Tensor) -> torch.Tensor:
-        """Ranks for a block ``x`` [B, H, n, D] of ``layer``: a long tensor [B, H, n] of values in ``levels()``."""
+    def assign(self, block: RouteBlock) -> torch.Tensor:
+        """Ranks for ``block``: a long tensor [G, B, H, n] of values in ``levels()``."""
+
+    def target_reduction(self) -> float | None:
+        """The reduction against a 16-bit cache the stored bytes must reach, or None for no budget."""
+        return None
+
+    def gates(self, layer: int, kind: str) -> torch.Tensor | None:
+        """Residual gates in [0, 1] for ``layer`` and ``kind`` ("keys"/"values"), [H], or None (all 1)."""
+        return None
 
 
 class Probe(Component):
-    """Watches the attention output online and reports it to the router. ``none`` does nothing."""
+    """Watches the attention output online and steers the residual budget between basis groups."""
 
     group: ClassVar[str] = "probes"
+    #: whether the probe needs the recent queries (the cache then observes them)
+    needs_queries: ClassVar[bool] = False
 
-    def observe(self, layer: int, step: int, queries: torch.Tensor | None) -> None:
-        """Called once per decode step and layer; may record statistics."""
+    def wants(self, flush_index: int) -> bool:
+        """Whether to measure at this flush of a group (the n-th time the group encodes a block)."""
+        return False
+
+    def measure(
+        self, queries: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, approx_keys: torch.Tensor,
+        approx_values: torch.Tensor, context_keys: torch.Tensor, context_values: torch.Tensor,
+    ) -> torch.Tensor:
+        """Eq. (3) relative attention-output error per head, [H].
+
+        ``queries`` [B, Hq, q, D] observed recent queries; ``keys``/``values`` [B, H, n, D] the exact block,
+        ``approx_*`` the same block as stored; ``context_*`` [B, H, m, D] the other keys/values attended
+        to (identical in both)."""
+        raise NotImplementedError
+
+    def adjust(self, share: float, errors: torch.Tensor, state: dict[str, float]) -> float:
+        """A group's new budget share (1.0 = fair) from its latest errors [G, H]; ``state`` persists."""
+        return share
 
 
 class AttentionKernel(Component):

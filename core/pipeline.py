@@ -10,14 +10,22 @@ from .registry import Registry, ResolvedPipeline, load_pipeline
 
 
 def build_cache(
-    pipeline: str | ResolvedPipeline, model: Any, registry: str | Path | Registry | None = None
+    pipeline: str | ResolvedPipeline,
+    model: Any,
+    registry: str | Path | Registry | None = None,
+    tokenizer: Any = None,
 ) -> KVWeaveCache:
-    """A fresh :class:`KVWeaveCache` for ``model`` (a transformers model or its config).
+    """A fresh :class:`KVWeaveCache` for ``model`` (a transformers model, or only its config).
 
     ``pipeline`` is a resolved pipeline or a name looked up in the built-in registry (plus ``registry``,
-    a user's file). Build one cache per ``generate`` call.
+    a user's file). Given a model, the cache is bound to it: a pipeline whose router or probe observes
+    recent queries switches the model's attention to ``kvweave-observe`` (sdpa that also reports its
+    queries), and a router using delimiter flags needs ``tokenizer``. Build one cache per ``generate`` call.
     """
     if isinstance(pipeline, str):
         pipeline = load_pipeline(pipeline, registry)
     config = getattr(model, "config", model)
-    return KVWeaveCache(pipeline, config)
+    cache = KVWeaveCache(pipeline, config)
+    if config is not model:
+        cache.bind(model, tokenizer)
+    return cache

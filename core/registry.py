@@ -46,6 +46,10 @@ class StorageSettings:
     compress: bool = attrs.field(
         default=True, metadata={"doc": "false keeps every token exact (the 'full' pipeline)"}
     )
+    observe_queries: int = attrs.field(
+        default=16, validator=integer(1, 4096),
+        metadata={"doc": "recent queries per layer kept for attention features and probes (when used)"},
+    )
 
     @compress.validator
     def _boolean(self, attribute: attrs.Attribute, value: Any) -> None:

@@ -54,40 +54,47 @@ class ResidualList:
         self.fields = {name: torch.cat([part[name] for part in parts], dim=0) for name in self.fields}
 
 
-def encode_residuals(
-    missing: torch.Tensor, ranks: torch.Tensor, first_token: int, lists: dict[int, ResidualList], quantizer: Quantizer
-) -> None:
-    """Append the residuals of one block: ``missing`` [B, H, n, D] (x minus its reconstruction),
-    ``ranks`` [B, H, n] (a level per token), ``first_token`` the block's first packed-token index."""
+def encode_residuals(missing: torch.Tensor, ranks: torch.Tensor, quantizer: Quantizer) -> dict[int, TensorMap]:
+    """The residual entries of one block, by rank level: ``missing`` [B, H, n, D] (x minus its
+    reconstruction), ``ranks`` [B, H, n]. Token indices are relative to the block."""
     batch, heads, tokens, dim = missing.shape
     flat_missing = missing.reshape(-1, dim)
     flat_ranks = ranks.reshape(-1)
-    for rank, residuals in lists.items():
-        chosen = (flat_ranks == rank).nonzero().squeeze(1)
-        if chosen.numel() == 0:
+    entries: dict[int, TensorMap] = {}
+    for rank in torch.unique(flat_ranks).tolist():
+        if rank == 0:
             continue
+        chosen = (flat_ranks == rank).nonzero().squeeze(1)
         picked = flat_missing.index_select(0, chosen)
         top = picked.abs().topk(rank, dim=-1).indices
-        token = chosen % tokens + first_token
-        row = chosen // tokens
-        fields = {"row": row.to(torch.int32), "token": token.to(torch.int32), "index": top.to(torch.uint8)}
+        fields = {"row": (chosen // tokens).to(torch.int32), "token": (chosen % tokens).to(torch.int32), "index": top.to(torch.uint8)}
         fields.update({f"q_{name}": t for name, t in quantizer.quantize(picked.gather(-1, top)).items()})
-        residuals.append(fields)
+        entries[rank] = fields
+    return entries
 
 
-def add_residuals(vectors: torch.Tensor, lists: dict[int, ResidualList], quantizer: Quantizer) -> torch.Tensor:
-    """``vectors`` [B, H, T, D] plus every stored residual (a new tensor)."""
+def add_residuals(
+    vectors: torch.Tensor, lists: dict[int, TensorMap], quantizer: Quantizer, gates: torch.Tensor | None = None
+) -> torch.Tensor:
+    """``vectors`` [B, H, T, D] plus the residual entries ``lists`` (rank -> fields), each value scaled by
+    its head's gate (``gates`` [H] in [0, 1]; None = 1). Returns a new tensor."""
     batch, heads, tokens, dim = vectors.shape
     out = vectors.clone()
     flat = out.view(-1, dim)
-    for residuals in lists.values():
-        if residuals.entries == 0:
+    for fields in lists.values():
+        if not fields or fields["row"].numel() == 0:
             continue
-        fields = residuals.fields
         packed = {name[2:]: tensor for name, tensor in fields.items() if name.startswith("q_")}
         values = quantizer.dequantize(packed, vectors.dtype)
-        delta = torch.zeros(residuals.entries, dim, dtype=vectors.dtype, device=vectors.device)
+        if gates is not None:
+            values = values * gates.to(vectors.dtype)[(fields["row"] % heads).long()].unsqueeze(-1)
+        delta = torch.zeros(values.shape[0], dim, dtype=vectors.dtype, device=vectors.device)
         delta.scatter_(1, fields["index"].long(), values)
         position = fields["row"].long() * tokens + fields["token"].long()
         flat.index_add_(0, position, delta)
     return out
+
+
+def entry_bytes(rank: int, quantizer: Quantizer) -> float:
+    """Stored bytes of one residual entry at ``rank``: row and token (int32), indices, packed values."""
+    return 4 + 4 + rank + quantizer.bytes_per_vector(rank, torch.float32)

@@ -19,8 +19,8 @@ class ConstantRouter(Router):
     def levels(self):
         return (self.rank,)
 
-    def assign(self, layer, x):
-        return torch.full(x.shape[:-1], self.rank)
+    def assign(self, block):
+        return torch.full(block.vectors.shape[:-1], self.rank)
 
 
 class ExtraRouterPlugin:
@@ -74,7 +74,7 @@ def test_registering_something_that_is_not_a_component_is_refused():
         def levels(self):
             return (0,)
 
-        def assign(self, layer, x):
+        def assign(self, block):
             return None
 
     class Bad:

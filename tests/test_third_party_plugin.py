@@ -113,7 +113,10 @@ ROUTING_SNIPPET = textwrap.dedent("""
     # The router alone, on a block whose norms are known: token t of every row has norm t + 1.
     block = torch.arange(1, 21, dtype=torch.float32).view(1, 1, 20, 1) * torch.ones(2, 3, 20, 4) / 2
     order = torch.randperm(20)
-    ranks = pipeline.component("router").assign(0, block[:, :, order])[:, :, order.argsort()]  # back in norm order
+    from kvweave.core.interfaces import RouteBlock
+
+    route = RouteBlock(layers=(0,), kind="keys", vectors=block[:, :, order].unsqueeze(0), level_bytes={})
+    ranks = pipeline.component("router").assign(route)[0][:, :, order.argsort()]  # back in norm order
     print(json.dumps({
         "breakdown": cache.memory_breakdown(),
         "levels": list(cache.engine.levels),

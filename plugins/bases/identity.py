@@ -23,7 +23,9 @@ class IdentityBasis(BasisBuilder):
     def encode(self, state: dict[str, torch.Tensor], x: torch.Tensor) -> torch.Tensor:
         return x
 
-    def decode(self, state: dict[str, torch.Tensor], coefficients: torch.Tensor, member: int) -> torch.Tensor:
+    def decode(
+        self, state: dict[str, torch.Tensor], coefficients: torch.Tensor, member: int, start: int = 0
+    ) -> torch.Tensor:
         return coefficients[member]
 
 

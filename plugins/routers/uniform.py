@@ -6,8 +6,8 @@ import attrs
 import torch
 
 from kvweave.core import hookimpl
-from kvweave.core.interfaces import ModelShape, Router
 from kvweave.core.errors import ModelError
+from kvweave.core.interfaces import ModelShape, RouteBlock, Router
 from kvweave.core.params import integer
 
 
@@ -24,8 +24,8 @@ class UniformRouter(Router):
     def levels(self) -> tuple[int, ...]:
         return (self.rank,)
 
-    def assign(self, layer: int, x: torch.Tensor) -> torch.Tensor:
-        return torch.full(x.shape[:-1], self.rank, dtype=torch.long, device=x.device)
+    def assign(self, block: RouteBlock) -> torch.Tensor:
+        return torch.full(block.vectors.shape[:-1], self.rank, dtype=torch.long, device=block.vectors.device)
 
 
 @hookimpl

@@ -1,6 +1,6 @@
 """``norm-tiers``: residual ranks by key/value norm, in three tiers per block, batch row and head.
 
-For a block ``x`` [B, H, n, D], each token's L2 norm over ``D`` is ranked within its (b, h) row:
+For a block ``x`` [G, B, H, n, D], each token's L2 norm over ``D`` is ranked within its (layer, b, h) row:
 the ``round(high_fraction * n)`` largest get ``high_rank`` residual channels, the next
 ``round((high_fraction + low_fraction) * n) - round(high_fraction * n)`` get ``low_rank``, the rest 0.
 """
@@ -14,7 +14,7 @@ import torch
 
 from kvweave.core import hookimpl
 from kvweave.core.errors import ModelError
-from kvweave.core.interfaces import ModelShape, Router
+from kvweave.core.interfaces import ModelShape, RouteBlock, Router
 from kvweave.core.params import integer, number
 
 
@@ -53,8 +53,9 @@ class NormTiersRouter(Router):
     def levels(self) -> tuple[int, ...]:
         return tuple(sorted({0, self.low_rank, self.high_rank}))
 
-    def assign(self, layer: int, x: torch.Tensor) -> torch.Tensor:
-        """``x`` [B, H, n, D] -> ranks, a long tensor [B, H, n] of values in ``levels()``."""
+    def assign(self, block: RouteBlock) -> torch.Tensor:
+        """``block.vectors`` [G, B, H, n, D] -> ranks, a long tensor [G, B, H, n] of values in ``levels()``."""
+        x = block.vectors
         tokens = x.shape[-2]
         n_high = _count(self.high_fraction, tokens)
         n_tiered = _count(self.high_fraction + self.low_fraction, tokens)

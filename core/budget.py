@@ -1,0 +1,71 @@
+"""Byte budgets: what a router's ``target_reduction`` allows each block's residuals.
+
+The target is against a 16-bit cache of the same tokens: ``2 * D`` bytes per key or value vector. Each
+basis group holds its K storage (and its V storage) to its share of that, counting its packed
+coefficients, basis state, residual entries and its layers' exact windows; a block's residuals get what
+is left after its coefficients. A target that the coefficients alone exceed is refused when the cache
+is built, with the largest reduction the components can reach.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import attrs
+import torch
+
+from .errors import BudgetError
+from .residuals import entry_bytes
+from .storage import tensor_bytes
+
+if TYPE_CHECKING:
+    from .engine import CompressionEngine
+
+
+@attrs.frozen
+class BudgetPlan:
+    """The target (None: no budget) and the bytes of one residual entry at each rank level."""
+
+    target: float | None
+    level_bytes: dict[int, float]
+
+    @classmethod
+    def for_engine(cls, engine: CompressionEngine) -> BudgetPlan:
+        levels = {rank: entry_bytes(rank, engine.residual_quantizer) for rank in engine.levels if rank > 0}
+        target = engine.router.target_reduction()
+        if target is None:
+            return cls(None, levels)
+        shape = engine.shape
+        width = engine.basis.coefficient_width(shape)
+        per_vector = engine.quantizer.bytes_per_vector(width, torch.bfloat16)
+        floor = max(per_vector * engine.basis.coefficient_rows(len(g)) / len(g) for g in engine.groups)
+        allowed = 2 * shape.head_dim / target
+        if floor >= allowed:
+            slots = engine.pipeline.slots
+            raise BudgetError(
+                f"pipeline '{engine.pipeline.name}': a {target:g}x reduction leaves {allowed:.2f} bytes per key or value "
+                f"vector (head_dim {shape.head_dim}), but the coefficients alone take {floor:.2f} (basis "
+                f"'{slots['basis'].use}' width {width}, quantizer '{slots['quantizer'].use}'), before any residual, "
+                f"window or basis state; these components reach at most {2 * shape.head_dim / floor:.1f}x. Lower "
+                "target_reduction in the router slot, or the basis rank"
+            )
+        return cls(float(target), levels)
+
+    def residual_budget(self, engine: CompressionEngine, group_index: int, kind: str, block_tokens: int) -> float | None:
+        """Bytes the residuals of the block now being encoded may take (its coefficients already stored)."""
+        if self.target is None:
+            return None
+        shape = engine.shape
+        members = engine.groups[group_index]
+        store = engine.stores[group_index][kind]
+        first = engine.windows[members[0]]
+        batch = first.exact[kind].shape[0]
+        tokens = first.compressed_tokens + first.exact_tokens
+        target_bytes = batch * tokens * len(members) * shape.num_kv_heads * shape.head_dim * 2 / self.target * store.share
+        held = store.coefficients.nbytes() + tensor_bytes((store.state or {}).values())
+        for layer in members:
+            window = engine.windows[layer]
+            held += sum(r.nbytes() for r in window.residuals[kind].values())
+            exact = window.exact[kind]
+            held += (exact.shape[-2] - block_tokens) * exact[..., :1, :].numel() * exact.element_size()
+        return max(0.0, target_bytes - held)
