@@ -68,4 +68,7 @@ class BudgetPlan:
             held += sum(r.nbytes() for r in window.residuals[kind].values())
             exact = window.exact[kind]
             held += (exact.shape[-2] - block_tokens) * exact[..., :1, :].numel() * exact.element_size()
+            queries = engine.observer.queries(layer)
+            if queries is not None:  # recent queries, split between keys and values
+                held += queries.numel() * queries.element_size() / 2
         return max(0.0, target_bytes - held)

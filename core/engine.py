@@ -24,7 +24,7 @@ import torch
 from .budget import BudgetPlan
 from .errors import CacheStateError, ComponentError, ModelError
 from .interfaces import AttentionKernel, BasisBuilder, ModelShape, Probe, Quantizer, RouteBlock, Router
-from .observation import Observer
+from .observation import ATTENTION_NAME, Observer
 from .registry import ResolvedPipeline
 from .residuals import ResidualList, add_residuals, encode_residuals
 from .storage import Segment, TensorMap, tensor_bytes
@@ -90,6 +90,7 @@ class CompressionEngine:
         self.boundary_ids: torch.Tensor | None = None
         self.windows = [LayerWindow(self.levels) for _ in range(shape.num_layers)]
         self.stores = [{kind: GroupStore() for kind in KINDS} for _ in self.groups]
+        self.pending: set[int] = set()
 
     def _index_groups(self) -> dict[int, tuple[int, int]]:
         group_of: dict[int, tuple[int, int]] = {}
@@ -118,6 +119,12 @@ class CompressionEngine:
             )
         if layer == 0:
             self.observer.start_forward(keys.shape[-2])
+        if self.pending and self.group_of[layer][0] in self.pending:
+            raise CacheStateError(
+                f"pipeline '{self.pipeline.name}' needs the model's recent queries, but the model's attention did "
+                f"not report them; build the cache with build_cache(pipeline, model) so the model uses "
+                f"'{ATTENTION_NAME}' attention"
+            )
         window = self.windows[layer]
         for kind, new in zip(KINDS, (keys, values)):
             old = window.exact[kind]
@@ -125,9 +132,18 @@ class CompressionEngine:
         full = tuple(self._full(layer, kind) for kind in KINDS)
         group_index, member = self.group_of[layer]
         if self.settings.compress and member == len(self.groups[group_index]) - 1:
-            self.observer.require(self.pipeline.name)
-            self._flush(group_index)
+            if self.observer.active:
+                self.pending.add(group_index)  # flushed by after_attention, once the queries are observed
+            else:
+                self._flush(group_index)
         return full  # type: ignore[return-value]
+
+    def after_attention(self, layer: int) -> None:
+        """Called by the observing attention after ``layer``'s attention: flush its group if it waits."""
+        group_index, member = self.group_of[layer]
+        if group_index in self.pending and member == len(self.groups[group_index]) - 1:
+            self.pending.discard(group_index)
+            self._flush(group_index)
 
     def _full(self, layer: int, kind: str) -> torch.Tensor:
         exact = self.windows[layer].exact[kind]
@@ -170,7 +186,8 @@ class CompressionEngine:
         approx = torch.stack([self.basis.decode(store.state, decoded, m, start=first) for m in range(len(members))])
         entries: list[dict[int, TensorMap]] = [{} for _ in members]
         if any(self.levels):
-            ranks = self.router.assign(self._route_block(kind, group_index, work))
+            miss = (work - approx).norm(dim=-1) / work.norm(dim=-1).clamp_min(1e-9)
+            ranks = self.router.assign(self._route_block(kind, group_index, work, miss))
             stray = set(torch.unique(ranks).tolist()) - set(self.levels)
             if stray or ranks.shape != work.shape[:-1]:
                 raise ComponentError(
@@ -187,7 +204,7 @@ class CompressionEngine:
         if self.probe.wants(store.flushes):
             self._probe(kind, group_index, block, approx)
 
-    def _route_block(self, kind: str, group_index: int, work: torch.Tensor) -> RouteBlock:
+    def _route_block(self, kind: str, group_index: int, work: torch.Tensor, miss: torch.Tensor) -> RouteBlock:
         members = self.groups[group_index]
         store = self.stores[group_index][kind]
         mass = spike = None
@@ -206,6 +223,7 @@ class CompressionEngine:
             attention_spike=spike,
             boundary=self.observer.boundaries(first, work.shape[-2]),
             probe_error=store.probe_error,
+            miss=miss,
         )
 
     def _probe(self, kind: str, group_index: int, block: torch.Tensor, approx: torch.Tensor) -> None:
@@ -226,7 +244,7 @@ class CompressionEngine:
                 keys = approx_keys = exact_k[..., :n, :].to(dtype)
             errors.append(
                 self.probe.measure(queries.to(dtype), keys, values, approx_keys, approx_values,
-                                   exact_k[..., n:, :].to(dtype), exact_v[..., n:, :].to(dtype))
+                                   exact_k[..., n:, :].to(dtype), exact_v[..., n:, :].to(dtype), self.observer.scaling)
             )
         store.probe_error = torch.stack(errors)
         store.share = self.probe.adjust(store.share, store.probe_error, store.probe_state)
@@ -291,4 +309,5 @@ class CompressionEngine:
     def reset(self) -> None:
         self.windows = [LayerWindow(self.levels) for _ in range(self.shape.num_layers)]
         self.stores = [{kind: GroupStore() for kind in KINDS} for _ in self.groups]
+        self.pending = set()
         self.observer.reset()

@@ -124,7 +124,8 @@ class RouteBlock:
     (1.0 where the token is a delimiter or an instruction boundary), present when the cache knows the
     token ids; ``probe_error`` [G, H], the last attention-output error the probe measured (zeros before
     the first probe); ``level_bytes`` the stored bytes of one residual entry at each rank level > 0;
-    ``budget_bytes`` the bytes this block's residuals may take (None: no budget).
+    ``budget_bytes`` the bytes this block's residuals may take (None: no budget); ``miss`` [G, B, H, n],
+    the relative error ``||x - x_hat|| / ||x||`` of each vector after its packed coefficients.
     """
 
     layers: tuple[int, ...]
@@ -136,6 +137,7 @@ class RouteBlock:
     attention_spike: torch.Tensor | None = None
     boundary: torch.Tensor | None = None
     probe_error: torch.Tensor | None = None
+    miss: torch.Tensor | None = None
 
 
 class Router(Component):
@@ -178,12 +180,14 @@ class Probe(Component):
     def measure(
         self, queries: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, approx_keys: torch.Tensor,
         approx_values: torch.Tensor, context_keys: torch.Tensor, context_values: torch.Tensor,
+        scale: float | None = None,
     ) -> torch.Tensor:
         """Eq. (3) relative attention-output error per head, [H].
 
         ``queries`` [B, Hq, q, D] observed recent queries; ``keys``/``values`` [B, H, n, D] the exact block,
         ``approx_*`` the same block as stored; ``context_*`` [B, H, m, D] the other keys/values attended
-        to (identical in both)."""
+        to (identical in both), the last of them being the queries' own positions; ``scale`` the softmax
+        scale (None: D ** -0.5)."""
         raise NotImplementedError
 
     def adjust(self, share: float, errors: torch.Tensor, state: dict[str, float]) -> float:

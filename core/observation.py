@@ -33,9 +33,12 @@ def _observing_attention(module, query, key, value, attention_mask, **kwargs):
 
     ref = getattr(_active, "engine", None)
     engine = ref() if ref is not None else None
-    if engine is not None and engine.observer.active:
-        engine.observer.record(module.layer_idx, query, kwargs.get("scaling") or getattr(module, "scaling", None))
-    return ALL_ATTENTION_FUNCTIONS["sdpa"](module, query, key, value, attention_mask, **kwargs)
+    if engine is None or not engine.observer.active:
+        return ALL_ATTENTION_FUNCTIONS["sdpa"](module, query, key, value, attention_mask, **kwargs)
+    engine.observer.record(module.layer_idx, query, kwargs.get("scaling") or getattr(module, "scaling", None))
+    output = ALL_ATTENTION_FUNCTIONS["sdpa"](module, query, key, value, attention_mask, **kwargs)
+    engine.after_attention(module.layer_idx)
+    return output
 
 
 def _register_attention() -> None:
@@ -133,15 +136,9 @@ class Observer:
         """Keep the last ``keep`` queries [B, Hq, q, D] of ``layer``."""
         old = self._queries[layer]
         recent = query[..., -self.keep :, :].detach()
-        self._queries[layer] = recent if old is None else torch.cat((old, recent), dim=-2)[..., -self.keep :, :].clone()
+        joined = recent if old is None else torch.cat((old, recent), dim=-2)[..., -self.keep :, :]
+        self._queries[layer] = joined.contiguous().clone()  # never a view of the whole query tensor
         self.scaling = scaling
-
-    def require(self, pipeline: str) -> None:
-        if self.active and any(q is None for q in self._queries):
-            raise CacheStateError(
-                f"pipeline '{pipeline}' needs the model's recent queries, but the model's attention did not report "
-                f"them; build the cache with build_cache(pipeline, model) so the model uses '{ATTENTION_NAME}'"
-            )
 
     def queries(self, layer: int) -> torch.Tensor:
         return self._queries[layer]  # type: ignore[return-value]
@@ -153,7 +150,7 @@ class Observer:
         queries = self._queries[layer].float()
         batch, q_heads, observed, dim = queries.shape
         heads = keys.shape[1]
-        grouped = queries.view(batch, heads, q_heads // heads * observed, dim)
+        grouped = queries.reshape(batch, heads, q_heads // heads * observed, dim)
         scale = self.scaling or dim**-0.5
         logits = grouped @ keys.float().transpose(-1, -2) * scale  # [B, H, (Hq/H) * o, T]
         total = keys.shape[-2]

@@ -65,7 +65,7 @@ def describe_fields(cls: type) -> list[dict[str, Any]]:
         type_name = field.type if isinstance(field.type, str) else getattr(field.type, "__name__", str(field.type))
         rows.append(
             {
-                "name": field.name,
+                "name": field.alias,
                 "type": type_name,
                 "default": default,
                 "required": field.default is attrs.NOTHING,

@@ -248,7 +248,7 @@ def reset() -> None:
 
 def build_component(info: ComponentInfo, params: dict[str, Any], where: str) -> Component:
     """Instantiate ``info.factory`` with ``params``; unknown or invalid parameters name ``where``."""
-    accepted = {field.name: field for field in attrs.fields(info.factory) if field.init}
+    accepted = {field.alias: field for field in attrs.fields(info.factory) if field.init}
     unknown = sorted(set(params) - set(accepted))
     if unknown:
         listing = ", ".join(

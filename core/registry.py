@@ -101,7 +101,7 @@ class ResolvedPipeline:
 
 def _effective_params(cfg: SlotConfig) -> dict[str, Any]:
     """Every parameter of the slot's component, defaults included."""
-    return {field.name: getattr(cfg.component, field.name) for field in attrs.fields(type(cfg.component)) if field.init}
+    return {field.alias: getattr(cfg.component, field.name) for field in attrs.fields(type(cfg.component)) if field.init}
 
 
 @attrs.define
