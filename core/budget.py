@@ -38,7 +38,8 @@ class BudgetPlan:
         shape = engine.shape
         width = engine.basis.coefficient_width(shape)
         per_vector = engine.quantizer.bytes_per_vector(width, torch.bfloat16)
-        floor = max(per_vector * engine.basis.coefficient_rows(len(g)) / len(g) for g in engine.groups)
+        # coefficient bytes per key or value vector, averaged over the layers
+        floor = sum(per_vector * engine.basis.coefficient_rows(len(g)) for g in engine.groups) / shape.num_layers
         allowed = 2 * shape.head_dim / target
         if floor >= allowed:
             slots = engine.pipeline.slots

@@ -124,7 +124,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
     dtype = None if args.dtype == "auto" else getattr(torch, args.dtype)
     model, tokenizer = load_model(args.model, device=args.device, dtype=dtype)
-    cache = build_cache(pipeline, model)
+    cache = build_cache(pipeline, model, tokenizer=tokenizer)
     if args.chat and getattr(tokenizer, "chat_template", None):
         text = tokenizer.apply_chat_template([{"role": "user", "content": prompt}], tokenize=False, add_generation_prompt=True)
     else:

@@ -31,7 +31,7 @@ import torch
 from kvweave.core import hookimpl
 from kvweave.core.errors import ModelError
 from kvweave.core.interfaces import ModelShape, RouteBlock, Router
-from kvweave.core.params import int_tuple, number
+from kvweave.core.params import choice, int_tuple, number
 
 FEATURES = ("mass", "spike", "boundary", "probe", "miss")
 DEFAULT_WEIGHTS = (1.5, 2.0, 1.5, 4.0, 3.0)
@@ -76,6 +76,10 @@ class SigmoidMultilevelRouter(Router):
     use_gates: bool = attrs.field(default=True, metadata={"doc": "apply the trained residual gates"})
     use_attention: bool = attrs.field(default=True, metadata={"doc": "use the attention mass and spike features"})
     use_boundaries: bool = attrs.field(default=True, metadata={"doc": "use the delimiter feature (needs the tokenizer)"})
+    scoring: str = attrs.field(
+        default="learned", validator=choice(("learned", "random")),
+        metadata={"doc": "'random': scores ignore the token (the budget-matched 'w/o router' ablation)"},
+    )
     _trained: dict[str, Any] | None = attrs.field(init=False, default=None, repr=False, eq=False)
 
     def __attrs_post_init__(self) -> None:
@@ -89,11 +93,11 @@ class SigmoidMultilevelRouter(Router):
 
     @property
     def needs_attention(self) -> bool:  # type: ignore[override]
-        return self.use_attention
+        return self.use_attention and self.scoring == "learned"
 
     @property
     def needs_boundaries(self) -> bool:  # type: ignore[override]
-        return self.use_boundaries
+        return self.use_boundaries and self.scoring == "learned"
 
     def check_model(self, shape: ModelShape) -> None:
         if self.levels_[-1] > shape.head_dim:
@@ -132,6 +136,9 @@ class SigmoidMultilevelRouter(Router):
         return torch.stack((mass, spike, boundary, probe, miss), dim=-1)
 
     def scores(self, block: RouteBlock) -> torch.Tensor:
+        if self.scoring == "random":  # same budget, ranks not conditioned on the token
+            generator = torch.Generator().manual_seed(block.layers[0] * 7919 + block.vectors.shape[-2])
+            return torch.rand(block.vectors.shape[:-1], generator=generator).to(block.vectors.device)
         u = torch.tensor(self._trained["u"] if self._trained else DEFAULT_WEIGHTS, device=block.vectors.device)
         bias = self._trained["bias"] if self._trained else DEFAULT_BIAS
         return torch.sigmoid(self.features(block) @ u + bias)

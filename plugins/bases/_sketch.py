@@ -1,0 +1,89 @@
+"""Helpers shared by the cross-layer basis builders (``sketch-ema``, ``layer-share``).
+
+- :func:`consecutive_windows` partitions layers ``0..L-1`` into windows ``[0..w-1], [w..2w-1], ...``
+  (the last one may be shorter).
+- :func:`randomized_top_right` is a batched randomized range finder (Halko, Martinsson & Tropp, 2011):
+  for rows ``Y`` [..., m, C] it returns the top-``r`` right singular vectors ``P`` [..., r, C] (orthonormal
+  rows) and singular values ``sigma`` [..., r]. When ``Y`` has fewer than ``r`` independent directions
+  (e.g. a block of fewer than ``r`` rows), ``P`` is completed with random orthonormal rows whose
+  singular value is 0, so ``P`` always has exactly ``r`` orthonormal rows.
+- :func:`ema_subspace` merges an old basis with a new one: the top-``r`` right singular vectors of
+  ``[sqrt(ema) diag(sigma_old) P_old ; sqrt(1 - ema) diag(sigma_new) P_new]``, i.e. of the
+  exponential moving average of the two rank-``r`` second-moment matrices ``P^T diag(sigma^2) P``.
+
+All computation is float32 on the input's device. The Gaussian test matrices come from a CPU
+``torch.Generator`` seeded by the caller and are shared by every leading (batch, head) index, so each
+batch row's result depends only on that row's data.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def consecutive_windows(num_layers: int, window: int) -> list[tuple[int, ...]]:
+    """``[(0..w-1), (w..2w-1), ...]`` covering ``0..num_layers-1``; the last window may be shorter."""
+    return [tuple(range(start, min(start + window, num_layers))) for start in range(0, num_layers, window)]
+
+
+def _gaussian(shape: tuple[int, ...], seed: int, device: torch.device) -> torch.Tensor:
+    generator = torch.Generator(device="cpu").manual_seed(seed)
+    return torch.randn(shape, generator=generator, dtype=torch.float32).to(device)
+
+
+def _orthonormal_rows(rows: torch.Tensor) -> torch.Tensor:
+    """Orthonormalize the rows of ``rows`` [..., k, C] (k <= C)."""
+    q, _ = torch.linalg.qr(rows.transpose(-1, -2))
+    return q.transpose(-1, -2)
+
+
+def _complete(p: torch.Tensor, sigma: torch.Tensor, rank: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Append ``rank - k`` random orthonormal rows (singular value 0) orthogonal to ``p`` [..., k, C]."""
+    have, channels = p.shape[-2], p.shape[-1]
+    if have >= rank:
+        return p[..., :rank, :], sigma[..., :rank]
+    extra = _gaussian((rank - have, channels), seed + 7919, p.device).expand(*p.shape[:-2], rank - have, channels)
+    for _ in range(2):  # project out twice for numerical orthogonality
+        extra = extra - (extra @ p.transpose(-1, -2)) @ p
+    extra = _orthonormal_rows(extra)
+    zeros = sigma.new_zeros(*sigma.shape[:-1], rank - have)
+    return torch.cat((p, extra), dim=-2), torch.cat((sigma, zeros), dim=-1)
+
+
+def randomized_top_right(
+    rows: torch.Tensor, rank: int, oversample: int, power_iterations: int, seed: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Top-``rank`` right singular vectors of ``rows`` [..., m, C]: (P [..., rank, C], sigma [..., rank]).
+
+    Requires ``rank <= C``. Sketch width ``k = min(rank + oversample, C)``; ``power_iterations`` rounds
+    of ``Q <- orth(Y orth(Y^T Q))``; then an SVD of the small ``Q^T Y`` [..., k, C].
+    """
+    y = rows.float()
+    channels = y.shape[-1]
+    if rank > channels:
+        raise ValueError(f"rank {rank} exceeds the channel width {channels}")
+    k = min(rank + oversample, channels)
+    omega = _gaussian((channels, k), seed, y.device)
+    q, _ = torch.linalg.qr(y @ omega)  # [..., m, min(m, k)]
+    for _ in range(power_iterations):
+        w, _ = torch.linalg.qr(y.transpose(-1, -2) @ q)  # [..., C, k']
+        q, _ = torch.linalg.qr(y @ w)
+    small = q.transpose(-1, -2) @ y  # [..., k', C]
+    _, sigma, vh = torch.linalg.svd(small, full_matrices=False)
+    return _complete(vh, sigma, rank, seed)
+
+
+def ema_subspace(
+    p_old: torch.Tensor, sigma_old: torch.Tensor, p_new: torch.Tensor, sigma_new: torch.Tensor, ema: float, seed: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Top-r right singular vectors of the EMA stack (see module docstring); shapes as the inputs."""
+    rank = p_old.shape[-2]
+    stacked = torch.cat(
+        (
+            (ema**0.5) * sigma_old.float().unsqueeze(-1) * p_old.float(),
+            ((1.0 - ema) ** 0.5) * sigma_new.float().unsqueeze(-1) * p_new.float(),
+        ),
+        dim=-2,
+    )
+    _, sigma, vh = torch.linalg.svd(stacked, full_matrices=False)
+    return _complete(vh, sigma, rank, seed)
