@@ -54,6 +54,7 @@ class GroupStore:
         self.coefficients = Segment()
         self.flushes = 0
         self.share = 1.0
+        self.next_share: float | None = None
         self.probe_state: dict[str, float] = {}
         self.probe_error: torch.Tensor | None = None
 
@@ -168,6 +169,8 @@ class CompressionEngine:
                 window.exact[kind] = window.exact[kind][..., count:, :].clone()
             window.compressed_tokens += count
         self.observer.forget_boundaries(min(w.compressed_tokens for w in self.windows))
+        if group_index == len(self.groups) - 1:
+            self._apply_probe_shares()
 
     def _encode(self, kind: str, group_index: int, block: torch.Tensor) -> None:
         """Encode ``block`` [G, B, H, n, D] of group ``group_index`` into its store and residual lists."""
@@ -247,11 +250,21 @@ class CompressionEngine:
                                    exact_k[..., n:, :].to(dtype), exact_v[..., n:, :].to(dtype), self.observer.scaling)
             )
         store.probe_error = torch.stack(errors)
-        store.share = self.probe.adjust(store.share, store.probe_error, store.probe_state)
-        shares = [s[kind].share for s in self.stores]
-        mean = sum(shares) / len(shares)
-        for s in self.stores:  # keep the average share at 1 so the total budget holds
-            s[kind].share = s[kind].share / mean
+        store.next_share = self.probe.adjust(store.share, store.probe_error, store.probe_state)
+
+    def _apply_probe_shares(self) -> None:
+        """After every group has encoded its blocks of this forward: the probes' new budget shares take
+        effect together, renormalized to average 1 so the total budget holds."""
+        for kind in KINDS:
+            stores = [group[kind] for group in self.stores]
+            if not any(s.next_share is not None for s in stores):
+                continue
+            for s in stores:
+                if s.next_share is not None:
+                    s.share, s.next_share = s.next_share, None
+            mean = sum(s.share for s in stores) / len(stores)
+            for s in stores:
+                s.share /= mean
 
     # -------------------------------------------------------------------------- reconstruct
     def reconstruct(self, layer: int, kind: str, dtype: torch.dtype) -> torch.Tensor:

@@ -34,6 +34,7 @@ import pytest
 import torch
 
 from kvweave.core.cache import KVWeaveCache
+from kvweave.core.pipeline import build_cache
 from kvweave.core.generation import cache_kwargs
 from kvweave.core.registry import load_registry
 
@@ -80,6 +81,18 @@ def model() -> Any:
     return built
 
 
+class ToyTokenizer:
+    """Just what a delimiter-aware router asks of a tokenizer: every tenth id is a full stop."""
+
+    all_special_ids = [0]
+
+    def __len__(self) -> int:
+        return VOCAB
+
+    def decode(self, ids: list[int]) -> str:
+        return "." if ids[0] % 10 == 0 else "a"
+
+
 @pytest.fixture(scope="module")
 def prompt() -> torch.Tensor:
     generator = torch.Generator().manual_seed(0)
@@ -111,7 +124,7 @@ def test_prefill_and_compress(benchmark: Any, model: Any, prompt: torch.Tensor, 
     caches: list[KVWeaveCache] = []
 
     def setup() -> tuple[tuple[KVWeaveCache], dict[str, Any]]:
-        cache = KVWeaveCache(resolved, model.config)
+        cache = build_cache(resolved, model, tokenizer=ToyTokenizer())
         caches.append(cache)
         return (cache,), {}
 
@@ -133,7 +146,7 @@ def test_prefill_and_compress(benchmark: Any, model: Any, prompt: torch.Tensor, 
 
 @pytest.mark.parametrize("pipeline", PIPELINES, ids=PIPELINES)
 def test_decode_step(benchmark: Any, model: Any, prompt: torch.Tensor, pipeline: str) -> None:
-    cache = KVWeaveCache(REGISTRY.resolve(pipeline), model.config)
+    cache = build_cache(REGISTRY.resolve(pipeline), model, tokenizer=ToyTokenizer())
     with torch.inference_mode():
         logits = _forward(model, prompt, cache)
     _check_prefilled(pipeline, cache)

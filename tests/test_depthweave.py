@@ -1,0 +1,213 @@
+"""DepthWeave-KV's components in the engine: budgeted multi-level routing, probes, gates, budgets that
+cannot be met, and the cache's bookkeeping with a real basis."""
+
+from __future__ import annotations
+
+import textwrap
+
+import pytest
+import torch
+
+from kvweave.core import build_cache, cache_kwargs
+from kvweave.core.cache import KVWeaveCache
+from kvweave.core.errors import BudgetError, CacheStateError, RegistryError
+from kvweave.core.interfaces import RouteBlock
+from kvweave.core.registry import load_pipeline
+from kvweave.plugins.probes.attention_output import AttentionOutputProbe
+from kvweave.plugins.routers.sigmoid_multilevel import SigmoidMultilevelRouter
+
+from conftest import tiny_llama
+
+
+class ToyTokenizer:
+    """Every tenth id is a full stop; enough for the delimiter feature."""
+
+    all_special_ids = [0]
+
+    def __len__(self) -> int:
+        return 128
+
+    def decode(self, ids):
+        return "." if ids[0] % 10 == 0 else "a"
+
+
+LEVEL_BYTES = {2: 11.0, 4: 15.0, 8: 24.0}
+
+
+def _block(budget=None, boundary=None, seed=0):
+    torch.manual_seed(seed)
+    vectors = torch.randn(2, 1, 2, 40, 16)
+    return RouteBlock(
+        layers=(0, 1), kind="keys", vectors=vectors, level_bytes=LEVEL_BYTES, budget_bytes=budget,
+        attention_mass=torch.rand(2, 1, 2, 40), attention_spike=torch.rand(2, 1, 2, 40),
+        boundary=boundary, probe_error=torch.zeros(2, 2), miss=torch.rand(2, 1, 2, 40),
+    )
+
+
+def _bytes(ranks):
+    return sum(LEVEL_BYTES[r] * int((ranks == r).sum()) for r in LEVEL_BYTES)
+
+
+@pytest.mark.parametrize("budget", [0.0, 100.0, 600.0, 1500.0])
+def test_the_router_keeps_each_block_within_its_byte_budget(budget):
+    ranks = SigmoidMultilevelRouter().assign(_block(budget))
+    assert ranks.shape == (2, 1, 2, 40)
+    assert _bytes(ranks) <= budget
+    assert set(ranks.unique().tolist()) <= {0, 2, 4, 8}
+
+
+def test_a_larger_budget_promotes_more_and_higher_scores_get_higher_levels():
+    router = SigmoidMultilevelRouter()
+    block = _block(400.0)
+    small, large = router.assign(block), router.assign(_block(1200.0))
+    assert _bytes(large) > _bytes(small) and _bytes(large) <= 1200.0
+    scores = router.scores(block).flatten()
+    ranks = small.flatten()
+    order = scores.argsort()
+    assert torch.all(ranks[order][1:] >= ranks[order][:-1])  # monotone in the score
+
+
+def test_delimiters_raise_the_score():
+    router = SigmoidMultilevelRouter()
+    boundary = torch.zeros(1, 40)
+    boundary[0, ::5] = 1
+    with_flags = router.scores(_block(boundary=boundary))
+    without = router.scores(_block(boundary=torch.zeros(1, 40)))
+    assert torch.all(with_flags[..., ::5] > without[..., ::5])
+    assert torch.equal(with_flags[..., 1::5], without[..., 1::5])
+
+
+def test_random_scoring_ignores_the_token_but_spends_the_same_budget():
+    router = SigmoidMultilevelRouter(scoring="random")
+    a = router.assign(_block(900.0, seed=0))
+    b = router.assign(_block(900.0, seed=1))  # other vectors and features, same shape and layers
+    assert torch.equal(a, b)
+    assert 0 < _bytes(a) <= 900.0
+    assert not router.needs_attention and not router.needs_boundaries
+
+
+def test_router_parameters_are_validated():
+    for bad in ({"levels": [2, 4]}, {"levels": [0, 4, 2]}, {"target_reduction": 0.5}, {"scoring": "psychic"}, {"weights": "/no/file.json"}):
+        with pytest.raises((TypeError, ValueError)):
+            SigmoidMultilevelRouter(**bad)
+
+
+def test_the_probe_measures_eq3_and_moves_the_share():
+    probe = AttentionOutputProbe(tolerance=0.05, patience=2, step=0.5)
+    torch.manual_seed(0)
+    q, k, v = torch.randn(1, 4, 3, 8), torch.randn(1, 2, 10, 8), torch.randn(1, 2, 10, 8)
+    ctx_k, ctx_v = torch.randn(1, 2, 5, 8), torch.randn(1, 2, 5, 8)
+    assert torch.allclose(probe.measure(q, k, v, k, v, ctx_k, ctx_v), torch.zeros(2), atol=1e-6)
+    noisy = probe.measure(q, k, v, k + 0.5 * torch.randn_like(k), v, ctx_k, ctx_v)
+    assert noisy.shape == (2,) and bool((noisy > 0.01).all())
+    state: dict = {}
+    assert probe.adjust(1.0, torch.tensor([[0.2]]), state) == 1.5  # above tolerance: more budget
+    share = probe.adjust(1.5, torch.tensor([[0.01]]), state)
+    assert share == 1.5  # one calm probe is not enough
+    assert probe.adjust(share, torch.tensor([[0.01]]), state) == 1.0  # after `patience` calm probes
+
+
+REGISTRY = textwrap.dedent("""
+    [pipelines.dw-tiny]
+    extends = "depthweave-kv"
+    recent_window = 32
+    [pipelines.dw-tiny.basis]
+    window = 2
+    rank = 16
+    update_every = 2
+    [pipelines.dw-tiny.quantizer]
+    block = 16
+
+    [pipelines.dw-impossible]
+    extends = "depthweave-kv"
+    [pipelines.dw-impossible.router]
+    target_reduction = 100.0
+""")
+
+
+@pytest.fixture
+def registry_file(tmp_path):
+    path = tmp_path / "dw.toml"
+    path.write_text(REGISTRY)
+    return path
+
+
+def _run(model, cache, tokens=2000, decode=70):
+    torch.manual_seed(1)
+    ids = torch.randint(1, 128, (2, tokens))
+    with torch.inference_mode():
+        model(input_ids=ids, use_cache=True, **cache_kwargs(model, cache))
+        token = ids[:, -1:]
+        for _ in range(decode):
+            token = model(input_ids=token, use_cache=True, **cache_kwargs(model, cache)).logits[:, -1:].argmax(-1)
+    return cache
+
+
+def test_depthweave_meets_its_budget_counting_every_tensor(registry_file):
+    model = tiny_llama(torch.bfloat16, layers=4, hidden=256)
+    pipeline = load_pipeline("dw-tiny", registry_file)
+    cache = _run(model, build_cache(pipeline, model, tokenizer=ToyTokenizer()))
+    parts = cache.memory_breakdown()
+    assert all(parts[p] > 0 for p in ("exact_window", "coefficients", "residuals", "basis_state", "observation"))
+    ratio = cache.compression_ratio()
+    assert 8.5 * 0.9 <= ratio <= 8.5 * 1.25, (ratio, parts)
+    assert model.config._attn_implementation == "kvweave-observe"
+    # compression went on during decoding: versions were added and every layer compressed the same tokens
+    assert cache.engine.stores[0]["keys"].state["bases"].shape[2] > 1
+    assert len({w.compressed_tokens for w in cache.engine.windows}) == 1
+
+
+def test_reconstruction_of_depthweave_is_closer_with_residuals(registry_file):
+    model = tiny_llama(torch.bfloat16, layers=4, hidden=256)
+    base = load_pipeline("dw-tiny", registry_file)
+    errors = {}
+    for name, pipeline in (("routed", base), ("bases-only", None)):
+        if pipeline is None:
+            registry_file.write_text(REGISTRY + '\n[pipelines.dw-bases]\nextends = "dw-tiny"\n[pipelines.dw-bases.router]\nuse = "uniform"\nrank = 0\n')
+            pipeline = load_pipeline("dw-bases", registry_file)
+        cache = _run(model, build_cache(pipeline, model, tokenizer=ToyTokenizer()), decode=0)
+        reference = tiny_llama(torch.bfloat16, layers=4, hidden=256)
+        from transformers import DynamicCache
+
+        exact = DynamicCache(config=reference.config)
+        torch.manual_seed(1)
+        ids = torch.randint(1, 128, (2, 2000))
+        with torch.inference_mode():
+            reference(input_ids=ids, use_cache=True, **cache_kwargs(reference, exact))
+        packed = cache.engine.windows[0].compressed_tokens
+        squared = total = 0.0
+        for layer in range(4):
+            for kind in ("keys", "values"):
+                restored = cache.engine.reconstruct(layer, kind, torch.float32)
+                truth = getattr(exact.layers[layer], kind)[..., :packed, :].float()
+                squared += float((restored - truth).norm() ** 2)
+                total += float(truth.norm() ** 2)
+        errors[name] = (squared / total) ** 0.5
+    assert errors["routed"] < errors["bases-only"]
+
+
+def test_an_impossible_budget_is_refused_when_the_cache_is_built(registry_file):
+    model = tiny_llama(torch.bfloat16, layers=4, hidden=256)
+    with pytest.raises(BudgetError, match=r"dw-impossible.*100x.*at most [0-9.]+x"):
+        build_cache(load_pipeline("dw-impossible", registry_file), model, tokenizer=ToyTokenizer())
+
+
+def test_delimiter_features_need_a_tokenizer():
+    with pytest.raises(CacheStateError, match="tokenizer"):
+        build_cache("depthweave-kv", tiny_llama(torch.bfloat16, layers=4, hidden=256))
+
+
+def test_a_cache_not_bound_to_its_model_refuses_to_go_on_silently():
+    model = tiny_llama(torch.bfloat16, layers=4, hidden=256)
+    cache = KVWeaveCache(load_pipeline("depthweave-kv-no-router"), model.config)  # needs queries for its probe
+    with pytest.raises(CacheStateError, match="did not report"):
+        _run(model, cache, tokens=300, decode=2)
+
+
+def test_every_ablation_is_one_swap_from_depthweave():
+    base = load_pipeline("depthweave-kv").to_dict()["slots"]
+    for name in ("no-cross-depth", "no-router", "no-probe", "no-gates", "bases-only", "layer-share", "reference-kernel"):
+        pipeline = load_pipeline(f"depthweave-kv-{name}")
+        assert pipeline.chain == (f"depthweave-kv-{name}", "depthweave-kv", "full")
+        changed = {slot for slot, cfg in pipeline.to_dict()["slots"].items() if cfg != base[slot]}
+        assert len(changed) <= 2, (name, changed)  # one component (plus its quantizer where widths change)
