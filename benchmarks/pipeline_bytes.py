@@ -36,12 +36,12 @@ def main() -> None:
     print(header)
     print("-" * len(header))
     for name in registry.names():
-        cache = build_cache(registry.resolve(name), model)
+        cache = build_cache(registry.resolve(name), model, tokenizer=tokenizer)
         with torch.inference_mode():
             model(**inputs, use_cache=True, **cache_kwargs(model, cache))
         parts = cache.memory_breakdown()
         packed = cache.engine.windows[0].compressed_tokens
-        packed_bytes = parts["coefficients"] + parts["residuals"] + parts["basis_state"]
+        packed_bytes = parts["coefficients"] + parts["residuals"] + parts["basis_state"]  # observation apart
         packed_ratio = packed * cache.shape.kv_bytes_per_token_16bit / packed_bytes if packed_bytes else float("nan")
         print(
             f"{name:<16}{cache.get_seq_length():>7}{packed:>7}{parts['exact_window']:>12,}{parts['coefficients']:>12,}"
