@@ -198,6 +198,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", action="store_true")
     p.set_defaults(func=cmd_generate)
+
+    from .training import add_train_command
+
+    add_train_command(sub)
     return parser
 
 

@@ -92,6 +92,7 @@ class CompressionEngine:
         self.windows = [LayerWindow(self.levels) for _ in range(shape.num_layers)]
         self.stores = [{kind: GroupStore() for kind in KINDS} for _ in self.groups]
         self.pending: set[int] = set()
+        self.returned_keys: dict[int, torch.Tensor] = {}
 
     def _index_groups(self) -> dict[int, tuple[int, int]]:
         group_of: dict[int, tuple[int, int]] = {}
@@ -131,6 +132,8 @@ class CompressionEngine:
             old = window.exact[kind]
             window.exact[kind] = new if old is None else torch.cat((old, new), dim=-2)
         full = tuple(self._full(layer, kind) for kind in KINDS)
+        if self.observer.active:
+            self.returned_keys[layer] = full[0]  # lets the attention call tell it belongs to this cache
         group_index, member = self.group_of[layer]
         if self.settings.compress and member == len(self.groups[group_index]) - 1:
             if self.observer.active:
@@ -139,8 +142,13 @@ class CompressionEngine:
                 self._flush(group_index)
         return full  # type: ignore[return-value]
 
+    def owns(self, layer: int, keys: torch.Tensor) -> bool:
+        """Whether ``keys`` are what this cache's ``update`` just returned for ``layer``."""
+        return self.returned_keys.get(layer) is keys
+
     def after_attention(self, layer: int) -> None:
         """Called by the observing attention after ``layer``'s attention: flush its group if it waits."""
+        self.returned_keys.pop(layer, None)
         group_index, member = self.group_of[layer]
         if group_index in self.pending and member == len(self.groups[group_index]) - 1:
             self.pending.discard(group_index)
@@ -323,4 +331,5 @@ class CompressionEngine:
         self.windows = [LayerWindow(self.levels) for _ in range(self.shape.num_layers)]
         self.stores = [{kind: GroupStore() for kind in KINDS} for _ in self.groups]
         self.pending = set()
+        self.returned_keys = {}
         self.observer.reset()

@@ -33,7 +33,8 @@ def _observing_attention(module, query, key, value, attention_mask, **kwargs):
 
     ref = getattr(_active, "engine", None)
     engine = ref() if ref is not None else None
-    if engine is None or not engine.observer.active:
+    if engine is None or not engine.observer.active or not engine.owns(module.layer_idx, key):
+        # another cache (or none) serves this forward: plain sdpa, nothing recorded
         return ALL_ATTENTION_FUNCTIONS["sdpa"](module, query, key, value, attention_mask, **kwargs)
     engine.observer.record(module.layer_idx, query, kwargs.get("scaling") or getattr(module, "scaling", None))
     output = ALL_ATTENTION_FUNCTIONS["sdpa"](module, query, key, value, attention_mask, **kwargs)
@@ -82,19 +83,19 @@ def bind_model(model: Any, engine: Any, tokenizer: Any = None) -> None:
         observer.boundary_ids = boundary_token_ids(tokenizer)
 
 
-_BOUNDARY_CACHE: dict[int, torch.Tensor] = {}
+_BOUNDARY_CACHE: dict[tuple[str, int], torch.Tensor] = {}
 BOUNDARY_CHARACTERS = set("\n.:;?!")
 
 
 def boundary_token_ids(tokenizer: Any) -> torch.Tensor:
     """Ids of tokens that contain a delimiter character, and the tokenizer's special tokens."""
-    key = id(tokenizer)
+    key = (str(getattr(tokenizer, "name_or_path", type(tokenizer).__name__)), len(tokenizer))
     if key not in _BOUNDARY_CACHE:
         ids = set(getattr(tokenizer, "all_special_ids", []) or [])
-        for token_id in range(len(tokenizer)):
-            text = tokenizer.decode([token_id])
-            if BOUNDARY_CHARACTERS & set(text):
-                ids.add(token_id)
+        vocabulary = range(len(tokenizer))
+        batch_decode = getattr(tokenizer, "batch_decode", None)
+        texts = batch_decode([[i] for i in vocabulary]) if batch_decode else [tokenizer.decode([i]) for i in vocabulary]
+        ids.update(i for i, text in zip(vocabulary, texts) if BOUNDARY_CHARACTERS & set(text))
         _BOUNDARY_CACHE[key] = torch.tensor(sorted(ids), dtype=torch.long)
     return _BOUNDARY_CACHE[key]
 

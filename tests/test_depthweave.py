@@ -211,3 +211,25 @@ def test_every_ablation_is_one_swap_from_depthweave():
         assert pipeline.chain == (f"depthweave-kv-{name}", "depthweave-kv", "full")
         changed = {slot for slot, cfg in pipeline.to_dict()["slots"].items() if cfg != base[slot]}
         assert len(changed) <= 2, (name, changed)  # one component (plus its quantizer where widths change)
+
+
+def test_a_later_forward_with_another_cache_leaves_the_compressed_one_alone(registry_file):
+    from transformers import DynamicCache
+
+    model = tiny_llama(torch.bfloat16, layers=4, hidden=256)
+    cache = _run(model, build_cache(load_pipeline("dw-tiny", registry_file), model, tokenizer=ToyTokenizer()), tokens=400, decode=1)
+    before, queries = cache.memory_bytes(), cache.engine.observer.queries(0).clone()
+    ids = torch.randint(1, 128, (2, 50))
+    with torch.inference_mode():
+        observed = model(input_ids=ids, use_cache=True, **cache_kwargs(model, DynamicCache(config=model.config))).logits
+        model.set_attn_implementation("sdpa")
+        plain = model(input_ids=ids, use_cache=True, **cache_kwargs(model, DynamicCache(config=model.config))).logits
+    assert cache.memory_bytes() == before and torch.equal(cache.engine.observer.queries(0), queries)
+    assert torch.equal(observed, plain)
+
+
+def test_the_shipped_router_weights_load_by_name():
+    router = SigmoidMultilevelRouter(weights="builtin:smollm2-135m-depthweave-kv")
+    assert router.gates(0, "keys").shape == (3,)
+    with pytest.raises(ValueError, match="shipped: smollm2-135m-depthweave-kv"):
+        SigmoidMultilevelRouter(weights="builtin:nope")

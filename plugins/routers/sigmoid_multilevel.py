@@ -45,9 +45,24 @@ def _levels(instance: Any, attribute: attrs.Attribute, value: Any) -> None:
         raise ValueError(f"'{attribute.name}' must be strictly increasing and start at 0, got {list(value)}")
 
 
+SHIPPED = Path(__file__).with_name("weights")
+
+
+def resolve_weights_path(path: str) -> Path:
+    """``builtin:NAME`` is a file shipped with kvweave (plugins/routers/weights/NAME.json); anything else a path."""
+    if path.startswith("builtin:"):
+        name = path.removeprefix("builtin:")
+        file = SHIPPED / f"{name}.json"
+        if not file.is_file():
+            shipped = sorted(p.stem for p in SHIPPED.glob("*.json"))
+            raise ValueError(f"'weights' names unknown shipped file '{name}'; shipped: {', '.join(shipped) or '(none)'}")
+        return file
+    return Path(path).expanduser()
+
+
 def load_weights(path: str) -> dict[str, Any]:
     """Read a router weights file written by ``kvweave train``."""
-    file = Path(path).expanduser()
+    file = resolve_weights_path(path)
     if not file.is_file():
         raise ValueError(f"'weights' file {file} does not exist (write one with 'kvweave train')")
     try:
@@ -72,7 +87,9 @@ class SigmoidMultilevelRouter(Router):
         default=8.5, validator=number(1.0, 1000.0), alias="target_reduction",
         metadata={"doc": "stored bytes must stay below 16-bit bytes / this, every tensor counted"},
     )
-    weights: str = attrs.field(default="", metadata={"doc": "router weights from 'kvweave train' ('' = untrained)"})
+    weights: str = attrs.field(
+        default="", metadata={"doc": "router weights from 'kvweave train': a path, or builtin:NAME for a shipped file ('' = untrained)"}
+    )
     use_gates: bool = attrs.field(default=True, metadata={"doc": "apply the trained residual gates"})
     use_attention: bool = attrs.field(default=True, metadata={"doc": "use the attention mass and spike features"})
     use_boundaries: bool = attrs.field(default=True, metadata={"doc": "use the delimiter feature (needs the tokenizer)"})
@@ -103,11 +120,16 @@ class SigmoidMultilevelRouter(Router):
         if self.levels_[-1] > shape.head_dim:
             raise ModelError(f"router 'sigmoid-multilevel': level {self.levels_[-1]} exceeds head_dim {shape.head_dim}")
         gates = (self._trained or {}).get("gates")
-        if gates and (len(gates["keys"]) != shape.num_layers or len(gates["keys"][0]) != shape.num_kv_heads):
-            raise ModelError(
-                f"router weights {self.weights} were trained for {len(gates['keys'])} layers x "
-                f"{len(gates['keys'][0])} KV heads; this model has {shape.num_layers} x {shape.num_kv_heads}"
-            )
+        if gates:
+            for kind in ("keys", "values"):
+                rows = gates[kind]
+                if len(rows) != shape.num_layers or any(len(row) != shape.num_kv_heads for row in rows):
+                    raise ModelError(
+                        f"router weights {self.weights} hold {kind} gates for {len(rows)} layers x "
+                        f"{len(rows[0]) if rows else 0} KV heads; this model has {shape.num_layers} x {shape.num_kv_heads}"
+                    )
+                if any(not 0.0 <= g <= 1.0 for row in rows for g in row):
+                    raise ModelError(f"router weights {self.weights}: {kind} gates must lie in [0, 1]")
 
     def levels(self) -> tuple[int, ...]:
         return self.levels_
