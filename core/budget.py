@@ -31,7 +31,8 @@ class BudgetPlan:
 
     @classmethod
     def for_engine(cls, engine: CompressionEngine) -> BudgetPlan:
-        levels = {rank: entry_bytes(rank, engine.residual_quantizer) for rank in engine.levels if rank > 0}
+        indexed = engine.settings.residual_mode == "channels"
+        levels = {rank: entry_bytes(rank, engine.residual_quantizer, indexed) for rank in engine.levels if rank > 0}
         target = engine.router.target_reduction()
         if target is None:
             return cls(None, levels)
@@ -67,6 +68,8 @@ class BudgetPlan:
         for layer in members:
             window = engine.windows[layer]
             held += sum(r.nbytes() for r in window.residuals[kind].values())
+            if window.residual_basis[kind] is not None:
+                held += tensor_bytes([window.residual_basis[kind]])
             exact = window.exact[kind]
             held += (exact.shape[-2] - block_tokens) * exact[..., :1, :].numel() * exact.element_size()
             queries = engine.observer.queries(layer)

@@ -26,7 +26,7 @@ from .errors import CacheStateError, ComponentError, ModelError
 from .interfaces import AttentionKernel, BasisBuilder, ModelShape, Probe, Quantizer, RouteBlock, Router
 from .observation import ATTENTION_NAME, Observer
 from .registry import ResolvedPipeline
-from .residuals import ResidualList, add_residuals, encode_residuals
+from .residuals import ResidualList, add_residuals, encode_residuals, fit_residual_basis
 from .storage import Segment, TensorMap, tensor_bytes
 
 KINDS = ("keys", "values")
@@ -38,6 +38,7 @@ class LayerWindow:
     def __init__(self, levels: tuple[int, ...]) -> None:
         self.exact: dict[str, torch.Tensor | None] = {"keys": None, "values": None}
         self.residuals = {kind: {rank: ResidualList(rank) for rank in levels if rank > 0} for kind in KINDS}
+        self.residual_basis: dict[str, torch.Tensor | None] = {kind: None for kind in KINDS}  # [B, H, R, D]
         self.compressed_tokens = 0
 
     @property
@@ -207,8 +208,12 @@ class CompressionEngine:
                 )
             for member, layer in enumerate(members):
                 missing = (work[member] - approx[member]).to(block.dtype)
-                entries[member] = encode_residuals(missing, ranks[member], self.residual_quantizer)
-                approx[member] = add_residuals(approx[member], entries[member], self.residual_quantizer, self.router.gates(layer, kind))
+                window = self.windows[layer]
+                if self.settings.residual_mode == "basis" and window.residual_basis[kind] is None:
+                    window.residual_basis[kind] = fit_residual_basis(missing, max(self.levels))
+                basis = window.residual_basis[kind]
+                entries[member] = encode_residuals(missing, ranks[member], self.residual_quantizer, basis)
+                approx[member] = add_residuals(approx[member], entries[member], self.residual_quantizer, self.router.gates(layer, kind), basis)
                 for rank, fields in entries[member].items():
                     fields["token"] = fields["token"] + self.windows[layer].compressed_tokens
                     self.windows[layer].residuals[kind][rank].append(fields)
@@ -283,7 +288,9 @@ class CompressionEngine:
         vectors = self.basis.decode(store.state or {}, coefficients, member)
         if any(self.levels):
             lists = {rank: r.fields for rank, r in self.windows[layer].residuals[kind].items()}
-            vectors = add_residuals(vectors, lists, self.residual_quantizer, self.router.gates(layer, kind))
+            vectors = add_residuals(
+                vectors, lists, self.residual_quantizer, self.router.gates(layer, kind), self.windows[layer].residual_basis[kind]
+            )
         return vectors
 
     # ------------------------------------------------------------------------------ queries
@@ -299,7 +306,8 @@ class CompressionEngine:
         return {
             "exact_window": tensor_bytes(exact),
             "coefficients": sum(store.coefficients.nbytes() for store in stores),
-            "residuals": sum(r.nbytes() for w in self.windows for lists in w.residuals.values() for r in lists.values()),
+            "residuals": sum(r.nbytes() for w in self.windows for lists in w.residuals.values() for r in lists.values())
+            + tensor_bytes(b for w in self.windows for b in w.residual_basis.values() if b is not None),
             "basis_state": tensor_bytes(t for store in stores for t in (store.state or {}).values()),
             "observation": self.observer.nbytes(),
         }
@@ -320,6 +328,8 @@ class CompressionEngine:
                     window.exact[kind] = window.exact[kind].index_select(0, index.to(window.exact[kind].device))
                 for residuals in window.residuals[kind].values():
                     residuals.select_batch(index, self.shape.num_kv_heads)
+                if window.residual_basis[kind] is not None:
+                    window.residual_basis[kind] = window.residual_basis[kind].index_select(0, index.to(window.residual_basis[kind].device))
         for group in self.stores:
             for store in group.values():
                 store.coefficients.map(lambda tensor: tensor.index_select(1, index.to(tensor.device)))

@@ -27,7 +27,7 @@ import attrs
 from . import plugins
 from .errors import ComponentError, RegistryError
 from .interfaces import SLOT_GROUPS, Component
-from .params import integer
+from .params import choice, integer
 
 BUILTIN_REGISTRY = Path(__file__).with_name("registry.toml").resolve()
 PIPELINE_KEYS = ("description", "extends")
@@ -45,6 +45,10 @@ class StorageSettings:
     )
     compress: bool = attrs.field(
         default=True, metadata={"doc": "false keeps every token exact (the 'full' pipeline)"}
+    )
+    residual_mode: str = attrs.field(
+        default="channels", validator=choice(("channels", "basis")),
+        metadata={"doc": "residual of rank rho: the rho largest channels (+ indices), or rho coordinates on a per-layer residual basis"},
     )
     observe_queries: int = attrs.field(
         default=16, validator=integer(1, 4096),

@@ -1,11 +1,12 @@
-"""Routed residuals: for tokens a router gives rank ``rho > 0``, the ``rho`` channels with the largest
-error after the packed coefficients, stored as a flat list per rank level.
+"""Routed residuals: for tokens a router gives rank ``rho > 0``, either the ``rho`` channels with the
+largest error after the packed coefficients (``residual_mode = "channels"``), or the first ``rho``
+coordinates of that error on a per-layer residual basis (``"basis"``), stored as a flat list per level.
 
 One :class:`ResidualList` per layer and level holds ``N`` entries::
 
     row    int32 [N]        b * H + h of the entry
     token  int32 [N]        the token's index among the layer's packed tokens
-    index  uint8 [N, rho]   channels corrected (head_dim <= 256)
+    index  uint8 [N, rho]   channels corrected (head_dim <= 256; "channels" mode only)
     q_*    the values, packed by the residual quantizer [N, ...]
 
 so tokens at rank 0 cost nothing, and every byte counted is a byte held.
@@ -54,10 +55,28 @@ class ResidualList:
         self.fields = {name: torch.cat([part[name] for part in parts], dim=0) for name in self.fields}
 
 
-def encode_residuals(missing: torch.Tensor, ranks: torch.Tensor, quantizer: Quantizer) -> dict[int, TensorMap]:
+def fit_residual_basis(missing: torch.Tensor, rank: int) -> torch.Tensor:
+    """A per-head orthonormal residual basis [B, H, rank, D] (float16): the top right singular vectors
+    of a block's residuals ``missing`` [B, H, n, D]."""
+    _, _, right = torch.linalg.svd(missing.float(), full_matrices=False)
+    basis = right[..., :rank, :]
+    if basis.shape[-2] < rank:  # fewer tokens than rank: pad with zeros (those coordinates stay unused)
+        basis = torch.cat((basis, basis.new_zeros(*basis.shape[:-2], rank - basis.shape[-2], basis.shape[-1])), -2)
+    return basis.to(torch.float16).contiguous()
+
+
+def encode_residuals(
+    missing: torch.Tensor, ranks: torch.Tensor, quantizer: Quantizer, basis: torch.Tensor | None = None
+) -> dict[int, TensorMap]:
     """The residual entries of one block, by rank level: ``missing`` [B, H, n, D] (x minus its
-    reconstruction), ``ranks`` [B, H, n]. Token indices are relative to the block."""
+    reconstruction), ``ranks`` [B, H, n]. Token indices are relative to the block.
+
+    Without ``basis``: the ``rho`` largest channels, with their indices. With ``basis`` [B, H, R, D]
+    (a per-layer residual basis): the first ``rho`` coordinates on it, no indices needed."""
     batch, heads, tokens, dim = missing.shape
+    if basis is not None:
+        coordinates = torch.einsum("bhnd,bhkd->bhnk", missing.float(), basis.float())
+        flat_coordinates = coordinates.reshape(batch * heads * tokens, -1)
     flat_missing = missing.reshape(-1, dim)
     flat_ranks = ranks.reshape(-1)
     entries: dict[int, TensorMap] = {}
@@ -65,36 +84,48 @@ def encode_residuals(missing: torch.Tensor, ranks: torch.Tensor, quantizer: Quan
         if rank == 0:
             continue
         chosen = (flat_ranks == rank).nonzero().squeeze(1)
-        picked = flat_missing.index_select(0, chosen)
-        top = picked.abs().topk(rank, dim=-1).indices
-        fields = {"row": (chosen // tokens).to(torch.int32), "token": (chosen % tokens).to(torch.int32), "index": top.to(torch.uint8)}
-        fields.update({f"q_{name}": t for name, t in quantizer.quantize(picked.gather(-1, top)).items()})
+        fields = {"row": (chosen // tokens).to(torch.int32), "token": (chosen % tokens).to(torch.int32)}
+        if basis is None:
+            picked = flat_missing.index_select(0, chosen)
+            top = picked.abs().topk(rank, dim=-1).indices
+            fields["index"] = top.to(torch.uint8)
+            values = picked.gather(-1, top)
+        else:
+            values = flat_coordinates.index_select(0, chosen)[:, :rank].to(missing.dtype)
+        fields.update({f"q_{name}": t for name, t in quantizer.quantize(values).items()})
         entries[rank] = fields
     return entries
 
 
 def add_residuals(
-    vectors: torch.Tensor, lists: dict[int, TensorMap], quantizer: Quantizer, gates: torch.Tensor | None = None
+    vectors: torch.Tensor, lists: dict[int, TensorMap], quantizer: Quantizer, gates: torch.Tensor | None = None,
+    basis: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """``vectors`` [B, H, T, D] plus the residual entries ``lists`` (rank -> fields), each value scaled by
-    its head's gate (``gates`` [H] in [0, 1]; None = 1). Returns a new tensor."""
+    its head's gate (``gates`` [H] in [0, 1]; None = 1), on channels or on ``basis`` [B, H, R, D] as
+    they were encoded. Returns a new tensor."""
     batch, heads, tokens, dim = vectors.shape
     out = vectors.clone()
     flat = out.view(-1, dim)
-    for fields in lists.values():
+    for rank, fields in lists.items():
         if not fields or fields["row"].numel() == 0:
             continue
         packed = {name[2:]: tensor for name, tensor in fields.items() if name.startswith("q_")}
         values = quantizer.dequantize(packed, vectors.dtype)
+        rows = fields["row"].long()
         if gates is not None:
-            values = values * gates.to(vectors.dtype)[(fields["row"] % heads).long()].unsqueeze(-1)
-        delta = torch.zeros(values.shape[0], dim, dtype=vectors.dtype, device=vectors.device)
-        delta.scatter_(1, fields["index"].long(), values)
-        position = fields["row"].long() * tokens + fields["token"].long()
-        flat.index_add_(0, position, delta)
+            values = values * gates.to(vectors.dtype)[rows % heads].unsqueeze(-1)
+        if basis is None:
+            delta = torch.zeros(values.shape[0], dim, dtype=vectors.dtype, device=vectors.device)
+            delta.scatter_(1, fields["index"].long(), values)
+        else:
+            directions = basis.reshape(batch * heads, -1, dim)[rows, :rank, :].to(vectors.dtype)  # [N, rank, D]
+            delta = torch.einsum("nk,nkd->nd", values, directions)
+        flat.index_add_(0, rows * tokens + fields["token"].long(), delta)
     return out
 
 
-def entry_bytes(rank: int, quantizer: Quantizer) -> float:
-    """Stored bytes of one residual entry at ``rank``: row and token (int32), indices, packed values."""
-    return 4 + 4 + rank + quantizer.bytes_per_vector(rank, torch.float32)
+def entry_bytes(rank: int, quantizer: Quantizer, with_indices: bool = True) -> float:
+    """Stored bytes of one residual entry at ``rank``: row and token (int32), channel indices (uint8,
+    unless on a residual basis), packed values."""
+    return 4 + 4 + (rank if with_indices else 0) + quantizer.bytes_per_vector(rank, torch.float32)

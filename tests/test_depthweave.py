@@ -233,3 +233,29 @@ def test_the_shipped_router_weights_load_by_name():
     assert router.gates(0, "keys").shape == (3,)
     with pytest.raises(ValueError, match="shipped: smollm2-135m-depthweave-kv"):
         SigmoidMultilevelRouter(weights="builtin:nope")
+
+
+def test_residuals_on_a_per_layer_basis_store_no_indices_and_keep_the_budget(registry_file):
+    registry_file.write_text(REGISTRY + '\n[pipelines.dw-rb]\nextends = "dw-tiny"\nresidual_mode = "basis"\n')
+    model = tiny_llama(torch.bfloat16, layers=4, hidden=256)
+    cache = _run(model, build_cache(load_pipeline("dw-rb", registry_file), model, tokenizer=ToyTokenizer()), decode=0)
+    window = cache.engine.windows[0]
+    assert window.residual_basis["keys"].shape == (2, 2, 8, 64)  # [B, H, largest level, D]
+    stored = [r.fields for r in window.residuals["keys"].values() if r.entries]
+    assert stored and all("index" not in fields for fields in stored)
+    assert 8.5 * 0.9 <= cache.compression_ratio() <= 8.5 * 1.25
+
+
+def test_a_full_rank_residual_basis_restores_the_residual():
+    from kvweave.core.residuals import add_residuals, encode_residuals, fit_residual_basis
+    from kvweave.plugins.quantizers.passthrough import NoQuantizer
+
+    torch.manual_seed(0)
+    missing = torch.randn(1, 2, 30, 8)
+    basis = fit_residual_basis(missing, 8)
+    ranks = torch.full((1, 2, 30), 8)
+    entries = encode_residuals(missing, ranks, NoQuantizer(), basis)
+    restored = add_residuals(torch.zeros_like(missing), entries, NoQuantizer(), basis=basis)
+    assert torch.allclose(restored, missing, atol=2e-2)  # float16 basis
+    partial = add_residuals(torch.zeros_like(missing), encode_residuals(missing, torch.full((1, 2, 30), 2), NoQuantizer(), basis), NoQuantizer(), basis=basis)
+    assert (missing - partial).norm() < missing.norm()  # the first coordinates already help
