@@ -38,7 +38,6 @@ import math
 import os
 import re
 import shlex
-import sys
 import tempfile
 import time
 from dataclasses import dataclass
@@ -400,18 +399,3 @@ def add_train_command(subparsers: Any) -> argparse.ArgumentParser:
     p.add_argument("--json", action="store_true", help="print the summary as JSON")
     p.set_defaults(func=cmd_train)
     return p
-
-
-def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="kvweave")
-    add_train_command(parser.add_subparsers(dest="command", required=True))
-    args = parser.parse_args(["train", *(sys.argv[1:] if argv is None else argv)])
-    try:
-        return args.func(args)
-    except KvweaveError as exc:
-        print(f"kvweave: error: {exc}", file=sys.stderr)
-        return 2
-
-
-if __name__ == "__main__":
-    sys.exit(main())
