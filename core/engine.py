@@ -168,9 +168,11 @@ class CompressionEngine:
         count = (ready // self.settings.block_tokens) * self.settings.block_tokens
         if count <= 0:
             return
+        # attention statistics need the keys as they are before this block is encoded (once for K and V)
+        stats = self._attention_stats(members, count) if self.router.needs_attention and any(self.levels) else None
         for kind in KINDS:
             block = torch.stack([self.windows[layer].exact[kind][..., :count, :] for layer in members])
-            self._encode(kind, group_index, block)
+            self._encode(kind, group_index, block, stats)
         for layer in members:
             window = self.windows[layer]
             for kind in KINDS:
@@ -181,7 +183,17 @@ class CompressionEngine:
         if group_index == len(self.groups) - 1:
             self._apply_probe_shares()
 
-    def _encode(self, kind: str, group_index: int, block: torch.Tensor) -> None:
+    def _attention_stats(self, members: tuple[int, ...], count: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Attention mass and spike [G, B, H, count] of the observed queries on the block's tokens."""
+        stats = [
+            self.observer.attention_stats(layer, self._full(layer, "keys"), count, self.windows[layer].compressed_tokens)
+            for layer in members
+        ]
+        return torch.stack([s[0] for s in stats]), torch.stack([s[1] for s in stats])
+
+    def _encode(
+        self, kind: str, group_index: int, block: torch.Tensor, stats: tuple[torch.Tensor, torch.Tensor] | None = None
+    ) -> None:
         """Encode ``block`` [G, B, H, n, D] of group ``group_index`` into its store and residual lists."""
         store = self.stores[group_index][kind]
         members = self.groups[group_index]
@@ -199,7 +211,7 @@ class CompressionEngine:
         entries: list[dict[int, TensorMap]] = [{} for _ in members]
         if any(self.levels):
             miss = (work - approx).norm(dim=-1) / work.norm(dim=-1).clamp_min(1e-9)
-            ranks = self.router.assign(self._route_block(kind, group_index, work, miss))
+            ranks = self.router.assign(self._route_block(kind, group_index, work, miss, stats))
             stray = set(torch.unique(ranks).tolist()) - set(self.levels)
             if stray or ranks.shape != work.shape[:-1]:
                 raise ComponentError(
@@ -220,14 +232,13 @@ class CompressionEngine:
         if self.probe.wants(store.flushes):
             self._probe(kind, group_index, block, approx)
 
-    def _route_block(self, kind: str, group_index: int, work: torch.Tensor, miss: torch.Tensor) -> RouteBlock:
+    def _route_block(
+        self, kind: str, group_index: int, work: torch.Tensor, miss: torch.Tensor,
+        stats: tuple[torch.Tensor, torch.Tensor] | None,
+    ) -> RouteBlock:
         members = self.groups[group_index]
         store = self.stores[group_index][kind]
-        mass = spike = None
-        if self.router.needs_attention:
-            stats = [self.observer.attention_stats(layer, self._full(layer, "keys"), work.shape[-2], self.windows[layer].compressed_tokens) for layer in members]
-            mass = torch.stack([s[0] for s in stats])
-            spike = torch.stack([s[1] for s in stats])
+        mass, spike = stats if stats is not None else (None, None)
         first = self.windows[members[0]].compressed_tokens
         return RouteBlock(
             layers=tuple(members),

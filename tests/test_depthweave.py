@@ -259,3 +259,27 @@ def test_a_full_rank_residual_basis_restores_the_residual():
     assert torch.allclose(restored, missing, atol=2e-2)  # float16 basis
     partial = add_residuals(torch.zeros_like(missing), encode_residuals(missing, torch.full((1, 2, 30), 2), NoQuantizer(), basis), NoQuantizer(), basis=basis)
     assert (missing - partial).norm() < missing.norm()  # the first coordinates already help
+
+
+def test_keys_and_values_of_a_block_are_routed_on_the_same_attention_statistics(registry_file):
+    model = tiny_llama(torch.bfloat16, layers=4, hidden=256)
+    cache = build_cache(load_pipeline("dw-tiny", registry_file), model, tokenizer=ToyTokenizer())
+    seen: list[RouteBlock] = []
+    real = cache.engine.router
+
+    class Recorder:
+        def __getattr__(self, name):
+            return getattr(real, name)
+
+        def assign(self, block):
+            seen.append(block)
+            return real.assign(block)
+
+    cache.engine.router = Recorder()
+    _run(model, cache, tokens=600, decode=0)
+    keys, values = seen[0], seen[1]
+    assert (keys.kind, values.kind) == ("keys", "values")
+    assert torch.equal(keys.attention_mass, values.attention_mass)
+    # probabilities of the observed queries: each query spends at most 1 on the block
+    observed = cache.engine.observer.queries(0).shape[-2] * 2  # 2 query heads per KV head
+    assert float(keys.attention_mass.sum(dim=-1).max()) <= observed + 1e-4
