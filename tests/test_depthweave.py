@@ -10,25 +10,13 @@ import torch
 
 from kvweave.core import build_cache, cache_kwargs
 from kvweave.core.cache import KVWeaveCache
-from kvweave.core.errors import BudgetError, CacheStateError, RegistryError
+from kvweave.core.errors import BudgetError, CacheStateError
 from kvweave.core.interfaces import RouteBlock
 from kvweave.core.registry import load_pipeline
 from kvweave.plugins.probes.attention_output import AttentionOutputProbe
 from kvweave.plugins.routers.sigmoid_multilevel import SigmoidMultilevelRouter
 
-from conftest import tiny_llama
-
-
-class ToyTokenizer:
-    """Every tenth id is a full stop; enough for the delimiter feature."""
-
-    all_special_ids = [0]
-
-    def __len__(self) -> int:
-        return 128
-
-    def decode(self, ids):
-        return "." if ids[0] % 10 == 0 else "a"
+from conftest import ToyTokenizer, tiny_llama
 
 
 LEVEL_BYTES = {2: 11.0, 4: 15.0, 8: 24.0}

