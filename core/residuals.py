@@ -6,10 +6,18 @@ One :class:`ResidualList` per layer and level holds ``N`` entries::
 
     row    int32 [N]        b * H + h of the entry
     token  int32 [N]        the token's index among the layer's packed tokens
-    index  uint8 [N, rho]   channels corrected (head_dim <= 256; "channels" mode only)
+    index  uint8 [N, rho]   channels corrected (head_dim <= 256; "channels" mode with rho < head_dim only)
     q_*    the values, packed by the residual quantizer [N, ...]
 
-so tokens at rank 0 cost nothing, and every byte counted is a byte held.
+so tokens at rank 0 cost nothing, and every byte counted is a byte held. A full-rank entry (rho =
+head_dim) in "channels" mode stores the whole vector with no channel indices (they would only list
+0..D-1).
+
+Residual rows: by default the residual of a layer is what that layer's decode misses, stored in that
+layer's lists. A basis may instead declare a mixing matrix ``M`` [G, G] (``residual_mixing``, e.g. the
+inverse DCT of ``dct-depth``): the group's misses ``E`` [G, ...] are turned into rows ``R = M^-1 E``
+(row ``k`` stored in the lists of the group's ``k``-th layer), and layer ``m`` adds ``sum_k M[m, k] R_k``
+(:func:`residual_rows`, :func:`mix_residuals`). The router's ranks then index rows, not layers.
 """
 
 from __future__ import annotations
@@ -85,7 +93,9 @@ def encode_residuals(
             continue
         chosen = (flat_ranks == rank).nonzero().squeeze(1)
         fields = {"row": (chosen // tokens).to(torch.int32), "token": (chosen % tokens).to(torch.int32)}
-        if basis is None:
+        if basis is None and rank >= dim:  # full rank: the whole vector, no channel indices
+            values = flat_missing.index_select(0, chosen)
+        elif basis is None:
             picked = flat_missing.index_select(0, chosen)
             top = picked.abs().topk(rank, dim=-1).indices
             fields["index"] = top.to(torch.uint8)
@@ -99,11 +109,11 @@ def encode_residuals(
 
 def add_residuals(
     vectors: torch.Tensor, lists: dict[int, TensorMap], quantizer: Quantizer, gates: torch.Tensor | None = None,
-    basis: torch.Tensor | None = None,
+    basis: torch.Tensor | None = None, weight: float = 1.0,
 ) -> torch.Tensor:
-    """``vectors`` [B, H, T, D] plus the residual entries ``lists`` (rank -> fields), each value scaled by
-    its head's gate (``gates`` [H] in [0, 1]; None = 1), on channels or on ``basis`` [B, H, R, D] as
-    they were encoded. Returns a new tensor."""
+    """``vectors`` [B, H, T, D] plus ``weight`` times the residual entries ``lists`` (rank -> fields), each
+    value scaled by its head's gate (``gates`` [H] in [0, 1]; None = 1), on channels or on ``basis``
+    [B, H, R, D] as they were encoded. Returns a new tensor."""
     batch, heads, tokens, dim = vectors.shape
     out = vectors.clone()
     flat = out.view(-1, dim)
@@ -115,7 +125,11 @@ def add_residuals(
         rows = fields["row"].long()
         if gates is not None:
             values = values * gates.to(vectors.dtype)[rows % heads].unsqueeze(-1)
-        if basis is None:
+        if weight != 1.0:
+            values = values * weight
+        if basis is None and "index" not in fields:  # a full-rank entry
+            delta = values
+        elif basis is None:
             delta = torch.zeros(values.shape[0], dim, dtype=vectors.dtype, device=vectors.device)
             delta.scatter_(1, fields["index"].long(), values)
         else:
@@ -127,5 +141,32 @@ def add_residuals(
 
 def entry_bytes(rank: int, quantizer: Quantizer, with_indices: bool = True) -> float:
     """Stored bytes of one residual entry at ``rank``: row and token (int32), channel indices (uint8,
-    unless on a residual basis), packed values."""
+    unless on a residual basis or at full rank; pass ``with_indices=False`` then), packed values."""
     return 4 + 4 + (rank if with_indices else 0) + quantizer.bytes_per_vector(rank, torch.float32)
+
+
+def residual_rows(missing: torch.Tensor, mixing: torch.Tensor | None) -> torch.Tensor:
+    """The rows to store for a group's misses ``missing`` [G, B, H, n, D]: ``M^-1 missing`` along the group
+    axis for a mixing matrix ``mixing`` [G, G], or ``missing`` itself when ``mixing`` is None."""
+    if mixing is None:
+        return missing
+    if mixing.shape != (missing.shape[0], missing.shape[0]):
+        raise ValueError(f"residual mixing matrix {tuple(mixing.shape)} does not match a group of {missing.shape[0]} layers")
+    analysis = torch.linalg.inv(mixing.double()).to(torch.float32).to(missing.device)
+    return torch.einsum("kg,g...->k...", analysis, missing.float()).to(missing.dtype)
+
+
+def mix_residuals(
+    vectors: torch.Tensor, member: int, lists: list[dict[int, TensorMap]], quantizer: Quantizer,
+    mixing: torch.Tensor, gates: list[torch.Tensor | None] | None = None,
+    bases: list[torch.Tensor | None] | None = None,
+) -> torch.Tensor:
+    """Layer ``member``'s ``vectors`` [B, H, T, D] plus ``sum_k mixing[member, k] R_k``, where ``R_k`` are the
+    residual rows in ``lists[k]`` (the lists of the group's ``k``-th layer, rank -> fields)."""
+    out = vectors
+    for k, rows in enumerate(lists):
+        weight = float(mixing[member, k])
+        if weight == 0.0 or not any(f and f["row"].numel() for f in rows.values()):
+            continue
+        out = add_residuals(out, rows, quantizer, None if gates is None else gates[k], None if bases is None else bases[k], weight)
+    return out if out is not vectors else vectors.clone()
