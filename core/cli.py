@@ -199,14 +199,17 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--json", action="store_true")
     p.set_defaults(func=cmd_generate)
 
+    from .evaluate import add_eval_command
     from .training import add_train_command
 
     add_train_command(sub)
+    add_eval_command(sub)
     return parser
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    args.argv = list(sys.argv[1:] if argv is None else argv)
     try:
         return args.func(args)
     except KvweaveError as exc:

