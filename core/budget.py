@@ -32,7 +32,10 @@ class BudgetPlan:
     @classmethod
     def for_engine(cls, engine: CompressionEngine) -> BudgetPlan:
         indexed = engine.settings.residual_mode == "channels"
-        levels = {rank: entry_bytes(rank, engine.residual_quantizer, indexed) for rank in engine.levels if rank > 0}
+        levels = {  # a full-rank entry stores no channel indices (core/residuals.py)
+            rank: entry_bytes(rank, engine.residual_quantizer, indexed and rank < engine.shape.head_dim)
+            for rank in engine.levels if rank > 0
+        }
         target = engine.router.target_reduction()
         if target is None:
             return cls(None, levels)
@@ -53,8 +56,11 @@ class BudgetPlan:
             )
         return cls(float(target), levels)
 
-    def residual_budget(self, engine: CompressionEngine, group_index: int, kind: str, block_tokens: int) -> float | None:
-        """Bytes the residuals of the block now being encoded may take (its coefficients already stored)."""
+    def residual_budget(
+        self, engine: CompressionEngine, group_index: int, kind: str, block_tokens: int, dropped_tokens: int = 0
+    ) -> float | None:
+        """Bytes the residuals of the block now being encoded may take (its coefficients already stored).
+        ``dropped_tokens``: tokens of the flush a router evicted; the budget counts stored tokens only."""
         if self.target is None:
             return None
         shape = engine.shape
@@ -62,7 +68,7 @@ class BudgetPlan:
         store = engine.stores[group_index][kind]
         first = engine.windows[members[0]]
         batch = first.exact[kind].shape[0]
-        tokens = first.compressed_tokens + first.exact_tokens
+        tokens = first.compressed_tokens + first.exact_tokens - dropped_tokens
         target_bytes = batch * tokens * len(members) * shape.num_kv_heads * shape.head_dim * 2 / self.target * store.share
         held = store.coefficients.nbytes() + tensor_bytes((store.state or {}).values())
         for layer in members:
@@ -71,7 +77,7 @@ class BudgetPlan:
             if window.residual_basis[kind] is not None:
                 held += tensor_bytes([window.residual_basis[kind]])
             exact = window.exact[kind]
-            held += (exact.shape[-2] - block_tokens) * exact[..., :1, :].numel() * exact.element_size()
+            held += (exact.shape[-2] - block_tokens - dropped_tokens) * exact[..., :1, :].numel() * exact.element_size()
             queries = engine.observer.queries(layer)
             if queries is not None:  # recent queries, split between keys and values
                 held += queries.numel() * queries.element_size() / 2

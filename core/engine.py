@@ -23,10 +23,10 @@ import torch
 
 from .budget import BudgetPlan
 from .errors import CacheStateError, ComponentError, ModelError
-from .interfaces import AttentionKernel, BasisBuilder, ModelShape, Probe, Quantizer, RouteBlock, Router
+from .interfaces import DROPPED, AttentionKernel, BasisBuilder, ModelShape, Probe, Quantizer, RouteBlock, Router
 from .observation import ATTENTION_NAME, Observer
 from .registry import ResolvedPipeline
-from .residuals import ResidualList, add_residuals, encode_residuals, fit_residual_basis
+from .residuals import ResidualList, add_residuals, encode_residuals, fit_residual_basis, mix_residuals, residual_rows
 from .storage import Segment, TensorMap, tensor_bytes
 
 KINDS = ("keys", "values")
@@ -39,7 +39,12 @@ class LayerWindow:
         self.exact: dict[str, torch.Tensor | None] = {"keys": None, "values": None}
         self.residuals = {kind: {rank: ResidualList(rank) for rank in levels if rank > 0} for kind in KINDS}
         self.residual_basis: dict[str, torch.Tensor | None] = {kind: None for kind in KINDS}  # [B, H, R, D]
-        self.compressed_tokens = 0
+        self.compressed_tokens = 0  # stored (packed) slots per batch row and head
+        self.passed_tokens = 0  # logical tokens that left the exact window (stored or dropped)
+        # eviction: the cache index (logical position) of each stored slot, -1 for a filler slot
+        self.positions: torch.Tensor | None = None  # int32 [B, H, compressed_tokens]
+        # routers that accumulate attention: what every query gave each stored slot, then each exact token
+        self.scores: torch.Tensor | None = None  # float32 [B, H, compressed_tokens + exact_tokens]
 
     @property
     def exact_tokens(self) -> int:
@@ -58,6 +63,7 @@ class GroupStore:
         self.next_share: float | None = None
         self.probe_state: dict[str, float] = {}
         self.probe_error: torch.Tensor | None = None
+        self.route_state: dict = {}  # the router's per-group state (RouteBlock.state; tensors batch-first)
 
 
 class CompressionEngine:
@@ -81,19 +87,50 @@ class CompressionEngine:
         self.quantizer.check_width(self.basis.coefficient_width(shape), f"{where}, slot 'quantizer' (coefficients)")
         self.levels = tuple(self.router.levels())
         for rank in self.levels:
-            if rank > shape.head_dim or rank < 0:
-                raise ModelError(f"{where}: router rank level {rank} is outside 0..head_dim ({shape.head_dim})")
+            if rank != DROPPED and (rank > shape.head_dim or rank < 0):
+                raise ModelError(f"{where}: router rank level {rank} is outside 0..head_dim ({shape.head_dim}) and not DROPPED ({DROPPED})")
             if rank > 0:
                 self.residual_quantizer.check_width(rank, f"{where}, slot 'residual_quantizer' (rank level {rank})")
+        self.evicts = DROPPED in self.levels
+        self.residual_levels = tuple(rank for rank in self.levels if rank > 0)
+        self.accumulates = bool(self.router.accumulates)
+        self.reselects = bool(self.router.reselects)
+        self._check_eviction(where)
+        grouped = self.quantizer.for_kind("keys").tokens_per_group(), self.quantizer.for_kind("values").tokens_per_group()
+        for group in grouped:
+            if self.settings.block_tokens % group:
+                raise ModelError(
+                    f"{where}, slot 'quantizer' ('{pipeline.slots['quantizer'].use}'): it packs groups of {group} tokens, "
+                    f"which must divide the pipeline's block_tokens ({self.settings.block_tokens})"
+                )
         self.budget = BudgetPlan.for_engine(self)  # raises BudgetError when the target cannot be met
         self.observer = Observer(
             shape, pipeline.settings.observe_queries if (self.router.needs_attention or self.probe.needs_queries) else 0
         )
+        if self.probe.selects_queries:
+            self.observer.selector = self.probe.select_queries
         self.boundary_ids: torch.Tensor | None = None
         self.windows = [LayerWindow(self.levels) for _ in range(shape.num_layers)]
         self.stores = [{kind: GroupStore() for kind in KINDS} for _ in self.groups]
         self.pending: set[int] = set()
         self.returned_keys: dict[int, torch.Tensor] = {}
+        #: the model's attention must report to this cache (queries, masks of evicted tokens, attention)
+        self.own_attention = self.observer.active or self.evicts or self.accumulates
+        self.padding: torch.Tensor | None = None  # bool [B, T]: False for padding (from the attention mask)
+        self._flush_info: dict | None = None  # the flush in progress, when it evicts
+
+    def _check_eviction(self, where: str) -> None:
+        router = f"{where}, slot 'router' ('{self.pipeline.slots['router'].use}')"
+        if self.evicts or self.reselects:
+            self.router.check_window(self.settings.recent_window, self.settings.block_tokens, router)
+        if self.reselects:
+            if not self.evicts:
+                raise ComponentError(f"{router}: it re-selects stored tokens but never drops any (no DROPPED level)")
+            if self.residual_levels or any(len(group) > 1 for group in self.groups):
+                raise ComponentError(
+                    f"{router}: it re-selects stored tokens, which needs single-layer basis groups and no residual "
+                    f"levels (basis '{self.pipeline.slots['basis'].use}', levels {self.levels})"
+                )
 
     def _index_groups(self) -> dict[int, tuple[int, int]]:
         group_of: dict[int, tuple[int, int]] = {}
@@ -124,21 +161,21 @@ class CompressionEngine:
             self.observer.start_forward(keys.shape[-2])
         if self.pending and self.group_of[layer][0] in self.pending:
             raise CacheStateError(
-                f"pipeline '{self.pipeline.name}' needs the model's recent queries, but the model's attention did "
-                f"not report them; build the cache with build_cache(pipeline, model) so the model uses "
-                f"'{ATTENTION_NAME}' attention"
+                f"pipeline '{self.pipeline.name}' needs the model's attention to report to the cache (recent queries, "
+                f"the mask of evicted tokens), but the model's attention did not report them; build the cache with build_cache(pipeline, model) so "
+                f"the model uses '{ATTENTION_NAME}' attention"
             )
         window = self.windows[layer]
         for kind, new in zip(KINDS, (keys, values)):
             old = window.exact[kind]
             window.exact[kind] = new if old is None else torch.cat((old, new), dim=-2)
         full = tuple(self._full(layer, kind) for kind in KINDS)
-        if self.observer.active:
+        if self.own_attention:
             self.returned_keys[layer] = full[0]  # lets the attention call tell it belongs to this cache
         group_index, member = self.group_of[layer]
         if self.settings.compress and member == len(self.groups[group_index]) - 1:
-            if self.observer.active:
-                self.pending.add(group_index)  # flushed by after_attention, once the queries are observed
+            if self.own_attention:
+                self.pending.add(group_index)  # flushed by after_attention, once the attention has run
             else:
                 self._flush(group_index)
         return full  # type: ignore[return-value]
@@ -169,24 +206,291 @@ class CompressionEngine:
         if count <= 0:
             return
         # attention statistics need the keys as they are before this block is encoded (once for K and V)
-        stats = self._attention_stats(members, count) if self.router.needs_attention and any(self.levels) else None
-        for kind in KINDS:
-            block = torch.stack([self.windows[layer].exact[kind][..., :count, :] for layer in members])
-            self._encode(kind, group_index, block, stats)
+        wants_stats = self.router.needs_attention and (self.residual_levels or self.evicts)
+        stats = self._attention_stats(members, count) if wants_stats else None
+        if self.reselects:
+            self._reselect(group_index, count)
+        elif self.evicts:
+            self._evict(group_index, count, stats)
+        else:
+            for kind in KINDS:
+                block = torch.stack([self.windows[layer].exact[kind][..., :count, :] for layer in members])
+                self._encode(kind, group_index, block, stats)
+            for layer in members:
+                self.windows[layer].compressed_tokens += count
         for layer in members:
             window = self.windows[layer]
             for kind in KINDS:
                 # clone: a slice would keep the whole old window's storage alive
                 window.exact[kind] = window.exact[kind][..., count:, :].clone()
-            window.compressed_tokens += count
-        self.observer.forget_boundaries(min(w.compressed_tokens for w in self.windows))
+            window.passed_tokens += count
+        self.observer.forget_selection(members)
+        self.observer.forget_boundaries(min(w.passed_tokens for w in self.windows))
+        if self.evicts and not self.residual_levels and not self.probe.needs_queries:
+            self.observer.forget_queries(members)  # eviction uses only the queries of the forward that flushes
         if group_index == len(self.groups) - 1:
             self._apply_probe_shares()
+
+    # ------------------------------------------------------------------------------- eviction
+    def _real_positions(self, logical: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """For cache indices ``logical`` [B, ...] (-1 = filler): each token's position among its row's real
+        tokens (-1 where not valid) and whether it is a real token (not padding, not a filler)."""
+        valid = logical >= 0
+        if self.padding is None:
+            return torch.where(valid, logical, -1), valid
+        padding = self.padding.to(logical.device)
+        flat = logical.clamp_min(0).reshape(logical.shape[0], -1)
+        if flat.numel() and int(flat.max()) >= padding.shape[-1]:
+            raise CacheStateError(
+                f"the attention mask covers {padding.shape[-1]} tokens, but the cache holds token {int(flat.max())}"
+            )
+        valid = valid & padding.gather(1, flat).reshape(logical.shape)
+        real = (padding.long().cumsum(-1) - 1).gather(1, flat).reshape(logical.shape)
+        return torch.where(valid, real, -1), valid
+
+    def _row_tokens(self, batch: int, total: int) -> torch.Tensor:
+        if self.padding is None:
+            return torch.full((batch,), total, dtype=torch.long)
+        return self.padding.long().sum(-1).cpu()
+
+    @staticmethod
+    def _kept_index(keep: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """``keep`` [..., n] bool -> indices [..., k] (the kept tokens in order, then filler slots up to the
+        largest kept count ``k`` of any row) and which of them are kept (False: filler)."""
+        n = keep.shape[-1]
+        k = int(keep.sum(-1).max()) if keep.numel() else 0
+        order = ((~keep).long() * n + torch.arange(n, device=keep.device)).argsort(dim=-1)[..., :k]
+        return order, keep.gather(-1, order)
+
+    @staticmethod
+    def _gather_tokens(x: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+        """``x`` [..., n, D] at token indices ``index`` [..., k] -> [..., k, D]."""
+        return x.gather(-2, index.unsqueeze(-1).expand(*index.shape, x.shape[-1]))
+
+    def _check_ranks(self, ranks: torch.Tensor, shape: torch.Size, allow_dropped: bool) -> None:
+        allowed = set(self.levels) if allow_dropped else set(self.levels) - {DROPPED}
+        stray = set(torch.unique(ranks).tolist()) - allowed
+        if stray or ranks.shape != shape:
+            raise ComponentError(
+                f"router '{self.pipeline.slots['router'].use}' returned ranks {sorted(stray)} / shape "
+                f"{tuple(ranks.shape)}; expected values in {sorted(allowed)} shaped {tuple(shape)}"
+                + ("" if allow_dropped else " (tokens are already selected: DROPPED is not allowed here)")
+            )
+
+    def _eviction_block(
+        self, group_index: int, work: torch.Tensor, logical: torch.Tensor, stats, scores, stored: int
+    ) -> RouteBlock:
+        """The RouteBlock that decides which of ``work`` [G, B, H, n, D] (cache indices ``logical``
+        [G, B, H, n]) are dropped."""
+        members = self.groups[group_index]
+        real, valid = self._real_positions(logical.transpose(0, 1))  # batch first
+        mass, spike = stats if stats is not None else (None, None)
+        first = self.windows[members[0]]
+        return RouteBlock(
+            layers=tuple(members),
+            kind="keys",
+            vectors=work,
+            level_bytes=self.budget.level_bytes,
+            attention_mass=mass,
+            attention_spike=spike,
+            boundary=self.observer.boundaries(first.passed_tokens, work.shape[-2] - stored),
+            probe_error=self.stores[group_index]["keys"].probe_error,
+            valid=valid.transpose(0, 1),
+            positions=real.transpose(0, 1),
+            scores=scores,
+            row_tokens=self._row_tokens(work.shape[1], first.passed_tokens + first.exact_tokens),
+            window_tokens=first.exact_tokens - (work.shape[-2] - stored),
+            stored=stored,
+            first_flush=first.passed_tokens == 0,
+            shared_tokens=len(members) > 1 and self.basis.coefficient_rows(len(members)) == 1,
+        )
+
+    def _evict(self, group_index: int, count: int, stats: tuple[torch.Tensor, torch.Tensor] | None) -> None:
+        """Flush ``count`` tokens of a group whose router may drop some: the dropped ones are not stored."""
+        members = self.groups[group_index]
+        blocks = {kind: torch.stack([self.windows[layer].exact[kind][..., :count, :] for layer in members]) for kind in KINDS}
+        work = blocks["keys"].float()
+        passed = self.windows[members[0]].passed_tokens
+        logical = torch.arange(passed, passed + count, device=work.device).expand(work.shape[:-1])
+        scores = None
+        if self.accumulates:
+            scores = torch.stack([self._score_slice(layer, count)[1] for layer in members])
+        route = self._eviction_block(group_index, work, logical, stats, scores, 0)
+        ranks = self.router.assign(route)
+        self._check_ranks(ranks, work.shape[:-1], allow_dropped=True)
+        keep = ranks != DROPPED
+        if route.shared_tokens:  # one coefficient row per token for the whole group
+            keep = keep.any(0, keepdim=True).expand_as(keep)
+        index, kept = self._kept_index(keep)
+        slots = index.shape[-1]
+        if slots:
+            gathered = {kind: self._gather_tokens(blocks[kind], index) for kind in KINDS}
+            kept_stats = None if stats is None else tuple(s.gather(-1, index) for s in stats)
+            self._flush_info = {"count": count, "dropped": count - slots, "kept_index": index, "blocks": gathered}
+            try:
+                for kind in KINDS:
+                    self._encode(kind, group_index, gathered[kind], kept_stats)  # type: ignore[arg-type]
+            finally:
+                self._flush_info = None
+        positions = torch.where(kept, logical.gather(-1, index), -1).to(torch.int32)
+        for member, layer in enumerate(members):
+            window = self.windows[layer]
+            old = window.positions
+            window.positions = positions[member] if old is None else torch.cat((old, positions[member]), dim=-1)
+            if self.accumulates:
+                stored_scores, block_scores, rest = self._score_slice(layer, count)
+                picked = block_scores.gather(-1, index[member]) * kept[member]
+                window.scores = torch.cat((stored_scores, picked, rest), dim=-1)
+            window.compressed_tokens += slots
+
+    def _score_slice(self, layer: int, count: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The accumulated scores of ``layer`` split into stored slots, the ``count`` tokens now leaving the
+        window, and the rest of the window (zeros where no query has attended yet)."""
+        window = self.windows[layer]
+        exact = window.exact["keys"]
+        total = window.compressed_tokens + window.exact_tokens
+        scores = window.scores
+        if scores is None:
+            scores = torch.zeros(*exact.shape[:2], 0, device=exact.device)
+        if scores.shape[-1] < total:
+            scores = torch.cat((scores, scores.new_zeros(*scores.shape[:2], total - scores.shape[-1])), dim=-1)
+        stored = window.compressed_tokens
+        return scores[..., :stored], scores[..., stored : stored + count], scores[..., stored + count :]
+
+    def _reselect(self, group_index: int, count: int) -> None:
+        """Flush for a router that re-selects among the stored tokens and the ``count`` leaving the window:
+        the kept set is re-encoded from the stored values (bit-exact with the `none` quantizer)."""
+        (layer,) = self.groups[group_index]
+        window = self.windows[layer]
+        stored = window.compressed_tokens
+        dtype = window.exact["keys"].dtype
+        candidates = {}
+        for kind in KINDS:
+            new = window.exact[kind][..., :count, :]
+            candidates[kind] = torch.cat((self.reconstruct(layer, kind, dtype), new), dim=-2) if stored else new
+        batch, heads = candidates["keys"].shape[:2]
+        fresh = torch.arange(window.passed_tokens, window.passed_tokens + count, device=candidates["keys"].device)
+        logical = fresh.expand(batch, heads, count)
+        if stored:
+            logical = torch.cat((window.positions.long(), logical), dim=-1)
+        scores = None
+        if self.accumulates:
+            stored_scores, block_scores, rest = self._score_slice(layer, count)
+            scores = torch.cat((stored_scores, block_scores), dim=-1)
+        work = candidates["keys"].float()[None]
+        route = self._eviction_block(group_index, work, logical[None], None, None if scores is None else scores[None], stored)
+        ranks = self.router.assign(route)
+        self._check_ranks(ranks, work.shape[:-1], allow_dropped=True)
+        index, kept = self._kept_index(ranks[0] != DROPPED)
+        self.stores[group_index] = {kind: GroupStore() for kind in KINDS}
+        if index.shape[-1]:
+            for kind in KINDS:
+                self._encode(kind, group_index, self._gather_tokens(candidates[kind], index)[None])
+        window.positions = torch.where(kept, logical.gather(-1, index), -1).to(torch.int32)
+        if scores is not None:
+            window.scores = torch.cat((scores.gather(-1, index) * kept, rest), dim=-1)
+        window.compressed_tokens = index.shape[-1]
+
+    def physical_mask(self, layer: int, logical: torch.Tensor | None, queries: int, query_heads: int) -> torch.Tensor | None:
+        """The attention mask over what ``update`` returned for ``layer`` (stored slots, then the exact
+        window), from the model's mask over logical tokens ``logical`` [B|1, 1, q, T] (bool; None = causal, no
+        padding). Unchanged when the layer never dropped a token."""
+        window = self.windows[layer]
+        if window.positions is None:
+            return logical
+        exact = window.exact["keys"]
+        batch, heads = exact.shape[:2]
+        total = window.passed_tokens + window.exact_tokens
+        device = exact.device
+        if logical is None:
+            rows = total - queries + torch.arange(queries, device=device)
+            logical = (torch.arange(total, device=device)[None, :] <= rows[:, None])[None, None]
+        elif logical.dtype != torch.bool:
+            logical = logical == 0  # an additive float mask
+        if logical.shape[-1] != total:
+            raise CacheStateError(f"layer {layer}: the attention mask covers {logical.shape[-1]} tokens, the cache {total}")
+        exact_index = (window.passed_tokens + torch.arange(window.exact_tokens, device=device)).expand(batch, heads, -1)
+        index = torch.cat((window.positions.long().clamp_min(0), exact_index), dim=-1)  # [B, H, T_phys]
+        source = logical[:, 0].expand(batch, queries, total)[:, None].expand(batch, heads, queries, total)
+        mask = source.gather(-1, index[:, :, None, :].expand(batch, heads, queries, index.shape[-1]))
+        filler = torch.cat((window.positions >= 0, torch.ones_like(exact_index, dtype=torch.bool)), dim=-1)
+        mask = mask & filler[:, :, None, :]
+        return mask.repeat_interleave(query_heads // heads, dim=1)
+
+    def prepare_attention(
+        self, layer: int, query: torch.Tensor, key: torch.Tensor, mask: torch.Tensor | None, scaling: float | None
+    ) -> torch.Tensor | None:
+        """Called by the observing attention before ``layer``'s attention: notes the padding (from the model's
+        mask), accumulates attention for routers that use it, and returns the mask for the K/V ``update``
+        returned (evicted tokens are not there)."""
+        if not (self.evicts or self.accumulates):
+            return mask
+        if mask is not None and mask.dim() == 4:
+            allowed = mask if mask.dtype == torch.bool else mask == 0
+            self.padding = allowed[:, 0, -1, :].expand(query.shape[0], -1).clone()  # the last query sees every real token
+        elif mask is None:
+            self.padding = None
+        physical = self.physical_mask(layer, mask, query.shape[-2], query.shape[1])
+        if self.accumulates:
+            self._accumulate(layer, query, key, physical, scaling)
+        return physical
+
+    def _accumulate(self, layer: int, query: torch.Tensor, key: torch.Tensor, mask: torch.Tensor | None, scaling: float | None) -> None:
+        """Add the attention probability every query of this forward gives each key (summed over the query
+        heads of each KV head) to the layer's accumulated scores."""
+        batch, q_heads, queries, dim = query.shape
+        heads, total = key.shape[1], key.shape[-2]
+        group = q_heads // heads
+        scale = scaling or dim**-0.5
+        keys = key.float()
+        added = torch.zeros(batch, heads, total, device=key.device)
+        causal_rows = total - queries + torch.arange(queries, device=key.device)
+        for start in range(0, queries, 256):
+            stop = min(queries, start + 256)
+            q = query[:, :, start:stop].float().reshape(batch, heads, group * (stop - start), dim)
+            logits = (q @ keys.transpose(-1, -2) * scale).reshape(batch, heads, group, stop - start, total)
+            if mask is None:
+                allowed = torch.arange(total, device=key.device)[None, :] <= causal_rows[start:stop, None]
+                logits = logits.masked_fill(~allowed, float("-inf"))
+            else:
+                part = mask[:, :, start:stop].expand(batch, q_heads, stop - start, total)
+                logits = logits.masked_fill(~part.reshape(batch, heads, group, stop - start, total), float("-inf"))
+            probs = logits.softmax(dim=-1).nan_to_num(0.0)
+            if self.padding is not None:  # a padding query gives no attention
+                logical = self.seq_length(layer) - queries
+                real = self.padding[:, logical + start : logical + stop].to(probs.dtype)
+                probs = probs * real[:, None, None, :, None]
+            added += probs.sum(dim=(2, 3))
+        window = self.windows[layer]
+        scores = window.scores
+        if scores is None:
+            scores = added.new_zeros(batch, heads, 0)
+        if scores.shape[-1] < total:
+            scores = torch.cat((scores, scores.new_zeros(batch, heads, total - scores.shape[-1])), dim=-1)
+        window.scores = scores + added
+
+    def _key_valid(self, layer: int) -> torch.Tensor | None:
+        """[B, H, T] whether each key ``update`` returns for ``layer`` is a real token (None: all are)."""
+        window = self.windows[layer]
+        if window.positions is None and self.padding is None:
+            return None
+        exact = window.exact["keys"]
+        batch, heads = exact.shape[:2]
+        device = exact.device
+        if window.positions is None:
+            stored = torch.arange(window.compressed_tokens, device=device).expand(batch, heads, -1)
+        else:
+            stored = window.positions.long()
+        exact_index = (window.passed_tokens + torch.arange(window.exact_tokens, device=device)).expand(batch, heads, -1)
+        return self._real_positions(torch.cat((stored, exact_index), dim=-1))[1]
 
     def _attention_stats(self, members: tuple[int, ...], count: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Attention mass and spike [G, B, H, count] of the observed queries on the block's tokens."""
         stats = [
-            self.observer.attention_stats(layer, self._full(layer, "keys"), count, self.windows[layer].compressed_tokens)
+            self.observer.attention_stats(
+                layer, self._full(layer, "keys"), count, self.windows[layer].compressed_tokens,
+                self._key_valid(layer) if self.evicts else None,
+            )
             for layer in members
         ]
         return torch.stack([s[0] for s in stats]), torch.stack([s[1] for s in stats])
@@ -201,57 +505,81 @@ class CompressionEngine:
         if store.state is None:
             store.state = self.basis.init_state(work)
         first = store.coefficients.tokens
-        packed = self.quantizer.quantize(self.basis.encode(store.state, work).to(block.dtype))
+        quantizer = self.quantizer.for_kind(kind)
+        packed = quantizer.quantize(self.basis.encode(store.state, work).to(block.dtype))
         store.coefficients.append(packed)
         store.flushes += 1
-        if not any(self.levels) and not self.probe.wants(store.flushes):
+        if not self.residual_levels and not self.probe.wants(store.flushes):
             return
-        decoded = self.quantizer.dequantize(packed, torch.float32)
+        decoded = quantizer.dequantize(packed, torch.float32)
         approx = torch.stack([self.basis.decode(store.state, decoded, m, start=first) for m in range(len(members))])
         entries: list[dict[int, TensorMap]] = [{} for _ in members]
-        if any(self.levels):
+        if self.residual_levels:
             miss = (work - approx).norm(dim=-1) / work.norm(dim=-1).clamp_min(1e-9)
-            ranks = self.router.assign(self._route_block(kind, group_index, work, miss, stats))
-            stray = set(torch.unique(ranks).tolist()) - set(self.levels)
-            if stray or ranks.shape != work.shape[:-1]:
-                raise ComponentError(
-                    f"router '{self.pipeline.slots['router'].use}' returned ranks {sorted(stray)} / shape "
-                    f"{tuple(ranks.shape)}; expected values in {self.levels} shaped {tuple(work.shape[:-1])}"
-                )
+            mixing = self.basis.residual_mixing(len(members))
+            rows = residual_rows(work - approx, mixing)
+            ranks = self.router.assign(self._route_block(kind, group_index, work, miss, stats, approx, rows, mixing))
+            self._check_ranks(ranks, work.shape[:-1], allow_dropped=False)
             for member, layer in enumerate(members):
-                missing = (work[member] - approx[member]).to(block.dtype)
+                missing = (work[member] - approx[member] if mixing is None else rows[member]).to(block.dtype)
                 window = self.windows[layer]
                 if self.settings.residual_mode == "basis" and window.residual_basis[kind] is None:
                     window.residual_basis[kind] = fit_residual_basis(missing, max(self.levels))
                 basis = window.residual_basis[kind]
                 entries[member] = encode_residuals(missing, ranks[member], self.residual_quantizer, basis)
-                approx[member] = add_residuals(approx[member], entries[member], self.residual_quantizer, self.router.gates(layer, kind), basis)
+                if mixing is None:
+                    approx[member] = add_residuals(approx[member], entries[member], self.residual_quantizer, self.router.gates(layer, kind), basis)
                 for rank, fields in entries[member].items():
                     fields["token"] = fields["token"] + self.windows[layer].compressed_tokens
                     self.windows[layer].residuals[kind][rank].append(fields)
+            if mixing is not None and self.probe.wants(store.flushes):  # rows of the whole group, mixed per layer
+                relative = [{rank: {**f, "token": f["token"] - self.windows[layer].compressed_tokens} for rank, f in e.items()} for e, layer in zip(entries, members)]
+                gates = [self.router.gates(layer, kind) for layer in members]
+                bases = [self.windows[layer].residual_basis[kind] for layer in members]
+                approx = torch.stack([mix_residuals(approx[m], m, relative, self.residual_quantizer, mixing, gates, bases) for m in range(len(members))])
         if self.probe.wants(store.flushes):
             self._probe(kind, group_index, block, approx)
 
     def _route_block(
         self, kind: str, group_index: int, work: torch.Tensor, miss: torch.Tensor,
-        stats: tuple[torch.Tensor, torch.Tensor] | None,
+        stats: tuple[torch.Tensor, torch.Tensor] | None, approx: torch.Tensor | None = None, rows: torch.Tensor | None = None,
+        mixing: torch.Tensor | None = None,
     ) -> RouteBlock:
         members = self.groups[group_index]
         store = self.stores[group_index][kind]
         mass, spike = stats if stats is not None else (None, None)
-        first = self.windows[members[0]].compressed_tokens
+        first = self.windows[members[0]].passed_tokens
+        info = self._flush_info or {}  # an evicting flush: the block holds only the kept tokens
         return RouteBlock(
             layers=tuple(members),
             kind=kind,
             vectors=work,
             level_bytes=self.budget.level_bytes,
-            budget_bytes=self.budget.residual_budget(self, group_index, kind, work.shape[-2]),
+            budget_bytes=self.budget.residual_budget(self, group_index, kind, work.shape[-2], info.get("dropped", 0)),
             attention_mass=mass,
             attention_spike=spike,
-            boundary=self.observer.boundaries(first, work.shape[-2]),
+            boundary=self.observer.boundaries(first, info.get("count", work.shape[-2])),
+            kept_index=info.get("kept_index"),
             probe_error=store.probe_error,
             miss=miss,
+            approx=approx,
+            rows=rows,
+            mixing=mixing,
+            **self._route_queries(members),
+            first=first,
+            state=self.stores[group_index]["keys"].route_state,
         )
+
+    def _route_queries(self, members: tuple[int, ...]) -> dict:
+        """The observed queries of the group's layers for the router (the probe's selection when it made one)."""
+        pairs = [self.observer.probe_queries(layer) if self.observer.active else None for layer in members]
+        if any(pair is None for pair in pairs) or len({pair[0].shape for pair in pairs}) != 1:
+            return {}
+        return {
+            "queries": torch.stack([pair[0] for pair in pairs]),
+            "query_positions": torch.stack([pair[1] for pair in pairs]),
+            "query_scale": self.observer.scaling,
+        }
 
     def _probe(self, kind: str, group_index: int, block: torch.Tensor, approx: torch.Tensor) -> None:
         """Eq. (3) on the block just encoded, for the observed queries; moves budget between groups."""
@@ -263,15 +591,18 @@ class CompressionEngine:
             exact_v = self.windows[layer].exact["values"]
             n = block.shape[-2]
             dtype = torch.float32
+            info = self._flush_info  # an evicting flush: the kept tokens of both kinds, the window after them
+            other = {k: (info["blocks"][k][member] if info else exact[..., :n, :]) for k, exact in (("keys", exact_k), ("values", exact_v))}
+            start = info["count"] if info else n
             if kind == "keys":
                 keys, approx_keys = block[member], approx[member]
-                values = approx_values = exact_v[..., :n, :].to(dtype)
+                values = approx_values = other["values"].to(dtype)
             else:
                 values, approx_values = block[member], approx[member]
-                keys = approx_keys = exact_k[..., :n, :].to(dtype)
+                keys = approx_keys = other["keys"].to(dtype)
             errors.append(
                 self.probe.measure(queries.to(dtype), keys, values, approx_keys, approx_values,
-                                   exact_k[..., n:, :].to(dtype), exact_v[..., n:, :].to(dtype), self.observer.scaling)
+                                   exact_k[..., start:, :].to(dtype), exact_v[..., start:, :].to(dtype), self.observer.scaling)
             )
         store.probe_error = torch.stack(errors)
         store.next_share = self.probe.adjust(store.share, store.probe_error, store.probe_state)
@@ -295,9 +626,16 @@ class CompressionEngine:
         """The stored (packed) tokens of ``layer`` decoded to [B, H, T_packed, D] in ``dtype``."""
         group_index, member = self.group_of[layer]
         store = self.stores[group_index][kind]
-        coefficients = self.quantizer.dequantize(store.coefficients.fields, dtype)
+        coefficients = self.quantizer.for_kind(kind).dequantize(store.coefficients.fields, dtype)
         vectors = self.basis.decode(store.state or {}, coefficients, member)
-        if any(self.levels):
+        mixing = self.basis.residual_mixing(len(self.groups[group_index])) if self.residual_levels else None
+        if mixing is not None:  # residual rows of the whole group (e.g. depth frequencies)
+            members = self.groups[group_index]
+            lists = [{rank: r.fields for rank, r in self.windows[other].residuals[kind].items()} for other in members]
+            gates = [self.router.gates(other, kind) for other in members]
+            bases = [self.windows[other].residual_basis[kind] for other in members]
+            vectors = mix_residuals(vectors, member, lists, self.residual_quantizer, mixing, gates, bases)
+        elif self.residual_levels:
             lists = {rank: r.fields for rank, r in self.windows[layer].residuals[kind].items()}
             vectors = add_residuals(
                 vectors, lists, self.residual_quantizer, self.router.gates(layer, kind), self.windows[layer].residual_basis[kind]
@@ -306,8 +644,9 @@ class CompressionEngine:
 
     # ------------------------------------------------------------------------------ queries
     def seq_length(self, layer: int = 0) -> int:
+        """Logical tokens cached for ``layer`` (dropped ones included: positions are derived from it)."""
         window = self.windows[layer]
-        return window.compressed_tokens + window.exact_tokens
+        return window.passed_tokens + window.exact_tokens
 
     def memory_breakdown(self) -> dict[str, int]:
         """Stored bytes by part: exact window, coefficients, residuals (positions and indices included),
@@ -320,7 +659,9 @@ class CompressionEngine:
             "residuals": sum(r.nbytes() for w in self.windows for lists in w.residuals.values() for r in lists.values())
             + tensor_bytes(b for w in self.windows for b in w.residual_basis.values() if b is not None),
             "basis_state": tensor_bytes(t for store in stores for t in (store.state or {}).values()),
-            "observation": self.observer.nbytes(),
+            "observation": self.observer.nbytes() + (0 if self.padding is None else tensor_bytes([self.padding])),
+            # evicting routers: the cache index of every stored slot, and accumulated attention (H2O)
+            "eviction": tensor_bytes(t for w in self.windows for t in (w.positions, w.scores) if t is not None),
         }
 
     def memory_bytes(self) -> int:
@@ -341,16 +682,28 @@ class CompressionEngine:
                     residuals.select_batch(index, self.shape.num_kv_heads)
                 if window.residual_basis[kind] is not None:
                     window.residual_basis[kind] = window.residual_basis[kind].index_select(0, index.to(window.residual_basis[kind].device))
+            if window.positions is not None:
+                window.positions = window.positions.index_select(0, index.to(window.positions.device))
+            if window.scores is not None:
+                window.scores = window.scores.index_select(0, index.to(window.scores.device))
         for group in self.stores:
             for store in group.values():
                 store.coefficients.map(lambda tensor: tensor.index_select(1, index.to(tensor.device)))
                 if store.state:
                     store.state = {name: t.index_select(0, index.to(t.device)) for name, t in store.state.items()}
+                store.route_state.update({
+                    name: t.index_select(0, index.to(t.device))
+                    for name, t in store.route_state.items() if isinstance(t, torch.Tensor)
+                })
         self.observer.select_batch(index)
+        if self.padding is not None:
+            self.padding = self.padding.index_select(0, index.to(self.padding.device))
 
     def reset(self) -> None:
         self.windows = [LayerWindow(self.levels) for _ in range(self.shape.num_layers)]
         self.stores = [{kind: GroupStore() for kind in KINDS} for _ in self.groups]
         self.pending = set()
         self.returned_keys = {}
+        self.padding = None
+        self._flush_info = None
         self.observer.reset()

@@ -22,6 +22,10 @@ import torch
 
 from .errors import ModelError
 
+#: The router level of an evicted token: its key and value are not stored at all (their bytes leave
+#: ``memory_bytes()``) and attention no longer sees it. A router that evicts lists it in ``levels()``.
+DROPPED = -1
+
 
 @attrs.frozen
 class ModelShape:
@@ -72,6 +76,16 @@ class Quantizer(Component):
     def check_width(self, width: int, where: str) -> None:
         """Raise :class:`ModelError` if vectors of ``width`` values cannot be packed; ``where`` names the use."""
 
+    def for_kind(self, kind: str) -> Quantizer:
+        """The quantizer to use for ``kind`` ("keys"/"values"); the same one by default (KIVI-style
+        quantizers pack keys and values along different axes)."""
+        return self
+
+    def tokens_per_group(self) -> int:
+        """Tokens that share one row of some packed field (scales over a group of tokens); 1 by default.
+        The cache's ``block_tokens`` must be a multiple of it."""
+        return 1
+
 
 class BasisBuilder(Component):
     """Turns key/value vectors ``[D]`` into coefficients ``[r]`` and back, per group of layers.
@@ -106,6 +120,13 @@ class BasisBuilder(Component):
         """``S``: coefficient vectors stored per token for a group of ``group_size`` layers."""
         return group_size
 
+    def residual_mixing(self, group_size: int) -> torch.Tensor | None:
+        """An invertible ``M`` [G, G] when routed residuals live in another domain than the layers (e.g. depth
+        frequencies): the group's misses ``E`` are stored as rows ``R = M^-1 E`` (row ``k`` in the lists of
+        the group's ``k``-th layer, the router's ranks indexing rows) and layer ``m`` adds
+        ``sum_k M[m, k] R_k``. None (default): each layer's residual is its own miss."""
+        return None
+
     @abstractmethod
     def decode(
         self, state: dict[str, torch.Tensor], coefficients: torch.Tensor, member: int, start: int = 0
@@ -126,6 +147,16 @@ class RouteBlock:
     the first probe); ``level_bytes`` the stored bytes of one residual entry at each rank level > 0;
     ``budget_bytes`` the bytes this block's residuals may take (None: no budget); ``miss`` [G, B, H, n],
     the relative error ``||x - x_hat|| / ||x||`` of each vector after its packed coefficients.
+
+    Also, for routers that work on logits or on the basis's residual rows: ``approx`` [G, B, H, n, D] the
+    vectors as decoded from the packed coefficients (before residuals); ``rows`` [G, B, H, n, D] what the
+    ranks apply to (the misses, or ``M^-1`` of them when the basis has a ``residual_mixing`` ``mixing``
+    [G, G]; a row whose column of ``mixing`` is constant over the layers is a depth-constant part, e.g.
+    the DC row of a DCT); ``queries``
+    [G, B, Hq, P, D] observed queries of each layer (the probe's selection when it made one, else the
+    recent ones) with their logical positions ``query_positions`` [G, B, P] and softmax ``query_scale``;
+    ``first`` the logical position of the block's first token; ``state`` a dict kept per basis group
+    across blocks (shared by keys and values; the keys block is routed first).
     """
 
     layers: tuple[int, ...]
@@ -138,6 +169,34 @@ class RouteBlock:
     boundary: torch.Tensor | None = None
     probe_error: torch.Tensor | None = None
     miss: torch.Tensor | None = None
+    approx: torch.Tensor | None = None
+    rows: torch.Tensor | None = None
+    mixing: torch.Tensor | None = None
+    queries: torch.Tensor | None = None
+    query_positions: torch.Tensor | None = None
+    query_scale: float | None = None
+    first: int = 0
+    state: dict | None = None
+    # Eviction (routers whose ``levels()`` include DROPPED; see docs/baselines.md). ``valid`` [G, B, H, n]
+    # is False for padding and filler slots; ``positions`` [G, B, H, n] the token's position among its
+    # row's real tokens (-1 where not valid); ``scores`` [G, B, H, n] the attention each token has
+    # received so far (routers with ``accumulates``); ``row_tokens`` [B] the real tokens each row has
+    # cached, this forward's included; ``window_tokens`` the tokens that stay exact after this flush;
+    # ``stored`` how many leading tokens of the block are already stored (re-offered to routers with
+    # ``reselects``); ``first_flush`` whether the group stores tokens for the first time (the prompt);
+    # ``shared_tokens`` whether the group's layers share coefficient rows (a token is then kept for all
+    # of them if any keeps it); ``kept_index`` [G, B, H, k], set on the second call to a router that both
+    # evicts and ranks residuals: the block then holds only the kept tokens, ``kept_index`` giving their
+    # index in the flushed block (``boundary`` stays [B, n] of the flushed block).
+    valid: torch.Tensor | None = None
+    positions: torch.Tensor | None = None
+    scores: torch.Tensor | None = None
+    row_tokens: torch.Tensor | None = None
+    window_tokens: int = 0
+    stored: int = 0
+    first_flush: bool = False
+    shared_tokens: bool = False
+    kept_index: torch.Tensor | None = None
 
 
 class Router(Component):
@@ -148,10 +207,18 @@ class Router(Component):
     needs_attention: ClassVar[bool] = False
     #: whether ``assign`` uses delimiter flags (the cache then needs the tokenizer and the token ids)
     needs_boundaries: ClassVar[bool] = False
+    #: whether the cache should accumulate, per stored token, the attention every query gives it (H2O)
+    accumulates: ClassVar[bool] = False
+    #: whether stored tokens are offered again at every flush (they may then be dropped; needs a basis
+    #: without state and no residual levels)
+    reselects: ClassVar[bool] = False
 
     @abstractmethod
     def levels(self) -> tuple[int, ...]:
-        """The residual ranks this router assigns, ascending (0 = no residual)."""
+        """The residual ranks this router assigns, ascending (0 = no residual; DROPPED = evicted)."""
+
+    def check_window(self, recent_window: int, block_tokens: int, where: str) -> None:
+        """Raise :class:`BudgetError` if the router's token budget cannot hold the pipeline's exact window."""
 
     @abstractmethod
     def assign(self, block: RouteBlock) -> torch.Tensor:
@@ -172,6 +239,18 @@ class Probe(Component):
     group: ClassVar[str] = "probes"
     #: whether the probe needs the recent queries (the cache then observes them)
     needs_queries: ClassVar[bool] = False
+    #: whether ``select_queries`` uses delimiter flags (the cache then needs the tokenizer and the token ids)
+    needs_boundaries: ClassVar[bool] = False
+    #: whether the probe picks query positions of each forward for the router (``select_queries``)
+    selects_queries: ClassVar[bool] = False
+
+    def select_queries(
+        self, query: torch.Tensor, keys: torch.Tensor, boundary: torch.Tensor | None, scale: float | None
+    ) -> torch.Tensor:
+        """Positions [B, P] (indices into the forward's ``q`` new tokens) of the queries the router should
+        use: ``query`` [B, Hq, q, D] the forward's queries, ``keys`` [B, H, T, D] every key they attend to
+        (the last ``q`` being their own), ``boundary`` [B, q] delimiter flags (or None)."""
+        raise NotImplementedError
 
     def wants(self, flush_index: int) -> bool:
         """Whether to measure at this flush of a group (the n-th time the group encodes a block)."""

@@ -33,10 +33,14 @@ def _observing_attention(module, query, key, value, attention_mask, **kwargs):
 
     ref = getattr(_active, "engine", None)
     engine = ref() if ref is not None else None
-    if engine is None or not engine.observer.active or not engine.owns(module.layer_idx, key):
+    if engine is None or not engine.own_attention or not engine.owns(module.layer_idx, key):
         # another cache (or none) serves this forward: plain sdpa, nothing recorded
         return ALL_ATTENTION_FUNCTIONS["sdpa"](module, query, key, value, attention_mask, **kwargs)
-    engine.observer.record(module.layer_idx, query, kwargs.get("scaling") or getattr(module, "scaling", None))
+    scaling = kwargs.get("scaling") or getattr(module, "scaling", None)
+    if engine.observer.active:
+        engine.observer.record(module.layer_idx, query, scaling, key)
+    # K/V without the evicted tokens need their own mask (built from the model's mask over all tokens)
+    attention_mask = engine.prepare_attention(module.layer_idx, query, key, attention_mask, scaling)
     output = ALL_ATTENTION_FUNCTIONS["sdpa"](module, query, key, value, attention_mask, **kwargs)
     engine.after_attention(module.layer_idx)
     return output
@@ -65,13 +69,14 @@ def bind_model(model: Any, engine: Any, tokenizer: Any = None) -> None:
     """Let ``engine`` observe ``model``: switch its attention to ``kvweave-observe`` when the pipeline needs
     queries, and tap its token ids when the router needs delimiter flags (which need ``tokenizer``)."""
     observer = engine.observer
-    if observer.active and model.config._attn_implementation != ATTENTION_NAME:
+    if engine.own_attention and model.config._attn_implementation != ATTENTION_NAME:
         _register_attention()
         model.set_attn_implementation(ATTENTION_NAME)
-    if engine.router.needs_boundaries:
+    if engine.router.needs_boundaries or getattr(engine.probe, "needs_boundaries", False):
         if tokenizer is None:
+            slot = "router" if engine.router.needs_boundaries else "probe"
             raise CacheStateError(
-                f"pipeline '{engine.pipeline.name}': router '{engine.pipeline.slots['router'].use}' uses delimiter "
+                f"pipeline '{engine.pipeline.name}': {slot} '{engine.pipeline.slots[slot].use}' uses delimiter "
                 "features from the token ids; pass tokenizer= to build_cache"
             )
         tap = getattr(model, "_kvweave_token_tap", None)
@@ -108,6 +113,8 @@ class Observer:
         self.keep = queries
         self.tap: TokenTap | None = None
         self.boundary_ids: torch.Tensor | None = None
+        #: the probe's ``select_queries`` when it picks query positions of each forward (set by the engine)
+        self.selector: Any = None
         self.reset()
 
     @property
@@ -119,8 +126,12 @@ class Observer:
         self.scaling: float | None = None
         self._flags: torch.Tensor | None = None  # [B, tokens since _flag_start]
         self._flag_start = 0
+        self._ends: list[int] = [0] * self.shape.num_layers  # keys seen by each layer's last recorded forward
+        # the probe's selection from the current forward: (queries [B, Hq, P, D], positions [B, P]) per layer
+        self._selected: list[tuple[torch.Tensor, torch.Tensor] | None] = [None] * self.shape.num_layers
 
     def start_forward(self, tokens: int) -> None:
+        self._selected = [None] * self.shape.num_layers
         if self.tap is None:
             return
         ids = self.tap.pending
@@ -133,21 +144,57 @@ class Observer:
         self._flags = flags if self._flags is None else torch.cat((self._flags, flags), dim=-1)
         self.tap.pending = None
 
-    def record(self, layer: int, query: torch.Tensor, scaling: float | None) -> None:
-        """Keep the last ``keep`` queries [B, Hq, q, D] of ``layer``."""
+    def record(self, layer: int, query: torch.Tensor, scaling: float | None, key: torch.Tensor | None = None) -> None:
+        """Keep the last ``keep`` queries [B, Hq, q, D] of ``layer``; with a ``selector`` and ``key`` [B, H, T, D]
+        (all keys of the layer), also the probe's selection from a forward of more than ``keep`` tokens."""
         old = self._queries[layer]
         recent = query[..., -self.keep :, :].detach()
         joined = recent if old is None else torch.cat((old, recent), dim=-2)[..., -self.keep :, :]
         self._queries[layer] = joined.contiguous().clone()  # never a view of the whole query tensor
         self.scaling = scaling
+        if key is None:
+            return
+        self._ends[layer] = key.shape[-2]
+        new = query.shape[-2]
+        if self.selector is not None and new > self.keep:
+            flags = None if self._flags is None or self._flags.shape[-1] < new else self._flags[:, -new:]
+            picked = self.selector(query.detach(), key.detach(), flags, scaling).long()  # [B, P] in 0..new-1
+            index = picked.to(query.device)[:, None, :, None].expand(-1, query.shape[1], -1, query.shape[-1])
+            chosen = query.detach().gather(2, index).contiguous().clone()
+            self._selected[layer] = (chosen, (key.shape[-2] - new + picked).to(torch.int32))
 
     def queries(self, layer: int) -> torch.Tensor:
         return self._queries[layer]  # type: ignore[return-value]
 
-    def attention_stats(self, layer: int, keys: torch.Tensor, block: int, first: int) -> tuple[torch.Tensor, torch.Tensor]:
+    def probe_queries(self, layer: int) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """Queries [B, Hq, P, D] and their logical positions [B, P] for the router: the probe's selection from
+        the current forward when it made one, else the recent queries (None before any was recorded)."""
+        if self._selected[layer] is not None:
+            return self._selected[layer]
+        recent = self._queries[layer]
+        if recent is None:
+            return None
+        observed = recent.shape[-2]
+        positions = torch.arange(self._ends[layer] - observed, self._ends[layer], device=recent.device, dtype=torch.int32)
+        return recent, positions.expand(recent.shape[0], -1)
+
+    def forget_selection(self, layers: tuple[int, ...]) -> None:
+        """Drop the probe's selection of ``layers`` once their group has been routed (it is not kept)."""
+        for layer in layers:
+            self._selected[layer] = None
+
+    def forget_queries(self, layers: tuple[int, ...]) -> None:
+        """Drop the recent queries of ``layers`` (when only the forward that flushes needs them)."""
+        for layer in layers:
+            self._queries[layer] = None
+
+    def attention_stats(
+        self, layer: int, keys: torch.Tensor, block: int, first: int, valid: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """Summed and largest attention probability of the recent queries on keys ``first .. first+block``.
 
-        ``keys`` [B, H, T, D] all keys of ``layer``; returns two [B, H, block] tensors."""
+        ``keys`` [B, H, T, D] all keys of ``layer`` (the queries being the last tokens); ``valid`` [B, H, T]
+        False for keys no query may see (padding, evicted slots); returns two [B, H, block] tensors."""
         queries = self._queries[layer].float()
         batch, q_heads, observed, dim = queries.shape
         heads = keys.shape[1]
@@ -158,7 +205,12 @@ class Observer:
         query_pos = (total - observed + torch.arange(observed, device=keys.device)).repeat(q_heads // heads)
         key_pos = torch.arange(total, device=keys.device)
         logits = logits.masked_fill(key_pos[None, :] > query_pos[:, None], float("-inf"))
-        probs = logits.softmax(dim=-1)[..., first : first + block]
+        if valid is not None:
+            logits = logits.masked_fill(~valid[:, :, None, :], float("-inf"))
+        probs = logits.softmax(dim=-1).nan_to_num(0.0)
+        if valid is not None:  # a padding query (its own key invalid) gives no attention
+            probs = probs * valid[:, :, total - observed :].repeat(1, 1, q_heads // heads)[..., None]
+        probs = probs[..., first : first + block]
         return probs.sum(dim=-2), probs.amax(dim=-2)
 
     def boundaries(self, first: int, block: int) -> torch.Tensor | None:
@@ -176,11 +228,16 @@ class Observer:
 
     def nbytes(self) -> int:
         tensors = [q for q in self._queries if q is not None]
+        tensors += [t for pair in self._selected if pair is not None for t in pair]
         if self._flags is not None:
             tensors.append(self._flags)
         return tensor_bytes(tensors)
 
     def select_batch(self, index: torch.Tensor) -> None:
         self._queries = [None if q is None else q.index_select(0, index.to(q.device)) for q in self._queries]
+        self._selected = [
+            None if pair is None else tuple(t.index_select(0, index.to(t.device)) for t in pair)  # type: ignore[misc]
+            for pair in self._selected
+        ]
         if self._flags is not None:
             self._flags = self._flags.index_select(0, index.to(self._flags.device))

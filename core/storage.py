@@ -29,23 +29,35 @@ def tensor_bytes(tensors: Iterable[torch.Tensor]) -> int:
 
 
 class Segment:
-    """Named packed tensors sharing a token axis at dim -2 (``[..., T, k]``), appended block by block."""
+    """Named packed tensors sharing a token axis at dim -2 (``[..., T, k]``), appended block by block.
+
+    A field may hold one row per group of tokens (e.g. KIVI's per-channel key scales, one row per 32
+    tokens): its token axis is then ``T / stride``. The stride of each field is fixed by the first block
+    (``tokens / rows``, the token count being the longest field's) and every later block must agree, so
+    blocks concatenate row by row.
+    """
 
     def __init__(self) -> None:
         self.fields: TensorMap = {}
+        self.strides: dict[str, int] = {}
         self.tokens = 0
 
     def append(self, fields: TensorMap) -> None:
         lengths = {name: tensor.shape[-2] for name, tensor in fields.items()}
-        if len(set(lengths.values())) != 1:
-            raise ValueError(f"packed fields disagree on the token count: {lengths}")
+        tokens = max(lengths.values())
+        strides = {name: tokens // length if length else 0 for name, length in lengths.items()}
+        if any(length == 0 or length * strides[name] != tokens for name, length in lengths.items()):
+            raise ValueError(f"packed fields disagree on the token count: {lengths} (a field may hold one row per group of tokens only when the group divides the count)")
         if self.fields and set(fields) != set(self.fields):
             raise ValueError(f"packed fields changed from {sorted(self.fields)} to {sorted(fields)}")
+        if self.fields and strides != self.strides:
+            raise ValueError(f"packed fields changed their tokens per row from {self.strides} to {strides} ({lengths})")
         if not self.fields:
             self.fields = {name: tensor.contiguous() for name, tensor in fields.items()}
+            self.strides = strides
         else:
             self.fields = {name: torch.cat((self.fields[name], fields[name]), dim=-2) for name in self.fields}
-        self.tokens += next(iter(lengths.values()))
+        self.tokens += tokens
 
     def map(self, fn: Callable[[torch.Tensor], torch.Tensor]) -> None:
         """Replace every field by ``fn(field)`` (used for batch reordering)."""

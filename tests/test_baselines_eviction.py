@@ -1,0 +1,473 @@
+"""Baselines as pipelines: eviction routers (the DROPPED level), KIVI, and SnapKV + DepthWeave-KV composed.
+
+Every property here could fail: evicted bytes really leave the cache, kept sets are what each paper
+defines (checked against transformers' own eager attention where a selection depends on attention),
+attention over the evicted cache equals attention over the full cache with those tokens masked, a row of
+a left-padded batch gives what it gives alone, KIVI's error stays within half its stored scale, and bad
+settings are refused naming the pipeline, slot and parameter."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+from transformers import DynamicCache
+
+from kvweave.core import build_cache, cache_kwargs
+from kvweave.core.cache import KVWeaveCache
+from kvweave.core.errors import BudgetError, CacheStateError, KvweaveError, ModelError
+from kvweave.core.interfaces import DROPPED
+from kvweave.core.registry import load_pipeline
+from kvweave.plugins.quantizers.kivi import KiviKeys, KiviQuantizer, KiviValues, unpack
+from kvweave.plugins.routers._eviction import keep_top, pool
+
+from conftest import ToyTokenizer, tiny_llama
+
+REGISTRY = textwrap.dedent("""
+    [pipelines.t-stream]
+    extends = "streaming-llm"
+    recent_window = 16
+    [pipelines.t-stream.router]
+    sinks = 4
+
+    [pipelines.t-snap]
+    extends = "snapkv"
+    recent_window = 8
+    observe_queries = 8
+    [pipelines.t-snap.router]
+    use = "snapkv"
+    budget = 24
+    kernel = 5
+
+    [pipelines.t-pyramid]
+    extends = "snapkv"
+    recent_window = 8
+    observe_queries = 8
+    [pipelines.t-pyramid.router]
+    use = "pyramidkv"
+    budget = 24
+    beta = 4.0
+
+    [pipelines.t-h2o]
+    extends = "h2o"
+    recent_window = 8
+    [pipelines.t-h2o.router]
+    use = "h2o"
+    budget = 20
+
+    [pipelines.t-snap-bad]
+    extends = "t-snap"
+    [pipelines.t-snap-bad.router]
+    budget = 5
+
+    [pipelines.t-kivi-bad]
+    extends = "kivi-2"
+    block_tokens = 48
+
+    [pipelines.t-compose-bad]
+    extends = "snapkv-depthweave"
+    [pipelines.t-compose-bad.router]
+    evict = "uniform"
+    [pipelines.t-compose-bad.router.evict_params]
+
+    [pipelines.t-dw]
+    extends = "depthweave-kv"
+    recent_window = 32
+    [pipelines.t-dw.basis]
+    window = 2
+    rank = 16
+    update_every = 2
+    [pipelines.t-dw.quantizer]
+    block = 16
+
+    [pipelines.t-snap-dw]
+    extends = "snapkv-depthweave"
+    recent_window = 32
+    [pipelines.t-snap-dw.basis]
+    window = 2
+    rank = 16
+    update_every = 2
+    [pipelines.t-snap-dw.quantizer]
+    block = 16
+    [pipelines.t-snap-dw.router.evict_params]
+    fraction = 0.25
+
+    [pipelines.t-snap-wide]
+    extends = "snapkv"
+    recent_window = 32
+    [pipelines.t-snap-wide.router]
+    use = "snapkv"
+    fraction = 0.25
+""")
+
+EVICTING = ["t-stream", "t-snap", "t-pyramid", "t-h2o"]
+
+
+@pytest.fixture(scope="module")
+def registry(tmp_path_factory):
+    path = tmp_path_factory.mktemp("baselines") / "baselines.toml"
+    path.write_text(REGISTRY)
+    return path
+
+
+@pytest.fixture(scope="module")
+def model64():
+    return tiny_llama(torch.float64)
+
+
+def _cache(name, model, registry):
+    return build_cache(load_pipeline(name, registry), model, tokenizer=ToyTokenizer())
+
+
+def _ids(batch=1, length=100, seed=3):
+    torch.manual_seed(seed)
+    return torch.randint(1, 128, (batch, length))
+
+
+def _prefill(model, cache, ids, mask=None):
+    with torch.inference_mode():
+        return model(input_ids=ids, attention_mask=mask, use_cache=True, **cache_kwargs(model, cache))
+
+
+# ------------------------------------------------------------------------------------ StreamingLLM
+def test_streaming_llm_keeps_exactly_the_sinks_and_the_window(model64, registry):
+    cache = _cache("t-stream", model64, registry)
+    ids = _ids(length=100)
+    _prefill(model64, cache, ids)
+    token = ids[:, -1:]
+    with torch.inference_mode():
+        for step in range(5):
+            token = model64(input_ids=token, use_cache=True, **cache_kwargs(model64, cache)).logits[:, -1:].argmax(-1)
+            total = 101 + step
+            assert cache.get_seq_length() == total  # logical count: positions stay right
+            for window in cache.engine.windows:
+                assert window.exact_tokens == 16  # the recent window
+                assert window.positions.tolist() == [[[0, 1, 2, 3]] * 2]  # the sinks, in every head
+                assert window.compressed_tokens + window.exact_tokens == 20
+
+
+def test_streaming_llm_sinks_are_a_padded_rows_first_real_tokens(model64, registry):
+    cache = _cache("t-stream", model64, registry)
+    ids = _ids(batch=2, length=60)
+    mask = torch.ones_like(ids)
+    mask[0, :7] = 0
+    _prefill(model64, cache, ids, mask)
+    for window in cache.engine.windows:
+        assert window.positions[0].tolist() == [[7, 8, 9, 10]] * 2
+        assert window.positions[1].tolist() == [[0, 1, 2, 3]] * 2
+
+
+def test_evicted_bytes_leave_the_cache_and_memory_stays_flat(model64, registry):
+    short, long = _cache("t-stream", model64, registry), _cache("t-stream", model64, registry)
+    _prefill(model64, short, _ids(length=60))
+    _prefill(model64, long, _ids(length=400))
+    assert short.memory_bytes() == long.memory_bytes()  # 4 sinks + 16 recent tokens either way
+    full = build_cache("full", model64)
+    _prefill(model64, full, _ids(length=400))
+    stored = long.memory_breakdown()
+    kv = stored["exact_window"] + stored["coefficients"]
+    assert kv * 20 == full.memory_bytes()  # 20 of 400 tokens held, nothing else of the K/V
+    assert stored["eviction"] == 3 * 1 * 2 * 4 * 4  # int32 cache index of each stored slot
+    assert long.compression_ratio() > 4.9  # 20x fewer tokens, stored in float64 (4x a 16-bit cache)
+
+
+def test_attention_over_the_evicted_cache_equals_masked_full_attention(model64, registry):
+    ids = _ids(length=80)
+    cache = _cache("t-stream", model64, registry)
+    reference = DynamicCache(config=model64.config)
+    _prefill(model64, cache, ids)
+    _prefill(model64, reference, ids)
+    token = ids[:, -1:]
+    with torch.inference_mode():
+        for step in range(4):
+            total = 81 + step
+            ours = model64(input_ids=token, use_cache=True, **cache_kwargs(model64, cache)).logits
+            mask = torch.zeros(1, total, dtype=torch.long)
+            mask[0, :4] = 1
+            mask[0, total - 17 :] = 1  # 16 recent tokens + the new one
+            theirs = model64(input_ids=token, attention_mask=mask, use_cache=True, **cache_kwargs(model64, reference)).logits
+            # stored tokens pass through the engine's float32 encoding: float32 rounding, nothing more
+            assert torch.allclose(ours, theirs, atol=1e-6), (ours - theirs).abs().max()
+            token = ours[:, -1:].argmax(-1)
+
+
+# ------------------------------------------------------------------------------------ batches
+@pytest.mark.parametrize("name", EVICTING)
+def test_a_left_padded_row_gives_what_it_gives_alone(model64, registry, name):
+    ids = _ids(batch=2, length=90, seed=5)
+    mask = torch.ones_like(ids)
+    mask[0, :13] = 0
+    options = dict(max_new_tokens=12, do_sample=False, output_scores=True, return_dict_in_generate=True, pad_token_id=0)
+    batch = model64.generate(input_ids=ids, attention_mask=mask, **options, **cache_kwargs(model64, _cache(name, model64, registry)))
+    alone = model64.generate(input_ids=ids[:1, 13:], **options, **cache_kwargs(model64, _cache(name, model64, registry)))
+    assert torch.equal(batch.sequences[0, 90:], alone.sequences[0, 77:])
+    for a, b in zip(batch.scores, alone.scores):
+        assert torch.allclose(a[0], b[0], atol=1e-9)
+
+
+def test_batch_reordering_moves_positions_and_scores(model64, registry):
+    cache = _cache("t-h2o", model64, registry)
+    _prefill(model64, cache, _ids(batch=2, length=70))
+    before = [(w.positions.clone(), w.scores.clone()) for w in cache.engine.windows]
+    cache.reorder_cache(torch.tensor([1, 0, 1]))
+    for (positions, scores), window in zip(before, cache.engine.windows):
+        assert torch.equal(window.positions, positions[[1, 0, 1]])
+        assert torch.equal(window.scores, scores[[1, 0, 1]])
+
+
+# ------------------------------------------------------------------------------------ SnapKV, PyramidKV
+def _eager_votes(ids, window, count):
+    """Observation-window votes from transformers' own eager attention weights: [L, B, H, count]."""
+    reference = tiny_llama(torch.float64)
+    reference.set_attn_implementation("eager")
+    with torch.inference_mode():
+        attentions = reference(input_ids=ids, output_attentions=True).attentions
+    votes = []
+    for probs in attentions:  # [B, Hq, T, T]
+        batch, q_heads = probs.shape[:2]
+        grouped = probs[:, :, -window:, :count].reshape(batch, 2, q_heads // 2, window, count)
+        votes.append(grouped.sum(dim=(2, 3)))
+    return torch.stack(votes)
+
+
+def test_snapkv_keeps_the_top_pooled_votes_of_the_observation_window(model64, registry):
+    ids = _ids(length=120, seed=7)
+    cache = _cache("t-snap", model64, registry)
+    _prefill(model64, cache, ids)
+    votes = pool(_eager_votes(ids, window=8, count=112), 5, "avg")
+    for layer, window in enumerate(cache.engine.windows):
+        assert window.compressed_tokens == 24 - 8 and window.exact_tokens == 8
+        expected = votes[layer].topk(16, dim=-1).indices.sort(dim=-1).values
+        assert torch.equal(window.positions.long().sort(dim=-1).values, expected)
+    heads = [set(map(tuple, w.positions[0].tolist())) for w in cache.engine.windows]
+    assert any(len(h) > 1 for h in heads)  # heads choose their own tokens
+
+
+def test_snapkv_keeps_generated_tokens_and_frees_the_prompt(model64, registry):
+    cache = _cache("t-snap", model64, registry)
+    _prefill(model64, cache, _ids(length=120))
+    token = torch.tensor([[5]])
+    with torch.inference_mode():
+        for _ in range(6):
+            token = model64(input_ids=token, use_cache=True, **cache_kwargs(model64, cache)).logits[:, -1:].argmax(-1)
+    window = cache.engine.windows[0]
+    assert window.compressed_tokens == 16 + 6 and window.positions[0, 0, -6:].tolist() == list(range(112, 118))
+    full = build_cache("full", model64)
+    _prefill(model64, full, _ids(length=126))
+    stored = cache.memory_breakdown()
+    assert (stored["exact_window"] + stored["coefficients"]) * 126 == full.memory_bytes() * 30
+
+
+def test_pyramidkv_budgets_fall_with_depth_and_average_the_budget(registry):
+    model = tiny_llama(torch.float64, layers=5)
+    cache = _cache("t-pyramid", model, registry)
+    _prefill(model, cache, _ids(length=150))
+    kept = [w.compressed_tokens + w.exact_tokens for w in cache.engine.windows]
+    assert all(a > b for a, b in zip(kept, kept[1:])), kept
+    assert abs(sum(kept) / len(kept) - 24) <= 1
+    assert kept[-1] == 8 + round(16 / 4)  # the window plus (budget - window) / beta
+
+
+def test_keep_top_skips_padding_and_keeps_per_row_counts():
+    scores = torch.tensor([[[[5.0, 4.0, 3.0, 2.0, 1.0]], [[1.0, 2.0, 3.0, 4.0, 5.0]]]])  # [1, 2, 1, 5]
+    valid = torch.tensor([[[[False, True, True, True, True]], [[True, True, True, True, True]]]])
+    ranks = keep_top(scores, valid, torch.tensor([2, 1]))
+    assert ranks[0, 0, 0].tolist() == [DROPPED, 0, 0, DROPPED, DROPPED]
+    assert ranks[0, 1, 0].tolist() == [DROPPED, DROPPED, DROPPED, DROPPED, 0]
+
+
+# ------------------------------------------------------------------------------------ H2O
+def test_h2o_holds_a_fixed_budget_and_evicts_stored_tokens(model64, registry):
+    cache = _cache("t-h2o", model64, registry)
+    _prefill(model64, cache, _ids(length=90))
+    sizes = []
+    token = torch.tensor([[9]])
+    with torch.inference_mode():
+        for _ in range(6):
+            token = model64(input_ids=token, use_cache=True, **cache_kwargs(model64, cache)).logits[:, -1:].argmax(-1)
+            sizes.append(cache.memory_bytes())
+    assert len(set(sizes)) == 1  # the budget holds at every step
+    assert all(w.compressed_tokens == 12 and w.exact_tokens == 8 for w in cache.engine.windows)
+    # a token about to leave the window that has received more attention than a stored heavy hitter
+    # replaces it: stored tokens are re-selected at every step
+    window = cache.engine.windows[1]
+    leaving = window.passed_tokens
+    weakest = window.scores[0, 0, :12].argmin()
+    dropped = int(window.positions[0, 0, weakest])
+    with torch.inference_mode():
+        window.scores[0, 0, 12] = window.scores[0, 0, :12].max() + 1.0
+        model64(input_ids=token, use_cache=True, **cache_kwargs(model64, cache))
+    kept = set(window.positions[0, 0].tolist())
+    assert leaving in kept and dropped not in kept and len(kept) == 12
+    assert leaving not in set(window.positions[0, 1].tolist())  # the other head decided on its own scores
+
+
+def test_h2o_keeps_the_tokens_with_the_most_accumulated_attention_at_prefill(model64, registry):
+    ids = _ids(length=60, seed=11)
+    cache = _cache("t-h2o", model64, registry)
+    _prefill(model64, cache, ids)
+    reference = tiny_llama(torch.float64)
+    reference.set_attn_implementation("eager")
+    with torch.inference_mode():
+        attentions = reference(input_ids=ids, output_attentions=True).attentions
+    for layer, window in enumerate(cache.engine.windows):
+        received = attentions[layer][0].reshape(2, 2, 60, 60).sum(dim=(1, 2))[:, :52]  # [H, 52] all queries
+        expected = received.topk(12, dim=-1).indices.sort(dim=-1).values
+        assert torch.equal(window.positions[0].long().sort(dim=-1).values, expected)
+
+
+# ------------------------------------------------------------------------------------ KIVI
+def _outliers(shape, seed=0):
+    torch.manual_seed(seed)
+    x = torch.randn(shape)
+    x[..., 3] *= 20  # an outlier channel, as keys have
+    return x
+
+
+@pytest.mark.parametrize("bits", [2, 4])
+def test_kivi_keys_are_within_half_a_scale_per_channel_and_group(bits):
+    x = _outliers((2, 3, 64, 64))
+    quantizer = KiviKeys(bits, 32)
+    packed = quantizer.quantize(x)
+    assert packed["codes"].shape == (2, 3, 64, 64 * bits // 8) and packed["scale"].shape == (2, 3, 2, 64)
+    x_hat = quantizer.dequantize(packed, torch.float32)
+    bound = packed["scale"].float().repeat_interleave(32, dim=-2) / 2
+    assert bool(((x - x_hat).abs() <= bound * (1 + 1e-6) + 1e-7).all())
+    codes = unpack(packed["codes"], bits)
+    assert int(codes.max()) == 2**bits - 1 and int(codes.min()) == 0  # the range is used
+    # per channel: the outlier channel's scale does not coarsen the others
+    assert float(packed["scale"][..., 3].float().min()) > 5 * float(packed["scale"][..., 4].float().max())
+
+
+@pytest.mark.parametrize("bits", [2, 4])
+def test_kivi_values_are_within_half_a_scale_per_token_group(bits):
+    x = _outliers((2, 3, 40, 64), seed=1)
+    quantizer = KiviValues(bits, 32)
+    packed = quantizer.quantize(x)
+    assert packed["scale"].shape == (2, 3, 40, 2)
+    x_hat = quantizer.dequantize(packed, torch.float32)
+    bound = packed["scale"].float().repeat_interleave(32, dim=-1) / 2
+    assert bool(((x - x_hat).abs() <= bound * (1 + 1e-6) + 1e-7).all())
+    assert float((x - x_hat).abs().max()) > 0
+
+
+@pytest.mark.parametrize("name,bits", [("kivi-2", 2), ("kivi-4", 4)])
+def test_kivi_cache_stores_packed_codes_within_the_bound(name, bits):
+    model = tiny_llama()
+    ids = _ids(length=300)
+    cache = build_cache(name, model)
+    reference = DynamicCache(config=model.config)
+    _prefill(model, cache, ids)
+    _prefill(model, reference, ids)
+    for layer in range(3):
+        window = cache.engine.windows[layer]
+        assert window.compressed_tokens == 192 and window.exact_tokens == 108  # 96..127 recent tokens exact
+        store = cache.engine.stores[layer]
+        for kind, exact in (("keys", reference.layers[layer].keys), ("values", reference.layers[layer].values)):
+            stored = cache.engine.reconstruct(layer, kind, torch.float32)
+            fields = store[kind].coefficients.fields
+            axis = -2 if kind == "keys" else -1
+            group = 32 if kind == "keys" else 16  # value_group is capped at head_dim (16 here)
+            bound = fields["scale"].float().repeat_interleave(group, dim=axis) / 2
+            assert bool(((stored - exact[..., :192, :]).abs() <= bound * (1 + 1e-6) + 1e-6).all())
+    # real bytes: codes at `bits` per value, float16 scale and zero per 32 tokens (keys) or per token (values)
+    per_layer = 192 * 16 * bits // 8 * 2 + 2 * 2 * (192 // 32) * 16 + 2 * 2 * 192 * 1
+    assert cache.memory_breakdown()["coefficients"] == 3 * 2 * per_layer  # batch 1, 2 KV heads
+
+
+def test_kivi_quantizer_packs_keys_and_values_on_their_own_axes():
+    quantizer = KiviQuantizer(bits=2, group=32, value_group=32)
+    assert isinstance(quantizer.for_kind("keys"), KiviKeys) and isinstance(quantizer.for_kind("values"), KiviValues)
+    assert quantizer.for_kind("keys").tokens_per_group() == 32
+    with pytest.raises(ValueError, match="2 or 4"):
+        KiviQuantizer(bits=3)
+
+
+# ------------------------------------------------------------------------------------ composed
+def test_snapkv_depthweave_factorizes_only_the_kept_tokens(registry):
+    model = tiny_llama(torch.bfloat16, layers=4, hidden=256)
+    ids = _ids(batch=2, length=600)
+    caches = {name: _cache(name, model, registry) for name in ("t-snap-dw", "t-dw", "t-snap-wide")}
+    for cache in caches.values():
+        _prefill(model, cache, ids)
+    composed = caches["t-snap-dw"]
+    kept = caches["t-snap-wide"].engine.windows[0]
+    for layer, window in enumerate(composed.engine.windows):
+        assert 0 < window.compressed_tokens < 600 - window.exact_tokens
+        # one selection per window of 2 layers (their tokens share coefficient rows)
+        partner = composed.engine.windows[layer ^ 1]
+        assert torch.equal(window.positions, partner.positions)
+        for lists in window.residuals.values():
+            for residuals in lists.values():
+                if residuals.entries:
+                    assert int(residuals.fields["token"].max()) < window.compressed_tokens
+    assert composed.memory_bytes() < caches["t-dw"].memory_bytes()
+    assert composed.memory_bytes() < caches["t-snap-wide"].memory_bytes()
+    assert kept.compressed_tokens > 0
+    breakdown = composed.memory_breakdown()
+    assert breakdown["coefficients"] > 0 and breakdown["basis_state"] > 0
+    out = model.generate(input_ids=ids[:1, :200], max_new_tokens=5, do_sample=False, pad_token_id=0,
+                         **cache_kwargs(model, _cache("t-snap-dw", model, registry)))
+    assert out.shape == (1, 205)
+
+
+# ------------------------------------------------------------------------------------ errors
+def test_a_budget_smaller_than_the_window_is_refused_naming_pipeline_slot_and_parameter(model64, registry):
+    with pytest.raises(BudgetError, match=r"pipeline 't-snap-bad', slot 'router' \('snapkv'\): 'budget' = 5 tokens"):
+        _cache("t-snap-bad", model64, registry)
+
+
+def test_kivi_groups_must_divide_the_block(model64, registry):
+    with pytest.raises(ModelError, match=r"pipeline 't-kivi-bad', slot 'quantizer'.*groups of 32 tokens.*block_tokens \(48\)"):
+        _cache("t-kivi-bad", model64, registry)
+
+
+def test_compose_refuses_an_evict_router_that_never_drops(registry):
+    with pytest.raises(KvweaveError, match=r"t-compose-bad.*'evict' = 'uniform' never drops"):
+        load_pipeline("t-compose-bad", registry)
+
+
+def test_budget_and_fraction_together_are_refused(tmp_path):
+    path = tmp_path / "r.toml"
+    path.write_text('[pipelines.x]\nextends = "snapkv"\n[pipelines.x.router]\nbudget = 64\n')
+    with pytest.raises(KvweaveError, match=r"pipeline 'x', slot 'router'.*either 'budget'.*or 'fraction'"):
+        load_pipeline("x", path)
+
+
+def test_an_evicting_cache_on_an_unbound_model_stops_with_a_clear_error(registry):
+    model = tiny_llama(torch.float64)
+    cache = KVWeaveCache(load_pipeline("t-stream", registry), model.config)  # the model's attention is plain sdpa
+    with torch.inference_mode():
+        model(input_ids=_ids(length=40), use_cache=True, **cache_kwargs(model, cache))
+        with pytest.raises(CacheStateError, match="build_cache"):
+            model(input_ids=torch.tensor([[3]]), use_cache=True, **cache_kwargs(model, cache))
+
+
+# ------------------------------------------------------------------------------------ end to end
+@pytest.mark.parametrize("name", ["streaming-llm", "h2o", "snapkv", "pyramidkv", "kivi-2", "kivi-4"])
+def test_each_baseline_pipeline_generates_on_a_tiny_model(name):
+    model = tiny_llama()
+    ids = _ids(batch=2, length=260)
+    mask = torch.ones_like(ids)
+    mask[0, :30] = 0
+    cache = build_cache(name, model)
+    out = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=6, do_sample=False, pad_token_id=0,
+                         **cache_kwargs(model, cache))
+    assert out.shape == (2, 266)
+    assert cache.get_seq_length() == 265
+    assert 0 < cache.memory_bytes() < cache.full_cache_bytes_16bit() * 2  # float32 model: a full cache is 2x
+
+
+@pytest.mark.model
+def test_snapkv_generate_on_the_default_model_through_the_cli():
+    result = subprocess.run(
+        [sys.executable, "-c", "from kvweave.core.cli import main; raise SystemExit(main())", "generate", "--pipeline", "snapkv", "--prompt",
+         "The harbour opened at dawn. " * 40 + "When did the harbour open?", "--max-new-tokens", "8", "--dtype", "bfloat16"],
+        capture_output=True, text=True, timeout=600,
+    )
+    assert result.returncode == 0, result.stderr
+    ratio = float(result.stdout.split("ratio")[1].split("x")[0])
+    assert ratio > 3
