@@ -433,6 +433,8 @@ class CompressionEngine:
         physical = self.physical_mask(layer, mask, query.shape[-2], query.shape[1])
         if self.accumulates:
             self._accumulate(layer, query, key, physical, scaling)
+        if physical is not None and query.shape[-2] == 1 and bool(physical.all()):
+            return None  # one query that sees every held key: sdpa's fast path, no mask needed
         return physical
 
     def _accumulate(self, layer: int, query: torch.Tensor, key: torch.Tensor, mask: torch.Tensor | None, scaling: float | None) -> None:
