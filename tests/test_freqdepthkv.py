@@ -198,6 +198,12 @@ def test_static_gives_every_head_of_a_block_the_same_mode():
     assert block.state["mode_names"][int(block.state["modes"][0, 0])] != "shared"
 
 
+def test_the_logit_loss_without_queries_is_refused():
+    with pytest.raises(ValueError, match="needs the model's queries"):
+        HeadModeRouter().assign(route_block(1000.0, [1.0], queries=False))
+    assert HeadModeRouter(loss="norm").assign(route_block(1000.0, [1.0], queries=False)).shape == (4, 1, 1, 40)
+
+
 def test_the_norm_loss_ignores_the_queries_and_the_logit_loss_uses_them():
     block = route_block(None, [1.0, 1.0])
     other = attrs.evolve(block, queries=-block.queries * 3, state={})

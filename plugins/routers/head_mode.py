@@ -152,7 +152,13 @@ class HeadModeRouter(Router):
             raise ValueError("router 'head-mode' needs the decoded block (RouteBlock.approx); the engine gives it")
         g, b, h, n, d = block.vectors.shape
         errors, scores = [], []
-        logit = self.loss == "logit" and block.queries is not None
+        logit = self.loss == "logit"
+        if logit and (block.queries is None or block.query_positions is None):
+            raise ValueError(
+                "router 'head-mode' with loss = 'logit' needs the model's queries (RouteBlock.queries); use a probe "
+                "that observes them (probe 'prefill-logit') and build the cache with build_cache(pipeline, model), "
+                "or set loss = 'norm'"
+            )
         for start in range(0, n, self.chunk_tokens):
             stop = min(n, start + self.chunk_tokens)
             delta = (block.vectors[..., start:stop, :] - block.approx[..., start:stop, :]).float()
