@@ -117,6 +117,7 @@ class CompressionEngine:
         #: the model's attention must report to this cache (queries, masks of evicted tokens, attention)
         self.own_attention = self.observer.active or self.evicts or self.accumulates
         self.padding: torch.Tensor | None = None  # bool [B, T]: False for padding (from the attention mask)
+        self.forward_tokens = 0  # tokens of the forward pass in progress
         self._flush_info: dict | None = None  # the flush in progress, when it evicts
 
     def _check_eviction(self, where: str) -> None:
@@ -159,6 +160,7 @@ class CompressionEngine:
             )
         if layer == 0:
             self.observer.start_forward(keys.shape[-2])
+            self.forward_tokens = keys.shape[-2]
         if self.pending and self.group_of[layer][0] in self.pending:
             raise CacheStateError(
                 f"pipeline '{self.pipeline.name}' needs the model's attention to report to the cache (recent queries, "
@@ -301,7 +303,8 @@ class CompressionEngine:
             row_tokens=self._row_tokens(work.shape[1], first.passed_tokens + first.exact_tokens),
             window_tokens=first.exact_tokens - (work.shape[-2] - stored),
             stored=stored,
-            first_flush=first.passed_tokens == 0,
+            held=tuple(0 if stored else self.windows[layer].compressed_tokens for layer in members),
+            forward_tokens=self.forward_tokens,
             shared_tokens=len(members) > 1 and self.basis.coefficient_rows(len(members)) == 1,
         )
 

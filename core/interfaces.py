@@ -183,7 +183,8 @@ class RouteBlock:
     # received so far (routers with ``accumulates``); ``row_tokens`` [B] the real tokens each row has
     # cached, this forward's included; ``window_tokens`` the tokens that stay exact after this flush;
     # ``stored`` how many leading tokens of the block are already stored (re-offered to routers with
-    # ``reselects``); ``first_flush`` whether the group stores tokens for the first time (the prompt);
+    # ``reselects``); ``held`` [G] the slots each layer already stores outside the block;
+    # ``forward_tokens`` the tokens of the forward pass that flushes (1 while decoding);
     # ``shared_tokens`` whether the group's layers share coefficient rows (a token is then kept for all
     # of them if any keeps it); ``kept_index`` [G, B, H, k], set on the second call to a router that both
     # evicts and ranks residuals: the block then holds only the kept tokens, ``kept_index`` giving their
@@ -194,7 +195,8 @@ class RouteBlock:
     row_tokens: torch.Tensor | None = None
     window_tokens: int = 0
     stored: int = 0
-    first_flush: bool = False
+    held: tuple[int, ...] = ()
+    forward_tokens: int = 0
     shared_tokens: bool = False
     kept_index: torch.Tensor | None = None
 

@@ -261,6 +261,19 @@ def test_snapkv_keeps_generated_tokens_and_frees_the_prompt(model64, registry):
     assert (stored["exact_window"] + stored["coefficients"]) * 126 == full.memory_bytes() * 30
 
 
+def test_snapkv_shares_its_budget_between_prompt_chunks(model64, registry):
+    cache = _cache("t-snap", model64, registry)
+    ids = _ids(length=120, seed=2)
+    _prefill(model64, cache, ids[:, :60])
+    first = [set(w.positions[0, 0].tolist()) for w in cache.engine.windows]
+    assert all(len(kept) == 16 and max(kept) < 52 for kept in first)
+    _prefill(model64, cache, ids[:, 60:])  # a second chunk: the 24-token budget is already spent
+    for window, kept in zip(cache.engine.windows, first):
+        assert window.compressed_tokens == 16 and window.exact_tokens == 8
+        assert set(window.positions[0, 0].tolist()) == kept
+    assert cache.get_seq_length() == 120
+
+
 def test_pyramidkv_budgets_fall_with_depth_and_average_the_budget(registry):
     model = tiny_llama(torch.float64, layers=5)
     cache = _cache("t-pyramid", model, registry)

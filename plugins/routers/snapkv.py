@@ -6,8 +6,9 @@ window: the pipeline's ``observe_queries``) vote for prompt tokens with their at
 summed over the window and over the query heads of each KV head; the votes are pooled along the tokens
 (``kernel``, ``pooling``) so that neighbours of a selected token come with it; each KV head of each layer
 keeps its top tokens up to the budget; the recent window (the pipeline's exact window, which contains
-the observation window) is always kept. Selection happens at the first flush (the prompt); tokens
-generated later are kept, as in the paper. Padding never receives votes or slots.
+the observation window) is always kept. Selection happens when a forward of several tokens (the
+prompt, or each chunk of a prompt fed in chunks, the budget then shared by the chunks in order) flushes;
+tokens generated one at a time are kept, as in the paper. Padding never receives votes or slots.
 """
 
 from __future__ import annotations
@@ -56,12 +57,13 @@ class SnapKVRouter(Router):
 
     def assign(self, block: RouteBlock) -> torch.Tensor:
         shape = block.vectors.shape[:-1]
-        if not block.first_flush:
+        if block.forward_tokens <= 1:
             return torch.zeros(shape, dtype=torch.long, device=block.vectors.device)  # decoding: kept
         if block.attention_mass is None or block.valid is None:
             raise ValueError(f"router '{self.name()}' needs the observed queries' attention (build the cache with build_cache)")
         votes = pool(block.attention_mass.masked_fill(~block.valid, 0.0), self.kernel, self.pooling)
-        counts = self.layer_totals(block) - block.window_tokens
+        held = torch.tensor(block.held or (0,) * len(block.layers), dtype=torch.long)[:, None]
+        counts = self.layer_totals(block) - block.window_tokens - held  # earlier chunks' slots count
         if block.shared_tokens:  # one coefficient row per token for the group: one selection for all its layers
             votes = votes.sum(dim=0, keepdim=True).expand(shape)
             counts = counts.max(dim=0, keepdim=True).values.expand_as(counts)
