@@ -70,19 +70,28 @@ def environment(device: str) -> dict[str, Any]:
             versions[name] = version(name)
         except Exception:  # noqa: BLE001 - an absent optional package is simply not listed
             pass
-    source = Path(__file__).resolve().parents[1]
-    try:
-        commit = subprocess.run(["git", "-C", str(source), "rev-parse", "HEAD"], capture_output=True, text=True, timeout=10).stdout.strip()
-        dirty = bool(subprocess.run(["git", "-C", str(source), "status", "--porcelain", "--untracked-files=no"],
-                                    capture_output=True, text=True, timeout=10).stdout.strip())
-    except (OSError, subprocess.SubprocessError):
-        commit, dirty = "", False
+    commit, dirty = _git_state(Path(__file__).resolve().parents[1])
     if device.startswith("cuda") and torch.cuda.is_available():
         hardware = torch.cuda.get_device_name(torch.device(device))
     else:
         hardware = f"{platform.processor() or platform.machine()}, {os.cpu_count()} CPU cores"
     return {"versions": versions, "git_commit": commit or None, "git_dirty": dirty, "device": device, "hardware": hardware,
             "platform": platform.platform()}
+
+
+def _git_state(source: Path) -> tuple[str, bool]:
+    """The commit and dirtiness of the git checkout kvweave runs from; ("", False) when it does not run
+    from its own checkout (an installed wheel, or a copy inside another repository)."""
+    def git(*args: str) -> str:
+        return subprocess.run(["git", "-C", str(source), *args], capture_output=True, text=True, timeout=10).stdout.strip()
+
+    try:
+        top = git("rev-parse", "--show-toplevel")
+        if not top or Path(top).resolve() != source:
+            return "", False
+        return git("rev-parse", "HEAD"), bool(git("status", "--porcelain", "--untracked-files=no"))
+    except (OSError, subprocess.SubprocessError):
+        return "", False
 
 
 class RunFolder:
@@ -108,6 +117,7 @@ class RunFolder:
                     "choose another --out, or pass --fresh to discard it"
                 )
             record = old
+            record["settings"] = settings
         elif fresh and self.cells_file.exists():
             self.cells_file.unlink()
         record["pipelines"] = list(dict.fromkeys([*record.get("pipelines", []), *pipelines]))
@@ -115,7 +125,27 @@ class RunFolder:
         record["sessions"].append({"started": when, "command": command, **environment(device)})
         self.session = len(record["sessions"]) - 1
         self._write_settings(record)
+        self.settings = settings
+        self.record = record
         self.cells = self._read()
+
+    @classmethod
+    def existing(cls, path: Path) -> RunFolder:
+        """An existing run folder, read only (for ``kvweave eval report``)."""
+        self = cls.__new__(cls)
+        self.path = Path(path)
+        self.settings_file = self.path / "settings.json"
+        self.cells_file = self.path / "cells.jsonl"
+        if not self.settings_file.is_file():
+            raise EvalError(f"{self.path} is not a kvweave eval results folder (no settings.json)")
+        try:
+            self.record = json.loads(self.settings_file.read_text(encoding="utf-8"))
+        except json.JSONDecodeError as exc:
+            raise EvalError(f"{self.settings_file} is not valid JSON ({exc})") from exc
+        self.settings = self.record["settings"]
+        self.session = len(self.record["sessions"]) - 1
+        self.cells = self._read()
+        return self
 
     def _write_settings(self, record: dict[str, Any]) -> None:
         temp = self.settings_file.with_suffix(".json.partial")
@@ -145,6 +175,11 @@ class RunFolder:
             os.fsync(file.fileno())
         self.cells[key] = item
         return item
+
+    def records(self, task: str, name: str) -> list[dict[str, Any]]:
+        """Every finished cell of ``task`` for pipeline ``name``."""
+        prefix = key(task, name) + "|"
+        return [item for k, item in self.cells.items() if k.startswith(prefix)]
 
     def write_json(self, name: str, data: Any) -> Path:
         path = self.path / name
@@ -248,9 +283,6 @@ class Evaluation:
                 self.run.add(cell_key, {"task": task, "pipeline": name, **record, "seconds": time.perf_counter() - start})
                 bar.update(1)
 
-    def records(self, task: str, name: str) -> list[dict[str, Any]]:
-        prefix = key(task, name) + "|"
-        return [item for k, item in self.run.cells.items() if k.startswith(prefix) or k == key(task, name)]
 
 
 # ------------------------------------------------------------------------------------------ needle
@@ -278,19 +310,26 @@ def run_needle(ev: Evaluation, lengths: list[int], depths: list[float], count: i
 
     cells = [(name, (length, depth, index)) for name in ev.pipelines for length in lengths for depth in depths for index in range(count)]
     ev.run_cells("needle", cells, work)
-    result: dict[str, Any] = {"lengths": lengths, "depths": depths, "needles": [attrs.asdict(n) for n in needles], "pipelines": {}}
-    for name in ev.pipelines:
-        rows = [r for r in ev.records("needle", name) if r["length"] in lengths and r["depth"] in depths and r["needle"] < count]
-        if name in ev.errors or not rows:
-            result["pipelines"][name] = {"error": ev.errors.get(name, "no cells")}
+    return needle_result(ev.run, ev.pipelines, ev.errors, model_label(ev.model), lengths, depths, count)
+
+
+def needle_result(run: RunFolder, pipelines: list[str], errors: dict[str, str], label: str,
+                  lengths: list[int], depths: list[float], count: int) -> dict[str, Any]:
+    """needle.json and a heatmap per pipeline from the run folder's cells."""
+    needles = [attrs.asdict(n) for n in datasets.make_needles(count, run.settings.get("seed", 0))]
+    result: dict[str, Any] = {"lengths": lengths, "depths": depths, "needles": needles, "pipelines": {}}
+    for name in pipelines:
+        rows = [r for r in run.records("needle", name) if r["length"] in lengths and r["depth"] in depths and r["needle"] < count]
+        if name in errors or not rows:
+            result["pipelines"][name] = {"error": errors.get(name, "not run")}
             continue
         grid = [[_mean(r["hit"] for r in rows if r["depth"] == d and r["length"] == n) for n in lengths] for d in depths]
         result["pipelines"][name] = {"accuracy": _mean(r["hit"] for r in rows), "hits": sum(r["hit"] for r in rows),
                                      "cells": len(rows), "grid": grid, "answers": rows}
-    ev.run.write_json("needle.json", result)
+    run.write_json("needle.json", result)
     for name, data in result["pipelines"].items():
         if "grid" in data:
-            needle_heatmap(ev.run.path / f"needle_{_slug(name)}.png", name, data["grid"], lengths, depths, count, model_label(ev.model))
+            needle_heatmap(run.path / f"needle_{_slug(name)}.png", name, data["grid"], lengths, depths, count, label)
     return result
 
 
@@ -334,20 +373,25 @@ def run_qa(ev: Evaluation, names: list[str], samples: int, length: int) -> dict[
 
     cells = [(name, (dataset, s.id)) for name in ev.pipelines for dataset in names for s in built[dataset]]
     ev.run_cells("qa", cells, work)
+    return qa_result(ev.run, ev.pipelines, ev.errors, names, samples, length, wanted=set(by_id))
+
+
+def qa_result(run: RunFolder, pipelines: list[str], errors: dict[str, str], names: list[str], samples: int, length: int,
+              wanted: set[tuple[str, str]] | None = None) -> dict[str, Any]:
+    """qa.json from the run folder's cells (``wanted``: the (dataset, id) pairs of this run; None: all)."""
     result: dict[str, Any] = {"datasets": names, "samples": samples, "length": length, "pipelines": {}}
-    wanted = set(by_id)
-    for name in ev.pipelines:
-        if name in ev.errors:
-            result["pipelines"][name] = {"error": ev.errors[name]}
+    for name in pipelines:
+        rows = [r for r in run.records("qa", name) if r["dataset"] in names and (wanted is None or (r["dataset"], r["id"]) in wanted)]
+        if name in errors or not rows:
+            result["pipelines"][name] = {"error": errors.get(name, "not run")}
             continue
-        rows = [r for r in ev.records("qa", name) if (r["dataset"], r["id"]) in wanted]
         entry: dict[str, Any] = {}
         for dataset in names:
             part = [r for r in rows if r["dataset"] == dataset]
             entry[dataset] = {"em": _mean(r["em"] for r in part), "f1": _mean(r["f1"] for r in part), "n": len(part)}
         entry["answers"] = rows
         result["pipelines"][name] = entry
-    ev.run.write_json("qa.json", result)
+    run.write_json("qa.json", result)
     return result
 
 
@@ -386,12 +430,23 @@ def run_ppl(ev: Evaluation, tokens: int, chunk: int) -> dict[str, Any]:
                 "full_16bit_bytes": cache.full_cache_bytes_16bit(), "breakdown": cache.memory_breakdown()}
 
     ev.run_cells("ppl", [(name, (tokens, chunk)) for name in ev.pipelines], work)
-    result: dict[str, Any] = {"tokens": tokens, "chunk": chunk, "dynamic_cache_ppl": reference, "pipelines": {}}
-    for name in ev.pipelines:
-        record = ev.run.get(key("ppl", name, tokens, chunk))
-        result["pipelines"][name] = {"error": ev.errors.get(name, "not run")} if record is None else _strip(record)
-    ev.run.write_json("ppl.json", result)
+    return ppl_result(ev.run, ev.pipelines, ev.errors, tokens, chunk)
+
+
+def ppl_result(run: RunFolder, pipelines: list[str], errors: dict[str, str], tokens: int, chunk: int) -> dict[str, Any]:
+    reference = run.get(key("ppl", "DynamicCache", tokens, chunk))
+    result: dict[str, Any] = {"tokens": tokens, "chunk": chunk, "dynamic_cache_ppl": reference and reference["ppl"], "pipelines": {}}
+    result["pipelines"] = _single_cells(run, "ppl", pipelines, errors, tokens, chunk)
+    run.write_json("ppl.json", result)
     return result
+
+
+def _single_cells(run: RunFolder, task: str, pipelines: list[str], errors: dict[str, str], *cell: Any) -> dict[str, Any]:
+    out = {}
+    for name in pipelines:
+        record = run.get(key(task, name, *cell))
+        out[name] = {"error": errors.get(name, "not run")} if record is None or name in errors else _strip(record)
+    return out
 
 
 def _strip(record: dict[str, Any]) -> dict[str, Any]:
@@ -419,12 +474,15 @@ def run_fidelity(ev: Evaluation, tokens: int, chunk: int, probe: int) -> dict[st
                 "full_16bit_bytes": out["full_16bit_bytes"], "breakdown": out["breakdown"]}
 
     ev.run_cells("fidelity", [(name, (tokens, chunk, probe)) for name in ev.pipelines], work)
-    result: dict[str, Any] = {"tokens": tokens, "chunk": chunk, "probe": probe, "pipelines": {}}
-    for name in ev.pipelines:
-        record = ev.run.get(key("fidelity", name, tokens, chunk, probe))
-        result["pipelines"][name] = {"error": ev.errors.get(name, "not run")} if record is None else _strip(record)
-    ev.run.write_json("fidelity.json", result)
-    fidelity_plot(ev.run.path / "fidelity.png", result, model_label(ev.model))
+    return fidelity_result(ev.run, ev.pipelines, ev.errors, model_label(ev.model), tokens, chunk, probe)
+
+
+def fidelity_result(run: RunFolder, pipelines: list[str], errors: dict[str, str], label: str, tokens: int, chunk: int,
+                    probe: int) -> dict[str, Any]:
+    result: dict[str, Any] = {"tokens": tokens, "chunk": chunk, "probe": probe,
+                              "pipelines": _single_cells(run, "fidelity", pipelines, errors, tokens, chunk, probe)}
+    run.write_json("fidelity.json", result)
+    fidelity_plot(run.path / "fidelity.png", result, label)
     return result
 
 
@@ -455,11 +513,13 @@ def run_speed(ev: Evaluation, tokens: int, new_tokens: int) -> dict[str, Any]:
         return record
 
     ev.run_cells("speed", [(name, (tokens, new_tokens)) for name in ev.pipelines], work)
-    result: dict[str, Any] = {"tokens": tokens, "new_tokens": new_tokens, "pipelines": {}}
-    for name in ev.pipelines:
-        record = ev.run.get(key("speed", name, tokens, new_tokens))
-        result["pipelines"][name] = {"error": ev.errors.get(name, "not run")} if record is None else _strip(record)
-    ev.run.write_json("speed.json", result)
+    return speed_result(ev.run, ev.pipelines, ev.errors, tokens, new_tokens)
+
+
+def speed_result(run: RunFolder, pipelines: list[str], errors: dict[str, str], tokens: int, new_tokens: int) -> dict[str, Any]:
+    result: dict[str, Any] = {"tokens": tokens, "new_tokens": new_tokens,
+                              "pipelines": _single_cells(run, "speed", pipelines, errors, tokens, new_tokens)}
+    run.write_json("speed.json", result)
     return result
 
 
@@ -518,8 +578,12 @@ def quality_memory_plot(path: Path, rows: list[dict[str, Any]], title: str) -> N
     if not panels or not points:
         return
     plt = _pyplot()
-    fig, axes = plt.subplots(1, len(panels), figsize=(4.6 * len(panels), 4.2), squeeze=False)
-    for ax, (field, label) in zip(axes[0], panels):
+    columns = min(2, len(panels))
+    rows_count = math.ceil(len(panels) / columns)
+    fig, axes = plt.subplots(rows_count, columns, figsize=(5.2 * columns, 4.0 * rows_count), squeeze=False)
+    for ax in axes.flat[len(panels):]:
+        ax.set_visible(False)
+    for ax, (field, label) in zip(axes.flat, panels):
         for row in points:
             value = row.get(field)
             if isinstance(value, float) and not math.isnan(value):
@@ -538,15 +602,15 @@ def quality_memory_plot(path: Path, rows: list[dict[str, Any]], title: str) -> N
 
 
 # ------------------------------------------------------------------------------------------ table
-def table_rows(ev: Evaluation, results: dict[str, dict[str, Any]]) -> list[dict[str, Any]]:
+def table_rows(pipelines: list[str], errors: dict[str, str], results: dict[str, dict[str, Any]]) -> list[dict[str, Any]]:
     rows = []
-    for name in ev.pipelines:
+    for name in pipelines:
         row: dict[str, Any] = {"pipeline": name}
-        if name in ev.errors:
-            row["error"] = ev.errors[name]
+        if name in errors:
+            row["error"] = errors[name]
             rows.append(row)
             continue
-        for task in ("fidelity", "ppl", "speed"):  # bytes from the first of these that ran
+        for task in ("ppl", "fidelity", "speed"):  # bytes from the first of these that ran (ppl: the cache filled chunk by chunk)
             data = results.get(task, {}).get("pipelines", {}).get(name, {})
             if "stored_bytes" in data and "bytes" not in row:
                 row["bytes"], row["ratio"] = data["stored_bytes"], data["full_16bit_bytes"] / data["stored_bytes"]
@@ -685,7 +749,7 @@ def cmd_eval(args: argparse.Namespace) -> int:
         raise EvalError(f"unknown pipelines {unknown or '(none given)'}; known: {', '.join(registry.names())}")
     if args.max_new_tokens < 1:
         raise EvalError(f"--max-new-tokens must be at least 1, got {args.max_new_tokens}")
-    settings: dict[str, Any] = {"task": args.task, "model": args.model, "dtype": args.dtype, "device": args.device, "seed": args.seed,
+    settings: dict[str, Any] = {"task": args.task, "ablations": base, "model": args.model, "dtype": args.dtype, "device": args.device, "seed": args.seed,
                                 "max_new_tokens": args.max_new_tokens, "chat": args.chat, "registry": args.registry}
     for task in tasks:
         settings[task] = _task_settings(args, task)
@@ -698,9 +762,7 @@ def cmd_eval(args: argparse.Namespace) -> int:
     torch.manual_seed(args.seed)
     dtype = None if args.dtype == "auto" else getattr(torch, args.dtype)
     model, tokenizer = load_model(args.model, device=args.device, dtype=dtype, progress=True)
-    from .models import DEFAULT_MODEL, DEFAULT_MODEL_NAME
-
-    model._kvweave_label = DEFAULT_MODEL_NAME if args.model == DEFAULT_MODEL else Path(args.model.rstrip("/")).name
+    model._kvweave_label = _model_label_for(args.model)
     if model.dtype == torch.bfloat16 and args.device == "cpu":
         emulate_bf16_gemm(model)  # same products, fp32 accumulation as a bf16 GEMM: ~50x faster on AVX2 CPUs
     ev = Evaluation(model, tokenizer, registry, names, run, seed=args.seed, max_new_tokens=args.max_new_tokens, chat=args.chat)
@@ -710,8 +772,47 @@ def cmd_eval(args: argparse.Namespace) -> int:
         print(f"\ninterrupted: {len(run.cells)} cells are saved in {out}; run the same command to resume", file=sys.stderr)
         return 130
     if args.task == "table":
-        write_table(ev, results, base, command)
+        print(write_table(run, names, ev.errors, results, base, model_label(model)))
     print(f"results in {out}", file=sys.stderr)
+    return 0
+
+
+def report(path: Path, ablations: str | None = None) -> dict[str, dict[str, Any]]:
+    """Rebuild every output of a results folder from its cells (no model needed): the task JSON files,
+    the plots and, for a ``table`` run, the table. Pipelines or cells that never finished show as not run."""
+    run = RunFolder.existing(path)
+    settings = run.settings
+    pipelines = list(run.record.get("pipelines", []))
+    label = _model_label_for(settings["model"])
+    results: dict[str, dict[str, Any]] = {}
+    for task in TASKS:
+        opts = settings.get(task)
+        if opts is None:
+            continue
+        if task == "needle":
+            results[task] = needle_result(run, pipelines, {}, label, opts["lengths"], opts["depths"], opts["needles"])
+        elif task == "qa":
+            results[task] = qa_result(run, pipelines, {}, opts["datasets"], opts["qa_samples"], opts["qa_length"])
+        elif task == "ppl":
+            results[task] = ppl_result(run, pipelines, {}, opts["tokens"], opts["chunk"])
+        elif task == "fidelity":
+            results[task] = fidelity_result(run, pipelines, {}, label, opts["tokens"], opts["chunk"], opts["probe"])
+        else:
+            results[task] = speed_result(run, pipelines, {}, opts["speed_tokens"], opts["speed_new_tokens"])
+    if settings["task"] == "table":
+        print(write_table(run, pipelines, {}, results, ablations or settings.get("ablations"), label))
+    return results
+
+
+def _model_label_for(spec: str) -> str:
+    from .models import DEFAULT_MODEL, DEFAULT_MODEL_NAME
+
+    return DEFAULT_MODEL_NAME if spec == DEFAULT_MODEL else Path(spec.rstrip("/")).name
+
+
+def cmd_report(args: argparse.Namespace) -> int:
+    report(Path(args.folder), args.ablations)
+    print(f"outputs rebuilt in {args.folder}", file=sys.stderr)
     return 0
 
 
@@ -749,21 +850,25 @@ def _summary(task: str, result: dict[str, Any]) -> str:
     return "/".join(f"{v['f1']:.2f}" for v in result.values() if isinstance(v, dict) and "f1" in v)
 
 
-def write_table(ev: Evaluation, results: dict[str, dict[str, Any]], base: str | None, command: str) -> None:
-    rows = table_rows(ev, results)
+def write_table(run: RunFolder, pipelines: list[str], errors: dict[str, str], results: dict[str, dict[str, Any]],
+                base: str | None, label: str) -> str:
+    """table.md (the command and environment of each session on top), table.csv, table.json and
+    quality_vs_memory.png in the run folder; returns the Markdown table."""
+    rows = table_rows(pipelines, errors, results)
     datasets_run = results.get("qa", {}).get("datasets", [])
     markdown, text = render_table(rows, datasets_run, base)
-    session = json.loads(ev.run.settings_file.read_text(encoding="utf-8"))["sessions"][-1]
-    header = (f"$ {command}\n\n{session['started']}; model {model_label(ev.model)} ({ev.model.dtype}); {session['hardware']}; "
-              f"kvweave commit {(session['git_commit'] or 'unknown')[:10]}{' (modified)' if session['git_dirty'] else ''}; "
-              f"torch {session['versions']['torch']}, transformers {session['versions']['transformers']}\n\n")
-    notes = _notes(results)
-    (ev.run.path / "table.md").write_text(header + markdown + notes, encoding="utf-8")
-    (ev.run.path / "table.csv").write_text(text, encoding="utf-8")
-    ev.run.write_json("table.json", rows)
-    title = f"{'Ablations of ' + base if base else 'Pipelines'}: quality vs memory, {model_label(ev.model)}"
-    quality_memory_plot(ev.run.path / "quality_vs_memory.png", rows, title)
-    print(markdown)
+    lines = []
+    for session in run.record["sessions"]:
+        commit = (session["git_commit"] or "unknown")[:10] + (" (modified)" if session["git_dirty"] else "")
+        lines.append(f"- `{session['command']}`  \n  {session['started']}; {session['hardware']}; kvweave commit {commit}; "
+                     f"torch {session['versions']['torch']}, transformers {session['versions']['transformers']}")
+    header = (f"Model {label}, {run.settings['dtype']}, seed {run.settings['seed']}. Sessions of this run:\n\n" + "\n".join(lines) + "\n\n")
+    (run.path / "table.md").write_text(header + markdown + _notes(results), encoding="utf-8")
+    (run.path / "table.csv").write_text(text, encoding="utf-8")
+    run.write_json("table.json", rows)
+    title = f"{'Ablations of ' + base if base else 'Pipelines'}: quality vs memory, {label}"
+    quality_memory_plot(run.path / "quality_vs_memory.png", rows, title)
+    return markdown
 
 
 def _notes(results: dict[str, dict[str, Any]]) -> str:
@@ -787,13 +892,11 @@ def _notes(results: dict[str, dict[str, Any]]) -> str:
 
 
 def _add_common(p: argparse.ArgumentParser, table: bool) -> None:
+    which = p.add_mutually_exclusive_group(required=True)
+    which.add_argument("--pipelines", help="comma-separated pipeline names")
+    which.add_argument("--ablations", metavar="BASE", help="full, BASE and every pipeline that extends BASE (the Table-2 equivalent)")
     if table:
-        which = p.add_mutually_exclusive_group(required=True)
-        which.add_argument("--pipelines", help="comma-separated pipeline names")
-        which.add_argument("--ablations", metavar="BASE", help="full, BASE and every pipeline that extends BASE (the Table-2 equivalent)")
         p.add_argument("--tasks", default=",".join(TASKS), help=f"comma-separated subset of {','.join(TASKS)}")
-    else:
-        p.add_argument("--pipelines", required=True, help="comma-separated pipeline names")
     p.add_argument("--registry", help="a registry.toml of your own, read on top of the built-in one")
     p.add_argument("--model", default="default", help="'default', a local HF folder, a .gguf file, or a hub id")
     p.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N")
@@ -843,4 +946,9 @@ def add_eval_command(subparsers: Any) -> argparse.ArgumentParser:
         for option_task in (TASKS if task == "table" else (task,)):
             _add_task_options(p, option_task)
         p.set_defaults(func=cmd_eval)
+    p = tasks.add_parser("report", help="rebuild the JSON files, plots and table of a results folder from its cells",
+                         description="Rebuild the outputs of a results folder (also a partial one) from cells.jsonl; no model is loaded.")
+    p.add_argument("folder", help="a results folder written by kvweave eval")
+    p.add_argument("--ablations", metavar="BASE", help="show the table's deltas against BASE (default: the run's own --ablations)")
+    p.set_defaults(func=cmd_report)
     return parser

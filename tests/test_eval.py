@@ -199,9 +199,33 @@ def test_table_runs_every_task_and_writes_markdown_csv_and_plot(tiny_model_folde
     assert rows["int4"]["bytes"] < rows["int8"]["bytes"] < rows["full"]["bytes"]
     assert all(row["decode_tps"] > 0 and row["ttft"] > 0 for row in rows.values())
     markdown = (out / "table.md").read_text()
-    assert markdown.startswith("$ kvweave eval table") and "| int4 |" in markdown and "SQuAD F1" in markdown
+    assert "- `kvweave eval table --model" in markdown and "| int4 |" in markdown and "SQuAD F1" in markdown
     assert (out / "table.csv").read_text().splitlines()[0].startswith("pipeline,bytes,ratio")
     assert (out / "quality_vs_memory.png").stat().st_size > 1000 and (out / "fidelity.png").is_file()
+
+
+def test_report_rebuilds_the_outputs_of_an_interrupted_table_without_a_model(tiny_model_folder, tmp_path, monkeypatch):
+    out = tmp_path / "partial"
+    args = ["eval", "table", "--model", str(tiny_model_folder), "--pipelines", "full,int4", "--tasks", "needle,ppl",
+            "--lengths", "128", "--depths", "0.5", "--needles", "1", "--tokens", "96", "--chunk", "32", "--max-new-tokens", "2",
+            "--dtype", "float32", "--out", str(out)]
+    real = evaluate.metrics.perplexity
+    calls = {"n": 0}
+
+    def stop_on_second_pipeline(*a, **k):
+        calls["n"] += 1
+        if calls["n"] == 3:  # the DynamicCache reference, full, then int4: stop there
+            raise KeyboardInterrupt
+        return real(*a, **k)
+
+    monkeypatch.setattr(evaluate.metrics, "perplexity", stop_on_second_pipeline)
+    assert cli.main(args) == 130 and not (out / "table.md").exists()
+    monkeypatch.setattr(evaluate, "load_model", None, raising=False)  # report must not need a model
+    assert cli.main(["eval", "report", str(out)]) == 0
+    rows = {r["pipeline"]: r for r in json.loads((out / "table.json").read_text())}
+    assert "ppl" in rows["full"] and "ppl" not in rows["int4"] and "needle" in rows["int4"]
+    assert "| int4 |" in (out / "table.md").read_text() and (out / "needle_int4.png").is_file()
+    assert cli.main(["eval", "report", str(tmp_path / "nothing")]) == 2
 
 
 def test_bad_settings_are_refused_with_what_is_wrong(tiny_model_folder, tmp_path, capsys):
