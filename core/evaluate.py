@@ -871,23 +871,21 @@ def write_table(run: RunFolder, pipelines: list[str], errors: dict[str, str], re
     return markdown
 
 
+_NOTES: dict[str, Callable[[dict[str, Any]], str]] = {
+    "needle": lambda r: f"needle: {len(r['needles'])} needles x lengths {r['lengths']} x depths {r['depths']}, "
+                        "hit = expected value in the greedy answer",
+    "qa": lambda r: f"QA: {r['samples']} questions per dataset, contexts padded with distractors to {r['length']} tokens; "
+                    "EM/F1 as SQuAD/HotpotQA define them",
+    "ppl": lambda r: f"ppl: {r['tokens']} essay tokens in {r['chunk']}-token chunks; DynamicCache "
+                     + ("not run" if r["dynamic_cache_ppl"] is None else f"{r['dynamic_cache_ppl']:.3f}"),
+    "fidelity": lambda r: f"attn-out err: Eq. (3), last {r['probe']} positions' queries after {r['tokens']} tokens, "
+                          "mean over layers and KV heads",
+    "speed": lambda r: f"speed: one generation from {r['tokens']} tokens, {r['new_tokens']} new tokens, batch 1",
+}
+
+
 def _notes(results: dict[str, dict[str, Any]]) -> str:
-    parts = []
-    if "needle" in results:
-        r = results["needle"]
-        parts.append(f"needle: {len(r['needles'])} needles x lengths {r['lengths']} x depths {r['depths']}, hit = expected value in the greedy answer")
-    if "qa" in results:
-        r = results["qa"]
-        parts.append(f"QA: {r['samples']} questions per dataset, contexts padded with distractors to {r['length']} tokens; EM/F1 as SQuAD/HotpotQA define them")
-    if "ppl" in results:
-        r = results["ppl"]
-        parts.append(f"ppl: {r['tokens']} essay tokens in {r['chunk']}-token chunks; DynamicCache {r['dynamic_cache_ppl']:.3f}")
-    if "fidelity" in results:
-        r = results["fidelity"]
-        parts.append(f"attn-out err: Eq. (3), last {r['probe']} positions' queries after {r['tokens']} tokens, mean over layers and KV heads")
-    if "speed" in results:
-        r = results["speed"]
-        parts.append(f"speed: one generation from {r['tokens']} tokens, {r['new_tokens']} new tokens, batch 1")
+    parts = [_NOTES[task](results[task]) for task in TASKS if task in results]
     return "\n" + "\n".join(f"- {p}" for p in parts) + "\n" if parts else ""
 
 
