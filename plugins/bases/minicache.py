@@ -54,7 +54,7 @@ class MiniCacheBasis(BasisBuilder):
 
     start_layer: int = attrs.field(default=-1, validator=integer(-1), metadata={"doc": "first merged layer (-1: half the depth)"})
     t: float = attrs.field(default=0.6, validator=number(0.0, 1.0), metadata={"doc": "SLERP interpolation weight of the second layer of a pair"})
-    retain_angle: float = attrs.field(default=90.0, validator=number(0.0, 180.0), metadata={"doc": "tokens whose two layers' directions are at least this far apart (degrees, mean over KV heads) stay unmerged"})
+    retain_angle: float = attrs.field(default=100.0, validator=number(0.0, 180.0), metadata={"doc": "tokens whose two layers' directions are at least this far apart (degrees, mean over KV heads) stay unmerged"})
 
     def start(self, shape: ModelShape) -> int:
         return shape.num_layers // 2 if self.start_layer < 0 else self.start_layer
