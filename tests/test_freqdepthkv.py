@@ -429,3 +429,16 @@ def test_kvweave_generate_runs_freqdepthkv_on_the_default_model(capsys):
     code = main(["generate", "--pipeline", "freqdepthkv", "--prompt", "The harbour master wrote that the ships", "--max-new-tokens", "8", "--dtype", "bfloat16"])
     out = capsys.readouterr().out
     assert code == 0 and "freqdepthkv" in out
+
+
+def test_a_left_padded_batch_with_beams_runs_and_the_router_state_follows_the_beams(model):
+    cache = build_cache("freqdepthkv", model, tokenizer=ToyTokenizer())
+    torch.manual_seed(4)
+    ids = torch.randint(1, 128, (2, 450))
+    mask = torch.ones(2, 450, dtype=torch.long)
+    ids[1, :60], mask[1, :60] = 0, 0  # the second row is 60 tokens shorter, left-padded
+    new, stats = generate(model, {"input_ids": ids, "attention_mask": mask}, cache, max_new_tokens=40, do_sample=False,
+                          num_beams=2, pad_token_id=0)
+    assert new.shape == (2, 40) and stats.ratio > 2.0
+    state = cache.engine.stores[2]["keys"].route_state
+    assert state["modes"].shape == (4, 2)  # 2 rows x 2 beams, 2 KV heads
