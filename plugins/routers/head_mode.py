@@ -260,6 +260,9 @@ class HeadModeRouter(Router):
                 state.update(modes=modes, decided_at=block.first + n, decisions=state.get("decisions", 0) + 1, last_lambda=lam)
         if block.kind == "keys":
             state.update(block_modes=modes, decided_for=key, mode_names=table.names)
+        if block.kind == "values":  # the keys' scores are not kept past their block
+            for name in ("errors", "scores", "scored_for"):
+                state.pop(name, None)
         selected = place < table.tokens[modes].unsqueeze(-1)  # [B, H, n]
         rows = table.rows[modes].permute(2, 0, 1)  # [G, B, H]
         return (selected.unsqueeze(0) & rows.unsqueeze(-1)).long() * self.rank
