@@ -71,8 +71,9 @@ def test_kvsharer_pairs_the_most_dissimilar_layers_first():
     # 0-5 is the farthest pair (5 reuses 0); 1-5 and 4-5 are skipped (5 already shares); next 0-3 (5.2)
     assert source_of == {5: 0, 3: 0}
     assert all(source not in source_of for source in source_of.values())
-    with pytest.raises(ModelError, match="share_layers 4 exceeds half"):
+    with pytest.raises(ModelError, match=r"4 sharing layers \(share_layers 4, .*exceed half"):
         KVSharerBasis(share_layers=4).check_model(shape(6))
+    assert KVSharerBasis().sharing(30) == 8 and KVSharerBasis().sharing(4) == 1  # a quarter by default
 
 
 def test_kvsharer_layers_that_share_decode_their_source():

@@ -86,6 +86,7 @@ def test_blocks_follow_the_paper_default_and_the_ablations():
     assert [len(g) for g in DctDepthBasis(block=2).layer_groups(shape(30))] == [2] * 15
     assert [len(g) for g in DctDepthBasis(block=8).layer_groups(shape(30))] == [2, 2, 8, 8, 6, 2, 2]
     assert [len(g) for g in DctDepthBasis(edge_layers=0).layer_groups(shape(12))] == [4, 4, 4]
+    assert DctDepthBasis().layer_groups(shape(4)) == [(0, 1), (2, 3)]  # all four are edge layers
 
 
 @pytest.mark.parametrize(
@@ -93,7 +94,7 @@ def test_blocks_follow_the_paper_default_and_the_ablations():
     [
         ({}, 29, r"21 layers between the edges .* one layer over after blocks of 4"),
         ({"edge_block": 3}, 30, r"edge_block 3 does not divide edge_layers 4"),
-        ({}, 6, r"has 6 layers, fewer than two edges of edge_layers 4"),
+        ({}, 7, r"7 layers all lie within the first or last edge_layers 4; blocks of edge_block 2 leave one layer over"),
     ],
 )
 def test_blocks_that_do_not_fit_the_model_are_refused(kwargs, layers, message):
@@ -388,7 +389,7 @@ def test_an_unreachable_budget_is_refused_when_the_cache_is_built(model, registr
 
 
 def test_a_model_too_shallow_for_the_blocks_is_refused():
-    with pytest.raises(ModelError, match="fewer than two edges"):
+    with pytest.raises(ModelError, match="3 layers all lie within the first or last"):
         build_cache("freqdepthkv", tiny_llama(torch.bfloat16, layers=3, hidden=256), tokenizer=ToyTokenizer())
 
 

@@ -23,7 +23,9 @@ How that maps onto the engine:
   the layers between in blocks of ``block`` (the paper's default: 4 in the middle, 2 for the first and
   last four layers). A middle remainder of 2 or more layers makes one shorter last block; a remainder of
   one layer (which would share nothing) is refused, as is an ``edge_block`` that does not divide
-  ``edge_layers`` or a model with too few layers for two edges.
+  ``edge_layers``. In a model of at most ``2 * edge_layers`` layers every layer is among the first or
+  the last ``edge_layers``, so the whole model is blocked by ``edge_block`` (the rule read literally);
+  a last layer left alone is refused there too.
 
 ``mode = "average"`` (the ablation "adjacent-layer averaging instead of DCT"): the block's mean is
 stored, and there is no frequency split: a selected token's residual is every layer's own deviation
@@ -67,11 +69,14 @@ def depth_blocks(num_layers: int, block: int, edge_block: int, edge_layers: int,
         raise ModelError(
             f"{where}: edge_block {edge_block} does not divide edge_layers {edge_layers}; use an edge_block that divides it"
         )
-    if 2 * edge_layers > num_layers:
-        raise ModelError(
-            f"{where}: the model has {num_layers} layers, fewer than two edges of edge_layers {edge_layers}; "
-            f"use edge_layers <= {num_layers // 2}"
-        )
+    if 2 * edge_layers >= num_layers:  # every layer is among the first or the last edge_layers
+        if num_layers % edge_block == 1 and edge_block > 1:
+            raise ModelError(
+                f"{where}: the model's {num_layers} layers all lie within the first or last edge_layers {edge_layers}; "
+                f"blocks of edge_block {edge_block} leave one layer over, a block that would share nothing; "
+                f"use an edge_block with {num_layers} % edge_block != 1"
+            )
+        return [tuple(range(start, min(start + edge_block, num_layers))) for start in range(0, num_layers, edge_block)]
     middle = num_layers - 2 * edge_layers
     remainder = middle % block
     if remainder == 1 and block > 1:

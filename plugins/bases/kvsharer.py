@@ -13,7 +13,9 @@ Here:
   per layer, the mean vector over the block's tokens, flattened over the KV heads and averaged over the
   batch; pairs ``(i, j)`` sorted by ``||mean_i - mean_j||`` descending. Walking that list, the later
   layer ``j`` of a pair reuses ``i`` when ``j`` neither shares nor is reused yet and ``i`` does not share
-  (so a source always stores its own vectors), until ``share_layers`` layers share. Keys and values are
+  (so a source always stores its own vectors), until ``share_layers`` layers share (or, with
+  ``share_layers = -1``, ``round(share_fraction * L)``: KVSharer states its compression as a fraction of
+  the layers). Keys and values are
   calibrated separately (each has its own state), so a layer may share its keys but not its values.
   KVSharer's check of the model's output on calibration data is not done (there is no output here).
 - Coefficients: the non-sharing layers' vectors [L - share_layers, B, H, n, D], packed by the
@@ -30,7 +32,7 @@ import torch
 from kvweave.core import hookimpl
 from kvweave.core.errors import CacheStateError, ModelError
 from kvweave.core.interfaces import BasisBuilder, ModelShape
-from kvweave.core.params import integer
+from kvweave.core.params import integer, number
 
 
 def dissimilar_pairs(means: torch.Tensor, share_layers: int) -> dict[int, int]:
@@ -54,12 +56,18 @@ def dissimilar_pairs(means: torch.Tensor, share_layers: int) -> dict[int, int]:
 class KVSharerBasis(BasisBuilder):
     """``share_layers`` layers reuse the stored K/V of the layer most dissimilar to them (calibrated once)."""
 
-    share_layers: int = attrs.field(default=8, validator=integer(0), metadata={"doc": "layers that store nothing and reuse another layer's K/V"})
+    share_layers: int = attrs.field(default=-1, validator=integer(-1), metadata={"doc": "layers that store nothing and reuse another layer's K/V (-1: share_fraction of the layers)"})
+    share_fraction: float = attrs.field(default=0.25, validator=number(0.0, 0.5), metadata={"doc": "fraction of the layers that share, when share_layers = -1"})
+
+    def sharing(self, num_layers: int) -> int:
+        """How many of ``num_layers`` layers share."""
+        return self.share_layers if self.share_layers >= 0 else round(self.share_fraction * num_layers)
 
     def check_model(self, shape: ModelShape) -> None:
-        if self.share_layers > shape.num_layers // 2:
+        if self.sharing(shape.num_layers) > shape.num_layers // 2:
             raise ModelError(
-                f"kvsharer: share_layers {self.share_layers} exceeds half of the model's {shape.num_layers} layers "
+                f"kvsharer: {self.sharing(shape.num_layers)} sharing layers (share_layers {self.share_layers}, share_fraction "
+                f"{self.share_fraction}) exceed half of the model's {shape.num_layers} layers "
                 f"(every sharing layer needs its own source); use share_layers <= {shape.num_layers // 2}"
             )
 
@@ -70,14 +78,15 @@ class KVSharerBasis(BasisBuilder):
         return shape.head_dim
 
     def coefficient_rows(self, group_size: int) -> int:
-        return group_size - self.share_layers
+        return group_size - self.sharing(group_size)
 
     def init_state(self, x: torch.Tensor) -> dict[str, torch.Tensor]:
         layers, batch = x.shape[0], x.shape[1]
         means = x.float().mean(dim=3).mean(dim=1).reshape(layers, -1)  # [L, H*D]
-        source_of = dissimilar_pairs(means, self.share_layers)
-        if len(source_of) < self.share_layers:
-            raise CacheStateError(f"kvsharer: only {len(source_of)} of {self.share_layers} sharing layers could be paired")
+        wanted = self.sharing(layers)
+        source_of = dissimilar_pairs(means, wanted)
+        if len(source_of) < wanted:
+            raise CacheStateError(f"kvsharer: only {len(source_of)} of {wanted} sharing layers could be paired")
         stored = [layer for layer in range(layers) if layer not in source_of]
         row_of = {layer: index for index, layer in enumerate(stored)}
         rows = [row_of[source_of.get(layer, layer)] for layer in range(layers)]
