@@ -114,18 +114,38 @@ class QueryTap:
         self.scaling[module.layer_idx] = float(getattr(module, "scaling", module.head_dim**-0.5))
 
 
-def attention_outputs(queries: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, scaling: float) -> torch.Tensor:
+def attention_outputs(
+    queries: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, scaling: float,
+    key_positions: torch.Tensor | None = None, total: int | None = None,
+) -> torch.Tensor:
     """Causal attention of the last ``P`` positions: queries [B, Hq, P, D] over keys/values [B, H, T, D]
     (query head ``h`` reads KV head ``h // (Hq / H)``, as transformers' ``repeat_kv``). Returns
-    [B, H, Hq/H, P, D] in float32; query ``i`` sits at position ``T - P + i`` and sees keys ``<=`` it."""
+    [B, H, Hq/H, P, D] in float32; query ``i`` sits at position ``total - P + i`` and sees keys at positions
+    ``<=`` it. Key ``j`` sits at position ``j`` (``total = T``), or at ``key_positions`` [B, H, T] (-1: a slot
+    no query sees) for a cache that dropped tokens, whose ``total`` is the logical token count."""
     batch, q_heads, probes, dim = queries.shape
-    heads, total = keys.shape[1], keys.shape[-2]
+    heads, count = keys.shape[1], keys.shape[-2]
+    total = count if total is None else total
     grouped = queries.float().reshape(batch, heads, q_heads // heads, probes, dim)
     logits = grouped @ keys.float().transpose(-1, -2).unsqueeze(2) * scaling  # [B, H, G, P, T]
     query_pos = total - probes + torch.arange(probes, device=keys.device)
-    future = torch.arange(total, device=keys.device)[None, :] > query_pos[:, None]  # [P, T]
-    probs = logits.masked_fill(future, float("-inf")).softmax(dim=-1)
+    if key_positions is None:
+        key_positions = torch.arange(count, device=keys.device).expand(batch, heads, count)
+    key_positions = key_positions.to(keys.device).long()
+    hidden = (key_positions[:, :, None, :] > query_pos[None, None, :, None]) | (key_positions[:, :, None, :] < 0)  # [B, H, P, T]
+    probs = logits.masked_fill(hidden.unsqueeze(2), float("-inf")).softmax(dim=-1)
     return probs @ values.float().unsqueeze(2)
+
+
+def stored_positions(engine: Any, layer: int) -> torch.Tensor | None:
+    """The logical position of every key ``engine`` returns for ``layer`` [B, H, T] (-1 for a filler
+    slot), or None when the cache drops nothing (key ``j`` is then token ``j``)."""
+    window = engine.windows[layer]
+    if window.positions is None:
+        return None
+    exact = window.exact["keys"]
+    recent = torch.arange(window.passed_tokens, window.passed_tokens + window.exact_tokens, device=exact.device)
+    return torch.cat((window.positions.to(exact.device).long(), recent.expand(*exact.shape[:2], -1)), dim=-1)
 
 
 def relative_output_error(reference: torch.Tensor, approx: torch.Tensor, eps: float = 1e-8) -> torch.Tensor:
@@ -167,8 +187,9 @@ def attention_output_error(
     the reference run's post-RoPE queries of the last ``probe`` positions (causal), ``K, V`` the reference
     cache's and ``K_hat, V_hat`` the compressed cache's reconstruction of all its tokens (packed blocks
     decoded, then the exact window). So the error includes what compression of earlier chunks changed in
-    later chunks' keys and values. ``reference`` (from :func:`reference_pass` with the same arguments)
-    skips the reference run.
+    later chunks' keys and values. A cache that dropped tokens (eviction routers) is attended over what it
+    kept, each key at its logical position. ``reference`` (from :func:`reference_pass` with the same
+    arguments) skips the reference run.
 
     Returns ``per_layer`` (L floats, mean over KV heads), ``per_head`` ([L][H]), ``mean`` (over layers),
     and the compressed cache's ``memory_bytes``, ``full_16bit_bytes`` and ``breakdown`` after the feed.
@@ -187,10 +208,11 @@ def attention_output_error(
             zip(reference["queries"], reference["keys"], reference["values"], reference["scaling"])
         ):
             approx_keys, approx_values = (cache.engine._full(layer, kind) for kind in KINDS)
-            if approx_keys.shape != keys.shape:
+            positions = stored_positions(cache.engine, layer)
+            if positions is None and approx_keys.shape != keys.shape:
                 raise RuntimeError(f"layer {layer}: compressed cache holds {tuple(approx_keys.shape)}, reference {tuple(keys.shape)}")
             exact = attention_outputs(queries, keys, values, scaling)
-            approx = attention_outputs(queries, approx_keys, approx_values, scaling)
+            approx = attention_outputs(queries, approx_keys, approx_values, scaling, positions, keys.shape[-2])
             per_head.append(relative_output_error(exact, approx).tolist())
     per_layer = [sum(h) / len(h) for h in per_head]
     return {

@@ -65,6 +65,28 @@ def test_attention_outputs_match_sdpa():
     torch.testing.assert_close(ours.reshape(1, 4, 5, 8), expected)
 
 
+def test_attention_over_kept_keys_at_their_positions_equals_masking_the_dropped_ones():
+    torch.manual_seed(3)
+    q, k, v = torch.randn(1, 4, 5, 8), torch.randn(1, 2, 12, 8), torch.randn(1, 2, 12, 8)
+    kept = torch.tensor([[[0, 1, 5, 9, 10, 11], [0, 3, 4, 8, 10, 11]]])  # a different set per KV head
+    kept_k, kept_v = (x.gather(2, kept.unsqueeze(-1).expand(-1, -1, -1, 8)) for x in (k, v))
+    positions = torch.cat((kept[..., :4], torch.full((1, 2, 1), -1), kept[..., 4:]), dim=-1)  # a filler slot too
+    filler = torch.randn(1, 2, 1, 8)
+    ours = metrics.attention_outputs(q, torch.cat((kept_k[..., :4, :], filler, kept_k[..., 4:, :]), 2),
+                                     torch.cat((kept_v[..., :4, :], filler, kept_v[..., 4:, :]), 2), 8**-0.5, positions, total=12)
+    dropped = torch.ones(1, 2, 12, dtype=torch.bool).scatter(2, kept, False)
+    mask = torch.ones(5, 12, dtype=torch.bool).tril(diagonal=12 - 5) & ~dropped[:, :, None, :]  # [1, 2, 5, 12]
+    expected = torch.nn.functional.scaled_dot_product_attention(
+        q, k.repeat_interleave(2, 1), v.repeat_interleave(2, 1), attn_mask=mask.repeat_interleave(2, 1))
+    torch.testing.assert_close(ours.reshape(1, 4, 5, 8), expected)
+
+
+def test_an_evicting_pipeline_is_measured_over_what_it_kept(model, input_ids, reference):
+    result = metrics.attention_output_error(model, None, "streaming-llm", input_ids, "cpu", reference=reference)
+    assert result["breakdown"]["eviction"] > 0 and result["memory_bytes"] < result["full_16bit_bytes"] / 2
+    assert 0 < result["mean"] < 1.5 and all(e == e for e in result["per_layer"])  # finite, not NaN
+
+
 def test_full_perplexity_equals_dynamic_cache(model, input_ids):
     dynamic = metrics.perplexity(model, None, input_ids, 64)
     full = metrics.perplexity(model, build_cache("full", model), input_ids, 64)
