@@ -34,7 +34,7 @@ import torch
 from tqdm.auto import tqdm
 
 from kvweave.core import metrics
-from kvweave.core.data import essays_text
+from kvweave.core.data import essays_text, leading_token_ids
 from kvweave.core.errors import KvweaveError
 from kvweave.core.generation import generate
 from kvweave.core.models import emulate_bf16_gemm, load_model
@@ -52,15 +52,10 @@ COLUMNS = ("pipeline", "KV bytes", "ratio vs 16-bit", "attn-out err", "ppl", "Δ
 
 def first_tokens(tokenizer: Any, text: str, count: int) -> torch.Tensor:
     """The first ``count`` tokens of ``text`` as [1, count] (tokenizing only as much text as needed)."""
-    chars = count * 8
-    while True:
-        ids = tokenizer(text[:chars], add_special_tokens=False)["input_ids"]
-        if len(ids) > count or chars >= len(text):
-            break
-        chars *= 2
+    ids = leading_token_ids(tokenizer, text, count)
     if len(ids) < count:
         sys.exit(f"error: the text has only {len(ids)} tokens, fewer than --tokens {count}")
-    return torch.tensor([ids[:count]])
+    return torch.tensor([ids])
 
 
 def needle_cells(tokenizer: Any, text: str, lengths: list[int], depths: list[float]) -> list[dict[str, Any]]:

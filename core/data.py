@@ -6,6 +6,7 @@ from __future__ import annotations
 import importlib.util
 import json
 from pathlib import Path
+from typing import Any
 
 from .errors import KvweaveError
 
@@ -41,3 +42,14 @@ def essays_text() -> str:
     if not isinstance(data, dict) or not isinstance(data.get("text"), str):
         raise KvweaveError(f"{path} does not hold {{'text': str}} as expected")
     return data["text"]
+
+
+def leading_token_ids(tokenizer: Any, text: str, count: int) -> list[int]:
+    """The first ``count`` token ids of ``text`` (fewer only when the text is shorter), tokenizing a slice
+    that doubles until it holds more than ``count`` tokens, so the last one kept is not cut mid-word."""
+    chars = count * 8  # a few characters per token in English prose
+    while True:
+        ids = tokenizer(text[:chars], add_special_tokens=False)["input_ids"]
+        if len(ids) > count or chars >= len(text):
+            return ids[:count]
+        chars *= 2

@@ -43,7 +43,7 @@ import attrs
 import torch
 
 from . import datasets, metrics, scoring
-from .data import essays_text
+from .data import essays_text, leading_token_ids
 from .errors import KvweaveError
 from .generation import generate
 from .pipeline import build_cache
@@ -400,15 +400,10 @@ def essay_ids(ev: Evaluation, tokens: int) -> torch.Tensor:
     """``tokens`` ids [1, T] of the essays from character ``PPL_OFFSET`` on (a sentence start)."""
     text = essays_text()
     start = PPL_OFFSET + next((b for b in metrics.sentence_boundaries(text[PPL_OFFSET : PPL_OFFSET + 5000]) if b > 0), 0)
-    chars = tokens * 8
-    while True:
-        ids = ev.tokenizer(text[start : start + chars], add_special_tokens=False)["input_ids"]
-        if len(ids) > tokens or start + chars >= len(text):
-            break
-        chars *= 2
+    ids = leading_token_ids(ev.tokenizer, text[start:], tokens)
     if len(ids) < tokens:
         raise EvalError(f"the essays hold only {len(ids)} tokens after character {PPL_OFFSET}, fewer than --tokens {tokens}")
-    return torch.tensor([ids[:tokens]])
+    return torch.tensor([ids])
 
 
 def run_ppl(ev: Evaluation, tokens: int, chunk: int) -> dict[str, Any]:
@@ -720,11 +715,15 @@ def _task_settings(args: argparse.Namespace, task: str) -> dict[str, Any]:
     return {"speed_tokens": args.speed_tokens, "speed_new_tokens": args.speed_new_tokens}
 
 
-def _model_slug(spec: str) -> str:
+def _model_label_for(spec: str) -> str:
+    """The model's name in tables and plots: SmolLM2-135M-Instruct for ``default``, else the folder or file name."""
     from .models import DEFAULT_MODEL, DEFAULT_MODEL_NAME
 
-    name = DEFAULT_MODEL_NAME if spec == DEFAULT_MODEL else Path(spec.rstrip("/")).name
-    return re.sub(r"[^a-z0-9._-]+", "-", name.lower()).strip("-") or "model"
+    return DEFAULT_MODEL_NAME if spec == DEFAULT_MODEL else Path(spec.rstrip("/")).name
+
+
+def _model_slug(spec: str) -> str:
+    return re.sub(r"[^a-z0-9._-]+", "-", _model_label_for(spec).lower()).strip("-") or "model"
 
 
 def command_line(argv: list[str] | None) -> str:
@@ -802,12 +801,6 @@ def report(path: Path, ablations: str | None = None) -> dict[str, dict[str, Any]
     if settings["task"] == "table":
         print(write_table(run, pipelines, {}, results, ablations or settings.get("ablations"), label))
     return results
-
-
-def _model_label_for(spec: str) -> str:
-    from .models import DEFAULT_MODEL, DEFAULT_MODEL_NAME
-
-    return DEFAULT_MODEL_NAME if spec == DEFAULT_MODEL else Path(spec.rstrip("/")).name
 
 
 def cmd_report(args: argparse.Namespace) -> int:

@@ -39,6 +39,30 @@ class ToyTokenizer:
         return "." if ids[0] % 10 == 0 else "a"
 
 
+def write_registry(folder, name: str, text: str):
+    """``text`` written as ``folder/name.toml`` (a user registry read on top of the built-in one); its path."""
+    path = folder / f"{name}.toml"
+    path.write_text(text)
+    return path
+
+
+def record_route_blocks(cache) -> list:
+    """Wrap ``cache``'s router so every RouteBlock it is asked to assign is appended to the returned list."""
+    seen: list = []
+    real = cache.engine.router
+
+    class Recorder:
+        def __getattr__(self, name):
+            return getattr(real, name)
+
+        def assign(self, block):
+            seen.append(block)
+            return real.assign(block)
+
+    cache.engine.router = Recorder()
+    return seen
+
+
 @pytest.fixture(scope="session")
 def tiny_model() -> LlamaForCausalLM:
     return tiny_llama()

@@ -24,7 +24,7 @@ from kvweave.core.registry import load_pipeline
 from kvweave.plugins.quantizers.kivi import KiviKeys, KiviQuantizer, KiviValues, unpack
 from kvweave.plugins.routers._eviction import keep_top, pool
 
-from conftest import ToyTokenizer, tiny_llama
+from conftest import ToyTokenizer, tiny_llama, write_registry
 
 REGISTRY = textwrap.dedent("""
     [pipelines.t-stream]
@@ -108,9 +108,7 @@ EVICTING = ["t-stream", "t-snap", "t-pyramid", "t-h2o"]
 
 @pytest.fixture(scope="module")
 def registry(tmp_path_factory):
-    path = tmp_path_factory.mktemp("baselines") / "baselines.toml"
-    path.write_text(REGISTRY)
-    return path
+    return write_registry(tmp_path_factory.mktemp("baselines"), "baselines", REGISTRY)
 
 
 @pytest.fixture(scope="module")

@@ -17,7 +17,7 @@ from kvweave.plugins.bases.eigen_lowrank import EigenLowRankBasis
 from kvweave.plugins.bases.kvsharer import KVSharerBasis, dissimilar_pairs
 from kvweave.plugins.bases.minicache import MiniCacheBasis, slerp
 
-from conftest import tiny_llama
+from conftest import tiny_llama, write_registry
 
 
 def shape(layers: int, head_dim: int = 16) -> ModelShape:
@@ -138,9 +138,7 @@ TINY = textwrap.dedent("""
 
 @pytest.fixture(scope="module")
 def registry_file(tmp_path_factory):
-    path = tmp_path_factory.mktemp("merge") / "merge.toml"
-    path.write_text(TINY)
-    return path
+    return write_registry(tmp_path_factory.mktemp("merge"), "merge", TINY)
 
 
 @pytest.fixture(scope="module")

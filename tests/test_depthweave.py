@@ -16,7 +16,7 @@ from kvweave.core.registry import load_pipeline
 from kvweave.plugins.probes.attention_output import AttentionOutputProbe
 from kvweave.plugins.routers.sigmoid_multilevel import SigmoidMultilevelRouter
 
-from conftest import ToyTokenizer, tiny_llama
+from conftest import ToyTokenizer, record_route_blocks, tiny_llama, write_registry
 
 
 LEVEL_BYTES = {2: 11.0, 4: 15.0, 8: 24.0}
@@ -115,9 +115,7 @@ REGISTRY = textwrap.dedent("""
 
 @pytest.fixture
 def registry_file(tmp_path):
-    path = tmp_path / "dw.toml"
-    path.write_text(REGISTRY)
-    return path
+    return write_registry(tmp_path, "dw", REGISTRY)
 
 
 def _run(model, cache, tokens=2000, decode=70):
@@ -252,18 +250,7 @@ def test_a_full_rank_residual_basis_restores_the_residual():
 def test_keys_and_values_of_a_block_are_routed_on_the_same_attention_statistics(registry_file):
     model = tiny_llama(torch.bfloat16, layers=4, hidden=256)
     cache = build_cache(load_pipeline("dw-tiny", registry_file), model, tokenizer=ToyTokenizer())
-    seen: list[RouteBlock] = []
-    real = cache.engine.router
-
-    class Recorder:
-        def __getattr__(self, name):
-            return getattr(real, name)
-
-        def assign(self, block):
-            seen.append(block)
-            return real.assign(block)
-
-    cache.engine.router = Recorder()
+    seen = record_route_blocks(cache)
     _run(model, cache, tokens=600, decode=0)
     keys, values = seen[0], seen[1]
     assert (keys.kind, values.kind) == ("keys", "values")

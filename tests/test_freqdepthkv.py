@@ -15,12 +15,12 @@ from kvweave.core.generation import generate
 from kvweave.core.interfaces import ModelShape, RouteBlock
 from kvweave.core.registry import load_pipeline
 from kvweave.core.residuals import encode_residuals, mix_residuals, residual_rows
-from kvweave.plugins.bases.dct_depth import DctDepthBasis, dct_matrix, depth_blocks
+from kvweave.plugins.bases.dct_depth import DctDepthBasis, dct_matrix
 from kvweave.plugins.probes.prefill_logit import PrefillLogitProbe
 from kvweave.plugins.quantizers.passthrough import NoQuantizer
 from kvweave.plugins.routers.head_mode import HeadModeRouter, decide
 
-from conftest import ToyTokenizer, tiny_llama
+from conftest import ToyTokenizer, record_route_blocks, tiny_llama, write_registry
 
 ABLATIONS = ("average", "no-residuals", "shared-only", "static", "norm-loss", "no-exact", "b2", "b8")
 PIPELINES = ("freqdepthkv",) + tuple(f"freqdepthkv-{name}" for name in ABLATIONS)
@@ -269,9 +269,7 @@ TINY = textwrap.dedent("""
 
 @pytest.fixture(scope="module")
 def registry_file(tmp_path_factory):
-    path = tmp_path_factory.mktemp("fdk") / "fdk.toml"
-    path.write_text(TINY)
-    return path
+    return write_registry(tmp_path_factory.mktemp("fdk"), "fdk", TINY)
 
 
 @pytest.fixture(scope="module")
@@ -355,18 +353,7 @@ def test_values_follow_the_decision_made_on_keys(model, registry_file):
 
 def test_the_prefill_probe_feeds_the_router_and_is_freed(model, registry_file):
     cache = build_cache(load_pipeline("fdk-tiny", registry_file), model, tokenizer=ToyTokenizer())
-    seen = []
-    real = cache.engine.router
-
-    class Recorder:
-        def __getattr__(self, name):
-            return getattr(real, name)
-
-        def assign(self, block):
-            seen.append(block)
-            return real.assign(block)
-
-    cache.engine.router = Recorder()
+    seen = record_route_blocks(cache)
     run(model, cache, tokens=600)
     prefill = seen[0]
     assert prefill.queries.shape[-2] == 32 and prefill.query_positions.shape == (2, 1, 32)  # the first block: 2 layers

@@ -23,7 +23,6 @@ Here:
 
 from __future__ import annotations
 
-import math
 
 import attrs
 import torch

@@ -17,7 +17,7 @@ import attrs
 import torch
 
 from kvweave.core import hookimpl
-from kvweave.core.interfaces import DROPPED, ModelShape, RouteBlock, Router
+from kvweave.core.interfaces import DROPPED, RouteBlock, Router
 from kvweave.core.params import choice, integer
 
 from ._eviction import budget_field, check_budget_holds_window, check_one_budget, fraction_field, keep_top, pool, totals
