@@ -15,7 +15,7 @@ Tasks (each a subcommand; ``table`` runs several and assembles them):
 
 A run folder holds ``settings.json`` (the settings, and per session the command, date, git commit,
 package versions and device), ``cells.jsonl`` (one line per finished cell, written as it finishes) and
-the outputs. Rerunning the same command resumes: finished cells are read back, the rest are run. A
+the outputs (drawn and tabulated by :mod:`kvweave.core.eval_report`). Rerunning the same command resumes: finished cells are read back, the rest are run. A
 folder written with other settings is refused (``--fresh`` discards it); adding pipelines to a folder is
 allowed, since every cell is keyed by its pipeline.
 """
@@ -23,11 +23,8 @@ allowed, since every cell is keyed by its pipeline.
 from __future__ import annotations
 
 import argparse
-import csv
 import datetime
-import io
 import json
-import math
 import os
 import platform
 import re
@@ -44,6 +41,7 @@ import torch
 
 from . import datasets, metrics, scoring
 from .data import essays_text, leading_token_ids
+from .eval_report import fidelity_plot, needle_heatmap, write_table
 from .errors import KvweaveError
 from .generation import generate
 from .pipeline import build_cache
@@ -518,164 +516,6 @@ def speed_result(run: RunFolder, pipelines: list[str], errors: dict[str, str], t
     return result
 
 
-# ------------------------------------------------------------------------------------------ plots
-def _pyplot() -> Any:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    return plt
-
-
-def needle_heatmap(path: Path, name: str, grid: list[list[float]], lengths: list[int], depths: list[float], count: int, model: str) -> None:
-    plt = _pyplot()
-    fig, ax = plt.subplots(figsize=(1.2 + 1.1 * len(lengths), 1.2 + 0.6 * len(depths)))
-    image = ax.imshow(grid, cmap="RdYlGn", vmin=0.0, vmax=1.0, aspect="auto")
-    ax.set_xticks(range(len(lengths)), [f"{n:,}" for n in lengths])
-    ax.set_yticks(range(len(depths)), [f"{d:.0%}" for d in depths])
-    ax.set_xlabel("context length (tokens)")
-    ax.set_ylabel("needle depth")
-    for i, row in enumerate(grid):
-        for j, value in enumerate(row):
-            ax.text(j, i, "-" if math.isnan(value) else f"{value:.2f}", ha="center", va="center", fontsize=8)
-    ax.set_title(f"{name}: needle retrieval ({count} needles/cell)\n{model}", fontsize=9)
-    fig.colorbar(image, ax=ax, fraction=0.05)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-
-
-def fidelity_plot(path: Path, result: dict[str, Any], model: str) -> None:
-    rows = {n: r for n, r in result["pipelines"].items() if "per_layer" in r}
-    if not rows:
-        return
-    plt = _pyplot()
-    fig, ax = plt.subplots(figsize=(8, 4.5))
-    for name, row in rows.items():
-        ax.plot(range(len(row["per_layer"])), row["per_layer"], marker=".", label=f"{name} (mean {row['error']:.3f})")
-    ax.set_xlabel("layer")
-    ax.set_ylabel("attention-output relative error (Eq. 3)")
-    ax.set_title(f"Attention-output error per layer, {result['tokens']:,} tokens, {model}", fontsize=9)
-    ax.legend(fontsize=7)
-    ax.grid(alpha=0.3)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-
-
-def quality_memory_plot(path: Path, rows: list[dict[str, Any]], title: str) -> None:
-    """One panel per quality measure present, x = reduction against 16 bits, one labelled point per pipeline."""
-    panels = [(k, label) for k, label in (("needle", "needle accuracy"), ("qa_f1", "QA F1 (mean of datasets)"),
-                                          ("ppl", "perplexity"), ("fidelity", "attention-output error"))
-              if any(isinstance(r.get(k), float) and not math.isnan(r[k]) for r in rows)]
-    points = [r for r in rows if isinstance(r.get("ratio"), float)]
-    if not panels or not points:
-        return
-    plt = _pyplot()
-    columns = min(2, len(panels))
-    rows_count = math.ceil(len(panels) / columns)
-    fig, axes = plt.subplots(rows_count, columns, figsize=(5.2 * columns, 4.0 * rows_count), squeeze=False)
-    for ax in axes.flat[len(panels):]:
-        ax.set_visible(False)
-    for ax, (field, label) in zip(axes.flat, panels):
-        for row in points:
-            value = row.get(field)
-            if isinstance(value, float) and not math.isnan(value):
-                ax.scatter(row["ratio"], value, s=24)
-                ax.annotate(row["pipeline"], (row["ratio"], value), fontsize=6, xytext=(3, 3), textcoords="offset points")
-        ax.set_xscale("log", base=2)
-        ax.set_xlabel("KV reduction vs 16-bit (x, stored bytes)")
-        ax.set_ylabel(label)
-        if field == "ppl":
-            ax.set_yscale("log")
-        ax.grid(alpha=0.3)
-    fig.suptitle(title, fontsize=9)
-    fig.tight_layout()
-    fig.savefig(path, dpi=130)
-    plt.close(fig)
-
-
-# ------------------------------------------------------------------------------------------ table
-def table_rows(pipelines: list[str], errors: dict[str, str], results: dict[str, dict[str, Any]]) -> list[dict[str, Any]]:
-    rows = []
-    for name in pipelines:
-        row: dict[str, Any] = {"pipeline": name}
-        if name in errors:
-            row["error"] = errors[name]
-            rows.append(row)
-            continue
-        for task in ("ppl", "fidelity", "speed"):  # bytes from the first of these that ran (ppl: the cache filled chunk by chunk)
-            data = results.get(task, {}).get("pipelines", {}).get(name, {})
-            if "stored_bytes" in data and "bytes" not in row:
-                row["bytes"], row["ratio"] = data["stored_bytes"], data["full_16bit_bytes"] / data["stored_bytes"]
-                row["bytes_from"] = task
-        needle = results.get("needle", {}).get("pipelines", {}).get(name, {})
-        if "accuracy" in needle:
-            row["needle"] = needle["accuracy"]
-        qa = results.get("qa", {}).get("pipelines", {}).get(name, {})
-        f1s = []
-        for dataset in results.get("qa", {}).get("datasets", []):
-            if dataset in qa:
-                row[f"{dataset}_em"], row[f"{dataset}_f1"] = qa[dataset]["em"], qa[dataset]["f1"]
-                f1s.append(qa[dataset]["f1"])
-        if f1s:
-            row["qa_f1"] = sum(f1s) / len(f1s)
-        ppl = results.get("ppl", {}).get("pipelines", {}).get(name, {})
-        if "ppl" in ppl:
-            row["ppl"], row["ppl_delta"] = ppl["ppl"], ppl["ppl_delta"]
-        fidelity = results.get("fidelity", {}).get("pipelines", {}).get(name, {})
-        if "error" in fidelity and isinstance(fidelity["error"], float):
-            row["fidelity"] = fidelity["error"]
-        speed = results.get("speed", {}).get("pipelines", {}).get(name, {})
-        if "ttft_seconds" in speed:
-            row["ttft"], row["decode_tps"] = speed["ttft_seconds"], speed["decode_tokens_per_second"]
-            if "peak_extra_bytes" in speed:
-                row["peak_extra_bytes"] = speed["peak_extra_bytes"]
-        rows.append(row)
-    return rows
-
-
-def _columns(rows: list[dict[str, Any]], datasets_run: list[str], base: str | None) -> list[tuple[str, str, Callable[[Any], str]]]:
-    pct = lambda v: f"{100 * v:.1f}"  # noqa: E731
-    num = lambda v: f"{v:.3f}"  # noqa: E731
-    columns: list[tuple[str, str, Callable[[Any], str]]] = [
-        ("bytes", "KV bytes", lambda v: f"{v:,}"), ("ratio", "reduction", lambda v: f"{v:.2f}x"), ("needle", "needle acc %", pct),
-    ]
-    for dataset in datasets_run:
-        label = {"hotpotqa": "HotpotQA", "squad": "SQuAD"}.get(dataset, dataset)
-        columns += [(f"{dataset}_em", f"{label} EM", pct), (f"{dataset}_f1", f"{label} F1", pct)]
-    columns += [("ppl", "ppl", num), ("ppl_delta", "Δppl", lambda v: f"{v:+.3f}"), ("fidelity", "attn-out err", lambda v: f"{v:.4f}"),
-                ("ttft", "TTFT s", lambda v: f"{v:.2f}"), ("decode_tps", "decode tok/s", lambda v: f"{v:.1f}"),
-                ("peak_extra_bytes", "peak extra MB", lambda v: f"{v / 1e6:,.1f}")]
-    if base is not None:
-        columns.insert(3, ("needle_vs_base", f"Δ needle vs {base}", lambda v: f"{100 * v:+.1f}"))
-        columns.insert(4 + 2 * len(datasets_run), ("qa_f1_vs_base", f"Δ QA F1 vs {base}", lambda v: f"{100 * v:+.1f}"))
-    return [c for c in columns if any(c[0] in r for r in rows)]
-
-
-def render_table(rows: list[dict[str, Any]], datasets_run: list[str], base: str | None = None) -> tuple[str, str]:
-    """The Markdown table and the CSV text of ``rows``."""
-    if base is not None:
-        anchor = next((r for r in rows if r["pipeline"] == base), {})
-        for row in rows:
-            for field, target in (("needle", "needle_vs_base"), ("qa_f1", "qa_f1_vs_base")):
-                if field in row and field in anchor:
-                    row[target] = row[field] - anchor[field]
-    columns = _columns(rows, datasets_run, base)
-    lines = ["| pipeline | " + " | ".join(c[1] for c in columns) + " |", "|---|" + "---:|" * len(columns)]
-    buffer = io.StringIO()
-    writer = csv.writer(buffer)
-    writer.writerow(["pipeline", *(c[0] for c in columns), "error"])
-    for row in rows:
-        if "error" in row:
-            lines.append(f"| {row['pipeline']} | " + " | ".join(["—"] * len(columns)) + f" |  \n*{row['pipeline']}: {row['error'][:160]}*")
-        else:
-            lines.append(f"| {row['pipeline']} | " + " | ".join(c[2](row[c[0]]) if c[0] in row else "—" for c in columns) + " |")
-        writer.writerow([row["pipeline"], *(row.get(c[0], "") for c in columns), row.get("error", "")])
-    return "\n".join(lines) + "\n", buffer.getvalue()
-
-
 def ablation_pipelines(registry: Registry, base: str) -> list[str]:
     """``full``, ``base`` and every pipeline whose ``extends`` chain reaches ``base``."""
     if base not in registry.names():
@@ -841,45 +681,6 @@ def _summary(task: str, result: dict[str, Any]) -> str:
     if "error" in result:
         return "error"
     return "/".join(f"{v['f1']:.2f}" for v in result.values() if isinstance(v, dict) and "f1" in v)
-
-
-def write_table(run: RunFolder, pipelines: list[str], errors: dict[str, str], results: dict[str, dict[str, Any]],
-                base: str | None, label: str) -> str:
-    """table.md (the command and environment of each session on top), table.csv, table.json and
-    quality_vs_memory.png in the run folder; returns the Markdown table."""
-    rows = table_rows(pipelines, errors, results)
-    datasets_run = results.get("qa", {}).get("datasets", [])
-    markdown, text = render_table(rows, datasets_run, base)
-    lines = []
-    for session in run.record["sessions"]:
-        commit = (session["git_commit"] or "unknown")[:10] + (" (modified)" if session["git_dirty"] else "")
-        lines.append(f"- `{session['command']}`  \n  {session['started']}; {session['hardware']}; kvweave commit {commit}; "
-                     f"torch {session['versions']['torch']}, transformers {session['versions']['transformers']}")
-    header = (f"Model {label}, {run.settings['dtype']}, seed {run.settings['seed']}. Sessions of this run:\n\n" + "\n".join(lines) + "\n\n")
-    (run.path / "table.md").write_text(header + markdown + _notes(results), encoding="utf-8")
-    (run.path / "table.csv").write_text(text, encoding="utf-8")
-    run.write_json("table.json", rows)
-    title = f"{'Ablations of ' + base if base else 'Pipelines'}: quality vs memory, {label}"
-    quality_memory_plot(run.path / "quality_vs_memory.png", rows, title)
-    return markdown
-
-
-_NOTES: dict[str, Callable[[dict[str, Any]], str]] = {
-    "needle": lambda r: f"needle: {len(r['needles'])} needles x lengths {r['lengths']} x depths {r['depths']}, "
-                        "hit = expected value in the greedy answer",
-    "qa": lambda r: f"QA: {r['samples']} questions per dataset, contexts padded with distractors to {r['length']} tokens; "
-                    "EM/F1 as SQuAD/HotpotQA define them",
-    "ppl": lambda r: f"ppl: {r['tokens']} essay tokens in {r['chunk']}-token chunks; DynamicCache "
-                     + ("not run" if r["dynamic_cache_ppl"] is None else f"{r['dynamic_cache_ppl']:.3f}"),
-    "fidelity": lambda r: f"attn-out err: Eq. (3), last {r['probe']} positions' queries after {r['tokens']} tokens, "
-                          "mean over layers and KV heads",
-    "speed": lambda r: f"speed: one generation from {r['tokens']} tokens, {r['new_tokens']} new tokens, batch 1",
-}
-
-
-def _notes(results: dict[str, dict[str, Any]]) -> str:
-    parts = [_NOTES[task](results[task]) for task in TASKS if task in results]
-    return "\n" + "\n".join(f"- {p}" for p in parts) + "\n" if parts else ""
 
 
 def _add_common(p: argparse.ArgumentParser, table: bool) -> None:

@@ -27,6 +27,10 @@ from .errors import ModelError
 DROPPED = -1
 
 
+#: what a cache stores per token and head, in this order
+KINDS = ("keys", "values")
+
+
 @attrs.frozen
 class ModelShape:
     """What a component may know of the model it compresses for (read from its config)."""

@@ -23,11 +23,11 @@ import torch
 from transformers import DynamicCache
 
 from .generation import cache_kwargs
+from .interfaces import KINDS
 from .observation import ATTENTION_NAME
 from .pipeline import build_cache
 from .registry import Registry, ResolvedPipeline
 
-KINDS = ("keys", "values")
 
 
 # ------------------------------------------------------------------------------------------- feeding

@@ -9,7 +9,7 @@ import pytest
 import torch
 from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
-from kvweave.core import cli, datasets, evaluate, scoring
+from kvweave.core import cli, datasets, eval_report, evaluate, scoring
 from kvweave.core.errors import KvweaveError
 
 
@@ -251,7 +251,7 @@ def test_ablation_set_and_deltas_against_the_base():
             {"pipeline": "depthweave-kv", "needle": 0.5, "bytes": 10, "ratio": 10.0},
             {"pipeline": "depthweave-kv-no-router", "needle": 0.25, "bytes": 10, "ratio": 10.0},
             {"pipeline": "broken", "error": "BudgetError: too tight"}]
-    markdown, text = evaluate.render_table(rows, [], base="depthweave-kv")
+    markdown, text = eval_report.render_table(rows, [], base="depthweave-kv")
     assert "| depthweave-kv-no-router | 10 | 10.00x | 25.0 | -25.0 |" in markdown
     assert "| full | 100 | 1.00x | 100.0 | +50.0 |" in markdown
     assert "broken: BudgetError: too tight" in markdown and text.splitlines()[-1].endswith("BudgetError: too tight")
