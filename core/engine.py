@@ -116,10 +116,13 @@ class CompressionEngine(EvictionMixin):
         self.pending: set[int] = set()
         self.returned_keys: dict[int, torch.Tensor] = {}
         #: the model's attention must report to this cache (queries, masks of evicted tokens, attention)
-        self.own_attention = self.observer.active or self.evicts or self.accumulates
+        self.own_attention = self.observer.active or self.evicts or self.accumulates or not self.kernel.materializes
+        #: what a kernel that reads the packed storage in place keeps between calls (segment tables, ...)
+        self.kernel_state: dict = {}
         self.padding: torch.Tensor | None = None  # bool [B, T]: False for padding (from the attention mask)
         self.forward_tokens = 0  # tokens of the forward pass in progress
         self._flush_info: dict | None = None  # the flush in progress, when it evicts
+        self.kernel.check_engine(self)
 
     def _index_groups(self) -> dict[int, tuple[int, int]]:
         group_of: dict[int, tuple[int, int]] = {}
@@ -137,8 +140,11 @@ class CompressionEngine(EvictionMixin):
         return group_of
 
     # ----------------------------------------------------------------------------------- update
-    def update(self, layer: int, keys: torch.Tensor, values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Append ``keys``/``values`` [B, H, q, D] to ``layer``; return its full K/V [B, H, T, D]."""
+    def update(
+        self, layer: int, keys: torch.Tensor, values: torch.Tensor, materialize: bool = True
+    ) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """Append ``keys``/``values`` [B, H, q, D] to ``layer``; return its full K/V [B, H, T, D] (None with
+        ``materialize=False``: filling a cache without attention, e.g. :mod:`kvweave.core.synthetic`)."""
         if not 0 <= layer < self.shape.num_layers:
             raise CacheStateError(f"layer index {layer} is outside the cache's {self.shape.num_layers} layers")
         if keys.shape[1] != self.shape.num_kv_heads or keys.shape[-1] != self.shape.head_dim:
@@ -159,7 +165,10 @@ class CompressionEngine(EvictionMixin):
         for kind, new in zip(KINDS, (keys, values)):
             old = window.exact[kind]
             window.exact[kind] = new if old is None else torch.cat((old, new), dim=-2)
-        full = tuple(self._full(layer, kind) for kind in KINDS)
+        if self.reads_in_place(keys.shape[-2]) or not materialize:  # the kernel reads the packed tokens itself
+            full = (window.exact["keys"], window.exact["values"])
+        else:
+            full = tuple(self._full(layer, kind) for kind in KINDS)
         if self.own_attention:
             self.returned_keys[layer] = full[0]  # lets the attention call tell it belongs to this cache
         group_index, member = self.group_of[layer]
@@ -168,7 +177,12 @@ class CompressionEngine(EvictionMixin):
                 self.pending.add(group_index)  # flushed by after_attention, once the attention has run
             else:
                 self._flush(group_index)
-        return full  # type: ignore[return-value]
+        return full if materialize else None  # type: ignore[return-value]
+
+    def reads_in_place(self, new_tokens: int) -> bool:
+        """Whether the attention of a forward of ``new_tokens`` tokens goes to the pipeline's kernel, which
+        reads the packed storage in place (one-token forwards with a kernel that does not materialize)."""
+        return new_tokens == 1 and not self.kernel.materializes
 
     def owns(self, layer: int, keys: torch.Tensor) -> bool:
         """Whether ``keys`` are what this cache's ``update`` just returned for ``layer``."""
@@ -433,6 +447,7 @@ class CompressionEngine(EvictionMixin):
                     for name, t in store.route_state.items() if isinstance(t, torch.Tensor)
                 })
         self.observer.select_batch(index)
+        self.kernel_state = {}
         if self.padding is not None:
             self.padding = self.padding.index_select(0, index.to(self.padding.device))
 
@@ -443,4 +458,5 @@ class CompressionEngine(EvictionMixin):
         self.returned_keys = {}
         self.padding = None
         self._flush_info = None
+        self.kernel_state = {}
         self.observer.reset()

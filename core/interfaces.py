@@ -15,7 +15,7 @@ The key/value vector is reconstructed as ``basis.decode(coefficients) + residual
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from typing import ClassVar
+from typing import Any, ClassVar
 
 import attrs
 import torch
@@ -129,6 +129,13 @@ class BasisBuilder(Component):
         frequencies): the group's misses ``E`` are stored as rows ``R = M^-1 E`` (row ``k`` in the lists of
         the group's ``k``-th layer, the router's ranks indexing rows) and layer ``m`` adds
         ``sum_k M[m, k] R_k``. None (default): each layer's residual is its own miss."""
+        return None
+
+    def factor_bases(self, state: dict[str, torch.Tensor], member: int) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """For kernels that attend in coefficient space: the ``member``-th layer's bases [B, H, V, r, D] (a view
+        of the stored state, ``k = c P_v`` for a token encoded with version ``v``) and the tokens encoded with
+        each version, int32 [V] (versions cover consecutive token ranges). None (default): the basis does
+        not decode as coefficients times a basis, and only the reference kernel can read it."""
         return None
 
     @abstractmethod
@@ -289,6 +296,16 @@ class AttentionKernel(Component):
 
     group: ClassVar[str] = "kernels"
     materializes: ClassVar[bool] = True
+
+    def check_engine(self, engine: Any) -> None:
+        """Raise :class:`ModelError` or :class:`ComponentError` when this kernel cannot read the storage
+        the other components of ``engine``'s pipeline produce (called once, when the cache is built)."""
+
+    def attend(self, engine: Any, layer: int, query: torch.Tensor, attention_mask: Any, scaling: float) -> torch.Tensor:
+        """Decode attention of ``query`` [B, Hq, 1, D] over ``layer``'s stored cache, read in place:
+        [B, 1, Hq, D]. Called instead of the model's attention for one-token forwards when
+        ``materializes`` is false."""
+        raise NotImplementedError(f"kernel {type(self).__name__} does not attend over packed storage")
 
 
 GROUP_INTERFACES: dict[str, type[Component]] = {

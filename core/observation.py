@@ -37,6 +37,13 @@ def _observing_attention(module, query, key, value, attention_mask, **kwargs):
         # another cache (or none) serves this forward: plain sdpa, nothing recorded
         return ALL_ATTENTION_FUNCTIONS["sdpa"](module, query, key, value, attention_mask, **kwargs)
     scaling = kwargs.get("scaling") or getattr(module, "scaling", None)
+    layer = module.layer_idx
+    if engine.reads_in_place(query.shape[-2]):  # decode over the packed storage, read in place by the kernel
+        if engine.observer.active:
+            engine.observer.record(layer, query, scaling, keys_seen=engine.seq_length(layer))
+        output = engine.kernel.attend(engine, layer, query, attention_mask, scaling or query.shape[-1] ** -0.5)
+        engine.after_attention(layer)
+        return output, None
     if engine.observer.active:
         engine.observer.record(module.layer_idx, query, scaling, key)
     # K/V without the evicted tokens need their own mask (built from the model's mask over all tokens)
@@ -144,14 +151,20 @@ class Observer:
         self._flags = flags if self._flags is None else torch.cat((self._flags, flags), dim=-1)
         self.tap.pending = None
 
-    def record(self, layer: int, query: torch.Tensor, scaling: float | None, key: torch.Tensor | None = None) -> None:
+    def record(
+        self, layer: int, query: torch.Tensor, scaling: float | None, key: torch.Tensor | None = None,
+        keys_seen: int | None = None,
+    ) -> None:
         """Keep the last ``keep`` queries [B, Hq, q, D] of ``layer``; with a ``selector`` and ``key`` [B, H, T, D]
-        (all keys of the layer), also the probe's selection from a forward of more than ``keep`` tokens."""
+        (all keys of the layer), also the probe's selection from a forward of more than ``keep`` tokens.
+        ``keys_seen``: the layer's key count when ``key`` is not given (a kernel reading the cache in place)."""
         old = self._queries[layer]
         recent = query[..., -self.keep :, :].detach()
         joined = recent if old is None else torch.cat((old, recent), dim=-2)[..., -self.keep :, :]
         self._queries[layer] = joined.contiguous().clone()  # never a view of the whole query tensor
         self.scaling = scaling
+        if keys_seen is not None:
+            self._ends[layer] = keys_seen
         if key is None:
             return
         self._ends[layer] = key.shape[-2]

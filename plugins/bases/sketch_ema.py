@@ -176,6 +176,15 @@ class SketchEmaBasis(BasisBuilder):
     def coefficient_rows(self, group_size: int) -> int:
         return 1 if self.share == "token-factor" else group_size
 
+    def factor_bases(self, state: dict[str, torch.Tensor], member: int) -> tuple[torch.Tensor, torch.Tensor] | None:
+        if "bases" not in state:
+            return None
+        bases = state["bases"]  # [B, H, V, r, C]
+        if self.share == "token-factor":
+            width = bases.shape[-1] // int(state["group_layers"][0, 0])
+            bases = bases[..., member * width : (member + 1) * width]
+        return bases, state["version_tokens"][0]
+
     def decode(
         self, state: dict[str, torch.Tensor], coefficients: torch.Tensor, member: int, start: int = 0
     ) -> torch.Tensor:

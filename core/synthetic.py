@@ -1,0 +1,60 @@
+"""Fill a cache with synthetic keys and values, without running a model: for kernel tests and benchmarks
+at sizes where a real prompt's prefill would dominate (a 64K-token cache for 64 sequences).
+
+The vectors have the structure cross-layer factorization is built for: per batch row and KV head, a
+token factor ``z_t`` [rank] shared by every layer, mixed per layer (``x_{l,t} = z_t A_l``) plus
+per-layer noise of relative size ``noise``. Queries for the router and probe are random vectors of the
+same scale. Chunks go through the cache's own ``update`` and flush (the same code as a prompt), so the
+stored bytes, basis versions and residual lists are what a real forward would store for such vectors.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from .cache import KVWeaveCache
+
+
+def _generator(seed: int, device: torch.device) -> torch.Generator:
+    generator = torch.Generator(device=device)
+    generator.manual_seed(seed)
+    return generator
+
+
+def fill_cache(
+    cache: KVWeaveCache, batch: int, tokens: int, *, chunk: int = 2048, rank: int = 24, noise: float = 0.3,
+    dtype: torch.dtype = torch.bfloat16, device: str | torch.device = "cpu", seed: int = 0, progress: Any = None,
+) -> KVWeaveCache:
+    """Append ``tokens`` synthetic tokens for ``batch`` rows to every layer of ``cache`` (``chunk`` at a time)."""
+    engine = cache.engine
+    shape = engine.shape
+    device = torch.device(device)
+    gen = _generator(seed, device)
+    heads, dim = shape.num_kv_heads, shape.head_dim
+    mixing = {
+        kind: torch.randn(shape.num_layers, heads, rank, dim, generator=gen, device=device) / rank**0.5
+        for kind in ("keys", "values")
+    }
+    done = 0
+    while done < tokens:
+        n = min(chunk, tokens - done)
+        factors = {kind: torch.randn(batch, heads, n, rank, generator=gen, device=device) for kind in mixing}
+        for layer in range(shape.num_layers):
+            new = []
+            for kind in ("keys", "values"):
+                x = torch.einsum("bhnr,hrd->bhnd", factors[kind], mixing[kind][layer])
+                x = x + noise * torch.randn(x.shape, generator=gen, device=device)
+                new.append(x.to(dtype))
+            engine.update(layer, new[0], new[1], materialize=False)
+            if engine.own_attention:
+                if engine.observer.active:
+                    queries = torch.randn(batch, shape.num_query_heads, min(n, engine.observer.keep), dim, generator=gen, device=device)
+                    engine.observer.record(layer, queries.to(dtype), dim**-0.5, keys_seen=engine.seq_length(layer))
+                engine.returned_keys.pop(layer, None)
+                engine.after_attention(layer)
+        done += n
+        if progress is not None:
+            progress(n)
+    return cache

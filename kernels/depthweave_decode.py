@@ -1,0 +1,541 @@
+"""Decode attention straight from DepthWeave-KV's packed storage: the Triton kernel and its torch twin.
+
+One new query token per sequence attends over one layer's cache, which holds
+
+- packed tokens ``0 .. T-1``: int8 coefficients ``c_t`` [r] with float16 scales per ``block`` channels,
+  decoded by the basis version ``v(t)`` their block was encoded with: ``k_t = c_t P_v`` (``P_v`` [r, D] is
+  this layer's column block of the window's token-factor basis);
+- routed residuals: for some tokens, the first ``rho`` coordinates ``e_t`` (int4, one float16 scale per
+  ``group``) on the layer's residual basis ``R`` [rho_max, D], weighted by the head's gate ``g``;
+- the exact recent window (model dtype), at logical positions ``T .. T+W-1``.
+
+So, with ``q`` pre-scaled, ``score_t = (q P_v^T) . c_t + g (q R^T)[:rho] . e_t`` and the output is
+``sum_v (sum_{t in v} p_t c_t) P_v + (sum_t p_t g e_t) R + sum_w p_w v_w``: the kernel reads the int8
+and int4 bytes, dequantizes them in registers and never writes a key or value vector to memory.
+
+Work split (flash-decoding): the packed tokens are cut into segments that each lie inside one basis
+version (``segments`` [S, 3] int32: start, end, version; starts multiples of ``TILE``), one program per
+(segment, batch row x KV head) keeps an online softmax for the ``Hq / H`` query heads that share the KV
+head (GQA) and writes a partial (max, sum, output); the exact window is one more partial; a combine pass
+merges them. Residual entries are found per (row, 32-token tile) through the list's tile index
+(``tile_start``, ``tile_count``), so a tile reads only its own entries.
+
+Rows of a batch may hold different numbers of real tokens (left padding): ``start`` [B] int32 is the
+first logical position each row attends to.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import attrs
+import torch
+
+try:  # the kernel needs triton; the torch twin does not
+    import triton
+    import triton.language as tl
+except ImportError:  # pragma: no cover - triton is a dependency on Linux
+    triton = None
+    tl = None
+
+TILE = 32  # tokens per kernel tile = per residual tile-index entry
+MAX_LEVELS = 3  # residual rank levels (> 0) the kernel takes
+LOG2E = 1.4426950408889634
+
+
+@attrs.frozen
+class ResidualLevel:
+    """One rank level's residual entries of one layer and kind (see :mod:`kvweave.core.residuals`)."""
+
+    rank: int
+    group: int  # int4 channels per scale at this rank
+    token: torch.Tensor  # int32 [N] packed-token index
+    row: torch.Tensor  # int32 [N] b * H + h
+    packed: torch.Tensor  # uint8 [N, rank / 2]
+    scales: torch.Tensor  # float16 [N, rank / group]
+    tile_start: torch.Tensor  # int32 [B * H, tiles]: first entry of each (row, tile)
+    tile_count: torch.Tensor  # uint8 [B * H, tiles]: entries of each (row, tile)
+
+
+@attrs.frozen
+class DecodeView:
+    """Everything one layer's decode attention reads, as views of the stored tensors (no copies)."""
+
+    packed_tokens: int
+    k_codes: torch.Tensor  # int8 [B, H, T, r]
+    k_scales: torch.Tensor  # float16 [B, H, T, r / block]
+    v_codes: torch.Tensor
+    v_scales: torch.Tensor
+    k_bases: torch.Tensor  # float16 [B, H, V, r, D] (a column view of the window's bases)
+    v_bases: torch.Tensor
+    segments: torch.Tensor  # int32 [S, 3] on the device: start, end, version
+    k_levels: tuple[ResidualLevel, ...]
+    v_levels: tuple[ResidualLevel, ...]
+    k_residual_basis: torch.Tensor | None  # float16 [B, H, R, D]
+    v_residual_basis: torch.Tensor | None
+    k_gates: torch.Tensor | None  # float32 [H]
+    v_gates: torch.Tensor | None
+    exact_k: torch.Tensor  # [B, H, W, D] model dtype
+    exact_v: torch.Tensor
+
+    @property
+    def block(self) -> int:
+        return self.k_codes.shape[-1] // self.k_scales.shape[-1]
+
+
+def version_segments(version_tokens: list[int], split: int, device: torch.device) -> torch.Tensor:
+    """Cut tokens ``0 .. sum(version_tokens)`` into segments of at most ``split`` tokens that never cross a
+    version boundary; ``split`` and every version's token count must be multiples of :data:`TILE`."""
+    rows, start = [], 0
+    for version, count in enumerate(version_tokens):
+        end = start + count
+        for lo in range(start, end, split):
+            rows.append((lo, min(lo + split, end), version))
+        start = end
+    if not rows:
+        return torch.zeros(0, 3, dtype=torch.int32, device=device)
+    return torch.tensor(rows, dtype=torch.int32, device=device)
+
+
+def choose_split(tokens: int, programs_per_token_split: int, target_programs: int = 1056) -> int:
+    """Tokens per segment: enough programs to fill the GPU (about ``target_programs`` for all rows and
+    heads), at least 256 tokens each, a multiple of :data:`TILE`."""
+    if tokens <= 0:
+        return 256
+    splits = max(1, math.ceil(target_programs / max(1, programs_per_token_split)))
+    split = max(256, math.ceil(tokens / splits))
+    return math.ceil(split / TILE) * TILE
+
+
+# --------------------------------------------------------------------------------------------- torch twin
+def _dequant_int4(packed: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    low = (packed & 0x0F).to(torch.int8) - 8
+    high = (packed >> 4).to(torch.int8) - 8
+    codes = torch.stack((low, high), dim=-1).reshape(*packed.shape[:-1], packed.shape[-1] * 2).float()
+    group = codes.shape[-1] // scales.shape[-1]
+    return (codes.reshape(*scales.shape, group) * scales.float().unsqueeze(-1)).reshape(codes.shape)
+
+
+def _dequant_int8(codes: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    block = codes.shape[-1] // scales.shape[-1]
+    return (codes.float().reshape(*scales.shape, block) * scales.float().unsqueeze(-1)).reshape(codes.shape)
+
+
+def torch_decode(view: DecodeView, query: torch.Tensor, start: torch.Tensor | None, scale: float) -> torch.Tensor:
+    """The fused computation in torch, in coefficient space like the kernel (float32 throughout).
+
+    ``query`` [B, Hq, D] -> output [B, Hq, D] in the query's dtype. Used on devices without the kernel
+    and as the reference of the kernel tests."""
+    batch, q_heads, dim = query.shape
+    heads = view.exact_k.shape[1]
+    gq = q_heads // heads
+    q = query.float().reshape(batch, heads, gq, dim) * scale
+    device = query.device
+    tokens = view.packed_tokens
+    pos_exact = tokens + torch.arange(view.exact_k.shape[-2], device=device)
+    logits_exact = torch.einsum("bhgd,bhwd->bhgw", q, view.exact_k.float())
+    parts = [logits_exact]
+    if tokens:
+        version = torch.zeros(tokens, dtype=torch.long, device=device)
+        for lo, hi, v in view.segments.tolist():
+            version[lo:hi] = v
+        c_k = _dequant_int8(view.k_codes, view.k_scales)  # [B, H, T, r]
+        c_v = _dequant_int8(view.v_codes, view.v_scales)
+        qp = torch.einsum("bhgd,bhvrd->bhgvr", q, view.k_bases.float())  # [B, H, G, V, r]
+        qp_t = qp[:, :, :, version, :]  # [B, H, G, T, r]
+        logits = torch.einsum("bhgtr,bhtr->bhgt", qp_t, c_k)
+        if view.k_levels:
+            qr = torch.einsum("bhgd,bhkd->bhgk", q, view.k_residual_basis.float())  # [B, H, G, R]
+            flat = logits.permute(0, 1, 3, 2).reshape(batch * heads * tokens, gq)
+            for level in view.k_levels:
+                if level.token.numel() == 0:
+                    continue
+                e = _dequant_int4(level.packed, level.scales)  # [N, rho]
+                row = level.row.long()
+                if view.k_gates is not None:
+                    e = e * view.k_gates.float()[row % heads, None]
+                delta = torch.einsum("ngk,nk->ng", qr.reshape(batch * heads, gq, -1)[row, :, : level.rank], e)
+                flat.index_add_(0, row * tokens + level.token.long(), delta)
+            logits = flat.reshape(batch, heads, tokens, gq).permute(0, 1, 3, 2)
+        parts.insert(0, logits)
+        positions = torch.cat((torch.arange(tokens, device=device), pos_exact))
+    else:
+        positions = pos_exact
+    scores = torch.cat(parts, dim=-1)  # [B, H, G, T + W]
+    if start is not None:
+        scores = scores.masked_fill(positions[None, None, None, :] < start.to(device).long()[:, None, None, None], float("-inf"))
+    probs = scores.softmax(dim=-1).nan_to_num(0.0)
+    p_packed, p_exact = probs[..., :tokens], probs[..., tokens:]
+    out = torch.einsum("bhgw,bhwd->bhgd", p_exact, view.exact_v.float())
+    if tokens:
+        versions = view.v_bases.shape[2]
+        weights = torch.einsum("bhgt,bhtr->bhgtr", p_packed, c_v)
+        acc = weights.new_zeros(batch, heads, gq, versions, weights.shape[-1]).index_add_(3, version, weights)
+        out = out + torch.einsum("bhgvr,bhvrd->bhgd", acc, view.v_bases.float())
+        if view.v_levels:
+            rank_max = view.v_residual_basis.shape[-2]
+            acc_r = out.new_zeros(batch * heads, gq, rank_max)
+            flat_p = p_packed.permute(0, 1, 3, 2).reshape(batch * heads * tokens, gq)
+            for level in view.v_levels:
+                if level.token.numel() == 0:
+                    continue
+                e = _dequant_int4(level.packed, level.scales)
+                row = level.row.long()
+                if view.v_gates is not None:
+                    e = e * view.v_gates.float()[row % heads, None]
+                pe = flat_p[row * tokens + level.token.long()]  # [N, G]
+                acc_r[:, :, : level.rank].index_add_(0, row, torch.einsum("ng,nk->ngk", pe, e))
+            out = out + torch.einsum("bhgk,bhkd->bhgd", acc_r.reshape(batch, heads, gq, rank_max), view.v_residual_basis.float())
+    return out.reshape(batch, q_heads, dim).to(query.dtype)
+
+
+# ----------------------------------------------------------------------------------------------- triton
+if triton is not None:
+
+    @triton.jit
+    def _level_tile(tok_ptr, pk_ptr, sc_ptr, ts_ptr, tc_ptr, row, tile, tiles, t0, gate,
+                    RANK: tl.constexpr, GROUP: tl.constexpr, RP: tl.constexpr, TILE_T: tl.constexpr):
+        """The residual entries of one (row, tile) at one level: one-hot [E, TILE_T] of their tokens and
+        their gated values [E, RP] (zero beyond RANK and for missing entries)."""
+        first = tl.load(ts_ptr + row * tiles + tile)
+        count = tl.load(tc_ptr + row * tiles + tile).to(tl.int32)
+        e = tl.arange(0, TILE_T)
+        k = tl.arange(0, RP)
+        present = e < count
+        token = tl.load(tok_ptr + first + e, mask=present, other=-1) - t0
+        onehot = ((token[:, None] == tl.arange(0, TILE_T)[None, :]) & present[:, None]).to(tl.float32)
+        in_rank = (k < RANK)[None, :] & present[:, None]
+        byte = tl.load(pk_ptr + (first + e)[:, None] * (RANK // 2) + (k // 2)[None, :], mask=in_rank, other=0).to(tl.int32)
+        code = ((byte >> ((k % 2) * 4)[None, :]) & 15) - 8
+        scale = tl.load(sc_ptr + (first + e)[:, None] * (RANK // GROUP) + (k // GROUP)[None, :], mask=in_rank, other=0.0).to(tl.float32)
+        values = tl.where(in_rank, code.to(tl.float32) * scale, 0.0) * gate
+        return onehot, values
+
+    @triton.jit
+    def _basis_rows(base_ptr, stride_r, q, R: tl.constexpr, RP: tl.constexpr, D: tl.constexpr):
+        """q [GQP, D] times the first R rows of a basis [R, D] (row stride ``stride_r``): [GQP, RP]."""
+        d = tl.arange(0, D)
+        kk = tl.arange(0, RP)
+        out = tl.zeros((q.shape[0], RP), dtype=tl.float32)
+        for k in tl.static_range(R):
+            row = tl.load(base_ptr + k * stride_r + d).to(tl.float32)
+            dot = tl.sum(q * row[None, :], axis=1)
+            out += tl.where(kk[None, :] == k, dot[:, None], 0.0)
+        return out
+
+    @triton.jit
+    def _project(acc, base_ptr, stride_r, R: tl.constexpr, RP: tl.constexpr, D: tl.constexpr):
+        """acc [GQP, RP] times the first R rows of a basis [R, D]: [GQP, D]."""
+        d = tl.arange(0, D)
+        kk = tl.arange(0, RP)
+        out = tl.zeros((acc.shape[0], D), dtype=tl.float32)
+        for k in tl.static_range(R):
+            row = tl.load(base_ptr + k * stride_r + d).to(tl.float32)
+            coef = tl.sum(tl.where(kk[None, :] == k, acc, 0.0), axis=1)
+            out += coef[:, None] * row[None, :]
+        return out
+
+    @triton.jit
+    def _packed_split_kernel(
+        q_ptr, seg_ptr, start_ptr,
+        kc_ptr, ks_ptr, vc_ptr, vs_ptr, c_sb, c_sh, c_st, s_sb, s_sh, s_st,
+        kb_ptr, vb_ptr, b_sb, b_sh, b_sv, b_sr,
+        krb_ptr, vrb_ptr, rb_sb, rb_sh, rb_sr, kg_ptr, vg_ptr,
+        k0_tok, k0_pk, k0_sc, k0_ts, k0_tc, k1_tok, k1_pk, k1_sc, k1_ts, k1_tc, k2_tok, k2_pk, k2_sc, k2_ts, k2_tc,
+        v0_tok, v0_pk, v0_sc, v0_ts, v0_tc, v1_tok, v1_pk, v1_sc, v1_ts, v1_tc, v2_tok, v2_pk, v2_sc, v2_ts, v2_tc,
+        m_ptr, l_ptr, acc_ptr, partials, H, tiles, qk_scale,
+        GQ: tl.constexpr, GQP: tl.constexpr, D: tl.constexpr, R: tl.constexpr, RB: tl.constexpr,
+        RR: tl.constexpr, RP: tl.constexpr,
+        RANK0: tl.constexpr, GROUP0: tl.constexpr, RANK1: tl.constexpr, GROUP1: tl.constexpr,
+        RANK2: tl.constexpr, GROUP2: tl.constexpr,
+        K_GATES: tl.constexpr, V_GATES: tl.constexpr, TILE_T: tl.constexpr,
+    ):
+        seg = tl.program_id(0)
+        bh = tl.program_id(1)
+        b = bh // H
+        h = bh % H
+        lo = tl.load(seg_ptr + seg * 3)
+        hi = tl.load(seg_ptr + seg * 3 + 1)
+        version = tl.load(seg_ptr + seg * 3 + 2)
+        first_valid = tl.load(start_ptr + b)
+
+        g = tl.arange(0, GQP)
+        d = tl.arange(0, D)
+        r = tl.arange(0, R)
+        t = tl.arange(0, TILE_T)
+        g_ok = g < GQ
+        q = tl.load(q_ptr + (bh * GQ + g)[:, None] * D + d[None, :], mask=g_ok[:, None], other=0.0).to(tl.float32) * qk_scale
+
+        kb = kb_ptr + b * b_sb + h * b_sh + version * b_sv
+        vb = vb_ptr + b * b_sb + h * b_sh + version * b_sv
+        qp = _basis_rows(kb, b_sr, q, R, R, D)  # [GQP, R]
+        if RANK0 > 0:
+            qr = _basis_rows(krb_ptr + b * rb_sb + h * rb_sh, rb_sr, q, RR, RP, D)  # [GQP, RP]
+        k_gate = 1.0
+        v_gate = 1.0
+        if K_GATES:
+            k_gate = tl.load(kg_ptr + h)
+        if V_GATES:
+            v_gate = tl.load(vg_ptr + h)
+
+        m_i = tl.full((GQP,), -1.0e30, dtype=tl.float32)
+        l_i = tl.zeros((GQP,), dtype=tl.float32)
+        acc_c = tl.zeros((GQP, R), dtype=tl.float32)
+        acc_r = tl.zeros((GQP, RP), dtype=tl.float32)
+        kc = kc_ptr + b * c_sb + h * c_sh
+        vc = vc_ptr + b * c_sb + h * c_sh
+        ks = ks_ptr + b * s_sb + h * s_sh
+        vs = vs_ptr + b * s_sb + h * s_sh
+        for t0 in range(lo, hi, TILE_T):
+            tok = t0 + t
+            ok = (tok < hi) & (tok >= first_valid)
+            codes = tl.load(kc + tok[:, None] * c_st + r[None, :], mask=(tok < hi)[:, None], other=0).to(tl.float32)
+            scales = tl.load(ks + tok[:, None] * s_st + (r // RB)[None, :], mask=(tok < hi)[:, None], other=0.0).to(tl.float32)
+            ck = codes * scales  # [T, R]
+            s = tl.sum(qp[:, None, :] * ck[None, :, :], axis=2)  # [GQP, T]
+            tile = t0 // TILE_T
+            if RANK0 > 0:
+                oh, ev = _level_tile(k0_tok, k0_pk, k0_sc, k0_ts, k0_tc, bh, tile, tiles, t0, k_gate, RANK0, GROUP0, RP, TILE_T)
+                delta = tl.sum(qr[:, None, :] * ev[None, :, :], axis=2)  # [GQP, E]
+                s += tl.sum(delta[:, :, None] * oh[None, :, :], axis=1)
+            if RANK1 > 0:
+                oh, ev = _level_tile(k1_tok, k1_pk, k1_sc, k1_ts, k1_tc, bh, tile, tiles, t0, k_gate, RANK1, GROUP1, RP, TILE_T)
+                delta = tl.sum(qr[:, None, :] * ev[None, :, :], axis=2)
+                s += tl.sum(delta[:, :, None] * oh[None, :, :], axis=1)
+            if RANK2 > 0:
+                oh, ev = _level_tile(k2_tok, k2_pk, k2_sc, k2_ts, k2_tc, bh, tile, tiles, t0, k_gate, RANK2, GROUP2, RP, TILE_T)
+                delta = tl.sum(qr[:, None, :] * ev[None, :, :], axis=2)
+                s += tl.sum(delta[:, :, None] * oh[None, :, :], axis=1)
+            s = tl.where(ok[None, :], s, -1.0e30)
+            m_new = tl.maximum(m_i, tl.max(s, axis=1))
+            alpha = tl.exp2(m_i - m_new)
+            p = tl.where(ok[None, :], tl.exp2(s - m_new[:, None]), 0.0)  # [GQP, T]
+            l_i = l_i * alpha + tl.sum(p, axis=1)
+            m_i = m_new
+            codes = tl.load(vc + tok[:, None] * c_st + r[None, :], mask=(tok < hi)[:, None], other=0).to(tl.float32)
+            scales = tl.load(vs + tok[:, None] * s_st + (r // RB)[None, :], mask=(tok < hi)[:, None], other=0.0).to(tl.float32)
+            cv = codes * scales
+            acc_c = acc_c * alpha[:, None] + tl.sum(p[:, :, None] * cv[None, :, :], axis=1)
+            if RANK0 > 0:
+                acc_r = acc_r * alpha[:, None]
+                oh, ev = _level_tile(v0_tok, v0_pk, v0_sc, v0_ts, v0_tc, bh, tile, tiles, t0, v_gate, RANK0, GROUP0, RP, TILE_T)
+                pe = tl.sum(p[:, None, :] * oh[None, :, :], axis=2)  # [GQP, E]
+                acc_r += tl.sum(pe[:, :, None] * ev[None, :, :], axis=1)
+            if RANK1 > 0:
+                oh, ev = _level_tile(v1_tok, v1_pk, v1_sc, v1_ts, v1_tc, bh, tile, tiles, t0, v_gate, RANK1, GROUP1, RP, TILE_T)
+                pe = tl.sum(p[:, None, :] * oh[None, :, :], axis=2)
+                acc_r += tl.sum(pe[:, :, None] * ev[None, :, :], axis=1)
+            if RANK2 > 0:
+                oh, ev = _level_tile(v2_tok, v2_pk, v2_sc, v2_ts, v2_tc, bh, tile, tiles, t0, v_gate, RANK2, GROUP2, RP, TILE_T)
+                pe = tl.sum(p[:, None, :] * oh[None, :, :], axis=2)
+                acc_r += tl.sum(pe[:, :, None] * ev[None, :, :], axis=1)
+
+        out = _project(acc_c, vb, b_sr, R, R, D)
+        if RANK0 > 0:
+            out += _project(acc_r, vrb_ptr + b * rb_sb + h * rb_sh, rb_sr, RR, RP, D)
+        slot = (bh * GQ + g) * partials + seg
+        tl.store(m_ptr + slot, m_i, mask=g_ok)
+        tl.store(l_ptr + slot, l_i, mask=g_ok)
+        tl.store(acc_ptr + slot[:, None] * D + d[None, :], out, mask=g_ok[:, None])
+
+    @triton.jit
+    def _exact_split_kernel(
+        q_ptr, start_ptr, ek_ptr, ev_ptr, e_sb, e_sh, e_st, window, offset,
+        m_ptr, l_ptr, acc_ptr, partials, slot_index, H, qk_scale,
+        GQ: tl.constexpr, GQP: tl.constexpr, D: tl.constexpr, BLOCK: tl.constexpr,
+    ):
+        bh = tl.program_id(0)
+        b = bh // H
+        h = bh % H
+        g = tl.arange(0, GQP)
+        d = tl.arange(0, D)
+        w = tl.arange(0, BLOCK)
+        g_ok = g < GQ
+        first_valid = tl.load(start_ptr + b)
+        q = tl.load(q_ptr + (bh * GQ + g)[:, None] * D + d[None, :], mask=g_ok[:, None], other=0.0).to(tl.float32) * qk_scale
+        m_i = tl.full((GQP,), -1.0e30, dtype=tl.float32)
+        l_i = tl.zeros((GQP,), dtype=tl.float32)
+        acc = tl.zeros((GQP, D), dtype=tl.float32)
+        base = b * e_sb + h * e_sh
+        for w0 in range(0, window, BLOCK):
+            idx = w0 + w
+            inside = idx < window
+            ok = inside & (offset + idx >= first_valid)
+            keys = tl.load(ek_ptr + base + idx[:, None] * e_st + d[None, :], mask=inside[:, None], other=0.0).to(tl.float32)
+            s = tl.sum(q[:, None, :] * keys[None, :, :], axis=2)  # [GQP, BLOCK]
+            s = tl.where(ok[None, :], s, -1.0e30)
+            m_new = tl.maximum(m_i, tl.max(s, axis=1))
+            alpha = tl.exp2(m_i - m_new)
+            p = tl.where(ok[None, :], tl.exp2(s - m_new[:, None]), 0.0)
+            l_i = l_i * alpha + tl.sum(p, axis=1)
+            m_i = m_new
+            vals = tl.load(ev_ptr + base + idx[:, None] * e_st + d[None, :], mask=inside[:, None], other=0.0).to(tl.float32)
+            acc = acc * alpha[:, None] + tl.sum(p[:, :, None] * vals[None, :, :], axis=1)
+        slot = (bh * GQ + g) * partials + slot_index
+        tl.store(m_ptr + slot, m_i, mask=g_ok)
+        tl.store(l_ptr + slot, l_i, mask=g_ok)
+        tl.store(acc_ptr + slot[:, None] * D + d[None, :], acc, mask=g_ok[:, None])
+
+    @triton.jit
+    def _combine_kernel(m_ptr, l_ptr, acc_ptr, out_ptr, partials, D: tl.constexpr, CHUNK: tl.constexpr):
+        row = tl.program_id(0)
+        c = tl.arange(0, CHUNK)
+        d = tl.arange(0, D)
+        top = tl.full((CHUNK,), -1.0e30, dtype=tl.float32)
+        for c0 in range(0, partials, CHUNK):
+            top = tl.maximum(top, tl.load(m_ptr + row * partials + c0 + c, mask=c0 + c < partials, other=-1.0e30))
+        big = tl.max(top, axis=0)
+        total = tl.zeros((CHUNK,), dtype=tl.float32)
+        acc = tl.zeros((D,), dtype=tl.float32)
+        for c0 in range(0, partials, CHUNK):
+            inside = c0 + c < partials
+            m = tl.load(m_ptr + row * partials + c0 + c, mask=inside, other=-1.0e30)
+            weight = tl.where(inside, tl.exp2(m - big), 0.0)
+            total += weight * tl.load(l_ptr + row * partials + c0 + c, mask=inside, other=0.0)
+            part = tl.load(acc_ptr + (row * partials + c0 + c)[:, None] * D + d[None, :], mask=inside[:, None], other=0.0)
+            acc += tl.sum(weight[:, None] * part, axis=0)
+        denominator = tl.sum(total, axis=0)
+        result = tl.where(denominator > 0, acc / tl.where(denominator > 0, denominator, 1.0), 0.0)
+        tl.store(out_ptr + row * D + d, result.to(out_ptr.dtype.element_ty))
+
+
+def _pow2(n: int, least: int = 2) -> int:
+    return max(least, 1 << max(0, (int(n) - 1).bit_length()))
+
+
+def check_view(view: DecodeView, query: torch.Tensor) -> None:
+    """Raise ValueError naming the first input the kernel cannot take."""
+    if query.dim() != 3:
+        raise ValueError(f"query must be [B, Hq, D], got {tuple(query.shape)}")
+    batch, q_heads, dim = query.shape
+    heads = view.exact_k.shape[1]
+    if q_heads % heads:
+        raise ValueError(f"{q_heads} query heads are not a multiple of {heads} KV heads")
+    if dim not in (64, 128, 256) and dim & (dim - 1):
+        raise ValueError(f"head_dim {dim} must be a power of two (64, 128 and 256 are tested)")
+    if view.exact_k.shape[0] != batch or view.exact_k.shape[-1] != dim:
+        raise ValueError(f"query {tuple(query.shape)} does not match the exact window {tuple(view.exact_k.shape)}")
+    if view.packed_tokens:
+        rank = view.k_codes.shape[-1]
+        if rank & (rank - 1):
+            raise ValueError(f"coefficient rank {rank} must be a power of two for the kernel")
+        if view.k_codes.stride() != view.v_codes.stride() or view.k_scales.stride() != view.v_scales.stride():
+            raise ValueError("key and value coefficients must share one layout")
+        if view.k_codes.stride(-1) != 1 or view.k_scales.stride(-1) != 1 or view.k_bases.stride(-1) != 1:
+            raise ValueError("coefficients, scales and bases must be contiguous along their last dimension")
+        if view.k_bases.stride() != view.v_bases.stride():
+            raise ValueError("key and value bases must share one layout")
+        if len(view.k_levels) > MAX_LEVELS or len(view.k_levels) != len(view.v_levels):
+            raise ValueError(f"the kernel takes at most {MAX_LEVELS} residual levels, the same for keys and values")
+        if view.packed_tokens % TILE:
+            raise ValueError(f"packed tokens ({view.packed_tokens}) must be a multiple of {TILE}")
+
+
+def fused_decode(
+    view: DecodeView, query: torch.Tensor, start: torch.Tensor | None, scale: float, split: int | None = None
+) -> torch.Tensor:
+    """The Triton kernel: ``query`` [B, Hq, D] -> [B, Hq, D] (query dtype). ``split``: tokens per segment
+    (default: enough programs to fill an H200)."""
+    if triton is None:
+        raise RuntimeError("the fused DepthWeave-KV kernel needs triton (pip install triton)")
+    check_view(view, query)
+    batch, q_heads, dim = query.shape
+    heads = view.exact_k.shape[1]
+    gq = q_heads // heads
+    gqp = _pow2(gq)
+    device = query.device
+    query = query.contiguous()
+    if start is None:
+        start = torch.zeros(batch, dtype=torch.int32, device=device)
+    start = start.to(device=device, dtype=torch.int32).contiguous()
+    tokens = view.packed_tokens
+    segments = view.segments
+    if tokens and split is not None:
+        segments = resplit(view.segments, split)
+    n_seg = segments.shape[0] if tokens else 0
+    partials = n_seg + 1
+    m = torch.empty(batch * q_heads * partials, dtype=torch.float32, device=device)
+    l = torch.empty_like(m)
+    acc = torch.empty(batch * q_heads * partials, dim, dtype=torch.float32, device=device)
+    qk_scale = float(scale) * LOG2E
+    if n_seg:
+        _launch_packed(view, query, segments, start, m, l, acc, partials, heads, gq, gqp, dim, qk_scale)
+    exact = view.exact_k
+    if exact.stride(-1) != 1 or exact.stride() != view.exact_v.stride():
+        raise ValueError("the exact window's keys and values must share one layout, contiguous along head_dim")
+    _exact_split_kernel[(batch * heads,)](
+        query, start, exact, view.exact_v, exact.stride(0), exact.stride(1), exact.stride(2), exact.shape[-2], tokens,
+        m, l, acc, partials, n_seg, heads, qk_scale,
+        GQ=gq, GQP=gqp, D=dim, BLOCK=16,
+    )
+    out = torch.empty(batch, q_heads, dim, dtype=query.dtype, device=device)
+    _combine_kernel[(batch * q_heads,)](m, l, acc, out, partials, D=dim, CHUNK=16)
+    return out
+
+
+def resplit(segments: torch.Tensor, split: int) -> torch.Tensor:
+    rows = segments.tolist()
+    out = []
+    for lo, hi, v in rows:
+        for a in range(lo, hi, split):
+            out.append((a, min(a + split, hi), v))
+    return torch.tensor(out, dtype=torch.int32, device=segments.device)
+
+
+def _level_args(levels: tuple[ResidualLevel, ...], dummy: torch.Tensor) -> tuple[list[Any], list[int]]:
+    args: list[Any] = []
+    meta: list[int] = []
+    for i in range(MAX_LEVELS):
+        if i < len(levels) and levels[i].token.numel() >= 0:
+            lv = levels[i]
+            args += [lv.token, lv.packed, lv.scales, lv.tile_start, lv.tile_count]
+            meta += [lv.rank, lv.group]
+        else:
+            args += [dummy] * 5
+            meta += [0, 2]
+    return args, meta
+
+
+def _launch_packed(view, query, segments, start, m, l, acc, partials, heads, gq, gqp, dim, qk_scale) -> None:
+    batch = query.shape[0]
+    rank = view.k_codes.shape[-1]
+    block = view.block
+    dummy = torch.zeros(1, dtype=torch.int32, device=query.device)
+    k_args, k_meta = _level_args(view.k_levels, dummy)
+    v_args, v_meta = _level_args(view.v_levels, dummy)
+    for i, (a, b) in enumerate(zip(view.k_levels, view.v_levels)):
+        if a.rank != b.rank or a.group != b.group:
+            raise ValueError(f"residual level {i}: keys have rank {a.rank}/group {a.group}, values {b.rank}/{b.group}")
+    levels = [rank_ for rank_ in k_meta[0::2] if rank_]
+    if view.k_levels:
+        rb = view.k_residual_basis
+        if rb is None or view.v_residual_basis is None:
+            raise ValueError("residual levels need the residual bases of keys and values")
+        if rb.stride() != view.v_residual_basis.stride() or rb.stride(-1) != 1:
+            raise ValueError("key and value residual bases must share one layout, contiguous along head_dim")
+        rr = rb.shape[-2]
+        if max(levels) > rr:
+            raise ValueError(f"a residual level of rank {max(levels)} exceeds the residual basis rank {rr}")
+        rb_strides = (rb.stride(0), rb.stride(1), rb.stride(2))
+        krb, vrb = rb, view.v_residual_basis
+    else:
+        rr, krb, vrb, rb_strides = 1, dummy, dummy, (0, 0, 0)
+    tiles = view.packed_tokens // TILE
+    kg = view.k_gates if view.k_gates is not None else dummy
+    vg = view.v_gates if view.v_gates is not None else dummy
+    kc, ks = view.k_codes, view.k_scales
+    kb = view.k_bases
+    grid = (segments.shape[0], batch * heads)
+    _packed_split_kernel[grid](
+        query, segments, start,
+        kc, ks, view.v_codes, view.v_scales, kc.stride(0), kc.stride(1), kc.stride(2), ks.stride(0), ks.stride(1), ks.stride(2),
+        kb, view.v_bases, kb.stride(0), kb.stride(1), kb.stride(2), kb.stride(3),
+        krb, vrb, *rb_strides, kg, vg,
+        *k_args, *v_args,
+        m, l, acc, partials, heads, tiles, qk_scale,
+        GQ=gq, GQP=gqp, D=dim, R=rank, RB=block, RR=rr, RP=_pow2(rr),
+        RANK0=k_meta[0], GROUP0=k_meta[1], RANK1=k_meta[2], GROUP1=k_meta[3], RANK2=k_meta[4], GROUP2=k_meta[5],
+        K_GATES=view.k_gates is not None, V_GATES=view.v_gates is not None, TILE_T=TILE,
+        num_warps=4,
+    )

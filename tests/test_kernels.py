@@ -1,0 +1,199 @@
+"""The fused decode kernel (kernels/depthweave_decode.py, kernel plugin ``fused``).
+
+On a machine without CUDA the Triton kernel runs under ``TRITON_INTERPRET=1`` (set by conftest.py) at tiny
+sizes; on the GPU machine the same tests run the compiled kernel, plus the real-size cases marked ``gpu``.
+Each compares, on storage written by the real engine: the kernel, its torch twin, and the reference path
+(the engine's reconstruction followed by plain softmax attention).
+"""
+
+from __future__ import annotations
+
+import textwrap
+
+import pytest
+import torch
+from transformers import LlamaConfig
+
+from kvweave.core import build_cache, cache_kwargs
+from kvweave.core.cache import KVWeaveCache
+from kvweave.core.errors import ComponentError, ModelError
+from kvweave.core.registry import load_pipeline
+from kvweave.core.residuals import ResidualList
+from kvweave.core.synthetic import fill_cache
+from kvweave.kernels.depthweave_decode import fused_decode, torch_decode
+
+from conftest import ToyTokenizer, tiny_llama, write_registry
+
+CUDA = torch.cuda.is_available()
+DEVICE = "cuda" if CUDA else "cpu"
+
+# depthweave-kv with a budget that leaves room for residuals at these few tokens, and a basis version
+# every 2 blocks so that segments change version
+REGISTRY = textwrap.dedent(
+    """
+    [pipelines.dw-kernel]
+    extends = "depthweave-kv"
+    [pipelines.dw-kernel.basis]
+    update_every = 2
+    [pipelines.dw-kernel.router]
+    target_reduction = 2.0
+    """
+)
+
+
+def llama_config(q_heads: int, kv_heads: int, head_dim: int, layers: int = 4) -> LlamaConfig:
+    return LlamaConfig(
+        vocab_size=128, hidden_size=q_heads * head_dim, intermediate_size=64, num_hidden_layers=layers,
+        num_attention_heads=q_heads, num_key_value_heads=kv_heads, head_dim=head_dim,
+    )
+
+
+def filled(tmp_path, q_heads: int, kv_heads: int, head_dim: int, tokens: int, batch: int = 2, chunks: int = 3) -> KVWeaveCache:
+    pipeline = load_pipeline("dw-kernel", write_registry(tmp_path, "kernel", REGISTRY))
+    cache = KVWeaveCache(pipeline, llama_config(q_heads, kv_heads, head_dim))
+    return fill_cache(cache, batch, tokens, chunk=-(-tokens // chunks), dtype=torch.bfloat16, device=DEVICE, seed=head_dim)
+
+
+def reference_attention(cache: KVWeaveCache, layer: int, query: torch.Tensor, start: torch.Tensor, scale: float) -> torch.Tensor:
+    """Softmax attention over the engine's reconstruction of ``layer`` (float32), rows masked before ``start``."""
+    engine = cache.engine
+    window = engine.windows[layer]
+    keys = torch.cat((engine.reconstruct(layer, "keys", torch.float32), window.exact["keys"].float()), dim=-2)
+    values = torch.cat((engine.reconstruct(layer, "values", torch.float32), window.exact["values"].float()), dim=-2)
+    batch, q_heads, dim = query.shape
+    group = q_heads // keys.shape[1]
+    keys, values = keys.repeat_interleave(group, dim=1), values.repeat_interleave(group, dim=1)
+    logits = torch.einsum("bgd,bgtd->bgt", query.float(), keys) * scale
+    hidden = torch.arange(keys.shape[-2], device=keys.device)[None, :] < start[:, None]
+    probs = logits.masked_fill(hidden[:, None, :], float("-inf")).softmax(dim=-1)
+    return torch.einsum("bgt,bgtd->bgd", probs, values)
+
+
+@pytest.mark.parametrize(
+    "q_heads,kv_heads,head_dim,tokens",
+    [(8, 2, 128, 320), (3, 1, 64, 288), (2, 2, 256, 288)],
+    ids=["llama3-gqa4-d128", "smollm2-gqa3-d64", "mha-d256"],
+)
+def test_kernel_matches_twin_and_reference(tmp_path, q_heads, kv_heads, head_dim, tokens):
+    cache = filled(tmp_path, q_heads, kv_heads, head_dim, tokens)
+    engine = cache.engine
+    layer = 1
+    view = engine.kernel.layer_view(engine, layer, torch.device(DEVICE))
+    # the storage exercises what the kernel must handle
+    assert view.packed_tokens == engine.windows[layer].compressed_tokens > 0
+    assert view.segments[:, 2].unique().numel() >= 2, "several basis versions"
+    assert sum(level.token.numel() for level in view.k_levels + view.v_levels) > 0, "routed residuals"
+    torch.manual_seed(0)
+    query = torch.randn(2, q_heads, head_dim, device=DEVICE)
+    start = torch.tensor([0, 45], dtype=torch.int32, device=DEVICE)  # the second row left-padded by 45 tokens
+    scale = head_dim**-0.5
+    expected = reference_attention(cache, layer, query, start, scale)
+    twin = torch_decode(view, query, start, scale)
+    kernel = fused_decode(view, query, start, scale, split=64)
+    assert torch.allclose(twin, expected, atol=2e-5, rtol=1e-4), (twin - expected).abs().max()
+    assert torch.allclose(kernel, twin, atol=2e-5, rtol=1e-4), (kernel - twin).abs().max()
+    # padding matters: without it the second row differs
+    assert not torch.allclose(fused_decode(view, query, None, scale, split=64)[1], kernel[1], atol=1e-4)
+
+
+def test_kernel_segments_and_splits_agree(tmp_path):
+    """The split into programs changes nothing but rounding; one program per version segment included."""
+    cache = filled(tmp_path, 4, 2, 64, 256, batch=1)
+    engine = cache.engine
+    view = engine.kernel.layer_view(engine, 0, torch.device(DEVICE))
+    query = torch.randn(1, 4, 64, device=DEVICE)
+    outputs = [fused_decode(view, query, None, 0.125, split=split) for split in (32, 96, 4096)]
+    for other in outputs[1:]:
+        assert torch.allclose(outputs[0], other, atol=1e-5, rtol=1e-5)
+
+
+def test_kernel_with_bf16_exact_window(tmp_path):
+    pipeline = load_pipeline("dw-kernel", write_registry(tmp_path, "kernel", REGISTRY))
+    cache = fill_cache(KVWeaveCache(pipeline, llama_config(4, 2, 64)), 2, 224, chunk=112, dtype=torch.bfloat16, device=DEVICE)
+    view = cache.engine.kernel.layer_view(cache.engine, 2, torch.device(DEVICE))
+    assert view.exact_k.dtype == torch.bfloat16
+    query = torch.randn(2, 4, 64, device=DEVICE).to(torch.bfloat16)
+    kernel = fused_decode(view, query, None, 0.125, split=64)
+    twin = torch_decode(view, query, None, 0.125)
+    assert kernel.dtype == torch.bfloat16
+    assert torch.allclose(kernel.float(), twin.float(), atol=1e-2, rtol=1e-2)
+
+
+def test_tile_index_incremental_equals_rebuilt():
+    torch.manual_seed(0)
+    lists = ResidualList(4)
+    rows, tile = 6, 32
+    for block in range(3):  # blocks of 64 tokens, entries sorted by row then token, as the engine appends
+        tokens = torch.randperm(64)[:40].sort().values + 64 * block
+        row = torch.randint(0, rows, (40,)).sort().values
+        order = torch.argsort(row * 1000 + tokens)
+        lists.append({"row": row[order].int(), "token": tokens[order].int(), "q_packed": torch.zeros(40, 2, dtype=torch.uint8)})
+        start, count = lists.tile_index(rows, 2 * (block + 1), tile, torch.device("cpu"))
+    row_of, token_of = lists.fields["row"].long(), lists.fields["token"].long()
+    for r in range(rows):
+        for t in range(6):
+            chosen = ((row_of == r) & (token_of // tile == t)).nonzero().squeeze(1)
+            assert int(count[r, t]) == chosen.numel()
+            if chosen.numel():
+                assert int(start[r, t]) == int(chosen[0]) and bool((chosen == torch.arange(chosen[0], chosen[0] + chosen.numel())).all())
+    assert lists.nbytes() == sum(t.nbytes for t in lists.fields.values()) + start.nbytes + count.nbytes
+    lists.select_batch(torch.tensor([1, 0]), 3)  # rows 0..2 are batch 0, 3..5 batch 1
+    assert lists.tile_start is None
+    start2, count2 = lists.tile_index(rows, 6, tile, torch.device("cpu"))
+    assert torch.equal(count2[:3], count[3:]) and torch.equal(count2[3:], count[:3])
+
+
+def test_fused_generation_equals_reference_path():
+    """depthweave-kv (fused) and its reference-kernel ablation store the same bytes and decode the same tokens;
+    between flushes the fused path never reconstructs K/V."""
+    model = tiny_llama(layers=4, hidden=256)  # head_dim 64
+    torch.manual_seed(1)
+    ids = torch.randint(1, 128, (2, 200))
+    mask = torch.ones_like(ids)
+    mask[1, :17] = 0
+    results = {}
+    for name in ("depthweave-kv", "depthweave-kv-reference-kernel"):
+        cache = build_cache(load_pipeline(name), model, tokenizer=ToyTokenizer())
+        with torch.no_grad():
+            out = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=24, do_sample=False,
+                                 output_scores=True, return_dict_in_generate=True, **cache_kwargs(model, cache))
+        results[name] = (out, cache)
+    (fused, fused_cache), (reference, reference_cache) = results.values()
+    assert fused_cache.engine.kernel.materializes is False
+    assert torch.equal(fused.sequences, reference.sequences)
+    assert max((a - b).abs().max().item() for a, b in zip(fused.scores, reference.scores)) < 1e-4
+    breakdown = fused_cache.memory_breakdown()
+    assert breakdown["coefficients"] == reference_cache.memory_breakdown()["coefficients"]
+
+
+def test_fused_decode_reads_in_place(monkeypatch):
+    model = tiny_llama(layers=4, hidden=256)
+    cache = build_cache(load_pipeline("depthweave-kv"), model, tokenizer=ToyTokenizer())
+    ids = torch.randint(1, 128, (1, 160))
+    with torch.no_grad():
+        out = model(input_ids=ids, **cache_kwargs(model, cache))
+        assert cache.engine.windows[0].compressed_tokens > 0
+        calls = []
+        monkeypatch.setattr(cache.engine, "reconstruct", lambda *a, **k: calls.append(a))
+        model(input_ids=out.logits[:, -1:].argmax(-1), **cache_kwargs(model, cache))  # one decode step, no flush
+    assert calls == []
+
+
+@pytest.mark.parametrize(
+    "body,error,words",
+    [
+        ('residual_mode = "channels"', ComponentError, "residual_mode"),
+        ('[pipelines.bad.router]\nuse = "streaming-llm"', ComponentError, "evicts"),
+        ('[pipelines.bad.basis]\nrank = 12', ComponentError, "power of two"),
+        ('[pipelines.bad.kernel]\nsplit_tokens = 48', Exception, "multiple of 32"),
+    ],
+)
+def test_fused_refuses_what_it_cannot_read(tmp_path, body, error, words):
+    registry = write_registry(tmp_path, "bad", f'[pipelines.bad]\nextends = "depthweave-kv"\n{body}\n')
+    with pytest.raises(error, match=words):
+        KVWeaveCache(load_pipeline("bad", registry), llama_config(4, 2, 64))
+
+
+def test_fused_refuses_unsupported_head_dim():
+    with pytest.raises(ModelError, match="head_dim 96"):
+        KVWeaveCache(load_pipeline("depthweave-kv"), llama_config(4, 2, 96))
