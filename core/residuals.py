@@ -27,6 +27,8 @@ import torch
 from .interfaces import Quantizer
 from .storage import TensorMap, tensor_bytes
 
+TILE_TOKENS = 32  # tokens per tile of the residual tile index (one bit each in an int32 mask)
+
 
 class ResidualList:
     """The residual entries of one layer at one rank level."""
@@ -34,10 +36,10 @@ class ResidualList:
     def __init__(self, rank: int) -> None:
         self.rank = rank
         self.fields: TensorMap = {}
-        # kernels' tile index (built on demand by tile_index, counted in nbytes): per (row, tile of
-        # ``tile`` tokens) the first entry and the number of entries
+        # kernels' tile index (built on demand by tile_index, counted in nbytes): per (row, 32-token tile)
+        # the first entry and a bit mask of the tokens that have one
         self.tile_start: torch.Tensor | None = None  # int32 [rows, tiles]
-        self.tile_count: torch.Tensor | None = None  # uint8 [rows, tiles]
+        self.tile_mask: torch.Tensor | None = None  # int32 [rows, tiles]
         self._indexed_entries = 0
 
     @property
@@ -51,39 +53,43 @@ class ResidualList:
             self.fields = {name: torch.cat((self.fields[name], fields[name]), dim=0) for name in self.fields}
 
     def nbytes(self) -> int:
-        index = [t for t in (self.tile_start, self.tile_count) if t is not None]
+        index = [t for t in (self.tile_start, self.tile_mask) if t is not None]
         return tensor_bytes([*self.fields.values(), *index])
 
-    def tile_index(self, rows: int, tiles: int, tile: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-        """First entry and entry count of every (row, ``tile``-token tile) for ``tiles`` tiles: int32 and uint8
-        [rows, tiles]. Entries of one (row, tile) must be contiguous, which holds for blocks appended in
-        token order, each sorted by row then token (as the engine appends them), and after ``select_batch``.
-        Extended incrementally: only entries appended since the last call are indexed."""
+    def tile_index(self, rows: int, tiles: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+        """Where the entries of every (row, 32-token tile) are, for ``tiles`` tiles: the index of its first
+        entry (int32 [rows, tiles]) and a bit mask of its tokens that have one (int32 [rows, tiles], bit
+        ``i`` for token ``32 * tile + i``), so a kernel finds token ``t``'s entry at ``start + popcount(mask &
+        (2^i - 1))`` without searching. Entries of one (row, tile) must be contiguous and sorted by token:
+        true of blocks appended in token order, each sorted by row then token (as the engine appends
+        them), and after ``select_batch``. Extended incrementally: only entries appended since the last
+        call are indexed."""
         known = 0 if self.tile_start is None else self.tile_start.shape[1]
         if known == tiles and self._indexed_entries == self.entries:
-            return self.tile_start, self.tile_count  # type: ignore[return-value]
+            return self.tile_start, self.tile_mask  # type: ignore[return-value]
         if known > tiles:
             raise ValueError(f"residual tile index covers {known} tiles, asked for {tiles}")
         new = tiles - known
         first = self._indexed_entries
         start = torch.zeros(rows * new, dtype=torch.int32, device=device)
-        count = torch.zeros(rows * new, dtype=torch.int32, device=device)
+        bits = torch.zeros(rows * new, dtype=torch.int64, device=device)
         if self.entries > first:
             row = self.fields["row"][first:].long()
-            tile_of = self.fields["token"][first:].long() // tile - known
-            key = row * new + tile_of
+            token = self.fields["token"][first:].long()
+            key = row * new + token // TILE_TOKENS - known
             order = torch.arange(first, self.entries, device=device, dtype=torch.int32)
-            count.index_add_(0, key, torch.ones_like(order))
+            bits.index_add_(0, key, torch.ones_like(key) << (token % TILE_TOKENS))  # distinct bits: the sum is the OR
             start.fill_(torch.iinfo(torch.int32).max).scatter_reduce_(0, key, order, reduce="amin", include_self=True)
-            start = torch.where(count > 0, start, 0)
-        start, count = start.view(rows, new), count.to(torch.uint8).view(rows, new)
+            start = torch.where(bits > 0, start, 0)
+        mask = torch.where(bits >= 2**31, bits - 2**32, bits).to(torch.int32)  # the 32 bits, as int32
+        start, mask = start.view(rows, new), mask.view(rows, new)
         if self.tile_start is None:
-            self.tile_start, self.tile_count = start, count
+            self.tile_start, self.tile_mask = start, mask
         else:
             self.tile_start = torch.cat((self.tile_start, start), dim=1)
-            self.tile_count = torch.cat((self.tile_count, count), dim=1)
+            self.tile_mask = torch.cat((self.tile_mask, mask), dim=1)
         self._indexed_entries = self.entries
-        return self.tile_start, self.tile_count
+        return self.tile_start, self.tile_mask
 
     def select_batch(self, index: torch.Tensor, heads: int) -> None:
         """Keep the entries of batch rows ``index`` [B'] (repeats allowed), renumbered 0..B'-1."""
@@ -98,7 +104,7 @@ class ResidualList:
             part["row"] = (head_of.index_select(0, chosen) + new_b * heads).to(torch.int32)
             parts.append(part)
         self.fields = {name: torch.cat([part[name] for part in parts], dim=0) for name in self.fields}
-        self.tile_start = self.tile_count = None  # rebuilt on demand for the new rows
+        self.tile_start = self.tile_mask = None  # rebuilt on demand for the new rows
         self._indexed_entries = 0
 
 

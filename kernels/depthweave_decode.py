@@ -17,8 +17,9 @@ Work split (flash-decoding): the packed tokens are cut into segments that each l
 version (``segments`` [S, 3] int32: start, end, version; starts multiples of ``TILE``), one program per
 (segment, batch row x KV head) keeps an online softmax for the ``Hq / H`` query heads that share the KV
 head (GQA) and writes a partial (max, sum, output); the exact window is one more partial; a combine pass
-merges them. Residual entries are found per (row, 32-token tile) through the list's tile index
-(``tile_start``, ``tile_count``), so a tile reads only its own entries.
+merges them. A token's residual entry is found through the list's tile index: per (row, 32-token tile)
+the first entry and a bit mask of the tokens that have one, so the entry of token ``32 j + i`` is
+``start + popcount(mask & (2^i - 1))``, read with no search and no scatter.
 
 Rows of a batch may hold different numbers of real tokens (left padding): ``start`` [B] int32 is the
 first logical position each row attends to.
@@ -54,8 +55,8 @@ class ResidualLevel:
     row: torch.Tensor  # int32 [N] b * H + h
     packed: torch.Tensor  # uint8 [N, rank / 2]
     scales: torch.Tensor  # float16 [N, rank / group]
-    tile_start: torch.Tensor  # int32 [B * H, tiles]: first entry of each (row, tile)
-    tile_count: torch.Tensor  # uint8 [B * H, tiles]: entries of each (row, tile)
+    tile_start: torch.Tensor  # int32 [B * H, tiles]: first entry of each (row, 32-token tile)
+    tile_mask: torch.Tensor  # int32 [B * H, tiles]: bit i set when token 32 * tile + i has an entry
 
 
 @attrs.frozen
@@ -194,47 +195,47 @@ def torch_decode(view: DecodeView, query: torch.Tensor, start: torch.Tensor | No
 if triton is not None:
 
     @triton.jit
-    def _level_tile(tok_ptr, pk_ptr, sc_ptr, ts_ptr, tc_ptr, row, tile, tiles, t0, gate,
-                    RANK: tl.constexpr, GROUP: tl.constexpr, RP: tl.constexpr, TILE_T: tl.constexpr):
-        """The residual entries of one (row, tile) at one level: one-hot [E, TILE_T] of their tokens and
-        their gated values [E, RP] (zero beyond RANK and for missing entries)."""
-        first = tl.load(ts_ptr + row * tiles + tile)
-        count = tl.load(tc_ptr + row * tiles + tile).to(tl.int32)
-        e = tl.arange(0, TILE_T)
+    def _popcount(x):
+        """Set bits of each uint32 in ``x``."""
+        x = x - ((x >> 1) & 0x55555555)
+        x = (x & 0x33333333) + ((x >> 2) & 0x33333333)
+        x = (x + (x >> 4)) & 0x0F0F0F0F
+        return (x * 0x01010101) >> 24
+
+    @triton.jit
+    def _level_dense(pk_ptr, sc_ptr, ts_ptr, tm_ptr, row, tiles, tok, inside,
+                     RANK: tl.constexpr, GROUP: tl.constexpr, RP: tl.constexpr):
+        """One level's residual coordinates of tokens ``tok`` [T], dense [T, RP] (zero for tokens without an
+        entry at this level and beyond RANK): the tile index gives each token's entry directly."""
+        tile = tok // 32
+        bit = tok % 32
+        first = tl.load(ts_ptr + row * tiles + tile, mask=inside, other=0)
+        mask = tl.load(tm_ptr + row * tiles + tile, mask=inside, other=0).to(tl.uint32, bitcast=True)
+        present = inside & (((mask >> bit.to(tl.uint32)) & 1) != 0)
+        below = (((1 << bit) - 1).to(tl.uint32, bitcast=True)) & mask
+        entry = first + _popcount(below).to(tl.int32)
         k = tl.arange(0, RP)
-        present = e < count
-        token = tl.load(tok_ptr + first + e, mask=present, other=-1) - t0
-        onehot = ((token[:, None] == tl.arange(0, TILE_T)[None, :]) & present[:, None]).to(tl.float32)
-        in_rank = (k < RANK)[None, :] & present[:, None]
-        byte = tl.load(pk_ptr + (first + e)[:, None] * (RANK // 2) + (k // 2)[None, :], mask=in_rank, other=0).to(tl.int32)
+        in_rank = present[:, None] & (k < RANK)[None, :]
+        byte = tl.load(pk_ptr + entry[:, None] * (RANK // 2) + (k // 2)[None, :], mask=in_rank, other=0).to(tl.int32)
         code = ((byte >> ((k % 2) * 4)[None, :]) & 15) - 8
-        scale = tl.load(sc_ptr + (first + e)[:, None] * (RANK // GROUP) + (k // GROUP)[None, :], mask=in_rank, other=0.0).to(tl.float32)
-        values = tl.where(in_rank, code.to(tl.float32) * scale, 0.0) * gate
-        return onehot, values
+        scale = tl.load(sc_ptr + entry[:, None] * (RANK // GROUP) + (k // GROUP)[None, :], mask=in_rank, other=0.0)
+        return tl.where(in_rank, code.to(tl.float32) * scale.to(tl.float32), 0.0)
 
     @triton.jit
-    def _basis_rows(base_ptr, stride_r, q, R: tl.constexpr, RP: tl.constexpr, D: tl.constexpr):
-        """q [GQP, D] times the first R rows of a basis [R, D] (row stride ``stride_r``): [GQP, RP]."""
-        d = tl.arange(0, D)
-        kk = tl.arange(0, RP)
-        out = tl.zeros((q.shape[0], RP), dtype=tl.float32)
-        for k in tl.static_range(R):
-            row = tl.load(base_ptr + k * stride_r + d).to(tl.float32)
-            dot = tl.sum(q * row[None, :], axis=1)
-            out += tl.where(kk[None, :] == k, dot[:, None], 0.0)
-        return out
+    def _coefficients(c_ptr, s_ptr, tok, inside, c_st, s_st, R: tl.constexpr, RC: tl.constexpr, RB: tl.constexpr):
+        """Dequantized int8 coefficients [T, RC] of tokens ``tok`` (zero beyond R and outside)."""
+        r = tl.arange(0, RC)
+        ok = inside[:, None] & (r < R)[None, :]
+        codes = tl.load(c_ptr + tok[:, None] * c_st + r[None, :], mask=ok, other=0).to(tl.float32)
+        scales = tl.load(s_ptr + tok[:, None] * s_st + (r // RB)[None, :], mask=ok, other=0.0).to(tl.float32)
+        return codes * scales
 
     @triton.jit
-    def _project(acc, base_ptr, stride_r, R: tl.constexpr, RP: tl.constexpr, D: tl.constexpr):
-        """acc [GQP, RP] times the first R rows of a basis [R, D]: [GQP, D]."""
+    def _rows(base_ptr, stride_r, R: tl.constexpr, RC: tl.constexpr, D: tl.constexpr):
+        """The first R rows of a basis [R, D] (row stride ``stride_r``), zero-padded to RC rows, float32."""
+        r = tl.arange(0, RC)
         d = tl.arange(0, D)
-        kk = tl.arange(0, RP)
-        out = tl.zeros((acc.shape[0], D), dtype=tl.float32)
-        for k in tl.static_range(R):
-            row = tl.load(base_ptr + k * stride_r + d).to(tl.float32)
-            coef = tl.sum(tl.where(kk[None, :] == k, acc, 0.0), axis=1)
-            out += coef[:, None] * row[None, :]
-        return out
+        return tl.load(base_ptr + r[:, None] * stride_r + d[None, :], mask=(r < R)[:, None], other=0.0).to(tl.float32)
 
     @triton.jit
     def _packed_split_kernel(
@@ -242,14 +243,14 @@ if triton is not None:
         kc_ptr, ks_ptr, vc_ptr, vs_ptr, c_sb, c_sh, c_st, s_sb, s_sh, s_st,
         kb_ptr, vb_ptr, b_sb, b_sh, b_sv, b_sr,
         krb_ptr, vrb_ptr, rb_sb, rb_sh, rb_sr, kg_ptr, vg_ptr,
-        k0_tok, k0_pk, k0_sc, k0_ts, k0_tc, k1_tok, k1_pk, k1_sc, k1_ts, k1_tc, k2_tok, k2_pk, k2_sc, k2_ts, k2_tc,
-        v0_tok, v0_pk, v0_sc, v0_ts, v0_tc, v1_tok, v1_pk, v1_sc, v1_ts, v1_tc, v2_tok, v2_pk, v2_sc, v2_ts, v2_tc,
+        k0_pk, k0_sc, k0_ts, k0_tm, k1_pk, k1_sc, k1_ts, k1_tm, k2_pk, k2_sc, k2_ts, k2_tm,
+        v0_pk, v0_sc, v0_ts, v0_tm, v1_pk, v1_sc, v1_ts, v1_tm, v2_pk, v2_sc, v2_ts, v2_tm,
         m_ptr, l_ptr, acc_ptr, partials, H, tiles, qk_scale,
-        GQ: tl.constexpr, GQP: tl.constexpr, D: tl.constexpr, R: tl.constexpr, RB: tl.constexpr,
+        GQ: tl.constexpr, GQP: tl.constexpr, D: tl.constexpr, R: tl.constexpr, RC: tl.constexpr, RB: tl.constexpr,
         RR: tl.constexpr, RP: tl.constexpr,
         RANK0: tl.constexpr, GROUP0: tl.constexpr, RANK1: tl.constexpr, GROUP1: tl.constexpr,
         RANK2: tl.constexpr, GROUP2: tl.constexpr,
-        K_GATES: tl.constexpr, V_GATES: tl.constexpr, TILE_T: tl.constexpr,
+        K_GATES: tl.constexpr, V_GATES: tl.constexpr, BLOCK_T: tl.constexpr,
     ):
         seg = tl.program_id(0)
         bh = tl.program_id(1)
@@ -262,78 +263,66 @@ if triton is not None:
 
         g = tl.arange(0, GQP)
         d = tl.arange(0, D)
-        r = tl.arange(0, R)
-        t = tl.arange(0, TILE_T)
+        t = tl.arange(0, BLOCK_T)
         g_ok = g < GQ
         q = tl.load(q_ptr + (bh * GQ + g)[:, None] * D + d[None, :], mask=g_ok[:, None], other=0.0).to(tl.float32) * qk_scale
 
-        kb = kb_ptr + b * b_sb + h * b_sh + version * b_sv
-        vb = vb_ptr + b * b_sb + h * b_sh + version * b_sv
-        qp = _basis_rows(kb, b_sr, q, R, R, D)  # [GQP, R]
+        # q in coefficient space: q P_v^T [GQP, RC] (and q R^T [GQP, RP] for the residual coordinates)
+        kb = _rows(kb_ptr + b * b_sb + h * b_sh + version * b_sv, b_sr, R, RC, D)
+        qp = tl.dot(q, tl.trans(kb), input_precision="tf32x3")
         if RANK0 > 0:
-            qr = _basis_rows(krb_ptr + b * rb_sb + h * rb_sh, rb_sr, q, RR, RP, D)  # [GQP, RP]
-        k_gate = 1.0
-        v_gate = 1.0
-        if K_GATES:
-            k_gate = tl.load(kg_ptr + h)
-        if V_GATES:
-            v_gate = tl.load(vg_ptr + h)
+            krb = _rows(krb_ptr + b * rb_sb + h * rb_sh, rb_sr, RR, RP, D)
+            qr = tl.dot(q, tl.trans(krb), input_precision="tf32x3")
+            k_gate = 1.0
+            v_gate = 1.0
+            if K_GATES:
+                k_gate = tl.load(kg_ptr + h)
+            if V_GATES:
+                v_gate = tl.load(vg_ptr + h)
+            qr = qr * k_gate
 
         m_i = tl.full((GQP,), -1.0e30, dtype=tl.float32)
         l_i = tl.zeros((GQP,), dtype=tl.float32)
-        acc_c = tl.zeros((GQP, R), dtype=tl.float32)
+        acc_c = tl.zeros((GQP, RC), dtype=tl.float32)
         acc_r = tl.zeros((GQP, RP), dtype=tl.float32)
         kc = kc_ptr + b * c_sb + h * c_sh
         vc = vc_ptr + b * c_sb + h * c_sh
         ks = ks_ptr + b * s_sb + h * s_sh
         vs = vs_ptr + b * s_sb + h * s_sh
-        for t0 in range(lo, hi, TILE_T):
+        for t0 in range(lo, hi, BLOCK_T):
             tok = t0 + t
-            ok = (tok < hi) & (tok >= first_valid)
-            codes = tl.load(kc + tok[:, None] * c_st + r[None, :], mask=(tok < hi)[:, None], other=0).to(tl.float32)
-            scales = tl.load(ks + tok[:, None] * s_st + (r // RB)[None, :], mask=(tok < hi)[:, None], other=0.0).to(tl.float32)
-            ck = codes * scales  # [T, R]
-            s = tl.sum(qp[:, None, :] * ck[None, :, :], axis=2)  # [GQP, T]
-            tile = t0 // TILE_T
+            inside = tok < hi
+            ok = inside & (tok >= first_valid)
+            ck = _coefficients(kc, ks, tok, inside, c_st, s_st, R, RC, RB)  # [T, RC]
+            s = tl.dot(qp, tl.trans(ck), input_precision="tf32x3")  # [GQP, T]
             if RANK0 > 0:
-                oh, ev = _level_tile(k0_tok, k0_pk, k0_sc, k0_ts, k0_tc, bh, tile, tiles, t0, k_gate, RANK0, GROUP0, RP, TILE_T)
-                delta = tl.sum(qr[:, None, :] * ev[None, :, :], axis=2)  # [GQP, E]
-                s += tl.sum(delta[:, :, None] * oh[None, :, :], axis=1)
-            if RANK1 > 0:
-                oh, ev = _level_tile(k1_tok, k1_pk, k1_sc, k1_ts, k1_tc, bh, tile, tiles, t0, k_gate, RANK1, GROUP1, RP, TILE_T)
-                delta = tl.sum(qr[:, None, :] * ev[None, :, :], axis=2)
-                s += tl.sum(delta[:, :, None] * oh[None, :, :], axis=1)
-            if RANK2 > 0:
-                oh, ev = _level_tile(k2_tok, k2_pk, k2_sc, k2_ts, k2_tc, bh, tile, tiles, t0, k_gate, RANK2, GROUP2, RP, TILE_T)
-                delta = tl.sum(qr[:, None, :] * ev[None, :, :], axis=2)
-                s += tl.sum(delta[:, :, None] * oh[None, :, :], axis=1)
+                ek = _level_dense(k0_pk, k0_sc, k0_ts, k0_tm, bh, tiles, tok, inside, RANK0, GROUP0, RP)
+                if RANK1 > 0:
+                    ek += _level_dense(k1_pk, k1_sc, k1_ts, k1_tm, bh, tiles, tok, inside, RANK1, GROUP1, RP)
+                if RANK2 > 0:
+                    ek += _level_dense(k2_pk, k2_sc, k2_ts, k2_tm, bh, tiles, tok, inside, RANK2, GROUP2, RP)
+                s += tl.dot(qr, tl.trans(ek), input_precision="tf32x3")
             s = tl.where(ok[None, :], s, -1.0e30)
             m_new = tl.maximum(m_i, tl.max(s, axis=1))
             alpha = tl.exp2(m_i - m_new)
             p = tl.where(ok[None, :], tl.exp2(s - m_new[:, None]), 0.0)  # [GQP, T]
             l_i = l_i * alpha + tl.sum(p, axis=1)
             m_i = m_new
-            codes = tl.load(vc + tok[:, None] * c_st + r[None, :], mask=(tok < hi)[:, None], other=0).to(tl.float32)
-            scales = tl.load(vs + tok[:, None] * s_st + (r // RB)[None, :], mask=(tok < hi)[:, None], other=0.0).to(tl.float32)
-            cv = codes * scales
-            acc_c = acc_c * alpha[:, None] + tl.sum(p[:, :, None] * cv[None, :, :], axis=1)
+            cv = _coefficients(vc, vs, tok, inside, c_st, s_st, R, RC, RB)
+            acc_c = acc_c * alpha[:, None] + tl.dot(p, cv, input_precision="tf32x3")
             if RANK0 > 0:
-                acc_r = acc_r * alpha[:, None]
-                oh, ev = _level_tile(v0_tok, v0_pk, v0_sc, v0_ts, v0_tc, bh, tile, tiles, t0, v_gate, RANK0, GROUP0, RP, TILE_T)
-                pe = tl.sum(p[:, None, :] * oh[None, :, :], axis=2)  # [GQP, E]
-                acc_r += tl.sum(pe[:, :, None] * ev[None, :, :], axis=1)
-            if RANK1 > 0:
-                oh, ev = _level_tile(v1_tok, v1_pk, v1_sc, v1_ts, v1_tc, bh, tile, tiles, t0, v_gate, RANK1, GROUP1, RP, TILE_T)
-                pe = tl.sum(p[:, None, :] * oh[None, :, :], axis=2)
-                acc_r += tl.sum(pe[:, :, None] * ev[None, :, :], axis=1)
-            if RANK2 > 0:
-                oh, ev = _level_tile(v2_tok, v2_pk, v2_sc, v2_ts, v2_tc, bh, tile, tiles, t0, v_gate, RANK2, GROUP2, RP, TILE_T)
-                pe = tl.sum(p[:, None, :] * oh[None, :, :], axis=2)
-                acc_r += tl.sum(pe[:, :, None] * ev[None, :, :], axis=1)
+                ev = _level_dense(v0_pk, v0_sc, v0_ts, v0_tm, bh, tiles, tok, inside, RANK0, GROUP0, RP)
+                if RANK1 > 0:
+                    ev += _level_dense(v1_pk, v1_sc, v1_ts, v1_tm, bh, tiles, tok, inside, RANK1, GROUP1, RP)
+                if RANK2 > 0:
+                    ev += _level_dense(v2_pk, v2_sc, v2_ts, v2_tm, bh, tiles, tok, inside, RANK2, GROUP2, RP)
+                acc_r = acc_r * alpha[:, None] + tl.dot(p, ev, input_precision="tf32x3")
 
-        out = _project(acc_c, vb, b_sr, R, R, D)
+        vb = _rows(vb_ptr + b * b_sb + h * b_sh + version * b_sv, b_sr, R, RC, D)
+        out = tl.dot(acc_c, vb, input_precision="tf32x3")  # [GQP, D]
         if RANK0 > 0:
-            out += _project(acc_r, vrb_ptr + b * rb_sb + h * rb_sh, rb_sr, RR, RP, D)
+            vrb = _rows(vrb_ptr + b * rb_sb + h * rb_sh, rb_sr, RR, RP, D)
+            out += tl.dot(acc_r * v_gate, vrb, input_precision="tf32x3")
         slot = (bh * GQ + g) * partials + seg
         tl.store(m_ptr + slot, m_i, mask=g_ok)
         tl.store(l_ptr + slot, l_i, mask=g_ok)
@@ -418,8 +407,8 @@ def check_view(view: DecodeView, query: torch.Tensor) -> None:
         raise ValueError(f"query {tuple(query.shape)} does not match the exact window {tuple(view.exact_k.shape)}")
     if view.packed_tokens:
         rank = view.k_codes.shape[-1]
-        if rank & (rank - 1):
-            raise ValueError(f"coefficient rank {rank} must be a power of two for the kernel")
+        if rank > 64:
+            raise ValueError(f"coefficient rank {rank} is above the kernel's 64")
         if view.k_codes.stride() != view.v_codes.stride() or view.k_scales.stride() != view.v_scales.stride():
             raise ValueError("key and value coefficients must share one layout")
         if view.k_codes.stride(-1) != 1 or view.k_scales.stride(-1) != 1 or view.k_bases.stride(-1) != 1:
@@ -433,10 +422,11 @@ def check_view(view: DecodeView, query: torch.Tensor) -> None:
 
 
 def fused_decode(
-    view: DecodeView, query: torch.Tensor, start: torch.Tensor | None, scale: float, split: int | None = None
+    view: DecodeView, query: torch.Tensor, start: torch.Tensor | None, scale: float, split: int | None = None,
+    block_tokens: int = 128, num_warps: int = 4,
 ) -> torch.Tensor:
     """The Triton kernel: ``query`` [B, Hq, D] -> [B, Hq, D] (query dtype). ``split``: tokens per segment
-    (default: enough programs to fill an H200)."""
+    (default: the view's segments); ``block_tokens``: tokens per loop iteration (a multiple of 32)."""
     if triton is None:
         raise RuntimeError("the fused DepthWeave-KV kernel needs triton (pip install triton)")
     check_view(view, query)
@@ -460,7 +450,7 @@ def fused_decode(
     acc = torch.empty(batch * q_heads * partials, dim, dtype=torch.float32, device=device)
     qk_scale = float(scale) * LOG2E
     if n_seg:
-        _launch_packed(view, query, segments, start, m, l, acc, partials, heads, gq, gqp, dim, qk_scale)
+        _launch_packed(view, query, segments, start, m, l, acc, partials, heads, gq, gqp, dim, qk_scale, block_tokens, num_warps)
     exact = view.exact_k
     if exact.stride(-1) != 1 or exact.stride() != view.exact_v.stride():
         raise ValueError("the exact window's keys and values must share one layout, contiguous along head_dim")
@@ -487,17 +477,17 @@ def _level_args(levels: tuple[ResidualLevel, ...], dummy: torch.Tensor) -> tuple
     args: list[Any] = []
     meta: list[int] = []
     for i in range(MAX_LEVELS):
-        if i < len(levels) and levels[i].token.numel() >= 0:
+        if i < len(levels):
             lv = levels[i]
-            args += [lv.token, lv.packed, lv.scales, lv.tile_start, lv.tile_count]
+            args += [lv.packed, lv.scales, lv.tile_start, lv.tile_mask]
             meta += [lv.rank, lv.group]
         else:
-            args += [dummy] * 5
+            args += [dummy] * 4
             meta += [0, 2]
     return args, meta
 
 
-def _launch_packed(view, query, segments, start, m, l, acc, partials, heads, gq, gqp, dim, qk_scale) -> None:
+def _launch_packed(view, query, segments, start, m, l, acc, partials, heads, gq, gqp, dim, qk_scale, block_tokens, num_warps) -> None:
     batch = query.shape[0]
     rank = view.k_codes.shape[-1]
     block = view.block
@@ -534,8 +524,8 @@ def _launch_packed(view, query, segments, start, m, l, acc, partials, heads, gq,
         krb, vrb, *rb_strides, kg, vg,
         *k_args, *v_args,
         m, l, acc, partials, heads, tiles, qk_scale,
-        GQ=gq, GQP=gqp, D=dim, R=rank, RB=block, RR=rr, RP=_pow2(rr),
+        GQ=gq, GQP=_pow2(gq, 16), D=dim, R=rank, RC=_pow2(rank, 16), RB=block, RR=rr, RP=_pow2(rr, 16),
         RANK0=k_meta[0], GROUP0=k_meta[1], RANK1=k_meta[2], GROUP1=k_meta[3], RANK2=k_meta[4], GROUP2=k_meta[5],
-        K_GATES=view.k_gates is not None, V_GATES=view.v_gates is not None, TILE_T=TILE,
-        num_warps=4,
+        K_GATES=view.k_gates is not None, V_GATES=view.v_gates is not None, BLOCK_T=block_tokens,
+        num_warps=num_warps,
     )

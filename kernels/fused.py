@@ -7,7 +7,7 @@ packed tokens is reconstructed. Forwards of several tokens (the prompt) run the 
 attention over reconstructed K/V.
 
 What it reads (checked when the cache is built, with an error naming the slot otherwise): a basis with
-``factor_bases`` (``sketch-ema``), ``int8-block`` coefficients with a power-of-two rank, residuals in
+``factor_bases`` (``sketch-ema``), ``int8-block`` coefficients of rank up to 64, residuals in
 ``residual_mode = "basis"`` packed by ``int4-group`` (at most three rank levels, no depth mixing), no
 eviction, ``block_tokens`` a multiple of 32, head_dim 64, 128 or 256.
 
@@ -65,8 +65,8 @@ class FusedKernel(AttentionKernel):
         if type(engine.quantizer).__name__ != "Int8BlockQuantizer":
             raise ComponentError(f"{where}: coefficients must be packed by 'int8-block', not '{slots['quantizer'].use}'")
         rank = engine.basis.coefficient_width(shape)
-        if rank & (rank - 1) or rank > 64:
-            raise ComponentError(f"{where}: the coefficient rank {rank} must be a power of two up to 64")
+        if rank > 64:
+            raise ComponentError(f"{where}: the coefficient rank {rank} is above the kernel's 64")
         if engine.evicts or engine.accumulates:
             raise ComponentError(f"{where}: router '{slots['router'].use}' evicts tokens or accumulates attention; use kernel 'reference'")
         if engine.settings.block_tokens % TILE:
@@ -122,14 +122,14 @@ class FusedKernel(AttentionKernel):
             built = []
             for rank in engine.residual_levels:
                 lists = window.residuals[kind][rank]
-                start, count = lists.tile_index(batch * heads, tokens // TILE, TILE, device)
+                start, mask = lists.tile_index(batch * heads, tokens // TILE, device)
                 group = min(engine.residual_quantizer.group, rank)
                 if lists.entries:
                     f = lists.fields
-                    built.append(ResidualLevel(rank, group, f["token"], f["row"], f["q_packed"], f["q_scales"], start, count))
+                    built.append(ResidualLevel(rank, group, f["token"], f["row"], f["q_packed"], f["q_scales"], start, mask))
                 else:
                     none = torch.zeros(1, dtype=torch.int32, device=device)
-                    built.append(ResidualLevel(rank, group, none[:0], none[:0], none.to(torch.uint8), none.to(torch.float16), start, count))
+                    built.append(ResidualLevel(rank, group, none[:0], none[:0], none.to(torch.uint8), none.to(torch.float16), start, mask))
             levels[kind] = tuple(built)
         gates = {kind: engine.router.gates(layer, kind) for kind in ("keys", "values")}
         gates = {kind: None if g is None else _on(state, ("gates", layer, kind), g, device) for kind, g in gates.items()}

@@ -124,23 +124,26 @@ def test_tile_index_incremental_equals_rebuilt():
     lists = ResidualList(4)
     rows, tile = 6, 32
     for block in range(3):  # blocks of 64 tokens, entries sorted by row then token, as the engine appends
-        tokens = torch.randperm(64)[:40].sort().values + 64 * block
-        row = torch.randint(0, rows, (40,)).sort().values
-        order = torch.argsort(row * 1000 + tokens)
-        lists.append({"row": row[order].int(), "token": tokens[order].int(), "q_packed": torch.zeros(40, 2, dtype=torch.uint8)})
-        start, count = lists.tile_index(rows, 2 * (block + 1), tile, torch.device("cpu"))
+        picked = [(r, t) for r in range(rows) for t in sorted(torch.randperm(64)[:20].tolist())]
+        row = torch.tensor([r for r, _ in picked], dtype=torch.int32)
+        token = torch.tensor([t + 64 * block for _, t in picked], dtype=torch.int32)
+        lists.append({"row": row, "token": token, "q_packed": torch.zeros(len(picked), 2, dtype=torch.uint8)})
+        start, mask = lists.tile_index(rows, 2 * (block + 1), torch.device("cpu"))
     row_of, token_of = lists.fields["row"].long(), lists.fields["token"].long()
+    bits = mask.long() & 0xFFFFFFFF
     for r in range(rows):
         for t in range(6):
             chosen = ((row_of == r) & (token_of // tile == t)).nonzero().squeeze(1)
-            assert int(count[r, t]) == chosen.numel()
-            if chosen.numel():
-                assert int(start[r, t]) == int(chosen[0]) and bool((chosen == torch.arange(chosen[0], chosen[0] + chosen.numel())).all())
-    assert lists.nbytes() == sum(t.nbytes for t in lists.fields.values()) + start.nbytes + count.nbytes
+            expected = sum(1 << int(token_of[i] % tile) for i in chosen)
+            assert int(bits[r, t]) == expected
+            for rank_in_tile, i in enumerate(chosen.tolist()):  # start + popcount(bits below) finds each entry
+                below = int(bits[r, t]) & ((1 << int(token_of[i] % tile)) - 1)
+                assert int(start[r, t]) + bin(below).count("1") == i
+    assert lists.nbytes() == sum(t.nbytes for t in lists.fields.values()) + start.nbytes + mask.nbytes
     lists.select_batch(torch.tensor([1, 0]), 3)  # rows 0..2 are batch 0, 3..5 batch 1
     assert lists.tile_start is None
-    start2, count2 = lists.tile_index(rows, 6, tile, torch.device("cpu"))
-    assert torch.equal(count2[:3], count[3:]) and torch.equal(count2[3:], count[:3])
+    _, mask2 = lists.tile_index(rows, 6, torch.device("cpu"))
+    assert torch.equal(mask2[:3], mask[3:]) and torch.equal(mask2[3:], mask[:3])
 
 
 def test_fused_generation_equals_reference_path():
@@ -184,7 +187,7 @@ def test_fused_decode_reads_in_place(monkeypatch):
     [
         ('residual_mode = "channels"', ComponentError, "residual_mode"),
         ('[pipelines.bad.router]\nuse = "streaming-llm"', ComponentError, "evicts"),
-        ('[pipelines.bad.basis]\nrank = 12', ComponentError, "power of two"),
+        ('[pipelines.bad.basis]\nrank = 80\n[pipelines.bad.router]\ntarget_reduction = 1.5', ComponentError, "above the kernel's 64"),
         ('[pipelines.bad.kernel]\nsplit_tokens = 48', Exception, "multiple of 32"),
     ],
 )

@@ -1,0 +1,168 @@
+"""Decode attention alone: the fused DepthWeave-KV kernel against SDPA over a full bf16 cache.
+
+    python benchmarks/decode_kernel.py [--tokens 16384,65536,131072] [--batches 1,8] [--out DIR]
+
+Shape: Llama-3-8B attention (32 query heads, 8 KV heads, head_dim 128), one new query token per sequence.
+For each context length the storage is written by the real engine with ``depthweave-kv``'s settings
+(one 4-layer window: the kernel reads one layer; budget, versions and residual lists as in a full model)
+from synthetic cross-layer-structured K/V (:mod:`kvweave.core.synthetic`); the full cache is random bf16
+K/V of the same size. Batch 1 uses the first row of the batch-8 storage.
+
+Reported per (T, B): SDPA time, kernel time (CUDA events, median of ``--reps``), speed-up, the bytes the
+kernel reads (``nbytes`` of every stored tensor of the layer it attends over, residual tile index, bases
+and exact window included), the bandwidth that implies, its share of the measured copy bandwidth, the
+layer's compression ratio against 16 bits, and the largest difference from the torch twin.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from transformers import LlamaConfig
+
+from kvweave.core.cache import KVWeaveCache
+from kvweave.core.registry import load_pipeline
+from kvweave.core.residuals import ResidualList
+from kvweave.core.synthetic import fill_cache
+from kvweave.kernels.depthweave_decode import TILE, DecodeView, ResidualLevel, fused_decode, torch_decode
+
+Q_HEADS, KV_HEADS, HEAD_DIM = 32, 8, 128
+
+
+def llama3_window_config(layers: int = 4) -> LlamaConfig:
+    return LlamaConfig(
+        vocab_size=128, hidden_size=Q_HEADS * HEAD_DIM, intermediate_size=64, num_hidden_layers=layers,
+        num_attention_heads=Q_HEADS, num_key_value_heads=KV_HEADS, head_dim=HEAD_DIM,
+    )
+
+
+def timed(fn, reps: int) -> float:
+    """Median microseconds of ``fn()`` over ``reps`` runs (CUDA events, after 3 warm-up runs)."""
+    for _ in range(3):
+        fn()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(reps):
+        start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        stop.record()
+        stop.synchronize()
+        times.append(start.elapsed_time(stop) * 1000)
+    times.sort()
+    return times[len(times) // 2]
+
+
+def copy_bandwidth(nbytes: int = 2 << 30) -> float:
+    """Device-to-device copy bandwidth in bytes/s (read + write counted)."""
+    src = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
+    dst = torch.empty_like(src)
+    us = timed(lambda: dst.copy_(src), 10)
+    del src, dst
+    return 2 * nbytes / (us * 1e-6)
+
+
+def view_bytes(view: DecodeView) -> int:
+    """Bytes the kernel reads for this view: every tensor it is given, by its own size."""
+    tensors = [view.k_codes, view.k_scales, view.v_codes, view.v_scales, view.exact_k, view.exact_v]
+    tensors += [view.k_bases, view.v_bases]  # read once per program; counted once
+    for level in view.k_levels + view.v_levels:
+        tensors += [level.packed, level.scales, level.tile_start, level.tile_mask]
+    total = sum(t.numel() * t.element_size() for t in tensors)
+    return total
+
+
+def first_row(view: DecodeView) -> DecodeView:
+    """The batch-1 view of row 0: its coefficients, windows, and only its residual entries (re-indexed)."""
+    heads = view.exact_k.shape[1]
+
+    def keep(level: ResidualLevel) -> ResidualLevel:
+        chosen = (level.row < heads).nonzero().squeeze(1)
+        lists = ResidualList(level.rank)
+        lists.append({"row": level.row[chosen], "token": level.token[chosen], "q_packed": level.packed[chosen], "q_scales": level.scales[chosen]})
+        start, mask = lists.tile_index(heads, view.packed_tokens // TILE, level.token.device)
+        f = lists.fields
+        return ResidualLevel(level.rank, level.group, f["token"], f["row"], f["q_packed"], f["q_scales"], start, mask)
+
+    return DecodeView(
+        view.packed_tokens, view.k_codes[:1], view.k_scales[:1], view.v_codes[:1], view.v_scales[:1],
+        view.k_bases[:1], view.v_bases[:1], view.segments,
+        tuple(keep(lv) for lv in view.k_levels), tuple(keep(lv) for lv in view.v_levels),
+        None if view.k_residual_basis is None else view.k_residual_basis[:1],
+        None if view.v_residual_basis is None else view.v_residual_basis[:1],
+        view.k_gates, view.v_gates, view.exact_k[:1], view.exact_v[:1],
+    )
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--tokens", default="16384,65536,131072")
+    parser.add_argument("--batches", default="1,8")
+    parser.add_argument("--pipeline", default="depthweave-kv")
+    parser.add_argument("--reps", type=int, default=50)
+    parser.add_argument("--out", default="results/decode_kernel")
+    args = parser.parse_args()
+    if not torch.cuda.is_available():
+        raise SystemExit("decode_kernel.py times CUDA kernels; run it on a GPU machine")
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    batches = [int(b) for b in args.batches.split(",")]
+    copy_bw = copy_bandwidth()
+    rows = []
+    pipeline = load_pipeline(args.pipeline)
+    for tokens in [int(t) for t in args.tokens.split(",")]:
+        cache = KVWeaveCache(pipeline, llama3_window_config())
+        fill_cache(cache, max(batches), tokens, chunk=8192, device="cuda", seed=tokens)
+        engine = cache.engine
+        layer = 1
+        full_view = engine.kernel.layer_view(engine, layer, torch.device("cuda"))
+        ratio = cache.compression_ratio()
+        for batch in batches:
+            view = full_view if batch == max(batches) else first_row(full_view)
+            read = view_bytes(view)
+            generator = torch.Generator(device="cuda").manual_seed(batch)
+            q = torch.randn(batch, Q_HEADS, HEAD_DIM, device="cuda", generator=generator).to(torch.bfloat16)
+            scale = HEAD_DIM**-0.5
+            total = engine.seq_length(layer)
+            k_full = torch.randn(batch, KV_HEADS, total, HEAD_DIM, device="cuda", dtype=torch.bfloat16)
+            v_full = torch.randn_like(k_full)
+            q4 = q.unsqueeze(2)
+            sdpa_us = timed(lambda: F.scaled_dot_product_attention(q4, k_full, v_full, scale=scale, enable_gqa=True), args.reps)
+            kernel_us = timed(lambda: fused_decode(view, q, None, scale), args.reps)
+            error = (fused_decode(view, q, None, scale).float() - torch_decode(view, q, None, scale).float()).abs().max().item()
+            full_bytes = 2 * k_full.nbytes
+            del k_full, v_full
+            bandwidth = read / (kernel_us * 1e-6)
+            rows.append({
+                "tokens": total, "batch": batch, "sdpa_us": round(sdpa_us, 1), "kernel_us": round(kernel_us, 1),
+                "speedup": round(sdpa_us / kernel_us, 2), "kernel_bytes": read, "full_bytes": full_bytes,
+                "bytes_ratio": round(full_bytes / read, 2), "cache_ratio": round(ratio, 2),
+                "kernel_TBps": round(bandwidth / 1e12, 2), "copy_share": round(bandwidth / copy_bw, 3),
+                "sdpa_TBps": round(full_bytes / (sdpa_us * 1e-6) / 1e12, 2), "max_abs_diff_vs_torch": error,
+            })
+            print(rows[-1], flush=True)
+        del cache, engine, full_view
+        torch.cuda.empty_cache()
+    header = ["T", "B", "SDPA (us)", "fused (us)", "speed-up", "bytes read (MB)", "full bf16 (MB)", "fused TB/s", "% of copy BW", "SDPA TB/s", "max |diff| vs torch"]
+    lines = [
+        f"# decode attention, Llama-3-8B shape (32 q heads, 8 KV heads, d=128), pipeline {args.pipeline}",
+        f"# {datetime.date.today()} {torch.cuda.get_device_name()} torch {torch.__version__}; copy bandwidth {copy_bw / 1e12:.2f} TB/s",
+        "| " + " | ".join(header) + " |", "|" + "---|" * len(header),
+    ]
+    for r in rows:
+        lines.append(
+            f"| {r['tokens']} | {r['batch']} | {r['sdpa_us']} | {r['kernel_us']} | {r['speedup']}x | {r['kernel_bytes'] / 1e6:.1f} | "
+            f"{r['full_bytes'] / 1e6:.1f} | {r['kernel_TBps']} | {100 * r['copy_share']:.0f} % | {r['sdpa_TBps']} | {r['max_abs_diff_vs_torch']:.2e} |"
+        )
+    (out / "decode_kernel.md").write_text("\n".join(lines) + "\n")
+    (out / "decode_kernel.json").write_text(json.dumps({"copy_bandwidth": copy_bw, "rows": rows}, indent=1))
+    print("\n".join(lines))
+
+
+if __name__ == "__main__":
+    main()
