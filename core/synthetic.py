@@ -4,8 +4,9 @@ at sizes where a real prompt's prefill would dominate (a 64K-token cache for 64 
 The vectors have the structure cross-layer factorization is built for: per batch row and KV head, a
 token factor ``z_t`` [rank] shared by every layer, mixed per layer (``x_{l,t} = z_t A_l``) plus
 per-layer noise of relative size ``noise``. Queries for the router and probe are random vectors of the
-same scale. Chunks go through the cache's own ``update`` and flush (the same code as a prompt), so the
-stored bytes, basis versions and residual lists are what a real forward would store for such vectors.
+same scale, token ids (for a cache bound to a model that taps them) random. Chunks go through the cache's
+own ``update`` and flush (the same code as a prompt), so the stored bytes, basis versions and residual
+lists are what a real forward would store for such vectors.
 """
 
 from __future__ import annotations
@@ -41,6 +42,8 @@ def fill_cache(
     while done < tokens:
         n = min(chunk, tokens - done)
         factors = {kind: torch.randn(batch, heads, n, rank, generator=gen, device=device) for kind in mixing}
+        if engine.observer.tap is not None:  # a bound cache reads delimiter flags from the token ids
+            engine.observer.tap.pending = torch.randint(0, 1 << 15, (batch, n), generator=gen, device=device)
         for layer in range(shape.num_layers):
             new = []
             for kind in ("keys", "values"):

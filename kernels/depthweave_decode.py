@@ -203,32 +203,53 @@ if triton is not None:
         return (x * 0x01010101) >> 24
 
     @triton.jit
-    def _level_dense(pk_ptr, sc_ptr, ts_ptr, tm_ptr, row, tiles, tok, inside,
-                     RANK: tl.constexpr, GROUP: tl.constexpr, RP: tl.constexpr):
-        """One level's residual coordinates of tokens ``tok`` [T], dense [T, RP] (zero for tokens without an
-        entry at this level and beyond RANK): the tile index gives each token's entry directly."""
+    def _level_values(pk_ptr, sc_ptr, ts_ptr, tm_ptr, row, tiles, tok, inside,
+                      RANK: tl.constexpr, GROUP: tl.constexpr, RP: tl.constexpr, BLOCK_T: tl.constexpr):
+        """One level's residual coordinates of tokens ``tok`` [T] as float16 [T, RP]: coordinate ``k`` in
+        column ``k * RP / RANK`` (zeros between; see :func:`_level_rows`), zero for tokens without an entry.
+        The tile index gives each token's entry directly: ``start + popcount(mask & (2^i - 1))``."""
         tile = tok // 32
         bit = tok % 32
         first = tl.load(ts_ptr + row * tiles + tile, mask=inside, other=0)
         mask = tl.load(tm_ptr + row * tiles + tile, mask=inside, other=0).to(tl.uint32, bitcast=True)
         present = inside & (((mask >> bit.to(tl.uint32)) & 1) != 0)
         below = (((1 << bit) - 1).to(tl.uint32, bitcast=True)) & mask
-        entry = first + _popcount(below).to(tl.int32)
-        k = tl.arange(0, RP)
-        in_rank = present[:, None] & (k < RANK)[None, :]
-        byte = tl.load(pk_ptr + entry[:, None] * (RANK // 2) + (k // 2)[None, :], mask=in_rank, other=0).to(tl.int32)
+        entry = (first + _popcount(below).to(tl.int32)).to(tl.int64)
+        c = tl.arange(0, RP)
+        step: tl.constexpr = RP // RANK
+        k = c // step  # the coordinate column c holds (when step divides c)
+        used = present[:, None] & ((c % step) == 0)[None, :]
+        byte = tl.load(pk_ptr + entry[:, None] * (RANK // 2) + (k // 2)[None, :], mask=used, other=136).to(tl.int32)
         code = ((byte >> ((k % 2) * 4)[None, :]) & 15) - 8
-        scale = tl.load(sc_ptr + entry[:, None] * (RANK // GROUP) + (k // GROUP)[None, :], mask=in_rank, other=0.0)
-        return tl.where(in_rank, code.to(tl.float32) * scale.to(tl.float32), 0.0)
+        scale = tl.load(sc_ptr + entry[:, None] * (RANK // GROUP) + (k // GROUP)[None, :], mask=used, other=0.0)
+        values = tl.where(used, code.to(tl.float32) * scale.to(tl.float32), 0.0).to(tl.float16)
+        return values
 
     @triton.jit
-    def _coefficients(c_ptr, s_ptr, tok, inside, c_st, s_st, R: tl.constexpr, RC: tl.constexpr, RB: tl.constexpr):
-        """Dequantized int8 coefficients [T, RC] of tokens ``tok`` (zero beyond R and outside)."""
+    def _level_rows(base_ptr, stride_r, RANK: tl.constexpr, RP: tl.constexpr, D: tl.constexpr):
+        """The residual basis rows of one level laid out as :func:`_level_values` lays out coordinates:
+        column ``c`` holds row ``c * RANK / RP`` when ``RP / RANK`` divides ``c``, else zeros. [RP, D] float32."""
+        c = tl.arange(0, RP)
+        d = tl.arange(0, D)
+        step = RP // RANK
+        used = (c % step) == 0
+        return tl.load(base_ptr + (c // step)[:, None] * stride_r + d[None, :], mask=used[:, None], other=0.0).to(tl.float32)
+
+    @triton.jit
+    def _codes(c_ptr, tok, inside, c_st, R: tl.constexpr, RC: tl.constexpr):
+        """int8 coefficient codes [T, RC] of tokens ``tok`` as float16 (exact), zero beyond R and outside."""
         r = tl.arange(0, RC)
-        ok = inside[:, None] & (r < R)[None, :]
-        codes = tl.load(c_ptr + tok[:, None] * c_st + r[None, :], mask=ok, other=0).to(tl.float32)
-        scales = tl.load(s_ptr + tok[:, None] * s_st + (r // RB)[None, :], mask=ok, other=0.0).to(tl.float32)
-        return codes * scales
+        if R == RC:
+            codes = tl.load(c_ptr + tok[:, None] * c_st + r[None, :], mask=inside[:, None], other=0)
+        else:
+            codes = tl.load(c_ptr + tok[:, None] * c_st + r[None, :], mask=inside[:, None] & (r < R)[None, :], other=0)
+        return codes.to(tl.float16)
+
+    @triton.jit
+    def _block_scales(s_ptr, tok, inside, s_st, R: tl.constexpr, RC: tl.constexpr, RB: tl.constexpr):
+        """Per-channel scales [T, RC] (float16) for coefficients with several scale blocks per token."""
+        r = tl.arange(0, RC)
+        return tl.load(s_ptr + tok[:, None] * s_st + (r // RB)[None, :], mask=inside[:, None] & (r < R)[None, :], other=0.0).to(tl.float16)
 
     @triton.jit
     def _rows(base_ptr, stride_r, R: tl.constexpr, RC: tl.constexpr, D: tl.constexpr):
@@ -247,7 +268,7 @@ if triton is not None:
         v0_pk, v0_sc, v0_ts, v0_tm, v1_pk, v1_sc, v1_ts, v1_tm, v2_pk, v2_sc, v2_ts, v2_tm,
         m_ptr, l_ptr, acc_ptr, partials, H, tiles, qk_scale,
         GQ: tl.constexpr, GQP: tl.constexpr, D: tl.constexpr, R: tl.constexpr, RC: tl.constexpr, RB: tl.constexpr,
-        RR: tl.constexpr, RP: tl.constexpr,
+        RP: tl.constexpr,
         RANK0: tl.constexpr, GROUP0: tl.constexpr, RANK1: tl.constexpr, GROUP1: tl.constexpr,
         RANK2: tl.constexpr, GROUP2: tl.constexpr,
         K_GATES: tl.constexpr, V_GATES: tl.constexpr, BLOCK_T: tl.constexpr,
@@ -260,73 +281,108 @@ if triton is not None:
         hi = tl.load(seg_ptr + seg * 3 + 1)
         version = tl.load(seg_ptr + seg * 3 + 2)
         first_valid = tl.load(start_ptr + b)
+        ONE_SCALE: tl.constexpr = RB >= R  # one scale per token: applied to the dot products, codes stay exact
 
         g = tl.arange(0, GQP)
-        d = tl.arange(0, D)
         t = tl.arange(0, BLOCK_T)
         g_ok = g < GQ
-        q = tl.load(q_ptr + (bh * GQ + g)[:, None] * D + d[None, :], mask=g_ok[:, None], other=0.0).to(tl.float32) * qk_scale
-
-        # q in coefficient space: q P_v^T [GQP, RC] (and q R^T [GQP, RP] for the residual coordinates)
-        kb = _rows(kb_ptr + b * b_sb + h * b_sh + version * b_sv, b_sr, R, RC, D)
-        qp = tl.dot(q, tl.trans(kb), input_precision="tf32x3")
-        if RANK0 > 0:
-            krb = _rows(krb_ptr + b * rb_sb + h * rb_sh, rb_sr, RR, RP, D)
-            qr = tl.dot(q, tl.trans(krb), input_precision="tf32x3")
-            k_gate = 1.0
-            v_gate = 1.0
-            if K_GATES:
-                k_gate = tl.load(kg_ptr + h)
-            if V_GATES:
-                v_gate = tl.load(vg_ptr + h)
-            qr = qr * k_gate
+        b64 = b.to(tl.int64)
+        k_gate = 1.0
+        v_gate = 1.0
+        if K_GATES:
+            k_gate = tl.load(kg_ptr + h)
+        if V_GATES:
+            v_gate = tl.load(vg_ptr + h)
+        # q in coefficient space: q P_v^T [GQP, RC]; per residual level q R^T in that level's column layout
+        # (D in chunks of 32 columns, so that no [GQP, D] tile is held)
+        q_row = q_ptr + (bh * GQ + g)[:, None] * D
+        kb = kb_ptr + b64 * b_sb + h * b_sh + version * b_sv
+        krb = krb_ptr + b64 * rb_sb + h * rb_sh
+        qp = tl.zeros((GQP, RC), dtype=tl.float32)
+        qr0 = tl.zeros((GQP, RP), dtype=tl.float32)
+        qr1 = tl.zeros((GQP, RP), dtype=tl.float32)
+        qr2 = tl.zeros((GQP, RP), dtype=tl.float32)
+        for d0 in tl.static_range(0, D, 32):
+            dc = d0 + tl.arange(0, 32)
+            qc = (tl.load(q_row + dc[None, :], mask=g_ok[:, None], other=0.0).to(tl.float32) * qk_scale).to(tl.float16)
+            qp += tl.dot(qc, tl.trans(_rows(kb + d0, b_sr, R, RC, 32).to(tl.float16)))
+            if RANK0 > 0:
+                qr0 += tl.dot(qc, tl.trans(_level_rows(krb + d0, rb_sr, RANK0, RP, 32).to(tl.float16)))
+            if RANK1 > 0:
+                qr1 += tl.dot(qc, tl.trans(_level_rows(krb + d0, rb_sr, RANK1, RP, 32).to(tl.float16)))
+            if RANK2 > 0:
+                qr2 += tl.dot(qc, tl.trans(_level_rows(krb + d0, rb_sr, RANK2, RP, 32).to(tl.float16)))
+        qp = qp.to(tl.float16)
+        qr0 = (qr0 * k_gate).to(tl.float16)
+        qr1 = (qr1 * k_gate).to(tl.float16)
+        qr2 = (qr2 * k_gate).to(tl.float16)
+        acc_r0 = tl.zeros((GQP, RP), dtype=tl.float32)
+        acc_r1 = tl.zeros((GQP, RP), dtype=tl.float32)
+        acc_r2 = tl.zeros((GQP, RP), dtype=tl.float32)
 
         m_i = tl.full((GQP,), -1.0e30, dtype=tl.float32)
         l_i = tl.zeros((GQP,), dtype=tl.float32)
         acc_c = tl.zeros((GQP, RC), dtype=tl.float32)
-        acc_r = tl.zeros((GQP, RP), dtype=tl.float32)
-        kc = kc_ptr + b * c_sb + h * c_sh
-        vc = vc_ptr + b * c_sb + h * c_sh
-        ks = ks_ptr + b * s_sb + h * s_sh
-        vs = vs_ptr + b * s_sb + h * s_sh
+        kc = kc_ptr + b64 * c_sb + h * c_sh
+        vc = vc_ptr + b64 * c_sb + h * c_sh
+        ks = ks_ptr + b64 * s_sb + h * s_sh
+        vs = vs_ptr + b64 * s_sb + h * s_sh
         for t0 in range(lo, hi, BLOCK_T):
             tok = t0 + t
             inside = tok < hi
             ok = inside & (tok >= first_valid)
-            ck = _coefficients(kc, ks, tok, inside, c_st, s_st, R, RC, RB)  # [T, RC]
-            s = tl.dot(qp, tl.trans(ck), input_precision="tf32x3")  # [GQP, T]
+            ck = _codes(kc, tok, inside, c_st, R, RC)  # [T, RC] float16
+            if ONE_SCALE:
+                k_scale = tl.load(ks + tok * s_st, mask=inside, other=0.0).to(tl.float32)
+                s = tl.dot(qp, tl.trans(ck)) * k_scale[None, :]  # [GQP, T], float32 sums
+            else:
+                s = tl.dot(qp, tl.trans(ck * _block_scales(ks, tok, inside, s_st, R, RC, RB)))
             if RANK0 > 0:
-                ek = _level_dense(k0_pk, k0_sc, k0_ts, k0_tm, bh, tiles, tok, inside, RANK0, GROUP0, RP)
-                if RANK1 > 0:
-                    ek += _level_dense(k1_pk, k1_sc, k1_ts, k1_tm, bh, tiles, tok, inside, RANK1, GROUP1, RP)
-                if RANK2 > 0:
-                    ek += _level_dense(k2_pk, k2_sc, k2_ts, k2_tm, bh, tiles, tok, inside, RANK2, GROUP2, RP)
-                s += tl.dot(qr, tl.trans(ek), input_precision="tf32x3")
+                s += tl.dot(qr0, tl.trans(_level_values(k0_pk, k0_sc, k0_ts, k0_tm, bh, tiles, tok, inside, RANK0, GROUP0, RP, BLOCK_T)))
+            if RANK1 > 0:
+                s += tl.dot(qr1, tl.trans(_level_values(k1_pk, k1_sc, k1_ts, k1_tm, bh, tiles, tok, inside, RANK1, GROUP1, RP, BLOCK_T)))
+            if RANK2 > 0:
+                s += tl.dot(qr2, tl.trans(_level_values(k2_pk, k2_sc, k2_ts, k2_tm, bh, tiles, tok, inside, RANK2, GROUP2, RP, BLOCK_T)))
             s = tl.where(ok[None, :], s, -1.0e30)
             m_new = tl.maximum(m_i, tl.max(s, axis=1))
             alpha = tl.exp2(m_i - m_new)
             p = tl.where(ok[None, :], tl.exp2(s - m_new[:, None]), 0.0)  # [GQP, T]
             l_i = l_i * alpha + tl.sum(p, axis=1)
             m_i = m_new
-            cv = _coefficients(vc, vs, tok, inside, c_st, s_st, R, RC, RB)
-            acc_c = acc_c * alpha[:, None] + tl.dot(p, cv, input_precision="tf32x3")
+            p16 = p.to(tl.float16)
+            cv = _codes(vc, tok, inside, c_st, R, RC)
+            if ONE_SCALE:
+                v_scale = tl.load(vs + tok * s_st, mask=inside, other=0.0).to(tl.float32)
+                acc_c = acc_c * alpha[:, None] + tl.dot((p * v_scale[None, :]).to(tl.float16), cv)
+            else:
+                acc_c = acc_c * alpha[:, None] + tl.dot(p16, cv * _block_scales(vs, tok, inside, s_st, R, RC, RB))
             if RANK0 > 0:
-                ev = _level_dense(v0_pk, v0_sc, v0_ts, v0_tm, bh, tiles, tok, inside, RANK0, GROUP0, RP)
-                if RANK1 > 0:
-                    ev += _level_dense(v1_pk, v1_sc, v1_ts, v1_tm, bh, tiles, tok, inside, RANK1, GROUP1, RP)
-                if RANK2 > 0:
-                    ev += _level_dense(v2_pk, v2_sc, v2_ts, v2_tm, bh, tiles, tok, inside, RANK2, GROUP2, RP)
-                acc_r = acc_r * alpha[:, None] + tl.dot(p, ev, input_precision="tf32x3")
+                acc_r0 = acc_r0 * alpha[:, None] + tl.dot(p16, _level_values(v0_pk, v0_sc, v0_ts, v0_tm, bh, tiles, tok, inside, RANK0, GROUP0, RP, BLOCK_T))
+            if RANK1 > 0:
+                acc_r1 = acc_r1 * alpha[:, None] + tl.dot(p16, _level_values(v1_pk, v1_sc, v1_ts, v1_tm, bh, tiles, tok, inside, RANK1, GROUP1, RP, BLOCK_T))
+            if RANK2 > 0:
+                acc_r2 = acc_r2 * alpha[:, None] + tl.dot(p16, _level_values(v2_pk, v2_sc, v2_ts, v2_tm, bh, tiles, tok, inside, RANK2, GROUP2, RP, BLOCK_T))
 
-        vb = _rows(vb_ptr + b * b_sb + h * b_sh + version * b_sv, b_sr, R, RC, D)
-        out = tl.dot(acc_c, vb, input_precision="tf32x3")  # [GQP, D]
-        if RANK0 > 0:
-            vrb = _rows(vrb_ptr + b * rb_sb + h * rb_sh, rb_sr, RR, RP, D)
-            out += tl.dot(acc_r * v_gate, vrb, input_precision="tf32x3")
+        # back to head_dim: (sum p c) P_v + per level (sum p g e) R, 32 columns at a time
+        vb = vb_ptr + b64 * b_sb + h * b_sh + version * b_sv
+        vrb = vrb_ptr + b64 * rb_sb + h * rb_sh
+        acc_c16 = acc_c.to(tl.float16)
+        acc_r0 = (acc_r0 * v_gate).to(tl.float16)
+        acc_r1 = (acc_r1 * v_gate).to(tl.float16)
+        acc_r2 = (acc_r2 * v_gate).to(tl.float16)
         slot = (bh * GQ + g) * partials + seg
         tl.store(m_ptr + slot, m_i, mask=g_ok)
         tl.store(l_ptr + slot, l_i, mask=g_ok)
-        tl.store(acc_ptr + slot[:, None] * D + d[None, :], out, mask=g_ok[:, None])
+        for d0 in tl.static_range(0, D, 32):
+            dc = d0 + tl.arange(0, 32)
+            out = tl.dot(acc_c16, _rows(vb + d0, b_sr, R, RC, 32).to(tl.float16))  # [GQP, 32]
+            if RANK0 > 0:
+                out += tl.dot(acc_r0, _level_rows(vrb + d0, rb_sr, RANK0, RP, 32).to(tl.float16))
+            if RANK1 > 0:
+                out += tl.dot(acc_r1, _level_rows(vrb + d0, rb_sr, RANK1, RP, 32).to(tl.float16))
+            if RANK2 > 0:
+                out += tl.dot(acc_r2, _level_rows(vrb + d0, rb_sr, RANK2, RP, 32).to(tl.float16))
+            tl.store(acc_ptr + slot[:, None] * D + dc[None, :], out, mask=g_ok[:, None])
 
     @triton.jit
     def _exact_split_kernel(
@@ -346,13 +402,13 @@ if triton is not None:
         m_i = tl.full((GQP,), -1.0e30, dtype=tl.float32)
         l_i = tl.zeros((GQP,), dtype=tl.float32)
         acc = tl.zeros((GQP, D), dtype=tl.float32)
-        base = b * e_sb + h * e_sh
+        base = b.to(tl.int64) * e_sb + h * e_sh
         for w0 in range(0, window, BLOCK):
             idx = w0 + w
             inside = idx < window
             ok = inside & (offset + idx >= first_valid)
             keys = tl.load(ek_ptr + base + idx[:, None] * e_st + d[None, :], mask=inside[:, None], other=0.0).to(tl.float32)
-            s = tl.sum(q[:, None, :] * keys[None, :, :], axis=2)  # [GQP, BLOCK]
+            s = tl.dot(q, tl.trans(keys), input_precision="tf32x3")  # [GQP, BLOCK]
             s = tl.where(ok[None, :], s, -1.0e30)
             m_new = tl.maximum(m_i, tl.max(s, axis=1))
             alpha = tl.exp2(m_i - m_new)
@@ -360,7 +416,7 @@ if triton is not None:
             l_i = l_i * alpha + tl.sum(p, axis=1)
             m_i = m_new
             vals = tl.load(ev_ptr + base + idx[:, None] * e_st + d[None, :], mask=inside[:, None], other=0.0).to(tl.float32)
-            acc = acc * alpha[:, None] + tl.sum(p[:, :, None] * vals[None, :, :], axis=1)
+            acc = acc * alpha[:, None] + tl.dot(p, vals, input_precision="tf32x3")
         slot = (bh * GQ + g) * partials + slot_index
         tl.store(m_ptr + slot, m_i, mask=g_ok)
         tl.store(l_ptr + slot, l_i, mask=g_ok)
@@ -423,7 +479,7 @@ def check_view(view: DecodeView, query: torch.Tensor) -> None:
 
 def fused_decode(
     view: DecodeView, query: torch.Tensor, start: torch.Tensor | None, scale: float, split: int | None = None,
-    block_tokens: int = 128, num_warps: int = 4,
+    block_tokens: int = 64, num_warps: int = 1,
 ) -> torch.Tensor:
     """The Triton kernel: ``query`` [B, Hq, D] -> [B, Hq, D] (query dtype). ``split``: tokens per segment
     (default: the view's segments); ``block_tokens``: tokens per loop iteration (a multiple of 32)."""
@@ -457,7 +513,7 @@ def fused_decode(
     _exact_split_kernel[(batch * heads,)](
         query, start, exact, view.exact_v, exact.stride(0), exact.stride(1), exact.stride(2), exact.shape[-2], tokens,
         m, l, acc, partials, n_seg, heads, qk_scale,
-        GQ=gq, GQP=gqp, D=dim, BLOCK=16,
+        GQ=gq, GQP=_pow2(gq, 16), D=dim, BLOCK=32,
     )
     out = torch.empty(batch, q_heads, dim, dtype=query.dtype, device=device)
     _combine_kernel[(batch * q_heads,)](m, l, acc, out, partials, D=dim, CHUNK=16)
@@ -524,7 +580,7 @@ def _launch_packed(view, query, segments, start, m, l, acc, partials, heads, gq,
         krb, vrb, *rb_strides, kg, vg,
         *k_args, *v_args,
         m, l, acc, partials, heads, tiles, qk_scale,
-        GQ=gq, GQP=_pow2(gq, 16), D=dim, R=rank, RC=_pow2(rank, 16), RB=block, RR=rr, RP=_pow2(rr, 16),
+        GQ=gq, GQP=_pow2(gq, 16), D=dim, R=rank, RC=_pow2(rank, 16), RB=block, RP=_pow2(max(levels, default=1), 16),
         RANK0=k_meta[0], GROUP0=k_meta[1], RANK1=k_meta[2], GROUP1=k_meta[3], RANK2=k_meta[4], GROUP2=k_meta[5],
         K_GATES=view.k_gates is not None, V_GATES=view.v_gates is not None, BLOCK_T=block_tokens,
         num_warps=num_warps,

@@ -54,16 +54,19 @@ def filled(tmp_path, q_heads: int, kv_heads: int, head_dim: int, tokens: int, ba
     return fill_cache(cache, batch, tokens, chunk=-(-tokens // chunks), dtype=torch.bfloat16, device=DEVICE, seed=head_dim)
 
 
-def reference_attention(cache: KVWeaveCache, layer: int, query: torch.Tensor, start: torch.Tensor, scale: float) -> torch.Tensor:
-    """Softmax attention over the engine's reconstruction of ``layer`` (float32), rows masked before ``start``."""
+def reference_attention(
+    cache: KVWeaveCache, layer: int, query: torch.Tensor, start: torch.Tensor, scale: float, dtype: torch.dtype = torch.float32
+) -> torch.Tensor:
+    """Softmax attention over the engine's reconstruction of ``layer`` in ``dtype`` (the reference path: bf16 K/V
+    in a bf16 model), computed in float32, rows masked before ``start``."""
     engine = cache.engine
     window = engine.windows[layer]
-    keys = torch.cat((engine.reconstruct(layer, "keys", torch.float32), window.exact["keys"].float()), dim=-2)
-    values = torch.cat((engine.reconstruct(layer, "values", torch.float32), window.exact["values"].float()), dim=-2)
+    keys = torch.cat((engine.reconstruct(layer, "keys", dtype), window.exact["keys"].to(dtype)), dim=-2).float()
+    values = torch.cat((engine.reconstruct(layer, "values", dtype), window.exact["values"].to(dtype)), dim=-2).float()
     batch, q_heads, dim = query.shape
     group = q_heads // keys.shape[1]
     keys, values = keys.repeat_interleave(group, dim=1), values.repeat_interleave(group, dim=1)
-    logits = torch.einsum("bgd,bgtd->bgt", query.float(), keys) * scale
+    logits = torch.einsum("bgd,bgtd->bgt", query.to(dtype).float(), keys) * scale
     hidden = torch.arange(keys.shape[-2], device=keys.device)[None, :] < start[:, None]
     probs = logits.masked_fill(hidden[:, None, :], float("-inf")).softmax(dim=-1)
     return torch.einsum("bgt,bgtd->bgd", probs, values)
@@ -91,20 +94,25 @@ def test_kernel_matches_twin_and_reference(tmp_path, q_heads, kv_heads, head_dim
     twin = torch_decode(view, query, start, scale)
     kernel = fused_decode(view, query, start, scale, split=64)
     assert torch.allclose(twin, expected, atol=2e-5, rtol=1e-4), (twin - expected).abs().max()
-    assert torch.allclose(kernel, twin, atol=2e-5, rtol=1e-4), (kernel - twin).abs().max()
+    # the kernel multiplies float16 operands on tensor cores (float32 sums): within 1e-3 of the float32
+    # twin, and closer to it than the reference path itself is when the model runs in bf16
+    kernel_error = (kernel - twin).abs().max().item()
+    reference_error = (reference_attention(cache, layer, query, start, scale, torch.bfloat16) - twin).abs().max().item()
+    assert kernel_error < 1e-3 and kernel_error < reference_error, (kernel_error, reference_error)
     # padding matters: without it the second row differs
     assert not torch.allclose(fused_decode(view, query, None, scale, split=64)[1], kernel[1], atol=1e-4)
 
 
 def test_kernel_segments_and_splits_agree(tmp_path):
-    """The split into programs changes nothing but rounding; one program per version segment included."""
+    """The split into programs and the tokens per loop iteration change nothing but rounding."""
     cache = filled(tmp_path, 4, 2, 64, 256, batch=1)
     engine = cache.engine
     view = engine.kernel.layer_view(engine, 0, torch.device(DEVICE))
     query = torch.randn(1, 4, 64, device=DEVICE)
     outputs = [fused_decode(view, query, None, 0.125, split=split) for split in (32, 96, 4096)]
+    outputs += [fused_decode(view, query, None, 0.125, split=64, block_tokens=block) for block in (32, 256)]
     for other in outputs[1:]:
-        assert torch.allclose(outputs[0], other, atol=1e-5, rtol=1e-5)
+        assert torch.allclose(outputs[0], other, atol=1e-3, rtol=1e-2)
 
 
 def test_kernel_with_bf16_exact_window(tmp_path):

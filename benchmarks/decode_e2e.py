@@ -1,0 +1,270 @@
+"""End-to-end decoding with ``model.generate`` on a Llama-3-8B-shaped model with random bf16 weights.
+
+    python benchmarks/decode_e2e.py [--context 65536] [--batches 1,4,8] [--max-batch] [--ttft 32768] [--out DIR]
+
+For each method (``full``: DynamicCache + sdpa; ``depthweave-kv``: the fused kernel; its reference-kernel
+ablation) and batch size: the cache is pre-filled with ``--context`` tokens per sequence (random K/V for
+the full cache; synthetic cross-layer K/V through kvweave's own encoder for the compressed ones, see
+:mod:`kvweave.core.synthetic`), then ``model.generate`` decodes ``--steps`` tokens. Reported: the median
+and the mean decode step (the mean includes the steps that compress a block), tokens/s = B / step, the
+cache's stored bytes and the peak of ``torch.cuda.max_memory_allocated`` during decoding. ``--max-batch``
+adds, per method, the largest batch that fits (the full cache: the issue's measured 12, checked here; the
+compressed ones: estimated from the measured per-sequence memory, reduced until it runs).
+``--ttft T`` times a real prefill of T random token ids to the first generated token, B = 1.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import gc
+import json
+import time
+from pathlib import Path
+
+import torch
+from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM, StoppingCriteria, StoppingCriteriaList
+
+from kvweave.core import build_cache, cache_kwargs
+from kvweave.core.cache import KVWeaveCache
+from kvweave.core.registry import load_pipeline
+from kvweave.core.synthetic import fill_cache
+
+
+class Ids:
+    """What a delimiter-aware router asks of a tokenizer, for random token ids: no id is a delimiter."""
+
+    all_special_ids: list[int] = []
+    name_or_path = "random-ids"
+
+    def __init__(self, vocab: int) -> None:
+        self.vocab = vocab
+
+    def __len__(self) -> int:
+        return self.vocab
+
+    def batch_decode(self, ids: list[list[int]]) -> list[str]:
+        return ["a"] * len(ids)
+
+
+def sync() -> None:
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
+def peak_bytes() -> int:
+    return torch.cuda.max_memory_allocated() if torch.cuda.is_available() else 0
+
+
+class StepClock(StoppingCriteria):
+    """Records the time after each generated token (synchronized), never stops generation."""
+
+    def __init__(self) -> None:
+        self.times: list[float] = []
+
+    def __call__(self, input_ids, scores, **kwargs):
+        sync()
+        self.times.append(time.perf_counter())
+        return torch.zeros(input_ids.shape[0], dtype=torch.bool, device=input_ids.device)
+
+
+def llama3_8b(layers: int = 32, vocab: int = 128256) -> LlamaConfig:
+    return LlamaConfig(
+        vocab_size=vocab, hidden_size=4096, intermediate_size=14336, num_hidden_layers=layers,
+        num_attention_heads=32, num_key_value_heads=8, head_dim=128, rope_theta=500000.0,
+        max_position_embeddings=262144, torch_dtype="bfloat16",
+    )
+
+
+def random_model(config: LlamaConfig, device: str) -> LlamaForCausalLM:
+    torch.manual_seed(0)
+    default = torch.get_default_dtype()
+    torch.set_default_dtype(torch.bfloat16)
+    try:
+        with torch.device(device):
+            model = LlamaForCausalLM(config)
+    finally:
+        torch.set_default_dtype(default)
+    model.config._attn_implementation = "sdpa"
+    return model.eval()
+
+
+def full_cache(model, batch: int, tokens: int, device: str) -> DynamicCache:
+    cache = DynamicCache(config=model.config)
+    config = model.config
+    for layer in range(config.num_hidden_layers):
+        k = torch.randn(batch, config.num_key_value_heads, tokens, config.head_dim, device=device, dtype=torch.bfloat16)
+        cache.update(k, torch.randn_like(k), layer)
+    return cache
+
+
+def cache_bytes(cache) -> int:
+    if isinstance(cache, KVWeaveCache):
+        return cache.memory_bytes()
+    return sum(t.nbytes for layer in cache.layers for t in (layer.keys, layer.values) if t is not None)
+
+
+def make_cache(method: str, model, batch: int, tokens: int, device: str):
+    if method == "full":
+        model.set_attn_implementation("sdpa")
+        return full_cache(model, batch, tokens, device)
+    cache = build_cache(load_pipeline(method), model, tokenizer=Ids(model.config.vocab_size))
+    return fill_cache(cache, batch, tokens, chunk=4096, device=device, seed=batch)
+
+
+def decode(model, cache, batch: int, tokens: int, steps: int, device: str) -> dict:
+    ids = torch.randint(0, model.config.vocab_size, (batch, tokens + 1), device=device)
+    clock = StepClock()
+    gc.collect()
+    sync()
+    if torch.cuda.is_available():
+        torch.cuda.reset_peak_memory_stats()
+    start = time.perf_counter()
+    with torch.no_grad():
+        model.generate(
+            input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=steps, min_new_tokens=steps,
+            do_sample=False, stopping_criteria=StoppingCriteriaList([clock]), **cache_kwargs(model, cache),
+        )
+    sync()
+    stamps = [start] + clock.times
+    steps_s = [b - a for a, b in zip(stamps, stamps[1:])][1:]  # the first step also builds the mask: left out
+    steps_s.sort()
+    median = steps_s[len(steps_s) // 2]
+    mean = sum(steps_s) / len(steps_s)
+    return {
+        "median_step_ms": round(median * 1e3, 2), "mean_step_ms": round(mean * 1e3, 2),
+        "tokens_per_s_median": round(batch / median, 1), "tokens_per_s_mean": round(batch / mean, 1),
+        "peak_gb": round(peak_bytes() / 1e9, 2), "cache_gb": round(cache_bytes(cache) / 1e9, 3),
+    }
+
+
+def run(method: str, model, batch: int, tokens: int, steps: int, device: str) -> dict:
+    t = time.perf_counter()
+    cache = make_cache(method, model, batch, tokens, device)
+    fill_s = time.perf_counter() - t
+    result = {"method": method, "batch": batch, "context": tokens, "fill_s": round(fill_s, 1)}
+    result.update(decode(model, cache, batch, tokens, steps, device))
+    del cache
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+    print(result, flush=True)
+    if LOG is not None:
+        with LOG.open("a") as handle:
+            handle.write(json.dumps(result) + "\n")
+    return result
+
+
+LOG: Path | None = None  # rows are appended here as they are measured (a long run keeps what it finished)
+
+
+def ttft(method: str, model, tokens: int, device: str, reps: int = 2) -> dict:
+    times = []
+    for _ in range(reps):
+        ids = torch.randint(0, model.config.vocab_size, (1, tokens), device=device)
+        if method == "full":
+            model.set_attn_implementation("sdpa")
+            cache = DynamicCache(config=model.config)
+        else:
+            cache = build_cache(load_pipeline(method), model, tokenizer=Ids(model.config.vocab_size))
+        sync()
+        start = time.perf_counter()
+        with torch.no_grad():
+            model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=1, do_sample=False, **cache_kwargs(model, cache))
+        sync()
+        times.append(time.perf_counter() - start)
+        ratio = cache.compression_ratio() if isinstance(cache, KVWeaveCache) else 1.0
+        del cache
+        gc.collect()
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+    result = {"method": method, "prompt": tokens, "ttft_s": round(min(times), 3), "ttft_all_s": [round(x, 3) for x in times], "ratio": round(ratio, 2)}
+    print(result, flush=True)
+    if LOG is not None:
+        with LOG.open("a") as handle:
+            handle.write(json.dumps(result) + "\n")
+    return result
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--methods", default="full,depthweave-kv,depthweave-kv-reference-kernel")
+    parser.add_argument("--context", type=int, default=65536)
+    parser.add_argument("--batches", default="1,4,8")
+    parser.add_argument("--steps", type=int, default=40, help="decode steps (a block is compressed every 32)")
+    parser.add_argument("--max-batch", action="store_true")
+    parser.add_argument("--full-max-batch", type=int, default=12)
+    parser.add_argument("--ttft", type=int, default=0, help="prompt tokens for the time-to-first-token test (0: skip)")
+    parser.add_argument("--layers", type=int, default=32)
+    parser.add_argument("--smoke", action="store_true", help="a tiny model of the same head shape on the CPU (checks the script)")
+    parser.add_argument("--out", default="results/decode_e2e")
+    args = parser.parse_args()
+    device = "cuda" if torch.cuda.is_available() and not args.smoke else "cpu"
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    global LOG
+    LOG = out / "rows.jsonl"
+    config = llama3_8b(args.layers)
+    if args.smoke:
+        config = LlamaConfig(vocab_size=512, hidden_size=1024, intermediate_size=1024, num_hidden_layers=args.layers,
+                             num_attention_heads=8, num_key_value_heads=2, head_dim=128)
+    model = random_model(config, device)
+    weights_gb = torch.cuda.memory_allocated() / 1e9 if device == "cuda" else 0.0
+    total_gb = torch.cuda.get_device_properties(0).total_memory / 1e9 if device == "cuda" else 0.0
+    methods = args.methods.split(",")
+    rows, ttfts = [], []
+    if args.ttft:
+        for method in methods[:2]:
+            ttfts.append(ttft(method, model, args.ttft, device))
+    for method in methods:
+        for batch in [int(b) for b in args.batches.split(",")]:
+            steps = args.steps if "reference" not in method else max(4, args.steps // 4)
+            rows.append(run(method, model, batch, args.context, steps, device))
+    if args.max_batch:
+        for method in methods:
+            if "reference" in method:
+                continue
+            if method == "full":
+                candidates = [args.full_max_batch]
+            else:
+                measured = [r for r in rows if r["method"] == method]
+                biggest = max(measured, key=lambda r: r["batch"])
+                per_sequence = (biggest["peak_gb"] - weights_gb) / biggest["batch"]
+                guess = int((total_gb * 0.95 - weights_gb) / per_sequence)
+                candidates = [guess, int(guess * 0.85), int(guess * 0.7), int(guess * 0.5)]
+            for batch in candidates:
+                try:
+                    row = run(method, model, batch, args.context, args.steps, device)
+                    row["max_batch"] = True
+                    rows.append(row)
+                    break
+                except torch.cuda.OutOfMemoryError as exc:
+                    print(f"{method} B={batch}: out of memory ({str(exc)[:120]})", flush=True)
+                    rows.append({"method": method, "batch": batch, "oom": True})
+                    gc.collect()
+                    torch.cuda.empty_cache()
+    lines = [
+        f"# model.generate, Llama-3-8B shape (32 layers, 32 q / 8 KV heads, d=128), random bf16 weights ({weights_gb:.1f} GB), context {args.context}",
+        f"# {datetime.date.today()} {torch.cuda.get_device_name() if device == 'cuda' else 'CPU'} ({total_gb:.0f} GB) torch {torch.__version__}",
+        "| method | B | median step (ms) | mean step (ms) | tok/s (median) | tok/s (mean) | cache (GB) | peak (GB) | fill (s) |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
+    for r in rows:
+        if r.get("oom"):
+            lines.append(f"| {r['method']} | {r['batch']} | out of memory | | | | | | |")
+            continue
+        mark = " (max)" if r.get("max_batch") else ""
+        lines.append(
+            f"| {r['method']} | {r['batch']}{mark} | {r['median_step_ms']} | {r['mean_step_ms']} | {r['tokens_per_s_median']} | "
+            f"{r['tokens_per_s_mean']} | {r['cache_gb']} | {r['peak_gb']} | {r['fill_s']} |"
+        )
+    if ttfts:
+        lines += ["", "| method | prompt | time to first token (s) | runs (s) | ratio |", "|---|---|---|---|---|"]
+        lines += [f"| {t['method']} | {t['prompt']} | {t['ttft_s']} | {t['ttft_all_s']} | {t['ratio']} |" for t in ttfts]
+    (out / "decode_e2e.md").write_text("\n".join(lines) + "\n")
+    (out / "decode_e2e.json").write_text(json.dumps({"weights_gb": weights_gb, "rows": rows, "ttft": ttfts}, indent=1))
+    print("\n".join(lines))
+
+
+if __name__ == "__main__":
+    main()
