@@ -8,7 +8,8 @@ For each context length the storage is written by the real engine with ``depthwe
 from synthetic cross-layer-structured K/V (:mod:`kvweave.core.synthetic`); the full cache is random bf16
 K/V of the same size. Batch 1 uses the first row of the batch-8 storage.
 
-Reported per (T, B): SDPA time and kernel time (GPU time: one CUDA-graph replay, median of ``--reps``),
+Reported per (T, B): SDPA time and kernel time (GPU time: the kernels' device time from the torch profiler,
+mean of ``--reps`` calls),
 speed-up, the host time per kernel call (three launches, outside any graph), the bytes the
 kernel reads (``nbytes`` of every stored tensor of the layer it attends over, residual tile index, bases
 and exact window included), the bandwidth that implies, its share of the measured copy bandwidth, the
@@ -31,7 +32,7 @@ from kvweave.core.cache import KVWeaveCache
 from kvweave.core.registry import load_pipeline
 from kvweave.core.residuals import ResidualList
 from kvweave.core.synthetic import fill_cache
-from kvweave.kernels.depthweave_decode import TILE, DecodeView, ResidualLevel, fused_decode, torch_decode
+from kvweave.kernels.depthweave_decode import TILE, DecodeView, ResidualLevel, choose_split, fused_decode, torch_decode, version_segments
 
 Q_HEADS, KV_HEADS, HEAD_DIM = 32, 8, 128
 
@@ -60,19 +61,23 @@ def timed(fn, reps: int) -> float:
     return times[len(times) // 2]
 
 
-def graph_timed(fn, reps: int) -> float:
-    """Median microseconds of one replay of ``fn`` captured in a CUDA graph: GPU time without the host's
-    launch overhead (which :func:`host_us` reports)."""
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        for _ in range(3):
-            fn()
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
+def device_us(fn, reps: int) -> float:
+    """Microseconds of GPU kernel time per call of ``fn``: the sum of its kernels' device time from the torch
+    profiler over ``reps`` calls (after 3 warm-up calls), divided by ``reps``. Host launch time is not in
+    it (:func:`host_us` reports that)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    for _ in range(3):
         fn()
-    return timed(graph.replay, reps)
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(reps):
+            fn()
+        torch.cuda.synchronize()
+    total = 0.0
+    for event in prof.key_averages():
+        total += getattr(event, "self_device_time_total", None) or getattr(event, "self_cuda_time_total", 0.0)
+    return total / reps
 
 
 def host_us(fn, reps: int = 20) -> float:
@@ -106,7 +111,8 @@ def view_bytes(view: DecodeView) -> int:
 
 
 def first_row(view: DecodeView) -> DecodeView:
-    """The batch-1 view of row 0: its coefficients, windows, and only its residual entries (re-indexed)."""
+    """The batch-1 view of row 0: its coefficients, windows, only its residual entries (re-indexed), and
+    segments split for one row's programs (as a batch-1 cache would split them)."""
     heads = view.exact_k.shape[1]
 
     def keep(level: ResidualLevel) -> ResidualLevel:
@@ -117,9 +123,11 @@ def first_row(view: DecodeView) -> DecodeView:
         f = lists.fields
         return ResidualLevel(level.rank, level.group, f["token"], f["row"], f["q_packed"], f["q_scales"], start, mask)
 
+    counts = torch.bincount(view.segments[:, 2].long(), weights=(view.segments[:, 1] - view.segments[:, 0]).double())
+    segments = version_segments([int(c) for c in counts.tolist()], choose_split(view.packed_tokens, heads), view.segments.device)
     return DecodeView(
         view.packed_tokens, view.k_codes[:1], view.k_scales[:1], view.v_codes[:1], view.v_scales[:1],
-        view.k_bases[:1], view.v_bases[:1], view.segments,
+        view.k_bases[:1], view.v_bases[:1], segments,
         tuple(keep(lv) for lv in view.k_levels), tuple(keep(lv) for lv in view.v_levels),
         None if view.k_residual_basis is None else view.k_residual_basis[:1],
         None if view.v_residual_basis is None else view.v_residual_basis[:1],
@@ -162,7 +170,7 @@ def main() -> None:
             q4 = q.unsqueeze(2)
             sdpa = lambda: F.scaled_dot_product_attention(q4, k_full, v_full, scale=scale, enable_gqa=True)  # noqa: E731
             fused = lambda: fused_decode(view, q, None, scale)  # noqa: E731
-            sdpa_us, kernel_us = graph_timed(sdpa, args.reps), graph_timed(fused, args.reps)
+            sdpa_us, kernel_us = device_us(sdpa, args.reps), device_us(fused, args.reps)
             kernel_host_us = host_us(fused)
             error = (fused_decode(view, q, None, scale).float() - torch_decode(view, q, None, scale).float()).abs().max().item()
             full_bytes = 2 * k_full.nbytes

@@ -15,7 +15,7 @@ import attrs
 import torch
 
 from .errors import BudgetError
-from .residuals import entry_bytes
+from .residuals import TILE_TOKENS, entry_bytes
 from .storage import tensor_bytes
 
 if TYPE_CHECKING:
@@ -76,6 +76,12 @@ class BudgetPlan:
             held += sum(r.nbytes() for r in window.residuals[kind].values())
             if window.residual_basis[kind] is not None:
                 held += tensor_bytes([window.residual_basis[kind]])
+            elif engine.settings.residual_mode == "basis" and engine.residual_levels:  # fitted on this block
+                held += batch * shape.num_kv_heads * max(engine.residual_levels) * shape.head_dim * 2
+            if engine.residual_levels and not engine.kernel.materializes:
+                # the kernel's residual tile index grows with this block: int32 start + int32 mask per
+                # (row, 32-token tile) and level (the index of earlier blocks is in the lists' bytes)
+                held += batch * shape.num_kv_heads * (block_tokens // TILE_TOKENS) * 8 * len(engine.residual_levels)
             exact = window.exact[kind]
             held += (exact.shape[-2] - block_tokens - dropped_tokens) * exact[..., :1, :].numel() * exact.element_size()
             queries = engine.observer.queries(layer)

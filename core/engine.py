@@ -29,7 +29,7 @@ from .errors import CacheStateError, ComponentError, ModelError
 from .interfaces import DROPPED, KINDS, AttentionKernel, BasisBuilder, ModelShape, Probe, Quantizer, RouteBlock, Router
 from .observation import ATTENTION_NAME, Observer
 from .registry import ResolvedPipeline
-from .residuals import ResidualList, add_residuals, encode_residuals, fit_residual_basis, mix_residuals, residual_rows
+from .residuals import TILE_TOKENS, ResidualList, add_residuals, encode_residuals, fit_residual_basis, mix_residuals, residual_rows
 from .storage import Segment, TensorMap, tensor_bytes
 
 
@@ -288,6 +288,12 @@ class CompressionEngine(EvictionMixin):
                 gates = [self.router.gates(layer, kind) for layer in members]
                 bases = [self.windows[layer].residual_basis[kind] for layer in members]
                 approx = torch.stack([mix_residuals(approx[m], m, relative, self.residual_quantizer, mixing, gates, bases) for m in range(len(members))])
+        if self.residual_levels and not self.kernel.materializes:  # the kernel's tile index, built as entries arrive
+            rows = block.shape[1] * block.shape[2]
+            for layer in members:
+                tiles = (self.windows[layer].compressed_tokens + block.shape[-2]) // TILE_TOKENS
+                for lists in self.windows[layer].residuals[kind].values():
+                    lists.tile_index(rows, tiles, block.device)
         if self.probe.wants(store.flushes):
             self._probe(kind, group_index, block, approx)
 

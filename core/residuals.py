@@ -110,11 +110,13 @@ class ResidualList:
 
 def fit_residual_basis(missing: torch.Tensor, rank: int) -> torch.Tensor:
     """A per-head orthonormal residual basis [B, H, rank, D] (float16): the top right singular vectors
-    of a block's residuals ``missing`` [B, H, n, D]."""
-    _, _, right = torch.linalg.svd(missing.float(), full_matrices=False)
-    basis = right[..., :rank, :]
-    if basis.shape[-2] < rank:  # fewer tokens than rank: pad with zeros (those coordinates stay unused)
-        basis = torch.cat((basis, basis.new_zeros(*basis.shape[:-2], rank - basis.shape[-2], basis.shape[-1])), -2)
+    of a block's residuals ``missing`` [B, H, n, D], found as the top eigenvectors of the D x D second
+    moment ``missing^T missing`` (one small symmetric eigenproblem per head instead of an SVD of the
+    whole block: the prompt's block can hold tens of thousands of tokens)."""
+    rows = missing.float()
+    moment = rows.transpose(-1, -2) @ rows  # [B, H, D, D]
+    _, vectors = torch.linalg.eigh(moment)  # ascending eigenvalues; columns are eigenvectors
+    basis = vectors.flip(-1)[..., :rank].transpose(-1, -2)  # [B, H, rank, D], largest first
     return basis.to(torch.float16).contiguous()
 
 
