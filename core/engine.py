@@ -237,6 +237,16 @@ class CompressionEngine(EvictionMixin):
 
     def _attention_stats(self, members: tuple[int, ...], count: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Attention mass and spike [G, B, H, count] of the observed queries on the block's tokens."""
+        reader = getattr(self.kernel, "packed_logsumexp", None)
+        if reader is not None and not self.evicts:  # normalized over the packed tokens read in place
+            stats = []
+            for layer in members:
+                window = self.windows[layer]
+                lse = None
+                if window.compressed_tokens:
+                    lse = reader(self, layer, self.observer.queries(layer), self.observer.scaling or self.shape.head_dim**-0.5)
+                stats.append(self.observer.attention_stats_exact(layer, window.exact["keys"], lse, count))
+            return torch.stack([s[0] for s in stats]), torch.stack([s[1] for s in stats])
         stats = [
             self.observer.attention_stats(
                 layer, self._full(layer, "keys"), count, self.windows[layer].compressed_tokens,

@@ -226,6 +226,30 @@ class Observer:
         probs = probs[..., first : first + block]
         return probs.sum(dim=-2), probs.amax(dim=-2)
 
+    def attention_stats_exact(
+        self, layer: int, exact_keys: torch.Tensor, packed_lse: torch.Tensor | None, block: int
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """:meth:`attention_stats` for a block at the start of the exact window, without the packed keys:
+        ``exact_keys`` [B, H, W, D] the layer's exact window (the recent queries being its last tokens),
+        ``packed_lse`` [B, Hq, o] the log-sum-exp of the recent queries over the packed tokens (None when
+        there are none), all of which every recent query sees. Returns two [B, H, block] tensors."""
+        queries = self._queries[layer].float()
+        batch, q_heads, observed, dim = queries.shape
+        heads = exact_keys.shape[1]
+        group = q_heads // heads
+        grouped = queries.reshape(batch, heads, group * observed, dim)
+        scale = self.scaling or dim**-0.5
+        logits = grouped @ exact_keys.float().transpose(-1, -2) * scale  # [B, H, G * o, W]
+        window = exact_keys.shape[-2]
+        query_pos = (window - observed + torch.arange(observed, device=exact_keys.device)).repeat(group)
+        key_pos = torch.arange(window, device=exact_keys.device)
+        logits = logits.masked_fill(key_pos[None, :] > query_pos[:, None], float("-inf"))
+        lse = logits.logsumexp(dim=-1)
+        if packed_lse is not None:
+            lse = torch.logaddexp(lse, packed_lse.float().reshape(batch, heads, group * observed))
+        probs = (logits[..., :block] - lse[..., None]).exp()
+        return probs.sum(dim=-2), probs.amax(dim=-2)
+
     def boundaries(self, first: int, block: int) -> torch.Tensor | None:
         """Delimiter flags [B, block] of logical tokens ``first .. first+block``."""
         if self._flags is None:

@@ -123,6 +123,50 @@ def _dequant_int8(codes: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
     return (codes.float().reshape(*scales.shape, block) * scales.float().unsqueeze(-1)).reshape(codes.shape)
 
 
+def _token_versions(view: DecodeView, device: torch.device) -> torch.Tensor:
+    version = torch.zeros(view.packed_tokens, dtype=torch.long, device=device)
+    for lo, hi, v in view.segments.tolist():
+        version[lo:hi] = v
+    return version
+
+
+def _packed_logits(view: DecodeView, q: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Scores [B, H, G, T] of pre-scaled queries ``q`` [B, H, G, D] on the packed tokens, in coefficient
+    space (residual coordinates included), and each token's basis version [T]."""
+    batch, heads, gq, _ = q.shape
+    tokens = view.packed_tokens
+    version = _token_versions(view, q.device)
+    c_k = _dequant_int8(view.k_codes, view.k_scales)  # [B, H, T, r]
+    qp = torch.einsum("bhgd,bhvrd->bhgvr", q, view.k_bases.float())  # [B, H, G, V, r]
+    logits = torch.einsum("bhgtr,bhtr->bhgt", qp[:, :, :, version, :], c_k)
+    if view.k_levels:
+        qr = torch.einsum("bhgd,bhkd->bhgk", q, view.k_residual_basis.float())  # [B, H, G, R]
+        flat = logits.permute(0, 1, 3, 2).reshape(batch * heads * tokens, gq)
+        for level in view.k_levels:
+            if level.token.numel() == 0:
+                continue
+            e = _dequant_int4(level.packed, level.scales)  # [N, rho]
+            row = level.row.long()
+            if view.k_gates is not None:
+                e = e * view.k_gates.float()[row % heads, None]
+            delta = torch.einsum("ngk,nk->ng", qr.reshape(batch * heads, gq, -1)[row, :, : level.rank], e)
+            flat.index_add_(0, row * tokens + level.token.long(), delta)
+        logits = flat.reshape(batch, heads, tokens, gq).permute(0, 1, 3, 2)
+    return logits, version
+
+
+def torch_packed_logsumexp(view: DecodeView, query: torch.Tensor, scale: float) -> torch.Tensor:
+    """log-sum-exp [B, Hq] of ``query`` [B, Hq, D] (times ``scale``) over the packed tokens only (-inf when
+    there are none): the normalizer a router needs for attention probabilities, without keys in head_dim."""
+    batch, q_heads, dim = query.shape
+    heads = view.exact_k.shape[1]
+    if not view.packed_tokens:
+        return query.new_full((batch, q_heads), float("-inf"), dtype=torch.float32)
+    q = query.float().reshape(batch, heads, q_heads // heads, dim) * scale
+    logits, _ = _packed_logits(view, q)
+    return logits.logsumexp(dim=-1).reshape(batch, q_heads)
+
+
 def torch_decode(view: DecodeView, query: torch.Tensor, start: torch.Tensor | None, scale: float) -> torch.Tensor:
     """The fused computation in torch, in coefficient space like the kernel (float32 throughout).
 
@@ -138,27 +182,8 @@ def torch_decode(view: DecodeView, query: torch.Tensor, start: torch.Tensor | No
     logits_exact = torch.einsum("bhgd,bhwd->bhgw", q, view.exact_k.float())
     parts = [logits_exact]
     if tokens:
-        version = torch.zeros(tokens, dtype=torch.long, device=device)
-        for lo, hi, v in view.segments.tolist():
-            version[lo:hi] = v
-        c_k = _dequant_int8(view.k_codes, view.k_scales)  # [B, H, T, r]
+        logits, version = _packed_logits(view, q)
         c_v = _dequant_int8(view.v_codes, view.v_scales)
-        qp = torch.einsum("bhgd,bhvrd->bhgvr", q, view.k_bases.float())  # [B, H, G, V, r]
-        qp_t = qp[:, :, :, version, :]  # [B, H, G, T, r]
-        logits = torch.einsum("bhgtr,bhtr->bhgt", qp_t, c_k)
-        if view.k_levels:
-            qr = torch.einsum("bhgd,bhkd->bhgk", q, view.k_residual_basis.float())  # [B, H, G, R]
-            flat = logits.permute(0, 1, 3, 2).reshape(batch * heads * tokens, gq)
-            for level in view.k_levels:
-                if level.token.numel() == 0:
-                    continue
-                e = _dequant_int4(level.packed, level.scales)  # [N, rho]
-                row = level.row.long()
-                if view.k_gates is not None:
-                    e = e * view.k_gates.float()[row % heads, None]
-                delta = torch.einsum("ngk,nk->ng", qr.reshape(batch * heads, gq, -1)[row, :, : level.rank], e)
-                flat.index_add_(0, row * tokens + level.token.long(), delta)
-            logits = flat.reshape(batch, heads, tokens, gq).permute(0, 1, 3, 2)
         parts.insert(0, logits)
         positions = torch.cat((torch.arange(tokens, device=device), pos_exact))
     else:
@@ -518,6 +543,29 @@ def fused_decode(
     out = torch.empty(batch, q_heads, dim, dtype=query.dtype, device=device)
     _combine_kernel[(batch * q_heads,)](m, l, acc, out, partials, D=dim, CHUNK=16)
     return out
+
+
+def fused_packed_logsumexp(view: DecodeView, query: torch.Tensor, scale: float, block_tokens: int = 64, num_warps: int = 1) -> torch.Tensor:
+    """:func:`torch_packed_logsumexp` by the kernel's packed-token pass: its per-segment (max, sum) merged."""
+    if triton is None:
+        raise RuntimeError("the fused DepthWeave-KV kernel needs triton (pip install triton)")
+    check_view(view, query)
+    batch, q_heads, dim = query.shape
+    if not view.packed_tokens:
+        return query.new_full((batch, q_heads), float("-inf"), dtype=torch.float32)
+    heads = view.exact_k.shape[1]
+    gq = q_heads // heads
+    n_seg = view.segments.shape[0]
+    m = torch.empty(batch * q_heads * n_seg, dtype=torch.float32, device=query.device)
+    l = torch.empty_like(m)
+    acc = torch.empty(batch * q_heads * n_seg, dim, dtype=torch.float32, device=query.device)
+    start = torch.zeros(batch, dtype=torch.int32, device=query.device)
+    _launch_packed(view, query.contiguous(), view.segments, start, m, l, acc, n_seg, heads, gq, _pow2(gq), dim,
+                   float(scale) * LOG2E, block_tokens, num_warps)
+    m, l = m.view(batch, q_heads, n_seg), l.view(batch, q_heads, n_seg)
+    top = m.amax(dim=-1, keepdim=True)
+    total = (l * torch.exp2(m - top)).sum(dim=-1)
+    return torch.where(total > 0, (top.squeeze(-1) + torch.log2(total)) / LOG2E, float("-inf"))
 
 
 def resplit(segments: torch.Tensor, split: int) -> torch.Tensor:

@@ -28,7 +28,10 @@ from kvweave.core.errors import CacheStateError, ComponentError, ModelError
 from kvweave.core.interfaces import AttentionKernel
 from kvweave.core.params import choice, integer
 
-from .depthweave_decode import MAX_LEVELS, TILE, DecodeView, ResidualLevel, choose_split, fused_decode, torch_decode, version_segments
+from .depthweave_decode import (
+    MAX_LEVELS, TILE, DecodeView, ResidualLevel, choose_split, fused_decode, fused_packed_logsumexp, torch_decode,
+    torch_packed_logsumexp, version_segments,
+)
 
 BACKENDS = ("auto", "triton", "torch")
 HEAD_DIMS = (64, 128, 256)
@@ -150,9 +153,24 @@ class FusedKernel(AttentionKernel):
         view = self.layer_view(engine, layer, query.device)
         start = first_positions(engine, attention_mask, query.device)
         q = query[:, :, 0, :]
-        use_triton = self.backend == "triton" or (self.backend == "auto" and query.is_cuda)
-        out = fused_decode(view, q, start, scaling) if use_triton else torch_decode(view, q, start, scaling)
+        out = fused_decode(view, q, start, scaling) if self._triton(query) else torch_decode(view, q, start, scaling)
         return out.unsqueeze(1)  # [B, 1, Hq, D], as the model's attention returns it
+
+    def packed_logsumexp(self, engine: Any, layer: int, queries: torch.Tensor, scaling: float) -> torch.Tensor:
+        """log-sum-exp over ``layer``'s packed tokens of ``queries`` [B, Hq, o, D] (times ``scaling``):
+        [B, Hq, o], read from the packed storage. The engine's attention statistics use it at a flush, so
+        routing never reconstructs a layer's keys either."""
+        batch, q_heads, observed, dim = queries.shape
+        view = self.layer_view(engine, layer, queries.device)
+        flat = queries.reshape(batch, q_heads * observed, dim)
+        if self._triton(queries):
+            lse = fused_packed_logsumexp(view, flat, scaling)
+        else:
+            lse = torch_packed_logsumexp(view, flat, scaling)
+        return lse.reshape(batch, q_heads, observed)
+
+    def _triton(self, tensor: torch.Tensor) -> bool:
+        return self.backend == "triton" or (self.backend == "auto" and tensor.is_cuda)
 
 
 def _overrides_factor(basis: Any) -> bool:

@@ -37,6 +37,10 @@ REGISTRY = textwrap.dedent(
     update_every = 2
     [pipelines.dw-kernel.router]
     target_reduction = 2.0
+    [pipelines.dw-kernel-triton]
+    extends = "dw-kernel"
+    [pipelines.dw-kernel-triton.kernel]
+    backend = "triton"
     """
 )
 
@@ -48,8 +52,10 @@ def llama_config(q_heads: int, kv_heads: int, head_dim: int, layers: int = 4) ->
     )
 
 
-def filled(tmp_path, q_heads: int, kv_heads: int, head_dim: int, tokens: int, batch: int = 2, chunks: int = 3) -> KVWeaveCache:
-    pipeline = load_pipeline("dw-kernel", write_registry(tmp_path, "kernel", REGISTRY))
+def filled(
+    tmp_path, q_heads: int, kv_heads: int, head_dim: int, tokens: int, batch: int = 2, chunks: int = 3, name: str = "dw-kernel"
+) -> KVWeaveCache:
+    pipeline = load_pipeline(name, write_registry(tmp_path, "kernel", REGISTRY))
     cache = KVWeaveCache(pipeline, llama_config(q_heads, kv_heads, head_dim))
     return fill_cache(cache, batch, tokens, chunk=-(-tokens // chunks), dtype=torch.bfloat16, device=DEVICE, seed=head_dim)
 
@@ -178,16 +184,40 @@ def test_fused_generation_equals_reference_path():
 
 
 def test_fused_decode_reads_in_place(monkeypatch):
+    """Decode steps, and the compression of a block during decoding (routing included), never reconstruct
+    the packed K/V with the fused kernel."""
     model = tiny_llama(layers=4, hidden=256)
     cache = build_cache(load_pipeline("depthweave-kv"), model, tokenizer=ToyTokenizer())
     ids = torch.randint(1, 128, (1, 160))
     with torch.no_grad():
         out = model(input_ids=ids, **cache_kwargs(model, cache))
-        assert cache.engine.windows[0].compressed_tokens > 0
+        packed = cache.engine.windows[0].compressed_tokens
+        assert packed > 0
         calls = []
         monkeypatch.setattr(cache.engine, "reconstruct", lambda *a, **k: calls.append(a))
-        model(input_ids=out.logits[:, -1:].argmax(-1), **cache_kwargs(model, cache))  # one decode step, no flush
+        token = out.logits[:, -1:].argmax(-1)
+        for _ in range(40):  # a block leaves the exact window after 32 steps
+            token = model(input_ids=token, **cache_kwargs(model, cache)).logits[:, -1:].argmax(-1)
+    assert cache.engine.windows[0].compressed_tokens > packed
     assert calls == []
+
+
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_routing_statistics_from_the_packed_storage_equal_the_reconstructed_ones(tmp_path, backend):
+    """The router's attention mass and spike on a block, normalized by the kernel's log-sum-exp over the
+    packed tokens, equal those computed over reconstructed keys."""
+    cache = filled(tmp_path, 4, 2, 64, 256, name="dw-kernel" if backend == "torch" else "dw-kernel-triton")
+    engine = cache.engine
+    assert engine.kernel.backend == ("auto" if backend == "torch" else "triton")
+    members, count = engine.groups[0], 32
+    mass, spike = engine._attention_stats(members, count)
+    for i, layer in enumerate(members):
+        keys = torch.cat((engine.reconstruct(layer, "keys", torch.float32), engine.windows[layer].exact["keys"].float()), dim=-2)
+        expected = engine.observer.attention_stats(layer, keys, count, engine.windows[layer].compressed_tokens)
+        tolerance = 1e-5 if backend == "torch" else 2e-3  # the kernel's float16 operands
+        assert torch.allclose(mass[i], expected[0], atol=tolerance, rtol=tolerance), (mass[i] - expected[0]).abs().max()
+        assert torch.allclose(spike[i], expected[1], atol=tolerance, rtol=tolerance)
+    assert float(mass.sum()) > 0
 
 
 @pytest.mark.parametrize(
