@@ -482,8 +482,8 @@ def check_view(view: DecodeView, query: torch.Tensor) -> None:
     heads = view.exact_k.shape[1]
     if q_heads % heads:
         raise ValueError(f"{q_heads} query heads are not a multiple of {heads} KV heads")
-    if dim not in (64, 128, 256) and dim & (dim - 1):
-        raise ValueError(f"head_dim {dim} must be a power of two (64, 128 and 256 are tested)")
+    if dim & (dim - 1) or dim < 32:
+        raise ValueError(f"head_dim {dim} must be a power of two of at least 32 (64, 128 and 256 are tested)")
     if view.exact_k.shape[0] != batch or view.exact_k.shape[-1] != dim:
         raise ValueError(f"query {tuple(query.shape)} does not match the exact window {tuple(view.exact_k.shape)}")
     if view.packed_tokens:
@@ -514,7 +514,6 @@ def fused_decode(
     batch, q_heads, dim = query.shape
     heads = view.exact_k.shape[1]
     gq = q_heads // heads
-    gqp = _pow2(gq)
     device = query.device
     query = query.contiguous()
     if start is None:
@@ -531,7 +530,7 @@ def fused_decode(
     acc = torch.empty(batch * q_heads * partials, dim, dtype=torch.float32, device=device)
     qk_scale = float(scale) * LOG2E
     if n_seg:
-        _launch_packed(view, query, segments, start, m, l, acc, partials, heads, gq, gqp, dim, qk_scale, block_tokens, num_warps)
+        _launch_packed(view, query, segments, start, m, l, acc, partials, heads, gq, dim, qk_scale, block_tokens, num_warps)
     exact = view.exact_k
     if exact.stride(-1) != 1 or exact.stride() != view.exact_v.stride():
         raise ValueError("the exact window's keys and values must share one layout, contiguous along head_dim")
@@ -560,7 +559,7 @@ def fused_packed_logsumexp(view: DecodeView, query: torch.Tensor, scale: float, 
     l = torch.empty_like(m)
     acc = torch.empty(batch * q_heads * n_seg, dim, dtype=torch.float32, device=query.device)
     start = torch.zeros(batch, dtype=torch.int32, device=query.device)
-    _launch_packed(view, query.contiguous(), view.segments, start, m, l, acc, n_seg, heads, gq, _pow2(gq), dim,
+    _launch_packed(view, query.contiguous(), view.segments, start, m, l, acc, n_seg, heads, gq, dim,
                    float(scale) * LOG2E, block_tokens, num_warps)
     m, l = m.view(batch, q_heads, n_seg), l.view(batch, q_heads, n_seg)
     top = m.amax(dim=-1, keepdim=True)
@@ -569,6 +568,7 @@ def fused_packed_logsumexp(view: DecodeView, query: torch.Tensor, scale: float, 
 
 
 def resplit(segments: torch.Tensor, split: int) -> torch.Tensor:
+    """``segments`` [S, 3] cut again into pieces of at most ``split`` tokens (tests and benchmarks)."""
     rows = segments.tolist()
     out = []
     for lo, hi, v in rows:
@@ -591,7 +591,9 @@ def _level_args(levels: tuple[ResidualLevel, ...], dummy: torch.Tensor) -> tuple
     return args, meta
 
 
-def _launch_packed(view, query, segments, start, m, l, acc, partials, heads, gq, gqp, dim, qk_scale, block_tokens, num_warps) -> None:
+def _launch_packed(view, query, segments, start, m, l, acc, partials, heads, gq, dim, qk_scale, block_tokens, num_warps) -> None:
+    """Launch the packed-token pass over ``segments``, writing partial (max, sum, output) slots
+    ``(row * gq + g) * partials + segment`` of ``m``, ``l``, ``acc``."""
     batch = query.shape[0]
     rank = view.k_codes.shape[-1]
     block = view.block
