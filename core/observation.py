@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-from .errors import CacheStateError
+from .errors import CacheStateError, ModelError
 from .interfaces import ModelShape
 from .storage import tensor_bytes
 
@@ -39,6 +39,12 @@ def _observing_attention(module, query, key, value, attention_mask, **kwargs):
     scaling = kwargs.get("scaling") or getattr(module, "scaling", None)
     layer = module.layer_idx
     if engine.reads_in_place(query.shape[-2]):  # decode over the packed storage, read in place by the kernel
+        unsupported = [name for name in ("softcap", "s_aux", "sinks") if kwargs.get(name) is not None]
+        if unsupported:
+            raise ModelError(
+                f"layer {layer}: the model's attention uses {', '.join(unsupported)}, which pipeline "
+                f"'{engine.pipeline.name}''s kernel '{engine.pipeline.slots['kernel'].use}' does not apply; use kernel 'reference'"
+            )
         if engine.observer.active:
             engine.observer.record(layer, query, scaling, keys_seen=engine.seq_length(layer))
         output = engine.kernel.attend(engine, layer, query, attention_mask, scaling or query.shape[-1] ** -0.5)

@@ -238,3 +238,45 @@ def test_fused_refuses_what_it_cannot_read(tmp_path, body, error, words):
 def test_fused_refuses_unsupported_head_dim():
     with pytest.raises(ModelError, match="head_dim 96"):
         KVWeaveCache(load_pipeline("depthweave-kv"), llama_config(4, 2, 96))
+
+
+def test_fused_refuses_attention_it_does_not_compute():
+    """A model whose attention caps its logits (Gemma-2 style) gets an error at the first fused decode step."""
+    from kvweave.core.observation import _observing_attention
+
+    model = tiny_llama(layers=4, hidden=256)
+    cache = build_cache(load_pipeline("depthweave-kv"), model, tokenizer=ToyTokenizer())
+    with torch.no_grad():
+        model(input_ids=torch.randint(1, 128, (1, 40)), **cache_kwargs(model, cache))
+        attention = model.model.layers[0].self_attn
+        query = torch.randn(1, 4, 1, 64)
+        cache.engine.observer.tap.pending = torch.randint(1, 128, (1, 1))  # what the embedding hook would see
+        keys, values = cache.layers[0].update(torch.randn(1, 2, 1, 64), torch.randn(1, 2, 1, 64), 0)
+        with pytest.raises(ModelError, match="softcap"):
+            _observing_attention(attention, query, keys, values, None, softcap=50.0)
+
+
+def test_fused_sliding_window_layers_follow_the_mask():
+    """Sliding-window layers (Gemma-3 style, window 48 < the packed history) and a left-padded row: the mask's
+    first visible position per row is all the fused path needs, and it decodes as the reference path does."""
+    from transformers import Gemma3ForCausalLM, Gemma3TextConfig
+
+    torch.manual_seed(0)
+    config = Gemma3TextConfig(
+        vocab_size=128, hidden_size=256, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=64, sliding_window=48, max_position_embeddings=2048,
+        layer_types=["sliding_attention", "sliding_attention", "sliding_attention", "full_attention"],
+    )
+    model = Gemma3ForCausalLM(config).eval()
+    ids = torch.randint(1, 128, (2, 200))
+    mask = torch.ones_like(ids)
+    mask[1, :13] = 0
+    outputs = []
+    for name in ("depthweave-kv", "depthweave-kv-reference-kernel"):
+        cache = build_cache(load_pipeline(name), model, tokenizer=ToyTokenizer())
+        with torch.no_grad():
+            outputs.append(model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=40, do_sample=False,
+                                          output_scores=True, return_dict_in_generate=True, **cache_kwargs(model, cache)))
+    fused, reference = outputs
+    assert torch.equal(fused.sequences, reference.sequences)
+    assert max((a - b).abs().max().item() for a, b in zip(fused.scores, reference.scores)) < 1e-4
