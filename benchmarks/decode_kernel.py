@@ -32,7 +32,7 @@ from kvweave.core.cache import KVWeaveCache
 from kvweave.core.registry import load_pipeline
 from kvweave.core.residuals import ResidualList
 from kvweave.core.synthetic import fill_cache
-from kvweave.kernels.depthweave_decode import TILE, DecodeView, ResidualLevel, choose_split, fused_decode, torch_decode, version_segments
+from kvweave.kernels.depthweave_decode import TILE, DecodeView, ResidualLevel, choose_split, fused_decode, resplit, torch_decode
 
 Q_HEADS, KV_HEADS, HEAD_DIM = 32, 8, 128
 
@@ -123,8 +123,7 @@ def first_row(view: DecodeView) -> DecodeView:
         f = lists.fields
         return ResidualLevel(level.rank, level.group, f["token"], f["row"], f["q_packed"], f["q_scales"], start, mask)
 
-    counts = torch.bincount(view.segments[:, 2].long(), weights=(view.segments[:, 1] - view.segments[:, 0]).double())
-    segments = version_segments([int(c) for c in counts.tolist()], choose_split(view.packed_tokens, heads), view.segments.device)
+    segments = resplit(view.segments, choose_split(view.packed_tokens, heads))
     return DecodeView(
         view.packed_tokens, view.k_codes[:1], view.k_scales[:1], view.v_codes[:1], view.v_scales[:1],
         view.k_bases[:1], view.v_bases[:1], segments,
@@ -141,6 +140,8 @@ def main() -> None:
     parser.add_argument("--batches", default="1,8")
     parser.add_argument("--pipeline", default="depthweave-kv")
     parser.add_argument("--reps", type=int, default=50)
+    parser.add_argument("--block-tokens", type=int, default=64, help="tokens per loop iteration of the kernel")
+    parser.add_argument("--num-warps", type=int, default=1, help="warps per kernel program")
     parser.add_argument("--out", default="results/decode_kernel")
     args = parser.parse_args()
     if not torch.cuda.is_available():
@@ -169,10 +170,10 @@ def main() -> None:
             v_full = torch.randn_like(k_full)
             q4 = q.unsqueeze(2)
             sdpa = lambda: F.scaled_dot_product_attention(q4, k_full, v_full, scale=scale, enable_gqa=True)  # noqa: E731
-            fused = lambda: fused_decode(view, q, None, scale)  # noqa: E731
+            fused = lambda: fused_decode(view, q, None, scale, block_tokens=args.block_tokens, num_warps=args.num_warps)  # noqa: E731
             sdpa_us, kernel_us = device_us(sdpa, args.reps), device_us(fused, args.reps)
             kernel_host_us = host_us(fused)
-            error = (fused_decode(view, q, None, scale).float() - torch_decode(view, q, None, scale).float()).abs().max().item()
+            error = (fused().float() - torch_decode(view, q, None, scale).float()).abs().max().item()
             full_bytes = 2 * k_full.nbytes
             del k_full, v_full
             bandwidth = read / (kernel_us * 1e-6)

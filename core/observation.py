@@ -207,6 +207,20 @@ class Observer:
         for layer in layers:
             self._queries[layer] = None
 
+    def _recent_logits(self, layer: int, keys: torch.Tensor) -> torch.Tensor:
+        """Logits [B, H, (Hq/H) * o, T] of the recent queries on ``keys`` [B, H, T, D] (the queries being the
+        last ``o`` of those tokens), a key after its query masked to -inf."""
+        queries = self._queries[layer].float()
+        batch, q_heads, observed, dim = queries.shape
+        heads = keys.shape[1]
+        grouped = queries.reshape(batch, heads, q_heads // heads * observed, dim)
+        scale = self.scaling or dim**-0.5
+        logits = grouped @ keys.float().transpose(-1, -2) * scale
+        total = keys.shape[-2]
+        query_pos = (total - observed + torch.arange(observed, device=keys.device)).repeat(q_heads // heads)
+        key_pos = torch.arange(total, device=keys.device)
+        return logits.masked_fill(key_pos[None, :] > query_pos[:, None], float("-inf"))
+
     def attention_stats(
         self, layer: int, keys: torch.Tensor, block: int, first: int, valid: torch.Tensor | None = None
     ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -214,21 +228,14 @@ class Observer:
 
         ``keys`` [B, H, T, D] all keys of ``layer`` (the queries being the last tokens); ``valid`` [B, H, T]
         False for keys no query may see (padding, evicted slots); returns two [B, H, block] tensors."""
-        queries = self._queries[layer].float()
-        batch, q_heads, observed, dim = queries.shape
-        heads = keys.shape[1]
-        grouped = queries.reshape(batch, heads, q_heads // heads * observed, dim)
-        scale = self.scaling or dim**-0.5
-        logits = grouped @ keys.float().transpose(-1, -2) * scale  # [B, H, (Hq/H) * o, T]
-        total = keys.shape[-2]
-        query_pos = (total - observed + torch.arange(observed, device=keys.device)).repeat(q_heads // heads)
-        key_pos = torch.arange(total, device=keys.device)
-        logits = logits.masked_fill(key_pos[None, :] > query_pos[:, None], float("-inf"))
+        logits = self._recent_logits(layer, keys)
         if valid is not None:
             logits = logits.masked_fill(~valid[:, :, None, :], float("-inf"))
         probs = logits.softmax(dim=-1).nan_to_num(0.0)
         if valid is not None:  # a padding query (its own key invalid) gives no attention
-            probs = probs * valid[:, :, total - observed :].repeat(1, 1, q_heads // heads)[..., None]
+            _, q_heads, observed, _ = self._queries[layer].shape
+            group = q_heads // keys.shape[1]
+            probs = probs * valid[:, :, keys.shape[-2] - observed :].repeat(1, 1, group)[..., None]
         probs = probs[..., first : first + block]
         return probs.sum(dim=-2), probs.amax(dim=-2)
 
@@ -239,20 +246,10 @@ class Observer:
         ``exact_keys`` [B, H, W, D] the layer's exact window (the recent queries being its last tokens),
         ``packed_lse`` [B, Hq, o] the log-sum-exp of the recent queries over the packed tokens (None when
         there are none), all of which every recent query sees. Returns two [B, H, block] tensors."""
-        queries = self._queries[layer].float()
-        batch, q_heads, observed, dim = queries.shape
-        heads = exact_keys.shape[1]
-        group = q_heads // heads
-        grouped = queries.reshape(batch, heads, group * observed, dim)
-        scale = self.scaling or dim**-0.5
-        logits = grouped @ exact_keys.float().transpose(-1, -2) * scale  # [B, H, G * o, W]
-        window = exact_keys.shape[-2]
-        query_pos = (window - observed + torch.arange(observed, device=exact_keys.device)).repeat(group)
-        key_pos = torch.arange(window, device=exact_keys.device)
-        logits = logits.masked_fill(key_pos[None, :] > query_pos[:, None], float("-inf"))
+        logits = self._recent_logits(layer, exact_keys)
         lse = logits.logsumexp(dim=-1)
         if packed_lse is not None:
-            lse = torch.logaddexp(lse, packed_lse.float().reshape(batch, heads, group * observed))
+            lse = torch.logaddexp(lse, packed_lse.float().reshape(lse.shape))
         probs = (logits[..., :block] - lse[..., None]).exp()
         return probs.sum(dim=-2), probs.amax(dim=-2)
 

@@ -33,6 +33,9 @@ from typing import Any
 import attrs
 import torch
 
+from kvweave.plugins.quantizers.int4_group import Int4GroupQuantizer
+from kvweave.plugins.quantizers.int8_block import Int8BlockQuantizer
+
 try:  # the kernel needs triton; the torch twin does not
     import triton
     import triton.language as tl
@@ -111,16 +114,11 @@ def choose_split(tokens: int, programs_per_token_split: int, target_programs: in
 
 # --------------------------------------------------------------------------------------------- torch twin
 def _dequant_int4(packed: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
-    low = (packed & 0x0F).to(torch.int8) - 8
-    high = (packed >> 4).to(torch.int8) - 8
-    codes = torch.stack((low, high), dim=-1).reshape(*packed.shape[:-1], packed.shape[-1] * 2).float()
-    group = codes.shape[-1] // scales.shape[-1]
-    return (codes.reshape(*scales.shape, group) * scales.float().unsqueeze(-1)).reshape(codes.shape)
+    return Int4GroupQuantizer().dequantize({"packed": packed, "scales": scales}, torch.float32)  # groups from the shapes
 
 
 def _dequant_int8(codes: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
-    block = codes.shape[-1] // scales.shape[-1]
-    return (codes.float().reshape(*scales.shape, block) * scales.float().unsqueeze(-1)).reshape(codes.shape)
+    return Int8BlockQuantizer().dequantize({"codes": codes, "scales": scales}, torch.float32)  # blocks from the shapes
 
 
 def _token_versions(view: DecodeView, device: torch.device) -> torch.Tensor:
@@ -502,15 +500,22 @@ def check_view(view: DecodeView, query: torch.Tensor) -> None:
             raise ValueError(f"packed tokens ({view.packed_tokens}) must be a multiple of {TILE}")
 
 
+def _prepare(view: DecodeView, query: torch.Tensor, partials: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Check the inputs; the partial (max, sum, output) buffers of ``partials`` slots per query head."""
+    if triton is None:
+        raise RuntimeError("the fused DepthWeave-KV kernel needs triton (pip install triton)")
+    check_view(view, query)
+    batch, q_heads, dim = query.shape
+    m = torch.empty(batch * q_heads * partials, dtype=torch.float32, device=query.device)
+    return m, torch.empty_like(m), torch.empty(batch * q_heads * partials, dim, dtype=torch.float32, device=query.device)
+
+
 def fused_decode(
     view: DecodeView, query: torch.Tensor, start: torch.Tensor | None, scale: float, split: int | None = None,
     block_tokens: int = 64, num_warps: int = 1,
 ) -> torch.Tensor:
     """The Triton kernel: ``query`` [B, Hq, D] -> [B, Hq, D] (query dtype). ``split``: tokens per segment
     (default: the view's segments); ``block_tokens``: tokens per loop iteration (a multiple of 32)."""
-    if triton is None:
-        raise RuntimeError("the fused DepthWeave-KV kernel needs triton (pip install triton)")
-    check_view(view, query)
     batch, q_heads, dim = query.shape
     heads = view.exact_k.shape[1]
     gq = q_heads // heads
@@ -525,9 +530,7 @@ def fused_decode(
         segments = resplit(view.segments, split)
     n_seg = segments.shape[0] if tokens else 0
     partials = n_seg + 1
-    m = torch.empty(batch * q_heads * partials, dtype=torch.float32, device=device)
-    l = torch.empty_like(m)
-    acc = torch.empty(batch * q_heads * partials, dim, dtype=torch.float32, device=device)
+    m, l, acc = _prepare(view, query, partials)
     qk_scale = float(scale) * LOG2E
     if n_seg:
         _launch_packed(view, query, segments, start, m, l, acc, partials, heads, gq, dim, qk_scale, block_tokens, num_warps)
@@ -546,18 +549,13 @@ def fused_decode(
 
 def fused_packed_logsumexp(view: DecodeView, query: torch.Tensor, scale: float, block_tokens: int = 64, num_warps: int = 1) -> torch.Tensor:
     """:func:`torch_packed_logsumexp` by the kernel's packed-token pass: its per-segment (max, sum) merged."""
-    if triton is None:
-        raise RuntimeError("the fused DepthWeave-KV kernel needs triton (pip install triton)")
-    check_view(view, query)
     batch, q_heads, dim = query.shape
-    if not view.packed_tokens:
+    n_seg = view.segments.shape[0] if view.packed_tokens else 0
+    m, l, acc = _prepare(view, query, n_seg)
+    if not n_seg:
         return query.new_full((batch, q_heads), float("-inf"), dtype=torch.float32)
     heads = view.exact_k.shape[1]
     gq = q_heads // heads
-    n_seg = view.segments.shape[0]
-    m = torch.empty(batch * q_heads * n_seg, dtype=torch.float32, device=query.device)
-    l = torch.empty_like(m)
-    acc = torch.empty(batch * q_heads * n_seg, dim, dtype=torch.float32, device=query.device)
     start = torch.zeros(batch, dtype=torch.int32, device=query.device)
     _launch_packed(view, query.contiguous(), view.segments, start, m, l, acc, n_seg, heads, gq, dim,
                    float(scale) * LOG2E, block_tokens, num_warps)
@@ -568,13 +566,12 @@ def fused_packed_logsumexp(view: DecodeView, query: torch.Tensor, scale: float, 
 
 
 def resplit(segments: torch.Tensor, split: int) -> torch.Tensor:
-    """``segments`` [S, 3] cut again into pieces of at most ``split`` tokens (tests and benchmarks)."""
-    rows = segments.tolist()
-    out = []
-    for lo, hi, v in rows:
-        for a in range(lo, hi, split):
-            out.append((a, min(a + split, hi), v))
-    return torch.tensor(out, dtype=torch.int32, device=segments.device)
+    """The tokens of ``segments`` [S, 3] cut again, per version, into segments of at most ``split`` tokens
+    (tests and benchmarks; a view's own segments are cut when the cache is read)."""
+    counts = torch.zeros(int(segments[:, 2].max()) + 1, dtype=torch.long)
+    for lo, hi, version in segments.tolist():
+        counts[version] += hi - lo
+    return version_segments(counts.tolist(), split, segments.device)
 
 
 def _level_args(levels: tuple[ResidualLevel, ...], dummy: torch.Tensor) -> tuple[list[Any], list[int]]:

@@ -27,6 +27,8 @@ from kvweave.core import hookimpl
 from kvweave.core.errors import CacheStateError, ComponentError, ModelError
 from kvweave.core.interfaces import AttentionKernel
 from kvweave.core.params import choice, integer
+from kvweave.plugins.quantizers.int4_group import Int4GroupQuantizer
+from kvweave.plugins.quantizers.int8_block import Int8BlockQuantizer
 
 from .depthweave_decode import (
     MAX_LEVELS, TILE, DecodeView, ResidualLevel, choose_split, fused_decode, fused_packed_logsumexp, torch_decode,
@@ -65,7 +67,7 @@ class FusedKernel(AttentionKernel):
                 f"{where}: basis '{slots['basis'].use}' does not store coefficients times bases (no factor_bases); "
                 "the fused kernel reads bases such as 'sketch-ema'; use kernel 'reference'"
             )
-        if type(engine.quantizer).__name__ != "Int8BlockQuantizer":
+        if not isinstance(engine.quantizer, Int8BlockQuantizer):
             raise ComponentError(f"{where}: coefficients must be packed by 'int8-block', not '{slots['quantizer'].use}'")
         rank = engine.basis.coefficient_width(shape)
         if rank > 64:
@@ -81,7 +83,7 @@ class FusedKernel(AttentionKernel):
                     f"{where}: residuals must be stored in residual_mode = \"basis\" (coordinates on a residual basis), "
                     f"not {engine.settings.residual_mode!r}; set it, or use kernel 'reference'"
                 )
-            if type(engine.residual_quantizer).__name__ != "Int4GroupQuantizer":
+            if not isinstance(engine.residual_quantizer, Int4GroupQuantizer):
                 raise ComponentError(f"{where}: residuals must be packed by 'int4-group', not '{slots['residual_quantizer'].use}'")
             if len(levels) > MAX_LEVELS:
                 raise ComponentError(f"{where}: the router has {len(levels)} residual rank levels {levels}; the kernel takes at most {MAX_LEVELS}")
@@ -188,23 +190,27 @@ def _on(state: dict, key: tuple, tensor: torch.Tensor, device: torch.device) -> 
 
 
 def first_positions(engine: Any, attention_mask: Any, device: torch.device) -> torch.Tensor | None:
-    """The first logical position each row attends to, int32 [B] (left padding), from the model's mask for a
-    one-token forward (None: no padding). Computed once per forward; a mask that is not left padding (a
-    hole after the first attended position) is refused."""
+    """The first logical position each row attends to, int32 [B], from the model's mask for a one-token
+    forward (None: no mask). A mask may hide a prefix only (left padding, a sliding window); one that hides a
+    token after a visible one is refused. Computed once per mask: a forward passes one mask per layer type
+    (full and sliding layers alternate), so the last two are kept."""
     if attention_mask is None:
         return None
-    state = engine.kernel_state
-    cached = state.get("mask")
-    if cached is not None and cached[0] is attention_mask:
-        return cached[1]
+    recent = engine.kernel_state.setdefault("masks", [])
+    for mask, start in recent:
+        if mask is attention_mask:
+            return start
     mask = attention_mask[:, 0, -1, :]  # [B, kv]
     allowed = mask if mask.dtype == torch.bool else mask == 0
     positions = torch.arange(allowed.shape[-1], device=allowed.device)
     first = torch.where(allowed, positions, allowed.shape[-1]).amin(dim=-1)
     if not bool((allowed == (positions[None, :] >= first[:, None])).all()):
-        raise CacheStateError("the fused kernel supports left padding only: the attention mask hides a token after a visible one")
+        raise CacheStateError(
+            "the fused kernel takes masks that hide a prefix only (left padding, sliding windows); this attention "
+            "mask hides a token after a visible one"
+        )
     start = first.to(device=device, dtype=torch.int32)
-    state["mask"] = (attention_mask, start)
+    recent[:] = [*recent[-1:], (attention_mask, start)]
     return start
 
 
