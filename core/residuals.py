@@ -93,6 +93,8 @@ class ResidualList:
 
     def select_batch(self, index: torch.Tensor, heads: int) -> None:
         """Keep the entries of batch rows ``index`` [B'] (repeats allowed), renumbered 0..B'-1."""
+        self.tile_start = self.tile_mask = None  # rebuilt on demand for the new rows (also for a list without entries)
+        self._indexed_entries = 0
         if not self.fields:
             return
         batch_of = self.fields["row"] // heads
@@ -104,8 +106,6 @@ class ResidualList:
             part["row"] = (head_of.index_select(0, chosen) + new_b * heads).to(torch.int32)
             parts.append(part)
         self.fields = {name: torch.cat([part[name] for part in parts], dim=0) for name in self.fields}
-        self.tile_start = self.tile_mask = None  # rebuilt on demand for the new rows
-        self._indexed_entries = 0
 
 
 def fit_residual_basis(missing: torch.Tensor, rank: int) -> torch.Tensor:

@@ -133,6 +133,26 @@ def test_kernel_with_bf16_exact_window(tmp_path):
     assert torch.allclose(kernel.float(), twin.float(), atol=1e-2, rtol=1e-2)
 
 
+
+def test_kernel_after_the_batch_grows_and_flushes_again(tmp_path):
+    """A cache grown by batch selection (beam search, or the e2e benchmark's larger batches) re-indexes every
+    residual list, also the levels without entries, and the kernel reads the blocks appended after it."""
+    cache = filled(tmp_path, 8, 2, 128, 192)
+    engine = cache.engine
+    engine.select_batch(torch.tensor([0, 1, 0]))
+    fill_cache(cache, 3, 128, chunk=64, dtype=torch.bfloat16, device=DEVICE, seed=7)  # two more flushes
+    view = engine.kernel.layer_view(engine, 1, torch.device(DEVICE))
+    assert view.packed_tokens == engine.windows[1].compressed_tokens and view.k_codes.shape[0] == 3
+    assert all(level.tile_start.shape[0] == 3 * 2 for level in view.k_levels + view.v_levels)
+    assert torch.equal(view.k_codes[0, :, :192], view.k_codes[2, :, :192])  # the repeated row's first blocks
+    query = torch.randn(3, 8, 128, device=DEVICE)
+    start = torch.zeros(3, dtype=torch.int32, device=DEVICE)
+    expected = reference_attention(cache, 1, query, start, 128**-0.5)
+    twin = torch_decode(view, query, start, 128**-0.5)
+    kernel = fused_decode(view, query, start, 128**-0.5, split=64)
+    assert torch.allclose(twin, expected, atol=2e-5, rtol=1e-4), (twin - expected).abs().max()
+    assert (kernel - twin).abs().max().item() < 1e-3
+
 def test_tile_index_incremental_equals_rebuilt():
     torch.manual_seed(0)
     lists = ResidualList(4)
