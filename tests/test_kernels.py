@@ -41,6 +41,10 @@ REGISTRY = textwrap.dedent(
     extends = "dw-kernel"
     [pipelines.dw-kernel-triton.kernel]
     backend = "triton"
+    [pipelines.dw-kernel-torch]
+    extends = "dw-kernel"
+    [pipelines.dw-kernel-torch.kernel]
+    backend = "torch"
     """
 )
 
@@ -226,9 +230,9 @@ def test_fused_decode_reads_in_place(monkeypatch):
 def test_routing_statistics_from_the_packed_storage_equal_the_reconstructed_ones(tmp_path, backend):
     """The router's attention mass and spike on a block, normalized by the kernel's log-sum-exp over the
     packed tokens, equal those computed over reconstructed keys."""
-    cache = filled(tmp_path, 4, 2, 64, 256, name="dw-kernel" if backend == "torch" else "dw-kernel-triton")
+    cache = filled(tmp_path, 4, 2, 64, 256, name=f"dw-kernel-{backend}")
     engine = cache.engine
-    assert engine.kernel.backend == ("auto" if backend == "torch" else "triton")
+    assert engine.kernel.backend == backend
     members, count = engine.groups[0], 32
     mass, spike = engine._attention_stats(members, count)
     for i, layer in enumerate(members):
