@@ -227,10 +227,9 @@ if triton is not None:
 
     @triton.jit
     def _level_values(pk_ptr, sc_ptr, ts_ptr, tm_ptr, row, tiles, tok, inside,
-                      RANK: tl.constexpr, GROUP: tl.constexpr, OFF: tl.constexpr, RP: tl.constexpr):
+                      RANK: tl.constexpr, GROUP: tl.constexpr, RP: tl.constexpr, BLOCK_T: tl.constexpr):
         """One level's residual coordinates of tokens ``tok`` [T] as float16 [T, RP]: coordinate ``k`` in
-        column ``OFF + k`` (the levels take disjoint columns; see :func:`_residual_rows`), zero elsewhere
-        and for tokens without an entry at this level.
+        column ``k * RP / RANK`` (zeros between; see :func:`_level_rows`), zero for tokens without an entry.
         The tile index gives each token's entry directly: ``start + popcount(mask & (2^i - 1))``."""
         tile = tok // 32
         bit = tok % 32
@@ -240,44 +239,24 @@ if triton is not None:
         below = (((1 << bit) - 1).to(tl.uint32, bitcast=True)) & mask
         entry = (first + _popcount(below).to(tl.int32)).to(tl.int64)
         c = tl.arange(0, RP)
-        k = c - OFF  # the coordinate column c holds, for this level's columns
-        used = present[:, None] & ((c >= OFF) & (c < OFF + RANK))[None, :]
-        # one load per token for the packed codes and one for the scales: each entry's RANK / 2 bytes and
-        # RANK / GROUP float16 scales are read as one integer word (the wrapper passes word views)
-        word = tl.load(pk_ptr + entry, mask=present, other=0)  # nibble k at bits 4k..4k+3
-        scale_word = tl.load(sc_ptr + entry, mask=present, other=0)  # scale n at bits 16n..16n+15
-        if RANK // 2 <= 4:  # 32-bit words keep the [T, RP] temporaries at 32 bits
-            word = word.to(tl.int32)
-        else:
-            word = word.to(tl.int64)
-        kk = tl.where((c >= OFF) & (c < OFF + RANK), k, 0)
-        code = (((word[:, None] >> (4 * kk).to(word.dtype)[None, :]) & 15) - 8).to(tl.int32)
-        n = kk // GROUP  # the scale of coordinate k
-        if 2 * (RANK // GROUP) <= 4:
-            chosen = scale_word.to(tl.int32)[:, None]
-            shift = 16 * n
-        else:  # 4 float16 scales in 64 bits: pick the 32-bit half first, per token
-            wide = scale_word.to(tl.int64)
-            low = (wide & 0xFFFFFFFF).to(tl.int32)
-            high = (wide >> 32).to(tl.int32)
-            chosen = tl.where((n >= 2)[None, :], high[:, None], low[:, None])
-            shift = 16 * (n % 2)
-        bits = ((chosen >> shift[None, :]) & 0xFFFF).to(tl.int16)
-        scale = bits.to(tl.float16, bitcast=True)
+        step: tl.constexpr = RP // RANK
+        k = c // step  # the coordinate column c holds (when step divides c)
+        used = present[:, None] & ((c % step) == 0)[None, :]
+        byte = tl.load(pk_ptr + entry[:, None] * (RANK // 2) + (k // 2)[None, :], mask=used, other=136).to(tl.int32)
+        code = ((byte >> ((k % 2) * 4)[None, :]) & 15) - 8
+        scale = tl.load(sc_ptr + entry[:, None] * (RANK // GROUP) + (k // GROUP)[None, :], mask=used, other=0.0)
         values = tl.where(used, code.to(tl.float32) * scale.to(tl.float32), 0.0).to(tl.float16)
         return values
 
     @triton.jit
-    def _residual_rows(base_ptr, stride_r, RANK0: tl.constexpr, RANK1: tl.constexpr, RANK2: tl.constexpr,
-                       RP: tl.constexpr, D: tl.constexpr):
-        """The residual basis rows laid out as the levels' columns (:func:`_level_values`): columns
-        ``0..RANK0-1`` hold rows ``0..RANK0-1``, the next RANK1 columns rows ``0..RANK1-1``, then RANK2;
-        zero beyond. [RP, D] float32."""
+    def _level_rows(base_ptr, stride_r, RANK: tl.constexpr, RP: tl.constexpr, D: tl.constexpr):
+        """The residual basis rows of one level laid out as :func:`_level_values` lays out coordinates:
+        column ``c`` holds row ``c * RANK / RP`` when ``RP / RANK`` divides ``c``, else zeros. [RP, D] float32."""
         c = tl.arange(0, RP)
         d = tl.arange(0, D)
-        row = tl.where(c < RANK0, c, tl.where(c < RANK0 + RANK1, c - RANK0, c - RANK0 - RANK1))
-        used = c < RANK0 + RANK1 + RANK2
-        return tl.load(base_ptr + row[:, None] * stride_r + d[None, :], mask=used[:, None], other=0.0).to(tl.float32)
+        step = RP // RANK
+        used = (c % step) == 0
+        return tl.load(base_ptr + (c // step)[:, None] * stride_r + d[None, :], mask=used[:, None], other=0.0).to(tl.float32)
 
     @triton.jit
     def _codes(c_ptr, tok, inside, c_st, R: tl.constexpr, RC: tl.constexpr):
@@ -343,16 +322,26 @@ if triton is not None:
         kb = kb_ptr + b64 * b_sb + h * b_sh + version * b_sv
         krb = krb_ptr + b64 * rb_sb + h * rb_sh
         qp = tl.zeros((GQP, RC), dtype=tl.float32)
-        qr = tl.zeros((GQP, RP), dtype=tl.float32)
+        qr0 = tl.zeros((GQP, RP), dtype=tl.float32)
+        qr1 = tl.zeros((GQP, RP), dtype=tl.float32)
+        qr2 = tl.zeros((GQP, RP), dtype=tl.float32)
         for d0 in tl.static_range(0, D, 32):
             dc = d0 + tl.arange(0, 32)
             qc = (tl.load(q_row + dc[None, :], mask=g_ok[:, None], other=0.0).to(tl.float32) * qk_scale).to(tl.float16)
             qp += tl.dot(qc, tl.trans(_rows(kb + d0, b_sr, R, RC, 32).to(tl.float16)))
             if RANK0 > 0:
-                qr += tl.dot(qc, tl.trans(_residual_rows(krb + d0, rb_sr, RANK0, RANK1, RANK2, RP, 32).to(tl.float16)))
+                qr0 += tl.dot(qc, tl.trans(_level_rows(krb + d0, rb_sr, RANK0, RP, 32).to(tl.float16)))
+            if RANK1 > 0:
+                qr1 += tl.dot(qc, tl.trans(_level_rows(krb + d0, rb_sr, RANK1, RP, 32).to(tl.float16)))
+            if RANK2 > 0:
+                qr2 += tl.dot(qc, tl.trans(_level_rows(krb + d0, rb_sr, RANK2, RP, 32).to(tl.float16)))
         qp = qp.to(tl.float16)
-        qr = (qr * k_gate).to(tl.float16)
-        acc_r = tl.zeros((GQP, RP), dtype=tl.float32)
+        qr0 = (qr0 * k_gate).to(tl.float16)
+        qr1 = (qr1 * k_gate).to(tl.float16)
+        qr2 = (qr2 * k_gate).to(tl.float16)
+        acc_r0 = tl.zeros((GQP, RP), dtype=tl.float32)
+        acc_r1 = tl.zeros((GQP, RP), dtype=tl.float32)
+        acc_r2 = tl.zeros((GQP, RP), dtype=tl.float32)
 
         m_i = tl.full((GQP,), -1.0e30, dtype=tl.float32)
         l_i = tl.zeros((GQP,), dtype=tl.float32)
@@ -371,13 +360,12 @@ if triton is not None:
                 s = tl.dot(qp, tl.trans(ck)) * k_scale[None, :]  # [GQP, T], float32 sums
             else:
                 s = tl.dot(qp, tl.trans(ck * _block_scales(ks, tok, inside, s_st, R, RC, RB)))
-            if RANK0 > 0:  # every level's coordinates in one tile (disjoint columns), one product
-                ek = _level_values(k0_pk, k0_sc, k0_ts, k0_tm, bh, tiles, tok, inside, RANK0, GROUP0, 0, RP)
-                if RANK1 > 0:
-                    ek += _level_values(k1_pk, k1_sc, k1_ts, k1_tm, bh, tiles, tok, inside, RANK1, GROUP1, RANK0, RP)
-                if RANK2 > 0:
-                    ek += _level_values(k2_pk, k2_sc, k2_ts, k2_tm, bh, tiles, tok, inside, RANK2, GROUP2, RANK0 + RANK1, RP)
-                s += tl.dot(qr, tl.trans(ek))
+            if RANK0 > 0:
+                s += tl.dot(qr0, tl.trans(_level_values(k0_pk, k0_sc, k0_ts, k0_tm, bh, tiles, tok, inside, RANK0, GROUP0, RP, BLOCK_T)))
+            if RANK1 > 0:
+                s += tl.dot(qr1, tl.trans(_level_values(k1_pk, k1_sc, k1_ts, k1_tm, bh, tiles, tok, inside, RANK1, GROUP1, RP, BLOCK_T)))
+            if RANK2 > 0:
+                s += tl.dot(qr2, tl.trans(_level_values(k2_pk, k2_sc, k2_ts, k2_tm, bh, tiles, tok, inside, RANK2, GROUP2, RP, BLOCK_T)))
             s = tl.where(ok[None, :], s, -1.0e30)
             m_new = tl.maximum(m_i, tl.max(s, axis=1))
             alpha = tl.exp2(m_i - m_new)
@@ -392,18 +380,19 @@ if triton is not None:
             else:
                 acc_c = acc_c * alpha[:, None] + tl.dot(p16, cv * _block_scales(vs, tok, inside, s_st, R, RC, RB))
             if RANK0 > 0:
-                ev = _level_values(v0_pk, v0_sc, v0_ts, v0_tm, bh, tiles, tok, inside, RANK0, GROUP0, 0, RP)
-                if RANK1 > 0:
-                    ev += _level_values(v1_pk, v1_sc, v1_ts, v1_tm, bh, tiles, tok, inside, RANK1, GROUP1, RANK0, RP)
-                if RANK2 > 0:
-                    ev += _level_values(v2_pk, v2_sc, v2_ts, v2_tm, bh, tiles, tok, inside, RANK2, GROUP2, RANK0 + RANK1, RP)
-                acc_r = acc_r * alpha[:, None] + tl.dot(p16, ev)
+                acc_r0 = acc_r0 * alpha[:, None] + tl.dot(p16, _level_values(v0_pk, v0_sc, v0_ts, v0_tm, bh, tiles, tok, inside, RANK0, GROUP0, RP, BLOCK_T))
+            if RANK1 > 0:
+                acc_r1 = acc_r1 * alpha[:, None] + tl.dot(p16, _level_values(v1_pk, v1_sc, v1_ts, v1_tm, bh, tiles, tok, inside, RANK1, GROUP1, RP, BLOCK_T))
+            if RANK2 > 0:
+                acc_r2 = acc_r2 * alpha[:, None] + tl.dot(p16, _level_values(v2_pk, v2_sc, v2_ts, v2_tm, bh, tiles, tok, inside, RANK2, GROUP2, RP, BLOCK_T))
 
         # back to head_dim: (sum p c) P_v + per level (sum p g e) R, 32 columns at a time
         vb = vb_ptr + b64 * b_sb + h * b_sh + version * b_sv
         vrb = vrb_ptr + b64 * rb_sb + h * rb_sh
         acc_c16 = acc_c.to(tl.float16)
-        acc_r16 = (acc_r * v_gate).to(tl.float16)
+        acc_r0 = (acc_r0 * v_gate).to(tl.float16)
+        acc_r1 = (acc_r1 * v_gate).to(tl.float16)
+        acc_r2 = (acc_r2 * v_gate).to(tl.float16)
         slot = (bh * GQ + g) * partials + seg
         tl.store(m_ptr + slot, m_i, mask=g_ok)
         tl.store(l_ptr + slot, l_i, mask=g_ok)
@@ -411,7 +400,11 @@ if triton is not None:
             dc = d0 + tl.arange(0, 32)
             out = tl.dot(acc_c16, _rows(vb + d0, b_sr, R, RC, 32).to(tl.float16))  # [GQP, 32]
             if RANK0 > 0:
-                out += tl.dot(acc_r16, _residual_rows(vrb + d0, rb_sr, RANK0, RANK1, RANK2, RP, 32).to(tl.float16))
+                out += tl.dot(acc_r0, _level_rows(vrb + d0, rb_sr, RANK0, RP, 32).to(tl.float16))
+            if RANK1 > 0:
+                out += tl.dot(acc_r1, _level_rows(vrb + d0, rb_sr, RANK1, RP, 32).to(tl.float16))
+            if RANK2 > 0:
+                out += tl.dot(acc_r2, _level_rows(vrb + d0, rb_sr, RANK2, RP, 32).to(tl.float16))
             tl.store(acc_ptr + slot[:, None] * D + dc[None, :], out, mask=g_ok[:, None])
 
     @triton.jit
@@ -581,31 +574,13 @@ def resplit(segments: torch.Tensor, split: int) -> torch.Tensor:
     return version_segments(counts.tolist(), split, segments.device)
 
 
-WORD_TYPES = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
-
-
-def entry_words(level: ResidualLevel) -> tuple[torch.Tensor, torch.Tensor]:
-    """The level's packed codes and scales as one integer word per entry (views, no copy): the kernel
-    reads each entry with two loads. Needs ``rank / 2`` and ``2 * rank / group`` bytes of 1, 2, 4 or 8."""
-    code_bytes, scale_bytes = level.rank // 2, 2 * (level.rank // level.group)
-    if code_bytes not in WORD_TYPES or scale_bytes not in WORD_TYPES:
-        raise ValueError(f"residual level of rank {level.rank}, group {level.group}: {code_bytes} code bytes and "
-                         f"{scale_bytes} scale bytes per entry; the kernel reads words of 1, 2, 4 or 8 bytes")
-    if level.token.numel() == 0:
-        device = level.tile_start.device
-        return torch.zeros(1, dtype=WORD_TYPES[code_bytes], device=device), torch.zeros(1, dtype=WORD_TYPES[scale_bytes], device=device)
-    codes = level.packed.contiguous().view(WORD_TYPES[code_bytes]).reshape(-1)
-    scales = level.scales.contiguous().view(torch.uint8).view(WORD_TYPES[scale_bytes]).reshape(-1)
-    return codes, scales
-
-
 def _level_args(levels: tuple[ResidualLevel, ...], dummy: torch.Tensor) -> tuple[list[Any], list[int]]:
     args: list[Any] = []
     meta: list[int] = []
     for i in range(MAX_LEVELS):
         if i < len(levels):
             lv = levels[i]
-            args += [*entry_words(lv), lv.tile_start, lv.tile_mask]
+            args += [lv.packed, lv.scales, lv.tile_start, lv.tile_mask]
             meta += [lv.rank, lv.group]
         else:
             args += [dummy] * 4
@@ -652,7 +627,7 @@ def _launch_packed(view, query, segments, start, m, l, acc, partials, heads, gq,
         krb, vrb, *rb_strides, kg, vg,
         *k_args, *v_args,
         m, l, acc, partials, heads, tiles, qk_scale,
-        GQ=gq, GQP=_pow2(gq, 16), D=dim, R=rank, RC=_pow2(rank, 16), RB=block, RP=_pow2(sum(levels), 16),
+        GQ=gq, GQP=_pow2(gq, 16), D=dim, R=rank, RC=_pow2(rank, 16), RB=block, RP=_pow2(max(levels, default=1), 16),
         RANK0=k_meta[0], GROUP0=k_meta[1], RANK1=k_meta[2], GROUP1=k_meta[3], RANK2=k_meta[4], GROUP2=k_meta[5],
         K_GATES=view.k_gates is not None, V_GATES=view.v_gates is not None, BLOCK_T=block_tokens,
         num_warps=num_warps,

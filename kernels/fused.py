@@ -85,15 +85,6 @@ class FusedKernel(AttentionKernel):
                 )
             if not isinstance(engine.residual_quantizer, Int4GroupQuantizer):
                 raise ComponentError(f"{where}: residuals must be packed by 'int4-group', not '{slots['residual_quantizer'].use}'")
-            int4_group = engine.residual_quantizer.group
-            for rank in levels:
-                code_bytes, scale_bytes = rank // 2, 2 * (rank // min(int4_group, rank))
-                if code_bytes not in (1, 2, 4, 8) or scale_bytes not in (1, 2, 4, 8):
-                    raise ComponentError(
-                        f"{where}: residual level {rank} with int4 group {int4_group} stores {code_bytes} code bytes and "
-                        f"{scale_bytes} scale bytes per entry; the kernel reads each as one word of 1, 2, 4 or 8 bytes "
-                        "(levels up to 16, a group of at least rank / 4)"
-                    )
             if len(levels) > MAX_LEVELS:
                 raise ComponentError(f"{where}: the router has {len(levels)} residual rank levels {levels}; the kernel takes at most {MAX_LEVELS}")
             if any(engine.basis.residual_mixing(len(group)) is not None for group in engine.groups):

@@ -251,7 +251,6 @@ def test_routing_statistics_from_the_packed_storage_equal_the_reconstructed_ones
         ('[pipelines.bad.router]\nuse = "streaming-llm"', ComponentError, "evicts"),
         ('[pipelines.bad.basis]\nrank = 80\n[pipelines.bad.router]\ntarget_reduction = 1.5', ComponentError, "above the kernel's 64"),
         ('[pipelines.bad.kernel]\nsplit_tokens = 48', Exception, "multiple of 32"),
-        ('[pipelines.bad.router]\nlevels = [0, 2, 4, 32]', ComponentError, "one word of 1, 2, 4 or 8 bytes"),
     ],
 )
 def test_fused_refuses_what_it_cannot_read(tmp_path, body, error, words):
