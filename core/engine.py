@@ -281,11 +281,15 @@ class CompressionEngine(EvictionMixin):
             rows = residual_rows(work - approx, mixing)
             ranks = self.router.assign(self._route_block(kind, group_index, work, miss, stats, approx, rows, mixing))
             self._check_ranks(ranks, work.shape[:-1], allow_dropped=False)
+            if self.settings.residual_mode == "basis" and any(self.windows[layer].residual_basis[kind] is None for layer in members):
+                # every member's residual basis from its first block, fitted in one batched call
+                fitted = fit_residual_basis((work - approx if mixing is None else rows).to(block.dtype), max(self.levels))
+                for member, layer in enumerate(members):
+                    if self.windows[layer].residual_basis[kind] is None:
+                        self.windows[layer].residual_basis[kind] = fitted[member].clone()
             for member, layer in enumerate(members):
                 missing = (work[member] - approx[member] if mixing is None else rows[member]).to(block.dtype)
                 window = self.windows[layer]
-                if self.settings.residual_mode == "basis" and window.residual_basis[kind] is None:
-                    window.residual_basis[kind] = fit_residual_basis(missing, max(self.levels))
                 basis = window.residual_basis[kind]
                 entries[member] = encode_residuals(missing, ranks[member], self.residual_quantizer, basis)
                 if mixing is None:

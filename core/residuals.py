@@ -25,6 +25,7 @@ from __future__ import annotations
 import torch
 
 from .interfaces import Quantizer
+from .linalg import top_eigenvectors
 from .storage import TensorMap, tensor_bytes
 
 TILE_TOKENS = 32  # tokens per tile of the residual tile index (one bit each in an int32 mask)
@@ -109,14 +110,18 @@ class ResidualList:
 
 
 def fit_residual_basis(missing: torch.Tensor, rank: int) -> torch.Tensor:
-    """A per-head orthonormal residual basis [B, H, rank, D] (float16): the top right singular vectors
-    of a block's residuals ``missing`` [B, H, n, D], found as the top eigenvectors of the D x D second
-    moment ``missing^T missing`` (one small symmetric eigenproblem per head instead of an SVD of the
-    whole block: the prompt's block can hold tens of thousands of tokens)."""
+    """A per-head orthonormal residual basis [..., rank, D] (float16) for residuals ``missing`` [..., n, D]:
+    the top right singular vectors of the block, found as the top eigenvectors of its ``D x D`` second
+    moment ``missing^T missing`` (the prompt's block can hold tens of thousands of tokens): ``eigh`` on a
+    CPU; on a GPU, which runs ``eigh`` of a 128 x 128 matrix one matrix at a time, batched subspace
+    iteration (:func:`kvweave.core.linalg.top_eigenvectors`), or ``eigh`` when that breaks down or D <= 32."""
     rows = missing.float()
-    moment = rows.transpose(-1, -2) @ rows  # [B, H, D, D]
+    moment = rows.transpose(-1, -2) @ rows  # [..., D, D]
+    found = top_eigenvectors(moment, rank) if moment.is_cuda and moment.shape[-1] > 32 else None
+    if found is not None:
+        return found[0].to(torch.float16).contiguous()
     _, vectors = torch.linalg.eigh(moment)  # ascending eigenvalues; columns are eigenvectors
-    basis = vectors.flip(-1)[..., :rank].transpose(-1, -2)  # [B, H, rank, D], largest first
+    basis = vectors.flip(-1)[..., :rank].transpose(-1, -2)  # [..., rank, D], largest first
     return basis.to(torch.float16).contiguous()
 
 

@@ -11,7 +11,8 @@
   ``[sqrt(ema) diag(sigma_old) P_old ; sqrt(1 - ema) diag(sigma_new) P_new]``, i.e. of the
   exponential moving average of the two rank-``r`` second-moment matrices ``P^T diag(sigma^2) P``.
 
-All computation is float32 on the input's device. The Gaussian test matrices come from a CPU
+All computation is on the input's device, float32 (float64 for the small Gram matrices of the
+Cholesky QR and the final ``k x k`` eigenproblem). The Gaussian test matrices come from a CPU
 ``torch.Generator`` seeded by the caller and are shared by every leading (batch, head) index, so each
 batch row's result depends only on that row's data.
 """
@@ -19,6 +20,8 @@ batch row's result depends only on that row's data.
 from __future__ import annotations
 
 import torch
+
+from kvweave.core.linalg import cholesky_qr
 
 
 def consecutive_windows(num_layers: int, window: int) -> list[tuple[int, ...]]:
@@ -56,7 +59,11 @@ def randomized_top_right(
     """Top-``rank`` right singular vectors of ``rows`` [..., m, C]: (P [..., rank, C], sigma [..., rank]).
 
     Requires ``rank <= C``. Sketch width ``k = min(rank + oversample, C)``; ``power_iterations`` rounds
-    of ``Q <- orth(Y orth(Y^T Q))``; then an SVD of the small ``Q^T Y`` [..., k, C].
+    of ``Q <- orth(Y orth(Y^T Q))``; then the singular vectors of the small ``Q^T Y`` [..., k, C]. On a GPU
+    (``k <= 32``) the orthonormalizations are Cholesky QR and the small SVD comes from the ``k x k``
+    ``eigh`` of ``(Q^T Y)(Q^T Y)^T``, all batched over the leading dimensions (:func:`_range_finder_gram`);
+    a block that makes them break down (fewer independent rows than ``k``, a zero block), and every
+    block on a CPU, takes Householder QR and an SVD.
     """
     y = rows.float()
     channels = y.shape[-1]
@@ -64,6 +71,10 @@ def randomized_top_right(
         raise ValueError(f"rank {rank} exceeds the channel width {channels}")
     k = min(rank + oversample, channels)
     omega = _gaussian((channels, k), seed, y.device)
+    if y.is_cuda and y.shape[-2] >= k and k <= 32:  # on a CPU Householder QR is the faster one
+        found = _range_finder_gram(y, omega, rank, power_iterations)
+        if found is not None:
+            return found
     q, _ = torch.linalg.qr(y @ omega)  # [..., m, min(m, k)]
     for _ in range(power_iterations):
         w, _ = torch.linalg.qr(y.transpose(-1, -2) @ q)  # [..., C, k']
@@ -71,6 +82,27 @@ def randomized_top_right(
     small = q.transpose(-1, -2) @ y  # [..., k', C]
     _, sigma, vh = torch.linalg.svd(small, full_matrices=False)
     return _complete(vh, sigma, rank, seed)
+
+
+def _range_finder_gram(
+    y: torch.Tensor, omega: torch.Tensor, rank: int, power_iterations: int
+) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """:func:`randomized_top_right` by Cholesky QR and a small ``eigh``; ``None`` where it breaks down."""
+    q, ok = cholesky_qr(y @ omega)
+    for _ in range(power_iterations):
+        w, w_ok = cholesky_qr(y.transpose(-1, -2) @ q.float())
+        q, q_ok = cholesky_qr(y @ w.float())
+        ok &= w_ok & q_ok
+    small = (q.float().transpose(-1, -2) @ y).double()  # [..., k, C]
+    values, vectors = torch.linalg.eigh(small @ small.transpose(-1, -2))  # ascending
+    values, vectors = values.flip(-1)[..., :rank], vectors.flip(-1)[..., :rank]
+    sigma = values.clamp_min(0).sqrt()
+    # a direction with (numerically) no energy cannot be normalized: the general path completes it
+    ok &= sigma[..., -1] > 1e-6 * sigma[..., 0].clamp_min(1e-30)
+    if not bool(ok.all()):
+        return None
+    p = (vectors.transpose(-1, -2) @ small) / sigma.unsqueeze(-1)  # [..., rank, C], orthonormal rows
+    return p.float(), sigma.float()
 
 
 def ema_subspace(
