@@ -20,7 +20,7 @@ from kvweave.core.errors import ComponentError, ModelError
 from kvweave.core.registry import load_pipeline
 from kvweave.core.residuals import ResidualList
 from kvweave.core.synthetic import fill_cache
-from kvweave.kernels.depthweave_decode import fused_decode, torch_decode
+from kvweave.kernels.depthweave_decode import choose_split, fused_decode, torch_decode
 
 from conftest import ToyTokenizer, tiny_llama, write_registry
 
@@ -124,6 +124,13 @@ def test_kernel_segments_and_splits_agree(tmp_path):
     for other in outputs[1:]:
         assert torch.allclose(outputs[0], other, atol=1e-3, rtol=1e-2)
 
+
+
+def test_split_fills_the_gpu_without_a_nearly_empty_last_wave():
+    assert choose_split(131008, 8) == 1024  # B = 1, 8 KV heads: 128 segments per row, 1,024 programs
+    assert choose_split(131008, 64) == 2048  # B = 8: capped, 4,096 programs instead of 1,088
+    assert choose_split(4000, 8) == 256  # short caches: at least 256 tokens per program
+    assert all(choose_split(t, rows) % 32 == 0 for t in (999, 65536, 131072) for rows in (1, 8, 960))
 
 def test_kernel_with_bf16_exact_window(tmp_path):
     pipeline = load_pipeline("dw-kernel", write_registry(tmp_path, "kernel", REGISTRY))
