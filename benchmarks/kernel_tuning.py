@@ -2,12 +2,12 @@
 tokens per program (the split).
 
     python benchmarks/kernel_tuning.py [--tokens 131072] [--batch 8] [--blocks 32,64,128] [--warps 1,2,4]
-                                       [--splits 0,512,1024,2048]
+                                       [--splits 0,512,1024,2048] [--stages 0]
 
 Storage as in ``decode_kernel.py`` (Llama-3-8B attention shape, ``depthweave-kv``'s settings). For every
 combination: the kernel's device time (torch profiler, mean of ``--reps`` calls), the programs launched,
 and the largest difference from the torch twin (every setting computes the same attention). Split 0 is
-the cache's own split (about 1,056 programs).
+the cache's own split (``choose_split``); stages 0 is Triton's default pipelining depth.
 """
 
 from __future__ import annotations
@@ -33,6 +33,7 @@ def main() -> None:
     parser.add_argument("--blocks", default="32,64,128")
     parser.add_argument("--warps", default="1,2,4")
     parser.add_argument("--splits", default="0,512,1024,2048")
+    parser.add_argument("--stages", default="0", help="software-pipelining depths (num_stages) to try; 0: Triton's default")
     parser.add_argument("--reps", type=int, default=20)
     parser.add_argument("--pipeline", default="depthweave-kv")
     args = parser.parse_args()
@@ -47,27 +48,28 @@ def main() -> None:
     twin = torch_decode(view, q, None, scale).float()
     print(f"# fused kernel settings, T = {view.packed_tokens} packed tokens, B = {args.batch}, {datetime.date.today()} "
           f"{torch.cuda.get_device_name()}")
-    print("| tokens/iteration | warps | tokens/program | programs | device time (us) | max |diff| vs twin |")
-    print("|---|---|---|---|---|---|")
+    print("| tokens/iteration | warps | stages | tokens/program | programs | device time (us) | max |diff| vs twin |")
+    print("|---|---|---|---|---|---|---|")
     best = None
-    for block, warps, split in itertools.product(
-        [int(x) for x in args.blocks.split(",")], [int(x) for x in args.warps.split(",")], [int(x) for x in args.splits.split(",")]
+    for block, warps, stages, split in itertools.product(
+        [int(x) for x in args.blocks.split(",")], [int(x) for x in args.warps.split(",")],
+        [int(x) for x in args.stages.split(",")], [int(x) for x in args.splits.split(",")],
     ):
         chosen = split or None
         segments = view.segments if chosen is None else resplit(view.segments, chosen)
-        run = lambda: fused_decode(view, q, None, scale, split=chosen, block_tokens=block, num_warps=warps)  # noqa: E731
+        run = lambda: fused_decode(view, q, None, scale, split=chosen, block_tokens=block, num_warps=warps, num_stages=stages or None)  # noqa: E731
         try:
             us = device_us(run, args.reps)
         except Exception as exc:  # a setting the compiler refuses (e.g. out of shared memory)
-            print(f"| {block} | {warps} | {split or 'cache'} | - | failed: {type(exc).__name__} | |")
+            print(f"| {block} | {warps} | {stages or 'default'} | {split or 'cache'} | - | failed: {type(exc).__name__} | |")
             continue
         error = (run().float() - twin).abs().max().item()
         programs = segments.shape[0] * args.batch * KV_HEADS
-        print(f"| {block} | {warps} | {split or 'cache'} | {programs} | {us:.1f} | {error:.2e} |", flush=True)
+        print(f"| {block} | {warps} | {stages or 'default'} | {split or 'cache'} | {programs} | {us:.1f} | {error:.2e} |", flush=True)
         if best is None or us < best[0]:
-            best = (us, block, warps, split or "cache")
+            best = (us, block, warps, stages or "default", split or "cache")
     if best is not None:
-        print(f"fastest: {best[0]:.1f} us at {best[1]} tokens/iteration, {best[2]} warps, split {best[3]}")
+        print(f"fastest: {best[0]:.1f} us at {best[1]} tokens/iteration, {best[2]} warps, stages {best[3]}, split {best[4]}")
 
 
 if __name__ == "__main__":

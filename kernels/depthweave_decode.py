@@ -515,10 +515,11 @@ def _prepare(view: DecodeView, query: torch.Tensor, partials: int) -> tuple[torc
 
 def fused_decode(
     view: DecodeView, query: torch.Tensor, start: torch.Tensor | None, scale: float, split: int | None = None,
-    block_tokens: int = 64, num_warps: int = 1,
+    block_tokens: int = 64, num_warps: int = 1, num_stages: int | None = None,
 ) -> torch.Tensor:
     """The Triton kernel: ``query`` [B, Hq, D] -> [B, Hq, D] (query dtype). ``split``: tokens per segment
-    (default: the view's segments); ``block_tokens``: tokens per loop iteration (a multiple of 32)."""
+    (default: the view's segments); ``block_tokens``: tokens per loop iteration (a multiple of 32);
+    ``num_stages``: Triton's software-pipelining depth for the packed-token loop (None: Triton's default)."""
     batch, q_heads, dim = query.shape
     heads = view.exact_k.shape[1]
     gq = q_heads // heads
@@ -536,7 +537,7 @@ def fused_decode(
     m, l, acc = _prepare(view, query, partials)
     qk_scale = float(scale) * LOG2E
     if n_seg:
-        _launch_packed(view, query, segments, start, m, l, acc, partials, heads, gq, dim, qk_scale, block_tokens, num_warps)
+        _launch_packed(view, query, segments, start, m, l, acc, partials, heads, gq, dim, qk_scale, block_tokens, num_warps, num_stages)
     exact = view.exact_k
     if exact.stride(-1) != 1 or exact.stride() != view.exact_v.stride():
         raise ValueError("the exact window's keys and values must share one layout, contiguous along head_dim")
@@ -591,7 +592,7 @@ def _level_args(levels: tuple[ResidualLevel, ...], dummy: torch.Tensor) -> tuple
     return args, meta
 
 
-def _launch_packed(view, query, segments, start, m, l, acc, partials, heads, gq, dim, qk_scale, block_tokens, num_warps) -> None:
+def _launch_packed(view, query, segments, start, m, l, acc, partials, heads, gq, dim, qk_scale, block_tokens, num_warps, num_stages=None) -> None:
     """Launch the packed-token pass over ``segments``, writing partial (max, sum, output) slots
     ``(row * gq + g) * partials + segment`` of ``m``, ``l``, ``acc``."""
     batch = query.shape[0]
@@ -633,5 +634,5 @@ def _launch_packed(view, query, segments, start, m, l, acc, partials, heads, gq,
         GQ=gq, GQP=_pow2(gq, 16), D=dim, R=rank, RC=_pow2(rank, 16), RB=block, RP=_pow2(max(levels, default=1), 16),
         RANK0=k_meta[0], GROUP0=k_meta[1], RANK1=k_meta[2], GROUP1=k_meta[3], RANK2=k_meta[4], GROUP2=k_meta[5],
         K_GATES=view.k_gates is not None, V_GATES=view.v_gates is not None, BLOCK_T=block_tokens,
-        num_warps=num_warps,
+        num_warps=num_warps, **({} if num_stages is None else {"num_stages": num_stages}),
     )
