@@ -7,7 +7,8 @@ tokens per program (the split).
 Storage as in ``decode_kernel.py`` (Llama-3-8B attention shape, ``depthweave-kv``'s settings). For every
 combination: the kernel's device time (torch profiler, mean of ``--reps`` calls), the programs launched,
 and the largest difference from the torch twin (every setting computes the same attention). Split 0 is
-the cache's own split (``choose_split``); stages 0 is Triton's default pipelining depth.
+the cache's own split (``choose_split``); stages 0 is Triton's default pipelining depth (3);
+kvweave's default is 1.
 """
 
 from __future__ import annotations
@@ -33,7 +34,7 @@ def main() -> None:
     parser.add_argument("--blocks", default="32,64,128")
     parser.add_argument("--warps", default="1,2,4")
     parser.add_argument("--splits", default="0,512,1024,2048")
-    parser.add_argument("--stages", default="0", help="software-pipelining depths (num_stages) to try; 0: Triton's default")
+    parser.add_argument("--stages", default="0", help="software-pipelining depths (num_stages) to try; 0: Triton's default (3); kvweave launches 1")
     parser.add_argument("--reps", type=int, default=20)
     parser.add_argument("--pipeline", default="depthweave-kv")
     args = parser.parse_args()

@@ -515,11 +515,12 @@ def _prepare(view: DecodeView, query: torch.Tensor, partials: int) -> tuple[torc
 
 def fused_decode(
     view: DecodeView, query: torch.Tensor, start: torch.Tensor | None, scale: float, split: int | None = None,
-    block_tokens: int = 64, num_warps: int = 1, num_stages: int | None = None,
+    block_tokens: int = 64, num_warps: int = 1, num_stages: int | None = 1,
 ) -> torch.Tensor:
     """The Triton kernel: ``query`` [B, Hq, D] -> [B, Hq, D] (query dtype). ``split``: tokens per segment
     (default: the view's segments); ``block_tokens``: tokens per loop iteration (a multiple of 32);
-    ``num_stages``: Triton's software-pipelining depth for the packed-token loop (None: Triton's default)."""
+    ``num_stages``: Triton's software-pipelining depth for the packed-token loop (None: Triton's default, 3;
+    1, no pipelining, was 10 % faster on the H200 at 128K tokens: ``benchmarks/kernel_tuning.py --stages``)."""
     batch, q_heads, dim = query.shape
     heads = view.exact_k.shape[1]
     gq = q_heads // heads
@@ -551,7 +552,9 @@ def fused_decode(
     return out
 
 
-def fused_packed_logsumexp(view: DecodeView, query: torch.Tensor, scale: float, block_tokens: int = 64, num_warps: int = 1) -> torch.Tensor:
+def fused_packed_logsumexp(
+    view: DecodeView, query: torch.Tensor, scale: float, block_tokens: int = 64, num_warps: int = 1, num_stages: int | None = 1,
+) -> torch.Tensor:
     """:func:`torch_packed_logsumexp` by the kernel's packed-token pass: its per-segment (max, sum) merged."""
     batch, q_heads, dim = query.shape
     n_seg = view.segments.shape[0] if view.packed_tokens else 0
@@ -562,7 +565,7 @@ def fused_packed_logsumexp(view: DecodeView, query: torch.Tensor, scale: float, 
     gq = q_heads // heads
     start = torch.zeros(batch, dtype=torch.int32, device=query.device)
     _launch_packed(view, query.contiguous(), view.segments, start, m, l, acc, n_seg, heads, gq, dim,
-                   float(scale) * LOG2E, block_tokens, num_warps)
+                   float(scale) * LOG2E, block_tokens, num_warps, num_stages)
     m, l = m.view(batch, q_heads, n_seg), l.view(batch, q_heads, n_seg)
     top = m.amax(dim=-1, keepdim=True)
     total = (l * torch.exp2(m - top)).sum(dim=-1)
