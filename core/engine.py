@@ -283,7 +283,7 @@ class CompressionEngine(EvictionMixin):
             self._check_ranks(ranks, work.shape[:-1], allow_dropped=False)
             if self.settings.residual_mode == "basis" and any(self.windows[layer].residual_basis[kind] is None for layer in members):
                 # every member's residual basis from its first block, fitted in one batched call
-                fitted = fit_residual_basis((work - approx if mixing is None else rows).to(block.dtype), max(self.levels))
+                fitted = fit_residual_basis(rows, max(self.levels))  # rows: the misses, or their mixed rows
                 for member, layer in enumerate(members):
                     if self.windows[layer].residual_basis[kind] is None:
                         self.windows[layer].residual_basis[kind] = fitted[member].clone()

@@ -115,8 +115,10 @@ def fit_residual_basis(missing: torch.Tensor, rank: int) -> torch.Tensor:
     moment ``missing^T missing`` (the prompt's block can hold tens of thousands of tokens): ``eigh`` on a
     CPU; on a GPU, which runs ``eigh`` of a 128 x 128 matrix one matrix at a time, batched subspace
     iteration (:func:`kvweave.core.linalg.top_eigenvectors`), or ``eigh`` when that breaks down or D <= 32."""
-    rows = missing.float()
-    moment = rows.transpose(-1, -2) @ rows  # [..., D, D]
+    if missing.dim() < 3:
+        raise ValueError(f"residuals must be [..., n, D] with at least one leading dimension, got {tuple(missing.shape)}")
+    # [..., D, D], one leading index at a time: a prompt's block in float32 would be several GB at once
+    moment = torch.stack([part.float().transpose(-1, -2) @ part.float() for part in missing])
     found = top_eigenvectors(moment, rank) if moment.is_cuda and moment.shape[-1] > 32 else None
     if found is not None:
         return found[0].to(torch.float16).contiguous()
