@@ -140,10 +140,11 @@ def decode(model, cache, batch: int, tokens: int, steps: int, device: str) -> di
     steps_s.sort()
     median = steps_s[len(steps_s) // 2]
     mean = sum(steps_s) / len(steps_s)
+    stored = cache_bytes(cache)
     return {
         "median_step_ms": round(median * 1e3, 2), "mean_step_ms": round(mean * 1e3, 2),
         "tokens_per_s_median": round(batch / median, 1), "tokens_per_s_mean": round(batch / mean, 1),
-        "peak_gb": round(peak_bytes() / 1e9, 2), "cache_gb": round(cache_bytes(cache) / 1e9, 3), "cache_bytes": cache_bytes(cache),
+        "peak_gb": round(peak_bytes() / 1e9, 2), "cache_gb": round(stored / 1e9, 3), "cache_bytes": stored,
     }
 
 

@@ -471,6 +471,18 @@ if triton is not None:
         tl.store(out_ptr + row * D + d, result.to(out_ptr.dtype.element_ty))
 
 
+_PLACEHOLDERS: dict[tuple[torch.device, torch.dtype], torch.Tensor] = {}
+
+
+def placeholder(device: torch.device, dtype: torch.dtype = torch.int32) -> torch.Tensor:
+    """A one-element tensor of ``dtype`` on ``device``, made once: what a kernel argument points to when its
+    input is absent (a missing residual level, no gates), so decode steps launch no kernel to make one."""
+    key = (torch.device(device), dtype)
+    if key not in _PLACEHOLDERS:
+        _PLACEHOLDERS[key] = torch.zeros(1, dtype=dtype, device=device)
+    return _PLACEHOLDERS[key]
+
+
 def _pow2(n: int, least: int = 2) -> int:
     return max(least, 1 << max(0, (int(n) - 1).bit_length()))
 
@@ -601,7 +613,7 @@ def _launch_packed(view, query, segments, start, m, l, acc, partials, heads, gq,
     batch = query.shape[0]
     rank = view.k_codes.shape[-1]
     block = view.block
-    dummy = torch.zeros(1, dtype=torch.int32, device=query.device)
+    dummy = placeholder(query.device)
     k_args, k_meta = _level_args(view.k_levels, dummy)
     v_args, v_meta = _level_args(view.v_levels, dummy)
     for i, (a, b) in enumerate(zip(view.k_levels, view.v_levels)):

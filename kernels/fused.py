@@ -31,8 +31,8 @@ from kvweave.plugins.quantizers.int4_group import Int4GroupQuantizer
 from kvweave.plugins.quantizers.int8_block import Int8BlockQuantizer
 
 from .depthweave_decode import (
-    MAX_LEVELS, TILE, DecodeView, ResidualLevel, choose_split, fused_decode, fused_packed_logsumexp, torch_decode,
-    torch_packed_logsumexp, version_segments,
+    MAX_LEVELS, TILE, DecodeView, ResidualLevel, choose_split, fused_decode, fused_packed_logsumexp, placeholder,
+    torch_decode, torch_packed_logsumexp, version_segments,
 )
 
 BACKENDS = ("auto", "triton", "torch")
@@ -133,8 +133,9 @@ class FusedKernel(AttentionKernel):
                     f = lists.fields
                     built.append(ResidualLevel(rank, group, f["token"], f["row"], f["q_packed"], f["q_scales"], start, mask))
                 else:
-                    none = torch.zeros(1, dtype=torch.int32, device=device)
-                    built.append(ResidualLevel(rank, group, none[:0], none[:0], none.to(torch.uint8), none.to(torch.float16), start, mask))
+                    none = placeholder(device)
+                    built.append(ResidualLevel(rank, group, none[:0], none[:0], placeholder(device, torch.uint8),
+                                               placeholder(device, torch.float16), start, mask))
             levels[kind] = tuple(built)
         gates = {kind: engine.router.gates(layer, kind) for kind in ("keys", "values")}
         gates = {kind: None if g is None else _on(state, ("gates", layer, kind), g, device) for kind, g in gates.items()}
