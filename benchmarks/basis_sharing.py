@@ -31,10 +31,10 @@ import sys
 import attrs
 import torch
 
-from kvweave.core import cache_kwargs
-from kvweave.core.models import load_model
+from kvweave.engine import cache_kwargs
+from kvweave.tools.models import load_model
 from kvweave.plugins.bases._sketch import consecutive_windows
-from kvweave.core.data import essays_text
+from kvweave.tools.data import essays_text
 from kvweave.plugins.bases.layer_share import LayerShareBasis
 from kvweave.plugins.bases.sketch_ema import SketchEmaBasis
 

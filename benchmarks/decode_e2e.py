@@ -5,7 +5,7 @@
 For each method (``full``: DynamicCache + sdpa; ``depthweave-kv``: the fused kernel; its reference-kernel
 ablation) and batch size: the cache is pre-filled with ``--context`` tokens per sequence (random K/V for
 the full cache; synthetic cross-layer K/V through kvweave's own encoder for the compressed ones, see
-:mod:`kvweave.core.synthetic`), then ``model.generate`` decodes ``--steps`` tokens. Reported: the median
+:mod:`kvweave.engine.synthetic`), then ``model.generate`` decodes ``--steps`` tokens. Reported: the median
 and the mean decode step (the mean includes the steps that compress a block), tokens/s = B / step, the
 cache's stored bytes and the peak of ``torch.cuda.max_memory_allocated`` during decoding. ``--max-batch``
 adds, per method, the largest batch that fits (the full cache: the issue's measured 12, checked here; the
@@ -30,10 +30,10 @@ from pathlib import Path
 import torch
 from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM, StoppingCriteria, StoppingCriteriaList
 
-from kvweave.core import build_cache, cache_kwargs
-from kvweave.core.cache import KVWeaveCache
+from kvweave.engine import build_cache, cache_kwargs
+from kvweave.engine.cache import KVWeaveCache
 from kvweave.core.registry import load_pipeline
-from kvweave.core.synthetic import fill_cache
+from kvweave.engine.synthetic import fill_cache
 
 
 class Ids:

@@ -5,7 +5,7 @@
 Shape: Llama-3-8B attention (32 query heads, 8 KV heads, head_dim 128), one new query token per sequence.
 For each context length the storage is written by the real engine with ``depthweave-kv``'s settings
 (one 4-layer window: the kernel reads one layer; budget, versions and residual lists as in a full model)
-from synthetic cross-layer-structured K/V (:mod:`kvweave.core.synthetic`); the full cache is random bf16
+from synthetic cross-layer-structured K/V (:mod:`kvweave.engine.synthetic`); the full cache is random bf16
 K/V of the same size. Batch 1 uses the first row of the batch-8 storage.
 
 Reported per (T, B): SDPA time and kernel time (GPU time: the kernels' device time from the torch profiler,
@@ -28,10 +28,10 @@ import torch
 import torch.nn.functional as F
 from transformers import LlamaConfig
 
-from kvweave.core.cache import KVWeaveCache
+from kvweave.engine.cache import KVWeaveCache
 from kvweave.core.registry import load_pipeline
-from kvweave.core.residuals import ResidualList
-from kvweave.core.synthetic import fill_cache
+from kvweave.engine.residuals import ResidualList
+from kvweave.engine.synthetic import fill_cache
 from kvweave.kernels.depthweave_decode import TILE, DecodeView, ResidualLevel, choose_split, fused_decode, resplit, torch_decode
 
 Q_HEADS, KV_HEADS, HEAD_DIM = 32, 8, 128

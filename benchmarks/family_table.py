@@ -33,12 +33,12 @@ from typing import Any
 import torch
 from tqdm.auto import tqdm
 
-from kvweave.core import metrics
-from kvweave.core.data import essays_text, leading_token_ids
+from kvweave.tools import metrics
+from kvweave.tools.data import essays_text, leading_token_ids
 from kvweave.core.errors import KvweaveError
-from kvweave.core.generation import generate
-from kvweave.core.models import emulate_bf16_gemm, load_model
-from kvweave.core.pipeline import build_cache
+from kvweave.engine.generation import generate
+from kvweave.tools.models import emulate_bf16_gemm, load_model
+from kvweave.engine.pipeline import build_cache
 from kvweave.core.registry import ResolvedPipeline, load_registry
 
 NEEDLES = (  # (needle sentence, question, expected answer)

@@ -19,9 +19,9 @@ import itertools
 
 import torch
 
-from kvweave.core.cache import KVWeaveCache
+from kvweave.engine.cache import KVWeaveCache
 from kvweave.core.registry import load_pipeline
-from kvweave.core.synthetic import fill_cache
+from kvweave.engine.synthetic import fill_cache
 from kvweave.kernels.depthweave_decode import fused_decode, resplit, torch_decode
 
 from decode_kernel import HEAD_DIM, KV_HEADS, Q_HEADS, device_us, llama3_window_config

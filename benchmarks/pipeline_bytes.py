@@ -14,8 +14,8 @@ from pathlib import Path
 
 import torch
 
-from kvweave.core import build_cache, cache_kwargs
-from kvweave.core.models import load_model
+from kvweave.engine import build_cache, cache_kwargs
+from kvweave.tools.models import load_model
 from kvweave.core.registry import load_registry
 
 DEFAULT_PROMPT = Path(__file__).parents[1] / "examples" / "prompts" / "harbour-report.txt"

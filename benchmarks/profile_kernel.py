@@ -15,9 +15,9 @@ import argparse
 import torch
 from torch.profiler import ProfilerActivity, profile
 
-from kvweave.core.cache import KVWeaveCache
+from kvweave.engine.cache import KVWeaveCache
 from kvweave.core.registry import load_pipeline
-from kvweave.core.synthetic import fill_cache
+from kvweave.engine.synthetic import fill_cache
 from kvweave.kernels.depthweave_decode import fused_decode
 
 from decode_kernel import HEAD_DIM, Q_HEADS, llama3_window_config

@@ -21,8 +21,8 @@ from collections import defaultdict
 import torch
 from transformers import DynamicCache
 
-import kvweave.core.engine as engine_module
-from kvweave.core import build_cache, cache_kwargs
+import kvweave.engine.engine as engine_module
+from kvweave.engine import build_cache, cache_kwargs
 from kvweave.core.registry import load_pipeline
 
 from decode_e2e import Ids, llama3_8b, random_model, sync

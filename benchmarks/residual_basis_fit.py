@@ -16,7 +16,7 @@ import time
 
 import torch
 
-from kvweave.core.residuals import fit_residual_basis
+from kvweave.engine.residuals import fit_residual_basis
 
 
 def median_seconds(fn, device: str, reps: int = 5) -> float:

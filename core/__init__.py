@@ -1,31 +1,21 @@
-"""kvweave's engine: hook specs, plugin manager, component interfaces, registry, cache, CLI.
+"""kvweave's plugin framework: hook specs, plugin host, component interfaces, registry, parameters, errors.
 
-The public entry points::
+This layer knows nothing of caches or models; the cache engine (:mod:`kvweave.engine`) and the user
+tools (:mod:`kvweave.tools`) are built on it. A plugin needs only this package::
 
-    from kvweave.core import load_pipeline, build_cache
-
-    pipeline = load_pipeline("int4")              # from the built-in registry.toml
-    cache = build_cache(pipeline, model)          # a transformers.Cache holding packed tensors
-    model.generate(**inputs, **cache_kwargs(model, cache))
+    from kvweave.core import hookimpl
+    from kvweave.core.interfaces import Router, RouteBlock
 """
 
-from .hookspecs import hookimpl
+from kvweave.core.hookspecs import hookimpl
 
-__all__ = ["hookimpl", "load_pipeline", "build_cache", "cache_kwargs", "load_registry"]
+__all__ = ["hookimpl", "load_pipeline", "load_registry"]
 
 
 def __getattr__(name: str):
     # Lazy, so that `import kvweave.core` (done by every plugin for `hookimpl`) stays cheap.
     if name in ("load_pipeline", "load_registry"):
-        from . import registry
+        from kvweave.core import registry
 
         return getattr(registry, name)
-    if name in ("build_cache",):
-        from . import pipeline
-
-        return getattr(pipeline, name)
-    if name == "cache_kwargs":
-        from . import generation
-
-        return generation.cache_kwargs
     raise AttributeError(f"module 'kvweave.core' has no attribute {name!r}")

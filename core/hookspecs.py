@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING
 import pluggy
 
 if TYPE_CHECKING:
-    from .plugins import Registrar
+    from kvweave.core.plugins import Registrar
 
 PROJECT_NAME = "kvweave"
 

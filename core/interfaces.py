@@ -20,7 +20,7 @@ from typing import Any, ClassVar
 import attrs
 import torch
 
-from .errors import ModelError
+from kvweave.core.errors import ModelError
 
 #: The router level of an evicted token: its key and value are not stored at all (their bytes leave
 #: ``memory_bytes()``) and attention no longer sees it. A router that evicts lists it in ``levels()``.

@@ -16,9 +16,9 @@ from typing import Any, Iterator
 import attrs
 import pluggy
 
-from . import hookspecs
-from .errors import ComponentError, PluginError
-from .interfaces import GROUP_INTERFACES, Component
+from kvweave.core import hookspecs
+from kvweave.core.errors import ComponentError, PluginError
+from kvweave.core.interfaces import GROUP_INTERFACES, Component
 
 ENTRY_POINT_GROUP = "kvweave"
 DISABLE_ENV = "KVWEAVE_DISABLE_PLUGINS"

@@ -24,10 +24,10 @@ from typing import Any
 
 import attrs
 
-from . import plugins
-from .errors import ComponentError, RegistryError
-from .interfaces import SLOT_GROUPS, Component
-from .params import choice, integer
+from kvweave.core import plugins
+from kvweave.core.errors import ComponentError, RegistryError
+from kvweave.core.interfaces import SLOT_GROUPS, Component
+from kvweave.core.params import choice, integer
 
 BUILTIN_REGISTRY = Path(__file__).with_name("registry.toml").resolve()
 PIPELINE_KEYS = ("description", "extends")

@@ -50,7 +50,7 @@ LOG2E = 1.4426950408889634
 
 @attrs.frozen
 class ResidualLevel:
-    """One rank level's residual entries of one layer and kind (see :mod:`kvweave.core.residuals`)."""
+    """One rank level's residual entries of one layer and kind (see :mod:`kvweave.engine.residuals`)."""
 
     rank: int
     group: int  # int4 channels per scale at this rank

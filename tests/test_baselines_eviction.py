@@ -16,8 +16,8 @@ import pytest
 import torch
 from transformers import DynamicCache
 
-from kvweave.core import build_cache, cache_kwargs
-from kvweave.core.cache import KVWeaveCache
+from kvweave.engine import build_cache, cache_kwargs
+from kvweave.engine.cache import KVWeaveCache
 from kvweave.core.errors import BudgetError, CacheStateError, KvweaveError, ModelError
 from kvweave.core.interfaces import DROPPED
 from kvweave.core.registry import load_pipeline
@@ -475,7 +475,7 @@ def test_each_baseline_pipeline_generates_on_a_tiny_model(name):
 @pytest.mark.model
 def test_snapkv_generate_on_the_default_model_through_the_cli():
     result = subprocess.run(
-        [sys.executable, "-c", "from kvweave.core.cli import main; raise SystemExit(main())", "generate", "--pipeline", "snapkv", "--prompt",
+        [sys.executable, "-c", "from kvweave.tools.cli import main; raise SystemExit(main())", "generate", "--pipeline", "snapkv", "--prompt",
          "The harbour opened at dawn. " * 40 + "When did the harbour open?", "--max-new-tokens", "8", "--dtype", "bfloat16"],
         capture_output=True, text=True, timeout=600,
     )

@@ -8,9 +8,9 @@ import textwrap
 import pytest
 import torch
 
-from kvweave.core import build_cache, cache_kwargs
+from kvweave.engine import build_cache, cache_kwargs
 from kvweave.core.errors import ModelError
-from kvweave.core.generation import generate
+from kvweave.engine.generation import generate
 from kvweave.core.interfaces import ModelShape
 from kvweave.core.registry import load_pipeline
 from kvweave.plugins.bases.eigen_lowrank import EigenLowRankBasis

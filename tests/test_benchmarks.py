@@ -33,9 +33,9 @@ from typing import Any
 import pytest
 import torch
 
-from kvweave.core.cache import KVWeaveCache
-from kvweave.core.pipeline import build_cache
-from kvweave.core.generation import cache_kwargs
+from kvweave.engine.cache import KVWeaveCache
+from kvweave.engine.pipeline import build_cache
+from kvweave.engine.generation import cache_kwargs
 from kvweave.core.registry import load_registry
 
 from conftest import ToyTokenizer

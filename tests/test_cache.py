@@ -9,8 +9,8 @@ import pytest
 import torch
 from transformers import DynamicCache
 
-from kvweave.core import build_cache, cache_kwargs
-from kvweave.core.cache import model_shape
+from kvweave.engine import build_cache, cache_kwargs
+from kvweave.engine.cache import model_shape
 from kvweave.core.errors import CacheStateError, ModelError
 from kvweave.core.registry import load_pipeline
 

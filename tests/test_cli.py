@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from kvweave.core.cli import main
+from kvweave.tools.cli import main
 
 
 def run(capsys, *argv):

@@ -8,8 +8,8 @@ import textwrap
 import pytest
 import torch
 
-from kvweave.core import build_cache, cache_kwargs
-from kvweave.core.cache import KVWeaveCache
+from kvweave.engine import build_cache, cache_kwargs
+from kvweave.engine.cache import KVWeaveCache
 from kvweave.core.errors import BudgetError, CacheStateError
 from kvweave.core.interfaces import RouteBlock
 from kvweave.core.registry import load_pipeline
@@ -236,7 +236,7 @@ def test_residuals_on_a_per_layer_basis_store_no_indices_and_keep_the_budget(reg
 
 
 def test_a_full_rank_residual_basis_restores_the_residual():
-    from kvweave.core.residuals import add_residuals, encode_residuals, fit_residual_basis
+    from kvweave.engine.residuals import add_residuals, encode_residuals, fit_residual_basis
     from kvweave.plugins.quantizers.passthrough import NoQuantizer
 
     torch.manual_seed(0)

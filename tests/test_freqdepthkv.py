@@ -9,12 +9,12 @@ import attrs
 import pytest
 import torch
 
-from kvweave.core import build_cache, cache_kwargs
+from kvweave.engine import build_cache, cache_kwargs
 from kvweave.core.errors import BudgetError, ModelError
-from kvweave.core.generation import generate
+from kvweave.engine.generation import generate
 from kvweave.core.interfaces import ModelShape, RouteBlock
 from kvweave.core.registry import load_pipeline
-from kvweave.core.residuals import encode_residuals, mix_residuals, residual_rows
+from kvweave.engine.residuals import encode_residuals, mix_residuals, residual_rows
 from kvweave.plugins.bases.dct_depth import DctDepthBasis, dct_matrix
 from kvweave.plugins.probes.prefill_logit import PrefillLogitProbe
 from kvweave.plugins.quantizers.passthrough import NoQuantizer
@@ -58,7 +58,7 @@ def test_all_frequencies_restore_the_block_exactly(mode, size):
     assert all("index" not in fields for entry in lists for fields in entry.values())  # full rank: no indices
     for m in range(size):
         if mixing is None:
-            from kvweave.core.residuals import add_residuals
+            from kvweave.engine.residuals import add_residuals
 
             restored = add_residuals(approx[m], lists[m], NoQuantizer())
         else:
@@ -412,7 +412,7 @@ def test_each_pipeline_generates_on_the_tiny_model(model, name):
 
 @pytest.mark.model
 def test_kvweave_generate_runs_freqdepthkv_on_the_default_model(capsys):
-    from kvweave.core.cli import main
+    from kvweave.tools.cli import main
 
     code = main(["generate", "--pipeline", "freqdepthkv", "--prompt", "The harbour master wrote that the ships", "--max-new-tokens", "8", "--dtype", "bfloat16"])
     out = capsys.readouterr().out

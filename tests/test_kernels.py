@@ -14,12 +14,12 @@ import pytest
 import torch
 from transformers import LlamaConfig
 
-from kvweave.core import build_cache, cache_kwargs
-from kvweave.core.cache import KVWeaveCache
+from kvweave.engine import build_cache, cache_kwargs
+from kvweave.engine.cache import KVWeaveCache
 from kvweave.core.errors import ComponentError, ModelError
 from kvweave.core.registry import load_pipeline
-from kvweave.core.residuals import ResidualList
-from kvweave.core.synthetic import fill_cache
+from kvweave.engine.residuals import ResidualList
+from kvweave.engine.synthetic import fill_cache
 from kvweave.kernels.depthweave_decode import choose_split, fused_decode, torch_decode
 
 from conftest import ToyTokenizer, tiny_llama, write_registry
@@ -273,7 +273,7 @@ def test_fused_refuses_unsupported_head_dim():
 
 def test_fused_refuses_attention_it_does_not_compute():
     """A model whose attention caps its logits (Gemma-2 style) gets an error at the first fused decode step."""
-    from kvweave.core.observation import _observing_attention
+    from kvweave.engine.observation import _observing_attention
 
     model = tiny_llama(layers=4, hidden=256)
     cache = build_cache(load_pipeline("depthweave-kv"), model, tokenizer=ToyTokenizer())

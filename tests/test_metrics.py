@@ -1,4 +1,4 @@
-"""kvweave.core.metrics on a tiny random Llama (CPU, seconds): Eq. (3) error, chunked perplexity, needles."""
+"""kvweave.tools.metrics on a tiny random Llama (CPU, seconds): Eq. (3) error, chunked perplexity, needles."""
 
 from __future__ import annotations
 
@@ -6,7 +6,8 @@ import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
-from kvweave.core import build_cache, metrics
+from kvweave.engine import build_cache
+from kvweave.tools import metrics
 
 
 @pytest.fixture(scope="module")

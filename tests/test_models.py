@@ -1,4 +1,4 @@
-"""Tests for kvweave.core.models: resolving model specs, the cache location, GGUF conversion."""
+"""Tests for kvweave.tools.models: resolving model specs, the cache location, GGUF conversion."""
 
 from __future__ import annotations
 
@@ -10,9 +10,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from kvweave.core import models
+from kvweave.tools import models
 from kvweave.core.errors import ModelError
-from kvweave.core.models import (
+from kvweave.tools.models import (
     DEFAULT_MODEL,
     ModelSource,
     default_model_dir,

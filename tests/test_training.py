@@ -10,10 +10,10 @@ import torch
 import transformers
 
 from kvweave.core.errors import KvweaveError
-from kvweave.core.generation import cache_kwargs
-from kvweave.core.pipeline import build_cache
+from kvweave.engine.generation import cache_kwargs
+from kvweave.engine.pipeline import build_cache
 from kvweave.core.registry import load_pipeline, load_registry
-from kvweave.core.training import (
+from kvweave.tools.training import (
     Sample,
     TrainingError,
     add_train_command,

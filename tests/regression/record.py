@@ -21,8 +21,8 @@ NEW_TOKENS = 40  # enough decode steps for a block to leave the exact window whi
 
 def run(pipeline: str, model, tokenizer) -> dict:
     """Generate greedily after the report with ``pipeline``; the new token ids and the stored bytes."""
-    from kvweave.core import build_cache
-    from kvweave.core.generation import generate
+    from kvweave.engine import build_cache
+    from kvweave.engine.generation import generate
 
     text = PROMPT_FILE.read_text()
     prompt = tokenizer.apply_chat_template([{"role": "user", "content": text}], tokenize=False, add_generation_prompt=True)
@@ -41,7 +41,7 @@ def run(pipeline: str, model, tokenizer) -> dict:
 
 
 def main() -> int:
-    from kvweave.core.models import load_model
+    from kvweave.tools.models import load_model
 
     torch.manual_seed(0)
     model, tokenizer = load_model("default", device="cpu")

@@ -22,11 +22,11 @@ from typing import Any
 import torch
 from transformers import DynamicCache
 
-from .generation import cache_kwargs
-from .interfaces import KINDS
-from .observation import ATTENTION_NAME
-from .pipeline import build_cache
-from .registry import Registry, ResolvedPipeline
+from kvweave.engine.generation import cache_kwargs
+from kvweave.core.interfaces import KINDS
+from kvweave.engine.observation import ATTENTION_NAME
+from kvweave.engine.pipeline import build_cache
+from kvweave.core.registry import Registry, ResolvedPipeline
 
 
 

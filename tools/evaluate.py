@@ -9,13 +9,13 @@ Tasks (each a subcommand; ``table`` runs several and assembles them):
 * ``ppl``: perplexity of essay text fed in chunks (the cache compresses as it fills), against a
   DynamicCache fed identically.
 * ``fidelity``: Eq. (3) attention-output relative error per layer and overall (see
-  :func:`kvweave.core.metrics.attention_output_error`).
+  :func:`kvweave.tools.metrics.attention_output_error`).
 * ``speed``: time to first token, decode tokens/s, stored bytes and (on CUDA) peak memory of one
   generation from a prompt of ``--speed-tokens`` tokens.
 
 A run folder holds ``settings.json`` (the settings, and per session the command, date, git commit,
 package versions and device), ``cells.jsonl`` (one line per finished cell, written as it finishes) and
-the outputs (drawn and tabulated by :mod:`kvweave.core.eval_report`). Rerunning the same command resumes: finished cells are read back, the rest are run. A
+the outputs (drawn and tabulated by :mod:`kvweave.tools.eval_report`). Rerunning the same command resumes: finished cells are read back, the rest are run. A
 folder written with other settings is refused (``--fresh`` discards it); adding pipelines to a folder is
 allowed, since every cell is keyed by its pipeline.
 """
@@ -39,13 +39,15 @@ from typing import Any
 import attrs
 import torch
 
-from . import datasets, metrics, scoring
-from .data import essays_text, leading_token_ids
-from .eval_report import fidelity_plot, needle_heatmap, write_table
-from .errors import KvweaveError
-from .generation import generate
-from .pipeline import build_cache
-from .registry import Registry, ResolvedPipeline, load_registry
+from kvweave.tools import datasets
+from kvweave.tools import metrics
+from kvweave.tools import scoring
+from kvweave.tools.data import essays_text, leading_token_ids
+from kvweave.tools.eval_report import fidelity_plot, needle_heatmap, write_table
+from kvweave.core.errors import KvweaveError
+from kvweave.engine.generation import generate
+from kvweave.engine.pipeline import build_cache
+from kvweave.core.registry import Registry, ResolvedPipeline, load_registry
 
 TASKS = ("needle", "qa", "ppl", "fidelity", "speed")
 PPL_OFFSET = 2_600_000  # characters into the essays: text the needle haystacks never use
@@ -557,7 +559,7 @@ def _task_settings(args: argparse.Namespace, task: str) -> dict[str, Any]:
 
 def _model_label_for(spec: str) -> str:
     """The model's name in tables and plots: SmolLM2-135M-Instruct for ``default``, else the folder or file name."""
-    from .models import DEFAULT_MODEL, DEFAULT_MODEL_NAME
+    from kvweave.tools.models import DEFAULT_MODEL, DEFAULT_MODEL_NAME
 
     return DEFAULT_MODEL_NAME if spec == DEFAULT_MODEL else Path(spec.rstrip("/")).name
 
@@ -571,7 +573,7 @@ def command_line(argv: list[str] | None) -> str:
 
 
 def cmd_eval(args: argparse.Namespace) -> int:
-    from .models import emulate_bf16_gemm, load_model
+    from kvweave.tools.models import emulate_bf16_gemm, load_model
 
     registry = load_registry(args.registry)
     tasks = [args.task] if args.task != "table" else _names(args.tasks)

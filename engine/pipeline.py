@@ -5,8 +5,8 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from .cache import KVWeaveCache
-from .registry import Registry, ResolvedPipeline, load_pipeline
+from kvweave.engine.cache import KVWeaveCache
+from kvweave.core.registry import Registry, ResolvedPipeline, load_pipeline
 
 
 def build_cache(

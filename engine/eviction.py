@@ -1,4 +1,4 @@
-"""Eviction for :class:`kvweave.core.engine.CompressionEngine`: routers that give tokens the ``DROPPED``
+"""Eviction for :class:`kvweave.engine.engine.CompressionEngine`: routers that give tokens the ``DROPPED``
 level (see docs/baselines.md).
 
 Dropped tokens are never stored; kept ones are gathered per batch row and KV head into slots with their
@@ -13,8 +13,8 @@ from __future__ import annotations
 
 import torch
 
-from .errors import CacheStateError, ComponentError
-from .interfaces import DROPPED, KINDS, RouteBlock
+from kvweave.core.errors import CacheStateError, ComponentError
+from kvweave.core.interfaces import DROPPED, KINDS, RouteBlock
 
 
 class EvictionMixin:
@@ -185,7 +185,7 @@ class EvictionMixin:
         ranks = self.router.assign(route)
         self._check_ranks(ranks, work.shape[:-1], allow_dropped=True)
         index, kept = self._kept_index(ranks[0] != DROPPED)
-        from .engine import GroupStore  # the engine module imports this one
+        from kvweave.engine.engine import GroupStore  # the engine module imports this one
 
         self.stores[group_index] = {kind: GroupStore() for kind in KINDS}
         if index.shape[-1]:

@@ -24,9 +24,9 @@ from __future__ import annotations
 
 import torch
 
-from .interfaces import Quantizer
-from .linalg import top_eigenvectors
-from .storage import TensorMap, tensor_bytes
+from kvweave.core.interfaces import Quantizer
+from kvweave.core.linalg import top_eigenvectors
+from kvweave.core.storage import TensorMap, tensor_bytes
 
 TILE_TOKENS = 32  # tokens per tile of the residual tile index (one bit each in an int32 mask)
 

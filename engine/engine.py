@@ -1,10 +1,10 @@
-"""The compression engine behind :class:`kvweave.core.cache.KVWeaveCache`.
+"""The compression engine behind :class:`kvweave.engine.cache.KVWeaveCache`.
 
 Per layer, new tokens enter an exact window (model dtype). Once every layer of a basis group holds
 ``recent_window + block_tokens`` exact tokens, the oldest whole blocks leave the window: the basis
 encodes them to coefficients ``[S, B, H, n, r]``, the quantizer packs those, the router gives every
 token a residual rank, and a token at rank ``rho > 0`` keeps the ``rho`` largest channels of what the
-packed coefficients miss (:mod:`kvweave.core.residuals`). The exact copies are then dropped, so the
+packed coefficients miss (:mod:`kvweave.engine.residuals`). The exact copies are then dropped, so the
 memory is really freed.
 
 ``update`` returns the K/V the model attends over: the stored blocks reconstructed, then the exact
@@ -16,21 +16,21 @@ of ``16-bit bytes / target_reduction`` for the tokens cached so far, counting it
 state, residuals and its layers' exact windows; the residuals of a block get what is left, and the probe
 moves budget between groups (shares stay 1 on average). See docs/depthweave.md.
 
-Eviction (routers with the ``DROPPED`` level) lives in :mod:`kvweave.core.eviction`, mixed into the engine.
+Eviction (routers with the ``DROPPED`` level) lives in :mod:`kvweave.engine.eviction`, mixed into the engine.
 """
 
 from __future__ import annotations
 
 import torch
 
-from .budget import BudgetPlan
-from .eviction import EvictionMixin
-from .errors import CacheStateError, ComponentError, ModelError
-from .interfaces import DROPPED, KINDS, AttentionKernel, BasisBuilder, ModelShape, Probe, Quantizer, RouteBlock, Router
-from .observation import ATTENTION_NAME, Observer
-from .registry import ResolvedPipeline
-from .residuals import TILE_TOKENS, ResidualList, add_residuals, encode_residuals, fit_residual_basis, mix_residuals, residual_rows
-from .storage import Segment, TensorMap, tensor_bytes
+from kvweave.engine.budget import BudgetPlan
+from kvweave.engine.eviction import EvictionMixin
+from kvweave.core.errors import CacheStateError, ComponentError, ModelError
+from kvweave.core.interfaces import DROPPED, KINDS, AttentionKernel, BasisBuilder, ModelShape, Probe, Quantizer, RouteBlock, Router
+from kvweave.engine.observation import ATTENTION_NAME, Observer
+from kvweave.core.registry import ResolvedPipeline
+from kvweave.engine.residuals import TILE_TOKENS, ResidualList, add_residuals, encode_residuals, fit_residual_basis, mix_residuals, residual_rows
+from kvweave.core.storage import Segment, TensorMap, tensor_bytes
 
 
 class LayerWindow:
@@ -144,7 +144,7 @@ class CompressionEngine(EvictionMixin):
         self, layer: int, keys: torch.Tensor, values: torch.Tensor, materialize: bool = True
     ) -> tuple[torch.Tensor, torch.Tensor] | None:
         """Append ``keys``/``values`` [B, H, q, D] to ``layer``; return its full K/V [B, H, T, D] (None with
-        ``materialize=False``: filling a cache without attention, e.g. :mod:`kvweave.core.synthetic`)."""
+        ``materialize=False``: filling a cache without attention, e.g. :mod:`kvweave.engine.synthetic`)."""
         if not 0 <= layer < self.shape.num_layers:
             raise CacheStateError(f"layer index {layer} is outside the cache's {self.shape.num_layers} layers")
         if keys.shape[1] != self.shape.num_kv_heads or keys.shape[-1] != self.shape.head_dim:

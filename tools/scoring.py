@@ -16,7 +16,7 @@ import collections
 import re
 import string
 
-from .metrics import needle_hit
+from kvweave.tools.metrics import needle_hit
 
 __all__ = ["normalize_answer", "exact_match", "f1", "best_scores", "clean_prediction", "needle_hit"]
 

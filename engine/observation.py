@@ -15,9 +15,9 @@ from typing import Any
 
 import torch
 
-from .errors import CacheStateError, ModelError
-from .interfaces import ModelShape
-from .storage import tensor_bytes
+from kvweave.core.errors import CacheStateError, ModelError
+from kvweave.core.interfaces import ModelShape
+from kvweave.core.storage import tensor_bytes
 
 ATTENTION_NAME = "kvweave-observe"
 _active = threading.local()

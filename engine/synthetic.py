@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-from .cache import KVWeaveCache
+from kvweave.engine.cache import KVWeaveCache
 
 
 def _generator(seed: int, device: torch.device) -> torch.Generator:

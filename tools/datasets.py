@@ -2,7 +2,7 @@
 
 * Needle in a haystack: :func:`make_needles` draws distinct facts (a code, a number, a word, a name)
   from templates with a seeded generator; :func:`needle_prompt_text` hides one in the Paul Graham
-  essays at a relative depth (see :func:`kvweave.core.metrics.needle_prompt`).
+  essays at a relative depth (see :func:`kvweave.tools.metrics.needle_prompt`).
 * Extractive QA over long distractor contexts: :func:`hotpotqa_samples` takes a HotpotQA question with
   its gold and distractor paragraphs and pads them with paragraphs of other questions;
   :func:`squad_samples` takes an answerable SQuAD v2 question with its paragraph and pads it with
@@ -21,9 +21,9 @@ from typing import Any
 
 import attrs
 
-from .data import ESSAYS_INSTALL, eval_data_file
-from .errors import KvweaveError
-from .metrics import needle_prompt, sentence_boundaries
+from kvweave.tools.data import ESSAYS_INSTALL, eval_data_file
+from kvweave.core.errors import KvweaveError
+from kvweave.tools.metrics import needle_prompt, sentence_boundaries
 
 # ----------------------------------------------------------------------------------------- needles
 _COLORS = ("blue", "green", "crimson", "yellow", "violet", "orange", "silver", "black")

@@ -13,7 +13,7 @@ from typing import Any
 import attrs
 import torch
 
-from .cache import KVWeaveCache
+from kvweave.engine.cache import KVWeaveCache
 
 
 def cache_argument_name(model: Any) -> str:

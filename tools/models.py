@@ -34,7 +34,7 @@ from typing import Any
 
 import torch
 
-from .errors import ModelError
+from kvweave.core.errors import ModelError
 
 DEFAULT_MODEL = "default"
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"

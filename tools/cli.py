@@ -11,10 +11,10 @@ import sys
 from pathlib import Path
 from typing import Any, Sequence
 
-from . import plugins
-from .errors import KvweaveError
-from .params import describe_fields
-from .registry import load_registry
+from kvweave.core import plugins
+from kvweave.core.errors import KvweaveError
+from kvweave.core.params import describe_fields
+from kvweave.core.registry import load_registry
 
 
 def _print_json(data: Any) -> None:
@@ -106,9 +106,9 @@ def cmd_resolve(args: argparse.Namespace) -> int:
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
-    from .generation import generate
-    from .models import load_model
-    from .pipeline import build_cache
+    from kvweave.engine.generation import generate
+    from kvweave.tools.models import load_model
+    from kvweave.engine.pipeline import build_cache
 
     if args.max_new_tokens < 1:
         raise KvweaveError(f"--max-new-tokens must be at least 1, got {args.max_new_tokens}")
@@ -199,8 +199,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--json", action="store_true")
     p.set_defaults(func=cmd_generate)
 
-    from .evaluate import add_eval_command
-    from .training import add_train_command
+    from kvweave.tools.evaluate import add_eval_command
+    from kvweave.tools.training import add_train_command
 
     add_train_command(sub)
     add_eval_command(sub)

@@ -14,12 +14,12 @@ from typing import TYPE_CHECKING
 import attrs
 import torch
 
-from .errors import BudgetError
-from .residuals import TILE_TOKENS, entry_bytes
-from .storage import tensor_bytes
+from kvweave.core.errors import BudgetError
+from kvweave.engine.residuals import TILE_TOKENS, entry_bytes
+from kvweave.core.storage import tensor_bytes
 
 if TYPE_CHECKING:
-    from .engine import CompressionEngine
+    from kvweave.engine.engine import CompressionEngine
 
 
 @attrs.frozen
@@ -32,7 +32,7 @@ class BudgetPlan:
     @classmethod
     def for_engine(cls, engine: CompressionEngine) -> BudgetPlan:
         indexed = engine.settings.residual_mode == "channels"
-        levels = {  # a full-rank entry stores no channel indices (core/residuals.py)
+        levels = {  # a full-rank entry stores no channel indices (engine/residuals.py)
             rank: entry_bytes(rank, engine.residual_quantizer, indexed and rank < engine.shape.head_dim)
             for rank in engine.levels if rank > 0
         }

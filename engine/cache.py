@@ -7,7 +7,7 @@ Use it like any cache::
     cache.memory_bytes()                                     # real bytes stored, metadata included
 
 Each model layer gets a :class:`KVWeaveLayer` that forwards to one shared
-:class:`~kvweave.core.engine.CompressionEngine` (so layers of a basis group can be encoded together).
+:class:`~kvweave.engine.engine.CompressionEngine` (so layers of a basis group can be encoded together).
 """
 
 from __future__ import annotations
@@ -17,11 +17,11 @@ from typing import Any
 import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
 
-from .engine import CompressionEngine
-from .errors import CacheStateError, ModelError
-from .interfaces import ModelShape
-from .observation import bind_model, set_active
-from .registry import ResolvedPipeline
+from kvweave.engine.engine import CompressionEngine
+from kvweave.core.errors import CacheStateError, ModelError
+from kvweave.core.interfaces import ModelShape
+from kvweave.engine.observation import bind_model, set_active
+from kvweave.core.registry import ResolvedPipeline
 
 SUPPORTED_LAYER_TYPES = ("full_attention", "sliding_attention")
 

@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from .evaluate import RunFolder
+    from kvweave.tools.evaluate import RunFolder
 
 
 # ------------------------------------------------------------------------------------------ plots

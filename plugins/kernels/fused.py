@@ -30,7 +30,7 @@ from kvweave.core.params import choice, integer
 from kvweave.plugins.quantizers.int4_group import Int4GroupQuantizer
 from kvweave.plugins.quantizers.int8_block import Int8BlockQuantizer
 
-from .depthweave_decode import (
+from kvweave.kernels.depthweave_decode import (
     MAX_LEVELS, TILE, DecodeView, ResidualLevel, choose_split, fused_decode, fused_packed_logsumexp, placeholder,
     torch_decode, torch_packed_logsumexp, version_segments,
 )

@@ -45,11 +45,11 @@ from typing import Any, Sequence
 
 import torch
 
-from .data import essays_file
-from .engine import KINDS
-from .errors import KvweaveError
-from .generation import cache_kwargs
-from .registry import ResolvedPipeline, load_registry
+from kvweave.tools.data import essays_file
+from kvweave.engine.engine import KINDS
+from kvweave.core.errors import KvweaveError
+from kvweave.engine.generation import cache_kwargs
+from kvweave.core.registry import ResolvedPipeline, load_registry
 
 ROUTER_NAME = "sigmoid-multilevel"
 TOP_FRACTION = 0.25
@@ -202,7 +202,7 @@ class Sample:
 
 def record_forward(model: Any, pipeline: ResolvedPipeline, input_ids: torch.Tensor, tokenizer: Any = None) -> tuple[Any, RecordingRouter]:
     """One prefill forward of ``input_ids`` [T] into a cache of ``pipeline`` whose router is recorded."""
-    from .pipeline import build_cache
+    from kvweave.engine.pipeline import build_cache
 
     check_pipeline(pipeline)
     cache = build_cache(pipeline, model, tokenizer=tokenizer)
@@ -305,7 +305,7 @@ def train(model: Any, tokenizer: Any, pipeline: ResolvedPipeline, windows: list[
 # ---------------------------------------------------------------------------------------------- CLI
 def default_output(spec: str, pipeline: str) -> Path:
     """``<kvweave cache dir>/routers/<model>-<pipeline>.json`` (the cache dir holds ``models/`` too)."""
-    from .models import DEFAULT_MODEL, DEFAULT_MODEL_NAME, default_model_dir
+    from kvweave.tools.models import DEFAULT_MODEL, DEFAULT_MODEL_NAME, default_model_dir
 
     name = DEFAULT_MODEL_NAME if spec == DEFAULT_MODEL else re.sub(r"\.gguf$", "", Path(spec.rstrip("/")).name, flags=re.I)
     slug = re.sub(r"[^a-z0-9._-]+", "-", name.lower()).strip("-") or "model"
@@ -348,7 +348,7 @@ def cmd_train(args: argparse.Namespace) -> int:
         raise TrainingError(f"--tokens {args.tokens} compresses nothing: pipeline '{pipeline.name}' keeps the last "
                             f"{pipeline.settings.recent_window} tokens exact and compresses blocks of {pipeline.settings.block_tokens}")
     text = read_text(args.text_file or default_text_file())
-    from .models import load_model
+    from kvweave.tools.models import load_model
 
     started = time.perf_counter()
     model, tokenizer = load_model(args.model, device=args.device, dtype=getattr(torch, args.dtype) if args.dtype else None)
