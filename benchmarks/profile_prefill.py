@@ -51,7 +51,7 @@ def instrument(cache) -> None:
     engine = cache.engine
     classes = [(f"basis.{m}", type(engine.basis), m) for m in ("init_state", "encode", "decode")]
     classes.append(("router.assign", type(engine.router), "assign"))
-    quantizers = {type(engine.quantizer.for_kind(kind)) for kind in ("keys", "values")}
+    quantizers = {type(engine.quantizers[kind]) for kind in ("keys", "values")}
     classes += [(f"quantizer.{m}", cls, m) for cls in quantizers for m in ("quantize", "dequantize")]
     classes += [(f"engine.{m}", type(engine), m) for m in ("_flush", "_attention_stats", "_probe", "_route_block")]
     for name, cls, method in classes:

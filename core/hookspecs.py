@@ -44,3 +44,8 @@ def kvweave_register_probes(registrar: Registrar) -> None:
 @hookspec
 def kvweave_register_kernels(registrar: Registrar) -> None:
     """Register attention kernels: how attention reads the stored cache."""
+
+
+@hookspec
+def kvweave_register_evictors(registrar: Registrar) -> None:
+    """Register evictors: which tokens leaving the exact window are stored at all."""

@@ -15,20 +15,31 @@ The key/value vector is reconstructed as ``basis.decode(coefficients) + residual
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from typing import Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar, Protocol, runtime_checkable
 
 import attrs
 import torch
 
 from kvweave.core.errors import ModelError
 
-#: The router level of an evicted token: its key and value are not stored at all (their bytes leave
-#: ``memory_bytes()``) and attention no longer sees it. A router that evicts lists it in ``levels()``.
-DROPPED = -1
-
+if TYPE_CHECKING:
+    from kvweave.core.view import LayerView
 
 #: what a cache stores per token and head, in this order
 KINDS = ("keys", "values")
+
+
+class PipelineSlots(Protocol):
+    """What :meth:`Component.check_pipeline` sees of a resolved pipeline (``ResolvedPipeline``)."""
+
+    name: str
+    settings: Any
+
+    def component(self, slot: str) -> Component: ...
+
+    def component_for(self, slot: str, kind: str) -> Component: ...
+
+    def use(self, slot: str) -> str: ...
 
 
 @attrs.frozen
@@ -55,6 +66,11 @@ class Component(ABC):
     def check_model(self, shape: ModelShape) -> None:
         """Raise :class:`ModelError` if this component cannot work on a model of this shape."""
 
+    def check_pipeline(self, pipeline: PipelineSlots, slot: str) -> None:
+        """Raise :class:`ComponentError` if this component, in ``slot``, cannot work with the pipeline's
+        other components or settings; called when a pipeline is resolved (no model needed). The message
+        names both slots."""
+
 
 class Quantizer(Component):
     """Packs the last axis of a tensor into bytes, and back.
@@ -64,6 +80,10 @@ class Quantizer(Component):
     """
 
     group: ClassVar[str] = "quantizers"
+    #: the layout of the packed fields, for kernels that read them in place (``LayerView`` carries it);
+    #: a kernel declares the formats it reads, and a pipeline pairing it with another is refused when it
+    #: is resolved. Give a new layout a new name (and a version where it could change).
+    packed_format: ClassVar[str] = "opaque"
 
     @abstractmethod
     def quantize(self, x: torch.Tensor) -> dict[str, torch.Tensor]:
@@ -188,28 +208,6 @@ class RouteBlock:
     query_scale: float | None = None
     first: int = 0
     state: dict | None = None
-    # Eviction (routers whose ``levels()`` include DROPPED; see docs/baselines.md). ``valid`` [G, B, H, n]
-    # is False for padding and filler slots; ``positions`` [G, B, H, n] the token's position among its
-    # row's real tokens (-1 where not valid); ``scores`` [G, B, H, n] the attention each token has
-    # received so far (routers with ``accumulates``); ``row_tokens`` [B] the real tokens each row has
-    # cached, this forward's included; ``window_tokens`` the tokens that stay exact after this flush;
-    # ``stored`` how many leading tokens of the block are already stored (re-offered to routers with
-    # ``reselects``); ``held`` [G] the slots each layer already stores outside the block;
-    # ``forward_tokens`` the tokens of the forward pass that flushes (1 while decoding);
-    # ``shared_tokens`` whether the group's layers share coefficient rows (a token is then kept for all
-    # of them if any keeps it); ``kept_index`` [G, B, H, k], set on the second call to a router that both
-    # evicts and ranks residuals: the block then holds only the kept tokens, ``kept_index`` giving their
-    # index in the flushed block (``boundary`` stays [B, n] of the flushed block).
-    valid: torch.Tensor | None = None
-    positions: torch.Tensor | None = None
-    scores: torch.Tensor | None = None
-    row_tokens: torch.Tensor | None = None
-    window_tokens: int = 0
-    stored: int = 0
-    held: tuple[int, ...] = ()
-    forward_tokens: int = 0
-    shared_tokens: bool = False
-    kept_index: torch.Tensor | None = None
 
 
 class Router(Component):
@@ -220,18 +218,11 @@ class Router(Component):
     needs_attention: ClassVar[bool] = False
     #: whether ``assign`` uses delimiter flags (the cache then needs the tokenizer and the token ids)
     needs_boundaries: ClassVar[bool] = False
-    #: whether the cache should accumulate, per stored token, the attention every query gives it (H2O)
-    accumulates: ClassVar[bool] = False
-    #: whether stored tokens are offered again at every flush (they may then be dropped; needs a basis
-    #: without state and no residual levels)
-    reselects: ClassVar[bool] = False
 
     @abstractmethod
     def levels(self) -> tuple[int, ...]:
-        """The residual ranks this router assigns, ascending (0 = no residual; DROPPED = evicted)."""
-
-    def check_window(self, recent_window: int, block_tokens: int, where: str) -> None:
-        """Raise :class:`BudgetError` if the router's token budget cannot hold the pipeline's exact window."""
+        """The residual ranks this router assigns, ascending (0 = no residual). Dropping tokens is the
+        ``evictor`` slot's work (:mod:`kvweave.core.evictor`)."""
 
     @abstractmethod
     def assign(self, block: RouteBlock) -> torch.Tensor:
@@ -291,40 +282,29 @@ class AttentionKernel(Component):
     """How attention reads the stored cache.
 
     ``materializes`` is true for the reference path, where the cache's ``update`` returns
-    reconstructed K/V and the model's own attention runs on them.
+    reconstructed K/V and the model's own attention runs on them. A kernel that reads the packed storage
+    in place declares the packed formats it reads (``coefficient_formats``, ``residual_formats``:
+    :attr:`Quantizer.packed_format` names); a pipeline pairing it with any other is refused when it is
+    resolved, with an error naming both slots.
     """
 
     group: ClassVar[str] = "kernels"
     materializes: ClassVar[bool] = True
+    #: packed formats of the ``quantizer`` slot this kernel reads (empty: any, the kernel materializes)
+    coefficient_formats: ClassVar[tuple[str, ...]] = ()
+    #: packed formats of the ``residual_quantizer`` slot this kernel reads (empty: any)
+    residual_formats: ClassVar[tuple[str, ...]] = ()
 
     def check_engine(self, engine: Any) -> None:
         """Raise :class:`ModelError` or :class:`ComponentError` when this kernel cannot read the storage
-        the other components of ``engine``'s pipeline produce (called once, when the cache is built)."""
+        of ``engine``'s pipeline on its model (called once, when the cache is built; what needs no model is
+        checked by :meth:`check_pipeline` already)."""
 
-    def attend(self, engine: Any, layer: int, query: torch.Tensor, attention_mask: Any, scaling: float) -> torch.Tensor:
-        """Decode attention of ``query`` [B, Hq, 1, D] over ``layer``'s stored cache, read in place:
+    def attend(self, view: LayerView, query: torch.Tensor, attention_mask: Any, scaling: float) -> torch.Tensor:
+        """Decode attention of ``query`` [B, Hq, 1, D] over one layer's stored cache ``view``, read in place:
         [B, 1, Hq, D]. Called instead of the model's attention for one-token forwards when
         ``materializes`` is false."""
         raise NotImplementedError(f"kernel {type(self).__name__} does not attend over packed storage")
-
-
-GROUP_INTERFACES: dict[str, type[Component]] = {
-    "bases": BasisBuilder,
-    "routers": Router,
-    "quantizers": Quantizer,
-    "probes": Probe,
-    "kernels": AttentionKernel,
-}
-
-# Pipeline slot -> the component group it takes.
-SLOT_GROUPS: dict[str, str] = {
-    "basis": "bases",
-    "quantizer": "quantizers",
-    "router": "routers",
-    "residual_quantizer": "quantizers",
-    "probe": "probes",
-    "kernel": "kernels",
-}
 
 
 def require_divides(part: int, whole: int, what: str, where: str) -> None:

@@ -18,7 +18,8 @@ import pluggy
 
 from kvweave.core import hookspecs
 from kvweave.core.errors import ComponentError, PluginError
-from kvweave.core.interfaces import GROUP_INTERFACES, Component
+from kvweave.core.groups import GROUP_INTERFACES
+from kvweave.core.interfaces import Component
 
 ENTRY_POINT_GROUP = "kvweave"
 DISABLE_ENV = "KVWEAVE_DISABLE_PLUGINS"

@@ -26,7 +26,8 @@ import attrs
 
 from kvweave.core import plugins
 from kvweave.core.errors import ComponentError, RegistryError
-from kvweave.core.interfaces import SLOT_GROUPS, Component
+from kvweave.core.groups import DEFAULT_SLOTS, KIND_SLOTS, SLOT_GROUPS
+from kvweave.core.interfaces import KINDS, Component
 from kvweave.core.params import choice, integer
 
 BUILTIN_REGISTRY = Path(__file__).with_name("registry.toml").resolve()
@@ -87,7 +88,22 @@ class ResolvedPipeline:
     slots: dict[str, SlotConfig]
 
     def component(self, slot: str) -> Component:
+        """The component of ``slot`` (``"quantizer"``, or a kind's own ``"keys.quantizer"``)."""
         return self.slots[slot].component
+
+    def component_for(self, slot: str, kind: str) -> Component:
+        """The component ``kind`` ("keys"/"values") uses in ``slot``: its own when the pipeline names one
+        (``[pipelines.NAME.keys.quantizer]``), else the shared one."""
+        return self.slots[self.slot_for(slot, kind)].component
+
+    def slot_for(self, slot: str, kind: str) -> str:
+        """The slot name ``kind`` takes ``slot`` from (``"keys.quantizer"`` or ``"quantizer"``)."""
+        own = f"{kind}.{slot}"
+        return own if own in self.slots else slot
+
+    def use(self, slot: str) -> str:
+        """The registered name in ``slot``."""
+        return self.slots[slot].use
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -155,27 +171,44 @@ class Registry:
         slots: dict[str, SlotConfig] = {}
         for slot, group in SLOT_GROUPS.items():
             table = merged.get(slot)
-            if table is None or "use" not in table:
-                raise RegistryError(
-                    f"{where}: slot '{slot}' has no component; add [pipelines.{name}.{slot}] with use = one of: "
-                    f"{', '.join(sorted(catalog.components[group]))}"
-                )
-            use = table["use"]
-            if not isinstance(use, str):
-                raise RegistryError(f"{where}, slot '{slot}': 'use' must be a component name (a string), got {use!r}")
-            params = {key: value for key, value in table.items() if key != "use"}
-            slot_where = f"{where}, slot '{slot}'"
-            try:
-                info = catalog.get(group, use)
-            except ComponentError as exc:
-                raise RegistryError(f"{slot_where}: {exc}") from exc
-            try:
-                component = plugins.build_component(info, params, slot_where)
-            except ComponentError as exc:
-                raise RegistryError(str(exc)) from exc
-            slots[slot] = SlotConfig(use, params, component, info.plugin, info.distribution)
+            if table is None and slot in DEFAULT_SLOTS:
+                table = {"use": DEFAULT_SLOTS[slot]}
+            slots[slot] = self._build_slot(where, name, slot, group, table, catalog)
+        for kind in KINDS:
+            for slot, table in merged.get(kind, {}).items():
+                slots[f"{kind}.{slot}"] = self._build_slot(where, name, f"{kind}.{slot}", SLOT_GROUPS[slot], table, catalog)
         description = merged.get("description", f"extends {chain[1]}" if len(chain) > 1 else "")
-        return ResolvedPipeline(name, description, chain, self.sources[name], settings, slots)
+        pipeline = ResolvedPipeline(name, description, chain, self.sources[name], settings, slots)
+        for slot, config in slots.items():  # what two slots must agree on, checked before any model is loaded
+            try:
+                config.component.check_pipeline(pipeline, slot)
+            except (ComponentError, ValueError) as exc:
+                raise RegistryError(f"{where}: {exc}") from exc
+        return pipeline
+
+    @staticmethod
+    def _build_slot(where: str, name: str, slot: str, group: str, table: Any, catalog: Any) -> SlotConfig:
+        """Build the component of one slot table (``use`` + parameters)."""
+        if table is None or "use" not in table:
+            header = slot if "." not in slot else slot  # keys.quantizer -> [pipelines.NAME.keys.quantizer]
+            raise RegistryError(
+                f"{where}: slot '{slot}' has no component; add [pipelines.{name}.{header}] with use = one of: "
+                f"{', '.join(sorted(catalog.components[group]))}"
+            )
+        use = table["use"]
+        if not isinstance(use, str):
+            raise RegistryError(f"{where}, slot '{slot}': 'use' must be a component name (a string), got {use!r}")
+        params = {key: value for key, value in table.items() if key != "use"}
+        slot_where = f"{where}, slot '{slot}'"
+        try:
+            info = catalog.get(group, use)
+        except ComponentError as exc:
+            raise RegistryError(f"{slot_where}: {exc}") from exc
+        try:
+            component = plugins.build_component(info, params, slot_where)
+        except ComponentError as exc:
+            raise RegistryError(str(exc)) from exc
+        return SlotConfig(use, params, component, info.plugin, info.distribution)
 
     def _merge(self, name: str, stack: tuple[str, ...]) -> tuple[dict[str, Any], tuple[str, ...]]:
         if name in stack:
@@ -186,15 +219,27 @@ class Registry:
             raise RegistryError(f"{referrer} '{name}'; defined pipelines: {', '.join(sorted(self.tables))}")
         table = self.tables[name]
         where = f"registry {self.sources[name]}, pipeline '{name}'"
-        accepted = (*PIPELINE_KEYS, *SETTING_KEYS, *SLOT_GROUPS)
+        accepted = (*PIPELINE_KEYS, *SETTING_KEYS, *SLOT_GROUPS, *KINDS)
         for key, value in table.items():
             if key not in accepted:
                 raise RegistryError(
                     f"{where}: unknown key '{key}'; accepted keys: settings {', '.join(SETTING_KEYS)}, "
-                    f"{', '.join(PIPELINE_KEYS)}, and slot tables {', '.join(SLOT_GROUPS)}"
+                    f"{', '.join(PIPELINE_KEYS)}, slot tables {', '.join(SLOT_GROUPS)}, and per-kind tables "
+                    f"{' and '.join(KINDS)} (holding {', '.join(KIND_SLOTS)})"
                 )
             if key in SLOT_GROUPS and not isinstance(value, dict):
                 raise RegistryError(f"{where}: slot '{key}' must be a table ([pipelines.{name}.{key}]), got {value!r}")
+            if key in KINDS:
+                if not isinstance(value, dict):
+                    raise RegistryError(f"{where}: '{key}' must be a table of slot tables ([pipelines.{name}.{key}.quantizer]), got {value!r}")
+                for slot, inner in value.items():
+                    if slot not in KIND_SLOTS:
+                        raise RegistryError(
+                            f"{where}: '{key}.{slot}' is not a slot that may differ between keys and values; "
+                            f"those are {', '.join(KIND_SLOTS)}"
+                        )
+                    if not isinstance(inner, dict):
+                        raise RegistryError(f"{where}: slot '{key}.{slot}' must be a table ([pipelines.{name}.{key}.{slot}]), got {inner!r}")
         for key in PIPELINE_KEYS:
             if key in table and not isinstance(table[key], str):
                 raise RegistryError(f"{where}: '{key}' must be a string, got {table[key]!r}")
@@ -209,20 +254,27 @@ class Registry:
             if key == "extends":
                 continue
             if key in SLOT_GROUPS:
-                if "use" in value:
-                    merged[key] = dict(value)
-                elif key in merged:
-                    merged[key] = {**merged[key], **value}
-                else:
-                    raise RegistryError(
-                        f"{where}: slot '{key}' overrides parameters but no parent defines that slot; add 'use'"
-                    )
+                merged[key] = _merge_slot(merged.get(key), value, f"{where}: slot '{key}'")
+            elif key in KINDS:
+                kinds = dict(merged.get(key, {}))
+                for slot, inner in value.items():
+                    kinds[slot] = _merge_slot(kinds.get(slot), inner, f"{where}: slot '{key}.{slot}'")
+                merged[key] = kinds
             else:
                 merged[key] = value
         return merged, chain
 
     def resolve_all(self) -> list[ResolvedPipeline]:
         return [self.resolve(name) for name in self.tables]
+
+
+def _merge_slot(parent: dict[str, Any] | None, child: dict[str, Any], where: str) -> dict[str, Any]:
+    """A child slot table with ``use`` replaces the parent's wholly; without, it overrides parameters."""
+    if "use" in child:
+        return dict(child)
+    if parent is None:
+        raise RegistryError(f"{where} overrides parameters but no parent defines that slot; add 'use'")
+    return {**parent, **child}
 
 
 def load_registry(path: str | Path | None = None) -> Registry:

@@ -15,6 +15,7 @@ import attrs
 import torch
 
 from kvweave.core.errors import BudgetError
+from kvweave.core.interfaces import KINDS
 from kvweave.engine.residuals import TILE_TOKENS, entry_bytes
 from kvweave.core.storage import tensor_bytes
 
@@ -24,24 +25,27 @@ if TYPE_CHECKING:
 
 @attrs.frozen
 class BudgetPlan:
-    """The target (None: no budget) and the bytes of one residual entry at each rank level."""
+    """The target (None: no budget) and, per kind, the bytes of one residual entry at each rank level."""
 
     target: float | None
-    level_bytes: dict[int, float]
+    level_bytes: dict[str, dict[int, float]]
 
     @classmethod
     def for_engine(cls, engine: CompressionEngine) -> BudgetPlan:
         indexed = engine.settings.residual_mode == "channels"
         levels = {  # a full-rank entry stores no channel indices (engine/residuals.py)
-            rank: entry_bytes(rank, engine.residual_quantizer, indexed and rank < engine.shape.head_dim)
-            for rank in engine.levels if rank > 0
+            kind: {
+                rank: entry_bytes(rank, engine.residual_quantizers[kind], indexed and rank < engine.shape.head_dim)
+                for rank in engine.levels if rank > 0
+            }
+            for kind in KINDS
         }
         target = engine.router.target_reduction()
         if target is None:
             return cls(None, levels)
         shape = engine.shape
         width = engine.basis.coefficient_width(shape)
-        per_vector = engine.quantizer.bytes_per_vector(width, torch.bfloat16)
+        per_vector = sum(engine.quantizers[kind].bytes_per_vector(width, torch.bfloat16) for kind in KINDS) / len(KINDS)
         # coefficient bytes per key or value vector, averaged over the layers
         floor = sum(per_vector * engine.basis.coefficient_rows(len(g)) for g in engine.groups) / shape.num_layers
         allowed = 2 * shape.head_dim / target
@@ -50,7 +54,7 @@ class BudgetPlan:
             raise BudgetError(
                 f"pipeline '{engine.pipeline.name}': a {target:g}x reduction leaves {allowed:.2f} bytes per key or value "
                 f"vector (head_dim {shape.head_dim}), but the coefficients alone take {floor:.2f} (basis "
-                f"'{slots['basis'].use}' width {width}, quantizer '{slots['quantizer'].use}'), before any residual, "
+                f"'{slots['basis'].use}' width {width}, quantizer '{engine.pipeline.use(engine.pipeline.slot_for('quantizer', 'keys'))}'), before any residual, "
                 f"window or basis state; these components reach at most {2 * shape.head_dim / floor:.1f}x. Lower "
                 "target_reduction in the router slot, or the basis rank"
             )

@@ -16,58 +16,29 @@ of ``16-bit bytes / target_reduction`` for the tokens cached so far, counting it
 state, residuals and its layers' exact windows; the residuals of a block get what is left, and the probe
 moves budget between groups (shares stay 1 on average). See docs/depthweave.md.
 
-Eviction (routers with the ``DROPPED`` level) lives in :mod:`kvweave.engine.eviction`, mixed into the engine.
+Eviction (a pipeline whose ``evictor`` slot drops tokens) is the engine's collaborator
+:class:`kvweave.engine.eviction.Eviction`; the stored state is in :mod:`kvweave.engine.store`.
+Keys and values may take different quantizers (``keys.quantizer`` / ``values.quantizer`` slots).
 """
 
 from __future__ import annotations
 
 import torch
 
-from kvweave.engine.budget import BudgetPlan
-from kvweave.engine.eviction import EvictionMixin
 from kvweave.core.errors import CacheStateError, ComponentError, ModelError
-from kvweave.core.interfaces import DROPPED, KINDS, AttentionKernel, BasisBuilder, ModelShape, Probe, Quantizer, RouteBlock, Router
-from kvweave.engine.observation import ATTENTION_NAME, Observer
+from kvweave.core.evictor import Evictor
+from kvweave.core.interfaces import KINDS, AttentionKernel, BasisBuilder, ModelShape, Probe, Quantizer, RouteBlock, Router
 from kvweave.core.registry import ResolvedPipeline
-from kvweave.engine.residuals import TILE_TOKENS, ResidualList, add_residuals, encode_residuals, fit_residual_basis, mix_residuals, residual_rows
-from kvweave.core.storage import Segment, TensorMap, tensor_bytes
+from kvweave.core.storage import TensorMap, tensor_bytes
+from kvweave.core.view import KindView, LayerView, ResidualLevelView
+from kvweave.engine.budget import BudgetPlan
+from kvweave.engine.eviction import Eviction
+from kvweave.engine.observation import ATTENTION_NAME, Observer
+from kvweave.engine.residuals import TILE_TOKENS, add_residuals, encode_residuals, fit_residual_basis, mix_residuals, residual_rows
+from kvweave.engine.store import GroupStore, LayerWindow
 
 
-class LayerWindow:
-    """One layer's exact (uncompressed) recent tokens, its routed residuals, and its packed-token count."""
-
-    def __init__(self, levels: tuple[int, ...]) -> None:
-        self.exact: dict[str, torch.Tensor | None] = {"keys": None, "values": None}
-        self.residuals = {kind: {rank: ResidualList(rank) for rank in levels if rank > 0} for kind in KINDS}
-        self.residual_basis: dict[str, torch.Tensor | None] = {kind: None for kind in KINDS}  # [B, H, R, D]
-        self.compressed_tokens = 0  # stored (packed) slots per batch row and head
-        self.passed_tokens = 0  # logical tokens that left the exact window (stored or dropped)
-        # eviction: the cache index (logical position) of each stored slot, -1 for a filler slot
-        self.positions: torch.Tensor | None = None  # int32 [B, H, compressed_tokens]
-        # routers that accumulate attention: what every query gave each stored slot, then each exact token
-        self.scores: torch.Tensor | None = None  # float32 [B, H, compressed_tokens + exact_tokens]
-
-    @property
-    def exact_tokens(self) -> int:
-        tensor = self.exact["keys"]
-        return 0 if tensor is None else tensor.shape[-2]
-
-
-class GroupStore:
-    """Packed coefficients of one basis group for keys or values, plus the basis state they decode with."""
-
-    def __init__(self) -> None:
-        self.state: TensorMap | None = None
-        self.coefficients = Segment()
-        self.flushes = 0
-        self.share = 1.0
-        self.next_share: float | None = None
-        self.probe_state: dict[str, float] = {}
-        self.probe_error: torch.Tensor | None = None
-        self.route_state: dict = {}  # the router's per-group state (RouteBlock.state; tensors batch-first)
-
-
-class CompressionEngine(EvictionMixin):
+class CompressionEngine:
     """Holds every stored tensor of a compressed cache and does the encoding and reconstruction."""
 
     def __init__(self, pipeline: ResolvedPipeline, shape: ModelShape) -> None:
@@ -75,39 +46,56 @@ class CompressionEngine(EvictionMixin):
         self.shape = shape
         self.settings = pipeline.settings
         self.basis: BasisBuilder = pipeline.component("basis")  # type: ignore[assignment]
-        self.quantizer: Quantizer = pipeline.component("quantizer")  # type: ignore[assignment]
         self.router: Router = pipeline.component("router")  # type: ignore[assignment]
-        self.residual_quantizer: Quantizer = pipeline.component("residual_quantizer")  # type: ignore[assignment]
         self.probe: Probe = pipeline.component("probe")  # type: ignore[assignment]
         self.kernel: AttentionKernel = pipeline.component("kernel")  # type: ignore[assignment]
+        self.evictor: Evictor = pipeline.component("evictor")  # type: ignore[assignment]
+        #: per kind: the quantizer of the coefficients and of the residuals (a kind's own slot, else the shared one)
+        self.quantizers: dict[str, Quantizer] = {
+            kind: pipeline.component_for("quantizer", kind).for_kind(kind) for kind in KINDS  # type: ignore[attr-defined]
+        }
+        self.residual_quantizers: dict[str, Quantizer] = {
+            kind: pipeline.component_for("residual_quantizer", kind) for kind in KINDS  # type: ignore[misc]
+        }
+        self.quantizer: Quantizer = pipeline.component("quantizer")  # type: ignore[assignment]  # the shared slot
+        self.residual_quantizer: Quantizer = pipeline.component("residual_quantizer")  # type: ignore[assignment]
         for slot in pipeline.slots:
             pipeline.component(slot).check_model(shape)
         self.groups = self.basis.layer_groups(shape)
         self.group_of = self._index_groups()
         where = f"pipeline '{pipeline.name}'"
-        self.quantizer.check_width(self.basis.coefficient_width(shape), f"{where}, slot 'quantizer' (coefficients)")
+        for kind in KINDS:
+            slot = pipeline.slot_for("quantizer", kind)
+            self.quantizers[kind].check_width(self.basis.coefficient_width(shape), f"{where}, slot '{slot}' (coefficients)")
         self.levels = tuple(self.router.levels())
         for rank in self.levels:
-            if rank != DROPPED and (rank > shape.head_dim or rank < 0):
-                raise ModelError(f"{where}: router rank level {rank} is outside 0..head_dim ({shape.head_dim}) and not DROPPED ({DROPPED})")
-            if rank > 0:
-                self.residual_quantizer.check_width(rank, f"{where}, slot 'residual_quantizer' (rank level {rank})")
-        self.evicts = DROPPED in self.levels
-        self.residual_levels = tuple(rank for rank in self.levels if rank > 0)
-        self.accumulates = bool(self.router.accumulates)
-        self.reselects = bool(self.router.reselects)
-        self._check_eviction(where)
-        grouped = self.quantizer.for_kind("keys").tokens_per_group(), self.quantizer.for_kind("values").tokens_per_group()
-        for group in grouped:
-            if self.settings.block_tokens % group:
+            if rank > shape.head_dim or rank < 0:
                 raise ModelError(
-                    f"{where}, slot 'quantizer' ('{pipeline.slots['quantizer'].use}'): it packs groups of {group} tokens, "
+                    f"{where}, slot 'router': rank level {rank} is outside 0..head_dim ({shape.head_dim}); a router "
+                    "gives residual ranks, dropping tokens is the 'evictor' slot's work"
+                )
+            for kind in KINDS:
+                if rank > 0:
+                    slot = pipeline.slot_for("residual_quantizer", kind)
+                    self.residual_quantizers[kind].check_width(rank, f"{where}, slot '{slot}' (rank level {rank})")
+        self.evicts = bool(self.evictor.evicts)
+        self.residual_levels = tuple(rank for rank in self.levels if rank > 0)
+        self.accumulates = self.evicts and bool(self.evictor.accumulates)
+        self.reselects = self.evicts and bool(self.evictor.reselects)
+        self.eviction = Eviction(self, self.evictor)
+        if self.evicts:
+            self.eviction.check(where)
+        for kind in KINDS:
+            group = self.quantizers[kind].tokens_per_group()
+            if self.settings.block_tokens % group:
+                slot = pipeline.slot_for("quantizer", kind)
+                raise ModelError(
+                    f"{where}, slot '{slot}' ('{pipeline.use(slot)}'): it packs groups of {group} tokens, "
                     f"which must divide the pipeline's block_tokens ({self.settings.block_tokens})"
                 )
         self.budget = BudgetPlan.for_engine(self)  # raises BudgetError when the target cannot be met
-        self.observer = Observer(
-            shape, pipeline.settings.observe_queries if (self.router.needs_attention or self.probe.needs_queries) else 0
-        )
+        observes = self.router.needs_attention or self.probe.needs_queries or (self.evicts and self.evictor.needs_attention)
+        self.observer = Observer(shape, pipeline.settings.observe_queries if observes else 0)
         if self.probe.selects_queries:
             self.observer.selector = self.probe.select_queries
         self.boundary_ids: torch.Tensor | None = None
@@ -196,6 +184,19 @@ class CompressionEngine(EvictionMixin):
             self.pending.discard(group_index)
             self._flush(group_index)
 
+    def materialize(self, layer: int, kind: str) -> torch.Tensor:
+        """``layer``'s ``kind`` ("keys"/"values") as the reference path attends over: the packed tokens
+        reconstructed, then the exact window, [B, H, T_stored, D] in the model's dtype."""
+        return self._full(layer, kind)
+
+    def replace_router(self, router: Router) -> Router:
+        """Route with ``router`` from the next flush on (same levels; training swaps in routers that record
+        what they see); returns the router it replaced."""
+        if tuple(router.levels()) != self.levels:
+            raise ComponentError(f"pipeline '{self.pipeline.name}': a replacement router must have the levels {self.levels}, not {tuple(router.levels())}")
+        previous, self.router = self.router, router
+        return previous
+
     def _full(self, layer: int, kind: str) -> torch.Tensor:
         exact = self.windows[layer].exact[kind]
         if self.windows[layer].compressed_tokens == 0:
@@ -210,12 +211,12 @@ class CompressionEngine(EvictionMixin):
         if count <= 0:
             return
         # attention statistics need the keys as they are before this block is encoded (once for K and V)
-        wants_stats = self.router.needs_attention and (self.residual_levels or self.evicts)
+        wants_stats = (self.router.needs_attention and self.residual_levels) or (self.evicts and self.evictor.needs_attention)
         stats = self._attention_stats(members, count) if wants_stats else None
         if self.reselects:
-            self._reselect(group_index, count)
+            self.eviction.reselect(group_index, count)
         elif self.evicts:
-            self._evict(group_index, count, stats)
+            self.eviction.evict(group_index, count, stats)
         else:
             for kind in KINDS:
                 block = torch.stack([self.windows[layer].exact[kind][..., :count, :] for layer in members])
@@ -250,7 +251,7 @@ class CompressionEngine(EvictionMixin):
         stats = [
             self.observer.attention_stats(
                 layer, self._full(layer, "keys"), count, self.windows[layer].compressed_tokens,
-                self._key_valid(layer) if self.evicts else None,
+                self.eviction.key_valid(layer) if self.evicts else None,
             )
             for layer in members
         ]
@@ -266,7 +267,8 @@ class CompressionEngine(EvictionMixin):
         if store.state is None:
             store.state = self.basis.init_state(work)
         first = store.coefficients.tokens
-        quantizer = self.quantizer.for_kind(kind)
+        quantizer = self.quantizers[kind]
+        residual_quantizer = self.residual_quantizers[kind]
         packed = quantizer.quantize(self.basis.encode(store.state, work).to(block.dtype))
         store.coefficients.append(packed)
         store.flushes += 1
@@ -279,8 +281,10 @@ class CompressionEngine(EvictionMixin):
             miss = (work - approx).norm(dim=-1) / work.norm(dim=-1).clamp_min(1e-9)
             mixing = self.basis.residual_mixing(len(members))
             rows = residual_rows(work - approx, mixing)
-            ranks = self.router.assign(self._route_block(kind, group_index, work, miss, stats, approx, rows, mixing))
-            self._check_ranks(ranks, work.shape[:-1], allow_dropped=False)
+            route = self._route_block(kind, group_index, work, miss, stats, approx, rows, mixing)
+            kept_index = (self._flush_info or {}).get("kept_index")
+            ranks = self.router.assign(route) if kept_index is None else self.eviction.rank_kept(self.router, route, kept_index)
+            self._check_ranks(ranks, work.shape[:-1])
             if self.settings.residual_mode == "basis" and any(self.windows[layer].residual_basis[kind] is None for layer in members):
                 # every member's residual basis from its first block, fitted in one batched call
                 fitted = fit_residual_basis(rows, max(self.levels))  # rows: the misses, or their mixed rows
@@ -291,9 +295,9 @@ class CompressionEngine(EvictionMixin):
                 missing = (work[member] - approx[member] if mixing is None else rows[member]).to(block.dtype)
                 window = self.windows[layer]
                 basis = window.residual_basis[kind]
-                entries[member] = encode_residuals(missing, ranks[member], self.residual_quantizer, basis)
+                entries[member] = encode_residuals(missing, ranks[member], residual_quantizer, basis)
                 if mixing is None:
-                    approx[member] = add_residuals(approx[member], entries[member], self.residual_quantizer, self.router.gates(layer, kind), basis)
+                    approx[member] = add_residuals(approx[member], entries[member], residual_quantizer, self.router.gates(layer, kind), basis)
                 for rank, fields in entries[member].items():
                     fields["token"] = fields["token"] + self.windows[layer].compressed_tokens
                     self.windows[layer].residuals[kind][rank].append(fields)
@@ -301,7 +305,7 @@ class CompressionEngine(EvictionMixin):
                 relative = [{rank: {**f, "token": f["token"] - self.windows[layer].compressed_tokens} for rank, f in e.items()} for e, layer in zip(entries, members)]
                 gates = [self.router.gates(layer, kind) for layer in members]
                 bases = [self.windows[layer].residual_basis[kind] for layer in members]
-                approx = torch.stack([mix_residuals(approx[m], m, relative, self.residual_quantizer, mixing, gates, bases) for m in range(len(members))])
+                approx = torch.stack([mix_residuals(approx[m], m, relative, residual_quantizer, mixing, gates, bases) for m in range(len(members))])
         if self.residual_levels and not self.kernel.materializes:  # the kernel's tile index, built as entries arrive
             rows = block.shape[1] * block.shape[2]
             for layer in members:
@@ -325,12 +329,11 @@ class CompressionEngine(EvictionMixin):
             layers=tuple(members),
             kind=kind,
             vectors=work,
-            level_bytes=self.budget.level_bytes,
+            level_bytes=self.budget.level_bytes[kind],
             budget_bytes=self.budget.residual_budget(self, group_index, kind, work.shape[-2], info.get("dropped", 0)),
             attention_mass=mass,
             attention_spike=spike,
             boundary=self.observer.boundaries(first, info.get("count", work.shape[-2])),
-            kept_index=info.get("kept_index"),
             probe_error=store.probe_error,
             miss=miss,
             approx=approx,
@@ -392,12 +395,20 @@ class CompressionEngine(EvictionMixin):
             for s in stores:
                 s.share /= mean
 
+    def _check_ranks(self, ranks: torch.Tensor, shape: torch.Size) -> None:
+        stray = set(torch.unique(ranks).tolist()) - set(self.levels)
+        if stray or ranks.shape != shape:
+            raise ComponentError(
+                f"router '{self.pipeline.use('router')}' returned ranks {sorted(stray)} / shape {tuple(ranks.shape)}; "
+                f"expected values in {sorted(self.levels)} shaped {tuple(shape)}"
+            )
+
     # -------------------------------------------------------------------------- reconstruct
     def reconstruct(self, layer: int, kind: str, dtype: torch.dtype) -> torch.Tensor:
         """The stored (packed) tokens of ``layer`` decoded to [B, H, T_packed, D] in ``dtype``."""
         group_index, member = self.group_of[layer]
         store = self.stores[group_index][kind]
-        coefficients = self.quantizer.for_kind(kind).dequantize(store.coefficients.fields, dtype)
+        coefficients = self.quantizers[kind].dequantize(store.coefficients.fields, dtype)
         vectors = self.basis.decode(store.state or {}, coefficients, member)
         mixing = self.basis.residual_mixing(len(self.groups[group_index])) if self.residual_levels else None
         if mixing is not None:  # residual rows of the whole group (e.g. depth frequencies)
@@ -405,13 +416,62 @@ class CompressionEngine(EvictionMixin):
             lists = [{rank: r.fields for rank, r in self.windows[other].residuals[kind].items()} for other in members]
             gates = [self.router.gates(other, kind) for other in members]
             bases = [self.windows[other].residual_basis[kind] for other in members]
-            vectors = mix_residuals(vectors, member, lists, self.residual_quantizer, mixing, gates, bases)
+            vectors = mix_residuals(vectors, member, lists, self.residual_quantizers[kind], mixing, gates, bases)
         elif self.residual_levels:
             lists = {rank: r.fields for rank, r in self.windows[layer].residuals[kind].items()}
             vectors = add_residuals(
-                vectors, lists, self.residual_quantizer, self.router.gates(layer, kind), self.windows[layer].residual_basis[kind]
+                vectors, lists, self.residual_quantizers[kind], self.router.gates(layer, kind), self.windows[layer].residual_basis[kind]
             )
         return vectors
+
+    def prepare_attention(
+        self, layer: int, query: torch.Tensor, key: torch.Tensor, mask: torch.Tensor | None, scaling: float | None
+    ) -> torch.Tensor | None:
+        """Called by the observing attention before ``layer``'s attention; the mask over what ``update``
+        returned (see :meth:`kvweave.engine.eviction.Eviction.prepare_attention`)."""
+        return self.eviction.prepare_attention(layer, query, key, mask, scaling)
+
+    # ---------------------------------------------------------------------------------- views
+    def view(self, layer: int) -> LayerView:
+        """``layer``'s packed storage, typed and read-only (:class:`kvweave.core.view.LayerView`)."""
+        if not 0 <= layer < self.shape.num_layers:
+            raise CacheStateError(f"layer index {layer} is outside the cache's {self.shape.num_layers} layers")
+        group_index, member = self.group_of[layer]
+        window = self.windows[layer]
+        shared = self.basis.coefficient_rows(len(self.groups[group_index])) == 1
+        stores = self.stores[group_index]
+        exact = window.exact["keys"]
+        rows = 0 if exact is None else exact.shape[0] * exact.shape[1]
+        kinds = {}
+        for kind in KINDS:
+            store = stores[kind]
+            state = store.state or {}
+            levels = []
+            for rank in self.residual_levels:
+                lists = window.residuals[kind][rank]
+                start = mask = None
+                if not self.kernel.materializes and exact is not None:
+                    start, mask = lists.tile_index(rows, window.compressed_tokens // TILE_TOKENS, exact.device)
+                levels.append(ResidualLevelView(rank, lists.fields, start, mask))
+            factored = self.basis.factor_bases(store.state, member) if store.state else None
+            kinds[kind] = KindView(
+                kind=kind,
+                coefficients=store.coefficients.fields,
+                coefficient_row=0 if shared else member,
+                coefficient_format=self.quantizers[kind].packed_format,
+                basis_state=state,
+                factor_bases=factored,
+                residuals=tuple(levels),
+                residual_format=self.residual_quantizers[kind].packed_format,
+                residual_basis=window.residual_basis[kind],
+                gates=self.router.gates(layer, kind),
+                exact=window.exact[kind],
+            )
+        return LayerView(
+            layer=layer, group=group_index, member=member, packed_tokens=window.compressed_tokens,
+            passed_tokens=window.passed_tokens, flushes=stores["keys"].flushes, keys=kinds["keys"],
+            values=kinds["values"], positions=window.positions, scratch=self.kernel_state,
+        )
 
     # ------------------------------------------------------------------------------ queries
     def seq_length(self, layer: int = 0) -> int:

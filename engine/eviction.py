@@ -1,10 +1,10 @@
-"""Eviction for :class:`kvweave.engine.engine.CompressionEngine`: routers that give tokens the ``DROPPED``
-level (see docs/baselines.md).
+"""Eviction for :class:`kvweave.engine.engine.CompressionEngine`: pipelines whose ``evictor`` slot drops
+tokens (see docs/baselines.md).
 
 Dropped tokens are never stored; kept ones are gathered per batch row and KV head into slots with their
 cache index (``-1`` for a filler slot of a row that kept fewer). Attention over such a cache runs through
 kvweave's own attention, which turns transformers' mask into one over the slots actually returned
-(:meth:`EvictionMixin.physical_mask`); routers that accumulate attention (H2O) get each slot's running
+(:meth:`Eviction.physical_mask`); routers that accumulate attention (H2O) get each slot's running
 score (:meth:`EvictionMixin._accumulate`). The methods here are the engine's; they live in their own
 module because they are one concept of it.
 """
@@ -14,33 +14,50 @@ from __future__ import annotations
 import torch
 
 from kvweave.core.errors import CacheStateError, ComponentError
-from kvweave.core.interfaces import DROPPED, KINDS, RouteBlock
+from typing import TYPE_CHECKING
+
+import attrs
+
+from kvweave.core.evictor import EvictionBlock, Evictor
+from kvweave.core.interfaces import KINDS, RouteBlock, Router
+from kvweave.engine.store import GroupStore
+
+if TYPE_CHECKING:
+    from kvweave.engine.engine import CompressionEngine
+
+#: RouteBlock fields with a token axis [G, B, H, n, ...], split per part by :meth:`Eviction.rank_kept`
+TOKEN_FIELDS = ("vectors", "attention_mass", "attention_spike", "miss", "approx", "rows")
 
 
-class EvictionMixin:
-    """The eviction half of the compression engine (mixed into ``CompressionEngine``)."""
+class Eviction:
+    """The engine's collaborator for a pipeline whose evictor drops tokens: builds the evictor's
+    :class:`EvictionBlock`, stores the kept tokens through the engine's encoder, keeps every slot's
+    logical position, and turns the model's mask into one over the slots actually stored."""
 
-    def _check_eviction(self, where: str) -> None:
-        router = f"{where}, slot 'router' ('{self.pipeline.slots['router'].use}')"
-        if self.evicts or self.reselects:
-            self.router.check_window(self.settings.recent_window, self.settings.block_tokens, router)
-        if self.reselects:
-            if not self.evicts:
-                raise ComponentError(f"{router}: it re-selects stored tokens but never drops any (no DROPPED level)")
-            if self.residual_levels or any(len(group) > 1 for group in self.groups):
-                raise ComponentError(
-                    f"{router}: it re-selects stored tokens, which needs single-layer basis groups and no residual "
-                    f"levels (basis '{self.pipeline.slots['basis'].use}', levels {self.levels})"
-                )
+    def __init__(self, engine: CompressionEngine, evictor: Evictor) -> None:
+        self.engine = engine
+        self.evictor = evictor
+
+    def check(self, where: str) -> None:
+        """Refuse what the evictor cannot work with (a token budget below the window, re-selection with
+        shared layers or residual ranks)."""
+        engine = self.engine
+        slot = f"{where}, slot 'evictor' ('{engine.pipeline.use('evictor')}')"
+        self.evictor.check_window(engine.settings.recent_window, engine.settings.block_tokens, slot)
+        if self.evictor.reselects and (engine.residual_levels or any(len(group) > 1 for group in engine.groups)):
+            raise ComponentError(
+                f"{slot}: it re-selects stored tokens, which needs single-layer basis groups (slot 'basis': "
+                f"'{engine.pipeline.use('basis')}') and no residual levels (slot 'router': levels {engine.levels})"
+            )
 
     # ------------------------------------------------------------------------------- eviction
     def _real_positions(self, logical: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """For cache indices ``logical`` [B, ...] (-1 = filler): each token's position among its row's real
         tokens (-1 where not valid) and whether it is a real token (not padding, not a filler)."""
         valid = logical >= 0
-        if self.padding is None:
+        if self.engine.padding is None:
             return torch.where(valid, logical, -1), valid
-        padding = self.padding.to(logical.device)
+        padding = self.engine.padding.to(logical.device)
         flat = logical.clamp_min(0).reshape(logical.shape[0], -1)
         if flat.numel() and int(flat.max()) >= padding.shape[-1]:
             raise CacheStateError(
@@ -51,9 +68,9 @@ class EvictionMixin:
         return torch.where(valid, real, -1), valid
 
     def _row_tokens(self, batch: int, total: int) -> torch.Tensor:
-        if self.padding is None:
+        if self.engine.padding is None:
             return torch.full((batch,), total, dtype=torch.long)
-        return self.padding.long().sum(-1).cpu()
+        return self.engine.padding.long().sum(-1).cpu()
 
     @staticmethod
     def _kept_index(keep: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -69,59 +86,52 @@ class EvictionMixin:
         """``x`` [..., n, D] at token indices ``index`` [..., k] -> [..., k, D]."""
         return x.gather(-2, index.unsqueeze(-1).expand(*index.shape, x.shape[-1]))
 
-    def _check_ranks(self, ranks: torch.Tensor, shape: torch.Size, allow_dropped: bool) -> None:
-        allowed = set(self.levels) if allow_dropped else set(self.levels) - {DROPPED}
-        stray = set(torch.unique(ranks).tolist()) - allowed
-        if stray or ranks.shape != shape:
+    def _check_keep(self, keep: torch.Tensor, shape: torch.Size) -> None:
+        if keep.dtype != torch.bool or keep.shape != shape:
             raise ComponentError(
-                f"router '{self.pipeline.slots['router'].use}' returned ranks {sorted(stray)} / shape "
-                f"{tuple(ranks.shape)}; expected values in {sorted(allowed)} shaped {tuple(shape)}"
-                + ("" if allow_dropped else " (tokens are already selected: DROPPED is not allowed here)")
+                f"evictor '{self.engine.pipeline.use('evictor')}' returned {keep.dtype} shaped {tuple(keep.shape)}; "
+                f"expected torch.bool shaped {tuple(shape)}"
             )
 
     def _eviction_block(
         self, group_index: int, work: torch.Tensor, logical: torch.Tensor, stats, scores, stored: int
-    ) -> RouteBlock:
-        """The RouteBlock that decides which of ``work`` [G, B, H, n, D] (cache indices ``logical``
-        [G, B, H, n]) are dropped."""
-        members = self.groups[group_index]
+    ) -> EvictionBlock:
+        """The block that decides which of ``work`` [G, B, H, n, D] (cache indices ``logical`` [G, B, H, n])
+        are dropped."""
+        members = self.engine.groups[group_index]
         real, valid = self._real_positions(logical.transpose(0, 1))  # batch first
         mass, spike = stats if stats is not None else (None, None)
-        first = self.windows[members[0]]
-        return RouteBlock(
+        first = self.engine.windows[members[0]]
+        return EvictionBlock(
             layers=tuple(members),
-            kind="keys",
-            vectors=work,
-            level_bytes=self.budget.level_bytes,
+            keys=work,
             attention_mass=mass,
             attention_spike=spike,
-            boundary=self.observer.boundaries(first.passed_tokens, work.shape[-2] - stored),
-            probe_error=self.stores[group_index]["keys"].probe_error,
+            boundary=self.engine.observer.boundaries(first.passed_tokens, work.shape[-2] - stored),
             valid=valid.transpose(0, 1),
             positions=real.transpose(0, 1),
             scores=scores,
             row_tokens=self._row_tokens(work.shape[1], first.passed_tokens + first.exact_tokens),
             window_tokens=first.exact_tokens - (work.shape[-2] - stored),
             stored=stored,
-            held=tuple(0 if stored else self.windows[layer].compressed_tokens for layer in members),
-            forward_tokens=self.forward_tokens,
-            shared_tokens=len(members) > 1 and self.basis.coefficient_rows(len(members)) == 1,
+            held=tuple(0 if stored else self.engine.windows[layer].compressed_tokens for layer in members),
+            forward_tokens=self.engine.forward_tokens,
+            shared_tokens=len(members) > 1 and self.engine.basis.coefficient_rows(len(members)) == 1,
         )
 
-    def _evict(self, group_index: int, count: int, stats: tuple[torch.Tensor, torch.Tensor] | None) -> None:
-        """Flush ``count`` tokens of a group whose router may drop some: the dropped ones are not stored."""
-        members = self.groups[group_index]
-        blocks = {kind: torch.stack([self.windows[layer].exact[kind][..., :count, :] for layer in members]) for kind in KINDS}
+    def evict(self, group_index: int, count: int, stats: tuple[torch.Tensor, torch.Tensor] | None) -> None:
+        """Flush ``count`` tokens of a group whose evictor may drop some: the dropped ones are not stored."""
+        members = self.engine.groups[group_index]
+        blocks = {kind: torch.stack([self.engine.windows[layer].exact[kind][..., :count, :] for layer in members]) for kind in KINDS}
         work = blocks["keys"].float()
-        passed = self.windows[members[0]].passed_tokens
+        passed = self.engine.windows[members[0]].passed_tokens
         logical = torch.arange(passed, passed + count, device=work.device).expand(work.shape[:-1])
         scores = None
-        if self.accumulates:
+        if self.engine.accumulates:
             scores = torch.stack([self._score_slice(layer, count)[1] for layer in members])
         route = self._eviction_block(group_index, work, logical, stats, scores, 0)
-        ranks = self.router.assign(route)
-        self._check_ranks(ranks, work.shape[:-1], allow_dropped=True)
-        keep = ranks != DROPPED
+        keep = self.evictor.keep(route)
+        self._check_keep(keep, work.shape[:-1])
         if route.shared_tokens:  # one coefficient row per token for the whole group
             keep = keep.any(0, keepdim=True).expand_as(keep)
         index, kept = self._kept_index(keep)
@@ -129,18 +139,18 @@ class EvictionMixin:
         if slots:
             gathered = {kind: self._gather_tokens(blocks[kind], index) for kind in KINDS}
             kept_stats = None if stats is None else tuple(s.gather(-1, index) for s in stats)
-            self._flush_info = {"count": count, "dropped": count - slots, "kept_index": index, "blocks": gathered}
+            self.engine._flush_info = {"count": count, "dropped": count - slots, "kept_index": index, "blocks": gathered}
             try:
                 for kind in KINDS:
-                    self._encode(kind, group_index, gathered[kind], kept_stats)  # type: ignore[arg-type]
+                    self.engine._encode(kind, group_index, gathered[kind], kept_stats)  # type: ignore[arg-type]
             finally:
-                self._flush_info = None
+                self.engine._flush_info = None
         positions = torch.where(kept, logical.gather(-1, index), -1).to(torch.int32)
         for member, layer in enumerate(members):
-            window = self.windows[layer]
+            window = self.engine.windows[layer]
             old = window.positions
             window.positions = positions[member] if old is None else torch.cat((old, positions[member]), dim=-1)
-            if self.accumulates:
+            if self.engine.accumulates:
                 stored_scores, block_scores, rest = self._score_slice(layer, count)
                 picked = block_scores.gather(-1, index[member]) * kept[member]
                 window.scores = torch.cat((stored_scores, picked, rest), dim=-1)
@@ -149,7 +159,7 @@ class EvictionMixin:
     def _score_slice(self, layer: int, count: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """The accumulated scores of ``layer`` split into stored slots, the ``count`` tokens now leaving the
         window, and the rest of the window (zeros where no query has attended yet)."""
-        window = self.windows[layer]
+        window = self.engine.windows[layer]
         exact = window.exact["keys"]
         total = window.compressed_tokens + window.exact_tokens
         scores = window.scores
@@ -160,47 +170,81 @@ class EvictionMixin:
         stored = window.compressed_tokens
         return scores[..., :stored], scores[..., stored : stored + count], scores[..., stored + count :]
 
-    def _reselect(self, group_index: int, count: int) -> None:
+    def reselect(self, group_index: int, count: int) -> None:
         """Flush for a router that re-selects among the stored tokens and the ``count`` leaving the window:
         the kept set is re-encoded from the stored values (bit-exact with the `none` quantizer)."""
-        (layer,) = self.groups[group_index]
-        window = self.windows[layer]
+        (layer,) = self.engine.groups[group_index]
+        window = self.engine.windows[layer]
         stored = window.compressed_tokens
         dtype = window.exact["keys"].dtype
         candidates = {}
         for kind in KINDS:
             new = window.exact[kind][..., :count, :]
-            candidates[kind] = torch.cat((self.reconstruct(layer, kind, dtype), new), dim=-2) if stored else new
+            candidates[kind] = torch.cat((self.engine.reconstruct(layer, kind, dtype), new), dim=-2) if stored else new
         batch, heads = candidates["keys"].shape[:2]
         fresh = torch.arange(window.passed_tokens, window.passed_tokens + count, device=candidates["keys"].device)
         logical = fresh.expand(batch, heads, count)
         if stored:
             logical = torch.cat((window.positions.long(), logical), dim=-1)
         scores = None
-        if self.accumulates:
+        if self.engine.accumulates:
             stored_scores, block_scores, rest = self._score_slice(layer, count)
             scores = torch.cat((stored_scores, block_scores), dim=-1)
         work = candidates["keys"].float()[None]
         route = self._eviction_block(group_index, work, logical[None], None, None if scores is None else scores[None], stored)
-        ranks = self.router.assign(route)
-        self._check_ranks(ranks, work.shape[:-1], allow_dropped=True)
-        index, kept = self._kept_index(ranks[0] != DROPPED)
-        from kvweave.engine.engine import GroupStore  # the engine module imports this one
-
-        self.stores[group_index] = {kind: GroupStore() for kind in KINDS}
+        keep = self.evictor.keep(route)
+        self._check_keep(keep, work.shape[:-1])
+        index, kept = self._kept_index(keep[0])
+        self.engine.stores[group_index] = {kind: GroupStore() for kind in KINDS}
         if index.shape[-1]:
             for kind in KINDS:
-                self._encode(kind, group_index, self._gather_tokens(candidates[kind], index)[None])
+                self.engine._encode(kind, group_index, self._gather_tokens(candidates[kind], index)[None])
         window.positions = torch.where(kept, logical.gather(-1, index), -1).to(torch.int32)
         if scores is not None:
             window.scores = torch.cat((scores.gather(-1, index) * kept, rest), dim=-1)
         window.compressed_tokens = index.shape[-1]
 
+    def rank_kept(self, router: Router, block: RouteBlock, kept_index: torch.Tensor) -> torch.Tensor:
+        """Residual ranks [G, B, H, k] for the kept tokens of an evicting flush (``block`` holds only them;
+        ``kept_index`` [G, B, H, k] their index in the flushed block). Kept tokens differ between KV heads
+        (and between layers when they do not share rows), so the router sees one part per KV head (per layer
+        and head when the layers kept different tokens), with its delimiter flags gathered to the part's
+        tokens; the byte budget is split evenly between the parts."""
+        same = all(torch.equal(kept_index[g], kept_index[0]) for g in range(kept_index.shape[0]))
+        heads = kept_index.shape[2]
+        parts = [(slice(None), h) for h in range(heads)] if same else [
+            (slice(g, g + 1), h) for g in range(kept_index.shape[0]) for h in range(heads)
+        ]
+        ranks = torch.zeros(block.vectors.shape[:-1], dtype=torch.long, device=block.vectors.device)
+        for rows, head in parts:
+            part = self._route_part(block, kept_index, rows, head, len(parts))
+            ranks[rows, :, head : head + 1] = router.assign(part)
+        return ranks
+
+    @staticmethod
+    def _route_part(block: RouteBlock, kept_index: torch.Tensor, rows: slice, head: int, parts: int) -> RouteBlock:
+        """The sub-block of layers ``rows`` and KV head ``head``."""
+        changes: dict = {}
+        for name in TOKEN_FIELDS:
+            value = getattr(block, name)
+            if isinstance(value, torch.Tensor):
+                changes[name] = value[rows, :, head : head + 1]
+        changes["layers"] = tuple(block.layers[rows])
+        if block.probe_error is not None:
+            changes["probe_error"] = block.probe_error[rows, head : head + 1]
+        if block.boundary is not None:
+            index = kept_index[rows][0, :, head]  # [B, k]: the part's layers keep the same tokens
+            changes["boundary"] = block.boundary.gather(-1, index.to(block.boundary.device))
+        if block.budget_bytes is not None:
+            changes["budget_bytes"] = block.budget_bytes / parts
+        changes["queries"] = None  # per query head; not split here
+        return attrs.evolve(block, **changes)
+
     def physical_mask(self, layer: int, logical: torch.Tensor | None, queries: int, query_heads: int) -> torch.Tensor | None:
         """The attention mask over what ``update`` returned for ``layer`` (stored slots, then the exact
         window), from the model's mask over logical tokens ``logical`` [B|1, 1, q, T] (bool; None = causal, no
         padding). Unchanged when the layer never dropped a token."""
-        window = self.windows[layer]
+        window = self.engine.windows[layer]
         if window.positions is None:
             return logical
         exact = window.exact["keys"]
@@ -228,15 +272,15 @@ class EvictionMixin:
         """Called by the observing attention before ``layer``'s attention: notes the padding (from the model's
         mask), accumulates attention for routers that use it, and returns the mask for the K/V ``update``
         returned (evicted tokens are not there)."""
-        if not (self.evicts or self.accumulates):
+        if not (self.engine.evicts or self.engine.accumulates):
             return mask
         if mask is not None and mask.dim() == 4:
             allowed = mask if mask.dtype == torch.bool else mask == 0
-            self.padding = allowed[:, 0, -1, :].expand(query.shape[0], -1).clone()  # the last query sees every real token
+            self.engine.padding = allowed[:, 0, -1, :].expand(query.shape[0], -1).clone()  # the last query sees every real token
         elif mask is None:
-            self.padding = None
+            self.engine.padding = None
         physical = self.physical_mask(layer, mask, query.shape[-2], query.shape[1])
-        if self.accumulates:
+        if self.engine.accumulates:
             self._accumulate(layer, query, key, physical, scaling)
         if physical is not None and query.shape[-2] == 1 and bool(physical.all()):
             return None  # one query that sees every held key: sdpa's fast path, no mask needed
@@ -263,12 +307,12 @@ class EvictionMixin:
                 part = mask[:, :, start:stop].expand(batch, q_heads, stop - start, total)
                 logits = logits.masked_fill(~part.reshape(batch, heads, group, stop - start, total), float("-inf"))
             probs = logits.softmax(dim=-1).nan_to_num(0.0)
-            if self.padding is not None:  # a padding query gives no attention
-                logical = self.seq_length(layer) - queries
-                real = self.padding[:, logical + start : logical + stop].to(probs.dtype)
+            if self.engine.padding is not None:  # a padding query gives no attention
+                logical = self.engine.seq_length(layer) - queries
+                real = self.engine.padding[:, logical + start : logical + stop].to(probs.dtype)
                 probs = probs * real[:, None, None, :, None]
             added += probs.sum(dim=(2, 3))
-        window = self.windows[layer]
+        window = self.engine.windows[layer]
         scores = window.scores
         if scores is None:
             scores = added.new_zeros(batch, heads, 0)
@@ -276,10 +320,10 @@ class EvictionMixin:
             scores = torch.cat((scores, scores.new_zeros(batch, heads, total - scores.shape[-1])), dim=-1)
         window.scores = scores + added
 
-    def _key_valid(self, layer: int) -> torch.Tensor | None:
+    def key_valid(self, layer: int) -> torch.Tensor | None:
         """[B, H, T] whether each key ``update`` returns for ``layer`` is a real token (None: all are)."""
-        window = self.windows[layer]
-        if window.positions is None and self.padding is None:
+        window = self.engine.windows[layer]
+        if window.positions is None and self.engine.padding is None:
             return None
         exact = window.exact["keys"]
         batch, heads = exact.shape[:2]

@@ -7,6 +7,8 @@ group 32 costs 32 + 4 bytes instead of 128 at 16 bits (3.56x).
 
 from __future__ import annotations
 
+from typing import ClassVar
+
 import attrs
 import torch
 
@@ -21,6 +23,8 @@ from ._scales import SCALE_DTYPES, absmax_scales
 @attrs.frozen
 class Int4GroupQuantizer(Quantizer):
     """Round-to-nearest int4 in [-7, 7] with an absmax scale per ``group`` channels."""
+
+    packed_format: ClassVar[str] = "int4-group.v1"
 
     group: int = attrs.field(default=32, validator=integer(2, 4096), metadata={"doc": "channels per scale (even)"})
     scale_dtype: str = attrs.field(default="float16", validator=choice(SCALE_DTYPES), metadata={"doc": "dtype of the stored scales"})

@@ -6,6 +6,8 @@ so a 64-channel vector with block 64 costs 64 + 2 bytes instead of 128 at 16 bit
 
 from __future__ import annotations
 
+from typing import ClassVar
+
 import attrs
 import torch
 
@@ -20,6 +22,8 @@ from ._scales import SCALE_DTYPES, absmax_scales
 @attrs.frozen
 class Int8BlockQuantizer(Quantizer):
     """Round-to-nearest int8 in [-127, 127] with an absmax scale per ``block`` channels."""
+
+    packed_format: ClassVar[str] = "int8-block.v1"
 
     block: int = attrs.field(default=64, validator=integer(1, 4096), metadata={"doc": "channels per scale"})
     scale_dtype: str = attrs.field(default="float16", validator=choice(SCALE_DTYPES), metadata={"doc": "dtype of the stored scales"})

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import ClassVar
+
 import attrs
 import torch
 
@@ -15,6 +17,8 @@ _DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torc
 @attrs.frozen
 class NoQuantizer(Quantizer):
     """No quantization. ``dtype = "input"`` keeps the dtype values arrive in (bit-exact storage)."""
+
+    packed_format: ClassVar[str] = "none.v1"
 
     dtype: str = attrs.field(
         default="input",

@@ -17,6 +17,8 @@ Score ``s = sigmoid(u . phi + bias)``; level ``j`` (ascending ranks) when ``s > 
 block's residual bytes within its budget: the paper's adaptive threshold ``tau_m`` chosen to satisfy the
 memory budget. ``u``, ``bias`` and the residual gates come from ``kvweave train`` (``weights = PATH``);
 without a weights file the untrained defaults below are used.
+The router implements :class:`kvweave.core.trainable.TrainableRouter`, through which ``kvweave train``
+fits it.
 """
 
 from __future__ import annotations
@@ -141,6 +143,16 @@ class SigmoidMultilevelRouter(Router):
         if not self.use_gates or self._trained is None:
             return None
         return torch.tensor(self._trained["gates"][kind][layer], dtype=torch.float32)
+
+    # ------------------------------------------------- kvweave.core.trainable.TrainableRouter
+    def feature_names(self) -> tuple[str, ...]:
+        """The names of the features of :meth:`features`, in order (``FEATURES``)."""
+        return FEATURES
+
+    def initial_weights(self) -> tuple[tuple[float, ...], float]:
+        """The untrained ``u`` (len(FEATURES) floats) and ``bias``: what the router scores with when no
+        ``weights`` file is given (``DEFAULT_WEIGHTS``, ``DEFAULT_BIAS``)."""
+        return DEFAULT_WEIGHTS, DEFAULT_BIAS
 
     def features(self, block: RouteBlock) -> torch.Tensor:
         """phi [G, B, H, n, len(FEATURES)] for ``block`` (absent features are zeros)."""

@@ -1,5 +1,5 @@
-"""Shared parts of the eviction routers (``streaming-llm``, ``h2o``, ``snapkv``, ``pyramidkv``): token
-budgets and the top-k selection over a block's real tokens.
+"""Shared parts of the evictors (``streaming-llm``, ``h2o``, ``snapkv``, ``pyramidkv``): token budgets and
+the top-k selection over a block's real tokens.
 
 A budget is the number of tokens each KV head of each layer keeps, the exact recent window included:
 either ``budget`` (a token count) or ``fraction`` (of the row's real tokens so far). Exactly one is set.
@@ -14,7 +14,7 @@ import attrs
 import torch
 
 from kvweave.core.errors import BudgetError
-from kvweave.core.interfaces import DROPPED, RouteBlock
+from kvweave.core.evictor import EvictionBlock
 
 
 def budget_field() -> Any:
@@ -50,7 +50,7 @@ def check_one_budget(instance: Any, name: str) -> None:
     """At most one of ``budget`` and ``fraction`` may be set (neither: ``fraction`` = DEFAULT_FRACTION)."""
     if instance.budget > 0 and instance.fraction is not None:
         raise ValueError(
-            f"router '{name}': set either 'budget' (tokens, got {instance.budget}) or 'fraction' (of the tokens, "
+            f"evictor '{name}': set either 'budget' (tokens, got {instance.budget}) or 'fraction' (of the tokens, "
             f"got {instance.fraction}), not both"
         )
 
@@ -65,17 +65,17 @@ def check_budget_holds_window(budget: int, recent_window: int, block_tokens: int
         )
 
 
-def totals(block: RouteBlock, budget: int, fraction: float | None) -> torch.Tensor:
+def totals(block: EvictionBlock, budget: int, fraction: float | None) -> torch.Tensor:
     """Tokens each batch row keeps in total [B] (window included)."""
-    rows = block.row_tokens if block.row_tokens is not None else torch.full((block.vectors.shape[1],), block.vectors.shape[-2])
+    rows = block.row_tokens
     if budget:
         return torch.full_like(rows, budget)
     return torch.ceil(rows.double() * (DEFAULT_FRACTION if fraction is None else fraction)).long()
 
 
 def keep_top(scores: torch.Tensor, valid: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
-    """Ranks [G, B, H, n]: 0 for the ``counts[b]`` highest-scoring valid tokens of each (layer, row, head)
-    (``counts`` [B] or [G, B]), DROPPED for the others."""
+    """Keep [G, B, H, n]: True for the ``counts[b]`` highest-scoring valid tokens of each (layer, row, head)
+    (``counts`` [B] or [G, B])."""
     groups, batch = scores.shape[:2]
     n = scores.shape[-1]
     counts = counts.to(scores.device)
@@ -85,8 +85,7 @@ def keep_top(scores: torch.Tensor, valid: torch.Tensor, counts: torch.Tensor) ->
     order = masked.argsort(dim=-1, descending=True, stable=True)
     rank_of = torch.empty_like(order)
     rank_of.scatter_(-1, order, torch.arange(n, device=scores.device).expand_as(order))
-    keep = (rank_of < counts.clamp(0, n)[:, :, None, None]) & valid
-    return torch.where(keep, 0, DROPPED).long()
+    return (rank_of < counts.clamp(0, n)[:, :, None, None]) & valid
 
 
 def pool(votes: torch.Tensor, kernel: int, mode: str) -> torch.Tensor:

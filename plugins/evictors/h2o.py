@@ -15,13 +15,13 @@ import attrs
 import torch
 
 from kvweave.core import hookimpl
-from kvweave.core.interfaces import DROPPED, RouteBlock, Router
+from kvweave.core.evictor import EvictionBlock, Evictor
 
-from ._eviction import budget_field, check_budget_holds_window, check_one_budget, fraction_field, keep_top, totals
+from ._budget import budget_field, check_budget_holds_window, check_one_budget, fraction_field, keep_top, totals
 
 
 @attrs.frozen
-class H2ORouter(Router):
+class H2OEvictor(Evictor):
     """Keep the heavy hitters (most accumulated attention) and the recent window."""
 
     budget: int = budget_field()
@@ -33,19 +33,16 @@ class H2ORouter(Router):
     def __attrs_post_init__(self) -> None:
         check_one_budget(self, "h2o")
 
-    def levels(self) -> tuple[int, ...]:
-        return (DROPPED, 0)
-
     def check_window(self, recent_window: int, block_tokens: int, where: str) -> None:
         check_budget_holds_window(self.budget, recent_window, block_tokens, where)
 
-    def assign(self, block: RouteBlock) -> torch.Tensor:
-        if block.scores is None or block.valid is None:
-            raise ValueError("router 'h2o' needs accumulated attention scores (build the cache with build_cache)")
+    def keep(self, block: EvictionBlock) -> torch.Tensor:
+        if block.scores is None:
+            raise ValueError("evictor 'h2o' needs accumulated attention scores (build the cache with build_cache)")
         counts = totals(block, self.budget, self.fraction) - block.window_tokens
         return keep_top(block.scores, block.valid, counts)
 
 
 @hookimpl
-def kvweave_register_routers(registrar) -> None:
-    registrar.add("h2o", H2ORouter)
+def kvweave_register_evictors(registrar) -> None:
+    registrar.add("h2o", H2OEvictor)

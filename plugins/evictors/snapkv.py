@@ -17,10 +17,10 @@ import attrs
 import torch
 
 from kvweave.core import hookimpl
-from kvweave.core.interfaces import DROPPED, RouteBlock, Router
+from kvweave.core.evictor import EvictionBlock, Evictor
 from kvweave.core.params import choice, integer
 
-from ._eviction import budget_field, check_budget_holds_window, check_one_budget, fraction_field, keep_top, pool, totals
+from ._budget import budget_field, check_budget_holds_window, check_one_budget, fraction_field, keep_top, pool, totals
 
 
 def _odd(_instance, attribute, value) -> None:
@@ -29,7 +29,7 @@ def _odd(_instance, attribute, value) -> None:
 
 
 @attrs.frozen
-class SnapKVRouter(Router):
+class SnapKVEvictor(Evictor):
     """Top tokens per KV head by pooled observation-window votes, selected once at prefill."""
 
     budget: int = budget_field()
@@ -45,22 +45,19 @@ class SnapKVRouter(Router):
     def name(self) -> str:
         return "snapkv"
 
-    def levels(self) -> tuple[int, ...]:
-        return (DROPPED, 0)
-
     def check_window(self, recent_window: int, block_tokens: int, where: str) -> None:
         check_budget_holds_window(self.budget, recent_window, block_tokens, where)
 
-    def layer_totals(self, block: RouteBlock) -> torch.Tensor:
+    def layer_totals(self, block: EvictionBlock) -> torch.Tensor:
         """Tokens kept in total [G, B] by each layer of the block and each row (window included)."""
         return totals(block, self.budget, self.fraction).expand(len(block.layers), -1)
 
-    def assign(self, block: RouteBlock) -> torch.Tensor:
-        shape = block.vectors.shape[:-1]
+    def keep(self, block: EvictionBlock) -> torch.Tensor:
+        shape = block.keys.shape[:-1]
         if block.forward_tokens <= 1:
-            return torch.zeros(shape, dtype=torch.long, device=block.vectors.device)  # decoding: kept
-        if block.attention_mass is None or block.valid is None:
-            raise ValueError(f"router '{self.name()}' needs the observed queries' attention (build the cache with build_cache)")
+            return torch.ones(shape, dtype=torch.bool, device=block.keys.device)  # decoding: kept
+        if block.attention_mass is None:
+            raise ValueError(f"evictor '{self.name()}' needs the observed queries' attention (build the cache with build_cache)")
         votes = pool(block.attention_mass.masked_fill(~block.valid, 0.0), self.kernel, self.pooling)
         held = torch.tensor(block.held or (0,) * len(block.layers), dtype=torch.long)[:, None]
         counts = self.layer_totals(block) - block.window_tokens - held  # earlier chunks' slots count
@@ -71,5 +68,5 @@ class SnapKVRouter(Router):
 
 
 @hookimpl
-def kvweave_register_routers(registrar) -> None:
-    registrar.add("snapkv", SnapKVRouter)
+def kvweave_register_evictors(registrar) -> None:
+    registrar.add("snapkv", SnapKVEvictor)

@@ -13,26 +13,20 @@ import attrs
 import torch
 
 from kvweave.core import hookimpl
-from kvweave.core.interfaces import DROPPED, RouteBlock, Router
+from kvweave.core.evictor import EvictionBlock, Evictor
 from kvweave.core.params import integer
 
 
 @attrs.frozen
-class StreamingLLMRouter(Router):
+class StreamingLLMEvictor(Evictor):
     """Keep the first ``sinks`` real tokens and the exact recent window; drop the rest."""
 
     sinks: int = attrs.field(default=4, validator=integer(0, 1 << 20), metadata={"doc": "first tokens kept as attention sinks"})
 
-    def levels(self) -> tuple[int, ...]:
-        return (DROPPED, 0)
-
-    def assign(self, block: RouteBlock) -> torch.Tensor:
-        if block.positions is None or block.valid is None:
-            raise ValueError("router 'streaming-llm' needs token positions (the cache passes them when it evicts)")
-        keep = block.valid & (block.positions < self.sinks)
-        return torch.where(keep, 0, DROPPED).long()
+    def keep(self, block: EvictionBlock) -> torch.Tensor:
+        return block.valid & (block.positions < self.sinks)
 
 
 @hookimpl
-def kvweave_register_routers(registrar) -> None:
-    registrar.add("streaming-llm", StreamingLLMRouter)
+def kvweave_register_evictors(registrar) -> None:
+    registrar.add("streaming-llm", StreamingLLMEvictor)

@@ -15,15 +15,16 @@ import attrs
 import torch
 
 from kvweave.core import hookimpl
-from kvweave.core.interfaces import ModelShape, RouteBlock
+from kvweave.core.evictor import EvictionBlock
+from kvweave.core.interfaces import ModelShape
 from kvweave.core.params import number
 
-from ._eviction import totals
-from .snapkv import SnapKVRouter
+from ._budget import totals
+from .snapkv import SnapKVEvictor
 
 
 @attrs.frozen
-class PyramidKVRouter(SnapKVRouter):
+class PyramidKVEvictor(SnapKVEvictor):
     """SnapKV selection with a linear pyramid of layer budgets (mean = the budget)."""
 
     beta: float = attrs.field(default=20.0, validator=number(1.0, 1e6), metadata={"doc": "first-to-last layer ratio of the budget beyond the window"})
@@ -43,12 +44,12 @@ class PyramidKVRouter(SnapKVRouter):
         depth = torch.arange(layers, dtype=torch.float64)[:, None] / max(layers - 1, 1)
         return (window + high[None] + (low - high)[None] * depth).round().long()
 
-    def layer_totals(self, block: RouteBlock) -> torch.Tensor:
+    def layer_totals(self, block: EvictionBlock) -> torch.Tensor:
         layers = self._layers[0] if self._layers else max(block.layers) + 1
         budgets = self.layer_budgets(totals(block, self.budget, self.fraction), block.window_tokens, layers)
         return budgets[list(block.layers)]
 
 
 @hookimpl
-def kvweave_register_routers(registrar) -> None:
-    registrar.add("pyramidkv", PyramidKVRouter)
+def kvweave_register_evictors(registrar) -> None:
+    registrar.add("pyramidkv", PyramidKVEvictor)

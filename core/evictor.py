@@ -1,0 +1,76 @@
+"""The evictor interface: which tokens leaving the exact window are stored at all.
+
+An evictor is its own pipeline slot (``evictor``), composable with any basis, quantizer and router: at a
+flush it sees an :class:`EvictionBlock` and returns which tokens to keep. Dropped tokens are never
+stored (their bytes leave ``memory_bytes()``) and attention no longer sees them; the router then gives
+residual ranks to the kept tokens only. ``none`` (the default when a pipeline names no evictor) keeps
+every token. Shapes: ``G`` layers of the basis group, ``B`` batch, ``H`` KV heads, ``n`` tokens, ``D``
+head dim.
+"""
+
+from __future__ import annotations
+
+from abc import abstractmethod
+from typing import ClassVar
+
+import attrs
+import torch
+
+from kvweave.core.interfaces import Component
+
+
+@attrs.frozen
+class EvictionBlock:
+    """What an evictor sees of the tokens of one basis group that are leaving the exact window.
+
+    ``keys`` [G, B, H, n, D] float32; ``valid`` [G, B, H, n] False for padding and filler slots;
+    ``positions`` [G, B, H, n] each token's position among its row's real tokens (-1 where not valid);
+    ``attention_mass``/``attention_spike`` [G, B, H, n] the summed and the largest attention probability
+    of the observed recent queries (evictors with ``needs_attention``); ``scores`` [G, B, H, n] the
+    attention each token received so far (evictors with ``accumulates``); ``boundary`` [B, n] delimiter
+    flags when the cache knows the token ids; ``row_tokens`` [B] the real tokens each row has cached, this
+    forward's included; ``window_tokens`` the tokens that stay exact after this flush; ``stored`` how many
+    leading tokens of the block are already stored (re-offered to evictors with ``reselects``); ``held``
+    [G] the slots each layer already stores outside the block; ``forward_tokens`` the tokens of the
+    forward pass that flushes (1 while decoding); ``shared_tokens`` whether the group's layers share
+    coefficient rows (a token is then kept for all of them if any keeps it).
+    """
+
+    layers: tuple[int, ...]
+    keys: torch.Tensor
+    valid: torch.Tensor
+    positions: torch.Tensor
+    row_tokens: torch.Tensor
+    window_tokens: int
+    attention_mass: torch.Tensor | None = None
+    attention_spike: torch.Tensor | None = None
+    scores: torch.Tensor | None = None
+    boundary: torch.Tensor | None = None
+    stored: int = 0
+    held: tuple[int, ...] = ()
+    forward_tokens: int = 0
+    shared_tokens: bool = False
+
+
+class Evictor(Component):
+    """Chooses the tokens a cache stores at all (the others are dropped, their bytes freed)."""
+
+    group: ClassVar[str] = "evictors"
+    #: false only for ``none``: the engine then never asks and keeps every token
+    evicts: ClassVar[bool] = True
+    #: whether ``keep`` needs the attention statistics of recent queries (the cache then observes them)
+    needs_attention: ClassVar[bool] = False
+    #: whether the cache should accumulate, per stored token, the attention every query gives it (H2O)
+    accumulates: ClassVar[bool] = False
+    #: whether stored tokens are offered again at every flush (they may then be dropped; needs a basis
+    #: with single-layer groups and a router without residual levels)
+    reselects: ClassVar[bool] = False
+
+    def check_window(self, recent_window: int, block_tokens: int, where: str) -> None:
+        """Raise :class:`BudgetError` if the evictor's token budget cannot hold the pipeline's exact window."""
+
+    @abstractmethod
+    def keep(self, block: EvictionBlock) -> torch.Tensor:
+        """Which tokens of ``block`` to store: bool [G, B, H, n] (padding and filler slots are dropped
+        whatever the answer)."""
+

@@ -1,0 +1,47 @@
+"""The engine's stored state: one :class:`LayerWindow` per layer (exact recent tokens, routed residuals,
+counts) and one :class:`GroupStore` per basis group and kind (packed coefficients, basis state, budget
+share). Only the engine and its collaborators write them; everything else reads a
+:class:`~kvweave.core.view.LayerView`.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from kvweave.core.interfaces import KINDS
+from kvweave.core.storage import Segment, TensorMap
+from kvweave.engine.residuals import ResidualList
+
+
+class LayerWindow:
+    """One layer's exact (uncompressed) recent tokens, its routed residuals, and its packed-token count."""
+
+    def __init__(self, levels: tuple[int, ...]) -> None:
+        self.exact: dict[str, torch.Tensor | None] = {"keys": None, "values": None}
+        self.residuals = {kind: {rank: ResidualList(rank) for rank in levels if rank > 0} for kind in KINDS}
+        self.residual_basis: dict[str, torch.Tensor | None] = {kind: None for kind in KINDS}  # [B, H, R, D]
+        self.compressed_tokens = 0  # stored (packed) slots per batch row and head
+        self.passed_tokens = 0  # logical tokens that left the exact window (stored or dropped)
+        # eviction: the cache index (logical position) of each stored slot, -1 for a filler slot
+        self.positions: torch.Tensor | None = None  # int32 [B, H, compressed_tokens]
+        # routers that accumulate attention: what every query gave each stored slot, then each exact token
+        self.scores: torch.Tensor | None = None  # float32 [B, H, compressed_tokens + exact_tokens]
+
+    @property
+    def exact_tokens(self) -> int:
+        tensor = self.exact["keys"]
+        return 0 if tensor is None else tensor.shape[-2]
+
+
+class GroupStore:
+    """Packed coefficients of one basis group for keys or values, plus the basis state they decode with."""
+
+    def __init__(self) -> None:
+        self.state: TensorMap | None = None
+        self.coefficients = Segment()
+        self.flushes = 0
+        self.share = 1.0
+        self.next_share: float | None = None
+        self.probe_state: dict[str, float] = {}
+        self.probe_error: torch.Tensor | None = None
+        self.route_state: dict = {}  # the router's per-group state (RouteBlock.state; tensors batch-first)

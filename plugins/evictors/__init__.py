@@ -1,0 +1,1 @@
+"""Evictors: which tokens leaving the exact window are stored at all (docs/baselines.md)."""
