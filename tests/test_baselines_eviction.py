@@ -1,10 +1,11 @@
-"""Baselines as pipelines: eviction routers (the DROPPED level), KIVI, and SnapKV + DepthWeave-KV composed.
+"""Eviction baselines as pipelines: the evictors (StreamingLLM, H2O, SnapKV, PyramidKV), alone and composed
+with DepthWeave-KV's factorization (SnapKV + DepthWeave-KV).
 
 Every property here could fail: evicted bytes really leave the cache, kept sets are what each paper
 defines (checked against transformers' own eager attention where a selection depends on attention),
 attention over the evicted cache equals attention over the full cache with those tokens masked, a row of
-a left-padded batch gives what it gives alone, KIVI's error stays within half its stored scale, and bad
-settings are refused naming the pipeline, slot and parameter."""
+a left-padded batch gives what it gives alone, and bad settings are refused naming the pipeline, slot and
+parameter."""
 
 from __future__ import annotations
 
@@ -19,10 +20,8 @@ from transformers import DynamicCache
 from kvweave.engine import build_cache, cache_kwargs
 from kvweave.engine.cache import KVWeaveCache
 from kvweave.core.errors import BudgetError, CacheStateError, KvweaveError, ModelError
-from kvweave.core.interfaces import DROPPED
 from kvweave.core.registry import load_pipeline
-from kvweave.plugins.quantizers.kivi import KiviKeys, KiviQuantizer, KiviValues, unpack
-from kvweave.plugins.routers._eviction import keep_top, pool
+from kvweave.plugins.evictors._budget import keep_top, pool
 
 from conftest import ToyTokenizer, tiny_llama, write_registry
 
@@ -30,14 +29,14 @@ REGISTRY = textwrap.dedent("""
     [pipelines.t-stream]
     extends = "streaming-llm"
     recent_window = 16
-    [pipelines.t-stream.router]
+    [pipelines.t-stream.evictor]
     sinks = 4
 
     [pipelines.t-snap]
     extends = "snapkv"
     recent_window = 8
     observe_queries = 8
-    [pipelines.t-snap.router]
+    [pipelines.t-snap.evictor]
     use = "snapkv"
     budget = 24
     kernel = 5
@@ -46,7 +45,7 @@ REGISTRY = textwrap.dedent("""
     extends = "snapkv"
     recent_window = 8
     observe_queries = 8
-    [pipelines.t-pyramid.router]
+    [pipelines.t-pyramid.evictor]
     use = "pyramidkv"
     budget = 24
     beta = 4.0
@@ -54,24 +53,20 @@ REGISTRY = textwrap.dedent("""
     [pipelines.t-h2o]
     extends = "h2o"
     recent_window = 8
-    [pipelines.t-h2o.router]
+    [pipelines.t-h2o.evictor]
     use = "h2o"
     budget = 20
 
     [pipelines.t-snap-bad]
     extends = "t-snap"
-    [pipelines.t-snap-bad.router]
+    [pipelines.t-snap-bad.evictor]
     budget = 5
 
-    [pipelines.t-kivi-bad]
-    extends = "kivi-2"
-    block_tokens = 48
-
-    [pipelines.t-compose-bad]
-    extends = "snapkv-depthweave"
-    [pipelines.t-compose-bad.router]
-    evict = "uniform"
-    [pipelines.t-compose-bad.router.evict_params]
+    [pipelines.t-router-drops]
+    extends = "full"
+    compress = true
+    [pipelines.t-router-drops.router]
+    use = "snapkv"
 
     [pipelines.t-dw]
     extends = "depthweave-kv"
@@ -92,13 +87,13 @@ REGISTRY = textwrap.dedent("""
     update_every = 2
     [pipelines.t-snap-dw.quantizer]
     block = 16
-    [pipelines.t-snap-dw.router.evict_params]
+    [pipelines.t-snap-dw.evictor]
     fraction = 0.25
 
     [pipelines.t-snap-wide]
     extends = "snapkv"
     recent_window = 32
-    [pipelines.t-snap-wide.router]
+    [pipelines.t-snap-wide.evictor]
     use = "snapkv"
     fraction = 0.25
 """)
@@ -285,9 +280,9 @@ def test_pyramidkv_budgets_fall_with_depth_and_average_the_budget(registry):
 def test_keep_top_skips_padding_and_keeps_per_row_counts():
     scores = torch.tensor([[[[5.0, 4.0, 3.0, 2.0, 1.0]], [[1.0, 2.0, 3.0, 4.0, 5.0]]]])  # [1, 2, 1, 5]
     valid = torch.tensor([[[[False, True, True, True, True]], [[True, True, True, True, True]]]])
-    ranks = keep_top(scores, valid, torch.tensor([2, 1]))
-    assert ranks[0, 0, 0].tolist() == [DROPPED, 0, 0, DROPPED, DROPPED]
-    assert ranks[0, 1, 0].tolist() == [DROPPED, DROPPED, DROPPED, DROPPED, 0]
+    keep = keep_top(scores, valid, torch.tensor([2, 1]))
+    assert keep[0, 0, 0].tolist() == [False, True, True, False, False]
+    assert keep[0, 1, 0].tolist() == [False, False, False, False, True]
 
 
 # ------------------------------------------------------------------------------------ H2O
@@ -330,73 +325,6 @@ def test_h2o_keeps_the_tokens_with_the_most_accumulated_attention_at_prefill(mod
         assert torch.equal(window.positions[0].long().sort(dim=-1).values, expected)
 
 
-# ------------------------------------------------------------------------------------ KIVI
-def _outliers(shape, seed=0):
-    torch.manual_seed(seed)
-    x = torch.randn(shape)
-    x[..., 3] *= 20  # an outlier channel, as keys have
-    return x
-
-
-@pytest.mark.parametrize("bits", [2, 4])
-def test_kivi_keys_are_within_half_a_scale_per_channel_and_group(bits):
-    x = _outliers((2, 3, 64, 64))
-    quantizer = KiviKeys(bits, 32)
-    packed = quantizer.quantize(x)
-    assert packed["codes"].shape == (2, 3, 64, 64 * bits // 8) and packed["scale"].shape == (2, 3, 2, 64)
-    x_hat = quantizer.dequantize(packed, torch.float32)
-    bound = packed["scale"].float().repeat_interleave(32, dim=-2) / 2
-    assert bool(((x - x_hat).abs() <= bound * (1 + 1e-6) + 1e-7).all())
-    codes = unpack(packed["codes"], bits)
-    assert int(codes.max()) == 2**bits - 1 and int(codes.min()) == 0  # the range is used
-    # per channel: the outlier channel's scale does not coarsen the others
-    assert float(packed["scale"][..., 3].float().min()) > 5 * float(packed["scale"][..., 4].float().max())
-
-
-@pytest.mark.parametrize("bits", [2, 4])
-def test_kivi_values_are_within_half_a_scale_per_token_group(bits):
-    x = _outliers((2, 3, 40, 64), seed=1)
-    quantizer = KiviValues(bits, 32)
-    packed = quantizer.quantize(x)
-    assert packed["scale"].shape == (2, 3, 40, 2)
-    x_hat = quantizer.dequantize(packed, torch.float32)
-    bound = packed["scale"].float().repeat_interleave(32, dim=-1) / 2
-    assert bool(((x - x_hat).abs() <= bound * (1 + 1e-6) + 1e-7).all())
-    assert float((x - x_hat).abs().max()) > 0
-
-
-@pytest.mark.parametrize("name,bits", [("kivi-2", 2), ("kivi-4", 4)])
-def test_kivi_cache_stores_packed_codes_within_the_bound(name, bits):
-    model = tiny_llama()
-    ids = _ids(length=300)
-    cache = build_cache(name, model)
-    reference = DynamicCache(config=model.config)
-    _prefill(model, cache, ids)
-    _prefill(model, reference, ids)
-    for layer in range(3):
-        window = cache.engine.windows[layer]
-        assert window.compressed_tokens == 192 and window.exact_tokens == 108  # 96..127 recent tokens exact
-        store = cache.engine.stores[layer]
-        for kind, exact in (("keys", reference.layers[layer].keys), ("values", reference.layers[layer].values)):
-            stored = cache.engine.reconstruct(layer, kind, torch.float32)
-            fields = store[kind].coefficients.fields
-            axis = -2 if kind == "keys" else -1
-            group = 32 if kind == "keys" else 16  # value_group is capped at head_dim (16 here)
-            bound = fields["scale"].float().repeat_interleave(group, dim=axis) / 2
-            assert bool(((stored - exact[..., :192, :]).abs() <= bound * (1 + 1e-6) + 1e-6).all())
-    # real bytes: codes at `bits` per value, float16 scale and zero per 32 tokens (keys) or per token (values)
-    per_layer = 192 * 16 * bits // 8 * 2 + 2 * 2 * (192 // 32) * 16 + 2 * 2 * 192 * 1
-    assert cache.memory_breakdown()["coefficients"] == 3 * 2 * per_layer  # batch 1, 2 KV heads
-
-
-def test_kivi_quantizer_packs_keys_and_values_on_their_own_axes():
-    quantizer = KiviQuantizer(bits=2, group=32, value_group=32)
-    assert isinstance(quantizer.for_kind("keys"), KiviKeys) and isinstance(quantizer.for_kind("values"), KiviValues)
-    assert quantizer.for_kind("keys").tokens_per_group() == 32
-    with pytest.raises(ValueError, match="2 or 4"):
-        KiviQuantizer(bits=3)
-
-
 # ------------------------------------------------------------------------------------ composed
 def test_snapkv_depthweave_factorizes_only_the_kept_tokens(registry):
     model = tiny_llama(torch.bfloat16, layers=4, hidden=256)
@@ -427,24 +355,19 @@ def test_snapkv_depthweave_factorizes_only_the_kept_tokens(registry):
 
 # ------------------------------------------------------------------------------------ errors
 def test_a_budget_smaller_than_the_window_is_refused_naming_pipeline_slot_and_parameter(model64, registry):
-    with pytest.raises(BudgetError, match=r"pipeline 't-snap-bad', slot 'router' \('snapkv'\): 'budget' = 5 tokens"):
+    with pytest.raises(BudgetError, match=r"pipeline 't-snap-bad', slot 'evictor' \('snapkv'\): 'budget' = 5 tokens"):
         _cache("t-snap-bad", model64, registry)
 
 
-def test_kivi_groups_must_divide_the_block(model64, registry):
-    with pytest.raises(ModelError, match=r"pipeline 't-kivi-bad', slot 'quantizer'.*groups of 32 tokens.*block_tokens \(48\)"):
-        _cache("t-kivi-bad", model64, registry)
-
-
-def test_compose_refuses_an_evict_router_that_never_drops(registry):
-    with pytest.raises(KvweaveError, match=r"t-compose-bad.*'evict' = 'uniform' never drops"):
-        load_pipeline("t-compose-bad", registry)
+def test_an_evictor_named_in_the_router_slot_is_refused_listing_the_routers(registry):
+    with pytest.raises(KvweaveError, match=r"t-router-drops', slot 'router': unknown routers component 'snapkv'; available: .*sigmoid-multilevel"):
+        load_pipeline("t-router-drops", registry)
 
 
 def test_budget_and_fraction_together_are_refused(tmp_path):
     path = tmp_path / "r.toml"
-    path.write_text('[pipelines.x]\nextends = "snapkv"\n[pipelines.x.router]\nbudget = 64\n')
-    with pytest.raises(KvweaveError, match=r"pipeline 'x', slot 'router'.*either 'budget'.*or 'fraction'"):
+    path.write_text('[pipelines.x]\nextends = "snapkv"\n[pipelines.x.evictor]\nbudget = 64\n')
+    with pytest.raises(KvweaveError, match=r"pipeline 'x', slot 'evictor'.*either 'budget'.*or 'fraction'"):
         load_pipeline("x", path)
 
 
@@ -458,7 +381,7 @@ def test_an_evicting_cache_on_an_unbound_model_stops_with_a_clear_error(registry
 
 
 # ------------------------------------------------------------------------------------ end to end
-@pytest.mark.parametrize("name", ["streaming-llm", "h2o", "snapkv", "pyramidkv", "kivi-2", "kivi-4"])
+@pytest.mark.parametrize("name", ["streaming-llm", "h2o", "snapkv", "pyramidkv"])
 def test_each_baseline_pipeline_generates_on_a_tiny_model(name):
     model = tiny_llama()
     ids = _ids(batch=2, length=260)

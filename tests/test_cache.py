@@ -163,3 +163,23 @@ def test_memory_bytes_counts_every_part(tiny_model):
     shape = cache.shape
     # int4 group 16 (head_dim 16): 8 bytes of codes + one float16 scale per token, head, layer, K and V
     assert parts["coefficients"] == 2 * shape.num_layers * 2 * shape.num_kv_heads * 256 * (8 + 2)
+
+
+def test_keys_and_values_with_their_own_quantizers_store_each_in_its_format(tiny_model, tmp_path):
+    path = tmp_path / "kinds.toml"
+    path.write_text(textwrap.dedent("""
+        [pipelines.k4v8]
+        extends = "int4"
+        [pipelines.k4v8.values.quantizer]
+        use = "int8-block"
+        block = 16
+    """))
+    inputs = _inputs()
+    caches = {name: _prefill(tiny_model, load_pipeline(name, path), inputs) for name in ("int4", "k4v8", "int8")}
+    view = caches["k4v8"].engine.view(0)
+    assert view.keys.coefficient_format == "int4-group.v1" and view.values.coefficient_format == "int8-block.v1"
+    assert view.keys.coefficients["packed"].dtype == torch.uint8 and view.values.coefficients["codes"].dtype == torch.int8
+    coefficients = {name: cache.memory_breakdown()["coefficients"] for name, cache in caches.items()}
+    assert coefficients["int4"] < coefficients["k4v8"] < coefficients["int8"]
+    # keys decode exactly as int4 alone decodes them
+    assert torch.equal(caches["k4v8"].engine.materialize(0, "keys"), caches["int4"].engine.materialize(0, "keys"))

@@ -20,7 +20,70 @@ def test_every_builtin_pipeline_resolves():
     registry = load_registry()
     assert {"full", "int8", "int4"} <= set(registry.names())
     for pipeline in registry.resolve_all():
-        assert set(pipeline.slots) == {"basis", "quantizer", "router", "residual_quantizer", "probe", "kernel"}
+        shared = {"basis", "quantizer", "router", "residual_quantizer", "probe", "kernel", "evictor"}
+        assert shared <= set(pipeline.slots)
+        assert all(slot in shared or slot.split(".")[0] in ("keys", "values") for slot in pipeline.slots)
+
+
+def test_a_pipeline_without_an_evictor_slot_keeps_every_token(tmp_path):
+    path = write(tmp_path, """
+        [pipelines.bare]
+        [pipelines.bare.basis]
+        use = "identity"
+        [pipelines.bare.quantizer]
+        use = "int4-group"
+        [pipelines.bare.router]
+        use = "uniform"
+        [pipelines.bare.residual_quantizer]
+        use = "none"
+        [pipelines.bare.probe]
+        use = "none"
+        [pipelines.bare.kernel]
+        use = "reference"
+    """)
+    pipeline = load_pipeline("bare", path)
+    assert pipeline.use("evictor") == "none" and not pipeline.component("evictor").evicts
+
+
+def test_keys_and_values_may_take_their_own_quantizers(tmp_path):
+    path = write(tmp_path, """
+        [pipelines.k4v8]
+        extends = "int4"
+        [pipelines.k4v8.values.quantizer]
+        use = "int8-block"
+        block = 32
+
+        [pipelines.k4v8-g16]
+        extends = "k4v8"
+        [pipelines.k4v8-g16.values.quantizer]
+        block = 16
+    """)
+    pipeline = load_pipeline("k4v8", path)
+    assert pipeline.slot_for("quantizer", "keys") == "quantizer"
+    assert pipeline.slot_for("quantizer", "values") == "values.quantizer"
+    assert pipeline.use("values.quantizer") == "int8-block"
+    assert pipeline.component_for("quantizer", "keys") is pipeline.component("quantizer")
+    assert pipeline.component_for("quantizer", "values").block == 32
+    assert pipeline.to_dict()["slots"]["values.quantizer"]["params"]["block"] == 32
+    child = load_pipeline("k4v8-g16", path)  # no 'use': only the parameter changes, the kind's slot stays
+    assert child.use("values.quantizer") == "int8-block" and child.component_for("quantizer", "values").block == 16
+
+
+@pytest.mark.parametrize("body, fragments", [
+    ('[pipelines.x.keys.router]\nuse = "uniform"', ["'keys.router' is not a slot that may differ", "quantizer, residual_quantizer"]),
+    ('[pipelines.x.values.quantizer]\nblock = 8', ["slot 'values.quantizer' overrides parameters but no parent defines", "add 'use'"]),
+    ('keys = 3', ["'keys' must be a table of slot tables"]),
+    ('[pipelines.x.keys.quantizer]\nuse = "int9"', ["slot 'keys.quantizer'", "unknown quantizers component 'int9'"]),
+])
+def test_bad_per_kind_slots_are_refused_naming_pipeline_and_slot(tmp_path, body, fragments):
+    path = tmp_path / "mine.toml"
+    path.write_text('[pipelines.x]\nextends = "int4"\n' + body + "\n")
+    with pytest.raises(RegistryError) as caught:
+        load_pipeline("x", path)
+    message = str(caught.value)
+    assert "pipeline 'x'" in message
+    for fragment in fragments:
+        assert fragment in message, message
 
 
 def test_child_slot_without_use_overrides_only_its_parameters(tmp_path):
