@@ -13,7 +13,7 @@ DOCS = Path(__file__).parents[1] / "docs"
 def test_every_hook_is_documented_with_its_signature():
     text = (DOCS / "plugins.md").read_text()
     hooks = [name for name, _ in inspect.getmembers(hookspecs, inspect.isfunction) if name.startswith("kvweave_")]
-    assert len(hooks) == 5
+    assert len(hooks) == len(plugins.GROUP_INTERFACES) == 6
     for name in hooks:
         parameters = ", ".join(inspect.signature(getattr(hookspecs, name)).parameters)
         assert f"`{name}({parameters})`" in text, name
