@@ -32,7 +32,9 @@ from kvweave.engine.cache import KVWeaveCache
 from kvweave.core.registry import load_pipeline
 from kvweave.engine.residuals import ResidualList
 from kvweave.engine.synthetic import fill_cache
-from kvweave.kernels.depthweave_decode import TILE, DecodeView, ResidualLevel, choose_split, fused_decode, resplit, torch_decode
+from kvweave.kernels.decode_torch import torch_decode
+from kvweave.kernels.decode_view import TILE, DecodeView, ResidualLevel, choose_split, resplit
+from kvweave.kernels.depthweave_decode import fused_decode
 
 Q_HEADS, KV_HEADS, HEAD_DIM = 32, 8, 128
 
@@ -157,7 +159,7 @@ def main() -> None:
         fill_cache(cache, max(batches), tokens, chunk=8192, device="cuda", seed=tokens)
         engine = cache.engine
         layer = 1
-        full_view = engine.kernel.layer_view(engine, layer, torch.device("cuda"))
+        full_view = engine.kernel.decode_view(engine.view(layer), torch.device("cuda"))
         ratio = cache.compression_ratio()
         for batch in batches:
             view = full_view if batch == max(batches) else first_row(full_view)

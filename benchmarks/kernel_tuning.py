@@ -22,7 +22,9 @@ import torch
 from kvweave.engine.cache import KVWeaveCache
 from kvweave.core.registry import load_pipeline
 from kvweave.engine.synthetic import fill_cache
-from kvweave.kernels.depthweave_decode import fused_decode, resplit, torch_decode
+from kvweave.kernels.decode_torch import torch_decode
+from kvweave.kernels.decode_view import resplit
+from kvweave.kernels.depthweave_decode import fused_decode
 
 from decode_kernel import HEAD_DIM, KV_HEADS, Q_HEADS, device_us, llama3_window_config
 
@@ -43,7 +45,7 @@ def main() -> None:
     cache = KVWeaveCache(load_pipeline(args.pipeline), llama3_window_config())
     fill_cache(cache, args.batch, args.tokens, chunk=8192, device="cuda", seed=args.tokens)
     engine = cache.engine
-    view = engine.kernel.layer_view(engine, 1, torch.device("cuda"))
+    view = engine.kernel.decode_view(engine.view(1), torch.device("cuda"))
     q = torch.randn(args.batch, Q_HEADS, HEAD_DIM, device="cuda").to(torch.bfloat16)
     scale = HEAD_DIM**-0.5
     twin = torch_decode(view, q, None, scale).float()

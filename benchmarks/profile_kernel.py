@@ -32,7 +32,7 @@ def main() -> None:
     cache = KVWeaveCache(load_pipeline(args.pipeline), llama3_window_config())
     fill_cache(cache, args.batch, args.tokens, chunk=16384, device="cuda", seed=1)
     engine = cache.engine
-    view = engine.kernel.layer_view(engine, 1, torch.device("cuda"))
+    view = engine.kernel.decode_view(engine.view(1), torch.device("cuda"))
     q = torch.randn(args.batch, Q_HEADS, HEAD_DIM, device="cuda", dtype=torch.bfloat16)
     for _ in range(3):
         fused_decode(view, q, None, HEAD_DIM**-0.5)

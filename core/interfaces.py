@@ -15,7 +15,7 @@ The key/value vector is reconstructed as ``basis.decode(coefficients) + residual
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from typing import TYPE_CHECKING, Any, ClassVar, Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Any, ClassVar, Protocol
 
 import attrs
 import torch
@@ -294,6 +294,9 @@ class AttentionKernel(Component):
     coefficient_formats: ClassVar[tuple[str, ...]] = ()
     #: packed formats of the ``residual_quantizer`` slot this kernel reads (empty: any)
     residual_formats: ClassVar[tuple[str, ...]] = ()
+    #: whether a kernel that reads in place rotates keys stored before the rotary embedding
+    #: (``key_space = "pre-rope"``); a materializing kernel always can (the engine rotates them back)
+    pre_rope_keys: ClassVar[bool] = False
 
     def check_engine(self, engine: Any) -> None:
         """Raise :class:`ModelError` or :class:`ComponentError` when this kernel cannot read the storage

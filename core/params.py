@@ -6,19 +6,27 @@ registry wraps that message with the pipeline and slot it came from.
 
 from __future__ import annotations
 
+import math
 from typing import Any, Iterable
 
 import attrs
 
 
+def _name(attribute: attrs.Attribute) -> str:
+    """The parameter's name as a registry file spells it (the field's alias, e.g. 'levels' for 'levels_')."""
+    return getattr(attribute, "alias", None) or attribute.name.rstrip("_")
+
+
 def _bounded(kinds: tuple[type, ...], noun: str, min_value: float | None, max_value: float | None):
     def check(_instance: Any, attribute: attrs.Attribute, value: Any) -> None:
         if isinstance(value, bool) or not isinstance(value, kinds):
-            raise TypeError(f"'{attribute.name}' must be {noun}, got {value!r} ({type(value).__name__})")
+            raise TypeError(f"'{_name(attribute)}' must be {noun}, got {value!r} ({type(value).__name__})")
+        if isinstance(value, float) and not math.isfinite(value):
+            raise ValueError(f"'{_name(attribute)}' must be a finite {noun.split()[-1]}, got {value}")
         if min_value is not None and value < min_value:
-            raise ValueError(f"'{attribute.name}' must be >= {min_value}, got {value}")
+            raise ValueError(f"'{_name(attribute)}' must be >= {min_value}, got {value}")
         if max_value is not None and value > max_value:
-            raise ValueError(f"'{attribute.name}' must be <= {max_value}, got {value}")
+            raise ValueError(f"'{_name(attribute)}' must be <= {max_value}, got {value}")
 
     return check
 
@@ -39,7 +47,7 @@ def choice(options: Iterable[str]):
 
     def check(_instance: Any, attribute: attrs.Attribute, value: Any) -> None:
         if value not in allowed:
-            raise ValueError(f"'{attribute.name}' must be one of {', '.join(map(repr, allowed))}; got {value!r}")
+            raise ValueError(f"'{_name(attribute)}' must be one of {', '.join(map(repr, allowed))}; got {value!r}")
 
     return check
 

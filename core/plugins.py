@@ -1,9 +1,15 @@
 """Plugin discovery: entry points of the ``kvweave`` group, registered into one pluggy manager.
 
 Built-in components are plugins like any other: kvweave's own distribution lists its plugin modules
-under ``[project.entry-points.kvweave]``. A plugin that fails to import or whose hooks are invalid is
-reported (naming its entry point and distribution) and skipped; the others still load. Set
-``KVWEAVE_DISABLE_PLUGINS=name1,name2`` to skip plugins by entry-point name.
+under ``[project.entry-points.kvweave]``. A plugin that fails to import, whose hooks are invalid or raise,
+or that registers something that is not a component is reported (naming its entry point and
+distribution) and skipped; the others still load. Two plugins registering the same component name do
+not stop anything either: the name becomes *ambiguous* (listed by ``kvweave plugins``), and only
+resolving a pipeline that uses it fails, naming both plugins. Set ``KVWEAVE_DISABLE_PLUGINS=name1,name2``
+to skip plugins by entry-point name (unknown names are warned about, listing the installed ones).
+
+This module does not import torch itself: the component interfaces (``kvweave.core.groups``) are imported
+when the catalog is first collected, so that listing commands cost only what the plugin modules import.
 """
 
 from __future__ import annotations
@@ -11,19 +17,38 @@ from __future__ import annotations
 import importlib.metadata
 import os
 import warnings
-from typing import Any, Iterator
+from typing import TYPE_CHECKING, Any, Iterator
 
 import attrs
 import pluggy
 
 from kvweave.core import hookspecs
 from kvweave.core.errors import ComponentError, PluginError
-from kvweave.core.groups import GROUP_INTERFACES
-from kvweave.core.interfaces import Component
+
+if TYPE_CHECKING:
+    from kvweave.core.interfaces import Component
 
 ENTRY_POINT_GROUP = "kvweave"
 DISABLE_ENV = "KVWEAVE_DISABLE_PLUGINS"
-HOOK_FOR_GROUP = {group: f"kvweave_register_{group}" for group in GROUP_INTERFACES}
+_HOOK_PREFIX = "kvweave_register_"
+#: component group -> its registration hook, in the order the hook specs define them
+HOOK_FOR_GROUP: dict[str, str] = {
+    name[len(_HOOK_PREFIX):]: name for name in vars(hookspecs) if name.startswith(_HOOK_PREFIX)
+}
+
+
+def __getattr__(name: str) -> Any:
+    # ``plugins.GROUP_INTERFACES`` (the interface class of each group) stays available, imported lazily:
+    # the interfaces module imports torch.
+    if name == "GROUP_INTERFACES":
+        from kvweave.core.groups import GROUP_INTERFACES
+
+        return GROUP_INTERFACES
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+class AmbiguousComponentError(ComponentError, PluginError):
+    """A pipeline asked for a component name that two or more installed plugins registered."""
 
 
 @attrs.frozen
@@ -55,6 +80,27 @@ class ComponentInfo:
     plugin: str
     distribution: str
 
+    def owner(self) -> str:
+        return f"plugin '{self.plugin}' (distribution {self.distribution})"
+
+
+@attrs.frozen
+class Conflict:
+    """A component name of ``group`` registered more than once: by every plugin in ``claims``, in order."""
+
+    group: str
+    name: str
+    claims: tuple[ComponentInfo, ...]
+
+    def describe(self) -> str:
+        owners = [claim.owner() for claim in self.claims]
+        listed = " and ".join(owners) if len(owners) == 2 else ", ".join(owners[:-1]) + ", and " + owners[-1]
+        disable = ",".join(dict.fromkeys(claim.plugin for claim in self.claims[1:]))
+        return (
+            f"{self.group} component '{self.name}' is registered by {listed}, so a pipeline that uses it cannot "
+            f"tell which is meant. Rename one of them, or disable a plugin with {DISABLE_ENV}={disable}"
+        )
+
 
 class Registrar:
     """Handed to a registration hook; ``add(name, factory)`` registers one component of ``group``."""
@@ -65,7 +111,12 @@ class Registrar:
         self.plugin = plugin
 
     def add(self, name: str, factory: type) -> None:
-        """Register ``factory`` (an attrs class implementing the group's interface) under ``name``."""
+        """Register ``factory`` (an attrs class implementing the group's interface) under ``name``.
+
+        A name another plugin (or this one) registered already is kept as a conflict, not refused: the
+        name is then ambiguous, and only a pipeline that uses it fails (:meth:`Catalog.get`)."""
+        from kvweave.core.groups import GROUP_INTERFACES
+
         interface = GROUP_INTERFACES[self.group]
         where = f"plugin '{self.plugin.name}' (distribution {self.plugin.distribution})"
         if not isinstance(name, str) or not name:
@@ -80,32 +131,59 @@ class Registrar:
                 f"{where} registered {self.group} component '{name}' as {factory.__qualname__}, which is not an "
                 "attrs class; decorate it with @attrs.frozen so its fields are its parameters"
             )
-        existing = self._catalog.components[self.group].get(name)
-        if existing is not None:
-            raise PluginError(
-                f"duplicate {self.group} component '{name}': registered by plugin '{existing.plugin}' "
-                f"(distribution {existing.distribution}) and again by {where}. Component names must be unique; "
-                f"rename one of them, or disable a plugin with {DISABLE_ENV}=<plugin name>"
-            )
-        self._catalog.components[self.group][name] = ComponentInfo(
-            self.group, name, factory, self.plugin.name, self.plugin.distribution
-        )
+        self._catalog.claim(ComponentInfo(self.group, name, factory, self.plugin.name, self.plugin.distribution))
 
 
 @attrs.define
 class Catalog:
-    """Everything the installed plugins provide."""
+    """Everything the installed plugins provide.
+
+    ``components`` maps each group to its names; a name in ``conflicts`` (registered by several plugins)
+    maps to its first registration there, and :meth:`get` refuses it naming every plugin that claims it.
+    ``disabled`` are the plugins :data:`DISABLE_ENV` switched off (not imported, so no hooks)."""
 
     plugins: list[PluginInfo] = attrs.field(factory=list)
     failures: list[PluginFailure] = attrs.field(factory=list)
     components: dict[str, dict[str, ComponentInfo]] = attrs.field(
-        factory=lambda: {group: {} for group in GROUP_INTERFACES}
+        factory=lambda: {group: {} for group in HOOK_FOR_GROUP}
     )
+    conflicts: list[Conflict] = attrs.field(factory=list)
+    disabled: list[PluginInfo] = attrs.field(factory=list)
+    _claims: dict[tuple[str, str], list[ComponentInfo]] = attrs.field(factory=dict, repr=False)
+
+    def claim(self, info: ComponentInfo) -> None:
+        """Record a registration (the first of a name is what ``components`` lists)."""
+        self._claims.setdefault((info.group, info.name), []).append(info)
+        self.components[info.group].setdefault(info.name, info)
+        self._update_conflicts()
+
+    def drop_plugin(self, plugin: str) -> None:
+        """Forget every registration of ``plugin`` (a plugin whose hook failed is dropped whole)."""
+        for (group, name), claims in list(self._claims.items()):
+            kept = [claim for claim in claims if claim.plugin != plugin]
+            if kept:
+                self._claims[(group, name)] = kept
+                self.components[group][name] = kept[0]
+            else:
+                del self._claims[(group, name)]
+                self.components[group].pop(name, None)
+        self._update_conflicts()
+
+    def _update_conflicts(self) -> None:
+        self.conflicts = [Conflict(group, name, tuple(claims)) for (group, name), claims in self._claims.items() if len(claims) > 1]
+
+    def conflict(self, group: str, name: str) -> Conflict | None:
+        """The conflict over ``name`` of ``group``, if several plugins registered it."""
+        return next((c for c in self.conflicts if c.group == group and c.name == name), None)
 
     def get(self, group: str, name: str) -> ComponentInfo:
-        """The component ``name`` of ``group``, or a :class:`ComponentError` listing what is available."""
+        """The component ``name`` of ``group``; a :class:`ComponentError` listing what is available when it
+        is unknown, an :class:`AmbiguousComponentError` naming every plugin that registered it when several did."""
         if group not in self.components:
             raise ComponentError(f"unknown component group '{group}'; groups are: {', '.join(self.components)}")
+        conflict = self.conflict(group, name)
+        if conflict is not None:
+            raise AmbiguousComponentError(conflict.describe())
         found = self.components[group].get(name)
         if found is None:
             available = ", ".join(sorted(self.components[group])) or "(none)"
@@ -122,8 +200,8 @@ class Catalog:
                 yield from (table[name] for name in sorted(table))
 
 
-def _disabled() -> set[str]:
-    return {name.strip() for name in os.environ.get(DISABLE_ENV, "").split(",") if name.strip()}
+def _disabled() -> list[str]:
+    return list(dict.fromkeys(name.strip() for name in os.environ.get(DISABLE_ENV, "").split(",") if name.strip()))
 
 
 def _distribution_of(entry_point: importlib.metadata.EntryPoint) -> tuple[str, str]:
@@ -141,13 +219,35 @@ class PluginHost:
         self.manager.add_hookspecs(hookspecs)
         self._info: dict[str, PluginInfo] = {}
         self.failures: list[PluginFailure] = []
+        self.disabled: list[PluginInfo] = []
 
     def load_entry_points(self) -> None:
         disabled = _disabled()
-        for entry_point in importlib.metadata.entry_points(group=ENTRY_POINT_GROUP):
-            if entry_point.name in disabled or entry_point.name in self._info:
-                continue
+        entry_points = list(importlib.metadata.entry_points(group=ENTRY_POINT_GROUP))
+        unknown = [name for name in disabled if name not in {ep.name for ep in entry_points}]
+        if unknown:
+            known = ", ".join(sorted({ep.name for ep in entry_points})) or "(none)"
+            warnings.warn(
+                f"{DISABLE_ENV} names {len(unknown)} unknown plugin(s): {', '.join(unknown)}; nothing was disabled "
+                f"for them. Installed plugins (entry-point names): {known}",
+                stacklevel=2,
+            )
+        seen: dict[str, tuple[str, str]] = {}
+        for entry_point in entry_points:
             dist_name, version = _distribution_of(entry_point)
+            if entry_point.name in seen:
+                if seen[entry_point.name] != (dist_name, entry_point.value):  # not the same distribution found twice
+                    first_dist, first_value = seen[entry_point.name]
+                    self._fail(entry_point.name, dist_name, f"entry point '{entry_point.name} = {entry_point.value}' "
+                               f"has the name of distribution {first_dist}'s entry point (= {first_value}), which was "
+                               "loaded instead; plugin names must be unique")
+                continue
+            seen[entry_point.name] = (dist_name, entry_point.value)
+            if entry_point.name in disabled:
+                self.disabled.append(PluginInfo(entry_point.name, dist_name, version, ()))
+                continue
+            if entry_point.name in self._info:
+                continue
             try:
                 plugin = entry_point.load()
             except Exception as exc:  # a broken third-party plugin must not stop the others
@@ -181,10 +281,11 @@ class PluginHost:
     def collect(self) -> Catalog:
         """Call every plugin's registration hooks and return what they registered.
 
-        A plugin whose hook raises is dropped whole: its components from earlier hooks are removed and
-        its later hooks are not called. A duplicate name or a non-component (:class:`PluginError`) is
-        an error of the installation and propagates."""
-        catalog = Catalog(failures=list(self.failures))
+        A plugin whose hook raises, or registers something that is not a component (:class:`PluginError`
+        from :meth:`Registrar.add`), is dropped whole: its components from earlier hooks are removed and its
+        later hooks are not called; it is listed in ``failures``. A name registered twice is kept as a
+        conflict (``conflicts``) and warned about; nothing fails until a pipeline uses that name."""
+        catalog = Catalog(failures=list(self.failures), disabled=list(self.disabled))
         crashed: set[str] = set()
         for group, hook_name in HOOK_FOR_GROUP.items():
             for impl in getattr(self.manager.hook, hook_name).get_hookimpls():
@@ -193,15 +294,15 @@ class PluginHost:
                     continue
                 try:
                     impl.function(registrar=Registrar(catalog, group, plugin))
-                except PluginError:
-                    raise
                 except Exception as exc:  # a hook that crashes is that plugin's failure alone
                     crashed.add(plugin.name)
-                    catalog.failures.append(PluginFailure(plugin.name, plugin.distribution, f"{hook_name} raised {exc!r}"))
-                    for table in catalog.components.values():
-                        for name in [n for n, c in table.items() if c.plugin == plugin.name]:
-                            del table[name]
-                    warnings.warn(f"kvweave plugin '{plugin.name}' ({plugin.distribution}) was skipped: {exc!r}", stacklevel=2)
+                    reason = str(exc) if isinstance(exc, PluginError) else f"{hook_name} raised {exc!r}"
+                    catalog.failures.append(PluginFailure(plugin.name, plugin.distribution, reason))
+                    catalog.drop_plugin(plugin.name)
+                    warnings.warn(f"kvweave plugin '{plugin.name}' (distribution {plugin.distribution}) was skipped: {reason}",
+                                  stacklevel=2)
+        for conflict in catalog.conflicts:
+            warnings.warn(f"{conflict.describe()} (see 'kvweave plugins')", stacklevel=2)
         catalog.plugins = sorted((p for p in self._info.values() if p.name not in crashed), key=lambda p: p.name)
         return catalog
 

@@ -51,6 +51,10 @@ class StorageSettings:
         default="channels", validator=choice(("channels", "basis")),
         metadata={"doc": "residual of rank rho: the rho largest channels (+ indices), or rho coordinates on a per-layer residual basis"},
     )
+    key_space: str = attrs.field(
+        default="post-rope", validator=choice(("post-rope", "pre-rope")),
+        metadata={"doc": "store keys as the model computed them, or before its rotary embedding (un-rotated when they leave the exact window, rotated back where attention reads them)"},
+    )
     observe_queries: int = attrs.field(
         default=16, validator=integer(1, 4096),
         metadata={"doc": "recent queries per layer kept for attention features and probes (when used)"},
@@ -179,11 +183,20 @@ class Registry:
                 slots[f"{kind}.{slot}"] = self._build_slot(where, name, f"{kind}.{slot}", SLOT_GROUPS[slot], table, catalog)
         description = merged.get("description", f"extends {chain[1]}" if len(chain) > 1 else "")
         pipeline = ResolvedPipeline(name, description, chain, self.sources[name], settings, slots)
+        kernel = slots["kernel"]
+        if settings.key_space == "pre-rope" and not (kernel.component.materializes or kernel.component.pre_rope_keys):
+            raise RegistryError(
+                f"{where}: setting key_space = 'pre-rope' stores keys before the rotary embedding, but slot 'kernel' "
+                f"('{kernel.use}') reads stored keys in place without rotating them; use kernel 'reference' or "
+                "key_space 'post-rope'"
+            )
         for slot, config in slots.items():  # what two slots must agree on, checked before any model is loaded
             try:
                 config.component.check_pipeline(pipeline, slot)
             except (ComponentError, ValueError) as exc:
-                raise RegistryError(f"{where}: {exc}") from exc
+                message = str(exc)
+                prefix = f"registry {self.sources[name]}" if message.startswith(f"pipeline '{name}'") else where
+                raise RegistryError(f"{prefix}: {message}") from exc
         return pipeline
 
     @staticmethod

@@ -81,7 +81,9 @@ class LayerView:
     ``group``/``member`` the layer's basis group and its place in it; ``flushes`` how many blocks the
     group has encoded (changes whenever the storage grows); ``scratch`` a dict a kernel may keep derived
     tables in between calls (cleared when the batch changes; never counted as the cache's bytes, so
-    keep only what can be rebuilt).
+    keep only what can be rebuilt). ``key_space``: ``"post-rope"`` (keys stored as the model computed
+    them) or ``"pre-rope"`` (stored before the rotary embedding; a reader rotates them at each slot's
+    cache index: ``positions``, or ``0 .. packed_tokens - 1`` when there are none).
     """
 
     layer: int
@@ -94,6 +96,7 @@ class LayerView:
     values: KindView
     positions: torch.Tensor | None
     scratch: dict
+    key_space: str = "post-rope"
 
     def kind(self, name: str) -> KindView:
         """The view of ``"keys"`` or ``"values"``."""

@@ -21,6 +21,7 @@ from kvweave.engine.engine import CompressionEngine
 from kvweave.core.errors import CacheStateError, ModelError
 from kvweave.core.interfaces import ModelShape
 from kvweave.engine.observation import bind_model, set_active
+from kvweave.engine.rotary import RotaryInverse
 from kvweave.core.registry import ResolvedPipeline
 
 SUPPORTED_LAYER_TYPES = ("full_attention", "sliding_attention")
@@ -105,6 +106,9 @@ class KVWeaveCache(Cache):
     def bind(self, model: Any, tokenizer: Any = None) -> KVWeaveCache:
         """Let the cache observe ``model`` where its router or probe needs queries or token ids."""
         bind_model(model, self.engine, tokenizer)
+        if self.engine.pre_rope:
+            where = f"pipeline '{self.pipeline.name}', setting key_space"
+            self.engine.rotary = RotaryInverse.from_model(model, self.engine.shape.head_dim, where)
         return self
 
     def __repr__(self) -> str:

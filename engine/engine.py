@@ -27,15 +27,18 @@ import torch
 
 from kvweave.core.errors import CacheStateError, ComponentError, ModelError
 from kvweave.core.evictor import Evictor
-from kvweave.core.interfaces import KINDS, AttentionKernel, BasisBuilder, ModelShape, Probe, Quantizer, RouteBlock, Router
+from kvweave.core.interfaces import KINDS, AttentionKernel, BasisBuilder, ModelShape, Probe, Quantizer, Router
 from kvweave.core.registry import ResolvedPipeline
-from kvweave.core.storage import TensorMap, tensor_bytes
-from kvweave.core.view import KindView, LayerView, ResidualLevelView
+from kvweave.core.storage import tensor_bytes
+from kvweave.core.view import LayerView
 from kvweave.engine.budget import BudgetPlan
+from kvweave.engine.encoder import BlockEncoder
 from kvweave.engine.eviction import Eviction
 from kvweave.engine.observation import ATTENTION_NAME, Observer
-from kvweave.engine.residuals import TILE_TOKENS, add_residuals, encode_residuals, fit_residual_basis, mix_residuals, residual_rows
-from kvweave.engine.store import GroupStore, LayerWindow
+from kvweave.engine.residuals import add_residuals, mix_residuals
+from kvweave.engine.rotary import RotaryInverse
+from kvweave.engine.store import GroupStore, LayerWindow, select_rows
+from kvweave.engine.views import layer_view
 
 
 class CompressionEngine:
@@ -78,11 +81,15 @@ class CompressionEngine:
                 if rank > 0:
                     slot = pipeline.slot_for("residual_quantizer", kind)
                     self.residual_quantizers[kind].check_width(rank, f"{where}, slot '{slot}' (rank level {rank})")
+        #: keys stored before the rotary embedding (engine/rotary.py); the rotary inverse comes with the model
+        self.pre_rope = self.settings.key_space == "pre-rope"
+        self.rotary: RotaryInverse | None = None
         self.evicts = bool(self.evictor.evicts)
         self.residual_levels = tuple(rank for rank in self.levels if rank > 0)
         self.accumulates = self.evicts and bool(self.evictor.accumulates)
         self.reselects = self.evicts and bool(self.evictor.reselects)
         self.eviction = Eviction(self, self.evictor)
+        self.encoder = BlockEncoder(self)
         if self.evicts:
             self.eviction.check(where)
         for kind in KINDS:
@@ -210,6 +217,7 @@ class CompressionEngine:
         count = (ready // self.settings.block_tokens) * self.settings.block_tokens
         if count <= 0:
             return
+        self._check_finite(members, count)
         # attention statistics need the keys as they are before this block is encoded (once for K and V)
         wants_stats = (self.router.needs_attention and self.residual_levels) or (self.evicts and self.evictor.needs_attention)
         stats = self._attention_stats(members, count) if wants_stats else None
@@ -218,9 +226,11 @@ class CompressionEngine:
         elif self.evicts:
             self.eviction.evict(group_index, count, stats)
         else:
+            passed = self.windows[members[0]].passed_tokens
+            positions = torch.arange(passed, passed + count, device=self.windows[members[0]].exact["keys"].device)
             for kind in KINDS:
                 block = torch.stack([self.windows[layer].exact[kind][..., :count, :] for layer in members])
-                self._encode(kind, group_index, block, stats)
+                self.encoder.encode(kind, group_index, block, stats, positions)
             for layer in members:
                 self.windows[layer].compressed_tokens += count
         for layer in members:
@@ -234,7 +244,21 @@ class CompressionEngine:
         if self.evicts and not self.residual_levels and not self.probe.needs_queries:
             self.observer.forget_queries(members)  # eviction uses only the queries of the forward that flushes
         if group_index == len(self.groups) - 1:
-            self._apply_probe_shares()
+            self.encoder.apply_probe_shares()
+
+    def _check_finite(self, members: tuple[int, ...], count: int) -> None:
+        """Refuse a block holding NaN or infinite keys or values (one host sync per flushed block, not per
+        step): quantizing them would corrupt whole scale groups silently."""
+        for layer in members:
+            for kind in KINDS:
+                block = self.windows[layer].exact[kind][..., :count, :]
+                if not bool(torch.isfinite(block).all()):
+                    bad = (~torch.isfinite(block)).nonzero()[0].tolist()
+                    raise CacheStateError(
+                        f"pipeline '{self.pipeline.name}': layer {layer} sent non-finite {kind} (first at batch row {bad[0]}, "
+                        f"KV head {bad[1]}, token {self.windows[layer].passed_tokens + bad[2]}); the model's forward "
+                        "produced NaN or infinity, which a compressing cache cannot store"
+                    )
 
     def _attention_stats(self, members: tuple[int, ...], count: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Attention mass and spike [G, B, H, count] of the observed queries on the block's tokens."""
@@ -245,7 +269,7 @@ class CompressionEngine:
                 window = self.windows[layer]
                 lse = None
                 if window.compressed_tokens:
-                    lse = reader(self, layer, self.observer.queries(layer), self.observer.scaling or self.shape.head_dim**-0.5)
+                    lse = reader(self.view(layer), self.observer.queries(layer), self.observer.scaling or self.shape.head_dim**-0.5)
                 stats.append(self.observer.attention_stats_exact(layer, window.exact["keys"], lse, count))
             return torch.stack([s[0] for s in stats]), torch.stack([s[1] for s in stats])
         stats = [
@@ -256,152 +280,6 @@ class CompressionEngine:
             for layer in members
         ]
         return torch.stack([s[0] for s in stats]), torch.stack([s[1] for s in stats])
-
-    def _encode(
-        self, kind: str, group_index: int, block: torch.Tensor, stats: tuple[torch.Tensor, torch.Tensor] | None = None
-    ) -> None:
-        """Encode ``block`` [G, B, H, n, D] of group ``group_index`` into its store and residual lists."""
-        store = self.stores[group_index][kind]
-        members = self.groups[group_index]
-        work = block.float()
-        if store.state is None:
-            store.state = self.basis.init_state(work)
-        first = store.coefficients.tokens
-        quantizer = self.quantizers[kind]
-        residual_quantizer = self.residual_quantizers[kind]
-        packed = quantizer.quantize(self.basis.encode(store.state, work).to(block.dtype))
-        store.coefficients.append(packed)
-        store.flushes += 1
-        if not self.residual_levels and not self.probe.wants(store.flushes):
-            return
-        decoded = quantizer.dequantize(packed, torch.float32)
-        approx = torch.stack([self.basis.decode(store.state, decoded, m, start=first) for m in range(len(members))])
-        entries: list[dict[int, TensorMap]] = [{} for _ in members]
-        if self.residual_levels:
-            miss = (work - approx).norm(dim=-1) / work.norm(dim=-1).clamp_min(1e-9)
-            mixing = self.basis.residual_mixing(len(members))
-            rows = residual_rows(work - approx, mixing)
-            route = self._route_block(kind, group_index, work, miss, stats, approx, rows, mixing)
-            kept_index = (self._flush_info or {}).get("kept_index")
-            ranks = self.router.assign(route) if kept_index is None else self.eviction.rank_kept(self.router, route, kept_index)
-            self._check_ranks(ranks, work.shape[:-1])
-            if self.settings.residual_mode == "basis" and any(self.windows[layer].residual_basis[kind] is None for layer in members):
-                # every member's residual basis from its first block, fitted in one batched call
-                fitted = fit_residual_basis(rows, max(self.levels))  # rows: the misses, or their mixed rows
-                for member, layer in enumerate(members):
-                    if self.windows[layer].residual_basis[kind] is None:
-                        self.windows[layer].residual_basis[kind] = fitted[member].clone()
-            for member, layer in enumerate(members):
-                missing = (work[member] - approx[member] if mixing is None else rows[member]).to(block.dtype)
-                window = self.windows[layer]
-                basis = window.residual_basis[kind]
-                entries[member] = encode_residuals(missing, ranks[member], residual_quantizer, basis)
-                if mixing is None:
-                    approx[member] = add_residuals(approx[member], entries[member], residual_quantizer, self.router.gates(layer, kind), basis)
-                for rank, fields in entries[member].items():
-                    fields["token"] = fields["token"] + self.windows[layer].compressed_tokens
-                    self.windows[layer].residuals[kind][rank].append(fields)
-            if mixing is not None and self.probe.wants(store.flushes):  # rows of the whole group, mixed per layer
-                relative = [{rank: {**f, "token": f["token"] - self.windows[layer].compressed_tokens} for rank, f in e.items()} for e, layer in zip(entries, members)]
-                gates = [self.router.gates(layer, kind) for layer in members]
-                bases = [self.windows[layer].residual_basis[kind] for layer in members]
-                approx = torch.stack([mix_residuals(approx[m], m, relative, residual_quantizer, mixing, gates, bases) for m in range(len(members))])
-        if self.residual_levels and not self.kernel.materializes:  # the kernel's tile index, built as entries arrive
-            rows = block.shape[1] * block.shape[2]
-            for layer in members:
-                tiles = (self.windows[layer].compressed_tokens + block.shape[-2]) // TILE_TOKENS
-                for lists in self.windows[layer].residuals[kind].values():
-                    lists.tile_index(rows, tiles, block.device)
-        if self.probe.wants(store.flushes):
-            self._probe(kind, group_index, block, approx)
-
-    def _route_block(
-        self, kind: str, group_index: int, work: torch.Tensor, miss: torch.Tensor,
-        stats: tuple[torch.Tensor, torch.Tensor] | None, approx: torch.Tensor | None = None, rows: torch.Tensor | None = None,
-        mixing: torch.Tensor | None = None,
-    ) -> RouteBlock:
-        members = self.groups[group_index]
-        store = self.stores[group_index][kind]
-        mass, spike = stats if stats is not None else (None, None)
-        first = self.windows[members[0]].passed_tokens
-        info = self._flush_info or {}  # an evicting flush: the block holds only the kept tokens
-        return RouteBlock(
-            layers=tuple(members),
-            kind=kind,
-            vectors=work,
-            level_bytes=self.budget.level_bytes[kind],
-            budget_bytes=self.budget.residual_budget(self, group_index, kind, work.shape[-2], info.get("dropped", 0)),
-            attention_mass=mass,
-            attention_spike=spike,
-            boundary=self.observer.boundaries(first, info.get("count", work.shape[-2])),
-            probe_error=store.probe_error,
-            miss=miss,
-            approx=approx,
-            rows=rows,
-            mixing=mixing,
-            **self._route_queries(members),
-            first=first,
-            state=self.stores[group_index]["keys"].route_state,
-        )
-
-    def _route_queries(self, members: tuple[int, ...]) -> dict:
-        """The observed queries of the group's layers for the router (the probe's selection when it made one)."""
-        pairs = [self.observer.probe_queries(layer) if self.observer.active else None for layer in members]
-        if any(pair is None for pair in pairs) or len({pair[0].shape for pair in pairs}) != 1:
-            return {}
-        return {
-            "queries": torch.stack([pair[0] for pair in pairs]),
-            "query_positions": torch.stack([pair[1] for pair in pairs]),
-            "query_scale": self.observer.scaling,
-        }
-
-    def _probe(self, kind: str, group_index: int, block: torch.Tensor, approx: torch.Tensor) -> None:
-        """Eq. (3) on the block just encoded, for the observed queries; moves budget between groups."""
-        store = self.stores[group_index][kind]
-        errors = []
-        for member, layer in enumerate(self.groups[group_index]):
-            queries = self.observer.queries(layer)
-            exact_k = self.windows[layer].exact["keys"]
-            exact_v = self.windows[layer].exact["values"]
-            n = block.shape[-2]
-            dtype = torch.float32
-            info = self._flush_info  # an evicting flush: the kept tokens of both kinds, the window after them
-            other = {k: (info["blocks"][k][member] if info else exact[..., :n, :]) for k, exact in (("keys", exact_k), ("values", exact_v))}
-            start = info["count"] if info else n
-            if kind == "keys":
-                keys, approx_keys = block[member], approx[member]
-                values = approx_values = other["values"].to(dtype)
-            else:
-                values, approx_values = block[member], approx[member]
-                keys = approx_keys = other["keys"].to(dtype)
-            errors.append(
-                self.probe.measure(queries.to(dtype), keys, values, approx_keys, approx_values,
-                                   exact_k[..., start:, :].to(dtype), exact_v[..., start:, :].to(dtype), self.observer.scaling)
-            )
-        store.probe_error = torch.stack(errors)
-        store.next_share = self.probe.adjust(store.share, store.probe_error, store.probe_state)
-
-    def _apply_probe_shares(self) -> None:
-        """After every group has encoded its blocks of this forward: the probes' new budget shares take
-        effect together, renormalized to average 1 so the total budget holds."""
-        for kind in KINDS:
-            stores = [group[kind] for group in self.stores]
-            if not any(s.next_share is not None for s in stores):
-                continue
-            for s in stores:
-                if s.next_share is not None:
-                    s.share, s.next_share = s.next_share, None
-            mean = sum(s.share for s in stores) / len(stores)
-            for s in stores:
-                s.share /= mean
-
-    def _check_ranks(self, ranks: torch.Tensor, shape: torch.Size) -> None:
-        stray = set(torch.unique(ranks).tolist()) - set(self.levels)
-        if stray or ranks.shape != shape:
-            raise ComponentError(
-                f"router '{self.pipeline.use('router')}' returned ranks {sorted(stray)} / shape {tuple(ranks.shape)}; "
-                f"expected values in {sorted(self.levels)} shaped {tuple(shape)}"
-            )
 
     # -------------------------------------------------------------------------- reconstruct
     def reconstruct(self, layer: int, kind: str, dtype: torch.dtype) -> torch.Tensor:
@@ -422,7 +300,26 @@ class CompressionEngine:
             vectors = add_residuals(
                 vectors, lists, self.residual_quantizers[kind], self.router.gates(layer, kind), self.windows[layer].residual_basis[kind]
             )
+        if self.pre_rope and kind == "keys":
+            window = self.windows[layer]
+            positions = window.positions.long().clamp_min(0) if window.positions is not None else torch.arange(
+                window.compressed_tokens, device=vectors.device)
+            vectors = self.rope_keys(vectors[None], (layer,), positions[None] if positions.dim() > 1 else positions, inverse=False)[0].to(dtype)
         return vectors
+
+    def rope_keys(self, keys: torch.Tensor, members: tuple[int, ...], positions: torch.Tensor | None, inverse: bool) -> torch.Tensor:
+        """Keys [G, B, H, n, D] of the group's layers ``members`` un-rotated (``inverse``) or rotated at cache
+        indices ``positions`` (broadcast to [G, B, H, n]); float32."""
+        if self.rotary is None:
+            raise CacheStateError(
+                f"pipeline '{self.pipeline.name}' stores keys before the rotary embedding (key_space 'pre-rope'), which "
+                "needs the model's rotary module: build the cache with build_cache(pipeline, model)"
+            )
+        if positions is None:
+            raise CacheStateError(f"pipeline '{self.pipeline.name}': a key block reached the encoder without its positions")
+        positions = positions.expand(keys.shape[:-1]) if positions.dim() < 4 else positions
+        turn = self.rotary.unrotate if inverse else self.rotary.rotate
+        return torch.stack([turn(keys[m] if keys.dtype == torch.float64 else keys[m].float(), layer, positions[m]) for m, layer in enumerate(members)])
 
     def prepare_attention(
         self, layer: int, query: torch.Tensor, key: torch.Tensor, mask: torch.Tensor | None, scaling: float | None
@@ -434,44 +331,7 @@ class CompressionEngine:
     # ---------------------------------------------------------------------------------- views
     def view(self, layer: int) -> LayerView:
         """``layer``'s packed storage, typed and read-only (:class:`kvweave.core.view.LayerView`)."""
-        if not 0 <= layer < self.shape.num_layers:
-            raise CacheStateError(f"layer index {layer} is outside the cache's {self.shape.num_layers} layers")
-        group_index, member = self.group_of[layer]
-        window = self.windows[layer]
-        shared = self.basis.coefficient_rows(len(self.groups[group_index])) == 1
-        stores = self.stores[group_index]
-        exact = window.exact["keys"]
-        rows = 0 if exact is None else exact.shape[0] * exact.shape[1]
-        kinds = {}
-        for kind in KINDS:
-            store = stores[kind]
-            state = store.state or {}
-            levels = []
-            for rank in self.residual_levels:
-                lists = window.residuals[kind][rank]
-                start = mask = None
-                if not self.kernel.materializes and exact is not None:
-                    start, mask = lists.tile_index(rows, window.compressed_tokens // TILE_TOKENS, exact.device)
-                levels.append(ResidualLevelView(rank, lists.fields, start, mask))
-            factored = self.basis.factor_bases(store.state, member) if store.state else None
-            kinds[kind] = KindView(
-                kind=kind,
-                coefficients=store.coefficients.fields,
-                coefficient_row=0 if shared else member,
-                coefficient_format=self.quantizers[kind].packed_format,
-                basis_state=state,
-                factor_bases=factored,
-                residuals=tuple(levels),
-                residual_format=self.residual_quantizers[kind].packed_format,
-                residual_basis=window.residual_basis[kind],
-                gates=self.router.gates(layer, kind),
-                exact=window.exact[kind],
-            )
-        return LayerView(
-            layer=layer, group=group_index, member=member, packed_tokens=window.compressed_tokens,
-            passed_tokens=window.passed_tokens, flushes=stores["keys"].flushes, keys=kinds["keys"],
-            values=kinds["values"], positions=window.positions, scratch=self.kernel_state,
-        )
+        return layer_view(self, layer)
 
     # ------------------------------------------------------------------------------ queries
     def seq_length(self, layer: int = 0) -> int:
@@ -505,27 +365,7 @@ class CompressionEngine:
     # ---------------------------------------------------------------------------- batch ops
     def select_batch(self, index: torch.Tensor) -> None:
         """Keep batch rows ``index`` [B'] (reordering and repeats allowed) of every stored tensor."""
-        for window in self.windows:
-            for kind in KINDS:
-                if window.exact[kind] is not None:
-                    window.exact[kind] = window.exact[kind].index_select(0, index.to(window.exact[kind].device))
-                for residuals in window.residuals[kind].values():
-                    residuals.select_batch(index, self.shape.num_kv_heads)
-                if window.residual_basis[kind] is not None:
-                    window.residual_basis[kind] = window.residual_basis[kind].index_select(0, index.to(window.residual_basis[kind].device))
-            if window.positions is not None:
-                window.positions = window.positions.index_select(0, index.to(window.positions.device))
-            if window.scores is not None:
-                window.scores = window.scores.index_select(0, index.to(window.scores.device))
-        for group in self.stores:
-            for store in group.values():
-                store.coefficients.map(lambda tensor: tensor.index_select(1, index.to(tensor.device)))
-                if store.state:
-                    store.state = {name: t.index_select(0, index.to(t.device)) for name, t in store.state.items()}
-                store.route_state.update({
-                    name: t.index_select(0, index.to(t.device))
-                    for name, t in store.route_state.items() if isinstance(t, torch.Tensor)
-                })
+        select_rows(self.windows, self.stores, index, self.shape.num_kv_heads)
         self.observer.select_batch(index)
         self.kernel_state = {}
         if self.padding is not None:

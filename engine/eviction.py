@@ -44,6 +44,11 @@ class Eviction:
         engine = self.engine
         slot = f"{where}, slot 'evictor' ('{engine.pipeline.use('evictor')}')"
         self.evictor.check_window(engine.settings.recent_window, engine.settings.block_tokens, slot)
+        if self.evictor.reselects and engine.pre_rope:
+            raise ComponentError(
+                f"{slot}: it re-selects stored tokens and re-encodes them bit-exactly, which keys stored before the "
+                "rotary embedding cannot promise (setting key_space = 'pre-rope'); use key_space 'post-rope'"
+            )
         if self.evictor.reselects and (engine.residual_levels or any(len(group) > 1 for group in engine.groups)):
             raise ComponentError(
                 f"{slot}: it re-selects stored tokens, which needs single-layer basis groups (slot 'basis': "
@@ -142,7 +147,7 @@ class Eviction:
             self.engine._flush_info = {"count": count, "dropped": count - slots, "kept_index": index, "blocks": gathered}
             try:
                 for kind in KINDS:
-                    self.engine._encode(kind, group_index, gathered[kind], kept_stats)  # type: ignore[arg-type]
+                    self.engine.encoder.encode(kind, group_index, gathered[kind], kept_stats, logical.gather(-1, index))  # type: ignore[arg-type]
             finally:
                 self.engine._flush_info = None
         positions = torch.where(kept, logical.gather(-1, index), -1).to(torch.int32)
@@ -198,7 +203,7 @@ class Eviction:
         self.engine.stores[group_index] = {kind: GroupStore() for kind in KINDS}
         if index.shape[-1]:
             for kind in KINDS:
-                self.engine._encode(kind, group_index, self._gather_tokens(candidates[kind], index)[None])
+                self.engine.encoder.encode(kind, group_index, self._gather_tokens(candidates[kind], index)[None])
         window.positions = torch.where(kept, logical.gather(-1, index), -1).to(torch.int32)
         if scores is not None:
             window.scores = torch.cat((scores.gather(-1, index) * kept, rest), dim=-1)

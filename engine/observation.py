@@ -47,7 +47,7 @@ def _observing_attention(module, query, key, value, attention_mask, **kwargs):
             )
         if engine.observer.active:
             engine.observer.record(layer, query, scaling, keys_seen=engine.seq_length(layer))
-        output = engine.kernel.attend(engine, layer, query, attention_mask, scaling or query.shape[-1] ** -0.5)
+        output = engine.kernel.attend(engine.view(layer), query, attention_mask, scaling or query.shape[-1] ** -0.5)
         engine.after_attention(layer)
         return output, None
     if engine.observer.active:

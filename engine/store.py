@@ -45,3 +45,29 @@ class GroupStore:
         self.probe_state: dict[str, float] = {}
         self.probe_error: torch.Tensor | None = None
         self.route_state: dict = {}  # the router's per-group state (RouteBlock.state; tensors batch-first)
+
+
+def select_rows(windows: list[LayerWindow], stores: list[dict[str, GroupStore]], index: torch.Tensor, heads: int) -> None:
+    """Keep batch rows ``index`` [B'] (reordering and repeats allowed) of every tensor held in ``windows``
+    and ``stores`` (``heads`` KV heads per row in the residual lists)."""
+    for window in windows:
+        for kind in KINDS:
+            if window.exact[kind] is not None:
+                window.exact[kind] = window.exact[kind].index_select(0, index.to(window.exact[kind].device))
+            for residuals in window.residuals[kind].values():
+                residuals.select_batch(index, heads)
+            if window.residual_basis[kind] is not None:
+                window.residual_basis[kind] = window.residual_basis[kind].index_select(0, index.to(window.residual_basis[kind].device))
+        if window.positions is not None:
+            window.positions = window.positions.index_select(0, index.to(window.positions.device))
+        if window.scores is not None:
+            window.scores = window.scores.index_select(0, index.to(window.scores.device))
+    for group in stores:
+        for store in group.values():
+            store.coefficients.map(lambda tensor: tensor.index_select(1, index.to(tensor.device)))
+            if store.state:
+                store.state = {name: t.index_select(0, index.to(t.device)) for name, t in store.state.items()}
+            store.route_state.update({
+                name: t.index_select(0, index.to(t.device))
+                for name, t in store.route_state.items() if isinstance(t, torch.Tensor)
+            })

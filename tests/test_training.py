@@ -13,21 +13,16 @@ from kvweave.core.errors import KvweaveError
 from kvweave.engine.generation import cache_kwargs
 from kvweave.engine.pipeline import build_cache
 from kvweave.core.registry import load_pipeline, load_registry
+from kvweave.core.trainable import TrainableRouter, missing_members
+from kvweave.tools.router_fit import Sample, auc, evaluate, fit_logistic, gate_terms, gates_from, top_fraction
 from kvweave.tools.training import (
-    Sample,
     TrainingError,
     add_train_command,
-    auc,
     check_pipeline,
     collect_sample,
-    evaluate,
-    fit_logistic,
-    gate_terms,
-    gates_from,
     read_text,
     record_forward,
     token_windows,
-    top_fraction,
     train,
     write_json_atomic,
 )
@@ -74,7 +69,7 @@ def test_the_fit_separates_a_label_that_depends_on_one_feature():
     generator = torch.Generator().manual_seed(0)
     phi = torch.rand(4000, len(FEATURES), generator=generator)
     target = (phi[:, 2] + 0.05 * torch.randn(4000, generator=generator) > 0.75).float()
-    u, bias = fit_logistic(phi[:3000], target[:3000], steps=300)
+    u, bias = fit_logistic(phi[:3000], target[:3000], steps=300, init=([1.5, 2.0, 1.5, 4.0, 3.0], -2.0))
     scores = phi[3000:] @ torch.tensor(u) + bias
     assert auc(scores, target[3000:]) > 0.9
     assert u[2] == max(u)
@@ -117,7 +112,8 @@ def test_collection_records_every_compressed_token_of_every_layer(model):
 
 def test_the_recorded_vectors_are_the_exact_keys_and_values_of_a_dynamic_cache(model):
     ids = (torch.arange(192) * 7) % VOCAB
-    engine, recorder = record_forward(model, load_pipeline("depthweave-kv"), ids, ToyTokenizer())
+    cache, recorder = record_forward(model, load_pipeline("depthweave-kv"), ids, ToyTokenizer())
+    assert cache.engine.router is recorder  # swapped in through the engine's replace_router
     reference = transformers.DynamicCache(config=model.config)
     with torch.no_grad():
         model(input_ids=ids.reshape(1, -1), use_cache=True, **cache_kwargs(model, reference))
@@ -157,8 +153,24 @@ def test_evaluation_compares_against_the_default_weights(trained):
     assert 0.0 <= held["trained_accuracy"] <= 1.0 and held["rows"] > 0
 
 
-def test_a_pipeline_without_a_sigmoid_multilevel_router_is_refused():
-    with pytest.raises(TrainingError, match="routes with 'uniform'.*sigmoid-multilevel"):
+def test_the_sigmoid_multilevel_router_is_trainable():
+    router = SigmoidMultilevelRouter()
+    assert isinstance(router, TrainableRouter) and missing_members(router) == []
+    assert router.feature_names() == FEATURES and len(router.initial_weights()[0]) == len(FEATURES)
+
+
+def test_missing_members_names_what_a_router_lacks():
+    class Half:
+        def features(self, block):
+            return torch.zeros(1)
+
+    assert missing_members(Half()) == ["feature_names", "initial_weights"]
+    assert not isinstance(Half(), TrainableRouter)
+
+
+def test_a_pipeline_whose_router_is_not_trainable_is_refused():
+    with pytest.raises(TrainingError, match=r"pipeline 'int4-outliers' routes with 'uniform' \(UniformRouter\).*TrainableRouter "
+                                            r"\(missing: feature_names, features, initial_weights\)"):
         check_pipeline(load_pipeline("int4-outliers"))
     with pytest.raises(TrainingError, match="attention statistics"):
         check_pipeline(load_pipeline("depthweave-kv-no-router"))

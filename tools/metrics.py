@@ -16,18 +16,18 @@ import contextlib
 import math
 import re
 import unicodedata
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import torch
 from transformers import DynamicCache
 
-from kvweave.engine.generation import cache_kwargs
 from kvweave.core.interfaces import KINDS
+from kvweave.core.registry import Registry, ResolvedPipeline
+from kvweave.core.view import LayerView
+from kvweave.engine.generation import cache_kwargs
 from kvweave.engine.observation import ATTENTION_NAME
 from kvweave.engine.pipeline import build_cache
-from kvweave.core.registry import Registry, ResolvedPipeline
-
 
 
 # ------------------------------------------------------------------------------------------- feeding
@@ -137,15 +137,15 @@ def attention_outputs(
     return probs @ values.float().unsqueeze(2)
 
 
-def stored_positions(engine: Any, layer: int) -> torch.Tensor | None:
-    """The logical position of every key ``engine`` returns for ``layer`` [B, H, T] (-1 for a filler
-    slot), or None when the cache drops nothing (key ``j`` is then token ``j``)."""
-    window = engine.windows[layer]
-    if window.positions is None:
+def stored_positions(view: LayerView) -> torch.Tensor | None:
+    """The logical position of every key a layer's cache returns (its packed slots, then its exact window),
+    [B, H, T] (-1 for a filler slot), from the layer's read-only storage ``view`` (``engine.view(layer)``);
+    None when the cache drops nothing (key ``j`` is then token ``j``)."""
+    if view.positions is None:
         return None
-    exact = window.exact["keys"]
-    recent = torch.arange(window.passed_tokens, window.passed_tokens + window.exact_tokens, device=exact.device)
-    return torch.cat((window.positions.to(exact.device).long(), recent.expand(*exact.shape[:2], -1)), dim=-1)
+    exact = view.keys.exact
+    recent = torch.arange(view.passed_tokens, view.passed_tokens + exact.shape[-2], device=exact.device)
+    return torch.cat((view.positions.to(exact.device).long(), recent.expand(*exact.shape[:2], -1)), dim=-1)
 
 
 def relative_output_error(reference: torch.Tensor, approx: torch.Tensor, eps: float = 1e-8) -> torch.Tensor:
@@ -207,8 +207,8 @@ def attention_output_error(
         for layer, (queries, keys, values, scaling) in enumerate(
             zip(reference["queries"], reference["keys"], reference["values"], reference["scaling"])
         ):
-            approx_keys, approx_values = (cache.engine._full(layer, kind) for kind in KINDS)
-            positions = stored_positions(cache.engine, layer)
+            approx_keys, approx_values = (cache.engine.materialize(layer, kind) for kind in KINDS)
+            positions = stored_positions(cache.engine.view(layer))
             if positions is None and approx_keys.shape != keys.shape:
                 raise RuntimeError(f"layer {layer}: compressed cache holds {tuple(approx_keys.shape)}, reference {tuple(keys.shape)}")
             exact = attention_outputs(queries, keys, values, scaling)
@@ -250,7 +250,7 @@ def perplexity(model: Any, cache_or_none: Any, input_ids: torch.Tensor, chunk: i
 
 # ------------------------------------------------------------------------------------------- needles
 PROMPT_INTRO = "Read the following text carefully; you will be asked about one fact stated in it.\n\n"
-PROMPT_QUESTION = "\n\nQuestion: {question} Answer with the exact value from the text."
+PROMPT_QUESTION = "\n\nQuestion: {question} Answer with the exact value from the text."  # the question part
 _SENTENCE_END = re.compile(r"[.!?][\"')\]]*(?=\s|[A-Z\"']|$)")
 
 
@@ -264,11 +264,28 @@ def needle_prompt(tokenizer: Any, haystack_text: str, needle: str, question: str
     """A prompt of about ``context_tokens`` tokens: an instruction, the start of ``haystack_text`` with
     ``needle`` inserted at the sentence boundary nearest to relative depth ``depth`` (0 = start, 1 = end,
     measured in tokens of the haystack), then ``question``. Returns plain text (apply a chat template on top)."""
-    if not 0.0 <= depth <= 1.0:
-        raise ValueError(f"depth must be in [0, 1], got {depth}")
+    return "".join(needle_prompt_parts(tokenizer, haystack_text, [needle], [depth], question, context_tokens))
+
+
+def needle_prompt_parts(
+    tokenizer: Any, haystack_text: str, needles: Sequence[str], depths: Sequence[float], question: str, context_tokens: int,
+) -> tuple[str, str]:
+    """The needle prompt of about ``context_tokens`` tokens as ``(context, question part)``, plain text whose
+    concatenation is the whole prompt: the context is the instruction and the start of ``haystack_text``
+    with each of ``needles`` inserted at the sentence boundary nearest to its relative depth in ``depths``
+    (0 = start, 1 = end, measured in tokens of the haystack; needles at the same boundary follow each
+    other in the given order); the question part is a blank line, ``question`` and the request for the
+    exact value (:data:`PROMPT_QUESTION`: it starts with the line breaks, which byte-level BPE tokenizers
+    cut from the letters after them, so the two parts usually tokenize apart into the prompt's ids).
+    Query-agnostic evaluation prefills the context before the question is read."""
+    if len(needles) != len(depths) or not needles:
+        raise ValueError(f"one depth per needle: {len(needles)} needles, {len(depths)} depths")
+    for depth in depths:
+        if not 0.0 <= depth <= 1.0:
+            raise ValueError(f"depth must be in [0, 1], got {depth}")
     count = lambda text: len(tokenizer(text, add_special_tokens=False)["input_ids"])  # noqa: E731
     tail = PROMPT_QUESTION.format(question=question)
-    budget = context_tokens - count(PROMPT_INTRO) - count(tail) - count(" " + needle)
+    budget = context_tokens - count(PROMPT_INTRO) - count(tail) - sum(count(" " + needle) for needle in needles)
     if budget < 1:
         raise ValueError(f"context_tokens {context_tokens} leaves no room for a haystack")
     chars = budget * 8  # tokenize only a slice: a few characters per token in English prose
@@ -282,11 +299,18 @@ def needle_prompt(tokenizer: Any, haystack_text: str, needle: str, question: str
     if last >= 0.9 * len(text):  # end on a whole sentence when that costs little
         text = text[:last]
         bounds = [b for b in bounds if b <= last]
-    target = len(tokenizer.decode(tokenizer(text, add_special_tokens=False)["input_ids"][: round(depth * budget)]))
-    at = min(bounds, key=lambda b: abs(b - target))
-    before, after = text[:at].rstrip(), text[at:].lstrip()
-    joined = " ".join(part for part in (before, needle, after) if part)
-    return PROMPT_INTRO + joined + tail
+    kept = tokenizer(text, add_special_tokens=False)["input_ids"]
+    places = []
+    for depth in depths:
+        target = len(tokenizer.decode(kept[: round(depth * budget)]))
+        places.append(min(bounds, key=lambda b: abs(b - target)))
+    parts, start = [], 0
+    for number, order in enumerate(sorted(range(len(needles)), key=lambda i: (places[i], i))):
+        piece = text[start : places[order]].rstrip()  # whitespace around a needle becomes one space
+        parts += [piece.lstrip() if number else piece, needles[order]]
+        start = places[order]
+    parts.append(text[start:].lstrip())
+    return PROMPT_INTRO + " ".join(part for part in parts if part), tail
 
 
 def _normalize(text: str, squash: bool) -> str:

@@ -12,8 +12,11 @@ A model is named by one string, the *spec*, which :func:`resolve_model_source` t
 :func:`load_model` returns ``(model, tokenizer)``, in eval mode, on the requested device, with
 SDPA attention and a left-padding tokenizer that has a pad token. A GGUF file is converted once
 (about 20 s) into a plain HF folder under :func:`default_model_dir`; its sha256 is checked first.
-The folder is written under a temporary name and renamed into place only when complete, so an
-interrupted conversion never leaves a folder that later looks valid. Later loads take ~2 s.
+The folder is written under a temporary name (``.<name>.partial-<host>-<pid>-<random>``) and renamed
+into place only when complete, so an interrupted conversion never leaves a folder that later looks
+valid. A failed or interrupted conversion (an error, Ctrl-C, SIGTERM) removes its temporary folder; one
+left by a killed process (SIGKILL, power loss) is removed by the next load once its process is gone or
+it is older than :data:`STALE_PARTIAL_SECONDS`. Later loads take ~2 s.
 """
 
 from __future__ import annotations
@@ -25,8 +28,12 @@ import io
 import os
 import re
 import shutil
+import signal
+import socket
 import sys
 import tempfile
+import threading
+import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -53,6 +60,8 @@ ACCEPTED_FORMS = (
 _HUB_ID = re.compile(r"^[A-Za-z0-9_-][A-Za-z0-9._-]*(/[A-Za-z0-9_-][A-Za-z0-9._-]*)?$")
 _DEVICE = re.compile(r"^(cpu|cuda(:\d+)?)$")
 _LOAD_ERRORS = (OSError, ValueError, RuntimeError, KeyError, ImportError)
+PARTIAL_MARK = ".partial-"
+STALE_PARTIAL_SECONDS = 3600  # a conversion takes ~30 s: an older temporary folder belongs to no live conversion
 
 
 @dataclass(frozen=True)
@@ -183,6 +192,72 @@ def _save_hf_folder(model: Any, tokenizer: Any, folder: Path) -> None:
     tokenizer.save_pretrained(folder)
 
 
+def _host_tag() -> str:
+    return re.sub(r"[^A-Za-z0-9_]", "_", socket.gethostname())[:32] or "host"
+
+
+def _process_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except (PermissionError, OSError):  # exists (another user's), or cannot tell: treat as alive
+        return True
+    return True
+
+
+def _partial_is_stale(folder: Path, now: float) -> bool:
+    """Whether ``folder`` (a conversion's temporary folder) belongs to no running conversion: its process
+    (named in the folder name, on this host) is gone, or it was last written over an hour ago."""
+    try:
+        age = now - folder.stat().st_mtime
+    except OSError:
+        return False
+    if age > STALE_PARTIAL_SECONDS:
+        return True
+    match = re.fullmatch(r"(?P<host>[A-Za-z0-9_]+)-(?P<pid>\d+)-.*", folder.name.split(PARTIAL_MARK, 1)[1])
+    if match is None or match["host"] != _host_tag():  # an older name, or another machine's: by age only
+        return False
+    pid = int(match["pid"])
+    return pid != os.getpid() and not _process_alive(pid)
+
+
+def remove_stale_partials(root: Path, progress: bool = False) -> list[Path]:
+    """Remove the temporary folders of conversions that were killed (see :func:`_partial_is_stale`) from
+    ``root``; returns what was removed. A conversion still running elsewhere is left alone."""
+    removed: list[Path] = []
+    try:
+        candidates = [p for p in root.iterdir() if p.name.startswith(".") and PARTIAL_MARK in p.name and p.is_dir()]
+    except OSError:
+        return removed
+    now = time.time()
+    for folder in candidates:
+        if _partial_is_stale(folder, now):
+            shutil.rmtree(folder, ignore_errors=True)
+            if not folder.exists():
+                removed.append(folder)
+                _say(progress, f"removed {folder}, left by an interrupted model conversion")
+    return removed
+
+
+@contextlib.contextmanager
+def _terminate_as_interrupt() -> Iterator[None]:
+    """SIGTERM (``kill``) raises KeyboardInterrupt while the block runs, so that its cleanup runs too;
+    only in the main thread and where SIGTERM has its default action."""
+    if threading.current_thread() is not threading.main_thread() or signal.getsignal(signal.SIGTERM) is not signal.SIG_DFL:
+        yield
+        return
+
+    def interrupt(signum: int, frame: Any) -> None:
+        raise KeyboardInterrupt(f"signal {signum}")
+
+    signal.signal(signal.SIGTERM, interrupt)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+
+
 def _converted_folder(source: ModelSource, progress: bool) -> Path:
     """The cached HF folder for a GGUF source, converting (and checking the sha256) if absent."""
     gguf_path = Path(source.location)
@@ -194,6 +269,8 @@ def _converted_folder(source: ModelSource, progress: bool) -> Path:
         stem = re.sub(r"[^A-Za-z0-9._-]", "_", gguf_path.stem)
         target = default_model_dir() / f"{stem}-{actual[:16]}"
         expected = None
+    if target.parent.is_dir():
+        remove_stale_partials(target.parent, progress)
     if (target / "config.json").is_file():
         return target
     if expected is not None:
@@ -206,23 +283,36 @@ def _converted_folder(source: ModelSource, progress: bool) -> Path:
     label = DEFAULT_MODEL_NAME if source.kind == "default" else gguf_path.name
     _say(progress, f"converting {label} from GGUF to a cached HF folder at {target} (once, ~20-40 s)")
     target.parent.mkdir(parents=True, exist_ok=True)
-    temp = Path(tempfile.mkdtemp(prefix=f".{target.name}.partial-", dir=target.parent))
-    try:
+    with _terminate_as_interrupt():
+        temp = Path(tempfile.mkdtemp(prefix=f".{target.name}{PARTIAL_MARK}{_host_tag()}-{os.getpid()}-", dir=target.parent))
         try:
-            model, tokenizer = _load_from_gguf(gguf_path, progress)
-            with _quiet_unless(progress):
-                _save_hf_folder(model, tokenizer, temp)
-        except _LOAD_ERRORS as exc:
-            raise ModelError(f"converting GGUF file {gguf_path} to {target} failed: {exc}") from exc
-        try:
-            os.replace(temp, target)
-        except OSError:
-            if not (target / "config.json").is_file():  # not another process finishing first
-                raise
-    finally:
-        shutil.rmtree(temp, ignore_errors=True)
+            try:
+                model, tokenizer = _load_from_gguf(gguf_path, progress)
+                with _quiet_unless(progress):
+                    _save_hf_folder(model, tokenizer, temp)
+            except _LOAD_ERRORS as exc:
+                raise ModelError(f"converting GGUF file {gguf_path} to {target} failed: {exc}") from exc
+            try:
+                os.replace(temp, target)
+            except OSError as exc:
+                if not (target / "config.json").is_file():  # not another process finishing first
+                    raise ModelError(f"moving the converted model from {temp} to {target} failed: {exc}") from exc
+        finally:
+            shutil.rmtree(temp, ignore_errors=True)
     _say(progress, f"converted model cached at {target}")
     return target
+
+
+def context_limit(model: Any) -> int | None:
+    """The model's context length (``max_position_embeddings`` of its text config), if it states one."""
+    config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+    limit = getattr(config, "max_position_embeddings", None)
+    return limit if isinstance(limit, int) and limit > 0 else None
+
+
+def check_device(device: str) -> None:
+    """Refuse a device this machine cannot run on (before anything is loaded or written)."""
+    _check_environment(device, None)
 
 
 def _check_environment(device: str, dtype: torch.dtype | None) -> torch.dtype:

@@ -1,4 +1,8 @@
-"""``kvweave train``: fit the ``sigmoid-multilevel`` router's weights ``u``, ``bias`` and residual gates.
+"""``kvweave train``: fit a trainable router's weights ``u``, ``bias`` and residual gates.
+
+Training works only through :class:`kvweave.core.trainable.TrainableRouter` (``feature_names``,
+``features``, ``initial_weights``) and the router's ``levels``/``gates``; a pipeline whose router does
+not implement it is refused. The built-in one is ``sigmoid-multilevel`` (``--pipeline depthweave-kv``).
 
 DepthWeave-KV (arXiv:2607.06523, Section 3) trains router and gates "once on unlabeled long-context text
 using a frozen teacher cache objective"; here the teacher is the frozen model's uncompressed attention.
@@ -19,12 +23,14 @@ probability the observed recent queries give the token (summed), ``||x - x_hat||
 
 Router: it spends a block's budget on its highest scores, so the target is "label in the top 25 % of its
 routed block"; ``u``, ``bias`` are a logistic regression (Adam, BCE) on the raw ``phi`` (as the router
-applies them), started from the untrained defaults. A feature constant at zero keeps its default weight:
-``probe`` is zero in one-forward prefills (a group's first flush has no earlier probe). The last sample
-is held out; AUC and top-25 %-per-block accuracy are reported for trained and default weights.
+applies them), started from the router's ``initial_weights()``. A feature constant at zero keeps its
+initial weight (sigmoid-multilevel's ``probe`` is zero in one-forward prefills: a group's first flush has
+no earlier probe). The last sample is held out; AUC and top-25 %-per-block accuracy are reported for
+trained and initial weights.
 
 Gates, per layer, KV head and kind: ``g = clamp(<x - x0, r> / <r, r>, 0, 1)`` (x0 = packed tokens
 decoded without residuals, x0 + r = with them, x exact), summed over samples; 1 where no residual is seen.
+The stored coefficients come from the engine's read-only view (``engine.view(layer)``).
 """
 
 from __future__ import annotations
@@ -33,26 +39,24 @@ import argparse
 import datetime
 import inspect
 import json
-import math
 import os
 import re
 import shlex
 import tempfile
 import time
-from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any
 
 import torch
 
-from kvweave.tools.data import essays_file
-from kvweave.engine.engine import KINDS
 from kvweave.core.errors import KvweaveError
-from kvweave.engine.generation import cache_kwargs
+from kvweave.core.interfaces import KINDS, RouteBlock
 from kvweave.core.registry import ResolvedPipeline, load_registry
-
-ROUTER_NAME = "sigmoid-multilevel"
-TOP_FRACTION = 0.25
+from kvweave.core.trainable import TrainableRouter, missing_members
+from kvweave.core.view import LayerView
+from kvweave.engine.generation import cache_kwargs
+from kvweave.tools.data import essays_file
+from kvweave.tools.router_fit import TOP_FRACTION, Sample, evaluate, fit_logistic, gate_terms, gates_from, top_fraction
 
 
 class TrainingError(KvweaveError):
@@ -112,26 +116,28 @@ def token_windows(text: str, tokenizer: Any, samples: int, tokens: int, seed: in
 
 
 # ------------------------------------------------------------------------------------- collection
-def check_pipeline(pipeline: ResolvedPipeline) -> Any:
+def check_pipeline(pipeline: ResolvedPipeline) -> TrainableRouter:
     """The pipeline's router, if ``kvweave train`` can train it; else a TrainingError saying why."""
     use = pipeline.slots["router"].use
-    if use != ROUTER_NAME:
-        raise TrainingError(f"pipeline '{pipeline.name}' routes with '{use}'; kvweave train fits the weights of a "
-                            f"'{ROUTER_NAME}' router only (e.g. --pipeline depthweave-kv)")
     router = pipeline.component("router")
+    missing = missing_members(router)
+    if missing:
+        raise TrainingError(f"pipeline '{pipeline.name}' routes with '{use}' ({type(router).__name__}), which kvweave train "
+                            f"cannot fit: it does not implement kvweave.core.trainable.TrainableRouter (missing: "
+                            f"{', '.join(missing)}); use a pipeline whose router does (e.g. --pipeline depthweave-kv)")
     if not router.needs_attention:
         raise TrainingError(f"pipeline '{pipeline.name}': the teacher label needs attention statistics; its router must "
                             "have use_attention = true and scoring = \"learned\"")
     if not pipeline.settings.compress or router.levels()[-1] == 0:
         raise TrainingError(f"pipeline '{pipeline.name}' stores no residuals (compress = false or levels [0]); nothing to train")
-    return router
+    return router  # type: ignore[return-value]
 
 
 class RecordingRouter:
     """Stands in for the engine's router: records every routed block and gives all tokens the top level;
     ``gates`` is None so reconstructions carry the whole residual. Everything else is the real router's."""
 
-    def __init__(self, router: Any) -> None:
+    def __init__(self, router: TrainableRouter) -> None:
         self._router = router
         self.blocks: list[dict[str, Any]] = []
 
@@ -141,7 +147,9 @@ class RecordingRouter:
     def gates(self, layer: int, kind: str) -> None:
         return None
 
-    def assign(self, block: Any) -> torch.Tensor:
+    def assign(self, block: RouteBlock) -> torch.Tensor:
+        """Record ``block`` (phi [G, B, H, n, F], mass/miss/norm [G, B, H, n], vectors [G, B, H, n, D]);
+        return the top level for every token, [G, B, H, n]."""
         if block.attention_mass is None or block.miss is None:
             raise TrainingError("the engine routed a block without attention mass or miss; cannot label it")
         self.blocks.append({
@@ -151,15 +159,6 @@ class RecordingRouter:
         })
         top = self._router.levels()[-1]
         return torch.full(block.vectors.shape[:-1], top, dtype=torch.long, device=block.vectors.device)
-
-
-def top_fraction(values: torch.Tensor, groups: torch.Tensor, fraction: float = TOP_FRACTION) -> torch.Tensor:
-    """1.0 where ``values`` [N] is among the top ``fraction`` of its group (``groups`` [N] ids), else 0.0."""
-    out = torch.zeros_like(values, dtype=torch.float32)
-    for group in groups.unique():
-        index = (groups == group).nonzero().squeeze(1)
-        out[index[values[index].topk(math.ceil(fraction * len(index))).indices]] = 1.0
-    return out
 
 
 def teacher_labels(blocks: list[dict[str, Any]]) -> list[torch.Tensor]:
@@ -176,49 +175,35 @@ def teacher_labels(blocks: list[dict[str, Any]]) -> list[torch.Tensor]:
     return labels
 
 
-def gate_terms(exact: torch.Tensor, without: torch.Tensor, with_residuals: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """``<x - x0, r>`` and ``<r, r>`` per head [H], for x, x0, x0 + r shaped [B, H, T, D]."""
-    residual = with_residuals.float() - without.float()
-    error = exact.float() - without.float()
-    return (error * residual).sum(dim=(0, 2, 3)), (residual * residual).sum(dim=(0, 2, 3))
-
-
-def gates_from(numerator: torch.Tensor, denominator: torch.Tensor) -> torch.Tensor:
-    """``clamp(num / den, 0, 1)``, 1 where no residual was seen (den = 0)."""
-    safe = denominator.clamp_min(1e-30)
-    return torch.where(denominator > 0, numerator / safe, torch.ones_like(numerator)).clamp(0.0, 1.0)
-
-
-@dataclass
-class Sample:
-    """One sample's training rows and gate sums."""
-
-    phi: torch.Tensor  # [N, F] router features
-    target: torch.Tensor  # [N] 1.0 = label in the top fraction of its block
-    block: torch.Tensor  # [N] routed-block id within the sample
-    numerator: torch.Tensor  # [2, L, H] <x - x0, r> (keys, values)
-    denominator: torch.Tensor  # [2, L, H] <r, r>
-
-
 def record_forward(model: Any, pipeline: ResolvedPipeline, input_ids: torch.Tensor, tokenizer: Any = None) -> tuple[Any, RecordingRouter]:
-    """One prefill forward of ``input_ids`` [T] into a cache of ``pipeline`` whose router is recorded."""
+    """One prefill forward of ``input_ids`` [T] into a cache of ``pipeline`` whose router is recorded
+    (swapped in with the engine's ``replace_router``); returns the cache and the recorder."""
     from kvweave.engine.pipeline import build_cache
 
-    check_pipeline(pipeline)
+    recorder = RecordingRouter(check_pipeline(pipeline))
     cache = build_cache(pipeline, model, tokenizer=tokenizer)
-    recorder = RecordingRouter(cache.engine.router)
-    cache.engine.router = recorder
+    cache.engine.replace_router(recorder)
     extra = {"logits_to_keep": 1} if "logits_to_keep" in inspect.signature(type(model).forward).parameters else {}
     with torch.no_grad():
         model(input_ids=input_ids.reshape(1, -1).to(model.device), use_cache=True, **cache_kwargs(model, cache), **extra)
     if not recorder.blocks:
         raise TrainingError(f"no token of the {input_ids.numel()}-token sample was compressed; use more --tokens")
-    return cache.engine, recorder
+    return cache, recorder
+
+
+def decode_without_residuals(pipeline: ResolvedPipeline, view: LayerView, kind: str) -> torch.Tensor:
+    """The packed tokens of one layer (``view``) decoded from their stored coefficients alone, without
+    residuals: [B, H, T_packed, D] float32 (the pipeline's quantizer and basis on the view's tensors)."""
+    stored = view.kind(kind)
+    quantizer = pipeline.component("quantizer").for_kind(kind)  # type: ignore[attr-defined]
+    coefficients = quantizer.dequantize(dict(stored.coefficients), torch.float32)
+    return pipeline.component("basis").decode(dict(stored.basis_state), coefficients, view.member)  # type: ignore[attr-defined]
 
 
 def collect_sample(model: Any, pipeline: ResolvedPipeline, input_ids: torch.Tensor, tokenizer: Any = None) -> Sample:
     """Training rows and gate sums of one sample (module docstring)."""
-    engine, recorder = record_forward(model, pipeline, input_ids, tokenizer)
+    cache, recorder = record_forward(model, pipeline, input_ids, tokenizer)
+    engine = cache.engine
     labels = teacher_labels(recorder.blocks)
     phi = torch.cat([b["phi"].reshape(-1, b["phi"].shape[-1]).cpu() for b in recorder.blocks])
     ids = torch.cat([torch.full((label.numel(),), i) for i, label in enumerate(labels)])
@@ -229,72 +214,32 @@ def collect_sample(model: Any, pipeline: ResolvedPipeline, input_ids: torch.Tens
         for k, kind in enumerate(KINDS):
             for layer in range(shape.num_layers):
                 parts = [b["vectors"][b["layers"].index(layer)] for b in recorder.blocks if b["kind"] == kind and layer in b["layers"]]
-                group, member = engine.group_of[layer]
-                store = engine.stores[group][kind]
-                coefficients = engine.quantizer.dequantize(store.coefficients.fields, torch.float32)
-                without = engine.basis.decode(store.state or {}, coefficients, member)
+                without = decode_without_residuals(pipeline, engine.view(layer), kind)
                 terms = gate_terms(torch.cat(parts, dim=-2), without, engine.reconstruct(layer, kind, torch.float32))
                 sums[0, k, layer], sums[1, k, layer] = terms[0].cpu(), terms[1].cpu()
     return Sample(phi, target, ids, sums[0], sums[1])
 
 
-# ------------------------------------------------------------------------------------------ fitting
-def fit_logistic(phi: torch.Tensor, target: torch.Tensor, steps: int = 200, lr: float = 0.05,
-                 init: tuple[Sequence[float], float] | None = None, progress: bool = False) -> tuple[list[float], float]:
-    """``u``, ``bias`` of ``sigmoid(phi @ u + bias)`` fitted to ``target`` by full-batch Adam on BCE."""
-    from tqdm.auto import tqdm
-
-    from kvweave.plugins.routers.sigmoid_multilevel import DEFAULT_BIAS, DEFAULT_WEIGHTS
-
-    weights, bias = init or (DEFAULT_WEIGHTS, DEFAULT_BIAS)
-    u = torch.tensor(list(weights), dtype=torch.float32, requires_grad=True)
-    b = torch.tensor(float(bias), requires_grad=True)
-    optimizer = torch.optim.Adam([u, b], lr=lr)
-    phi, target = phi.float(), target.float()
-    for _ in tqdm(range(steps), desc="fitting u", disable=not progress, leave=False):
-        optimizer.zero_grad()
-        loss = torch.nn.functional.binary_cross_entropy_with_logits(phi @ u + b, target)
-        loss.backward()
-        optimizer.step()
-    return [float(v) for v in u.detach()], float(b.detach())
-
-
-def auc(scores: torch.Tensor, target: torch.Tensor) -> float:
-    """Area under the ROC curve (Mann-Whitney, ties counted half); NaN with one class only."""
-    positive = target.bool()
-    n_pos, n_neg = int(positive.sum()), int((~positive).sum())
-    if n_pos == 0 or n_neg == 0:
-        return float("nan")
-    _, inverse, counts = torch.unique(scores.double(), return_inverse=True, return_counts=True)
-    ends = counts.cumsum(0).double()
-    ranks = (ends - (counts.double() - 1) / 2)[inverse]
-    return float((ranks[positive].sum() - n_pos * (n_pos + 1) / 2) / (n_pos * n_neg))
-
-
-def evaluate(sample: Sample, u: Sequence[float], bias: float) -> dict[str, float]:
-    """AUC, and how often "in the top 25 % of its block by score" matches the target."""
-    scores = sample.phi.float() @ torch.tensor(list(u), dtype=torch.float32) + bias
-    chosen = top_fraction(scores, sample.block)
-    return {"auc": auc(scores, sample.target), "accuracy": float((chosen == sample.target).float().mean())}
-
-
+# ----------------------------------------------------------------------------------------- training
 def train(model: Any, tokenizer: Any, pipeline: ResolvedPipeline, windows: list[torch.Tensor],
           steps: int = 200, progress: bool = True) -> dict[str, Any]:
     """Fit ``u``, ``bias`` on all windows but the last (held out), gates on all; return the weights."""
     from tqdm.auto import tqdm
 
-    from kvweave.plugins.routers.sigmoid_multilevel import DEFAULT_BIAS, DEFAULT_WEIGHTS, FEATURES
-
     router = check_pipeline(pipeline)
+    initial = router.initial_weights()
+    if len(initial[0]) != len(router.feature_names()):
+        raise TrainingError(f"pipeline '{pipeline.name}': router '{pipeline.slots['router'].use}' gives {len(initial[0])} initial "
+                            f"weights for its {len(router.feature_names())} features {list(router.feature_names())}")
     if len(windows) < 2:
         raise TrainingError("training needs at least 2 samples: the last one is held out for evaluation")
     samples = [collect_sample(model, pipeline, ids, tokenizer) for ids in tqdm(windows, desc="samples", disable=not progress)]
     fit, held = samples[:-1], samples[-1]
-    u, bias = fit_logistic(torch.cat([s.phi for s in fit]), torch.cat([s.target for s in fit]), steps, progress=progress)
-    trained, default = evaluate(held, u, bias), evaluate(held, DEFAULT_WEIGHTS, DEFAULT_BIAS)
+    u, bias = fit_logistic(torch.cat([s.phi for s in fit]), torch.cat([s.target for s in fit]), steps, init=initial, progress=progress)
+    trained, default = evaluate(held, u, bias), evaluate(held, *initial)
     gates = gates_from(sum(s.numerator for s in samples), sum(s.denominator for s in samples))
     return {
-        "features": list(FEATURES), "u": u, "bias": bias,
+        "features": list(router.feature_names()), "u": u, "bias": bias,
         "gates": {kind: [[round(float(g), 6) for g in row] for row in gates[k]] for k, kind in enumerate(KINDS)},
         "levels": list(router.levels()),
         "heldout": {"trained_auc": trained["auc"], "default_auc": default["auc"], "trained_accuracy": trained["accuracy"],
@@ -377,8 +322,8 @@ def cmd_train(args: argparse.Namespace) -> int:
 
 
 def add_train_command(subparsers: Any) -> argparse.ArgumentParser:
-    p = subparsers.add_parser("train", help="fit a sigmoid-multilevel router's weights and gates on unlabeled text")
-    p.add_argument("--pipeline", default="depthweave-kv", help="a pipeline whose router is sigmoid-multilevel")
+    p = subparsers.add_parser("train", help="fit a trainable router's weights and gates on unlabeled text")
+    p.add_argument("--pipeline", default="depthweave-kv", help="a pipeline whose router is trainable (implements TrainableRouter)")
     p.add_argument("--registry", help="a registry.toml of your own, read on top of the built-in one")
     p.add_argument("--model", default="default", help="'default', a local HF folder, a .gguf file, or a hub id")
     p.add_argument("--device", default="cpu", help="cpu or cuda")

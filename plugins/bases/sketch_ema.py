@@ -73,7 +73,7 @@ SHARES = ("token-factor", "basis")
 
 def _below_one(_instance: Any, attribute: attrs.Attribute, value: Any) -> None:
     if isinstance(value, (int, float)) and not isinstance(value, bool) and value >= 1.0:
-        raise ValueError(f"'{attribute.name}' must be < 1 (a decay in [0, 1)), got {value}")
+        raise ValueError(f"'{attribute.alias}' must be < 1 (a decay in [0, 1)), got {value}")
 
 
 @attrs.frozen

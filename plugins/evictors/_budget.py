@@ -36,14 +36,14 @@ def fraction_field() -> Any:
 
 def _non_negative_int(_instance: Any, attribute: attrs.Attribute, value: Any) -> None:
     if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-        raise ValueError(f"'{attribute.name}' must be a non-negative integer, got {value!r}")
+        raise ValueError(f"'{attribute.alias}' must be a non-negative integer, got {value!r}")
 
 
 def _unit_fraction(_instance: Any, attribute: attrs.Attribute, value: Any) -> None:
     if value is None:
         return
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0.0 < value <= 1.0:
-        raise ValueError(f"'{attribute.name}' must be a number in (0, 1], got {value!r}")
+        raise ValueError(f"'{attribute.alias}' must be a number in (0, 1], got {value!r}")
 
 
 def check_one_budget(instance: Any, name: str) -> None:

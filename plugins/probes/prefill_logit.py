@@ -35,7 +35,7 @@ from kvweave.core.params import integer, number
 
 def _boolean(instance: Any, attribute: attrs.Attribute, value: Any) -> None:
     if not isinstance(value, bool):
-        raise TypeError(f"'{attribute.name}' must be true or false, got {value!r}")
+        raise TypeError(f"'{attribute.alias}' must be true or false, got {value!r}")
 
 
 def row_entropy(queries: torch.Tensor, keys: torch.Tensor, positions: torch.Tensor, scale: float, chunk: int = 64) -> torch.Tensor:

@@ -27,7 +27,7 @@ from kvweave.core.params import choice, integer
 
 def _bits(_instance, attribute, value) -> None:
     if value not in (2, 4):
-        raise ValueError(f"'{attribute.name}' must be 2 or 4, got {value!r}")
+        raise ValueError(f"'{attribute.alias}' must be 2 or 4, got {value!r}")
 
 
 def affine(x: torch.Tensor, low: torch.Tensor, high: torch.Tensor, bits: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

@@ -56,9 +56,9 @@ LOSSES = ("logit", "norm")
 
 def _fractions(instance: Any, attribute: attrs.Attribute, value: Any) -> None:
     if not isinstance(value, tuple) or not all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in value):
-        raise TypeError(f"'{attribute.name}' must be a list of numbers, got {value!r}")
+        raise TypeError(f"'{attribute.alias}' must be a list of numbers, got {value!r}")
     if any(not 0.0 < v < 1.0 for v in value) or list(value) != sorted(set(value)):
-        raise ValueError(f"'{attribute.name}' must be strictly increasing fractions in (0, 1), got {list(value)}")
+        raise ValueError(f"'{attribute.alias}' must be strictly increasing fractions in (0, 1), got {list(value)}")
 
 
 def _to_tuple(value: Any) -> Any:
@@ -67,7 +67,7 @@ def _to_tuple(value: Any) -> Any:
 
 def _boolean(instance: Any, attribute: attrs.Attribute, value: Any) -> None:
     if not isinstance(value, bool):
-        raise TypeError(f"'{attribute.name}' must be true or false, got {value!r}")
+        raise TypeError(f"'{attribute.alias}' must be true or false, got {value!r}")
 
 
 @attrs.frozen

@@ -42,9 +42,9 @@ DEFAULT_BIAS = -2.0
 
 def _levels(instance: Any, attribute: attrs.Attribute, value: Any) -> None:
     if not isinstance(value, tuple) or not value or not all(isinstance(v, int) and not isinstance(v, bool) for v in value):
-        raise TypeError(f"'{attribute.name}' must be a list of integers, got {value!r}")
+        raise TypeError(f"'{attribute.alias}' must be a list of integers, got {value!r}")
     if list(value) != sorted(set(value)) or value[0] != 0:
-        raise ValueError(f"'{attribute.name}' must be strictly increasing and start at 0, got {list(value)}")
+        raise ValueError(f"'{attribute.alias}' must be strictly increasing and start at 0, got {list(value)}")
 
 
 SHIPPED = Path(__file__).with_name("weights")

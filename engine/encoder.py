@@ -1,0 +1,184 @@
+"""Encoding one block of a basis group: the engine's collaborator for the compress step.
+
+For keys or values of one flushed block ``[G, B, H, n, D]``: the basis encodes coefficients, the kind's
+quantizer packs them into the group's store, the router gives every token a residual rank under the
+block's byte budget (:mod:`kvweave.engine.budget`), residual entries are packed by the kind's residual
+quantizer into per-layer lists (:mod:`kvweave.engine.residuals`), and the probe measures the block's
+attention-output error to move budget between groups. Keys stored before the rotary embedding are
+un-rotated here (:mod:`kvweave.engine.rotary`).
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+
+from kvweave.core.errors import ComponentError
+from kvweave.core.interfaces import KINDS, RouteBlock
+from kvweave.core.storage import TensorMap
+from kvweave.engine.residuals import TILE_TOKENS, add_residuals, encode_residuals, fit_residual_basis, mix_residuals, residual_rows
+
+if TYPE_CHECKING:
+    from kvweave.engine.engine import CompressionEngine
+
+
+class BlockEncoder:
+    """Encodes flushed blocks into the engine's store (one per engine)."""
+
+    def __init__(self, engine: CompressionEngine) -> None:
+        self.engine = engine
+
+    def encode(
+        self, kind: str, group_index: int, block: torch.Tensor, stats: tuple[torch.Tensor, torch.Tensor] | None = None,
+        positions: torch.Tensor | None = None,
+    ) -> None:
+        """Encode ``block`` [G, B, H, n, D] of group ``group_index`` into its store and residual lists;
+        ``positions`` (broadcast to [G, B, H, n]) are the tokens' cache indices, where keys are un-rotated
+        when the pipeline stores them before the rotary embedding."""
+        store = self.engine.stores[group_index][kind]
+        members = self.engine.groups[group_index]
+        exact_block = block
+        if self.engine.pre_rope and kind == "keys":
+            block = self.engine.rope_keys(block, members, positions, inverse=True).to(block.dtype)
+        work = block.float()
+        if store.state is None:
+            store.state = self.engine.basis.init_state(work)
+        first = store.coefficients.tokens
+        quantizer = self.engine.quantizers[kind]
+        residual_quantizer = self.engine.residual_quantizers[kind]
+        packed = quantizer.quantize(self.engine.basis.encode(store.state, work).to(block.dtype))
+        store.coefficients.append(packed)
+        store.flushes += 1
+        if not self.engine.residual_levels and not self.engine.probe.wants(store.flushes):
+            return
+        decoded = quantizer.dequantize(packed, torch.float32)
+        approx = torch.stack([self.engine.basis.decode(store.state, decoded, m, start=first) for m in range(len(members))])
+        entries: list[dict[int, TensorMap]] = [{} for _ in members]
+        if self.engine.residual_levels:
+            miss = (work - approx).norm(dim=-1) / work.norm(dim=-1).clamp_min(1e-9)
+            mixing = self.engine.basis.residual_mixing(len(members))
+            rows = residual_rows(work - approx, mixing)
+            route = self.route_block(kind, group_index, work, miss, stats, approx, rows, mixing)
+            kept_index = (self.engine._flush_info or {}).get("kept_index")
+            ranks = self.engine.router.assign(route) if kept_index is None else self.engine.eviction.rank_kept(self.engine.router, route, kept_index)
+            self.check_ranks(ranks, work.shape[:-1])
+            if self.engine.settings.residual_mode == "basis" and any(self.engine.windows[layer].residual_basis[kind] is None for layer in members):
+                # every member's residual basis from its first block, fitted in one batched call
+                fitted = fit_residual_basis(rows, max(self.engine.levels))  # rows: the misses, or their mixed rows
+                for member, layer in enumerate(members):
+                    if self.engine.windows[layer].residual_basis[kind] is None:
+                        self.engine.windows[layer].residual_basis[kind] = fitted[member].clone()
+            for member, layer in enumerate(members):
+                missing = (work[member] - approx[member] if mixing is None else rows[member]).to(block.dtype)
+                window = self.engine.windows[layer]
+                basis = window.residual_basis[kind]
+                entries[member] = encode_residuals(missing, ranks[member], residual_quantizer, basis)
+                if mixing is None:
+                    approx[member] = add_residuals(approx[member], entries[member], residual_quantizer, self.engine.router.gates(layer, kind), basis)
+                for rank, fields in entries[member].items():
+                    fields["token"] = fields["token"] + self.engine.windows[layer].compressed_tokens
+                    self.engine.windows[layer].residuals[kind][rank].append(fields)
+            if mixing is not None and self.engine.probe.wants(store.flushes):  # rows of the whole group, mixed per layer
+                relative = [{rank: {**f, "token": f["token"] - self.engine.windows[layer].compressed_tokens} for rank, f in e.items()} for e, layer in zip(entries, members)]
+                gates = [self.engine.router.gates(layer, kind) for layer in members]
+                bases = [self.engine.windows[layer].residual_basis[kind] for layer in members]
+                approx = torch.stack([mix_residuals(approx[m], m, relative, residual_quantizer, mixing, gates, bases) for m in range(len(members))])
+        if self.engine.residual_levels and not self.engine.kernel.materializes:  # the kernel's tile index, built as entries arrive
+            rows = block.shape[1] * block.shape[2]
+            for layer in members:
+                tiles = (self.engine.windows[layer].compressed_tokens + block.shape[-2]) // TILE_TOKENS
+                for lists in self.engine.windows[layer].residuals[kind].values():
+                    lists.tile_index(rows, tiles, block.device)
+        if self.engine.probe.wants(store.flushes):
+            if self.engine.pre_rope and kind == "keys":  # the probe compares attention, which sees rotated keys
+                approx = self.engine.rope_keys(approx, members, positions, inverse=False)
+            self.probe(kind, group_index, exact_block, approx)
+
+    def route_block(
+        self, kind: str, group_index: int, work: torch.Tensor, miss: torch.Tensor,
+        stats: tuple[torch.Tensor, torch.Tensor] | None, approx: torch.Tensor | None = None, rows: torch.Tensor | None = None,
+        mixing: torch.Tensor | None = None,
+    ) -> RouteBlock:
+        members = self.engine.groups[group_index]
+        store = self.engine.stores[group_index][kind]
+        mass, spike = stats if stats is not None else (None, None)
+        first = self.engine.windows[members[0]].passed_tokens
+        info = self.engine._flush_info or {}  # an evicting flush: the block holds only the kept tokens
+        return RouteBlock(
+            layers=tuple(members),
+            kind=kind,
+            vectors=work,
+            level_bytes=self.engine.budget.level_bytes[kind],
+            budget_bytes=self.engine.budget.residual_budget(self.engine, group_index, kind, work.shape[-2], info.get("dropped", 0)),
+            attention_mass=mass,
+            attention_spike=spike,
+            boundary=self.engine.observer.boundaries(first, info.get("count", work.shape[-2])),
+            probe_error=store.probe_error,
+            miss=miss,
+            approx=approx,
+            rows=rows,
+            mixing=mixing,
+            **self.route_queries(members),
+            first=first,
+            state=self.engine.stores[group_index]["keys"].route_state,
+        )
+
+    def route_queries(self, members: tuple[int, ...]) -> dict:
+        """The observed queries of the group's layers for the router (the probe's selection when it made one)."""
+        pairs = [self.engine.observer.probe_queries(layer) if self.engine.observer.active else None for layer in members]
+        if any(pair is None for pair in pairs) or len({pair[0].shape for pair in pairs}) != 1:
+            return {}
+        return {
+            "queries": torch.stack([pair[0] for pair in pairs]),
+            "query_positions": torch.stack([pair[1] for pair in pairs]),
+            "query_scale": self.engine.observer.scaling,
+        }
+
+    def probe(self, kind: str, group_index: int, block: torch.Tensor, approx: torch.Tensor) -> None:
+        """Eq. (3) on the block just encoded, for the observed queries; moves budget between groups."""
+        store = self.engine.stores[group_index][kind]
+        errors = []
+        for member, layer in enumerate(self.engine.groups[group_index]):
+            queries = self.engine.observer.queries(layer)
+            exact_k = self.engine.windows[layer].exact["keys"]
+            exact_v = self.engine.windows[layer].exact["values"]
+            n = block.shape[-2]
+            dtype = torch.float32
+            info = self.engine._flush_info  # an evicting flush: the kept tokens of both kinds, the window after them
+            other = {k: (info["blocks"][k][member] if info else exact[..., :n, :]) for k, exact in (("keys", exact_k), ("values", exact_v))}
+            start = info["count"] if info else n
+            if kind == "keys":
+                keys, approx_keys = block[member], approx[member]
+                values = approx_values = other["values"].to(dtype)
+            else:
+                values, approx_values = block[member], approx[member]
+                keys = approx_keys = other["keys"].to(dtype)
+            errors.append(
+                self.engine.probe.measure(queries.to(dtype), keys, values, approx_keys, approx_values,
+                                   exact_k[..., start:, :].to(dtype), exact_v[..., start:, :].to(dtype), self.engine.observer.scaling)
+            )
+        store.probe_error = torch.stack(errors)
+        store.next_share = self.engine.probe.adjust(store.share, store.probe_error, store.probe_state)
+
+    def apply_probe_shares(self) -> None:
+        """After every group has encoded its blocks of this forward: the probes' new budget shares take
+        effect together, renormalized to average 1 so the total budget holds."""
+        for kind in KINDS:
+            stores = [group[kind] for group in self.engine.stores]
+            if not any(s.next_share is not None for s in stores):
+                continue
+            for s in stores:
+                if s.next_share is not None:
+                    s.share, s.next_share = s.next_share, None
+            mean = sum(s.share for s in stores) / len(stores)
+            for s in stores:
+                s.share /= mean
+
+    def check_ranks(self, ranks: torch.Tensor, shape: torch.Size) -> None:
+        stray = set(torch.unique(ranks).tolist()) - set(self.engine.levels)
+        if stray or ranks.shape != shape:
+            raise ComponentError(
+                f"router '{self.engine.pipeline.use('router')}' returned ranks {sorted(stray)} / shape {tuple(ranks.shape)}; "
+                f"expected values in {sorted(self.engine.levels)} shaped {tuple(shape)}"
+            )

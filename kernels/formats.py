@@ -1,0 +1,48 @@
+"""The packed formats the decode kernel reads in place, unpacked in torch (for the kernel's torch twin).
+
+A quantizer declares the layout of its packed fields by name (``Quantizer.packed_format``); a kernel
+declares the names it reads, so the kernels never import a quantizer. The layouts, as the ``int8-block``
+and ``int4-group`` quantizers write them:
+
+- ``int8-block.v1``: ``codes`` int8 [..., C] in [-127, 127] and ``scales`` [..., C / block] (one absmax
+  scale per ``block`` consecutive channels; float16 unless the quantizer was told otherwise), value
+  ``codes * scale``.
+- ``int4-group.v1``: ``packed`` uint8 [..., C / 2] (channel ``2i`` in the low nibble, ``2i + 1`` in the high
+  one, each stored as code + 8, codes in [-7, 7]) and ``scales`` [..., C / group] (one per ``group``
+  consecutive channels), value ``(nibble - 8) * scale``.
+
+In both, the channels per scale follow from the shapes (``C`` over the scales' width), so nothing but
+the packed tensors is needed to unpack them.
+"""
+
+from __future__ import annotations
+
+import torch
+
+INT8_BLOCK = "int8-block.v1"
+INT4_GROUP = "int4-group.v1"
+
+
+def int8_block_width(codes: torch.Tensor, scales: torch.Tensor) -> int:
+    """Channels per scale of ``int8-block.v1`` fields: ``codes`` [..., C], ``scales`` [..., C / block]."""
+    return codes.shape[-1] // scales.shape[-1]
+
+
+def int4_group_width(packed: torch.Tensor, scales: torch.Tensor) -> int:
+    """Channels per scale of ``int4-group.v1`` fields: ``packed`` [..., C / 2], ``scales`` [..., C / group]."""
+    return 2 * packed.shape[-1] // scales.shape[-1]
+
+
+def dequantize_int8_block(codes: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """``int8-block.v1`` -> values [..., C] in ``dtype``: ``codes`` int8 [..., C], ``scales`` [..., C / block]."""
+    grouped = codes.reshape(*scales.shape, -1).to(dtype) * scales.to(dtype).unsqueeze(-1)
+    return grouped.reshape(codes.shape)
+
+
+def dequantize_int4_group(packed: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """``int4-group.v1`` -> values [..., C] in ``dtype``: ``packed`` uint8 [..., C / 2], ``scales`` [..., C / group]."""
+    low = (packed & 0x0F).to(torch.int8) - 8
+    high = (packed >> 4).to(torch.int8) - 8
+    codes = torch.stack((low, high), dim=-1).reshape(*packed.shape[:-1], packed.shape[-1] * 2)
+    grouped = codes.reshape(*scales.shape, -1).to(dtype) * scales.to(dtype).unsqueeze(-1)
+    return grouped.reshape(codes.shape)
