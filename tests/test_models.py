@@ -162,6 +162,68 @@ def test_interrupted_conversion_leaves_nothing(
     assert list(models_dir.iterdir()) == []  # neither the final folder nor the temporary one
 
 
+def _dead_pid() -> int:
+    import subprocess
+    import sys
+
+    done = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    return int(done.stdout)
+
+
+def test_stale_partial_folders_of_killed_conversions_are_removed(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    import os
+
+    monkeypatch.setenv("KVWEAVE_CACHE_DIR", str(tmp_path))
+    root = tmp_path / "models"
+    host = models._host_tag()
+    killed = root / f".M-1.partial-{host}-{_dead_pid()}-abc"  # its process is gone: stale at once
+    old = root / ".M-2.partial-xyz"  # a name of older versions (no pid), written two hours ago
+    running = root / f".M-3.partial-{host}-1-def"  # pid 1 is alive: a conversion still going on
+    elsewhere = root / ".M-4.partial-otherhost-999999-ghi"  # another machine's, recent: left alone
+    for folder in (killed, old, running, elsewhere):
+        folder.mkdir(parents=True)
+        (folder / "model.safetensors").write_bytes(b"x" * 1000)
+    two_hours_ago = time.time() - 2 * 3600
+    os.utime(old, (two_hours_ago, two_hours_ago))
+    monkeypatch.setattr(models, "_load_from_gguf", lambda path, progress: (object(), object()))
+    monkeypatch.setattr(models, "_save_hf_folder", lambda m, t, folder: (folder / "config.json").write_text("{}"))
+    target = models._converted_folder(resolve_model_source(DEFAULT_MODEL), progress=True)
+    left = sorted(p.name for p in root.iterdir())
+    assert left == sorted([running.name, elsewhere.name, target.name])
+    err = capsys.readouterr().err
+    assert f"removed {killed}" in err and f"removed {old}" in err
+    assert models.remove_stale_partials(root) == []  # also run when the model is already converted
+
+
+def test_sigterm_during_conversion_removes_the_partial_folder(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    import os
+    import signal
+
+    monkeypatch.setenv("KVWEAVE_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr(models, "_load_from_gguf", lambda path, progress: (object(), object()))
+
+    def killed_while_saving(model: object, tokenizer: object, folder: Path) -> None:
+        (folder / "model.safetensors").write_bytes(b"x" * 1000)
+        os.kill(os.getpid(), signal.SIGTERM)
+        time.sleep(5)  # the signal arrives here
+
+    monkeypatch.setattr(models, "_save_hf_folder", killed_while_saving)
+    with pytest.raises(KeyboardInterrupt):
+        models._converted_folder(resolve_model_source(DEFAULT_MODEL), progress=False)
+    assert list((tmp_path / "models").iterdir()) == []
+    assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL
+
+
+def test_context_limit_reads_max_position_embeddings() -> None:
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(vocab_size=32, hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2,
+                         num_key_value_heads=1, max_position_embeddings=96)
+    assert models.context_limit(LlamaForCausalLM(config)) == 96
+
+
 def test_gguf_file_cache_is_keyed_by_content(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:

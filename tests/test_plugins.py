@@ -1,15 +1,21 @@
-"""Plugin discovery: built-ins come through entry points, duplicates are refused naming both plugins,
-and a broken plugin is reported while the others still load."""
+"""Plugin discovery: built-ins come through entry points; a duplicate name is a conflict that fails only
+the pipelines using it (naming both plugins) while the listing commands keep working; a broken plugin is
+reported while the others still load; KVWEAVE_DISABLE_PLUGINS warns about names it does not know."""
 
 from __future__ import annotations
+
+import json
+import warnings
 
 import attrs
 import pytest
 import torch
 
 from kvweave.core import hookimpl, plugins
-from kvweave.core.errors import ComponentError, PluginError
+from kvweave.core.errors import ComponentError, PluginError, RegistryError
 from kvweave.core.interfaces import Router
+from kvweave.core.registry import load_registry
+from kvweave.tools.cli import main
 
 
 @attrs.frozen
@@ -61,15 +67,54 @@ def test_a_runtime_plugin_adds_a_component_and_can_be_removed():
         plugins.catalog().get("routers", "constant-test")
 
 
-def test_a_duplicate_name_is_refused_naming_both_plugins():
-    plugins.register_plugin(DuplicateUniformPlugin(), "dup-plugin", distribution="dup-dist")
-    with pytest.raises(PluginError) as info:
-        plugins.catalog()
-    message = str(info.value)
-    assert "'uniform'" in message and "uniform-router" in message and "dup-plugin" in message and "dup-dist" in message
+def _register_duplicate():
+    with pytest.warns(UserWarning, match="routers component 'uniform' is registered by plugin 'uniform-router'"):
+        plugins.register_plugin(DuplicateUniformPlugin(), "dup-plugin", distribution="dup-dist")
+        return plugins.catalog()
 
 
-def test_registering_something_that_is_not_a_component_is_refused():
+def _names_both(message: str) -> bool:
+    return all(part in message for part in ("'uniform'", "uniform-router", "kvweave", "dup-plugin", "dup-dist"))
+
+
+def test_a_duplicate_name_is_a_conflict_that_fails_only_what_uses_it():
+    catalog = _register_duplicate()
+    (conflict,) = catalog.conflicts
+    assert (conflict.group, conflict.name) == ("routers", "uniform")
+    assert [c.plugin for c in conflict.claims] == ["uniform-router", "dup-plugin"]
+    assert catalog.get("quantizers", "int4-group").plugin == "int4-group"  # the rest is usable
+    with pytest.raises(PluginError) as info:  # an AmbiguousComponentError is both a PluginError and a ComponentError
+        catalog.get("routers", "uniform")
+    assert isinstance(info.value, ComponentError) and _names_both(str(info.value))
+    registry = load_registry()
+    with pytest.raises(RegistryError) as info:
+        registry.resolve("int4")  # inherits router 'uniform' from 'full'
+    assert "pipeline 'int4'" in str(info.value) and "slot 'router'" in str(info.value) and _names_both(str(info.value))
+    assert registry.resolve("depthweave-kv").use("router") != "uniform"  # a pipeline without it still resolves
+
+
+def test_a_duplicate_name_keeps_the_diagnostic_commands_working(capsys):
+    _register_duplicate()
+    assert main(["plugins"]) == 0
+    out = capsys.readouterr().out
+    assert "CONFLICT routers/uniform" in out and _names_both(out)
+    assert main(["plugins", "--json"]) == 0
+    (conflict,) = json.loads(capsys.readouterr().out)["conflicts"]
+    assert conflict["plugins"] == [{"plugin": "uniform-router", "distribution": "kvweave"},
+                                   {"plugin": "dup-plugin", "distribution": "dup-dist"}]
+    assert main(["components", "--group", "routers", "--json"]) == 0
+    claims = [item for item in json.loads(capsys.readouterr().out) if item["name"] == "uniform"]
+    assert [c["plugin"] for c in claims] == ["uniform-router", "dup-plugin"] and all("conflict" in c for c in claims)
+    assert main(["components"]) == 0 and "AMBIGUOUS" in capsys.readouterr().out
+    assert main(["pipelines"]) == 0
+    assert main(["resolve", "depthweave-kv"]) == 0
+    capsys.readouterr()
+    assert main(["resolve", "int4"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("kvweave: error:") and err.strip().count("\n") == 0 and _names_both(err)
+
+
+def test_registering_something_that_is_not_a_component_drops_that_plugin_only():
     class NotAttrs(Router):
         def levels(self):
             return (0,)
@@ -83,8 +128,18 @@ def test_registering_something_that_is_not_a_component_is_refused():
             registrar.add("bad", NotAttrs)
 
     plugins.register_plugin(Bad(), "bad-plugin")
-    with pytest.raises(PluginError, match="not an attrs class"):
-        plugins.catalog()
+    with pytest.warns(UserWarning, match="bad-plugin"):
+        catalog = plugins.catalog()
+    failure = next(f for f in catalog.failures if f.name == "bad-plugin")
+    assert "not an attrs class" in failure.error
+    assert "bad" not in catalog.components["routers"] and "bad-plugin" not in {p.name for p in catalog.plugins}
+    assert catalog.get("routers", "uniform")  # the others still load
+    with pytest.raises(ComponentError, match="failed to load.*bad-plugin"):
+        catalog.get("routers", "bad")
+
+
+def test_hooks_and_groups_agree():
+    assert list(plugins.HOOK_FOR_GROUP) == list(plugins.GROUP_INTERFACES)
 
 
 def _fake_distribution(root, name: str, module: str, body: str | None):
@@ -120,12 +175,36 @@ def test_a_plugin_with_an_unknown_hook_is_reported(tmp_path, monkeypatch):
     assert "typo-plugin" not in {p.name for p in catalog.plugins}
 
 
-def test_plugins_can_be_disabled_by_name(monkeypatch):
+def test_plugins_can_be_disabled_by_name(monkeypatch, capsys):
     monkeypatch.setenv(plugins.DISABLE_ENV, "int8-block, uniform-router")
-    catalog = plugins.catalog()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # known names: no warning
+        catalog = plugins.catalog()
     assert "int8-block" not in catalog.components["quantizers"]
     assert "uniform" not in catalog.components["routers"]
     assert "int4-group" in catalog.components["quantizers"]
+    assert {p.name for p in catalog.disabled} == {"int8-block", "uniform-router"}
+    assert main(["plugins"]) == 0
+    line = next(row for row in capsys.readouterr().out.splitlines() if row.startswith("int8-block "))
+    assert "DISABLED" in line and "kvweave" in line
+    assert main(["plugins", "--json"]) == 0
+    data = json.loads(capsys.readouterr().out)
+    assert {p["name"] for p in data["disabled"]} == {"int8-block", "uniform-router"}
+    assert "int8-block" not in {p["name"] for p in data["plugins"]}
+
+
+def test_unknown_names_to_disable_are_warned_about_listing_the_known_ones(monkeypatch, capsys):
+    monkeypatch.setenv(plugins.DISABLE_ENV, "int8-block,int8_block,no-such-plugin")
+    with pytest.warns(UserWarning) as record:
+        catalog = plugins.catalog()
+    (message,) = [str(w.message) for w in record if plugins.DISABLE_ENV in str(w.message)]
+    assert "int8_block, no-such-plugin" in message and "int4-group" in message and "uniform-router" in message
+    assert {p.name for p in catalog.disabled} == {"int8-block"}
+    plugins.reset()
+    assert main(["plugins"]) == 0  # on the command line: one line, kvweave's own prefix
+    err = capsys.readouterr().err
+    assert err.startswith(f"kvweave: warning: {plugins.DISABLE_ENV} names 2 unknown plugin(s): int8_block, no-such-plugin")
+    assert err.strip().count("\n") == 0
 
 
 def test_a_plugin_whose_hook_crashes_is_dropped_whole():
