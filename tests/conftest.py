@@ -1,8 +1,10 @@
-"""Shared fixtures: a tiny random Llama (fast, for engine properties) and the real default model."""
+"""Shared fixtures: a tiny random Llama (fast, for engine properties), the real default model, and the
+shared tiny test pipelines (tests/pipelines.toml; helpers that use them are in tests/helpers.py)."""
 
 from __future__ import annotations
 
 import os
+from pathlib import Path
 
 import pytest
 import torch
@@ -44,6 +46,10 @@ class ToyTokenizer:
         return "." if ids[0] % 10 == 0 else "a"
 
 
+#: the tiny test pipelines shared by the test files (names start with ``t-``); see the file's comments
+TEST_PIPELINES = Path(__file__).with_name("pipelines.toml")
+
+
 def write_registry(folder, name: str, text: str):
     """``text`` written as ``folder/name.toml`` (a user registry read on top of the built-in one); its path."""
     path = folder / f"{name}.toml"
@@ -66,6 +72,15 @@ def record_route_blocks(cache) -> list:
 
     cache.engine.router = Recorder()
     return seen
+
+
+@pytest.fixture(scope="session")
+def test_registry() -> Path:
+    """The path of tests/pipelines.toml (read on top of the built-in registry), checked to load once."""
+    from kvweave.core.registry import load_registry
+
+    load_registry(TEST_PIPELINES)
+    return TEST_PIPELINES
 
 
 @pytest.fixture(scope="session")

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import subprocess
 import sys
-import textwrap
 
 import pytest
 import torch
@@ -19,91 +18,14 @@ from transformers import DynamicCache
 
 from kvweave.engine import build_cache, cache_kwargs
 from kvweave.engine.cache import KVWeaveCache
-from kvweave.core.errors import BudgetError, CacheStateError, KvweaveError, ModelError
+from kvweave.core.errors import BudgetError, CacheStateError, KvweaveError
 from kvweave.core.registry import load_pipeline
 from kvweave.plugins.evictors._budget import keep_top, pool
 
-from conftest import ToyTokenizer, tiny_llama, write_registry
-
-REGISTRY = textwrap.dedent("""
-    [pipelines.t-stream]
-    extends = "streaming-llm"
-    recent_window = 16
-    [pipelines.t-stream.evictor]
-    sinks = 4
-
-    [pipelines.t-snap]
-    extends = "snapkv"
-    recent_window = 8
-    observe_queries = 8
-    [pipelines.t-snap.evictor]
-    use = "snapkv"
-    budget = 24
-    kernel = 5
-
-    [pipelines.t-pyramid]
-    extends = "snapkv"
-    recent_window = 8
-    observe_queries = 8
-    [pipelines.t-pyramid.evictor]
-    use = "pyramidkv"
-    budget = 24
-    beta = 4.0
-
-    [pipelines.t-h2o]
-    extends = "h2o"
-    recent_window = 8
-    [pipelines.t-h2o.evictor]
-    use = "h2o"
-    budget = 20
-
-    [pipelines.t-snap-bad]
-    extends = "t-snap"
-    [pipelines.t-snap-bad.evictor]
-    budget = 5
-
-    [pipelines.t-router-drops]
-    extends = "full"
-    compress = true
-    [pipelines.t-router-drops.router]
-    use = "snapkv"
-
-    [pipelines.t-dw]
-    extends = "depthweave-kv"
-    recent_window = 32
-    [pipelines.t-dw.basis]
-    window = 2
-    rank = 16
-    update_every = 2
-    [pipelines.t-dw.quantizer]
-    block = 16
-
-    [pipelines.t-snap-dw]
-    extends = "snapkv-depthweave"
-    recent_window = 32
-    [pipelines.t-snap-dw.basis]
-    window = 2
-    rank = 16
-    update_every = 2
-    [pipelines.t-snap-dw.quantizer]
-    block = 16
-    [pipelines.t-snap-dw.evictor]
-    fraction = 0.25
-
-    [pipelines.t-snap-wide]
-    extends = "snapkv"
-    recent_window = 32
-    [pipelines.t-snap-wide.evictor]
-    use = "snapkv"
-    fraction = 0.25
-""")
+from conftest import tiny_llama
+from helpers import build_test_cache, load_test_pipeline, prefill, random_ids, random_inputs
 
 EVICTING = ["t-stream", "t-snap", "t-pyramid", "t-h2o"]
-
-
-@pytest.fixture(scope="module")
-def registry(tmp_path_factory):
-    return write_registry(tmp_path_factory.mktemp("baselines"), "baselines", REGISTRY)
 
 
 @pytest.fixture(scope="module")
@@ -111,25 +33,11 @@ def model64():
     return tiny_llama(torch.float64)
 
 
-def _cache(name, model, registry):
-    return build_cache(load_pipeline(name, registry), model, tokenizer=ToyTokenizer())
-
-
-def _ids(batch=1, length=100, seed=3):
-    torch.manual_seed(seed)
-    return torch.randint(1, 128, (batch, length))
-
-
-def _prefill(model, cache, ids, mask=None):
-    with torch.inference_mode():
-        return model(input_ids=ids, attention_mask=mask, use_cache=True, **cache_kwargs(model, cache))
-
-
 # ------------------------------------------------------------------------------------ StreamingLLM
-def test_streaming_llm_keeps_exactly_the_sinks_and_the_window(model64, registry):
-    cache = _cache("t-stream", model64, registry)
-    ids = _ids(length=100)
-    _prefill(model64, cache, ids)
+def test_streaming_llm_keeps_exactly_the_sinks_and_the_window(model64):
+    cache = build_test_cache("t-stream", model64)
+    ids = random_ids(length=100)
+    prefill(model64, cache, ids)
     token = ids[:, -1:]
     with torch.inference_mode():
         for step in range(5):
@@ -142,24 +50,24 @@ def test_streaming_llm_keeps_exactly_the_sinks_and_the_window(model64, registry)
                 assert window.compressed_tokens + window.exact_tokens == 20
 
 
-def test_streaming_llm_sinks_are_a_padded_rows_first_real_tokens(model64, registry):
-    cache = _cache("t-stream", model64, registry)
-    ids = _ids(batch=2, length=60)
+def test_streaming_llm_sinks_are_a_padded_rows_first_real_tokens(model64):
+    cache = build_test_cache("t-stream", model64)
+    ids = random_ids(batch=2, length=60)
     mask = torch.ones_like(ids)
     mask[0, :7] = 0
-    _prefill(model64, cache, ids, mask)
+    prefill(model64, cache, ids, mask)
     for window in cache.engine.windows:
         assert window.positions[0].tolist() == [[7, 8, 9, 10]] * 2
         assert window.positions[1].tolist() == [[0, 1, 2, 3]] * 2
 
 
-def test_evicted_bytes_leave_the_cache_and_memory_stays_flat(model64, registry):
-    short, long = _cache("t-stream", model64, registry), _cache("t-stream", model64, registry)
-    _prefill(model64, short, _ids(length=60))
-    _prefill(model64, long, _ids(length=400))
+def test_evicted_bytes_leave_the_cache_and_memory_stays_flat(model64):
+    short, long = build_test_cache("t-stream", model64), build_test_cache("t-stream", model64)
+    prefill(model64, short, random_ids(length=60))
+    prefill(model64, long, random_ids(length=400))
     assert short.memory_bytes() == long.memory_bytes()  # 4 sinks + 16 recent tokens either way
     full = build_cache("full", model64)
-    _prefill(model64, full, _ids(length=400))
+    prefill(model64, full, random_ids(length=400))
     stored = long.memory_breakdown()
     kv = stored["exact_window"] + stored["coefficients"]
     assert kv * 20 == full.memory_bytes()  # 20 of 400 tokens held, nothing else of the K/V
@@ -167,12 +75,12 @@ def test_evicted_bytes_leave_the_cache_and_memory_stays_flat(model64, registry):
     assert long.compression_ratio() > 4.9  # 20x fewer tokens, stored in float64 (4x a 16-bit cache)
 
 
-def test_attention_over_the_evicted_cache_equals_masked_full_attention(model64, registry):
-    ids = _ids(length=80)
-    cache = _cache("t-stream", model64, registry)
+def test_attention_over_the_evicted_cache_equals_masked_full_attention(model64):
+    ids = random_ids(length=80)
+    cache = build_test_cache("t-stream", model64)
     reference = DynamicCache(config=model64.config)
-    _prefill(model64, cache, ids)
-    _prefill(model64, reference, ids)
+    prefill(model64, cache, ids)
+    prefill(model64, reference, ids)
     token = ids[:, -1:]
     with torch.inference_mode():
         for step in range(4):
@@ -189,21 +97,21 @@ def test_attention_over_the_evicted_cache_equals_masked_full_attention(model64, 
 
 # ------------------------------------------------------------------------------------ batches
 @pytest.mark.parametrize("name", EVICTING)
-def test_a_left_padded_row_gives_what_it_gives_alone(model64, registry, name):
-    ids = _ids(batch=2, length=90, seed=5)
+def test_a_left_padded_row_gives_what_it_gives_alone(model64, name):
+    ids = random_ids(batch=2, length=90, seed=5)
     mask = torch.ones_like(ids)
     mask[0, :13] = 0
     options = dict(max_new_tokens=12, do_sample=False, output_scores=True, return_dict_in_generate=True, pad_token_id=0)
-    batch = model64.generate(input_ids=ids, attention_mask=mask, **options, **cache_kwargs(model64, _cache(name, model64, registry)))
-    alone = model64.generate(input_ids=ids[:1, 13:], **options, **cache_kwargs(model64, _cache(name, model64, registry)))
+    batch = model64.generate(input_ids=ids, attention_mask=mask, **options, **cache_kwargs(model64, build_test_cache(name, model64)))
+    alone = model64.generate(input_ids=ids[:1, 13:], **options, **cache_kwargs(model64, build_test_cache(name, model64)))
     assert torch.equal(batch.sequences[0, 90:], alone.sequences[0, 77:])
     for a, b in zip(batch.scores, alone.scores):
         assert torch.allclose(a[0], b[0], atol=1e-9)
 
 
-def test_batch_reordering_moves_positions_and_scores(model64, registry):
-    cache = _cache("t-h2o", model64, registry)
-    _prefill(model64, cache, _ids(batch=2, length=70))
+def test_batch_reordering_moves_positions_and_scores(model64):
+    cache = build_test_cache("t-h2o", model64)
+    prefill(model64, cache, random_ids(batch=2, length=70))
     before = [(w.positions.clone(), w.scores.clone()) for w in cache.engine.windows]
     cache.reorder_cache(torch.tensor([1, 0, 1]))
     for (positions, scores), window in zip(before, cache.engine.windows):
@@ -226,10 +134,10 @@ def _eager_votes(ids, window, count):
     return torch.stack(votes)
 
 
-def test_snapkv_keeps_the_top_pooled_votes_of_the_observation_window(model64, registry):
-    ids = _ids(length=120, seed=7)
-    cache = _cache("t-snap", model64, registry)
-    _prefill(model64, cache, ids)
+def test_snapkv_keeps_the_top_pooled_votes_of_the_observation_window(model64):
+    ids = random_ids(length=120, seed=7)
+    cache = build_test_cache("t-snap", model64)
+    prefill(model64, cache, ids)
     votes = pool(_eager_votes(ids, window=8, count=112), 5, "avg")
     for layer, window in enumerate(cache.engine.windows):
         assert window.compressed_tokens == 24 - 8 and window.exact_tokens == 8
@@ -239,9 +147,9 @@ def test_snapkv_keeps_the_top_pooled_votes_of_the_observation_window(model64, re
     assert any(len(h) > 1 for h in heads)  # heads choose their own tokens
 
 
-def test_snapkv_keeps_generated_tokens_and_frees_the_prompt(model64, registry):
-    cache = _cache("t-snap", model64, registry)
-    _prefill(model64, cache, _ids(length=120))
+def test_snapkv_keeps_generated_tokens_and_frees_the_prompt(model64):
+    cache = build_test_cache("t-snap", model64)
+    prefill(model64, cache, random_ids(length=120))
     token = torch.tensor([[5]])
     with torch.inference_mode():
         for _ in range(6):
@@ -249,28 +157,28 @@ def test_snapkv_keeps_generated_tokens_and_frees_the_prompt(model64, registry):
     window = cache.engine.windows[0]
     assert window.compressed_tokens == 16 + 6 and window.positions[0, 0, -6:].tolist() == list(range(112, 118))
     full = build_cache("full", model64)
-    _prefill(model64, full, _ids(length=126))
+    prefill(model64, full, random_ids(length=126))
     stored = cache.memory_breakdown()
     assert (stored["exact_window"] + stored["coefficients"]) * 126 == full.memory_bytes() * 30
 
 
-def test_snapkv_shares_its_budget_between_prompt_chunks(model64, registry):
-    cache = _cache("t-snap", model64, registry)
-    ids = _ids(length=120, seed=2)
-    _prefill(model64, cache, ids[:, :60])
+def test_snapkv_shares_its_budget_between_prompt_chunks(model64):
+    cache = build_test_cache("t-snap", model64)
+    ids = random_ids(length=120, seed=2)
+    prefill(model64, cache, ids[:, :60])
     first = [set(w.positions[0, 0].tolist()) for w in cache.engine.windows]
     assert all(len(kept) == 16 and max(kept) < 52 for kept in first)
-    _prefill(model64, cache, ids[:, 60:])  # a second chunk: the 24-token budget is already spent
+    prefill(model64, cache, ids[:, 60:])  # a second chunk: the 24-token budget is already spent
     for window, kept in zip(cache.engine.windows, first):
         assert window.compressed_tokens == 16 and window.exact_tokens == 8
         assert set(window.positions[0, 0].tolist()) == kept
     assert cache.get_seq_length() == 120
 
 
-def test_pyramidkv_budgets_fall_with_depth_and_average_the_budget(registry):
+def test_pyramidkv_budgets_fall_with_depth_and_average_the_budget():
     model = tiny_llama(torch.float64, layers=5)
-    cache = _cache("t-pyramid", model, registry)
-    _prefill(model, cache, _ids(length=150))
+    cache = build_test_cache("t-pyramid", model)
+    prefill(model, cache, random_ids(length=150))
     kept = [w.compressed_tokens + w.exact_tokens for w in cache.engine.windows]
     assert all(a > b for a, b in zip(kept, kept[1:])), kept
     assert abs(sum(kept) / len(kept) - 24) <= 1
@@ -286,9 +194,9 @@ def test_keep_top_skips_padding_and_keeps_per_row_counts():
 
 
 # ------------------------------------------------------------------------------------ H2O
-def test_h2o_holds_a_fixed_budget_and_evicts_stored_tokens(model64, registry):
-    cache = _cache("t-h2o", model64, registry)
-    _prefill(model64, cache, _ids(length=90))
+def test_h2o_holds_a_fixed_budget_and_evicts_stored_tokens(model64):
+    cache = build_test_cache("t-h2o", model64)
+    prefill(model64, cache, random_ids(length=90))
     sizes = []
     token = torch.tensor([[9]])
     with torch.inference_mode():
@@ -311,10 +219,10 @@ def test_h2o_holds_a_fixed_budget_and_evicts_stored_tokens(model64, registry):
     assert leaving not in set(window.positions[0, 1].tolist())  # the other head decided on its own scores
 
 
-def test_h2o_keeps_the_tokens_with_the_most_accumulated_attention_at_prefill(model64, registry):
-    ids = _ids(length=60, seed=11)
-    cache = _cache("t-h2o", model64, registry)
-    _prefill(model64, cache, ids)
+def test_h2o_keeps_the_tokens_with_the_most_accumulated_attention_atprefill(model64):
+    ids = random_ids(length=60, seed=11)
+    cache = build_test_cache("t-h2o", model64)
+    prefill(model64, cache, ids)
     reference = tiny_llama(torch.float64)
     reference.set_attn_implementation("eager")
     with torch.inference_mode():
@@ -326,12 +234,12 @@ def test_h2o_keeps_the_tokens_with_the_most_accumulated_attention_at_prefill(mod
 
 
 # ------------------------------------------------------------------------------------ composed
-def test_snapkv_depthweave_factorizes_only_the_kept_tokens(registry):
+def test_snapkv_depthweave_factorizes_only_the_kept_tokens():
     model = tiny_llama(torch.bfloat16, layers=4, hidden=256)
-    ids = _ids(batch=2, length=600)
-    caches = {name: _cache(name, model, registry) for name in ("t-snap-dw", "t-dw", "t-snap-wide")}
+    ids = random_ids(batch=2, length=600)
+    caches = {name: build_test_cache(name, model) for name in ("t-snap-dw", "t-dw", "t-snap-wide")}
     for cache in caches.values():
-        _prefill(model, cache, ids)
+        prefill(model, cache, ids)
     composed = caches["t-snap-dw"]
     kept = caches["t-snap-wide"].engine.windows[0]
     for layer, window in enumerate(composed.engine.windows):
@@ -349,19 +257,19 @@ def test_snapkv_depthweave_factorizes_only_the_kept_tokens(registry):
     breakdown = composed.memory_breakdown()
     assert breakdown["coefficients"] > 0 and breakdown["basis_state"] > 0
     out = model.generate(input_ids=ids[:1, :200], max_new_tokens=5, do_sample=False, pad_token_id=0,
-                         **cache_kwargs(model, _cache("t-snap-dw", model, registry)))
+                         **cache_kwargs(model, build_test_cache("t-snap-dw", model)))
     assert out.shape == (1, 205)
 
 
 # ------------------------------------------------------------------------------------ errors
-def test_a_budget_smaller_than_the_window_is_refused_naming_pipeline_slot_and_parameter(model64, registry):
+def test_a_budget_smaller_than_the_window_is_refused_naming_pipeline_slot_and_parameter(model64):
     with pytest.raises(BudgetError, match=r"pipeline 't-snap-bad', slot 'evictor' \('snapkv'\): 'budget' = 5 tokens"):
-        _cache("t-snap-bad", model64, registry)
+        build_test_cache("t-snap-bad", model64)
 
 
-def test_an_evictor_named_in_the_router_slot_is_refused_listing_the_routers(registry):
+def test_an_evictor_named_in_the_router_slot_is_refused_listing_the_routers(test_registry):
     with pytest.raises(KvweaveError, match=r"t-router-drops', slot 'router': unknown routers component 'snapkv'; available: .*sigmoid-multilevel"):
-        load_pipeline("t-router-drops", registry)
+        load_pipeline("t-router-drops", test_registry)
 
 
 def test_budget_and_fraction_together_are_refused(tmp_path):
@@ -371,11 +279,11 @@ def test_budget_and_fraction_together_are_refused(tmp_path):
         load_pipeline("x", path)
 
 
-def test_an_evicting_cache_on_an_unbound_model_stops_with_a_clear_error(registry):
+def test_an_evicting_cache_on_an_unbound_model_stops_with_a_clear_error():
     model = tiny_llama(torch.float64)
-    cache = KVWeaveCache(load_pipeline("t-stream", registry), model.config)  # the model's attention is plain sdpa
+    cache = KVWeaveCache(load_test_pipeline("t-stream"), model.config)  # the model's attention is plain sdpa
     with torch.inference_mode():
-        model(input_ids=_ids(length=40), use_cache=True, **cache_kwargs(model, cache))
+        model(input_ids=random_ids(length=40), use_cache=True, **cache_kwargs(model, cache))
         with pytest.raises(CacheStateError, match="build_cache"):
             model(input_ids=torch.tensor([[3]]), use_cache=True, **cache_kwargs(model, cache))
 
@@ -384,11 +292,9 @@ def test_an_evicting_cache_on_an_unbound_model_stops_with_a_clear_error(registry
 @pytest.mark.parametrize("name", ["streaming-llm", "h2o", "snapkv", "pyramidkv"])
 def test_each_baseline_pipeline_generates_on_a_tiny_model(name):
     model = tiny_llama()
-    ids = _ids(batch=2, length=260)
-    mask = torch.ones_like(ids)
-    mask[0, :30] = 0
+    inputs = random_inputs(batch=2, length=260, pad=30)
     cache = build_cache(name, model)
-    out = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=6, do_sample=False, pad_token_id=0,
+    out = model.generate(**inputs, max_new_tokens=6, do_sample=False, pad_token_id=0,
                          **cache_kwargs(model, cache))
     assert out.shape == (2, 266)
     assert cache.get_seq_length() == 265

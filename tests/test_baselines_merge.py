@@ -3,21 +3,18 @@ property that defines it, on synthetic blocks and in the engine on a tiny random
 
 from __future__ import annotations
 
-import textwrap
-
 import pytest
 import torch
 
-from kvweave.engine import build_cache, cache_kwargs
 from kvweave.core.errors import ModelError
 from kvweave.engine.generation import generate
 from kvweave.core.interfaces import ModelShape
-from kvweave.core.registry import load_pipeline
 from kvweave.plugins.bases.eigen_lowrank import EigenLowRankBasis
 from kvweave.plugins.bases.kvsharer import KVSharerBasis, dissimilar_pairs
 from kvweave.plugins.bases.minicache import MiniCacheBasis, slerp
 
-from conftest import tiny_llama, write_registry
+from conftest import tiny_llama
+from helpers import build_test_cache, exact_cache, random_ids, random_inputs, run
 
 
 def shape(layers: int, head_dim: int = 16) -> ModelShape:
@@ -110,61 +107,19 @@ def test_eigen_error_decreases_with_rank_and_full_rank_is_exact():
 
 
 # ------------------------------------------------------------------------------------ in the engine
-TINY = textwrap.dedent("""
-    [pipelines.kvsharer-tiny]
-    extends = "kvsharer"
-    [pipelines.kvsharer-tiny.basis]
-    share_layers = 4
-
-    [pipelines.kvsharer-none]
-    extends = "kvsharer"
-    [pipelines.kvsharer-none.basis]
-    share_layers = 0
-
-    [pipelines.eigen-full]
-    extends = "eigen-lowrank"
-    [pipelines.eigen-full.basis]
-    rank = 64
-    basis_dtype = "float32"
-    [pipelines.eigen-full.quantizer]
-    use = "none"
-
-    [pipelines.eigen-8]
-    extends = "eigen-full"
-    [pipelines.eigen-8.basis]
-    rank = 8
-""")
-
-
-@pytest.fixture(scope="module")
-def registry_file(tmp_path_factory):
-    return write_registry(tmp_path_factory.mktemp("merge"), "merge", TINY)
-
-
 @pytest.fixture(scope="module")
 def model():
     return tiny_llama(torch.bfloat16, layers=12, hidden=256)
 
 
-def prefill(model, cache, tokens=400):
-    torch.manual_seed(1)
-    ids = torch.randint(1, 128, (1, tokens))
-    with torch.inference_mode():
-        model(input_ids=ids, use_cache=True, **cache_kwargs(model, cache))
-    return cache, ids
-
-
-def exact_keys(model, ids):
-    from transformers import DynamicCache
-
-    cache = DynamicCache(config=model.config)
-    with torch.inference_mode():
-        model(input_ids=ids, use_cache=True, **cache_kwargs(model, cache))
-    return cache
+def _prompt():
+    """The 400-token prompt the engine tests here prefill (seed 1)."""
+    return random_ids(1, 400, seed=1)
 
 
 def test_minicache_merged_layers_share_storage(model):
-    cache, ids = prefill(model, build_cache("minicache", model))
+    ids = _prompt()
+    cache = run(model, build_test_cache("minicache", model), ids)
     engine = cache.engine
     pair = next(i for i, g in enumerate(engine.groups) if len(g) == 2)
     single = next(i for i, g in enumerate(engine.groups) if len(g) == 1)
@@ -174,7 +129,7 @@ def test_minicache_merged_layers_share_storage(model):
                    for s in engine.stores[index].values())
 
     assert group_bytes(pair) < 2 * group_bytes(single)
-    truth = exact_keys(model, ids)
+    truth = exact_cache(model, ids)
     state = engine.stores[pair]["keys"].state
     layer = engine.groups[pair][1]
     restored = engine.reconstruct(layer, "keys", torch.float32)
@@ -182,12 +137,13 @@ def test_minicache_merged_layers_share_storage(model):
         assert torch.allclose(restored[0, :, position], truth.layers[layer].keys[0, :, position].float())
 
 
-def test_kvsharer_sharing_layers_add_no_bytes_and_decode_their_source(model, registry_file):
-    shared, ids = prefill(model, build_cache(load_pipeline("kvsharer-tiny", registry_file), model))
-    plain, _ = prefill(model, build_cache(load_pipeline("kvsharer-none", registry_file), model))
+def test_kvsharer_sharing_layers_add_no_bytes_and_decode_their_source(model):
+    ids = _prompt()
+    shared = run(model, build_test_cache("t-kvsharer", model), ids)
+    plain = run(model, build_test_cache("t-kvsharer-none", model), ids)
     coefficients = shared.memory_breakdown()["coefficients"]
     assert coefficients * 12 == plain.memory_breakdown()["coefficients"] * 8  # 4 of 12 layers store nothing
-    truth = exact_keys(model, ids)
+    truth = exact_cache(model, ids)
     state = shared.engine.stores[0]["keys"].state
     basis = shared.engine.basis
     stored = basis.stored_layers(state)
@@ -200,23 +156,23 @@ def test_kvsharer_sharing_layers_add_no_bytes_and_decode_their_source(model, reg
         assert torch.equal(restored, truth.layers[source].keys[..., :packed, :])
 
 
-def test_eigen_lowrank_full_rank_is_exact_and_a_lower_rank_is_not(model, registry_file):
+def test_eigen_lowrank_full_rank_is_exact_and_a_lower_rank_is_not(model):
     errors = {}
-    for name in ("eigen-full", "eigen-8"):
-        cache, ids = prefill(model, build_cache(load_pipeline(name, registry_file), model))
-        truth = exact_keys(model, ids)
+    for name in ("t-eigen-full", "t-eigen-8"):
+        ids = _prompt()
+        cache = run(model, build_test_cache(name, model), ids)
+        truth = exact_cache(model, ids)
         packed = cache.engine.windows[0].compressed_tokens
         restored = cache.engine.reconstruct(3, "values", torch.float32)
         reference = truth.layers[3].values[..., :packed, :].float()
         errors[name] = float((restored - reference).norm() / reference.norm())
-    assert errors["eigen-full"] < 1e-2 < errors["eigen-8"]
+    assert errors["t-eigen-full"] < 1e-2 < errors["t-eigen-8"]
 
 
-@pytest.mark.parametrize("name", ["minicache", "kvsharer-tiny", "eigen-lowrank"])
-def test_each_baseline_generates_on_the_tiny_model(model, registry_file, name):
-    cache = build_cache(load_pipeline(name, registry_file), model)
-    torch.manual_seed(3)
-    inputs = {"input_ids": torch.randint(1, 128, (1, 300)), "attention_mask": torch.ones(1, 300, dtype=torch.long)}
+@pytest.mark.parametrize("name", ["minicache", "t-kvsharer", "eigen-lowrank"])
+def test_each_baseline_generates_on_the_tiny_model(model, name):
+    cache = build_test_cache(name, model)
+    inputs = random_inputs(1, 300, seed=3)
     new, stats = generate(model, inputs, cache, max_new_tokens=70, do_sample=False, pad_token_id=0)
     assert new.shape == (1, 70) and stats.cached_tokens == 369
     assert stats.stored_bytes == cache.memory_bytes() and stats.ratio > 1.0

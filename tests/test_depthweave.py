@@ -3,8 +3,6 @@ cannot be met, and the cache's bookkeeping with a real basis."""
 
 from __future__ import annotations
 
-import textwrap
-
 import pytest
 import torch
 
@@ -16,7 +14,8 @@ from kvweave.core.registry import load_pipeline
 from kvweave.plugins.probes.attention_output import AttentionOutputProbe
 from kvweave.plugins.routers.sigmoid_multilevel import SigmoidMultilevelRouter
 
-from conftest import ToyTokenizer, record_route_blocks, tiny_llama, write_registry
+from conftest import record_route_blocks, tiny_llama
+from helpers import build_test_cache, exact_cache, random_ids, run
 
 
 LEVEL_BYTES = {2: 11.0, 4: 15.0, 8: 24.0}
@@ -95,44 +94,14 @@ def test_the_probe_measures_eq3_and_moves_the_share():
     assert probe.adjust(share, torch.tensor([[0.01]]), state) == 1.0  # after `patience` calm probes
 
 
-REGISTRY = textwrap.dedent("""
-    [pipelines.dw-tiny]
-    extends = "depthweave-kv"
-    recent_window = 32
-    [pipelines.dw-tiny.basis]
-    window = 2
-    rank = 16
-    update_every = 2
-    [pipelines.dw-tiny.quantizer]
-    block = 16
-
-    [pipelines.dw-impossible]
-    extends = "depthweave-kv"
-    [pipelines.dw-impossible.router]
-    target_reduction = 100.0
-""")
+def _prompt(tokens=2000):
+    """The 2-row prompt every engine test here runs (seed 1)."""
+    return random_ids(2, tokens, seed=1)
 
 
-@pytest.fixture
-def registry_file(tmp_path):
-    return write_registry(tmp_path, "dw", REGISTRY)
-
-
-def _run(model, cache, tokens=2000, decode=70):
-    torch.manual_seed(1)
-    ids = torch.randint(1, 128, (2, tokens))
-    with torch.inference_mode():
-        model(input_ids=ids, use_cache=True, **cache_kwargs(model, cache))
-        token = ids[:, -1:]
-        for _ in range(decode):
-            token = model(input_ids=token, use_cache=True, **cache_kwargs(model, cache)).logits[:, -1:].argmax(-1)
-    return cache
-
-
-def test_depthweave_meets_its_budget_counting_every_tensor(registry_file):
+def test_depthweave_meets_its_budget_counting_every_tensor():
     model = tiny_llama(torch.bfloat16, layers=4, hidden=256)
-    pipeline = load_pipeline("dw-tiny", registry_file)
-    cache = _run(model, build_cache(pipeline, model, tokenizer=ToyTokenizer()))
+    cache = run(model, build_test_cache("t-dw", model), _prompt(), decode=70)
     parts = cache.memory_breakdown()
     assert all(parts[p] > 0 for p in ("exact_window", "coefficients", "residuals", "basis_state", "observation"))
     ratio = cache.compression_ratio()
@@ -143,23 +112,13 @@ def test_depthweave_meets_its_budget_counting_every_tensor(registry_file):
     assert len({w.compressed_tokens for w in cache.engine.windows}) == 1
 
 
-def test_reconstruction_of_depthweave_is_closer_with_residuals(registry_file):
+def test_reconstruction_of_depthweave_is_closer_with_residuals():
     model = tiny_llama(torch.bfloat16, layers=4, hidden=256)
-    base = load_pipeline("dw-tiny", registry_file)
     errors = {}
-    for name, pipeline in (("routed", base), ("bases-only", None)):
-        if pipeline is None:
-            registry_file.write_text(REGISTRY + '\n[pipelines.dw-bases]\nextends = "dw-tiny"\n[pipelines.dw-bases.router]\nuse = "uniform"\nrank = 0\n')
-            pipeline = load_pipeline("dw-bases", registry_file)
-        cache = _run(model, build_cache(pipeline, model, tokenizer=ToyTokenizer()), decode=0)
-        reference = tiny_llama(torch.bfloat16, layers=4, hidden=256)
-        from transformers import DynamicCache
-
-        exact = DynamicCache(config=reference.config)
-        torch.manual_seed(1)
-        ids = torch.randint(1, 128, (2, 2000))
-        with torch.inference_mode():
-            reference(input_ids=ids, use_cache=True, **cache_kwargs(reference, exact))
+    for name, pipeline in (("routed", "t-dw"), ("bases-only", "t-dw-bases")):
+        cache = run(model, build_test_cache(pipeline, model), _prompt())
+        reference = tiny_llama(torch.bfloat16, layers=4, hidden=256)  # a fresh copy: same seed, same weights
+        exact = exact_cache(reference, _prompt())
         packed = cache.engine.windows[0].compressed_tokens
         squared = total = 0.0
         for layer in range(4):
@@ -172,10 +131,10 @@ def test_reconstruction_of_depthweave_is_closer_with_residuals(registry_file):
     assert errors["routed"] < errors["bases-only"]
 
 
-def test_an_impossible_budget_is_refused_when_the_cache_is_built(registry_file):
+def test_an_impossible_budget_is_refused_when_the_cache_is_built():
     model = tiny_llama(torch.bfloat16, layers=4, hidden=256)
-    with pytest.raises(BudgetError, match=r"dw-impossible.*100x.*at most [0-9.]+x"):
-        build_cache(load_pipeline("dw-impossible", registry_file), model, tokenizer=ToyTokenizer())
+    with pytest.raises(BudgetError, match=r"t-dw-impossible.*100x.*at most [0-9.]+x"):
+        build_test_cache("t-dw-impossible", model)
 
 
 def test_delimiter_features_need_a_tokenizer():
@@ -187,7 +146,7 @@ def test_a_cache_not_bound_to_its_model_refuses_to_go_on_silently():
     model = tiny_llama(torch.bfloat16, layers=4, hidden=256)
     cache = KVWeaveCache(load_pipeline("depthweave-kv-no-router"), model.config)  # needs queries for its probe
     with pytest.raises(CacheStateError, match="did not report"):
-        _run(model, cache, tokens=300, decode=2)
+        run(model, cache, _prompt(300), decode=2)
 
 
 def test_every_ablation_is_one_swap_from_depthweave():
@@ -202,11 +161,11 @@ def test_every_ablation_is_one_swap_from_depthweave():
         assert len(changed) <= 2, (name, changed)  # one component (plus its quantizer where widths change)
 
 
-def test_a_later_forward_with_another_cache_leaves_the_compressed_one_alone(registry_file):
+def test_a_later_forward_with_another_cache_leaves_the_compressed_one_alone():
     from transformers import DynamicCache
 
     model = tiny_llama(torch.bfloat16, layers=4, hidden=256)
-    cache = _run(model, build_cache(load_pipeline("dw-tiny", registry_file), model, tokenizer=ToyTokenizer()), tokens=400, decode=1)
+    cache = run(model, build_test_cache("t-dw", model), _prompt(400), decode=1)
     before, queries = cache.memory_bytes(), cache.engine.observer.queries(0).clone()
     ids = torch.randint(1, 128, (2, 50))
     with torch.inference_mode():
@@ -224,10 +183,9 @@ def test_the_shipped_router_weights_load_by_name():
         SigmoidMultilevelRouter(weights="builtin:nope")
 
 
-def test_residuals_on_a_per_layer_basis_store_no_indices_and_keep_the_budget(registry_file):
-    registry_file.write_text(REGISTRY + '\n[pipelines.dw-rb]\nextends = "dw-tiny"\nresidual_mode = "basis"\n')
+def test_residuals_on_a_per_layer_basis_store_no_indices_and_keep_the_budget():
     model = tiny_llama(torch.bfloat16, layers=4, hidden=256)
-    cache = _run(model, build_cache(load_pipeline("dw-rb", registry_file), model, tokenizer=ToyTokenizer()), decode=0)
+    cache = run(model, build_test_cache("t-dw-rb", model), _prompt())
     window = cache.engine.windows[0]
     assert window.residual_basis["keys"].shape == (2, 2, 8, 64)  # [B, H, largest level, D]
     stored = [r.fields for r in window.residuals["keys"].values() if r.entries]
@@ -250,11 +208,11 @@ def test_a_full_rank_residual_basis_restores_the_residual():
     assert (missing - partial).norm() < missing.norm()  # the first coordinates already help
 
 
-def test_keys_and_values_of_a_block_are_routed_on_the_same_attention_statistics(registry_file):
+def test_keys_and_values_of_a_block_are_routed_on_the_same_attention_statistics():
     model = tiny_llama(torch.bfloat16, layers=4, hidden=256)
-    cache = build_cache(load_pipeline("dw-tiny", registry_file), model, tokenizer=ToyTokenizer())
+    cache = build_test_cache("t-dw", model)
     seen = record_route_blocks(cache)
-    _run(model, cache, tokens=600, decode=0)
+    run(model, cache, _prompt(600))
     keys, values = seen[0], seen[1]
     assert (keys.kind, values.kind) == ("keys", "values")
     assert torch.equal(keys.attention_mass, values.attention_mass)

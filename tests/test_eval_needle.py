@@ -53,11 +53,16 @@ def test_the_split_gives_the_prompts_ids_with_the_question_in_the_second_part(to
         assert ids == ev.encode_prompt(cell.context + cell.question)["input_ids"][0].tolist()  # the whole prompt's ids
         context_ids = ids[:split]
         question_ids = ids[split:]
-        # tokenized apart, each part gives exactly its slice of the prompt's ids (no token spans the split)
+        # tokenized apart, the context part gives the prompt's first ids: all of them, or all but the one token
+        # that spans the split (a needle ending the haystack: "." and the blank line merge), which then moves
+        # to the question part, so every question token is read after compression
         templated = ev.templated(cell.context + cell.question)
         at = templated.rfind(cell.question)
-        assert tokenizer(templated[:at], add_special_tokens=not chat)["input_ids"] == context_ids
-        assert tokenizer(templated[at:], add_special_tokens=False)["input_ids"] == question_ids
+        alone = tokenizer(templated[:at], add_special_tokens=not chat)["input_ids"]
+        assert context_ids == alone[: len(context_ids)] and len(alone) - len(context_ids) <= 1
+        if len(alone) == len(context_ids):
+            assert tokenizer(templated[at:], add_special_tokens=False)["input_ids"] == question_ids
+        assert tokenizer.decode(question_ids).endswith(tokenizer.decode(tokenizer(templated[at:], add_special_tokens=False)["input_ids"])[-20:])
         question_text = tokenizer.decode(question_ids)
         assert cell.needle.question in question_text and "Question:" not in tokenizer.decode(context_ids)
         assert all(n.sentence in tokenizer.decode(context_ids) for n in cell.needles)

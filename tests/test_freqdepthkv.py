@@ -3,13 +3,11 @@ and its ablations in the engine, on synthetic blocks and on a tiny random Llama 
 
 from __future__ import annotations
 
-import textwrap
-
 import attrs
 import pytest
 import torch
 
-from kvweave.engine import build_cache, cache_kwargs
+from kvweave.engine import build_cache
 from kvweave.core.errors import BudgetError, ModelError
 from kvweave.engine.generation import generate
 from kvweave.core.interfaces import ModelShape, RouteBlock
@@ -20,7 +18,8 @@ from kvweave.plugins.probes.prefill_logit import PrefillLogitProbe
 from kvweave.plugins.quantizers.passthrough import NoQuantizer
 from kvweave.plugins.routers.head_mode import HeadModeRouter, decide
 
-from conftest import ToyTokenizer, record_route_blocks, tiny_llama, write_registry
+from conftest import ToyTokenizer, record_route_blocks, tiny_llama
+from helpers import build_test_cache, exact_cache, random_ids, random_inputs, run
 
 ABLATIONS = ("average", "no-residuals", "shared-only", "static", "norm-loss", "no-exact", "b2", "b8")
 PIPELINES = ("freqdepthkv",) + tuple(f"freqdepthkv-{name}" for name in ABLATIONS)
@@ -233,73 +232,19 @@ def test_the_probe_picks_recent_boundary_and_high_entropy_rows():
 
 
 # ------------------------------------------------------------------------------------ in the engine
-TINY = textwrap.dedent("""
-    [pipelines.fdk-tiny]
-    extends = "freqdepthkv"
-    [pipelines.fdk-tiny.probe]
-    queries = 32
-
-    [pipelines.fdk-exact]
-    extends = "freqdepthkv"
-    description = "a budget every head can afford exact in (int8 rows: 66 + 74 G bytes < 128 G)"
-    [pipelines.fdk-exact.router]
-    target_reduction = 1.0
-
-    [pipelines.fdk-dc-none]
-    extends = "freqdepthkv-shared-only"
-    [pipelines.fdk-dc-none.quantizer]
-    use = "none"
-
-    [pipelines.layers-none]
-    extends = "fdk-dc-none"
-    [pipelines.layers-none.basis]
-    use = "identity"
-
-    [pipelines.fdk-refresh]
-    extends = "fdk-tiny"
-    [pipelines.fdk-refresh.router]
-    refresh_every = 32
-
-    [pipelines.fdk-impossible]
-    extends = "freqdepthkv"
-    [pipelines.fdk-impossible.router]
-    target_reduction = 10.0
-""")
-
-
-@pytest.fixture(scope="module")
-def registry_file(tmp_path_factory):
-    return write_registry(tmp_path_factory.mktemp("fdk"), "fdk", TINY)
-
-
 @pytest.fixture(scope="module")
 def model():
     return tiny_llama(torch.bfloat16, layers=12, hidden=256)
 
 
-def run(model, cache, tokens=600, decode=0, seed=1):
-    torch.manual_seed(seed)
-    ids = torch.randint(1, 128, (1, tokens))
-    with torch.inference_mode():
-        model(input_ids=ids, use_cache=True, **cache_kwargs(model, cache))
-        token = ids[:, -1:]
-        for _ in range(decode):
-            token = model(input_ids=token, use_cache=True, **cache_kwargs(model, cache)).logits[:, -1:].argmax(-1)
-    return cache, ids
+def _prompt(tokens=600):
+    """The one-row prompt the engine tests here run (seed 1)."""
+    return random_ids(1, tokens, seed=1)
 
 
-def exact_kv(model, ids):
-    from transformers import DynamicCache
-
-    cache = DynamicCache(config=model.config)
-    with torch.inference_mode():
-        model(input_ids=ids, use_cache=True, **cache_kwargs(model, cache))
-    return cache
-
-
-def test_the_dc_is_stored_once_per_block(model, registry_file):
-    shared, _ = run(model, build_cache(load_pipeline("fdk-dc-none", registry_file), model, tokenizer=ToyTokenizer()))
-    layers, _ = run(model, build_cache(load_pipeline("layers-none", registry_file), model, tokenizer=ToyTokenizer()))
+def test_the_dc_is_stored_once_per_block(model):
+    shared = run(model, build_test_cache("t-fdk-dc-none", model), _prompt())
+    layers = run(model, build_test_cache("t-fdk-layers-none", model), _prompt())
     groups = len(shared.engine.groups)
     assert groups == 5  # 12 layers: 2 + 2 | 4 | 2 + 2
     assert shared.engine.windows[0].compressed_tokens == layers.engine.windows[0].compressed_tokens > 0
@@ -307,12 +252,13 @@ def test_the_dc_is_stored_once_per_block(model, registry_file):
     assert coefficient * 12 == layers.memory_breakdown()["coefficients"] * groups
 
 
-def test_exact_heads_restore_the_cache_up_to_the_8bit_rows(model, registry_file):
-    cache, ids = run(model, build_cache(load_pipeline("fdk-exact", registry_file), model, tokenizer=ToyTokenizer()))
+def test_exact_heads_restore_the_cache_up_to_the_8bit_rows(model):
+    ids = _prompt()
+    cache = run(model, build_test_cache("t-fdk-exact", model), ids)
     for group in cache.engine.stores:
         state = group["keys"].route_state
         assert {state["mode_names"][int(m)] for m in state["modes"].flatten()} == {"exact"}
-    truth = exact_kv(model, ids)
+    truth = exact_cache(model, ids)
     packed = cache.engine.windows[0].compressed_tokens
     for layer in range(12):
         for kind in ("keys", "values"):
@@ -321,12 +267,13 @@ def test_exact_heads_restore_the_cache_up_to_the_8bit_rows(model, registry_file)
             assert float((restored - reference).norm() / reference.norm()) < 2e-2, (layer, kind)
 
 
-def test_freqdepthkv_meets_its_budget_and_beats_shared_only(model, registry_file):
+def test_freqdepthkv_meets_its_budget_and_beats_shared_only(model):
     errors, ratios = {}, {}
     for name in ("freqdepthkv", "freqdepthkv-shared-only"):
-        cache, ids = run(model, build_cache(load_pipeline(name, registry_file), model, tokenizer=ToyTokenizer()), tokens=2400)
+        ids = _prompt(2400)
+        cache = run(model, build_test_cache(name, model), ids)
         ratios[name] = cache.compression_ratio()
-        truth = exact_kv(model, ids)
+        truth = exact_cache(model, ids)
         packed = cache.engine.windows[0].compressed_tokens
         squared = total = 0.0
         for layer in range(12):
@@ -340,8 +287,8 @@ def test_freqdepthkv_meets_its_budget_and_beats_shared_only(model, registry_file
     assert errors["freqdepthkv"] < errors["freqdepthkv-shared-only"], errors
 
 
-def test_values_follow_the_decision_made_on_keys(model, registry_file):
-    cache, _ = run(model, build_cache(load_pipeline("fdk-tiny", registry_file), model, tokenizer=ToyTokenizer()), tokens=900)
+def test_values_follow_the_decision_made_on_keys(model):
+    cache = run(model, build_test_cache("t-fdk", model), _prompt(900))
     stored = 0
     for window in cache.engine.windows:
         keys, values = window.residuals["keys"][64].fields, window.residuals["values"][64].fields
@@ -351,10 +298,10 @@ def test_values_follow_the_decision_made_on_keys(model, registry_file):
     assert stored > 0
 
 
-def test_the_prefill_probe_feeds_the_router_and_is_freed(model, registry_file):
-    cache = build_cache(load_pipeline("fdk-tiny", registry_file), model, tokenizer=ToyTokenizer())
+def test_the_prefill_probe_feeds_the_router_and_is_freed(model):
+    cache = build_test_cache("t-fdk", model)
     seen = record_route_blocks(cache)
-    run(model, cache, tokens=600)
+    run(model, cache, _prompt(600))
     prefill = seen[0]
     assert prefill.queries.shape[-2] == 32 and prefill.query_positions.shape == (2, 1, 32)  # the first block: 2 layers
     assert int(prefill.query_positions.max()) == 599  # the newest token is a probe position
@@ -362,17 +309,17 @@ def test_the_prefill_probe_feeds_the_router_and_is_freed(model, registry_file):
     assert cache.memory_breakdown()["observation"] == cache.engine.observer.nbytes()
 
 
-def test_head_modes_are_kept_while_decoding_unless_refreshed(model, registry_file):
+def test_head_modes_are_kept_while_decoding_unless_refreshed(model):
     decisions = {}
-    for name in ("fdk-tiny", "fdk-refresh"):
-        cache, _ = run(model, build_cache(load_pipeline(name, registry_file), model, tokenizer=ToyTokenizer()), tokens=600, decode=100)
+    for name in ("t-fdk", "t-fdk-refresh"):
+        cache = run(model, build_test_cache(name, model), _prompt(600), decode=100)
         decisions[name] = cache.engine.stores[2]["keys"].route_state["decisions"]
-    assert decisions["fdk-refresh"] >= 3 and decisions["fdk-refresh"] > decisions["fdk-tiny"]
+    assert decisions["t-fdk-refresh"] >= 3 and decisions["t-fdk-refresh"] > decisions["t-fdk"]
 
 
-def test_an_unreachable_budget_is_refused_when_the_cache_is_built(model, registry_file):
-    with pytest.raises(BudgetError, match=r"fdk-impossible.*10x.*at most [0-9.]+x"):
-        build_cache(load_pipeline("fdk-impossible", registry_file), model, tokenizer=ToyTokenizer())
+def test_an_unreachable_budget_is_refused_when_the_cache_is_built(model):
+    with pytest.raises(BudgetError, match=r"t-fdk-impossible.*10x.*at most [0-9.]+x"):
+        build_test_cache("t-fdk-impossible", model)
 
 
 def test_a_model_too_shallow_for_the_blocks_is_refused():
@@ -395,9 +342,8 @@ def test_every_ablation_is_one_swap_from_freqdepthkv():
 
 @pytest.mark.parametrize("name", PIPELINES)
 def test_each_pipeline_generates_on_the_tiny_model(model, name):
-    cache = build_cache(name, model, tokenizer=ToyTokenizer())
-    torch.manual_seed(3)
-    inputs = {"input_ids": torch.randint(1, 128, (1, 500)), "attention_mask": torch.ones(1, 500, dtype=torch.long)}
+    cache = build_test_cache(name, model)
+    inputs = random_inputs(1, 500, seed=3)
     new, stats = generate(model, inputs, cache, max_new_tokens=40, do_sample=False, pad_token_id=0)
     assert new.shape == (1, 40) and stats.cached_tokens == 539
     assert stats.stored_bytes == cache.memory_bytes() and stats.ratio > 2.0
@@ -420,9 +366,8 @@ def test_kvweave_generate_runs_freqdepthkv_on_the_default_model(capsys):
 
 
 def test_a_left_padded_batch_with_beams_runs_and_the_router_state_follows_the_beams(model):
-    cache = build_cache("freqdepthkv", model, tokenizer=ToyTokenizer())
-    torch.manual_seed(4)
-    ids = torch.randint(1, 128, (2, 450))
+    cache = build_test_cache("freqdepthkv", model)
+    ids = random_ids(2, 450, seed=4)
     mask = torch.ones(2, 450, dtype=torch.long)
     ids[1, :60], mask[1, :60] = 0, 0  # the second row is 60 tokens shorter, left-padded
     new, stats = generate(model, {"input_ids": ids, "attention_mask": mask}, cache, max_new_tokens=40, do_sample=False,

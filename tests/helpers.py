@@ -1,0 +1,72 @@
+"""Helpers shared by the test files: caches from the shared test pipelines (tests/pipelines.toml), random
+prompts, prefill and greedy decode runs, and exact reference caches.
+
+Random ids come from the global torch generator seeded with ``seed`` (``torch.manual_seed``), so a test
+gets the same prompt whichever helper it calls first.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from kvweave.core.registry import ResolvedPipeline, load_pipeline
+from kvweave.engine import build_cache, cache_kwargs
+from kvweave.engine.cache import KVWeaveCache
+
+from conftest import TEST_PIPELINES, ToyTokenizer
+
+VOCAB = 128  # tiny_llama's vocabulary; id 0 is left for padding
+
+
+def load_test_pipeline(name: str) -> ResolvedPipeline:
+    """Pipeline ``name`` from tests/pipelines.toml (built-in names resolve too)."""
+    return load_pipeline(name, TEST_PIPELINES)
+
+
+def build_test_cache(name: str, model: Any, tokenizer: Any = None) -> KVWeaveCache:
+    """A cache for ``model`` from pipeline ``name`` of tests/pipelines.toml (or a built-in one), bound to the
+    model with ``tokenizer`` (default a :class:`ToyTokenizer`; only pipelines that read delimiter flags use it)."""
+    return build_cache(load_test_pipeline(name), model, tokenizer=ToyTokenizer() if tokenizer is None else tokenizer)
+
+
+def random_ids(batch: int = 1, length: int = 100, seed: int = 3) -> torch.Tensor:
+    """Token ids [batch, length] in 1 .. VOCAB - 1, from ``torch.manual_seed(seed)``."""
+    torch.manual_seed(seed)
+    return torch.randint(1, VOCAB, (batch, length))
+
+
+def random_inputs(batch: int = 1, length: int = 100, seed: int = 3, pad: int = 0) -> dict[str, torch.Tensor]:
+    """``generate`` inputs: :func:`random_ids` and an attention mask of ones, with the first ``pad`` tokens of
+    row 0 masked (left padding; the ids stay)."""
+    ids = random_ids(batch, length, seed)
+    mask = torch.ones_like(ids)
+    mask[0, :pad] = 0
+    return {"input_ids": ids, "attention_mask": mask}
+
+
+def prefill(model: Any, cache: Any, ids: torch.Tensor, mask: torch.Tensor | None = None) -> Any:
+    """One forward of ``ids`` into ``cache`` (no gradients); the model's output."""
+    with torch.inference_mode():
+        return model(input_ids=ids, attention_mask=mask, use_cache=True, **cache_kwargs(model, cache))
+
+
+def run(model: Any, cache: Any, ids: torch.Tensor, decode: int = 0) -> Any:
+    """Prefill ``ids`` into ``cache``, then ``decode`` greedy one-token forwards starting from the last id;
+    returns ``cache``."""
+    prefill(model, cache, ids)
+    token = ids[:, -1:]
+    with torch.inference_mode():
+        for _ in range(decode):
+            token = model(input_ids=token, use_cache=True, **cache_kwargs(model, cache)).logits[:, -1:].argmax(-1)
+    return cache
+
+
+def exact_cache(model: Any, ids: torch.Tensor) -> Any:
+    """A transformers ``DynamicCache`` holding the exact keys and values of ``ids`` (the reference)."""
+    from transformers import DynamicCache
+
+    cache = DynamicCache(config=model.config)
+    prefill(model, cache, ids)
+    return cache
