@@ -1,0 +1,100 @@
+"""The quality-at-ratio frontier from an evaluation's needle.json and ppl.json: a markdown table and a plot.
+
+    python benchmarks/frontier_plot.py RESULTS_FOLDER [--out PNG]
+
+RESULTS_FOLDER holds ``needle.json`` (``kvweave eval needle``) and optionally ``ppl.json`` (``kvweave eval
+ppl``). Per pipeline and context length: needles found, found of what the full cache finds (the cells
+``full`` answered), and the real stored-bytes ratio against a 16-bit cache; perplexity against the
+DynamicCache reference.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+
+def rows(needle: dict, ppl: dict | None) -> list[dict]:
+    """One row per pipeline: per length hits, cases, of-full counts and the bytes ratio; perplexity change."""
+    full = needle["pipelines"].get("full", {}).get("answers", [])
+    found = {(r["length"], r["depth"], r["needle"]) for r in full if r["hit"]}
+    reference = (ppl or {}).get("dynamic_cache_ppl")
+    table = []
+    for name, data in needle["pipelines"].items():
+        if "answers" not in data:
+            continue
+        row = {"pipeline": name, "lengths": {}}
+        for length in needle["lengths"]:
+            cells = [r for r in data["answers"] if r["length"] == length]
+            of_full = [r for r in cells if (r["length"], r["depth"], r["needle"]) in found]
+            row["lengths"][length] = {
+                "hits": sum(r["hit"] for r in cells), "cases": len(cells),
+                "of_full": sum(r["hit"] for r in of_full), "full_found": len(of_full),
+                "ratio": sum(r["full_16bit_bytes"] for r in cells) / sum(r["stored_bytes"] for r in cells),
+            }
+        value = (ppl or {}).get("pipelines", {}).get(name, {}).get("ppl")
+        row["ppl"] = value
+        row["ppl_change"] = None if value is None or not reference else value / reference - 1
+        table.append(row)
+    return table
+
+
+def markdown(table: list[dict], lengths: list[int]) -> str:
+    head = "| pipeline | " + " | ".join(f"{n:,} tok: found / of full / bytes x" for n in lengths) + " | ppl 8K (change) |"
+    lines = [head, "|---" * (len(lengths) + 2) + "|"]
+    for row in table:
+        cells = []
+        for n in lengths:
+            c = row["lengths"][n]
+            share = c["of_full"] / c["full_found"] if c["full_found"] else float("nan")
+            cells.append(f"{c['hits']}/{c['cases']} / {c['of_full']}/{c['full_found']} ({share:.0%}) / {c['ratio']:.2f}x")
+        ppl = "-" if row["ppl"] is None else f"{row['ppl']:.2f} ({row['ppl_change']:+.1%})"
+        lines.append(f"| `{row['pipeline']}` | " + " | ".join(cells) + f" | {ppl} |")
+    return "\n".join(lines)
+
+
+def plot(table: list[dict], lengths: list[int], path: Path, title: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, len(lengths), figsize=(6 * len(lengths), 4.5), sharey=True)
+    for ax, n in zip(axes if len(lengths) > 1 else [axes], lengths):
+        for row in table:
+            c = row["lengths"][n]
+            share = c["of_full"] / c["full_found"] if c["full_found"] else 0.0
+            ax.scatter(c["ratio"], share, s=40)
+            ax.annotate(row["pipeline"], (c["ratio"], share), fontsize=7, xytext=(3, 3), textcoords="offset points")
+        ax.axhline(0.95, color="grey", lw=0.8, ls="--")
+        ax.axvline(5.0, color="grey", lw=0.8, ls=":")
+        ax.set_xscale("log")
+        ax.set_xticks([1, 2, 3, 4, 5, 6, 8, 10])
+        ax.set_xticklabels(["1", "2", "3", "4", "5", "6", "8", "10"])
+        ax.minorticks_off()
+        ax.set_xlabel("real stored bytes: x less than a 16-bit cache")
+        ax.set_title(f"{n:,} tokens")
+    (axes[0] if len(lengths) > 1 else axes).set_ylabel("needles found, of what the full cache finds")
+    fig.suptitle(title)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("folder", type=Path)
+    parser.add_argument("--out", type=Path, default=None, help="plot file (default FOLDER/frontier.png)")
+    args = parser.parse_args()
+    needle = json.loads((args.folder / "needle.json").read_text())
+    ppl_file = args.folder / "ppl.json"
+    ppl = json.loads(ppl_file.read_text()) if ppl_file.is_file() else None
+    table = rows(needle, ppl)
+    print(markdown(table, needle["lengths"]))
+    title = f"needles ({needle.get('protocol', 'query-aware')}) vs real bytes"
+    plot(table, needle["lengths"], args.out or args.folder / "frontier.png", title)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
