@@ -94,3 +94,26 @@ def real_model():
     from kvweave.tools.models import load_model
 
     return load_model("default", device="cpu")
+
+
+@pytest.fixture(scope="session")
+def tokenizer():
+    """The default model's tokenizer (from its converted folder: converts the GGUF once)."""
+    from transformers import AutoTokenizer
+
+    from kvweave.tools.models import _converted_folder, resolve_model_source
+
+    return AutoTokenizer.from_pretrained(str(_converted_folder(resolve_model_source("default"), progress=False)))
+
+
+@pytest.fixture(scope="session")
+def tiny_model_folder(tmp_path_factory, tokenizer):
+    """A random 2-layer Llama with the default model's tokenizer and chat template, saved as an HF folder."""
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024,
+                         bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id)
+    folder = tmp_path_factory.mktemp("tiny-llama")
+    LlamaForCausalLM(config).save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    return folder

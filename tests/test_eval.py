@@ -7,7 +7,6 @@ from pathlib import Path
 
 import pytest
 import torch
-from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
 from kvweave.tools import cli, datasets, eval_context, eval_folder, eval_ppl, eval_report, evaluate, models, scoring
 from kvweave.core.errors import KvweaveError
@@ -53,13 +52,6 @@ def test_needles_are_distinct_seeded_and_validated():
     assert datasets.make_needles(7, seed=4) != first
     with pytest.raises(KvweaveError, match="--needles"):
         datasets.make_needles(0, seed=0)
-
-
-@pytest.fixture(scope="module")
-def tokenizer():
-    from kvweave.tools.models import _converted_folder, resolve_model_source
-
-    return AutoTokenizer.from_pretrained(str(_converted_folder(resolve_model_source("default"), progress=False)))
 
 
 def test_needle_prompt_hides_the_needle_at_the_requested_depth(tokenizer):
@@ -135,17 +127,6 @@ def test_run_folder_resumes_refuses_other_settings_and_survives_a_cut_line(tmp_p
 
 
 # --------------------------------------------------------------------------------------------- CLI
-@pytest.fixture(scope="module")
-def tiny_model_folder(tmp_path_factory, tokenizer):
-    """A random 2-layer Llama with the default model's tokenizer and chat template, saved as an HF folder."""
-    torch.manual_seed(0)
-    config = LlamaConfig(vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024,
-                         bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id)
-    folder = tmp_path_factory.mktemp("tiny-llama")
-    LlamaForCausalLM(config).save_pretrained(folder)
-    tokenizer.save_pretrained(folder)
-    return folder
 
 
 def _needle_args(folder: Path, out: Path) -> list[str]:

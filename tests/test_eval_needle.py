@@ -8,31 +8,10 @@ from pathlib import Path
 
 import pytest
 import torch
-from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
 from kvweave.core.errors import KvweaveError
 from kvweave.tools import cli, datasets, eval_context, eval_folder, eval_needle, metrics, scoring
 from kvweave.tools.data import essays_text
-
-
-@pytest.fixture(scope="module")
-def tokenizer():
-    from kvweave.tools.models import _converted_folder, resolve_model_source
-
-    return AutoTokenizer.from_pretrained(str(_converted_folder(resolve_model_source("default"), progress=False)))
-
-
-@pytest.fixture(scope="module")
-def tiny_model_folder(tmp_path_factory, tokenizer):
-    """A random 2-layer Llama with the default model's tokenizer and chat template, saved as an HF folder."""
-    torch.manual_seed(0)
-    config = LlamaConfig(vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024,
-                         bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id)
-    folder = tmp_path_factory.mktemp("tiny-llama-needle")
-    LlamaForCausalLM(config).save_pretrained(folder)
-    tokenizer.save_pretrained(folder)
-    return folder
 
 
 def _evaluation(tokenizer, chat: bool = True) -> eval_context.Evaluation:
