@@ -83,7 +83,9 @@ class LayerView:
     tables in between calls (cleared when the batch changes; never counted as the cache's bytes, so
     keep only what can be rebuilt). ``key_space``: ``"post-rope"`` (keys stored as the model computed
     them) or ``"pre-rope"`` (stored before the rotary embedding; a reader rotates them at each slot's
-    cache index: ``positions``, or ``0 .. packed_tokens - 1`` when there are none).
+    cache index: ``positions``, or ``0 .. packed_tokens - 1`` when there are none). ``scores`` float32
+    [B, H, packed + exact]: the attention every query gave each held token, for an evictor that
+    accumulates it (H2O), else None.
     """
 
     layer: int
@@ -97,6 +99,13 @@ class LayerView:
     positions: torch.Tensor | None
     scratch: dict
     key_space: str = "post-rope"
+    scores: torch.Tensor | None = None
+
+    @property
+    def exact_tokens(self) -> int:
+        """Tokens held exactly after the packed ones (the recent window)."""
+        exact = self.keys.exact
+        return 0 if exact is None else int(exact.shape[-2])
 
     def kind(self, name: str) -> KindView:
         """The view of ``"keys"`` or ``"values"``."""

@@ -333,6 +333,10 @@ class CompressionEngine:
         """``layer``'s packed storage, typed and read-only (:class:`kvweave.core.view.LayerView`)."""
         return layer_view(self, layer)
 
+    def views(self) -> list[LayerView]:
+        """Every layer's view, in layer order."""
+        return [layer_view(self, layer) for layer in range(self.shape.num_layers)]
+
     # ------------------------------------------------------------------------------ queries
     def seq_length(self, layer: int = 0) -> int:
         """Logical tokens cached for ``layer`` (dropped ones included: positions are derived from it)."""

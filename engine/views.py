@@ -52,5 +52,5 @@ def layer_view(engine: CompressionEngine, layer: int) -> LayerView:
     return LayerView(
         layer=layer, group=group_index, member=member, packed_tokens=window.compressed_tokens,
         passed_tokens=window.passed_tokens, flushes=stores["keys"].flushes, keys=kinds["keys"],
-        values=kinds["values"], positions=window.positions, scratch=engine.kernel_state, key_space=engine.settings.key_space,
+        values=kinds["values"], positions=window.positions, scratch=engine.kernel_state, scores=window.scores, key_space=engine.settings.key_space,
     )

@@ -44,10 +44,10 @@ def test_streaming_llm_keeps_exactly_the_sinks_and_the_window(model64):
             token = model64(input_ids=token, use_cache=True, **cache_kwargs(model64, cache)).logits[:, -1:].argmax(-1)
             total = 101 + step
             assert cache.get_seq_length() == total  # logical count: positions stay right
-            for window in cache.engine.windows:
+            for window in cache.engine.views():
                 assert window.exact_tokens == 16  # the recent window
                 assert window.positions.tolist() == [[[0, 1, 2, 3]] * 2]  # the sinks, in every head
-                assert window.compressed_tokens + window.exact_tokens == 20
+                assert window.packed_tokens + window.exact_tokens == 20
 
 
 def test_streaming_llm_sinks_are_a_padded_rows_first_real_tokens(model64):
@@ -56,7 +56,7 @@ def test_streaming_llm_sinks_are_a_padded_rows_first_real_tokens(model64):
     mask = torch.ones_like(ids)
     mask[0, :7] = 0
     prefill(model64, cache, ids, mask)
-    for window in cache.engine.windows:
+    for window in cache.engine.views():
         assert window.positions[0].tolist() == [[7, 8, 9, 10]] * 2
         assert window.positions[1].tolist() == [[0, 1, 2, 3]] * 2
 
@@ -112,9 +112,9 @@ def test_a_left_padded_row_gives_what_it_gives_alone(model64, name):
 def test_batch_reordering_moves_positions_and_scores(model64):
     cache = build_test_cache("t-h2o", model64)
     prefill(model64, cache, random_ids(batch=2, length=70))
-    before = [(w.positions.clone(), w.scores.clone()) for w in cache.engine.windows]
+    before = [(w.positions.clone(), w.scores.clone()) for w in cache.engine.views()]
     cache.reorder_cache(torch.tensor([1, 0, 1]))
-    for (positions, scores), window in zip(before, cache.engine.windows):
+    for (positions, scores), window in zip(before, cache.engine.views()):
         assert torch.equal(window.positions, positions[[1, 0, 1]])
         assert torch.equal(window.scores, scores[[1, 0, 1]])
 
@@ -139,11 +139,11 @@ def test_snapkv_keeps_the_top_pooled_votes_of_the_observation_window(model64):
     cache = build_test_cache("t-snap", model64)
     prefill(model64, cache, ids)
     votes = pool(_eager_votes(ids, window=8, count=112), 5, "avg")
-    for layer, window in enumerate(cache.engine.windows):
-        assert window.compressed_tokens == 24 - 8 and window.exact_tokens == 8
+    for layer, window in enumerate(cache.engine.views()):
+        assert window.packed_tokens == 24 - 8 and window.exact_tokens == 8
         expected = votes[layer].topk(16, dim=-1).indices.sort(dim=-1).values
         assert torch.equal(window.positions.long().sort(dim=-1).values, expected)
-    heads = [set(map(tuple, w.positions[0].tolist())) for w in cache.engine.windows]
+    heads = [set(map(tuple, w.positions[0].tolist())) for w in cache.engine.views()]
     assert any(len(h) > 1 for h in heads)  # heads choose their own tokens
 
 
@@ -154,8 +154,8 @@ def test_snapkv_keeps_generated_tokens_and_frees_the_prompt(model64):
     with torch.inference_mode():
         for _ in range(6):
             token = model64(input_ids=token, use_cache=True, **cache_kwargs(model64, cache)).logits[:, -1:].argmax(-1)
-    window = cache.engine.windows[0]
-    assert window.compressed_tokens == 16 + 6 and window.positions[0, 0, -6:].tolist() == list(range(112, 118))
+    window = cache.engine.views()[0]
+    assert window.packed_tokens == 16 + 6 and window.positions[0, 0, -6:].tolist() == list(range(112, 118))
     full = build_cache("full", model64)
     prefill(model64, full, random_ids(length=126))
     stored = cache.memory_breakdown()
@@ -166,11 +166,11 @@ def test_snapkv_shares_its_budget_between_prompt_chunks(model64):
     cache = build_test_cache("t-snap", model64)
     ids = random_ids(length=120, seed=2)
     prefill(model64, cache, ids[:, :60])
-    first = [set(w.positions[0, 0].tolist()) for w in cache.engine.windows]
+    first = [set(w.positions[0, 0].tolist()) for w in cache.engine.views()]
     assert all(len(kept) == 16 and max(kept) < 52 for kept in first)
     prefill(model64, cache, ids[:, 60:])  # a second chunk: the 24-token budget is already spent
-    for window, kept in zip(cache.engine.windows, first):
-        assert window.compressed_tokens == 16 and window.exact_tokens == 8
+    for window, kept in zip(cache.engine.views(), first):
+        assert window.packed_tokens == 16 and window.exact_tokens == 8
         assert set(window.positions[0, 0].tolist()) == kept
     assert cache.get_seq_length() == 120
 
@@ -179,7 +179,7 @@ def test_pyramidkv_budgets_fall_with_depth_and_average_the_budget():
     model = tiny_llama(torch.float64, layers=5)
     cache = build_test_cache("t-pyramid", model)
     prefill(model, cache, random_ids(length=150))
-    kept = [w.compressed_tokens + w.exact_tokens for w in cache.engine.windows]
+    kept = [w.packed_tokens + w.exact_tokens for w in cache.engine.views()]
     assert all(a > b for a, b in zip(kept, kept[1:])), kept
     assert abs(sum(kept) / len(kept) - 24) <= 1
     assert kept[-1] == 8 + round(16 / 4)  # the window plus (budget - window) / beta
@@ -204,16 +204,17 @@ def test_h2o_holds_a_fixed_budget_and_evicts_stored_tokens(model64):
             token = model64(input_ids=token, use_cache=True, **cache_kwargs(model64, cache)).logits[:, -1:].argmax(-1)
             sizes.append(cache.memory_bytes())
     assert len(set(sizes)) == 1  # the budget holds at every step
-    assert all(w.compressed_tokens == 12 and w.exact_tokens == 8 for w in cache.engine.windows)
+    assert all(w.packed_tokens == 12 and w.exact_tokens == 8 for w in cache.engine.views())
     # a token about to leave the window that has received more attention than a stored heavy hitter
     # replaces it: stored tokens are re-selected at every step
-    window = cache.engine.windows[1]
+    window = cache.engine.views()[1]
     leaving = window.passed_tokens
     weakest = window.scores[0, 0, :12].argmin()
     dropped = int(window.positions[0, 0, weakest])
-    with torch.inference_mode():
+    with torch.inference_mode():  # the view's tensors are the stored ones: this raises the leaving token's score
         window.scores[0, 0, 12] = window.scores[0, 0, :12].max() + 1.0
         model64(input_ids=token, use_cache=True, **cache_kwargs(model64, cache))
+    window = cache.engine.view(1)  # a view is a snapshot of what is stored now
     kept = set(window.positions[0, 0].tolist())
     assert leaving in kept and dropped not in kept and len(kept) == 12
     assert leaving not in set(window.positions[0, 1].tolist())  # the other head decided on its own scores
@@ -227,7 +228,7 @@ def test_h2o_keeps_the_tokens_with_the_most_accumulated_attention_atprefill(mode
     reference.set_attn_implementation("eager")
     with torch.inference_mode():
         attentions = reference(input_ids=ids, output_attentions=True).attentions
-    for layer, window in enumerate(cache.engine.windows):
+    for layer, window in enumerate(cache.engine.views()):
         received = attentions[layer][0].reshape(2, 2, 60, 60).sum(dim=(1, 2))[:, :52]  # [H, 52] all queries
         expected = received.topk(12, dim=-1).indices.sort(dim=-1).values
         assert torch.equal(window.positions[0].long().sort(dim=-1).values, expected)
@@ -241,19 +242,19 @@ def test_snapkv_depthweave_factorizes_only_the_kept_tokens():
     for cache in caches.values():
         prefill(model, cache, ids)
     composed = caches["t-snap-dw"]
-    kept = caches["t-snap-wide"].engine.windows[0]
-    for layer, window in enumerate(composed.engine.windows):
-        assert 0 < window.compressed_tokens < 600 - window.exact_tokens
+    kept = caches["t-snap-wide"].engine.views()[0]
+    for layer, window in enumerate(composed.engine.views()):
+        assert 0 < window.packed_tokens < 600 - window.exact_tokens
         # one selection per window of 2 layers (their tokens share coefficient rows)
-        partner = composed.engine.windows[layer ^ 1]
+        partner = composed.engine.views()[layer ^ 1]
         assert torch.equal(window.positions, partner.positions)
-        for lists in window.residuals.values():
-            for residuals in lists.values():
+        for kind in (window.keys, window.values):
+            for residuals in kind.residuals:
                 if residuals.entries:
-                    assert int(residuals.fields["token"].max()) < window.compressed_tokens
+                    assert int(residuals.fields["token"].max()) < window.packed_tokens
     assert composed.memory_bytes() < caches["t-dw"].memory_bytes()
     assert composed.memory_bytes() < caches["t-snap-wide"].memory_bytes()
-    assert kept.compressed_tokens > 0
+    assert kept.packed_tokens > 0
     breakdown = composed.memory_breakdown()
     assert breakdown["coefficients"] > 0 and breakdown["basis_state"] > 0
     out = model.generate(input_ids=ids[:1, :200], max_new_tokens=5, do_sample=False, pad_token_id=0,

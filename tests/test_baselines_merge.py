@@ -149,7 +149,7 @@ def test_kvsharer_sharing_layers_add_no_bytes_and_decode_their_source(model):
     stored = basis.stored_layers(state)
     sharing = [layer for layer in range(12) if layer not in stored]
     assert len(sharing) == 4
-    packed = shared.engine.windows[0].compressed_tokens
+    packed = shared.engine.view(0).packed_tokens
     for layer in sharing:
         source = stored[int(state["row"][0, layer])]
         restored = shared.engine.reconstruct(layer, "keys", torch.bfloat16)
@@ -162,7 +162,7 @@ def test_eigen_lowrank_full_rank_is_exact_and_a_lower_rank_is_not(model):
         ids = _prompt()
         cache = run(model, build_test_cache(name, model), ids)
         truth = exact_cache(model, ids)
-        packed = cache.engine.windows[0].compressed_tokens
+        packed = cache.engine.view(0).packed_tokens
         restored = cache.engine.reconstruct(3, "values", torch.float32)
         reference = truth.layers[3].values[..., :packed, :].float()
         errors[name] = float((restored - reference).norm() / reference.norm())
@@ -176,4 +176,4 @@ def test_each_baseline_generates_on_the_tiny_model(model, name):
     new, stats = generate(model, inputs, cache, max_new_tokens=70, do_sample=False, pad_token_id=0)
     assert new.shape == (1, 70) and stats.cached_tokens == 369
     assert stats.stored_bytes == cache.memory_bytes() and stats.ratio > 1.0
-    assert cache.engine.windows[0].compressed_tokens == 256  # compression went on during decoding
+    assert cache.engine.view(0).packed_tokens == 256  # compression went on during decoding

@@ -53,8 +53,8 @@ def test_quantized_pipelines_store_fewer_real_bytes(pipeline, floor):
     assert cache.memory_bytes() < full.memory_bytes() / floor
     # the exact copies of compressed tokens are gone: each window holds less than window + one block
     settings = cache.pipeline.settings
-    for window in cache.engine.windows:
-        for tensor in window.exact.values():
+    for window in cache.engine.views():
+        for tensor in (window.keys.exact, window.values.exact):
             assert tensor.shape[-2] < settings.recent_window + settings.block_tokens
             assert tensor.untyped_storage().nbytes() == tensor.numel() * tensor.element_size()
 
@@ -66,7 +66,7 @@ def test_reconstruction_error_is_bounded(tiny_model, pipeline, bound):
     with torch.inference_mode():
         tiny_model(**inputs, use_cache=True, **cache_kwargs(tiny_model, reference))
     cache = _prefill(tiny_model, pipeline, inputs)
-    compressed = cache.engine.windows[0].compressed_tokens
+    compressed = cache.engine.view(0).packed_tokens
     assert compressed == 256  # 400 - 128 exact, rounded down to whole 64-token blocks
     for layer in range(len(cache.layers)):
         for kind in ("keys", "values"):
@@ -94,16 +94,16 @@ def test_outlier_residuals_reduce_the_error_of_int4(tiny_model):
 
 def test_compression_continues_during_decoding(tiny_model):
     cache = _prefill(tiny_model, "int4", _inputs(batch=1, length=150, pad=0))
-    assert cache.engine.windows[0].compressed_tokens == 0  # 150 < 128 + 64
+    assert cache.engine.view(0).packed_tokens == 0  # 150 < 128 + 64
     token = torch.tensor([[5]])
     seen = []
     with torch.inference_mode():
         for _ in range(120):
             tiny_model(input_ids=token, use_cache=True, **cache_kwargs(tiny_model, cache))
-            seen.append(cache.engine.windows[0].compressed_tokens)
+            seen.append(cache.engine.view(0).packed_tokens)
     assert cache.get_seq_length() == 270
     assert seen[-1] == 128 and seen[41] == 64 and seen[40] == 0  # a block leaves at 192 and 256 tokens
-    assert all(w.exact_tokens < 192 for w in cache.engine.windows)
+    assert all(w.exact_tokens < 192 for w in cache.engine.views())
 
 
 def test_sampling_and_batches_with_left_padding_run(tiny_model):

@@ -109,7 +109,7 @@ def test_depthweave_meets_its_budget_counting_every_tensor():
     assert model.config._attn_implementation == "kvweave-observe"
     # compression went on during decoding: versions were added and every layer compressed the same tokens
     assert cache.engine.stores[0]["keys"].state["bases"].shape[2] > 1
-    assert len({w.compressed_tokens for w in cache.engine.windows}) == 1
+    assert len({w.packed_tokens for w in cache.engine.views()}) == 1
 
 
 def test_reconstruction_of_depthweave_is_closer_with_residuals():
@@ -119,7 +119,7 @@ def test_reconstruction_of_depthweave_is_closer_with_residuals():
         cache = run(model, build_test_cache(pipeline, model), _prompt())
         reference = tiny_llama(torch.bfloat16, layers=4, hidden=256)  # a fresh copy: same seed, same weights
         exact = exact_cache(reference, _prompt())
-        packed = cache.engine.windows[0].compressed_tokens
+        packed = cache.engine.view(0).packed_tokens
         squared = total = 0.0
         for layer in range(4):
             for kind in ("keys", "values"):
@@ -186,9 +186,9 @@ def test_the_shipped_router_weights_load_by_name():
 def test_residuals_on_a_per_layer_basis_store_no_indices_and_keep_the_budget():
     model = tiny_llama(torch.bfloat16, layers=4, hidden=256)
     cache = run(model, build_test_cache("t-dw-rb", model), _prompt())
-    window = cache.engine.windows[0]
-    assert window.residual_basis["keys"].shape == (2, 2, 8, 64)  # [B, H, largest level, D]
-    stored = [r.fields for r in window.residuals["keys"].values() if r.entries]
+    window = cache.engine.views()[0]
+    assert window.keys.residual_basis.shape == (2, 2, 8, 64)  # [B, H, largest level, D]
+    stored = [r.fields for r in window.keys.residuals if r.entries]
     assert stored and all("index" not in fields for fields in stored)
     assert 8.5 * 0.9 <= cache.compression_ratio() <= 8.5 * 1.25
 

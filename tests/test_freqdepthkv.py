@@ -247,7 +247,7 @@ def test_the_dc_is_stored_once_per_block(model):
     layers = run(model, build_test_cache("t-fdk-layers-none", model), _prompt())
     groups = len(shared.engine.groups)
     assert groups == 5  # 12 layers: 2 + 2 | 4 | 2 + 2
-    assert shared.engine.windows[0].compressed_tokens == layers.engine.windows[0].compressed_tokens > 0
+    assert shared.engine.view(0).packed_tokens == layers.engine.view(0).packed_tokens > 0
     coefficient = shared.memory_breakdown()["coefficients"]
     assert coefficient * 12 == layers.memory_breakdown()["coefficients"] * groups
 
@@ -259,7 +259,7 @@ def test_exact_heads_restore_the_cache_up_to_the_8bit_rows(model):
         state = group["keys"].route_state
         assert {state["mode_names"][int(m)] for m in state["modes"].flatten()} == {"exact"}
     truth = exact_cache(model, ids)
-    packed = cache.engine.windows[0].compressed_tokens
+    packed = cache.engine.view(0).packed_tokens
     for layer in range(12):
         for kind in ("keys", "values"):
             restored = cache.engine.reconstruct(layer, kind, torch.float32)
@@ -274,7 +274,7 @@ def test_freqdepthkv_meets_its_budget_and_beats_shared_only(model):
         cache = run(model, build_test_cache(name, model), ids)
         ratios[name] = cache.compression_ratio()
         truth = exact_cache(model, ids)
-        packed = cache.engine.windows[0].compressed_tokens
+        packed = cache.engine.view(0).packed_tokens
         squared = total = 0.0
         for layer in range(12):
             restored = cache.engine.reconstruct(layer, "keys", torch.float32)
@@ -290,8 +290,8 @@ def test_freqdepthkv_meets_its_budget_and_beats_shared_only(model):
 def test_values_follow_the_decision_made_on_keys(model):
     cache = run(model, build_test_cache("t-fdk", model), _prompt(900))
     stored = 0
-    for window in cache.engine.windows:
-        keys, values = window.residuals["keys"][64].fields, window.residuals["values"][64].fields
+    for window in cache.engine.views():
+        (keys,), (values,) = ([r.fields for r in kind.residuals if r.rank == 64] for kind in (window.keys, window.values))
         if keys:
             stored += keys["row"].numel()
             assert torch.equal(keys["row"], values["row"]) and torch.equal(keys["token"], values["token"])

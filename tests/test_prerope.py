@@ -86,8 +86,8 @@ def test_pre_rope_storage_without_quantization_returns_the_models_keys(registry)
     mask[0, :9] = 0  # a left-padded row: its keys carry one fixed rotation, undone exactly
     cache = _prefill(model, build_cache(load_pipeline("t-exact-pre", registry), model), ids, mask)
     plain = _prefill(model, build_cache("full", model), ids, mask)
-    window = cache.engine.windows[1]
-    assert window.compressed_tokens == 112
+    window = cache.engine.views()[1]
+    assert window.packed_tokens == 112
     keys = cache.engine.materialize(1, "keys")
     reference = plain.layers[1].engine.materialize(1, "keys")
     assert torch.allclose(keys, reference, atol=1e-9)

@@ -45,7 +45,7 @@ def test_quantized_pipelines_save_real_bytes_and_still_answer(real_model, pipeli
     # the compressed part alone, against 16 bits for the same tokens: the model computes in float32 here,
     # so the exact window costs 4 bytes a value and is counted apart
     parts = stats.breakdown
-    packed_tokens = cache.engine.windows[0].compressed_tokens
+    packed_tokens = cache.engine.view(0).packed_tokens
     assert packed_tokens >= 512
     packed_16bit = packed_tokens * cache.shape.kv_bytes_per_token_16bit
     assert packed_16bit / parts["coefficients"] > expected

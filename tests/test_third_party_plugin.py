@@ -109,7 +109,7 @@ ROUTING_SNIPPET = textwrap.dedent("""
     ids = torch.randint(0, 128, (batch, 300))
     with torch.no_grad():
         model(input_ids=ids, use_cache=True, **cache_kwargs(model, cache))
-    window = cache.engine.windows[0]
+    window = cache.engine.views()[0]
     # The router alone, on a block whose norms are known: token t of every row has norm t + 1.
     block = torch.arange(1, 21, dtype=torch.float32).view(1, 1, 20, 1) * torch.ones(2, 3, 20, 4) / 2
     order = torch.randperm(20)
@@ -123,8 +123,8 @@ ROUTING_SNIPPET = textwrap.dedent("""
         "batch": batch,
         "heads": cache.shape.num_kv_heads,
         "block_tokens": pipeline.settings.block_tokens,
-        "compressed_tokens": window.compressed_tokens,
-        "entries": {str(rank): r.entries for rank, r in window.residuals["keys"].items()},
+        "compressed_tokens": window.packed_tokens,
+        "entries": {str(r.rank): r.entries for r in window.keys.residuals},
         "ranks_by_norm": ranks.reshape(-1, 20).tolist(),
     }))
 """)
