@@ -135,7 +135,8 @@ def forwards(monkeypatch):
         def recording(layer, keys, values, materialize=True):
             if layer != 0:
                 return update(layer, keys, values, materialize)
-            packed, held = engine.windows[0].compressed_tokens, engine.seq_length(0) if engine.windows[0].exact["keys"] is not None else 0
+            view = engine.view(0)
+            packed, held = view.packed_tokens, engine.seq_length(0) if view.keys.exact is not None else 0
             out = update(layer, keys, values, materialize)
             n = keys.shape[-2]
             cell.append({"new": n, "packed_before": packed, "held_before": held, "exact": bool(torch.equal(out[0][..., -n:, :], keys))})
