@@ -41,10 +41,19 @@ class GenerationStats:
     prefill_seconds: float
     decode_seconds: float
     breakdown: dict[str, int]
+    #: bytes a full cache of the same tokens holds in the model's own compute dtype (4 bytes a value in float32)
+    full_model_dtype_bytes: int = 0
+    model_dtype: str = "bfloat16"
 
     @property
     def ratio(self) -> float:
+        """Stored bytes against a 16-bit full cache of the same tokens."""
         return self.full_16bit_bytes / self.stored_bytes if self.stored_bytes else float("nan")
+
+    @property
+    def ratio_model_dtype(self) -> float:
+        """Stored bytes against the full cache the model itself would keep, in its compute dtype."""
+        return self.full_model_dtype_bytes / self.stored_bytes if self.stored_bytes else float("nan")
 
     @property
     def decode_tokens_per_second(self) -> float:
@@ -54,6 +63,7 @@ class GenerationStats:
     def to_dict(self) -> dict[str, Any]:
         data = attrs.asdict(self)
         data["ratio"] = self.ratio
+        data["ratio_model_dtype"] = self.ratio_model_dtype
         data["decode_tokens_per_second"] = self.decode_tokens_per_second
         return data
 
@@ -70,6 +80,12 @@ class _PrefillTimer:
                 torch.cuda.synchronize(scores.device)
             self.first_token_at = time.perf_counter()
         return scores
+
+
+def _element_size(model: Any) -> int:
+    """Bytes of one value in the model's compute dtype (2 when it has none, e.g. a bare config)."""
+    dtype = getattr(model, "dtype", None)
+    return torch.empty((), dtype=dtype).element_size() if isinstance(dtype, torch.dtype) else 2
 
 
 def generate(
@@ -103,5 +119,7 @@ def generate(
         prefill_seconds=first - start,
         decode_seconds=end - first,
         breakdown=cache.memory_breakdown(),
+        full_model_dtype_bytes=cache.full_cache_bytes_16bit() * _element_size(model) // 2,
+        model_dtype=str(getattr(model, "dtype", torch.bfloat16)).replace("torch.", ""),
     )
     return new_tokens, stats

@@ -257,9 +257,15 @@ def cmd_generate(args: argparse.Namespace) -> int:
     print(f"generated tokens     {stats.generated_tokens}")
     print(f"stored KV bytes      {stats.stored_bytes:,}  ({', '.join(f'{k} {v:,}' for k, v in stats.breakdown.items() if v)})")
     print(f"16-bit full cache    {stats.full_16bit_bytes:,}  ({stats.cached_tokens} tokens)")
-    print(f"ratio                {stats.ratio:.2f}x")
+    ratio = f"{stats.ratio:.2f}x vs a 16-bit cache"
+    if stats.model_dtype not in ("bfloat16", "float16"):
+        ratio += f", {stats.ratio_model_dtype:.2f}x vs this model's {stats.model_dtype} cache"
+    print(f"ratio                {ratio}")
     print(f"prefill              {stats.prefill_seconds:.2f} s")
     print(f"decode               {stats.decode_tokens_per_second:.1f} tokens/s")
+    for part, value in stats.breakdown.items():
+        if value and part in BREAKDOWN_TERMS:
+            print(f"  {part:18s} {BREAKDOWN_TERMS[part]}")
     return 0
 
 
@@ -383,6 +389,17 @@ def _is_kvweave_file(filename: str) -> bool:
 
 
 _python_show_warning = warnings.showwarning
+
+
+#: what each part of the stored bytes is (printed under the stats of `kvweave generate`)
+BREAKDOWN_TERMS = {
+    "exact_window": "the most recent tokens, kept as computed (in the model's dtype)",
+    "coefficients": "the packed (quantized / projected) keys and values of the compressed tokens",
+    "residuals": "routed corrections of chosen tokens, with their indices and scales",
+    "basis_state": "shared bases the coefficients decode with",
+    "observation": "recent queries and token flags kept for the router or probe",
+    "eviction": "cache positions of the kept tokens (and accumulated attention, H2O)",
+}
 
 
 def main(argv: Sequence[str] | None = None) -> int:
