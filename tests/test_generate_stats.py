@@ -1,5 +1,6 @@
-"""What `kvweave generate` reports about the stored bytes: the ratio against a 16-bit cache and against
-the model's own cache in its compute dtype, and a line for each part of the breakdown."""
+"""What the CLI reports: `kvweave generate`'s ratio against a 16-bit cache and against
+the model's own cache in its compute dtype with a line for each part of the breakdown, and `kvweave resolve`
+marking a shared slot that keys and values both replace."""
 
 from __future__ import annotations
 
@@ -35,3 +36,11 @@ def test_generate_prints_both_ratios_and_explains_the_breakdown(tiny_model_folde
     assert "vs a 16-bit cache" in out and "vs this model's float32 cache" in out
     for part in ("exact_window", "coefficients"):
         assert f"  {part}" in out and BREAKDOWN_TERMS[part] in out
+
+
+def test_resolve_marks_a_shared_slot_both_kinds_replace(capsys):
+    assert main(["resolve", "prerope-k3v2"]) == 0
+    lines = {line.split()[0]: line for line in capsys.readouterr().out.splitlines()[3:]}
+    assert "unused: keys and values have their own" in lines["quantizer"]
+    assert "channel-group" in lines["keys.quantizer"] and "rotated-token" in lines["values.quantizer"]
+    assert "unused" not in lines["residual_quantizer"]

@@ -135,9 +135,12 @@ def cmd_resolve(args: argparse.Namespace) -> int:
     print(f"{data['name']}: {data['description']}")
     print(f"  from {data['source']}; inheritance: {' -> '.join(data['extends_chain'])}")
     print("  settings: " + ", ".join(f"{k}={v}" for k, v in data["settings"].items()))
-    for slot, cfg in data["slots"].items():
+    slots = data["slots"]
+    for slot, cfg in slots.items():
         params = ", ".join(f"{k}={v!r}" for k, v in cfg["params"].items())
-        print(f"  {slot:<19} {cfg['use']}" + (f"  ({params})" if params else "") + f"  [{cfg['plugin']}]")
+        unused = f"keys.{slot}" in slots and f"values.{slot}" in slots  # both kinds take their own
+        print(f"  {slot:<19} {cfg['use']}" + (f"  ({params})" if params else "") + f"  [{cfg['plugin']}]"
+              + ("  (unused: keys and values have their own)" if unused else ""))
     return 0
 
 
