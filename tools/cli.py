@@ -11,8 +11,6 @@ from __future__ import annotations
 import argparse
 import copy
 import importlib
-import json
-import math
 import re
 import sys
 import warnings
@@ -20,6 +18,8 @@ from pathlib import Path
 from typing import Any, Sequence
 
 from kvweave.core.errors import KvweaveError
+from kvweave.tools.cli_generate import BREAKDOWN_TERMS, cmd_generate  # noqa: F401  (BREAKDOWN_TERMS: public)
+from kvweave.tools.cli_io import print_json, read_text_file
 
 #: commands whose module imports torch: imported only when given; their help line for ``kvweave --help``
 LAZY_COMMANDS: dict[str, tuple[str, str, str]] = {
@@ -27,10 +27,6 @@ LAZY_COMMANDS: dict[str, tuple[str, str, str]] = {
     "eval": ("kvweave.tools.evaluate", "add_eval_command", "needle, QA, perplexity, fidelity and speed of pipelines; tables and plots"),
 }
 INTERRUPTED = 130  # the shell's code for a process stopped by Ctrl-C (128 + SIGINT)
-
-
-def _print_json(data: Any) -> None:
-    print(json.dumps(data, indent=2, default=str))
 
 
 def _table(rows: list[list[str]], header: list[str]) -> str:
@@ -59,7 +55,7 @@ def cmd_plugins(args: argparse.Namespace) -> int:
         ],
     }
     if args.json:
-        _print_json(data)
+        print_json(data)
         return 0
     rows = [[p["name"], p["distribution"], p["version"], ", ".join(p["hooks"])] for p in data["plugins"]]
     rows += [[p["name"], p["distribution"], p["version"], f"DISABLED ({plugins.DISABLE_ENV})"] for p in data["disabled"]]
@@ -94,7 +90,7 @@ def cmd_components(args: argparse.Namespace) -> int:
                 item["conflict"] = conflict.describe()
             items.append(item)
     if args.json:
-        _print_json(items)
+        print_json(items)
         return 0
     for item in items:
         print(f"{item['group']}/{item['name']}  (plugin {item['plugin']}, {item['distribution']})")
@@ -118,7 +114,7 @@ def cmd_pipelines(args: argparse.Namespace) -> int:
         for name, table in registry.tables.items()
     ]
     if args.json:
-        _print_json(items)
+        print_json(items)
         return 0
     print(_table([[i["name"], i["extends"] or "-", i["description"]] for i in items], ["pipeline", "extends", "description"]))
     return 0
@@ -130,7 +126,7 @@ def cmd_resolve(args: argparse.Namespace) -> int:
     pipeline = load_registry(args.registry).resolve(args.name)
     data = pipeline.to_dict()
     if args.json:
-        _print_json(data)
+        print_json(data)
         return 0
     print(f"{data['name']}: {data['description']}")
     print(f"  from {data['source']}; inheritance: {' -> '.join(data['extends_chain'])}")
@@ -142,28 +138,6 @@ def cmd_resolve(args: argparse.Namespace) -> int:
         print(f"  {slot:<19} {cfg['use']}" + (f"  ({params})" if params else "") + f"  [{cfg['plugin']}]"
               + ("  (unused: keys and values have their own)" if unused else ""))
     return 0
-
-
-def read_text_file(path: str | Path, what: str) -> str:
-    """The UTF-8 text of the file ``what`` names (an option, e.g. ``--prompt-file``), or a
-    :class:`KvweaveError` saying whether it is missing, a folder, unreadable or not UTF-8."""
-    path = Path(path)
-    if path.is_dir():
-        raise KvweaveError(f"{what} {path} is a folder, not a file; pass the path of a file inside it")
-    if not path.exists():
-        raise KvweaveError(f"{what} {path} does not exist (resolved to {path.absolute()})")
-    try:
-        data = path.read_bytes()
-    except OSError as exc:
-        raise KvweaveError(f"{what} {path} cannot be read: {exc.strerror or exc}") from exc
-    try:
-        return data.decode("utf-8")
-    except UnicodeDecodeError as exc:
-        line = data[: exc.start].count(b"\n") + 1
-        raise KvweaveError(
-            f"{what} {path} is not UTF-8 text: byte 0x{data[exc.start]:02x} at offset {exc.start} (line {line}) "
-            "cannot be decoded; save the file as UTF-8"
-        ) from exc
 
 
 def check_registry_option(path: str | None) -> None:
@@ -179,97 +153,6 @@ def check_registry_option(path: str | None) -> None:
     if not folder.exists():
         raise KvweaveError(f"registry file {folder} does not exist (resolved to {folder.absolute()}); --registry takes a .toml file")
     read_text_file(folder, "registry file")
-
-
-def check_sampling(args: argparse.Namespace) -> None:
-    """``--temperature`` and ``--top-p`` in range (checked with or without ``--sample``, so that a wrong
-    value is never accepted silently)."""
-    greedy = "" if args.sample else " (it only matters with --sample; leave it out for greedy decoding)"
-    if not (math.isfinite(args.temperature) and args.temperature > 0):
-        raise KvweaveError(
-            f"--temperature must be a number > 0 (sampling divides the logits by it), got {args.temperature}"
-            + (greedy or "; for greedy decoding leave out --sample")
-        )
-    if not (math.isfinite(args.top_p) and 0 < args.top_p <= 1):
-        raise KvweaveError(
-            f"--top-p must be in (0, 1] (the probability mass sampling keeps; 1 keeps every token), got {args.top_p}{greedy}"
-        )
-
-
-def check_context(prompt_tokens: int, new_tokens: int, limit: int | None, model: str) -> None:
-    """A prompt of ``prompt_tokens`` plus ``new_tokens`` generated must fit the model's context ``limit``."""
-    if prompt_tokens < 1:
-        raise KvweaveError("the prompt is empty after tokenization; give some text with --prompt or --prompt-file")
-    if limit is not None and prompt_tokens + new_tokens > limit:
-        room = limit - new_tokens
-        fix = f"shorten the prompt to at most {room:,} tokens or lower --max-new-tokens" if room > 0 else "lower --max-new-tokens"
-        raise KvweaveError(
-            f"the prompt is {prompt_tokens:,} tokens and --max-new-tokens {new_tokens:,} would make {prompt_tokens + new_tokens:,}, "
-            f"more than the context of model {model} ({limit:,} tokens, max_position_embeddings in its config); {fix}"
-        )
-
-
-def cmd_generate(args: argparse.Namespace) -> int:
-    if args.max_new_tokens < 1:
-        raise KvweaveError(f"--max-new-tokens must be at least 1, got {args.max_new_tokens}")
-    check_sampling(args)
-    if args.prompt_file is not None:
-        prompt = read_text_file(args.prompt_file, "--prompt-file")
-        where = f"--prompt-file {args.prompt_file}"
-    else:
-        prompt = args.prompt
-        where = "--prompt"
-    if not args.chat and not prompt.strip():
-        raise KvweaveError(
-            f"{where} is empty; with --no-chat the model continues the prompt's text, so it needs some "
-            "(without --no-chat it is sent as a chat message)"
-        )
-    from kvweave.core.registry import load_registry
-
-    pipeline = load_registry(args.registry).resolve(args.pipeline)  # fail before loading any model
-    import torch
-
-    from kvweave.engine.generation import generate
-    from kvweave.engine.pipeline import build_cache
-    from kvweave.tools.models import context_limit, load_model
-
-    dtype = None if args.dtype == "auto" else getattr(torch, args.dtype)
-    model, tokenizer = load_model(args.model, device=args.device, dtype=dtype)
-    cache = build_cache(pipeline, model, tokenizer=tokenizer)
-    if args.chat and getattr(tokenizer, "chat_template", None):
-        text = tokenizer.apply_chat_template([{"role": "user", "content": prompt}], tokenize=False, add_generation_prompt=True)
-    else:
-        text = prompt
-    inputs = tokenizer(text, return_tensors="pt", add_special_tokens=not args.chat).to(model.device)
-    check_context(inputs["input_ids"].shape[-1], args.max_new_tokens, context_limit(model), args.model)
-    options: dict[str, Any] = {"max_new_tokens": args.max_new_tokens, "pad_token_id": tokenizer.pad_token_id}
-    if args.sample:
-        torch.manual_seed(args.seed)
-        options.update(do_sample=True, temperature=args.temperature, top_p=args.top_p)
-    else:
-        options.update(do_sample=False, temperature=None, top_p=None, top_k=None)
-    new_tokens, stats = generate(model, inputs, cache, **options)
-    completion = tokenizer.decode(new_tokens[0], skip_special_tokens=True)
-    if args.json:
-        _print_json({"model": args.model, "text": completion, "stats": stats.to_dict()})
-        return 0
-    print(completion.strip())
-    print()
-    print(f"--- kvweave: pipeline {stats.pipeline}, model {args.model}, device {args.device}")
-    print(f"prompt tokens        {stats.prompt_tokens}")
-    print(f"generated tokens     {stats.generated_tokens}")
-    print(f"stored KV bytes      {stats.stored_bytes:,}  ({', '.join(f'{k} {v:,}' for k, v in stats.breakdown.items() if v)})")
-    print(f"16-bit full cache    {stats.full_16bit_bytes:,}  ({stats.cached_tokens} tokens)")
-    ratio = f"{stats.ratio:.2f}x vs a 16-bit cache"
-    if stats.model_dtype not in ("bfloat16", "float16"):
-        ratio += f", {stats.ratio_model_dtype:.2f}x vs this model's {stats.model_dtype} cache"
-    print(f"ratio                {ratio}")
-    print(f"prefill              {stats.prefill_seconds:.2f} s")
-    print(f"decode               {stats.decode_tokens_per_second:.1f} tokens/s")
-    for part, value in stats.breakdown.items():
-        if value and part in BREAKDOWN_TERMS:
-            print(f"  {part:18s} {BREAKDOWN_TERMS[part]}")
-    return 0
 
 
 class HelpFormatter(argparse.HelpFormatter):
@@ -392,17 +275,6 @@ def _is_kvweave_file(filename: str) -> bool:
 
 
 _python_show_warning = warnings.showwarning
-
-
-#: what each part of the stored bytes is (printed under the stats of `kvweave generate`)
-BREAKDOWN_TERMS = {
-    "exact_window": "the most recent tokens, kept as computed (in the model's dtype)",
-    "coefficients": "the packed (quantized / projected) keys and values of the compressed tokens",
-    "residuals": "routed corrections of chosen tokens, with their indices and scales",
-    "basis_state": "shared bases the coefficients decode with",
-    "observation": "recent queries and token flags kept for the router or probe",
-    "eviction": "cache positions of the kept tokens (and accumulated attention, H2O)",
-}
 
 
 def main(argv: Sequence[str] | None = None) -> int:

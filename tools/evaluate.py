@@ -100,7 +100,7 @@ def command_line(argv: list[str] | None) -> str:
 
 
 def cmd_eval(args: argparse.Namespace) -> int:
-    from kvweave.tools.eval_folder import check_model_context, check_settings
+    from kvweave.tools.eval_checks import check_model_context, check_settings
     from kvweave.tools.models import check_device, context_limit, emulate_bf16_gemm, load_model
 
     registry = load_registry(args.registry)
