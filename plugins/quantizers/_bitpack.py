@@ -1,5 +1,6 @@
 """Shared helpers of the low-bit quantizers (``channel-group``, ``rotated-token``): dense bit packing,
-float16 affine/symmetric ranges that keep every element within half a stored step, and the Lloyd-Max
+float16 affine/symmetric ranges that keep every element within half a stored step (the scales rounded up,
+subnormal ones too, and the codes computed with the stored scale: :func:`safe_step`), and the Lloyd-Max
 levels of a normal distribution (Max, "Quantizing for minimum distortion", IRE Trans. IT 1960) for the
 non-uniform ``levels = "normal"``.
 
@@ -73,8 +74,10 @@ def affine_range(low: torch.Tensor, high: torch.Tensor, bits: int) -> tuple[torc
     """float16 ``(zero, scale)`` with ``zero <= low`` and ``zero + (2**bits - 1) * scale >= high``, so codes
     ``round((x - zero) / scale)`` of any ``x`` in [low, high] are off by at most ``scale / 2``.
 
-    ``low``/``high`` float32 of any shape (the range must lie within float16's). A scale of zero (a
-    constant range) is kept: encode with :func:`safe_step`."""
+    ``low``/``high`` float32 of any shape, within float16's range (``-65504 <= low``; callers refuse inputs
+    beyond it). The scale is rounded up in float16's subnormal range too (steps of ``2**-24``), so it is
+    never below ``(high - zero) / levels`` and no code of the range needs clamping. A scale of zero (a
+    constant range that float16 holds exactly) is kept: encode with :func:`safe_step`."""
     levels = (1 << bits) - 1
     zero = _down(low.to(_FP16), low)
     wanted = (high - zero.float()).clamp_min(0) / levels
@@ -91,8 +94,13 @@ def midrise_scale(absmax: torch.Tensor, bits: int) -> torch.Tensor:
 
 
 def safe_step(scale: torch.Tensor) -> torch.Tensor:
-    """A stored scale as float32, zeros lifted to float16's smallest normal (a constant group encodes as 0)."""
-    return scale.float().clamp_min(torch.finfo(_FP16).tiny)
+    """The step to encode with: the *stored* scale as float32 (subnormal float16 scales included, so the
+    encoder divides by exactly the step the decoder multiplies by), a zero scale replaced by 1 to avoid
+    dividing by zero. A zero scale comes only from a range of zero width (:func:`affine_range`,
+    :func:`midrise_scale` round up), whose elements sit on the offset: their codes are the same whatever
+    the step."""
+    scale = scale.float()
+    return torch.where(scale == 0, torch.ones_like(scale), scale)
 
 
 @functools.lru_cache(maxsize=None)

@@ -23,8 +23,9 @@ Levels (each (channel, token group) has two float16 statistics; an outlier's cod
 
 - ``levels = "uniform"``: ``zero`` the minimum (rounded down to float16) and ``scale = (max - zero) /
   (2**bits - 1)`` (rounded up) over the non-outlier elements; a code is ``round((x - zero) / scale)``,
-  so every non-outlier element is within ``scale / 2`` of ``zero + code * scale`` (inputs within
-  float16's range).
+  so every non-outlier element is within ``scale / 2`` of ``zero + code * scale``. The codes are computed
+  with the stored scale, subnormal float16 ones included (a range below ``(2**bits - 1) * 2**-14``: the
+  scale is rounded up to a multiple of ``2**-24``), so the bound holds for every range float16 holds.
 - ``levels = "normal"``: ``mean`` and ``std`` of the non-outlier elements; the reconstruction is ``mean +
   std * z[code]`` with ``z`` the Lloyd-Max levels of N(0, 1) (2 bits: +-0.4528, +-1.5104), each element
   taking the nearest level (no half-step bound: the tails are clipped to the outer levels). It lowers the
@@ -37,6 +38,10 @@ Defaults (``benchmarks/quantizer_error.py --model default``, attention-output er
 the last 128 positions): 3 bits, group 32, one outlier, uniform: 0.116 at 4.38 bits per element, against
 0.139 without the outlier, 0.097 with two, 0.128 post-RoPE, 0.27 at 2 bits and 0.20 for int4-group
 (4.5 bits per element).
+
+Range: every stored value is float16 (zero points, scales, means, deviations, the exact outliers), so the
+input must lie within ``|x| <= 65504``; beyond it ``quantize`` raises a ``ValueError`` naming
+``channel-group``, the largest magnitude and the limit (never an infinite field restoring NaN).
 
 Stored fields (packed_format ``channel-group.v1``):
 
@@ -65,6 +70,7 @@ from kvweave.core.interfaces import Quantizer
 from kvweave.core.params import choice, integer
 
 from ._bitpack import affine_range, chunk_codes, nearest_level_codes, normal_levels, pack, safe_step, unpack
+from ._scales import FLOAT16_MAX, check_magnitude
 
 #: channel indices of outliers are stored as uint8
 MAX_OUTLIER_WIDTH = 256
@@ -133,6 +139,11 @@ class ChannelGroupQuantizer(Quantizer):
     def quantize(self, x: torch.Tensor) -> dict[str, torch.Tensor]:
         self.check_width(x.shape[-1], "channel-group.quantize")
         grouped = self._grouped(x)  # [..., G, group, C]
+        check_magnitude(
+            "channel-group", grouped.abs().amax(dim=-2), FLOAT16_MAX,
+            "the largest float16: zero points, scales, means, deviations and the exact outliers are float16",
+            source=x,
+        )
         mask = None
         fields: dict[str, torch.Tensor] = {}
         if self.outliers:

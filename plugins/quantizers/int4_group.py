@@ -3,6 +3,16 @@
 Shapes: ``x`` [..., C] -> ``packed`` uint8 [..., C / 2] (channel 2i in the low nibble, 2i+1 in the
 high nibble, each stored as code + 8) and ``scales`` [..., C / group]. A 64-channel vector with
 group 32 costs 32 + 4 bytes instead of 128 at 16 bits (3.56x).
+
+Bound: the stored scale ``s`` is the group's ``absmax / 7`` rounded to the scale dtype (to nearest; *up*
+where that is below the dtype's normal range, float16: ``absmax < 7 * 2**-14``, about 4.3e-4), and the
+codes are computed with that stored ``s``, so every element is within ``s / 2`` of ``code * s``: within
+``absmax / 7 * (1 + eps) / 2`` for a normal scale (``eps`` of the scale dtype, ``2**-10`` for float16),
+within ``(absmax / 7 + 2**-24) / 2`` for a subnormal float16 one. A group whose ``absmax / 7`` the scale
+dtype cannot hold (float16 scales: absmax above ``7 * 65504 = 458528``) is refused with a ``ValueError``
+naming ``int4-group``, the largest magnitude and the limit, never stored as an infinite scale. (Restored
+values are within the bound in float32; dequantized *to float16*, one that lands beyond 65504 (a block
+whose absmax is within a half step of 65504, or beyond it) overflows that dtype.)
 """
 
 from __future__ import annotations
@@ -48,7 +58,7 @@ class Int4GroupQuantizer(Quantizer):
         width = x.shape[-1]
         group = self._group_for(width)
         grouped = x.reshape(*x.shape[:-1], width // group, group)
-        scales = absmax_scales(grouped, 7, SCALE_DTYPES[self.scale_dtype])
+        scales = absmax_scales(grouped, 7, SCALE_DTYPES[self.scale_dtype], "int4-group")
         codes = torch.round(grouped.float() / scales.float().unsqueeze(-1)).clamp_(-7, 7).to(torch.int16) + 8
         codes = codes.reshape(*x.shape[:-1], width // 2, 2)
         packed = (codes[..., 0] | (codes[..., 1] << 4)).to(torch.uint8)

@@ -2,6 +2,16 @@
 
 Shapes: ``x`` [..., C] -> ``codes`` int8 [..., C] and ``scales`` [..., C / block] (float16 by default),
 so a 64-channel vector with block 64 costs 64 + 2 bytes instead of 128 at 16 bits (1.94x).
+
+Bound: the stored scale ``s`` is the block's ``absmax / 127`` rounded to the scale dtype (to nearest; *up*
+where that is below the dtype's normal range, float16: ``absmax < 127 * 2**-14``, about 7.8e-3), and the
+codes are computed with that stored ``s``, so every element is within ``s / 2`` of ``code * s``: within
+``absmax / 127 * (1 + eps) / 2`` for a normal scale (``eps`` of the scale dtype, ``2**-10`` for float16),
+within ``(absmax / 127 + 2**-24) / 2`` for a subnormal float16 one. A block whose ``absmax / 127`` the scale
+dtype cannot hold (float16 scales: absmax above ``127 * 65504 = 8319008``) is refused with a ``ValueError``
+naming ``int8-block``, the largest magnitude and the limit, never stored as an infinite scale. (Restored
+values are within the bound in float32; dequantized *to float16*, one that lands beyond 65504 (a block
+whose absmax is within a half step of 65504, or beyond it) overflows that dtype.)
 """
 
 from __future__ import annotations
@@ -40,7 +50,7 @@ class Int8BlockQuantizer(Quantizer):
         width = x.shape[-1]
         block = self._block_for(width)
         grouped = x.reshape(*x.shape[:-1], width // block, block)
-        scales = absmax_scales(grouped, 127, SCALE_DTYPES[self.scale_dtype])
+        scales = absmax_scales(grouped, 127, SCALE_DTYPES[self.scale_dtype], "int8-block")
         codes = torch.round(grouped.float() / scales.float().unsqueeze(-1)).clamp_(-127, 127).to(torch.int8)
         return {"codes": codes.reshape(x.shape), "scales": scales}
 

@@ -11,7 +11,15 @@ of ``group``.
 Stored fields: keys ``codes`` uint8 [..., n, C * bits / 8] with ``scale`` and ``zero`` float16
 [..., n / group, C] (one row per group of tokens); values ``codes`` uint8 [..., n, C * bits / 8] with
 ``scale`` and ``zero`` float16 [..., n, C / value_group]. The zero point is rounded down and the scale up
-to float16, so every code's error is at most ``scale / 2`` with the stored scale.
+to float16 (in float16's subnormal range too, below ``2**-14``: to the next multiple of ``2**-24``), and
+the codes are computed with the stored scale, so every code's error is at most ``scale / 2`` with the
+stored scale, whatever the group's range: ``scale <= (max - zero) / (2**bits - 1) * (1 + 2**-10)`` where
+that is a normal float16, ``<= (max - zero) / (2**bits - 1) + 2**-24`` below. A group held exactly by its
+zero point (constant, and a float16 value) gets scale 0 and codes 0. Inputs must lie within float16's
+range (``|x| <= 65504``, which the zero points and scales must hold); beyond it ``quantize`` raises a
+``ValueError`` naming ``kivi``, the largest magnitude and the limit. (Restored values are within the bound
+in float32; dequantized *to float16*, one that lands beyond 65504, at most half a step above a group
+maximum near 65504, overflows that dtype.)
 """
 
 from __future__ import annotations
@@ -23,6 +31,9 @@ from kvweave.core import hookimpl
 from kvweave.core.errors import ModelError
 from kvweave.core.interfaces import Quantizer
 from kvweave.core.params import choice, integer
+
+from ._bitpack import safe_step
+from ._scales import FLOAT16_MAX, check_magnitude
 
 
 def _bits(_instance, attribute, value) -> None:
@@ -59,9 +70,18 @@ def unpack(packed: torch.Tensor, bits: int) -> torch.Tensor:
     return torch.stack(parts, dim=-1).reshape(*packed.shape[:-1], packed.shape[-1] * per_byte)
 
 
+def _check_range(low: torch.Tensor, high: torch.Tensor, x: torch.Tensor) -> None:
+    """Refuse groups beyond float16's range (their zero point or scale would be infinite)."""
+    check_magnitude(
+        "kivi", torch.maximum(low.abs(), high.abs()), FLOAT16_MAX,
+        "the largest float16: zero points and scales are float16", source=x,
+    )
+
+
 def _encode(x: torch.Tensor, zero: torch.Tensor, scale: torch.Tensor, levels: int) -> torch.Tensor:
-    step = scale.float().clamp_min(torch.finfo(torch.float16).tiny)
-    return torch.round((x - zero.float()) / step).clamp_(0, levels)
+    """Codes with the *stored* scale (subnormal float16 ones included: the decoder multiplies by exactly this
+    step); a zero scale (a constant group held exactly by its zero point) encodes as code 0."""
+    return torch.round((x - zero.float()) / safe_step(scale)).clamp_(0, levels)
 
 
 @attrs.frozen
@@ -83,7 +103,9 @@ class KiviKeys(Quantizer):
         if tokens % self.group:
             raise ValueError(f"kivi: keys come in blocks of {tokens} tokens, not a multiple of group={self.group}")
         grouped = x.float().reshape(*x.shape[:-2], tokens // self.group, self.group, width)
-        zero, scale, levels = affine(grouped, grouped.amin(dim=-2), grouped.amax(dim=-2), self.bits)
+        low, high = grouped.amin(dim=-2), grouped.amax(dim=-2)
+        _check_range(low, high, x)
+        zero, scale, levels = affine(grouped, low, high, self.bits)
         codes = _encode(grouped, zero.unsqueeze(-2), scale.unsqueeze(-2), levels).reshape(x.shape)
         return {"codes": pack(codes, self.bits), "scale": scale, "zero": zero}
 
@@ -117,7 +139,9 @@ class KiviValues(Quantizer):
         width = x.shape[-1]
         group = self._group_for(width)
         grouped = x.float().reshape(*x.shape[:-1], width // group, group)
-        zero, scale, levels = affine(grouped, grouped.amin(dim=-1), grouped.amax(dim=-1), self.bits)
+        low, high = grouped.amin(dim=-1), grouped.amax(dim=-1)
+        _check_range(low, high, x)
+        zero, scale, levels = affine(grouped, low, high, self.bits)
         codes = _encode(grouped, zero.unsqueeze(-1), scale.unsqueeze(-1), levels).reshape(x.shape)
         return {"codes": pack(codes, self.bits), "scale": scale, "zero": zero}
 

@@ -28,8 +28,15 @@ symmetric), all scalars float16:
 - ``levels = "uniform"``, symmetric: mid-rise levels ``code - (2**bits - 1) / 2`` (2 bits: -1.5, -0.5,
   0.5, 1.5; all ``2**bits`` levels used), ``scale`` rounded up so the outer level covers the group's
   absmax; asymmetric: ``level = code``, ``zero`` the group's minimum rounded down and ``scale`` rounded
-  up. Every rotated element is within ``scale / 2`` of its level; rotating back by the orthogonal ``Q^T``
-  keeps the error's norm, so ``||x - x_hat|| <= ||scale / 2||`` over the vector's groups.
+  up (to a multiple of ``2**-24`` in float16's subnormal range, below ``2**-14``). The codes are computed
+  with the stored scale, subnormal ones included, so every rotated element is within ``scale / 2`` of its
+  level; rotating back by the orthogonal ``Q^T`` keeps the error's norm, so ``||x - x_hat|| <= ||scale /
+  2||`` over the vector's groups.
+
+Range: the scales and zero points are float16, so the rotated elements must lie within ``|y| <= 65504``
+(always so when a vector's norm is at most 65504; the rotation can gather a vector's norm into one
+element); beyond it ``quantize`` raises a ``ValueError`` naming ``rotated-token``, the largest rotated
+magnitude and the limit (never an infinite scale restoring NaN).
 
 Defaults, measured on SmolLM2-135M values (``benchmarks/quantizer_error.py --model default``, C = 64):
 2 bits, group 64, symmetric, normal levels. The relative error at 2 / 3 / 4 bits is 0.34 / 0.18 / 0.095
@@ -61,6 +68,7 @@ from kvweave.core.interfaces import Quantizer
 from kvweave.core.params import choice, integer
 
 from ._bitpack import affine_range, chunk_codes, midrise_scale, nearest_level_codes, normal_levels, pack, safe_step, unpack
+from ._scales import FLOAT16_MAX, check_magnitude
 
 ROTATIONS = ("hadamard", "random", "none")
 LEVELS = ("normal", "uniform")
@@ -155,6 +163,12 @@ class RotatedTokenQuantizer(Quantizer):
         work = torch.float64 if x.dtype == torch.float64 else torch.float32
         rotated = x.to(work) @ self._matrix(width, x.device).to(work).T
         grouped = rotated.float().reshape(*x.shape[:-1], width // group, group)
+        check_magnitude(
+            "rotated-token", grouped.abs().amax(dim=-1), FLOAT16_MAX,
+            "the largest float16, for the elements of the rotated vectors: their float16 scales and zero points "
+            "hold that range",
+            source=rotated,
+        )
         codes, fields = self._normal(grouped) if self.levels == "normal" else self._uniform(grouped)
         codes = codes.clamp_(0, (1 << self.bits) - 1).reshape(*x.shape[:-1], width)
         return {"codes": pack(codes, self.bits), **fields}
