@@ -1,13 +1,24 @@
 """Run ``model.generate`` with a kvweave cache and measure what it stored.
 
+A long prompt's prefill can take a minute on a CPU; :func:`generate` can show it as a progress bar on
+stderr that advances as each decoder layer finishes the prompt (``prefill_progress``, or
+:func:`show_prefill_progress` around the call). The bar only watches the one prefill forward: the
+prompt is not split, so every pipeline stores and generates exactly what it does without the bar (a
+compressing cache packs the tokens of each forward after it, so feeding the prompt in chunks would change
+what later chunks attend to).
+
 transformers renamed the cache argument from ``past_key_values`` (5.17) to ``cache`` (5.24, where the
 old name warns); :func:`cache_kwargs` picks the name the installed version expects.
 """
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import inspect
+import sys
 import time
+from collections.abc import Iterator
 from typing import Any
 
 import attrs
@@ -73,13 +84,97 @@ class _PrefillTimer:
 
     def __init__(self) -> None:
         self.first_token_at: float | None = None
+        self.on_first_token: Any = None  # called once the first token's logits are ready (after the time is taken)
 
     def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
         if self.first_token_at is None:
             if scores.is_cuda:
                 torch.cuda.synchronize(scores.device)
             self.first_token_at = time.perf_counter()
+            if self.on_first_token is not None:
+                self.on_first_token()
         return scores
+
+
+#: prompts of at least this many tokens get a prefill progress bar under :func:`show_prefill_progress`
+PREFILL_PROGRESS_TOKENS = 1000
+_prefill_progress: contextvars.ContextVar[int | None] = contextvars.ContextVar("kvweave_prefill_progress", default=None)
+
+
+@contextlib.contextmanager
+def show_prefill_progress(min_tokens: int | None = None) -> Iterator[None]:
+    """Within the block, :func:`generate` shows a prefill progress bar on stderr for prompts of at least
+    ``min_tokens`` tokens (default :data:`PREFILL_PROGRESS_TOKENS`, read when the block starts)."""
+    token = _prefill_progress.set(PREFILL_PROGRESS_TOKENS if min_tokens is None else min_tokens)
+    try:
+        yield
+    finally:
+        _prefill_progress.reset(token)
+
+
+def decoder_layers(model: Any) -> list[Any]:
+    """The model's decoder layers in order (``model.model.layers`` for Llama-like models; else the first
+    ModuleList as long as the config's ``num_hidden_layers``), or [] when they cannot be told apart."""
+    config = getattr(model, "config", None)
+    if config is not None and hasattr(config, "get_text_config"):
+        config = config.get_text_config()
+    count = getattr(config, "num_hidden_layers", None)
+    inner = getattr(getattr(model, "model", None), "layers", None)
+    if isinstance(inner, torch.nn.ModuleList) and len(inner) > 0 and count in (None, len(inner)):
+        return list(inner)
+    if not isinstance(count, int) or count < 1 or not isinstance(model, torch.nn.Module):
+        return []
+    return next((list(m) for m in model.modules() if isinstance(m, torch.nn.ModuleList) and len(m) == count), [])
+
+
+class _PrefillProgress:
+    """A tqdm bar on stderr, one step per decoder layer of the first forward (the prefill); where the layers
+    cannot be found, one line ``prefilling N tokens...`` and, when it ends, the seconds it took."""
+
+    def __init__(self, model: Any, tokens: int) -> None:
+        self.tokens = tokens
+        self.layers = decoder_layers(model)
+        self.cuda = any(p.is_cuda for p in self.layers[0].parameters()) if self.layers else False
+        self.hooks: list[Any] = []
+        self.bar: Any = None
+        self.done = False
+        self.start = time.perf_counter()
+
+    def __enter__(self) -> _PrefillProgress:
+        if not self.layers:
+            print(f"kvweave: prefilling {self.tokens:,} tokens...", file=sys.stderr, flush=True)
+            return self
+        from tqdm.auto import tqdm
+
+        self.bar = tqdm(total=len(self.layers), desc=f"prefill {self.tokens:,} tokens", unit="layer", file=sys.stderr,
+                        dynamic_ncols=True)
+        self.hooks = [layer.register_forward_hook(self._layer_done) for layer in self.layers]
+        return self
+
+    def _layer_done(self, module: Any, *_: Any) -> None:
+        if self.bar is not None:
+            if self.cuda:  # kernels run asynchronously: count a layer when its work is done, not queued
+                torch.cuda.synchronize()
+            self.bar.update(1)
+            if self.bar.n >= self.bar.total:  # the prefill has gone through every layer; decode steps are not counted
+                self.bar.close()
+                self.bar = None
+
+    def prefilled(self) -> None:
+        """The first token's logits are ready: end the bar (or say how long the prefill took)."""
+        if self.bar is not None:
+            self.bar.close()
+            self.bar = None
+        elif not self.layers and not self.done:
+            print(f"kvweave: prefilled {self.tokens:,} tokens in {time.perf_counter() - self.start:.1f} s", file=sys.stderr, flush=True)
+        self.done = True
+
+    def __exit__(self, *_: Any) -> None:
+        for hook in self.hooks:
+            hook.remove()
+        if self.bar is not None:  # generation failed or was interrupted mid-prefill
+            self.bar.close()
+            self.bar = None
 
 
 def _element_size(model: Any) -> int:
@@ -89,23 +184,32 @@ def _element_size(model: Any) -> int:
 
 
 def generate(
-    model: Any, inputs: dict[str, torch.Tensor], cache: KVWeaveCache, **generate_kwargs: Any
+    model: Any, inputs: dict[str, torch.Tensor], cache: KVWeaveCache, *, prefill_progress: int | None = None,
+    **generate_kwargs: Any,
 ) -> tuple[torch.Tensor, GenerationStats]:
-    """``model.generate`` with ``cache``; returns the new token ids [B, new] and the stats."""
+    """``model.generate`` with ``cache``; returns the new token ids [B, new] and the stats.
+
+    ``prefill_progress=N``: a prompt of at least N tokens shows a progress bar on stderr while it is
+    prefilled, one step per decoder layer (default: what :func:`show_prefill_progress` set, else none).
+    The bar changes nothing the model computes."""
     from transformers import LogitsProcessorList
 
     timer = _PrefillTimer()
     processors = LogitsProcessorList(generate_kwargs.pop("logits_processor", []) or [])
     processors.append(timer)
+    threshold = _prefill_progress.get() if prefill_progress is None else prefill_progress
+    prompt_tokens = inputs["input_ids"].shape[1]
+    progress = _PrefillProgress(model, int(prompt_tokens)) if threshold is not None and prompt_tokens >= threshold else None
+    if progress is not None:
+        timer.on_first_token = progress.prefilled
     if torch.cuda.is_available():
         torch.cuda.synchronize()
     start = time.perf_counter()
-    with torch.inference_mode():
+    with torch.inference_mode(), progress or contextlib.nullcontext():
         output = model.generate(**inputs, logits_processor=processors, **cache_kwargs(model, cache), **generate_kwargs)
     if torch.cuda.is_available():
         torch.cuda.synchronize()
     end = time.perf_counter()
-    prompt_tokens = inputs["input_ids"].shape[1]
     new_tokens = output[:, prompt_tokens:]
     first = timer.first_token_at or end
     stats = GenerationStats(

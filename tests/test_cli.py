@@ -124,7 +124,7 @@ def test_help_shows_defaults_as_the_command_line_spells_them(capsys):
     out = " ".join(capsys.readouterr().out.split())
     assert exit_info.value.code == 0
     assert "(default: 1024,2048,4096,8000)" in out and "(default: 0.0,0.25,0.5,0.75,1.0)" in out
-    assert "(default: 24)" in out and "(default: bfloat16)" in out
+    assert "(default: 24)" in out and "(default: auto)" in out and "auto is float32 on cpu, bfloat16 on cuda" in out
     assert "(default: False)" not in out and "(default: None)" not in out
     with pytest.raises(SystemExit):
         main(["generate", "--help"])
@@ -176,3 +176,63 @@ def test_listing_commands_do_not_import_torch(argv):
     done = subprocess.run([sys.executable, "-c", _NO_TORCH, *argv], capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr
     assert "IMPORTED:\n" in done.stderr, done.stderr.splitlines()[-1]
+
+
+# ------------------------------------------------------------------------------ dtype and prefill progress
+def test_generate_and_eval_default_to_the_same_dtype_auto(capsys):
+    from kvweave.tools import cli, evaluate
+
+    parser = cli.build_parser()
+    generate = parser.parse_args(["generate", "--pipeline", "int4", "--prompt", "hi"])
+    evaluation = parser.parse_args(["eval", "needle", "--pipelines", "full"])
+    assert generate.dtype == evaluation.dtype == "auto"
+    assert evaluate.resolve_dtype("auto", "cpu") == "float32"  # what load_model(dtype=None) loads for generate
+    assert evaluate.resolve_dtype("auto", "cuda:1") == "bfloat16" and evaluate.resolve_dtype("float16", "cpu") == "float16"
+    with pytest.raises(SystemExit):
+        main(["generate", "--help"])
+    assert "auto is float32 on cpu, bfloat16 on cuda" in " ".join(capsys.readouterr().out.split())
+
+
+def _generate_json(capsys, folder, *extra):
+    prompt = "one two three four five six seven eight nine ten " * 8  # 80-odd tokens
+    code, out, err = run(capsys, "generate", "--model", str(folder), "--pipeline", "int4", "--no-chat", "--dtype", "float32",
+                         "--prompt", prompt, "--max-new-tokens", "4", "--json", *extra)
+    assert code == 0, err
+    return json.loads(out), err
+
+
+def test_a_long_prompt_shows_a_prefill_bar_and_generates_the_same_tokens(capsys, monkeypatch, tiny_model_folder):
+    from kvweave.tools import cli
+
+    monkeypatch.setattr(cli, "PROGRESS_TOKENS", 10**9)
+    quiet, err = _generate_json(capsys, tiny_model_folder)
+    assert "prefill" not in err
+    monkeypatch.setattr(cli, "PROGRESS_TOKENS", 40)
+    shown, err = _generate_json(capsys, tiny_model_folder)
+    assert f"prefill {shown['stats']['prompt_tokens']:,} tokens" in err and "2/2" in err  # one step per layer of the 2-layer model
+    assert shown["text"] == quiet["text"] and shown["stats"]["stored_bytes"] == quiet["stats"]["stored_bytes"]
+    assert shown["stats"]["cached_tokens"] == quiet["stats"]["cached_tokens"]
+
+
+def test_prefill_progress_falls_back_to_a_notice_and_changes_no_token(capsys, monkeypatch):
+    import torch
+
+    from conftest import tiny_llama
+    from kvweave.engine import build_cache, generation
+
+    model = tiny_llama(torch.float32, layers=3)
+    assert len(generation.decoder_layers(model)) == 3
+    torch.manual_seed(0)
+    inputs = {"input_ids": torch.randint(1, 128, (1, 200))}
+    options = dict(max_new_tokens=6, do_sample=False, pad_token_id=0)
+    plain, _ = generation.generate(model, inputs, build_cache("int4", model), **options)
+    with generation.show_prefill_progress(100):
+        barred, _ = generation.generate(model, inputs, build_cache("int4", model), **options)
+    assert "3/3" in capsys.readouterr().err and torch.equal(plain, barred)
+    monkeypatch.setattr(generation, "decoder_layers", lambda model: [])  # layers it cannot find: one line, then the time
+    noticed, _ = generation.generate(model, inputs, build_cache("int4", model), prefill_progress=100, **options)
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert torch.equal(plain, noticed)
+    assert lines[0] == "kvweave: prefilling 200 tokens..." and lines[1].startswith("kvweave: prefilled 200 tokens in ")
+    generation.generate(model, inputs, build_cache("int4", model), prefill_progress=201, **options)  # shorter than the threshold
+    assert capsys.readouterr().err == ""

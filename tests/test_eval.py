@@ -238,3 +238,67 @@ def test_ablation_set_and_deltas_against_the_base():
     assert "| depthweave-kv-no-router | 10 | 10.00x | 25.0 | -25.0 |" in markdown
     assert "| full | 100 | 1.00x | 100.0 | +50.0 |" in markdown
     assert "broken: BudgetError: too tight" in markdown and text.splitlines()[-1].endswith("BudgetError: too tight")
+
+
+# ------------------------------------------------------------------------------------- stdout and --json
+def test_eval_prints_a_table_and_the_folder_and_json_with_the_task_results(tiny_model_folder, tmp_path, capsys):
+    out = tmp_path / "stdout"
+    args = ["eval", "needle", "--model", str(tiny_model_folder), "--pipelines", "full,int4", "--lengths", "128",
+            "--depths", "0,1", "--needles", "1", "--max-new-tokens", "2", "--out", str(out)]  # no --dtype: auto
+    assert cli.main(args) == 0
+    stdout, stderr = capsys.readouterr()
+    lines = stdout.splitlines()
+    assert lines[0] == "| pipeline | needle acc % |" and any(line.startswith("| full | ") for line in lines)
+    assert any(line.startswith("| int4 | ") for line in lines) and "needle protocol: query-agnostic" in stdout
+    assert lines[-1] == f"results in {out}" and "kvweave eval needle: 2 pipelines" in stderr  # progress stays on stderr
+    assert json.loads((out / "settings.json").read_text())["settings"]["dtype"] == "float32"  # auto, on a CPU
+
+    assert cli.main([*args, "--json"]) == 0  # the same settings: every cell read back, the results printed as JSON
+    stdout, stderr = capsys.readouterr()
+    data = json.loads(stdout)
+    saved = json.loads((out / "needle.json").read_text())
+    assert data["task"] == "needle" and data["dtype"] == "float32" and data["folder"] == str(out)
+    assert data["pipelines"] == ["full", "int4"] and data["errors"] == {}
+    assert data["results"]["needle"] == evaluate._json_safe(saved) and f"results in {out}" in stderr  # needle.json, NaN as null
+
+
+def test_eval_json_writes_nan_as_null_and_names_an_unbuildable_pipeline(tiny_model_folder, tmp_path, capsys, monkeypatch):
+    def speed_without_numbers(ev, tokens, new_tokens):
+        ev.errors["int4"] = "BudgetError: too tight"
+        return {"tokens": tokens, "new_tokens": new_tokens,
+                "pipelines": {"full": {"ttft_seconds": float("nan"), "decode_tokens_per_second": 1.5}, "int4": {"error": "BudgetError: too tight"}}}
+
+    monkeypatch.setattr(evaluate, "run_speed", speed_without_numbers)
+    args = ["eval", "speed", "--model", str(tiny_model_folder), "--pipelines", "full,int4", "--speed-tokens", "32",
+            "--speed-new-tokens", "2", "--out", str(tmp_path / "speed")]
+    assert cli.main([*args, "--json"]) == 0
+    stdout = capsys.readouterr().out
+    assert "NaN" not in stdout
+    data = json.loads(stdout)
+    assert data["results"]["speed"]["pipelines"]["full"]["ttft_seconds"] is None and data["errors"] == {"int4": "BudgetError: too tight"}
+    assert cli.main(args) == 0
+    stdout = capsys.readouterr().out
+    assert "| int4 | — | — |" in stdout and "int4: BudgetError: too tight" in stdout
+
+
+def test_auto_dtype_tells_how_to_resume_a_run_of_another_dtype(tiny_model_folder, tmp_path, capsys):
+    out = tmp_path / "bf16"
+    base = ["eval", "needle", "--model", str(tiny_model_folder), "--pipelines", "full", "--lengths", "128", "--depths", "0",
+            "--needles", "1", "--max-new-tokens", "2", "--out", str(out)]
+    assert cli.main([*base, "--dtype", "bfloat16"]) == 0
+    capsys.readouterr()
+    assert cli.main(base) == 2
+    err = capsys.readouterr().err
+    assert "dtype: 'bfloat16' -> 'float32'" in err and "--dtype auto (the default) is float32 on cpu" in err
+
+
+def test_a_float32_run_shows_the_reduction_against_its_own_cache_beside_the_16_bit_one():
+    results = {"ppl": {"pipelines": {"full": {"stored_bytes": 400, "full_16bit_bytes": 200, "ppl": 9.0, "ppl_delta": 0.0},
+                                     "int4": {"stored_bytes": 100, "full_16bit_bytes": 200, "ppl": 9.5, "ppl_delta": 0.5}}}}
+    rows = eval_report.table_rows(["full", "int4"], {}, results, "float32")
+    markdown, text = eval_report.render_table(rows, [])
+    assert "| pipeline | KV bytes | reduction | vs float32 cache | ppl | Δppl |" in markdown
+    assert "| full | 400 | 0.50x | 1.00x |" in markdown and "| int4 | 100 | 2.00x | 4.00x |" in markdown
+    assert text.splitlines()[0].startswith("pipeline,bytes,ratio,ratio_float32") and "16-bit" in eval_report.ratio_note(rows)
+    bf16 = eval_report.table_rows(["full", "int4"], {}, results, "bfloat16")
+    assert "vs float32" not in eval_report.render_table(bf16, [])[0] and eval_report.ratio_note(bf16) == ""

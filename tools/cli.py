@@ -27,6 +27,8 @@ LAZY_COMMANDS: dict[str, tuple[str, str, str]] = {
     "eval": ("kvweave.tools.evaluate", "add_eval_command", "needle, QA, perplexity, fidelity and speed of pipelines; tables and plots"),
 }
 INTERRUPTED = 130  # the shell's code for a process stopped by Ctrl-C (128 + SIGINT)
+#: ``kvweave generate`` shows a progress bar on stderr while a prompt of at least this many tokens is prefilled
+PROGRESS_TOKENS = 1000
 
 
 def _table(rows: list[list[str]], header: list[str]) -> str:
@@ -140,6 +142,16 @@ def cmd_resolve(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_generate_with_progress(args: argparse.Namespace) -> int:
+    """``kvweave generate``; a prompt of :data:`PROGRESS_TOKENS` tokens or more shows a bar on stderr while it
+    is prefilled, one step per decoder layer of the single prefill forward (the prompt is not split, so the
+    tokens are those of a run without the bar, for every pipeline)."""
+    from kvweave.engine.generation import show_prefill_progress
+
+    with show_prefill_progress(PROGRESS_TOKENS):
+        return cmd_generate(args)
+
+
 def check_registry_option(path: str | None) -> None:
     """``--registry FILE``: refused before any command reads it when it is missing, a folder, unreadable,
     or not UTF-8 (TOML files are UTF-8)."""
@@ -224,7 +236,11 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
     p.add_argument("--json", action="store_true")
     p.set_defaults(func=cmd_resolve)
 
-    p = sub.add_parser("generate", help="generate text with a compressed cache and report its bytes")
+    p = sub.add_parser(
+        "generate", help="generate text with a compressed cache and report its bytes",
+        description="Generate text with a compressed cache and report its bytes. A prompt of "
+                    f"{PROGRESS_TOKENS:,} tokens or more shows a progress bar on stderr while it is prefilled.",
+    )
     p.add_argument("--pipeline", required=True)
     p.add_argument("--model", default="default", help="'default', a local HF folder, a .gguf file, or a hub id")
     prompt = p.add_mutually_exclusive_group(required=True)
@@ -243,7 +259,7 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
     p.add_argument("--top-p", type=float, default=0.9, help="with --sample: in (0, 1]")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", action="store_true")
-    p.set_defaults(func=cmd_generate)
+    p.set_defaults(func=cmd_generate_with_progress)
 
     for name, (module, function, help_text) in LAZY_COMMANDS.items():
         if command is None or command == name:

@@ -92,7 +92,10 @@ def quality_memory_plot(path: Path, rows: list[dict[str, Any]], title: str) -> N
 
 
 # ------------------------------------------------------------------------------------------ table
-def table_rows(pipelines: list[str], errors: dict[str, str], results: dict[str, dict[str, Any]]) -> list[dict[str, Any]]:
+def table_rows(pipelines: list[str], errors: dict[str, str], results: dict[str, dict[str, Any]],
+               dtype: str | None = None) -> list[dict[str, Any]]:
+    """A row per pipeline. ``ratio`` is against a 16-bit cache of the same tokens; a run in float32 (``dtype``)
+    also gets ``ratio_float32``, against the float32 cache the model itself keeps (twice the bytes)."""
     rows = []
     for name in pipelines:
         row: dict[str, Any] = {"pipeline": name}
@@ -104,6 +107,8 @@ def table_rows(pipelines: list[str], errors: dict[str, str], results: dict[str, 
             data = results.get(task, {}).get("pipelines", {}).get(name, {})
             if "stored_bytes" in data and "bytes" not in row:
                 row["bytes"], row["ratio"] = data["stored_bytes"], data["full_16bit_bytes"] / data["stored_bytes"]
+                if dtype == "float32":
+                    row["ratio_float32"] = 2 * row["ratio"]
                 row["bytes_from"] = task
         needle = results.get("needle", {}).get("pipelines", {}).get(name, {})
         if "accuracy" in needle:
@@ -135,7 +140,8 @@ def _columns(rows: list[dict[str, Any]], datasets_run: list[str], base: str | No
     pct = lambda v: f"{100 * v:.1f}"  # noqa: E731
     num = lambda v: f"{v:.3f}"  # noqa: E731
     columns: list[tuple[str, str, Callable[[Any], str]]] = [
-        ("bytes", "KV bytes", lambda v: f"{v:,}"), ("ratio", "reduction", lambda v: f"{v:.2f}x"), ("needle", "needle acc %", pct),
+        ("bytes", "KV bytes", lambda v: f"{v:,}"), ("ratio", "reduction", lambda v: f"{v:.2f}x"),
+        ("ratio_float32", "vs float32 cache", lambda v: f"{v:.2f}x"), ("needle", "needle acc %", pct),
     ]
     for dataset in datasets_run:
         label = {"hotpotqa": "HotpotQA", "squad": "SQuAD"}.get(dataset, dataset)
@@ -144,8 +150,8 @@ def _columns(rows: list[dict[str, Any]], datasets_run: list[str], base: str | No
                 ("ttft", "TTFT s", lambda v: f"{v:.2f}"), ("decode_tps", "decode tok/s", lambda v: f"{v:.1f}"),
                 ("peak_extra_bytes", "peak extra MB", lambda v: f"{v / 1e6:,.1f}")]
     if base is not None:
-        columns.insert(3, ("needle_vs_base", f"Δ needle vs {base}", lambda v: f"{100 * v:+.1f}"))
-        columns.insert(4 + 2 * len(datasets_run), ("qa_f1_vs_base", f"Δ QA F1 vs {base}", lambda v: f"{100 * v:+.1f}"))
+        columns.insert(4, ("needle_vs_base", f"Δ needle vs {base}", lambda v: f"{100 * v:+.1f}"))
+        columns.insert(5 + 2 * len(datasets_run), ("qa_f1_vs_base", f"Δ QA F1 vs {base}", lambda v: f"{100 * v:+.1f}"))
     return [c for c in columns if any(c[0] in r for r in rows)]
 
 
@@ -175,18 +181,27 @@ def write_table(run: RunFolder, pipelines: list[str], errors: dict[str, str], re
                 base: str | None, label: str) -> str:
     """table.md (the command and environment of each session on top), table.csv, table.json and
     quality_vs_memory.png in the run folder; returns the Markdown table."""
-    rows = table_rows(pipelines, errors, results)
+    rows = table_rows(pipelines, errors, results, run.settings.get("dtype"))
     datasets_run = results.get("qa", {}).get("datasets", [])
     markdown, text = render_table(rows, datasets_run, base)
     lines = [_session_line(session) for session in run.record.get("sessions", [])]
     header = (f"Model {label}, {run.settings.get('dtype', 'dtype unknown')}, seed {run.settings.get('seed', 'unknown')}. "
               "Sessions of this run:\n\n" + "\n".join(lines) + "\n\n")
-    (run.path / "table.md").write_text(header + markdown + _notes(results), encoding="utf-8")
+    notes = _notes(results) + ratio_note(rows)
+    (run.path / "table.md").write_text(header + markdown + notes, encoding="utf-8")
     (run.path / "table.csv").write_text(text, encoding="utf-8")
     run.write_json("table.json", rows)
     title = f"{'Ablations of ' + base if base else 'Pipelines'}: quality vs memory, {label}"
     quality_memory_plot(run.path / "quality_vs_memory.png", rows, title)
     return markdown
+
+
+def ratio_note(rows: list[dict[str, Any]]) -> str:
+    """The line under a table with a ``vs float32 cache`` column saying what each reduction is against."""
+    if not any("ratio_float32" in row for row in rows):
+        return ""
+    return ("- reduction: stored bytes against a 16-bit cache of the same tokens; vs float32 cache: against the "
+            "float32 cache this run's model keeps (its exact window is stored in float32 too)\n")
 
 
 def _session_line(session: Any) -> str:

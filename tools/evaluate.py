@@ -18,11 +18,16 @@ The command line (``add_eval_command``), ``table`` and ``report``. Tasks (each a
 
 The run folder and resume are :mod:`kvweave.tools.eval_folder`, what a task works with
 :mod:`kvweave.tools.eval_context`, the plots and the table :mod:`kvweave.tools.eval_report`.
+
+Progress goes to stderr; at the end stdout gets a table of the per-pipeline results and the results folder,
+or with ``--json`` one JSON object (the settings, the folder, pipelines that could not be built, and each
+task's results as its ``<task>.json`` holds them).
 """
 
 from __future__ import annotations
 
 import argparse
+import math
 import re
 import shlex
 import sys
@@ -32,16 +37,28 @@ from typing import Any
 import torch
 
 from kvweave.core.registry import Registry, load_registry
+from kvweave.tools.cli_io import print_json
 from kvweave.tools.eval_context import Evaluation, model_label
 from kvweave.tools.eval_fidelity import fidelity_result, run_fidelity
 from kvweave.tools.eval_folder import EvalError, RunFolder
 from kvweave.tools.eval_needle import QUERY_AGNOSTIC, QUERY_AWARE, needle_note, needle_result, run_needle
 from kvweave.tools.eval_ppl import ppl_result, run_ppl
 from kvweave.tools.eval_qa import qa_result, run_qa
-from kvweave.tools.eval_report import write_table
+from kvweave.tools.eval_report import ratio_note, render_table, table_rows, write_table
 from kvweave.tools.eval_speed import run_speed, speed_result
 
 TASKS = ("needle", "qa", "ppl", "fidelity", "speed")
+DTYPES = ("auto", "float32", "bfloat16", "float16")
+
+
+def resolve_dtype(dtype: str, device: str) -> str:
+    """``--dtype`` as the model is loaded: ``auto`` is float32 on a CPU and bfloat16 on CUDA (as in
+    ``kvweave generate``); the run folder records this name, so ``auto`` resumes a bfloat16 GPU run."""
+    if dtype not in DTYPES:
+        raise EvalError(f"--dtype {dtype!r} is not supported; accepted: {', '.join(DTYPES)}")
+    if dtype != "auto":
+        return dtype
+    return "float32" if device == "cpu" else "bfloat16"
 
 
 def ablation_pipelines(registry: Registry, base: str) -> list[str]:
@@ -118,7 +135,8 @@ def cmd_eval(args: argparse.Namespace) -> int:
         raise EvalError(f"unknown pipelines {unknown or '(none given)'}; known: {', '.join(registry.names())}")
     if args.max_new_tokens < 1:
         raise EvalError(f"--max-new-tokens must be at least 1, got {args.max_new_tokens}")
-    settings: dict[str, Any] = {"task": args.task, "ablations": base, "model": args.model, "dtype": args.dtype, "device": args.device, "seed": args.seed,
+    dtype_name = resolve_dtype(args.dtype, args.device)
+    settings: dict[str, Any] = {"task": args.task, "ablations": base, "model": args.model, "dtype": dtype_name, "device": args.device, "seed": args.seed,
                                 "max_new_tokens": args.max_new_tokens, "chat": args.chat, "registry": args.registry}
     for task in tasks:
         settings[task] = _task_settings(args, task)
@@ -127,10 +145,15 @@ def cmd_eval(args: argparse.Namespace) -> int:
     label = args.task if base is None else f"{args.task}-ablations-{base}"
     out = Path(args.out) if args.out else Path("results") / "eval" / f"{label}-{_model_slug(args.model)}-{args.device.replace(':', '')}"
     command = command_line(getattr(args, "argv", None))
-    RunFolder.check(out, settings, fresh=args.fresh)  # a folder of other settings is refused before the model loads
+    try:
+        RunFolder.check(out, settings, fresh=args.fresh)  # a folder of other settings is refused before the model loads
+    except EvalError as exc:
+        if args.dtype == "auto" and re.search(r"(^|[(; ])dtype: ", str(exc)):
+            raise EvalError(f"{exc}. --dtype auto (the default) is {dtype_name} on {args.device}; to resume a run of "
+                            "another dtype pass its --dtype") from exc
+        raise
     torch.manual_seed(args.seed)
-    dtype = None if args.dtype == "auto" else getattr(torch, args.dtype)
-    model, tokenizer = load_model(args.model, device=args.device, dtype=dtype, progress=True)
+    model, tokenizer = load_model(args.model, device=args.device, dtype=getattr(torch, dtype_name), progress=True)
     model._kvweave_label = _model_label_for(args.model)
     check_model_context(settings, tasks, context_limit(model))  # lengths against the model's context, still before writing
     run = RunFolder(out, settings, names, command, args.device, fresh=args.fresh)
@@ -145,9 +168,38 @@ def cmd_eval(args: argparse.Namespace) -> int:
         print(f"\ninterrupted: {len(run.cells)} cells are saved in {out}; run the same command to resume", file=sys.stderr)
         return 130
     if args.task == "table":
-        print(_table(run, names, ev.errors, results, base, model_label(model)))
-    print(f"results in {out}", file=sys.stderr)
+        markdown = _table(run, names, ev.errors, results, base, model_label(model))  # writes table.md/csv/json and the plot
+    else:
+        markdown = task_summary(names, ev.errors, results, base, dtype_name)
+    if args.json:
+        print_json(_json_safe({"task": args.task, "model": args.model, "dtype": dtype_name, "device": args.device,
+                               "pipelines": names, "folder": str(out), "errors": dict(ev.errors), "results": results}))
+        print(f"results in {out}", file=sys.stderr)
+    else:
+        print(markdown.rstrip("\n"))
+        print(f"\nresults in {out}")
     return 0
+
+
+def task_summary(pipelines: list[str], errors: dict[str, str], results: dict[str, dict[str, Any]], base: str | None = None,
+                 dtype: str | None = None) -> str:
+    """The per-pipeline results of one task as a Markdown table (the columns ``eval table`` gives that task),
+    with the needle protocol under a needle table."""
+    rows = table_rows(pipelines, errors, results, dtype)
+    markdown, _ = render_table(rows, results.get("qa", {}).get("datasets", []), base)
+    note = ratio_note(rows) + needle_note(results.get("needle"))
+    return markdown + ("\n" + note if note else "")
+
+
+def _json_safe(data: Any) -> Any:
+    """``data`` with NaN and infinities as null (JSON has neither), tuples as lists."""
+    if isinstance(data, float):
+        return data if math.isfinite(data) else None
+    if isinstance(data, dict):
+        return {str(k): _json_safe(v) for k, v in data.items()}
+    if isinstance(data, (list, tuple)):
+        return [_json_safe(v) for v in data]
+    return data
 
 
 def report(path: Path, ablations: str | None = None) -> dict[str, dict[str, Any]]:
@@ -241,13 +293,16 @@ def _add_common(p: argparse.ArgumentParser, table: bool) -> None:
     p.add_argument("--registry", help="a registry.toml of your own, read on top of the built-in one")
     p.add_argument("--model", default="default", help="'default', a local HF folder, a .gguf file, or a hub id")
     p.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N")
-    p.add_argument("--dtype", default="bfloat16", choices=["auto", "float32", "bfloat16", "float16"],
-                   help="compute dtype (the exact window is stored in it); bfloat16 on a CPU runs its GEMMs in fp32")
+    p.add_argument("--dtype", default="auto", choices=DTYPES,
+                   help="compute dtype; auto is float32 on cpu, bfloat16 on cuda, as in generate (the exact window is "
+                        "stored in it, so float32 lowers the reduction against 16 bits; bfloat16 on a CPU runs its GEMMs in fp32)")
     p.add_argument("--seed", type=int, default=0, help="seeds needles, QA sampling and every component's randomness")
     p.add_argument("--max-new-tokens", type=int, default=24, help="answer length for needle and QA")
     p.add_argument("--no-chat", dest="chat", action="store_false", help="do not wrap prompts in the chat template")
     p.add_argument("--out", help="results folder (default results/eval/<task>-<model>-<device>); rerun to resume")
     p.add_argument("--fresh", action="store_true", help="discard what the results folder holds and start over")
+    p.add_argument("--json", action="store_true",
+                   help="print the results as one JSON object on stdout at the end (instead of the table; progress stays on stderr)")
 
 
 def _add_task_options(p: argparse.ArgumentParser, task: str) -> None:
