@@ -203,9 +203,8 @@ class Registry:
     def _build_slot(where: str, name: str, slot: str, group: str, table: Any, catalog: Any) -> SlotConfig:
         """Build the component of one slot table (``use`` + parameters)."""
         if table is None or "use" not in table:
-            header = slot if "." not in slot else slot  # keys.quantizer -> [pipelines.NAME.keys.quantizer]
             raise RegistryError(
-                f"{where}: slot '{slot}' has no component; add [pipelines.{name}.{header}] with use = one of: "
+                f"{where}: slot '{slot}' has no component; add [pipelines.{name}.{slot}] with use = one of: "
                 f"{', '.join(sorted(catalog.components[group]))}"
             )
         use = table["use"]

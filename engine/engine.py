@@ -60,8 +60,6 @@ class CompressionEngine:
         self.residual_quantizers: dict[str, Quantizer] = {
             kind: pipeline.component_for("residual_quantizer", kind) for kind in KINDS  # type: ignore[misc]
         }
-        self.quantizer: Quantizer = pipeline.component("quantizer")  # type: ignore[assignment]  # the shared slot
-        self.residual_quantizer: Quantizer = pipeline.component("residual_quantizer")  # type: ignore[assignment]
         for slot in pipeline.slots:
             pipeline.component(slot).check_model(shape)
         self.groups = self.basis.layer_groups(shape)
@@ -163,7 +161,7 @@ class CompressionEngine:
         if self.reads_in_place(keys.shape[-2]) or not materialize:  # the kernel reads the packed tokens itself
             full = (window.exact["keys"], window.exact["values"])
         else:
-            full = tuple(self._full(layer, kind) for kind in KINDS)
+            full = tuple(self.materialize(layer, kind) for kind in KINDS)
         if self.own_attention:
             self.returned_keys[layer] = full[0]  # lets the attention call tell it belongs to this cache
         group_index, member = self.group_of[layer]
@@ -191,11 +189,6 @@ class CompressionEngine:
             self.pending.discard(group_index)
             self._flush(group_index)
 
-    def materialize(self, layer: int, kind: str) -> torch.Tensor:
-        """``layer``'s ``kind`` ("keys"/"values") as the reference path attends over: the packed tokens
-        reconstructed, then the exact window, [B, H, T_stored, D] in the model's dtype."""
-        return self._full(layer, kind)
-
     def replace_router(self, router: Router) -> Router:
         """Route with ``router`` from the next flush on (same levels; training swaps in routers that record
         what they see); returns the router it replaced."""
@@ -204,7 +197,9 @@ class CompressionEngine:
         previous, self.router = self.router, router
         return previous
 
-    def _full(self, layer: int, kind: str) -> torch.Tensor:
+    def materialize(self, layer: int, kind: str) -> torch.Tensor:
+        """``layer``'s ``kind`` ("keys"/"values") as the reference path attends over: the packed tokens
+        reconstructed, then the exact window, [B, H, T_stored, D] in the model's dtype."""
         exact = self.windows[layer].exact[kind]
         if self.windows[layer].compressed_tokens == 0:
             return exact  # type: ignore[return-value]
@@ -249,16 +244,19 @@ class CompressionEngine:
     def _check_finite(self, members: tuple[int, ...], count: int) -> None:
         """Refuse a block holding NaN or infinite keys or values (one host sync per flushed block, not per
         step): quantizing them would corrupt whole scale groups silently."""
-        for layer in members:
-            for kind in KINDS:
-                block = self.windows[layer].exact[kind][..., :count, :]
-                if not bool(torch.isfinite(block).all()):
-                    bad = (~torch.isfinite(block)).nonzero()[0].tolist()
-                    raise CacheStateError(
-                        f"pipeline '{self.pipeline.name}': layer {layer} sent non-finite {kind} (first at batch row {bad[0]}, "
-                        f"KV head {bad[1]}, token {self.windows[layer].passed_tokens + bad[2]}); the model's forward "
-                        "produced NaN or infinity, which a compressing cache cannot store"
-                    )
+        blocks = [self.windows[layer].exact[kind][..., :count, :] for layer in members for kind in KINDS]
+        if bool(torch.stack([torch.isfinite(block).all() for block in blocks]).all()):
+            return
+        for index, block in enumerate(blocks):  # the first offender, named
+            bad = (~torch.isfinite(block)).nonzero()
+            if bad.numel():
+                layer, kind = members[index // len(KINDS)], KINDS[index % len(KINDS)]
+                row, head, token = bad[0, :3].tolist()
+                raise CacheStateError(
+                    f"pipeline '{self.pipeline.name}': layer {layer} sent non-finite {kind} (first at batch row {row}, "
+                    f"KV head {head}, token {self.windows[layer].passed_tokens + token}); the model's forward "
+                    "produced NaN or infinity, which a compressing cache cannot store"
+                )
 
     def _attention_stats(self, members: tuple[int, ...], count: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Attention mass and spike [G, B, H, count] of the observed queries on the block's tokens."""
@@ -274,7 +272,7 @@ class CompressionEngine:
             return torch.stack([s[0] for s in stats]), torch.stack([s[1] for s in stats])
         stats = [
             self.observer.attention_stats(
-                layer, self._full(layer, "keys"), count, self.windows[layer].compressed_tokens,
+                layer, self.materialize(layer, "keys"), count, self.windows[layer].compressed_tokens,
                 self.eviction.key_valid(layer) if self.evicts else None,
             )
             for layer in members
