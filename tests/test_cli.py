@@ -212,6 +212,8 @@ def test_a_long_prompt_shows_a_prefill_bar_and_generates_the_same_tokens(capsys,
     assert f"prefill {shown['stats']['prompt_tokens']:,} tokens" in err and "2/2" in err  # one step per layer of the 2-layer model
     assert shown["text"] == quiet["text"] and shown["stats"]["stored_bytes"] == quiet["stats"]["stored_bytes"]
     assert shown["stats"]["cached_tokens"] == quiet["stats"]["cached_tokens"]
+    terms = shown["stats"]["breakdown_terms"]  # every part of the breakdown is explained in the JSON too
+    assert set(terms) == set(shown["stats"]["breakdown"]) and all(terms.values())
 
 
 def test_prefill_progress_falls_back_to_a_notice_and_changes_no_token(capsys, monkeypatch):

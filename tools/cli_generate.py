@@ -92,7 +92,10 @@ def cmd_generate(args: argparse.Namespace) -> int:
     new_tokens, stats = generate(model, inputs, cache, **options)
     completion = tokenizer.decode(new_tokens[0], skip_special_tokens=True)
     if args.json:
-        print_json({"model": args.model, "text": completion, "stats": stats.to_dict()})
+        data = stats.to_dict()
+        breakdown = data.get("breakdown") or {}
+        data["breakdown_terms"] = {part: BREAKDOWN_TERMS[part] for part in breakdown if part in BREAKDOWN_TERMS}
+        print_json({"model": args.model, "text": completion, "stats": data})
         return 0
     print(completion.strip())
     print()
