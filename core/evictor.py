@@ -14,9 +14,9 @@ from abc import abstractmethod
 from typing import ClassVar
 
 import attrs
-import torch
 
 from kvweave.core.interfaces import Component
+from kvweave.core.lazy import torch
 
 
 @attrs.frozen

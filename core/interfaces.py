@@ -18,9 +18,9 @@ from abc import ABC, abstractmethod
 from typing import TYPE_CHECKING, Any, ClassVar, Protocol
 
 import attrs
-import torch
 
 from kvweave.core.errors import ModelError
+from kvweave.core.lazy import torch
 
 if TYPE_CHECKING:
     from kvweave.core.view import LayerView

@@ -13,7 +13,7 @@ functions here are built from those:
 
 from __future__ import annotations
 
-import torch
+from kvweave.core.lazy import torch
 
 
 def cholesky_qr(a: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -38,8 +38,8 @@ HOOK_FOR_GROUP: dict[str, str] = {
 
 
 def __getattr__(name: str) -> Any:
-    # ``plugins.GROUP_INTERFACES`` (the interface class of each group) stays available, imported lazily:
-    # the interfaces module imports torch.
+    # ``plugins.GROUP_INTERFACES`` (the interface class of each group) stays available, imported when first
+    # asked for, as the catalog imports the interfaces when it is first collected.
     if name == "GROUP_INTERFACES":
         from kvweave.core.groups import GROUP_INTERFACES
 

@@ -7,11 +7,20 @@ stored tensor, metadata (scales, indices) included.
 
 from __future__ import annotations
 
-from typing import Callable, Iterable
+from typing import TYPE_CHECKING, Any, Callable, Iterable
 
-import torch
+from kvweave.core.lazy import torch
 
-TensorMap = dict[str, torch.Tensor]
+if TYPE_CHECKING:
+    TensorMap = dict[str, torch.Tensor]
+
+
+def __getattr__(name: str) -> Any:
+    # ``TensorMap`` names ``torch.Tensor``, so it is made when first imported (importing this module does
+    # not import torch)
+    if name == "TensorMap":
+        return dict[str, torch.Tensor]
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 def tensor_bytes(tensors: Iterable[torch.Tensor]) -> int:

@@ -19,9 +19,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any, Protocol, runtime_checkable
 
-import torch
-
 from kvweave.core.interfaces import RouteBlock
+from kvweave.core.lazy import torch
 
 #: the members of :class:`TrainableRouter`, in the order its docs list them
 TRAINABLE_MEMBERS = ("feature_names", "features", "initial_weights")

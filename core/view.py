@@ -15,7 +15,8 @@ from types import MappingProxyType
 from typing import Any, Mapping
 
 import attrs
-import torch
+
+from kvweave.core.lazy import torch
 
 
 def frozen_map(fields: Mapping[str, Any] | None) -> Mapping[str, Any]:

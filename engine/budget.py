@@ -9,6 +9,7 @@ is built, with the largest reduction the components can reach.
 
 from __future__ import annotations
 
+import warnings
 from typing import TYPE_CHECKING
 
 import attrs
@@ -21,6 +22,11 @@ from kvweave.core.storage import tensor_bytes
 
 if TYPE_CHECKING:
     from kvweave.engine.engine import CompressionEngine
+
+
+class BudgetWarning(UserWarning):
+    """A cache holds more than its router's ``target_reduction`` allows (the exact window or the
+    coefficients alone exceed it): emitted once per cache, naming the parts."""
 
 
 @attrs.frozen
@@ -64,16 +70,38 @@ class BudgetPlan:
         self, engine: CompressionEngine, group_index: int, kind: str, block_tokens: int, dropped_tokens: int = 0
     ) -> float | None:
         """Bytes the residuals of the block now being encoded may take (its coefficients already stored).
-        ``dropped_tokens``: tokens of the flush a router evicted; the budget counts stored tokens only."""
+        ``dropped_tokens``: tokens of the flush a router evicted; the budget counts stored tokens only.
+
+        By default keys and values each keep to their half of the target. A router with ``pools_budget``
+        (e.g. one that gives tiers to keys only) has one budget for both: the keys block, routed first,
+        may take what the values' coefficients of the same block leave."""
         if self.target is None:
             return None
         shape = engine.shape
         members = engine.groups[group_index]
-        store = engine.stores[group_index][kind]
         first = engine.windows[members[0]]
         batch = first.exact[kind].shape[0]
         tokens = first.compressed_tokens + first.exact_tokens - dropped_tokens
-        target_bytes = batch * tokens * len(members) * shape.num_kv_heads * shape.head_dim * 2 / self.target * store.share
+        vectors = batch * tokens * len(members) * shape.num_kv_heads
+        if not getattr(engine.router, "pools_budget", False):
+            target_bytes = vectors * shape.head_dim * 2 / self.target * engine.stores[group_index][kind].share
+            return max(0.0, target_bytes - self._held(engine, group_index, kind, block_tokens, dropped_tokens))
+        target_bytes = sum(vectors * shape.head_dim * 2 / self.target * engine.stores[group_index][k].share for k in KINDS)
+        held = sum(self._held(engine, group_index, k, block_tokens, dropped_tokens) for k in KINDS)
+        if kind == KINDS[0]:  # the values of this block are encoded next: their coefficients are spoken for
+            kept = block_tokens - dropped_tokens
+            rows = engine.basis.coefficient_rows(len(members))
+            per_vector = engine.quantizers[KINDS[1]].bytes_per_vector(engine.basis.coefficient_width(shape), first.exact[kind].dtype)
+            held += batch * shape.num_kv_heads * kept * rows * per_vector
+        return max(0.0, target_bytes - held)
+
+    @staticmethod
+    def _held(engine: CompressionEngine, group_index: int, kind: str, block_tokens: int, dropped_tokens: int) -> float:
+        """The bytes ``kind`` of a group holds now, the exact tokens of the block being encoded left out."""
+        shape = engine.shape
+        members = engine.groups[group_index]
+        store = engine.stores[group_index][kind]
+        batch = engine.windows[members[0]].exact[kind].shape[0]
         held = store.coefficients.nbytes() + tensor_bytes((store.state or {}).values())
         for layer in members:
             window = engine.windows[layer]
@@ -91,4 +119,29 @@ class BudgetPlan:
             queries = engine.observer.queries(layer)
             if queries is not None:  # recent queries, split between keys and values
                 held += queries.numel() * queries.element_size() / 2
-        return max(0.0, target_bytes - held)
+        return held
+
+    def check_met(self, engine: CompressionEngine, warned: list[bool]) -> None:
+        """After a forward's flushes: warn once (``warned`` holds the flag) when the cache holds more than the
+        target allows with nothing left to take from residuals, e.g. a float32 model's exact window."""
+        if self.target is None or warned[0] or engine.batch_size() <= 0:
+            return
+        tokens = engine.seq_length(0)
+        allowed = engine.batch_size() * tokens * engine.shape.kv_bytes_per_token_16bit / self.target
+        breakdown = engine.memory_breakdown()
+        stored = sum(breakdown.values())
+        if stored <= allowed * 1.01:
+            return
+        warned[0] = True
+        dtype = engine.windows[0].exact["keys"].dtype
+        parts = ", ".join(f"{part} {size:,}" for part, size in breakdown.items() if size)
+        remedy = "a shorter recent_window, a lower target_reduction or a longer context"
+        if dtype.itemsize > 2:
+            remedy = f"the exact window is held in the model's dtype ({str(dtype).removeprefix('torch.')}, twice a 16-bit cache's bytes): a 16-bit dtype, {remedy}"
+        warnings.warn(BudgetWarning(
+            f"pipeline '{engine.pipeline.name}': {tokens:,} tokens stored in {stored:,} bytes, "
+            f"{engine.batch_size() * tokens * engine.shape.kv_bytes_per_token_16bit / stored:.2f}x against a 16-bit cache where "
+            f"target_reduction asks {self.target:g}x ({parts}), with no budget left for residuals; {remedy} brings "
+            "the cache to its target"
+        ), stacklevel=2)
+

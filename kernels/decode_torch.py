@@ -11,8 +11,7 @@ coefficient rank, ``V`` basis versions, ``R`` residual basis rank, ``W`` exact t
 
 from __future__ import annotations
 
-import torch
-
+from kvweave.core.lazy import torch
 from kvweave.kernels.decode_view import DecodeView
 from kvweave.kernels.formats import dequantize_int4_group, dequantize_int8_block
 

@@ -15,7 +15,8 @@ from __future__ import annotations
 import math
 
 import attrs
-import torch
+
+from kvweave.core.lazy import torch
 
 TILE = 32  # tokens per kernel tile = per residual tile-index entry
 MAX_LEVELS = 3  # residual rank levels (> 0) the kernel takes
@@ -102,9 +103,11 @@ def resplit(segments: torch.Tensor, split: int) -> torch.Tensor:
 _PLACEHOLDERS: dict[tuple[torch.device, torch.dtype], torch.Tensor] = {}
 
 
-def placeholder(device: torch.device, dtype: torch.dtype = torch.int32) -> torch.Tensor:
-    """A one-element tensor of ``dtype`` on ``device``, made once: what a kernel argument points to when its
-    input is absent (a missing residual level, no gates), so decode steps launch no kernel to make one."""
+def placeholder(device: torch.device, dtype: torch.dtype | None = None) -> torch.Tensor:
+    """A one-element tensor of ``dtype`` (int32 when not given) on ``device``, made once: what a kernel
+    argument points to when its input is absent (a missing residual level, no gates), so decode steps launch
+    no kernel to make one."""
+    dtype = torch.int32 if dtype is None else dtype
     key = (torch.device(device), dtype)
     if key not in _PLACEHOLDERS:
         _PLACEHOLDERS[key] = torch.zeros(1, dtype=dtype, device=device)

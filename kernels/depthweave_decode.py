@@ -32,12 +32,15 @@ Modules: :mod:`~kvweave.kernels.decode_view` (the :class:`DecodeView` of a layer
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import torch
-
-from kvweave.kernels import decode_triton as jit
+from kvweave.core.lazy import lazy_module, torch
 from kvweave.kernels.decode_view import MAX_LEVELS, TILE, DecodeView, ResidualLevel, check_view, placeholder, resplit
+
+if TYPE_CHECKING:
+    from kvweave.kernels import decode_triton as jit
+else:  # the @triton.jit kernels, imported (with triton) when a kernel is first launched
+    jit = lazy_module("kvweave.kernels.decode_triton")
 
 LOG2E = 1.4426950408889634
 

@@ -17,7 +17,7 @@ the packed tensors is needed to unpack them.
 
 from __future__ import annotations
 
-import torch
+from kvweave.core.lazy import torch
 
 INT8_BLOCK = "int8-block.v1"
 INT4_GROUP = "int4-group.v1"
@@ -33,14 +33,18 @@ def int4_group_width(packed: torch.Tensor, scales: torch.Tensor) -> int:
     return 2 * packed.shape[-1] // scales.shape[-1]
 
 
-def dequantize_int8_block(codes: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-    """``int8-block.v1`` -> values [..., C] in ``dtype``: ``codes`` int8 [..., C], ``scales`` [..., C / block]."""
+def dequantize_int8_block(codes: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
+    """``int8-block.v1`` -> values [..., C] in ``dtype`` (float32 when not given): ``codes`` int8 [..., C],
+    ``scales`` [..., C / block]."""
+    dtype = torch.float32 if dtype is None else dtype
     grouped = codes.reshape(*scales.shape, -1).to(dtype) * scales.to(dtype).unsqueeze(-1)
     return grouped.reshape(codes.shape)
 
 
-def dequantize_int4_group(packed: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-    """``int4-group.v1`` -> values [..., C] in ``dtype``: ``packed`` uint8 [..., C / 2], ``scales`` [..., C / group]."""
+def dequantize_int4_group(packed: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
+    """``int4-group.v1`` -> values [..., C] in ``dtype`` (float32 when not given): ``packed`` uint8 [..., C / 2],
+    ``scales`` [..., C / group]."""
+    dtype = torch.float32 if dtype is None else dtype
     low = (packed & 0x0F).to(torch.int8) - 8
     high = (packed >> 4).to(torch.int8) - 8
     codes = torch.stack((low, high), dim=-1).reshape(*packed.shape[:-1], packed.shape[-1] * 2)

@@ -157,24 +157,29 @@ print("IMPORTED:" + ",".join(heavy), file=sys.stderr)
 sys.exit(code)
 """
 
-_NEED_OTHER_FILES = pytest.mark.xfail(
-    strict=True,
-    reason="core/interfaces.py, core/evictor.py and core/storage.py import torch at module level (core/registry.py "
-           "imports them through core/groups.py), and so do the plugin modules the catalog loads (plugins/*)",
-)
-
 
 @pytest.mark.parametrize("argv", [
     ["--help"],
     ["generate", "--help"],
-    pytest.param(["pipelines"], marks=_NEED_OTHER_FILES),
-    pytest.param(["resolve", "int4"], marks=_NEED_OTHER_FILES),
-    pytest.param(["components"], marks=_NEED_OTHER_FILES),
-    pytest.param(["plugins"], marks=_NEED_OTHER_FILES),
+    ["pipelines"],
+    ["resolve", "int4"],
+    ["components"],
+    ["plugins"],
 ])
 def test_listing_commands_do_not_import_torch(argv):
     done = subprocess.run([sys.executable, "-c", _NO_TORCH, *argv], capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr
+    assert "IMPORTED:\n" in done.stderr, done.stderr.splitlines()[-1]
+
+
+def test_resolving_the_fused_kernel_pipeline_imports_neither_torch_nor_triton():
+    # resolving builds every component (the fused kernel's module imports kvweave.kernels)
+    script = _NO_TORCH.replace('("torch", "transformers")', '("torch", "transformers", "triton")')
+    assert "triton" in script
+    done = subprocess.run([sys.executable, "-c", script, "resolve", "depthweave-kv", "--json"],
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    assert json.loads(done.stdout)["slots"]["kernel"]["use"] == "fused"
     assert "IMPORTED:\n" in done.stderr, done.stderr.splitlines()[-1]
 
 

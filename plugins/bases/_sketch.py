@@ -19,8 +19,7 @@ batch row's result depends only on that row's data.
 
 from __future__ import annotations
 
-import torch
-
+from kvweave.core.lazy import torch
 from kvweave.core.linalg import cholesky_qr
 
 

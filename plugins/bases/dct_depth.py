@@ -40,11 +40,11 @@ from __future__ import annotations
 import math
 
 import attrs
-import torch
 
 from kvweave.core import hookimpl
 from kvweave.core.errors import CacheStateError, ModelError
 from kvweave.core.interfaces import BasisBuilder, ModelShape
+from kvweave.core.lazy import torch
 from kvweave.core.params import choice, integer
 
 MODES = ("dct", "average")

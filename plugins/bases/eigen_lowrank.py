@@ -18,14 +18,14 @@ State (batch on dim 0): ``basis`` [B, H, rank, D] in ``basis_dtype`` (float16 by
 from __future__ import annotations
 
 import attrs
-import torch
 
 from kvweave.core import hookimpl
 from kvweave.core.errors import CacheStateError, ModelError
 from kvweave.core.interfaces import BasisBuilder, ModelShape
+from kvweave.core.lazy import DtypeTable, torch
 from kvweave.core.params import choice, integer
 
-DTYPES = {"float16": torch.float16, "float32": torch.float32}
+DTYPES = DtypeTable("float16", "float32")
 
 
 @attrs.frozen

@@ -7,10 +7,10 @@ layers, so each layer is its own group.
 from __future__ import annotations
 
 import attrs
-import torch
 
 from kvweave.core import hookimpl
 from kvweave.core.interfaces import BasisBuilder, ModelShape
+from kvweave.core.lazy import torch
 
 
 @attrs.frozen

@@ -27,11 +27,11 @@ Here:
 from __future__ import annotations
 
 import attrs
-import torch
 
 from kvweave.core import hookimpl
 from kvweave.core.errors import CacheStateError, ModelError
 from kvweave.core.interfaces import BasisBuilder, ModelShape
+from kvweave.core.lazy import torch
 from kvweave.core.params import integer, number
 
 

@@ -18,10 +18,10 @@ do not overlap: ``[0..w-1], [w..2w-1], ...`` (the last may be shorter). No store
 from __future__ import annotations
 
 import attrs
-import torch
 
 from kvweave.core import hookimpl
 from kvweave.core.interfaces import BasisBuilder, ModelShape
+from kvweave.core.lazy import torch
 from kvweave.core.params import choice, integer
 
 from ._sketch import consecutive_windows

@@ -59,11 +59,11 @@ from __future__ import annotations
 from typing import Any
 
 import attrs
-import torch
 
 from kvweave.core import hookimpl
 from kvweave.core.errors import CacheStateError, ModelError
 from kvweave.core.interfaces import BasisBuilder, ModelShape
+from kvweave.core.lazy import torch
 from kvweave.core.params import choice, integer, number
 
 from ._sketch import consecutive_windows, ema_subspace, randomized_top_right

@@ -11,10 +11,10 @@ import math
 from typing import Any
 
 import attrs
-import torch
 
 from kvweave.core.errors import BudgetError
 from kvweave.core.evictor import EvictionBlock
+from kvweave.core.lazy import torch
 
 
 def budget_field() -> Any:

@@ -12,10 +12,10 @@ recent window is the pipeline's exact window.
 from __future__ import annotations
 
 import attrs
-import torch
 
 from kvweave.core import hookimpl
 from kvweave.core.evictor import EvictionBlock, Evictor
+from kvweave.core.lazy import torch
 
 from ._budget import budget_field, check_budget_holds_window, check_one_budget, fraction_field, keep_top, totals
 

@@ -5,10 +5,10 @@ from __future__ import annotations
 from typing import ClassVar
 
 import attrs
-import torch
 
 from kvweave.core import hookimpl
 from kvweave.core.evictor import EvictionBlock, Evictor
+from kvweave.core.lazy import torch
 
 
 @attrs.frozen

@@ -12,11 +12,11 @@ chosen as in ``snapkv`` (pooled observation-window votes, per KV head, at prefil
 from __future__ import annotations
 
 import attrs
-import torch
 
 from kvweave.core import hookimpl
 from kvweave.core.evictor import EvictionBlock
 from kvweave.core.interfaces import ModelShape
+from kvweave.core.lazy import torch
 from kvweave.core.params import number
 
 from ._budget import totals

@@ -14,10 +14,10 @@ tokens generated one at a time are kept, as in the paper. Padding never receives
 from __future__ import annotations
 
 import attrs
-import torch
 
 from kvweave.core import hookimpl
 from kvweave.core.evictor import EvictionBlock, Evictor
+from kvweave.core.lazy import torch
 from kvweave.core.params import choice, integer
 
 from ._budget import budget_field, check_budget_holds_window, check_one_budget, fraction_field, keep_top, pool, totals

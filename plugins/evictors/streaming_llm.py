@@ -10,10 +10,10 @@ tokens are held after every step.
 from __future__ import annotations
 
 import attrs
-import torch
 
 from kvweave.core import hookimpl
 from kvweave.core.evictor import EvictionBlock, Evictor
+from kvweave.core.lazy import torch
 from kvweave.core.params import integer
 
 

@@ -26,11 +26,11 @@ from __future__ import annotations
 from typing import Any, ClassVar
 
 import attrs
-import torch
 
 from kvweave.core import hookimpl
 from kvweave.core.errors import CacheStateError, ComponentError, ModelError
 from kvweave.core.interfaces import KINDS, AttentionKernel, BasisBuilder, PipelineSlots
+from kvweave.core.lazy import torch
 from kvweave.core.params import choice, integer
 from kvweave.core.view import KindView, LayerView, ResidualLevelView
 from kvweave.kernels.decode_torch import torch_decode, torch_packed_logsumexp

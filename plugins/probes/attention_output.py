@@ -17,10 +17,10 @@ pipeline's total budget still holds.
 from __future__ import annotations
 
 import attrs
-import torch
 
 from kvweave.core import hookimpl
 from kvweave.core.interfaces import Probe
+from kvweave.core.lazy import torch
 from kvweave.core.params import integer, number
 
 

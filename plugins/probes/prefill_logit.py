@@ -26,10 +26,10 @@ from __future__ import annotations
 from typing import Any
 
 import attrs
-import torch
 
 from kvweave.core import hookimpl
 from kvweave.core.interfaces import Probe
+from kvweave.core.lazy import torch
 from kvweave.core.params import integer, number
 
 

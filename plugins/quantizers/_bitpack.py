@@ -17,9 +17,7 @@ from __future__ import annotations
 import functools
 import math
 
-import torch
-
-_FP16 = torch.float16
+from kvweave.core.lazy import torch
 
 
 def chunk_codes(bits: int) -> int:
@@ -79,9 +77,9 @@ def affine_range(low: torch.Tensor, high: torch.Tensor, bits: int) -> tuple[torc
     never below ``(high - zero) / levels`` and no code of the range needs clamping. A scale of zero (a
     constant range that float16 holds exactly) is kept: encode with :func:`safe_step`."""
     levels = (1 << bits) - 1
-    zero = _down(low.to(_FP16), low)
+    zero = _down(low.to(torch.float16), low)
     wanted = (high - zero.float()).clamp_min(0) / levels
-    scale = _up(wanted.to(_FP16), wanted)
+    scale = _up(wanted.to(torch.float16), wanted)
     return zero, scale
 
 
@@ -90,7 +88,7 @@ def midrise_scale(absmax: torch.Tensor, bits: int) -> torch.Tensor:
     (code ``0 .. 2**bits - 1``; for 2 bits: -1.5, -0.5, 0.5, 1.5 steps), rounded up so that the outermost
     level reaches ``absmax``: every ``|x| <= absmax`` is then within ``scale / 2`` of a level."""
     wanted = absmax.float() * 2 / ((1 << bits) - 1)
-    return _up(wanted.to(_FP16), wanted)
+    return _up(wanted.to(torch.float16), wanted)
 
 
 def safe_step(scale: torch.Tensor) -> torch.Tensor:

@@ -5,12 +5,13 @@ from __future__ import annotations
 
 import math
 
-import torch
+from kvweave.core.lazy import DtypeTable, torch
 
-SCALE_DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32}
+SCALE_DTYPES = DtypeTable("float16", "bfloat16", "float32")
 
 #: float16's largest finite value: the limit of the magnitudes a float16 zero point / stored value can hold
-FLOAT16_MAX = torch.finfo(torch.float16).max
+#: (``torch.finfo(torch.float16).max``, written out so that importing this module does not import torch)
+FLOAT16_MAX = 65504.0
 
 
 def absmax_limit(levels: int, scale_dtype: torch.dtype) -> tuple[float, str]:

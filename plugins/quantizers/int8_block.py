@@ -19,11 +19,11 @@ from __future__ import annotations
 from typing import ClassVar
 
 import attrs
-import torch
 
 from kvweave.core import hookimpl
 from kvweave.core.errors import ModelError
 from kvweave.core.interfaces import Quantizer
+from kvweave.core.lazy import torch
 from kvweave.core.params import choice, integer
 
 from ._scales import SCALE_DTYPES, absmax_scales

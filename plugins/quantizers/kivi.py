@@ -25,11 +25,11 @@ maximum near 65504, overflows that dtype.)
 from __future__ import annotations
 
 import attrs
-import torch
 
 from kvweave.core import hookimpl
 from kvweave.core.errors import ModelError
 from kvweave.core.interfaces import Quantizer
+from kvweave.core.lazy import torch
 from kvweave.core.params import choice, integer
 
 from ._bitpack import safe_step

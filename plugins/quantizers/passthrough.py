@@ -5,13 +5,13 @@ from __future__ import annotations
 from typing import ClassVar
 
 import attrs
-import torch
 
 from kvweave.core import hookimpl
 from kvweave.core.interfaces import Quantizer
+from kvweave.core.lazy import DtypeTable, torch
 from kvweave.core.params import choice
 
-_DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32}
+_DTYPES = DtypeTable("float16", "bfloat16", "float32")
 
 
 @attrs.frozen

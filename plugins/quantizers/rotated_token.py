@@ -60,11 +60,11 @@ import math
 from typing import ClassVar
 
 import attrs
-import torch
 
 from kvweave.core import hookimpl
 from kvweave.core.errors import ModelError
 from kvweave.core.interfaces import Quantizer
+from kvweave.core.lazy import torch
 from kvweave.core.params import choice, integer
 
 from ._bitpack import affine_range, chunk_codes, midrise_scale, nearest_level_codes, normal_levels, pack, safe_step, unpack

@@ -44,11 +44,11 @@ import math
 from typing import Any
 
 import attrs
-import torch
 
 from kvweave.core import hookimpl
 from kvweave.core.errors import ModelError
 from kvweave.core.interfaces import ModelShape, RouteBlock, Router
+from kvweave.core.lazy import torch
 from kvweave.core.params import choice, integer, number
 
 LOSSES = ("logit", "norm")

@@ -28,11 +28,11 @@ from pathlib import Path
 from typing import Any
 
 import attrs
-import torch
 
 from kvweave.core import hookimpl
 from kvweave.core.errors import ModelError
 from kvweave.core.interfaces import ModelShape, RouteBlock, Router
+from kvweave.core.lazy import torch
 from kvweave.core.params import choice, int_tuple, number
 
 FEATURES = ("mass", "spike", "boundary", "probe", "miss")

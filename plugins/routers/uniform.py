@@ -3,11 +3,11 @@
 from __future__ import annotations
 
 import attrs
-import torch
 
 from kvweave.core import hookimpl
 from kvweave.core.errors import ModelError
 from kvweave.core.interfaces import ModelShape, RouteBlock, Router
+from kvweave.core.lazy import torch
 from kvweave.core.params import integer
 
 
