@@ -8,12 +8,17 @@ Use it like any cache::
 
 Each model layer gets a :class:`KVWeaveLayer` that forwards to one shared
 :class:`~kvweave.engine.engine.CompressionEngine` (so layers of a basis group can be encoded together).
+
+Under tensor parallelism each rank's cache holds that rank's KV heads only (``shard``, see
+:mod:`kvweave.engine.sharding`): ``shape`` is the rank's share, ``model_shape`` the whole model, the byte
+counts are the rank's own, and :meth:`KVWeaveCache.gathered_memory` sums them over the ranks.
 """
 
 from __future__ import annotations
 
 from typing import Any
 
+import attrs
 import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
 
@@ -23,6 +28,7 @@ from kvweave.core.interfaces import ModelShape
 from kvweave.engine.observation import bind_model, set_active
 from kvweave.engine.rotary import RotaryInverse
 from kvweave.core.registry import ResolvedPipeline
+from kvweave.engine.sharding import HeadShard, check_shardable, gather_counts
 
 SUPPORTED_LAYER_TYPES = ("full_attention", "sliding_attention")
 
@@ -94,11 +100,28 @@ class KVWeaveLayer(CacheLayerMixin):
         return None
 
 
-class KVWeaveCache(Cache):
-    """A compressed KV cache assembled from a resolved pipeline, for one model."""
+@attrs.frozen
+class GatheredMemory:
+    """Stored bytes summed over the ranks that share a model's heads (one rank: its own), with each
+    rank's own bytes in rank order."""
 
-    def __init__(self, pipeline: ResolvedPipeline, config: Any) -> None:
-        self.shape = model_shape(config)
+    stored_bytes: int
+    full_16bit_bytes: int
+    breakdown: dict[str, int]
+    rank_bytes: tuple[int, ...]
+
+
+class KVWeaveCache(Cache):
+    """A compressed KV cache assembled from a resolved pipeline, for one model (or, with ``shard``, for
+    the KV heads one tensor-parallel rank of it computes)."""
+
+    def __init__(self, pipeline: ResolvedPipeline, config: Any, shard: HeadShard | None = None) -> None:
+        #: the whole model's attention shape; ``shape`` is what this cache stores (a rank's share of the heads)
+        self.model_shape = model_shape(config)
+        self.shard = shard
+        #: per slot, how its component works on a share of the heads ('head-local' or 'rank-budget')
+        self.sharding: dict[str, str] = check_shardable(pipeline, shard) if shard is not None else {}
+        self.shape = shard.local_shape(self.model_shape) if shard is not None else self.model_shape
         self.pipeline = pipeline
         self.engine = CompressionEngine(pipeline, self.shape)
         super().__init__(layers=[KVWeaveLayer(self.engine, i) for i in range(self.shape.num_layers)])
@@ -126,6 +149,18 @@ class KVWeaveCache(Cache):
         """What a 16-bit full cache would hold for the same tokens and batch."""
         batch = max(self.engine.batch_size(), 0)
         return batch * self.get_seq_length() * self.shape.kv_bytes_per_token_16bit
+
+    def gathered_memory(self) -> GatheredMemory:
+        """This cache's bytes summed over the ranks of its shard: one all-gather, so every rank must call it
+        (at stats time; nothing is communicated while decoding). Unsharded: this cache's own bytes."""
+        breakdown = self.memory_breakdown()
+        every = gather_counts([self.memory_bytes(), self.full_cache_bytes_16bit(), *breakdown.values()], self.shard)
+        return GatheredMemory(
+            stored_bytes=sum(rank[0] for rank in every),
+            full_16bit_bytes=sum(rank[1] for rank in every),
+            breakdown={part: sum(rank[2 + i] for rank in every) for i, part in enumerate(breakdown)},
+            rank_bytes=tuple(rank[0] for rank in every),
+        )
 
     def compression_ratio(self) -> float:
         stored = self.memory_bytes()

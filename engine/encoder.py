@@ -113,7 +113,7 @@ class BlockEncoder:
             budget_bytes=self.engine.budget.residual_budget(self.engine, group_index, kind, work.shape[-2], info.get("dropped", 0)),
             attention_mass=mass,
             attention_spike=spike,
-            boundary=self.engine.observer.boundaries(first, info.get("count", work.shape[-2])),
+            boundary=self.engine.observer.boundaries(first, info.get("count", work.shape[-2]), work.device),
             probe_error=store.probe_error,
             miss=miss,
             approx=approx,

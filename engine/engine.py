@@ -144,7 +144,9 @@ class CompressionEngine:
         if keys.shape[1] != self.shape.num_kv_heads or keys.shape[-1] != self.shape.head_dim:
             raise ModelError(
                 f"layer {layer} sent keys shaped {tuple(keys.shape)}; the cache was built for "
-                f"{self.shape.num_kv_heads} KV heads of dim {self.shape.head_dim}"
+                f"{self.shape.num_kv_heads} KV heads of dim {self.shape.head_dim}" + (
+                    "; the model computes a share of its heads per tensor-parallel rank: build the cache with "
+                    "build_cache(pipeline, model), which reads the model's sharding" if self.shape.num_kv_heads % keys.shape[1] == 0 else "")
             )
         if layer == 0:
             self.observer.start_forward(keys.shape[-2])

@@ -112,7 +112,7 @@ class Eviction:
             keys=work,
             attention_mass=mass,
             attention_spike=spike,
-            boundary=self.engine.observer.boundaries(first.passed_tokens, work.shape[-2] - stored),
+            boundary=self.engine.observer.boundaries(first.passed_tokens, work.shape[-2] - stored, work.device),
             valid=valid.transpose(0, 1),
             positions=real.transpose(0, 1),
             scores=scores,

@@ -55,6 +55,8 @@ class GenerationStats:
     #: bytes a full cache of the same tokens holds in the model's own compute dtype (4 bytes a value in float32)
     full_model_dtype_bytes: int = 0
     model_dtype: str = "bfloat16"
+    #: under tensor parallelism each rank's own stored bytes, in rank order (the sum is ``stored_bytes``); () otherwise
+    rank_bytes: tuple[int, ...] = ()
 
     @property
     def ratio(self) -> float:
@@ -212,18 +214,20 @@ def generate(
     end = time.perf_counter()
     new_tokens = output[:, prompt_tokens:]
     first = timer.first_token_at or end
+    memory = cache.gathered_memory()  # summed over tensor-parallel ranks: one all-gather, after decoding
     stats = GenerationStats(
         pipeline=cache.pipeline.name,
         batch_size=int(output.shape[0]),
         prompt_tokens=int(prompt_tokens),
         generated_tokens=int(new_tokens.shape[1]),
         cached_tokens=cache.get_seq_length(),
-        stored_bytes=cache.memory_bytes(),
-        full_16bit_bytes=cache.full_cache_bytes_16bit(),
+        stored_bytes=memory.stored_bytes,
+        full_16bit_bytes=memory.full_16bit_bytes,
         prefill_seconds=first - start,
         decode_seconds=end - first,
-        breakdown=cache.memory_breakdown(),
-        full_model_dtype_bytes=cache.full_cache_bytes_16bit() * _element_size(model) // 2,
+        breakdown=memory.breakdown,
+        full_model_dtype_bytes=memory.full_16bit_bytes * _element_size(model) // 2,
         model_dtype=str(getattr(model, "dtype", torch.bfloat16)).replace("torch.", ""),
+        rank_bytes=memory.rank_bytes if cache.shard is not None else (),
     )
     return new_tokens, stats

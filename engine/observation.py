@@ -9,6 +9,7 @@ bytes ("observation").
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import weakref
 from typing import Any
@@ -36,6 +37,14 @@ def _observing_attention(module, query, key, value, attention_mask, **kwargs):
     if engine is None or not engine.own_attention or not engine.owns(module.layer_idx, key):
         # another cache (or none) serves this forward: plain sdpa, nothing recorded
         return ALL_ATTENTION_FUNCTIONS["sdpa"](module, query, key, value, attention_mask, **kwargs)
+    # a layer placed on another GPU (device_map) launches the cache's kernels there, not on the current device
+    with torch.cuda.device(query.device) if query.is_cuda else contextlib.nullcontext():
+        return _engine_attention(engine, module, query, key, value, attention_mask, **kwargs)
+
+
+def _engine_attention(engine, module, query, key, value, attention_mask, **kwargs):
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
     scaling = kwargs.get("scaling") or getattr(module, "scaling", None)
     layer = module.layer_idx
     if engine.reads_in_place(query.shape[-2]):  # decode over the packed storage, read in place by the kernel
@@ -253,12 +262,13 @@ class Observer:
         probs = (logits[..., :block] - lse[..., None]).exp()
         return probs.sum(dim=-2), probs.amax(dim=-2)
 
-    def boundaries(self, first: int, block: int) -> torch.Tensor | None:
-        """Delimiter flags [B, block] of logical tokens ``first .. first+block``."""
+    def boundaries(self, first: int, block: int, device: torch.device | None = None) -> torch.Tensor | None:
+        """Delimiter flags [B, block] of logical tokens ``first .. first+block`` (on ``device``: the layers'
+        own when a model's layers sit on several devices)."""
         if self._flags is None:
             return None
         start = first - self._flag_start
-        return self._flags[:, start : start + block].float()
+        return self._flags[:, start : start + block].to(device=device, dtype=torch.float32)
 
     def forget_boundaries(self, upto: int) -> None:
         """Drop flags of tokens every layer has compressed."""

@@ -27,8 +27,11 @@ def _generator(seed: int, device: torch.device) -> torch.Generator:
 def fill_cache(
     cache: KVWeaveCache, batch: int, tokens: int, *, chunk: int = 2048, rank: int = 24, noise: float = 0.3,
     dtype: torch.dtype = torch.bfloat16, device: str | torch.device = "cpu", seed: int = 0, progress: Any = None,
+    layer_devices: Any = None,
 ) -> KVWeaveCache:
-    """Append ``tokens`` synthetic tokens for ``batch`` rows to every layer of ``cache`` (``chunk`` at a time)."""
+    """Append ``tokens`` synthetic tokens for ``batch`` rows to every layer of ``cache`` (``chunk`` at a time),
+    generated on ``device``; ``layer_devices`` (one per layer, for a model split over devices) places each
+    layer's tokens where that layer computes."""
     engine = cache.engine
     shape = engine.shape
     device = torch.device(device)
@@ -49,12 +52,13 @@ def fill_cache(
             for kind in ("keys", "values"):
                 x = torch.einsum("bhnr,hrd->bhnd", factors[kind], mixing[kind][layer])
                 x = x + noise * torch.randn(x.shape, generator=gen, device=device)
-                new.append(x.to(dtype))
+                new.append(x.to(dtype=dtype, device=layer_devices[layer] if layer_devices else device))
             engine.update(layer, new[0], new[1], materialize=False)
             if engine.own_attention:
                 if engine.observer.active:
                     queries = torch.randn(batch, shape.num_query_heads, min(n, engine.observer.keep), dim, generator=gen, device=device)
-                    engine.observer.record(layer, queries.to(dtype), dim**-0.5, keys_seen=engine.seq_length(layer))
+                    queries = queries.to(dtype=dtype, device=new[0].device)
+                    engine.observer.record(layer, queries, dim**-0.5, keys_seen=engine.seq_length(layer))
                 engine.returned_keys.pop(layer, None)
                 engine.after_attention(layer)
         done += n

@@ -26,3 +26,26 @@ def test_decode_e2e_smoke_grows_a_batch_from_filled_rows(tmp_path):
     assert 2.5 < rows[1]["cache_bytes"] / rows[0]["cache_bytes"] < 3.5
     assert all(r["median_step_ms"] > 0 for r in rows)
     assert "| depthweave-kv | 3 |" in (tmp_path / "decode_e2e.md").read_text()
+
+
+def test_tp_capacity_smoke_finds_a_larger_batch_for_a_smaller_cache(tmp_path, monkeypatch, capsys):
+    """benchmarks/tp_capacity.py's ``--smoke`` path in this process (one rank): the largest batch follows the
+    cache bytes per sequence, a refused pipeline is a row saying why, and ``table`` merges the rows."""
+    monkeypatch.syspath_prepend(str(ROOT / "benchmarks"))
+    import tp_capacity
+
+    out = tmp_path / "one"
+    monkeypatch.setattr(sys, "argv", ["tp_capacity.py", "tp", "--smoke", "--layers", "2", "--contexts", "192", "--methods",
+                                      "full,int4,minicache", "--steps", "3", "--probe-batch", "2", "--smoke-limit", "2000000",
+                                      "--out", str(out)])
+    tp_capacity.main()
+    rows = {r["method"]: r for r in map(json.loads, (out / "rows.jsonl").read_text().splitlines())}
+    full, int4 = rows["full"], rows["int4"]
+    assert full["seq_bytes_per_gpu"] == 2 * 2 * 2 * 192 * 128 * 2  # K and V, 2 layers, 2 KV heads, 192 tokens, d = 128, bf16
+    assert int4["seq_bytes_per_gpu"] < full["seq_bytes_per_gpu"] and int4["max_batch"] > full["max_batch"] >= 1
+    assert full["max_batch"] * full["seq_bytes_per_gpu"] <= 2_000_000 < (full["max_batch"] + 1) * full["seq_bytes_per_gpu"]
+    assert "refused" in rows["minicache"] and "minicache" in rows["minicache"]["refused"]
+    capsys.readouterr()
+    monkeypatch.setattr(sys, "argv", ["tp_capacity.py", "table", str(out)])
+    tp_capacity.main()
+    assert "| smoke | tp | 1 | 192 | int4 |" in capsys.readouterr().out

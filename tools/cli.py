@@ -20,6 +20,7 @@ from typing import Any, Sequence
 from kvweave.core.errors import KvweaveError
 from kvweave.tools.cli_generate import BREAKDOWN_TERMS, cmd_generate  # noqa: F401  (BREAKDOWN_TERMS: public)
 from kvweave.tools.cli_io import print_json, read_text_file
+from kvweave.tools.distributed import add_tp_option, silence_other_ranks
 
 #: commands whose module imports torch: imported only when given; their help line for ``kvweave --help``
 LAZY_COMMANDS: dict[str, tuple[str, str, str]] = {
@@ -259,6 +260,7 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
     p.add_argument("--top-p", type=float, default=0.9, help="with --sample: in (0, 1]")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", action="store_true")
+    add_tp_option(p)
     p.set_defaults(func=cmd_generate_with_progress)
 
     for name, (module, function, help_text) in LAZY_COMMANDS.items():
@@ -295,6 +297,7 @@ _python_show_warning = warnings.showwarning
 
 def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
+    silence_other_ranks(argv)  # under torchrun with --tp N only rank 0 prints
     previous = warnings.showwarning
     warnings.showwarning = _show_warning
     try:

@@ -72,11 +72,26 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
     from kvweave.engine.generation import generate
     from kvweave.engine.pipeline import build_cache
-    from kvweave.tools.models import context_limit, load_model
+    from kvweave.tools.distributed import TensorParallel
+    from kvweave.tools.models import check_device
 
     dtype = None if args.dtype == "auto" else getattr(torch, args.dtype)
-    model, tokenizer = load_model(args.model, device=args.device, dtype=dtype)
-    cache = build_cache(pipeline, model, tokenizer=tokenizer)
+    check_device(args.device)
+    tp = TensorParallel.start(getattr(args, "tp", 1), args.device)
+    try:
+        model, tokenizer = tp.load_model(args.model, device=args.device, dtype=dtype)
+        cache = build_cache(pipeline, model, tokenizer=tokenizer)
+        return _generate(args, prompt, model, tokenizer, cache, generate, tp.main)
+    finally:
+        tp.finish()
+
+
+def _generate(args: argparse.Namespace, prompt: str, model: Any, tokenizer: Any, cache: Any, generate: Any, main: bool) -> int:
+    """Generate from ``prompt`` with ``cache`` and print the text and stats (only where ``main``: rank 0)."""
+    import torch
+
+    from kvweave.tools.models import context_limit
+
     if args.chat and getattr(tokenizer, "chat_template", None):
         text = tokenizer.apply_chat_template([{"role": "user", "content": prompt}], tokenize=False, add_generation_prompt=True)
     else:
@@ -91,6 +106,8 @@ def cmd_generate(args: argparse.Namespace) -> int:
         options.update(do_sample=False, temperature=None, top_p=None, top_k=None)
     new_tokens, stats = generate(model, inputs, cache, **options)
     completion = tokenizer.decode(new_tokens[0], skip_special_tokens=True)
+    if not main:
+        return 0
     if args.json:
         data = stats.to_dict()
         breakdown = data.get("breakdown") or {}
@@ -103,6 +120,9 @@ def cmd_generate(args: argparse.Namespace) -> int:
     print(f"prompt tokens        {stats.prompt_tokens}")
     print(f"generated tokens     {stats.generated_tokens}")
     print(f"stored KV bytes      {stats.stored_bytes:,}  ({', '.join(f'{k} {v:,}' for k, v in stats.breakdown.items() if v)})")
+    if stats.rank_bytes:
+        print(f"  per rank           {', '.join(f'{b:,}' for b in stats.rank_bytes)}  ({len(stats.rank_bytes)} tensor-parallel ranks, "
+              "each holding its share of the KV heads)")
     print(f"16-bit full cache    {stats.full_16bit_bytes:,}  ({stats.cached_tokens} tokens)")
     ratio = f"{stats.ratio:.2f}x vs a 16-bit cache"
     if stats.model_dtype not in ("bfloat16", "float16"):

@@ -38,6 +38,7 @@ import torch
 
 from kvweave.core.registry import Registry, load_registry
 from kvweave.tools.cli_io import print_json
+from kvweave.tools.distributed import add_tp_option
 from kvweave.tools.eval_context import Evaluation, model_label
 from kvweave.tools.eval_fidelity import fidelity_result, run_fidelity
 from kvweave.tools.eval_folder import EvalError, RunFolder
@@ -117,8 +118,8 @@ def command_line(argv: list[str] | None) -> str:
 
 
 def cmd_eval(args: argparse.Namespace) -> int:
-    from kvweave.tools.eval_checks import check_model_context, check_settings
-    from kvweave.tools.models import check_device, context_limit, emulate_bf16_gemm, load_model
+    from kvweave.tools.eval_checks import check_settings
+    from kvweave.tools.models import check_device
 
     registry = load_registry(args.registry)
     tasks = [args.task] if args.task != "table" else _names(args.tasks)
@@ -140,6 +141,12 @@ def cmd_eval(args: argparse.Namespace) -> int:
                                 "max_new_tokens": args.max_new_tokens, "chat": args.chat, "registry": args.registry}
     for task in tasks:
         settings[task] = _task_settings(args, task)
+    if args.tp != 1:  # heads sharded over ranks: routing under a budget may differ from one process, so a run of its own
+        settings["tp"] = args.tp
+        if "fidelity" in tasks:
+            raise EvalError(f"--tp {args.tp}: the fidelity task measures attention outputs inside one process's cache, and under "
+                            "tensor parallelism each rank holds only its share of the heads; run fidelity without --tp "
+                            "(or leave it out of --tasks)")
     check_settings(settings, tasks)  # everything checkable without the model, before the folder is touched
     check_device(args.device)
     label = args.task if base is None else f"{args.task}-ablations-{base}"
@@ -152,21 +159,43 @@ def cmd_eval(args: argparse.Namespace) -> int:
             raise EvalError(f"{exc}. --dtype auto (the default) is {dtype_name} on {args.device}; to resume a run of "
                             "another dtype pass its --dtype") from exc
         raise
+    from kvweave.tools.distributed import TensorParallel
+
+    tp = TensorParallel.start(args.tp, args.device)
+    try:
+        return _evaluate(args, tp, registry, names, tasks, settings, out, command, dtype_name, base)
+    finally:
+        tp.finish()
+
+
+def _evaluate(args: argparse.Namespace, tp: Any, registry: Registry, names: list[str], tasks: list[str], settings: dict[str, Any],
+              out: Path, command: str, dtype_name: str, base: str | None) -> int:
+    """Load the model (its heads sharded over the ranks of ``tp``), run the tasks, print the results (rank 0)."""
+    from kvweave.tools.eval_checks import check_model_context
+    from kvweave.tools.models import context_limit, emulate_bf16_gemm
+
     torch.manual_seed(args.seed)
-    model, tokenizer = load_model(args.model, device=args.device, dtype=getattr(torch, dtype_name), progress=True)
+    model, tokenizer = tp.load_model(args.model, device=args.device, dtype=getattr(torch, dtype_name), progress=True)
     model._kvweave_label = _model_label_for(args.model)
     check_model_context(settings, tasks, context_limit(model))  # lengths against the model's context, still before writing
-    run = RunFolder(out, settings, names, command, args.device, fresh=args.fresh)
+    if tp.main:
+        run = RunFolder(out, settings, names, command, args.device, fresh=args.fresh)
+    folder = tp.results_folder(out)  # the other ranks resume the same cells from a private copy of rank 0's folder
+    if not tp.main:
+        run = RunFolder(folder, settings, names, command, args.device)
     done = len(run.cells)
     print(f"kvweave eval {args.task}: {len(names)} pipelines -> {out}" + (f" (resuming: {done} cells done)" if done else ""), file=sys.stderr)
-    if model.dtype == torch.bfloat16 and args.device == "cpu":
+    if model.dtype == torch.bfloat16 and args.device == "cpu" and tp.size == 1:
         emulate_bf16_gemm(model)  # same products, fp32 accumulation as a bf16 GEMM: ~50x faster on AVX2 CPUs
-    ev = Evaluation(model, tokenizer, registry, names, run, seed=args.seed, max_new_tokens=args.max_new_tokens, chat=args.chat)
+    ev = Evaluation(model, tokenizer, registry, names, run, seed=args.seed, max_new_tokens=args.max_new_tokens, chat=args.chat,
+                    progress=tp.main)
     try:
         results = run_tasks(ev, args, tasks)
     except KeyboardInterrupt:
         print(f"\ninterrupted: {len(run.cells)} cells are saved in {out}; run the same command to resume", file=sys.stderr)
         return 130
+    if not tp.main:
+        return 0
     if args.task == "table":
         markdown = _table(run, names, ev.errors, results, base, model_label(model))  # writes table.md/csv/json and the plot
     else:
@@ -303,6 +332,7 @@ def _add_common(p: argparse.ArgumentParser, table: bool) -> None:
     p.add_argument("--fresh", action="store_true", help="discard what the results folder holds and start over")
     p.add_argument("--json", action="store_true",
                    help="print the results as one JSON object on stdout at the end (instead of the table; progress stays on stderr)")
+    add_tp_option(p)
 
 
 def _add_task_options(p: argparse.ArgumentParser, task: str) -> None:

@@ -82,6 +82,8 @@ class SalienceRouter(Router):
 
     #: one byte budget for keys and values together (tiers usually go to keys only; engine/budget.py)
     pools_budget: ClassVar[bool] = True
+    #: under tensor parallelism each rank tiers its own heads' tokens within its share of the budget
+    head_sharding: ClassVar[str] = "rank-budget"
 
     levels_: tuple[int, ...] = attrs.field(
         default=(0, 64), converter=int_tuple, validator=_levels, alias="levels",
