@@ -121,18 +121,17 @@ class BudgetPlan:
                 held += queries.numel() * queries.element_size() / 2
         return held
 
-    def check_met(self, engine: CompressionEngine, warned: list[bool]) -> None:
-        """After a forward's flushes: warn once (``warned`` holds the flag) when the cache holds more than the
-        target allows with nothing left to take from residuals, e.g. a float32 model's exact window."""
-        if self.target is None or warned[0] or engine.batch_size() <= 0:
-            return
+    def check_met(self, engine: CompressionEngine) -> bool:
+        """After a forward's flushes: warn when the cache holds more than the target allows with nothing
+        left to take from residuals, e.g. a float32 model's exact window; whether it warned."""
+        if self.target is None or engine.batch_size() <= 0:
+            return False
         tokens = engine.seq_length(0)
         allowed = engine.batch_size() * tokens * engine.shape.kv_bytes_per_token_16bit / self.target
         breakdown = engine.memory_breakdown()
         stored = sum(breakdown.values())
         if stored <= allowed * 1.01:
-            return
-        warned[0] = True
+            return False
         dtype = engine.windows[0].exact["keys"].dtype
         parts = ", ".join(f"{part} {size:,}" for part, size in breakdown.items() if size)
         remedy = "a shorter recent_window, a lower target_reduction or a longer context"
@@ -144,4 +143,5 @@ class BudgetPlan:
             f"target_reduction asks {self.target:g}x ({parts}), with no budget left for residuals; {remedy} brings "
             "the cache to its target"
         ), stacklevel=2)
+        return True
 

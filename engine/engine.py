@@ -115,7 +115,7 @@ class CompressionEngine:
         self.padding: torch.Tensor | None = None  # bool [B, T]: False for padding (from the attention mask)
         self.forward_tokens = 0  # tokens of the forward pass in progress
         self._flush_info: dict | None = None  # the flush in progress, when it evicts
-        self._budget_warned = [False]  # BudgetPlan.check_met warns once per cache
+        self._budget_warned = False  # BudgetPlan.check_met warns once per cache
         self.kernel.check_engine(self)
 
     def _index_groups(self) -> dict[int, tuple[int, int]]:
@@ -243,7 +243,7 @@ class CompressionEngine:
             self.observer.forget_queries(members)  # eviction uses only the queries of the forward that flushes
         if group_index == len(self.groups) - 1:
             self.encoder.apply_probe_shares()
-            self.budget.check_met(self, self._budget_warned)
+            self._budget_warned = self._budget_warned or self.budget.check_met(self)
 
     def _check_finite(self, members: tuple[int, ...], count: int) -> None:
         """Refuse a block holding NaN or infinite keys or values (one host sync per flushed block, not per
@@ -384,6 +384,6 @@ class CompressionEngine:
         self.returned_keys = {}
         self.padding = None
         self._flush_info = None
-        self._budget_warned = [False]
+        self._budget_warned = False
         self.kernel_state = {}
         self.observer.reset()
