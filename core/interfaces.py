@@ -51,11 +51,30 @@ class ModelShape:
     num_kv_heads: int
     head_dim: int
     model_type: str = "unknown"
+    #: per layer, the sliding window of a sliding-window attention layer (it sees its last ``w`` tokens), 0 for
+    #: a full-attention layer; empty: every layer attends over all tokens
+    layer_windows: tuple[int, ...] = ()
 
     @property
     def kv_bytes_per_token_16bit(self) -> int:
         """Bytes a 16-bit full cache holds per token, keys and values of every layer and head."""
         return 2 * self.num_layers * self.num_kv_heads * self.head_dim * 2
+
+    @property
+    def sliding_layers(self) -> dict[int, int]:
+        """``{layer: window}`` of the sliding-window layers (the cache keeps their last ``window - 1``
+        tokens exactly, as the model's own cache does, and compresses the other layers)."""
+        return {layer: window for layer, window in enumerate(self.layer_windows) if window}
+
+    def own_cache_tokens(self, tokens: int) -> int:
+        """Token-layers the model's own cache holds after ``tokens`` tokens: all of them in a full-attention
+        layer, the last ``window - 1`` in a sliding-window one (transformers' ``DynamicSlidingWindowLayer``)."""
+        sliding = self.sliding_layers
+        return sum(min(tokens, sliding[layer] - 1) if layer in sliding else tokens for layer in range(self.num_layers))
+
+    def own_cache_bytes_16bit(self, tokens: int, batch: int) -> int:
+        """Bytes the model's own cache holds in 16 bits after ``tokens`` tokens of ``batch`` rows."""
+        return batch * self.own_cache_tokens(tokens) * 2 * self.num_kv_heads * self.head_dim * 2
 
 
 class Component(ABC):

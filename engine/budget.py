@@ -53,7 +53,9 @@ class BudgetPlan:
         width = engine.basis.coefficient_width(shape)
         per_vector = sum(engine.quantizers[kind].bytes_per_vector(width, torch.bfloat16) for kind in KINDS) / len(KINDS)
         # coefficient bytes per key or value vector, averaged over the layers
-        floor = sum(per_vector * engine.basis.coefficient_rows(len(g)) for g in engine.groups) / shape.num_layers
+        # (sliding-window layers keep the model's own window, outside any target)
+        compressed = [g for g in engine.groups if g[0] not in engine.sliding]
+        floor = sum(per_vector * engine.basis.coefficient_rows(len(g)) for g in compressed) / max(1, sum(map(len, compressed)))
         allowed = 2 * shape.head_dim / target
         if floor >= allowed:
             slots = engine.pipeline.slots
@@ -127,9 +129,12 @@ class BudgetPlan:
         if self.target is None or engine.batch_size() <= 0:
             return False
         tokens = engine.seq_length(0)
-        allowed = engine.batch_size() * tokens * engine.shape.kv_bytes_per_token_16bit / self.target
+        shape = engine.shape
+        # sliding-window layers keep the model's own window and are no part of the target
+        full_16bit = engine.batch_size() * tokens * 4 * shape.num_kv_heads * shape.head_dim * (shape.num_layers - len(engine.sliding))
+        allowed = full_16bit / self.target
         breakdown = engine.memory_breakdown()
-        stored = sum(breakdown.values())
+        stored = sum(breakdown.values()) - breakdown["sliding_window"]
         if stored <= allowed * 1.01:
             return False
         dtype = engine.windows[0].exact["keys"].dtype
@@ -139,7 +144,7 @@ class BudgetPlan:
             remedy = f"the exact window is held in the model's dtype ({str(dtype).removeprefix('torch.')}, twice a 16-bit cache's bytes): a 16-bit dtype, {remedy}"
         warnings.warn(BudgetWarning(
             f"pipeline '{engine.pipeline.name}': {tokens:,} tokens stored in {stored:,} bytes, "
-            f"{engine.batch_size() * tokens * engine.shape.kv_bytes_per_token_16bit / stored:.2f}x against a 16-bit cache where "
+            f"{full_16bit / stored:.2f}x against a 16-bit cache where "
             f"target_reduction asks {self.target:g}x ({parts}), with no budget left for residuals; {remedy} brings "
             "the cache to its target"
         ), stacklevel=2)

@@ -55,7 +55,28 @@ def model_shape(config: Any) -> ModelShape:
         )
     if getattr(config, "kv_sharing_modes", None):
         raise ModelError("models whose layers reuse another layer's KV cache (kv_sharing_modes) are not supported")
-    return ModelShape(num_layers, num_heads, num_kv_heads, int(head_dim), str(getattr(config, "model_type", "unknown")))
+    return ModelShape(
+        num_layers, num_heads, num_kv_heads, int(head_dim), str(getattr(config, "model_type", "unknown")),
+        layer_windows=_layer_windows(config, layer_types, num_layers),
+    )
+
+
+def _layer_windows(config: Any, layer_types: tuple[str, ...], num_layers: int) -> tuple[int, ...]:
+    """Per layer, the sliding window (0: full attention), as transformers' own cache reads the config: the
+    ``layer_types`` where given, else every layer slides when the config sets a ``sliding_window``."""
+    window = getattr(config, "sliding_window", None)
+    if not layer_types:
+        layer_types = ("sliding_attention" if window is not None else "full_attention",) * num_layers
+    if "sliding_attention" not in layer_types:
+        return ()
+    if len(layer_types) != num_layers:
+        raise ModelError(f"the model config lists {len(layer_types)} layer_types for {num_layers} layers")
+    if isinstance(window, bool) or not isinstance(window, int) or window < 2:
+        raise ModelError(
+            f"model type '{getattr(config, 'model_type', '?')}' has sliding-window layers but its config's "
+            f"sliding_window is {window!r}; kvweave needs the window (a whole number of tokens >= 2)"
+        )
+    return tuple(window if kind == "sliding_attention" else 0 for kind in layer_types)
 
 
 class KVWeaveLayer(CacheLayerMixin):
@@ -69,6 +90,8 @@ class KVWeaveLayer(CacheLayerMixin):
         super().__init__()
         self.engine = engine
         self.layer_idx = layer_idx
+        #: a sliding-window layer keeps its last ``window - 1`` tokens exactly, as the model's own cache does
+        self.is_sliding = layer_idx in engine.sliding
 
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         self.dtype, self.device = key_states.dtype, key_states.device
@@ -84,6 +107,9 @@ class KVWeaveLayer(CacheLayerMixin):
         return self.engine.seq_length(self.layer_idx)
 
     def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
+        if self.is_sliding:  # the tokens it holds start after the ones that left its window
+            window = self.engine.windows[self.layer_idx]
+            return window.exact_tokens + query_length, window.passed_tokens
         return self.get_seq_length() + query_length, 0
 
     def get_max_length(self) -> int:
@@ -146,9 +172,9 @@ class KVWeaveCache(Cache):
         return self.engine.memory_breakdown()
 
     def full_cache_bytes_16bit(self) -> int:
-        """What a 16-bit full cache would hold for the same tokens and batch."""
-        batch = max(self.engine.batch_size(), 0)
-        return batch * self.get_seq_length() * self.shape.kv_bytes_per_token_16bit
+        """What the model's own cache would hold in 16 bits for the same tokens and batch: every token of a
+        full-attention layer, the last ``window - 1`` of a sliding-window layer."""
+        return self.shape.own_cache_bytes_16bit(self.get_seq_length(), max(self.engine.batch_size(), 0))
 
     def gathered_memory(self) -> GatheredMemory:
         """This cache's bytes summed over the ranks of its shard: one all-gather, so every rank must call it

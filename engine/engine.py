@@ -41,6 +41,19 @@ from kvweave.engine.store import GroupStore, LayerWindow, select_rows
 from kvweave.engine.views import layer_view
 
 
+def split_sliding(groups: list[tuple[int, ...]], sliding: dict[int, int]) -> list[tuple[int, ...]]:
+    """A basis's layer ``groups`` with every sliding-window layer taken out into a group of its own (it keeps
+    its window exactly, never encoded); the other members of a group stay together, in order."""
+    if not sliding:
+        return groups
+    split: list[tuple[int, ...]] = []
+    for members in groups:
+        kept = tuple(layer for layer in members if layer not in sliding)
+        split += [kept] if kept else []
+        split += [(layer,) for layer in members if layer in sliding]
+    return split
+
+
 class CompressionEngine:
     """Holds every stored tensor of a compressed cache and does the encoding and reconstruction."""
 
@@ -62,8 +75,12 @@ class CompressionEngine:
         }
         for slot in pipeline.slots:
             pipeline.component(slot).check_model(shape)
-        self.groups = self.basis.layer_groups(shape)
+        #: sliding-window layers keep their last ``window - 1`` tokens exactly, each in a group of its own
+        self.sliding = shape.sliding_layers
+        self.groups = split_sliding(self.basis.layer_groups(shape), self.sliding)
         self.group_of = self._index_groups()
+        #: the last group that compresses: its flush ends a forward's flushes
+        self.last_flushing = max((g for g, members in enumerate(self.groups) if members[0] not in self.sliding), default=-1)
         where = f"pipeline '{pipeline.name}'"
         for kind in KINDS:
             slot = pipeline.slot_for("quantizer", kind)
@@ -165,6 +182,9 @@ class CompressionEngine:
             full = (window.exact["keys"], window.exact["values"])
         else:
             full = tuple(self.materialize(layer, kind) for kind in KINDS)
+        if layer in self.sliding:  # the model's own attention serves it, over what its window holds
+            self._slide(window, self.sliding[layer])
+            return full if materialize else None  # type: ignore[return-value]
         if self.own_attention:
             self.returned_keys[layer] = full[0]  # lets the attention call tell it belongs to this cache
         group_index, member = self.group_of[layer]
@@ -174,6 +194,15 @@ class CompressionEngine:
             else:
                 self._flush(group_index)
         return full if materialize else None  # type: ignore[return-value]
+
+    @staticmethod
+    def _slide(window: LayerWindow, size: int) -> None:
+        """Keep the last ``size - 1`` tokens of a sliding-window layer (what its next queries can see)."""
+        extra = window.exact_tokens - (size - 1)
+        if extra > 0:
+            for kind in KINDS:
+                window.exact[kind] = window.exact[kind][..., extra:, :].clone()  # type: ignore[index]
+            window.passed_tokens += extra
 
     def reads_in_place(self, new_tokens: int) -> bool:
         """Whether the attention of a forward of ``new_tokens`` tokens goes to the pipeline's kernel, which
@@ -241,7 +270,7 @@ class CompressionEngine:
         self.observer.forget_boundaries(min(w.passed_tokens for w in self.windows))
         if self.evicts and not self.residual_levels and not self.probe.needs_queries:
             self.observer.forget_queries(members)  # eviction uses only the queries of the forward that flushes
-        if group_index == len(self.groups) - 1:
+        if group_index == self.last_flushing:
             self.encoder.apply_probe_shares()
             self._budget_warned = self._budget_warned or self.budget.check_met(self)
 
@@ -348,10 +377,13 @@ class CompressionEngine:
     def memory_breakdown(self) -> dict[str, int]:
         """Stored bytes by part: exact window, coefficients, residuals (positions and indices included),
         basis state, and the observation state of the router and probe (recent queries, token flags)."""
-        exact = [t for w in self.windows for t in w.exact.values() if t is not None]
+        exact = [t for layer, w in enumerate(self.windows) if layer not in self.sliding for t in w.exact.values() if t is not None]
+        sliding = [t for layer in self.sliding for t in self.windows[layer].exact.values() if t is not None]
         stores = [store for group in self.stores for store in group.values()]
         return {
             "exact_window": tensor_bytes(exact),
+            # sliding-window layers: their last window - 1 tokens, exact, as the model's own cache keeps them
+            "sliding_window": tensor_bytes(sliding),
             "coefficients": sum(store.coefficients.nbytes() for store in stores),
             "residuals": sum(r.nbytes() for w in self.windows for lists in w.residuals.values() for r in lists.values())
             + tensor_bytes(b for w in self.windows for b in w.residual_basis.values() if b is not None),

@@ -305,15 +305,16 @@ def test_fused_refuses_attention_it_does_not_compute():
 
 
 def test_fused_sliding_window_layers_follow_the_mask():
-    """Sliding-window layers (Gemma-3 style, window 48 < the packed history) and a left-padded row: the mask's
-    first visible position per row is all the fused path needs, and it decodes as the reference path does."""
+    """A model with sliding-window layers (Gemma-3 style, window 48, kept exactly by the cache and attended by
+    the model's own attention) and a left-padded row: the full-attention layers decode through the fused
+    kernel as through the reference path."""
     from transformers import Gemma3ForCausalLM, Gemma3TextConfig
 
     torch.manual_seed(0)
     config = Gemma3TextConfig(
         vocab_size=128, hidden_size=256, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4,
         num_key_value_heads=2, head_dim=64, sliding_window=48, max_position_embeddings=2048,
-        layer_types=["sliding_attention", "sliding_attention", "sliding_attention", "full_attention"],
+        layer_types=["sliding_attention", "full_attention", "full_attention", "sliding_attention"],
     )
     model = Gemma3ForCausalLM(config).eval()
     ids = torch.randint(1, 128, (2, 200))

@@ -19,6 +19,8 @@ quantizer; a quantizer registered without one fails ``test_every_registered_quan
   farthest from their channel's median stored exactly (float16) and left out of the ranges; ``levels =
   "uniform"``: zero point and scale as KIVI's, every other element within ``scale / 2``; ``levels =
   "normal"``: every other element restored to the nearest of the levels ``mean + std * z``.
+- ``channel-alloc``: as ``channel-group`` (uniform), each channel with the width the group's allocation gave
+  it: within half its stored step at ``b >= 1`` bits, half its range at 0 bits; the allocation greedy-optimal.
 - ``rotated-token``: per token, after a fixed orthogonal rotation ``Q`` of the channels; in the rotated
   space ``levels = "uniform"`` keeps every element within ``scale / 2`` (so ``||x - x^|| <= ||scale / 2||``
   over the vector's groups, ``Q`` being orthogonal) and ``levels = "normal"`` takes the nearest level.
@@ -340,6 +342,66 @@ def test_channel_group_keeps_outliers_exact_and_the_rest_within_its_bound(data):
     check_channel_group(quantizer, x)
 
 
+def check_channel_alloc(quantizer, x: torch.Tensor) -> None:
+    """Per channel over groups of tokens with the group's bits spread over the channels: the outliers exact,
+    every token ``mean_bits * C`` bits, a channel of ``b >= 1`` bits within half its stored step, one of 0
+    bits within half its range, and no bit movable to a channel whose error it would cut more."""
+    if refused_beyond_float16(quantizer, "channel-alloc", x, float(x.abs().max())):
+        return
+    packed = quantizer.quantize(x)
+    restored = quantizer.dequantize(packed, torch.float32)
+    assert restored.shape == x.shape and bool(torch.isfinite(restored).all())
+    tokens, width = x.shape[-2:]
+    assert packed["codes"].shape[-1] * 8 == round(quantizer.mean_bits * width)  # the same bits for every token
+    outlier = torch.zeros_like(x, dtype=torch.bool)
+    if quantizer.outliers:
+        outlier.scatter_(-1, packed["outlier_index"].long(), True)
+        assert torch.equal(restored[outlier], x.to(torch.float16).float()[outlier]), "outliers not stored exactly"
+    bits = packed["bits"].long()
+    per_channel = torch.cat((bits, bits), -1) if quantizer.pairs else bits  # [..., groups, C]
+    assert bool((per_channel <= quantizer.max_bits).all())
+    shape = (*x.shape[:-2], tokens // quantizer.group, quantizer.group, width)
+    grouped, error, kept = x.reshape(shape), (restored - x).abs().reshape(shape), ~outlier.reshape(shape)
+    low = grouped.masked_fill(~kept, float("inf")).amin(-2)
+    high = grouped.masked_fill(~kept, -float("inf")).amax(-2)
+    some = torch.isfinite(low)
+    zero, scale = packed["zero"].float(), packed["scale"].float()
+    coded = some & (per_channel > 0)
+    assert bool((zero <= low)[coded].all()), "zero point above the minimum of the non-outliers"
+    assert bool((scale >= (high - zero) / (2.0**per_channel - 1).clamp_min(1))[coded].all()), "scale rounded down"
+    slack = 2.0**-22 * (grouped.abs() + zero.abs()[..., None, :]) + FLOAT16.eps * (high - low).abs()[..., None, :].nan_to_num(0)
+    # 0 bits: half the range, plus the float16 rounding of the stored midpoint
+    bound = torch.where(per_channel > 0, scale / 2, (high - low) / 2 + zero.abs() * 2.0**-11 + 2.0**-25)
+    assert bool((error <= bound.nan_to_num(0)[..., None, :] + slack)[kept].all()), "beyond the bound of its width"
+    # greedy optimality: the last bit of any entry cut its error at least as much as a further bit would cut another's
+    cost = torch.where(some, high - low, 0).square()  # a channel of outliers only has no range
+    if quantizer.pairs:
+        cost = cost[..., : width // 2] + cost[..., width // 2 :]
+    last = torch.where(bits > 0, cost * 4.0 ** (1 - bits.float()), torch.inf).amin(-1)
+    following = torch.where(bits < quantizer.max_bits, cost * 4.0 ** (-bits.float()), 0).amax(-1)
+    assert bool((last >= following * (1 - 1e-5)).all()), "a bit would cut more error elsewhere"
+
+
+@st.composite
+def channel_alloc_cases(draw, factory):
+    quantizer = factory(
+        mean_bits=draw(st.sampled_from((1.0, 2.5, 3.0, 3.125, 3.5, 4.0, 6.0))), group=draw(st.sampled_from((1, 2, 4, 8))),
+        outliers=draw(st.integers(0, 2)), pairs=draw(st.booleans()), max_bits=draw(st.sampled_from((4, 8))),
+    )
+    width = draw(st.sampled_from(WIDTHS))
+    assume(_accepts(quantizer, width))
+    leading = draw(st.lists(st.integers(1, 3), min_size=0, max_size=2).map(tuple))
+    tokens = quantizer.tokens_per_group() * draw(st.integers(1, 3))
+    return quantizer, draw(tensors((*leading, tokens), width, low=-8.0, high=5.0))
+
+
+@PROPERTY
+@given(st.data())
+def test_channel_alloc_keeps_outliers_exact_and_each_channel_within_its_widths_bound(data):
+    quantizer, x = data.draw(channel_alloc_cases(_registered("channel-alloc")))
+    check_channel_alloc(quantizer, x)
+
+
 def check_rotated_token(quantizer, x: torch.Tensor) -> None:
     """Per token in the rotated space: the uniform bound (and its norm in the original space), or the nearest level."""
     width = x.shape[-1]
@@ -400,6 +462,7 @@ BOUNDS: dict[str, tuple[type | None, Callable]] = {
     "kivi": (KiviQuantizer, test_kivi_is_within_half_a_stored_step_on_its_axis),
     "none": (NoQuantizer, test_none_is_exact_or_rounds_once_to_its_dtype),
     "channel-group": (None, test_channel_group_keeps_outliers_exact_and_the_rest_within_its_bound),
+    "channel-alloc": (None, test_channel_alloc_keeps_outliers_exact_and_each_channel_within_its_widths_bound),
     "rotated-token": (None, test_rotated_token_is_within_its_bound_in_the_rotated_space),
 }
 

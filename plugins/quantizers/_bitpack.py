@@ -68,15 +68,16 @@ def _up(value: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
     return torch.where(value.float() < target, torch.nextafter(value, torch.full_like(value, math.inf)), value)
 
 
-def affine_range(low: torch.Tensor, high: torch.Tensor, bits: int) -> tuple[torch.Tensor, torch.Tensor]:
+def affine_range(low: torch.Tensor, high: torch.Tensor, bits: int | torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """float16 ``(zero, scale)`` with ``zero <= low`` and ``zero + (2**bits - 1) * scale >= high``, so codes
     ``round((x - zero) / scale)`` of any ``x`` in [low, high] are off by at most ``scale / 2``.
 
     ``low``/``high`` float32 of any shape, within float16's range (``-65504 <= low``; callers refuse inputs
     beyond it). The scale is rounded up in float16's subnormal range too (steps of ``2**-24``), so it is
     never below ``(high - zero) / levels`` and no code of the range needs clamping. A scale of zero (a
-    constant range that float16 holds exactly) is kept: encode with :func:`safe_step`."""
-    levels = (1 << bits) - 1
+    constant range that float16 holds exactly) is kept: encode with :func:`safe_step`. ``bits`` may be a
+    tensor of widths >= 1 broadcastable to ``low`` (one per channel)."""
+    levels = (1 << bits) - 1 if isinstance(bits, int) else ((1 << bits.long()) - 1).float()
     zero = _down(low.to(torch.float16), low)
     wanted = (high - zero.float()).clamp_min(0) / levels
     scale = _up(wanted.to(torch.float16), wanted)

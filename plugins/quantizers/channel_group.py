@@ -89,6 +89,30 @@ def outlier_scores(grouped: torch.Tensor) -> torch.Tensor:
     return (grouped - grouped.median(dim=-2, keepdim=True).values).abs()
 
 
+def split_outliers(grouped: torch.Tensor, shape: torch.Size, count: int) -> tuple[torch.Tensor | None, dict[str, torch.Tensor]]:
+    """The mask of each token's ``count`` elements of largest outlier score in ``grouped`` [..., G, group, C]
+    (None when ``count`` is 0) and their stored fields ``outlier_index``/``outlier_value`` (for an input
+    shaped ``shape``)."""
+    if not count:
+        return None, {}
+    index = outlier_scores(grouped).topk(count, dim=-1).indices  # [..., G, group, k]
+    mask = torch.zeros_like(grouped, dtype=torch.bool).scatter_(-1, index, True)
+    return mask, {
+        "outlier_index": index.reshape(*shape[:-1], count).to(torch.uint8),
+        "outlier_value": grouped.gather(-1, index).reshape(*shape[:-1], count).to(torch.float16),
+    }
+
+
+def channel_ranges(grouped: torch.Tensor, mask: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per (token group, channel) of ``grouped`` [..., G, group, C]: the minimum and maximum of the
+    non-outlier elements (0, 0 where every element of the channel's group is an outlier)."""
+    low_source = grouped if mask is None else grouped.masked_fill(mask, torch.inf)
+    high_source = grouped if mask is None else grouped.masked_fill(mask, -torch.inf)
+    low, high = low_source.amin(dim=-2), high_source.amax(dim=-2)
+    empty = torch.isinf(low)
+    return low.masked_fill(empty, 0.0), high.masked_fill(empty, 0.0)
+
+
 @attrs.frozen
 class ChannelGroupQuantizer(Quantizer):
     """``bits``-bit codes per channel over ``group`` tokens, ``outliers`` exact entries per token."""
@@ -144,13 +168,7 @@ class ChannelGroupQuantizer(Quantizer):
             "the largest float16: zero points, scales, means, deviations and the exact outliers are float16",
             source=x,
         )
-        mask = None
-        fields: dict[str, torch.Tensor] = {}
-        if self.outliers:
-            index = outlier_scores(grouped).topk(self.outliers, dim=-1).indices  # [..., G, group, k]
-            mask = torch.zeros_like(grouped, dtype=torch.bool).scatter_(-1, index, True)
-            fields["outlier_index"] = index.reshape(*x.shape[:-1], self.outliers).to(torch.uint8)
-            fields["outlier_value"] = grouped.gather(-1, index).reshape(*x.shape[:-1], self.outliers).to(torch.float16)
+        mask, fields = split_outliers(grouped, x.shape, self.outliers)
         if self.levels == "uniform":
             codes, stats = self._uniform(grouped, mask)
         else:
@@ -160,11 +178,7 @@ class ChannelGroupQuantizer(Quantizer):
         return {"codes": pack(codes.reshape(x.shape), self.bits), **stats, **fields}
 
     def _uniform(self, grouped: torch.Tensor, mask: torch.Tensor | None) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-        low_source = grouped if mask is None else grouped.masked_fill(mask, torch.inf)
-        high_source = grouped if mask is None else grouped.masked_fill(mask, -torch.inf)
-        low, high = low_source.amin(dim=-2), high_source.amax(dim=-2)
-        empty = torch.isinf(low)  # every element of the channel's group is an outlier
-        low, high = low.masked_fill(empty, 0.0), high.masked_fill(empty, 0.0)
+        low, high = channel_ranges(grouped, mask)
         zero, scale = affine_range(low, high, self.bits)
         codes = torch.round((grouped - zero.float().unsqueeze(-2)) / safe_step(scale).unsqueeze(-2))
         return codes.clamp_(0, (1 << self.bits) - 1), {"zero": zero, "scale": scale}

@@ -1,0 +1,100 @@
+"""Sliding-window layers (Gemma-3 style): the cache keeps their last ``window - 1`` tokens exactly, as the
+model's own cache does, compresses only the full-attention layers, and counts ratios against what the
+model's own cache holds."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import DynamicCache, Gemma3ForCausalLM, Gemma3TextConfig
+
+from kvweave.core.registry import load_pipeline
+from kvweave.engine import build_cache, cache_kwargs
+from kvweave.engine.cache import model_shape
+from kvweave.engine.engine import split_sliding
+from kvweave.core.errors import ModelError
+
+from conftest import ToyTokenizer
+
+WINDOW = 40
+TYPES = ["sliding_attention", "sliding_attention", "full_attention", "sliding_attention", "sliding_attention", "full_attention"]
+
+
+@pytest.fixture(scope="module")
+def gemma():
+    torch.manual_seed(0)
+    config = Gemma3TextConfig(
+        vocab_size=128, hidden_size=128, intermediate_size=128, num_hidden_layers=len(TYPES), num_attention_heads=4,
+        num_key_value_heads=2, head_dim=64, sliding_window=WINDOW, max_position_embeddings=2048, layer_types=TYPES,
+    )
+    return Gemma3ForCausalLM(config).eval()
+
+
+def _generate(model, cache, ids, mask=None, new=12):
+    with torch.no_grad():
+        return model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=new, do_sample=False, output_scores=True,
+                              return_dict_in_generate=True, pad_token_id=0, **cache_kwargs(model, cache))
+
+
+def test_the_shape_names_each_sliding_layer_and_its_window(gemma):
+    shape = model_shape(gemma.config)
+    assert shape.sliding_layers == {0: WINDOW, 1: WINDOW, 3: WINDOW, 4: WINDOW}
+    assert shape.own_cache_tokens(100) == 4 * (WINDOW - 1) + 2 * 100
+    assert shape.own_cache_tokens(10) == 6 * 10
+    assert split_sliding([(0, 1, 2), (3, 4, 5)], shape.sliding_layers) == [(2,), (0,), (1,), (5,), (3,), (4,)]
+
+
+def test_full_pipeline_matches_the_models_own_cache_and_holds_as_many_bytes(gemma):
+    ids = torch.randint(1, 128, (1, 150), generator=torch.Generator().manual_seed(1))
+    cache = build_cache(load_pipeline("full"), gemma)
+    ours = _generate(gemma, cache, ids)
+    theirs = _generate(gemma, DynamicCache(config=gemma.config), ids)
+    assert torch.equal(ours.sequences, theirs.sequences)
+    assert all(torch.equal(a, b) for a, b in zip(ours.scores, theirs.scores))
+    total = cache.get_seq_length()
+    for layer, window in enumerate(cache.engine.windows):
+        held = WINDOW - 1 if TYPES[layer] == "sliding_attention" else total
+        assert window.exact_tokens == held and window.passed_tokens == total - held
+    # the model computes in float32: its own cache is twice the 16-bit one, and so is the full pipeline's
+    assert cache.memory_bytes() == 2 * cache.full_cache_bytes_16bit()
+    assert cache.memory_breakdown()["sliding_window"] == 4 * 2 * 2 * 64 * (WINDOW - 1) * 4
+
+
+@pytest.mark.parametrize("name", ["int4", "prerope-k3v2", "kivi-2"])
+def test_compressing_pipelines_compress_only_the_full_attention_layers(gemma, name):
+    ids = torch.randint(1, 128, (2, 300), generator=torch.Generator().manual_seed(2))
+    mask = torch.ones_like(ids)
+    mask[1, :21] = 0
+    cache = build_cache(load_pipeline(name), gemma, tokenizer=ToyTokenizer())
+    out = _generate(gemma, cache, ids, mask, new=20)
+    reference = _generate(gemma, DynamicCache(config=gemma.config), ids, mask, new=20)
+    assert out.sequences.shape == reference.sequences.shape
+    views = cache.engine.views()
+    for layer, view in enumerate(views):
+        if TYPES[layer] == "sliding_attention":
+            assert view.packed_tokens == 0 and view.keys.exact.shape[-2] == WINDOW - 1
+        else:
+            assert view.packed_tokens > 0
+    breakdown = cache.memory_breakdown()
+    assert breakdown["sliding_window"] == 2 * 4 * 2 * 2 * 64 * (WINDOW - 1) * 4  # batch 2, float32
+    assert cache.memory_bytes() < cache.full_cache_bytes_16bit() * 2  # below its own float32 cache
+
+    # after a prefill, the sliding layers before the first compressed one hold what the model's own cache holds
+    cache = build_cache(load_pipeline(name), gemma, tokenizer=ToyTokenizer())
+    own = DynamicCache(config=gemma.config)
+    with torch.no_grad():
+        for target in (cache, own):
+            gemma(input_ids=ids, attention_mask=mask, use_cache=True, **cache_kwargs(gemma, target))
+    for layer in (0, 1):
+        assert torch.equal(cache.engine.windows[layer].exact["keys"], own.layers[layer].keys)
+        assert torch.equal(cache.engine.windows[layer].exact["values"], own.layers[layer].values)
+
+
+def test_a_sliding_window_without_a_size_is_refused():
+    config = Gemma3TextConfig(
+        vocab_size=128, hidden_size=128, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=64, layer_types=["sliding_attention", "full_attention"],
+    )
+    config.sliding_window = None
+    with pytest.raises(ModelError, match="sliding_window is None"):
+        model_shape(config)
