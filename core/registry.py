@@ -55,6 +55,10 @@ class StorageSettings:
         default="post-rope", validator=choice(("post-rope", "pre-rope")),
         metadata={"doc": "store keys as the model computed them, or before its rotary embedding (un-rotated when they leave the exact window, rotated back where attention reads them)"},
     )
+    sliding_layers: str = attrs.field(
+        default="exact", validator=choice(("exact", "compress")),
+        metadata={"doc": "sliding-window layers: keep their window exactly as the model's own cache does, or compress it like the other layers (blocks wholly out of the window are dropped)"},
+    )
     observe_queries: int = attrs.field(
         default=16, validator=integer(1, 4096),
         metadata={"doc": "recent queries per layer kept for attention features and probes (when used)"},
@@ -189,6 +193,12 @@ class Registry:
                 f"{where}: setting key_space = 'pre-rope' stores keys before the rotary embedding, but slot 'kernel' "
                 f"('{kernel.use}') reads stored keys in place without rotating them; use kernel 'reference' or "
                 "key_space 'post-rope'"
+            )
+        if settings.sliding_layers == "compress" and not kernel.component.materializes:
+            raise RegistryError(
+                f"{where}: setting sliding_layers = 'compress' drops the blocks that leave a sliding window, which slot "
+                f"'kernel' ('{kernel.use}') cannot follow (it reads stored tokens from position 0); use kernel "
+                "'reference' or sliding_layers 'exact'"
             )
         for slot, config in slots.items():  # what two slots must agree on, checked before any model is loaded
             try:

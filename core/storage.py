@@ -68,6 +68,15 @@ class Segment:
             self.fields = {name: torch.cat((self.fields[name], fields[name]), dim=-2) for name in self.fields}
         self.tokens += tokens
 
+    def drop_front(self, tokens: int) -> None:
+        """Drop the first ``tokens`` tokens of every field (a multiple of every field's tokens per row)."""
+        if tokens <= 0:
+            return
+        if tokens > self.tokens or any(tokens % stride for stride in self.strides.values() if stride):
+            raise ValueError(f"cannot drop {tokens} of {self.tokens} tokens in rows of {self.strides} tokens")
+        self.fields = {name: t[..., tokens // self.strides[name]:, :].clone() for name, t in self.fields.items()}
+        self.tokens -= tokens
+
     def map(self, fn: Callable[[torch.Tensor], torch.Tensor]) -> None:
         """Replace every field by ``fn(field)`` (used for batch reordering)."""
         self.fields = {name: fn(tensor) for name, tensor in self.fields.items()}

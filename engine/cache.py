@@ -109,7 +109,7 @@ class KVWeaveLayer(CacheLayerMixin):
     def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
         if self.is_sliding:  # the tokens it holds start after the ones that left its window
             window = self.engine.windows[self.layer_idx]
-            return window.exact_tokens + query_length, window.passed_tokens
+            return window.compressed_tokens + window.exact_tokens + query_length, window.dropped_tokens
         return self.get_seq_length() + query_length, 0
 
     def get_max_length(self) -> int:

@@ -41,16 +41,18 @@ from kvweave.engine.store import GroupStore, LayerWindow, select_rows
 from kvweave.engine.views import layer_view
 
 
-def split_sliding(groups: list[tuple[int, ...]], sliding: dict[int, int]) -> list[tuple[int, ...]]:
-    """A basis's layer ``groups`` with every sliding-window layer taken out into a group of its own (it keeps
-    its window exactly, never encoded); the other members of a group stay together, in order."""
+def split_sliding(groups: list[tuple[int, ...]], sliding: dict[int, int], together: bool = False) -> list[tuple[int, ...]]:
+    """A basis's layer ``groups`` with the sliding-window layers taken out: each into a group of its own (it
+    keeps its window exactly, never encoded), or with ``together`` the sliding members of a group into one
+    group (they are compressed, and drop their old blocks together); the other members stay together."""
     if not sliding:
         return groups
     split: list[tuple[int, ...]] = []
     for members in groups:
         kept = tuple(layer for layer in members if layer not in sliding)
+        windowed = tuple(layer for layer in members if layer in sliding)
         split += [kept] if kept else []
-        split += [(layer,) for layer in members if layer in sliding]
+        split += ([windowed] if windowed else []) if together else [(layer,) for layer in windowed]
     return split
 
 
@@ -77,10 +79,13 @@ class CompressionEngine:
             pipeline.component(slot).check_model(shape)
         #: sliding-window layers keep their last ``window - 1`` tokens exactly, each in a group of its own
         self.sliding = shape.sliding_layers
-        self.groups = split_sliding(self.basis.layer_groups(shape), self.sliding)
+        #: sliding_layers = "compress": sliding-window layers are compressed too and drop the blocks their window left
+        self.compress_sliding = bool(self.sliding) and self.settings.sliding_layers == "compress"
+        self.groups = split_sliding(self.basis.layer_groups(shape), self.sliding, together=self.compress_sliding)
         self.group_of = self._index_groups()
         #: the last group that compresses: its flush ends a forward's flushes
-        self.last_flushing = max((g for g, members in enumerate(self.groups) if members[0] not in self.sliding), default=-1)
+        self.last_flushing = max(
+            (g for g, members in enumerate(self.groups) if self.compress_sliding or members[0] not in self.sliding), default=-1)
         where = f"pipeline '{pipeline.name}'"
         for kind in KINDS:
             slot = pipeline.slot_for("quantizer", kind)
@@ -107,6 +112,8 @@ class CompressionEngine:
         self.encoder = BlockEncoder(self)
         if self.evicts:
             self.eviction.check(where)
+        if self.compress_sliding:
+            self._check_compress_sliding(where)
         for kind in KINDS:
             group = self.quantizers[kind].tokens_per_group()
             if self.settings.block_tokens % group:
@@ -134,6 +141,21 @@ class CompressionEngine:
         self._flush_info: dict | None = None  # the flush in progress, when it evicts
         self._budget_warned = False  # BudgetPlan.check_met warns once per cache
         self.kernel.check_engine(self)
+
+    def _check_compress_sliding(self, where: str) -> None:
+        """sliding_layers = "compress" drops whole stored blocks from the front of a group's coefficients:
+        refuse what indexes stored tokens from position 0 (residual lists, evicted slots) or groups whose
+        sliding-window layers have different windows."""
+        if self.residual_levels or self.evicts:
+            part = "slot 'router' gives residual ranks" if self.residual_levels else f"slot 'evictor' ('{self.pipeline.use('evictor')}') drops tokens"
+            raise ModelError(
+                f"{where}: setting sliding_layers = 'compress' drops the blocks that leave a sliding window, but its {part}, "
+                "which index stored tokens from the first; use sliding_layers 'exact'"
+            )
+        for members in self.groups:
+            windows = {self.sliding[layer] for layer in members if layer in self.sliding}
+            if len(windows) > 1:
+                raise ModelError(f"{where}: layers {members} share a basis group but have sliding windows {sorted(windows)}")
 
     def _index_groups(self) -> dict[int, tuple[int, int]]:
         group_of: dict[int, tuple[int, int]] = {}
@@ -182,7 +204,7 @@ class CompressionEngine:
             full = (window.exact["keys"], window.exact["values"])
         else:
             full = tuple(self.materialize(layer, kind) for kind in KINDS)
-        if layer in self.sliding:  # the model's own attention serves it, over what its window holds
+        if layer in self.sliding and not self.compress_sliding:  # the model's own attention reads its window
             self._slide(window, self.sliding[layer])
             return full if materialize else None  # type: ignore[return-value]
         if self.own_attention:
@@ -203,6 +225,23 @@ class CompressionEngine:
             for kind in KINDS:
                 window.exact[kind] = window.exact[kind][..., extra:, :].clone()  # type: ignore[index]
             window.passed_tokens += extra
+            window.dropped_tokens += extra
+
+    def _drop_outside_window(self, group_index: int) -> None:
+        """sliding_layers = "compress": drop the stored blocks of a sliding-window group that no later query
+        can see (every token before the last ``window - 1``), whole blocks at a time."""
+        members = self.groups[group_index]
+        first = self.windows[members[0]]
+        total = first.passed_tokens + first.exact_tokens
+        block = self.settings.block_tokens
+        count = min(first.compressed_tokens, (total - (self.sliding[members[0]] - 1) - first.dropped_tokens) // block * block)
+        if count <= 0:
+            return
+        for kind in KINDS:
+            self.stores[group_index][kind].coefficients.drop_front(count)
+        for layer in members:
+            self.windows[layer].compressed_tokens -= count
+            self.windows[layer].dropped_tokens += count
 
     def reads_in_place(self, new_tokens: int) -> bool:
         """Whether the attention of a forward of ``new_tokens`` tokens goes to the pipeline's kernel, which
@@ -266,6 +305,8 @@ class CompressionEngine:
                 # clone: a slice would keep the whole old window's storage alive
                 window.exact[kind] = window.exact[kind][..., count:, :].clone()
             window.passed_tokens += count
+        if self.compress_sliding and members[0] in self.sliding:
+            self._drop_outside_window(group_index)
         self.observer.forget_selection(members)
         self.observer.forget_boundaries(min(w.passed_tokens for w in self.windows))
         if self.evicts and not self.residual_levels and not self.probe.needs_queries:
@@ -333,7 +374,7 @@ class CompressionEngine:
             )
         if self.pre_rope and kind == "keys":
             window = self.windows[layer]
-            positions = window.positions.long().clamp_min(0) if window.positions is not None else torch.arange(
+            positions = window.positions.long().clamp_min(0) if window.positions is not None else window.dropped_tokens + torch.arange(
                 window.compressed_tokens, device=vectors.device)
             vectors = self.rope_keys(vectors[None], (layer,), positions[None] if positions.dim() > 1 else positions, inverse=False)[0].to(dtype)
         return vectors
@@ -376,14 +417,14 @@ class CompressionEngine:
 
     def memory_breakdown(self) -> dict[str, int]:
         """Stored bytes by part: exact window, coefficients, residuals (positions and indices included),
-        basis state, and the observation state of the router and probe (recent queries, token flags)."""
-        exact = [t for layer, w in enumerate(self.windows) if layer not in self.sliding for t in w.exact.values() if t is not None]
-        sliding = [t for layer in self.sliding for t in self.windows[layer].exact.values() if t is not None]
+        basis state, the observation state of the router and probe (recent queries, token flags), eviction,
+        and for a model with sliding-window layers kept exactly, their windows."""
+        kept_exact = {} if self.compress_sliding else self.sliding
+        exact = [t for layer, w in enumerate(self.windows) if layer not in kept_exact for t in w.exact.values() if t is not None]
+        sliding = [t for layer in kept_exact for t in self.windows[layer].exact.values() if t is not None]
         stores = [store for group in self.stores for store in group.values()]
-        return {
+        parts = {
             "exact_window": tensor_bytes(exact),
-            # sliding-window layers: their last window - 1 tokens, exact, as the model's own cache keeps them
-            "sliding_window": tensor_bytes(sliding),
             "coefficients": sum(store.coefficients.nbytes() for store in stores),
             "residuals": sum(r.nbytes() for w in self.windows for lists in w.residuals.values() for r in lists.values())
             + tensor_bytes(b for w in self.windows for b in w.residual_basis.values() if b is not None),
@@ -392,6 +433,9 @@ class CompressionEngine:
             # evicting routers: the cache index of every stored slot, and accumulated attention (H2O)
             "eviction": tensor_bytes(t for w in self.windows for t in (w.positions, w.scores) if t is not None),
         }
+        if kept_exact:  # sliding-window layers: their last window - 1 tokens, exact, as the model's own cache keeps them
+            parts["sliding_window"] = tensor_bytes(sliding)
+        return parts
 
     def memory_bytes(self) -> int:
         return sum(self.memory_breakdown().values())

@@ -22,6 +22,7 @@ class LayerWindow:
         self.residual_basis: dict[str, torch.Tensor | None] = {kind: None for kind in KINDS}  # [B, H, R, D]
         self.compressed_tokens = 0  # stored (packed) slots per batch row and head
         self.passed_tokens = 0  # logical tokens that left the exact window (stored or dropped)
+        self.dropped_tokens = 0  # sliding-window layers: logical tokens no longer held (before the first held one)
         # eviction: the cache index (logical position) of each stored slot, -1 for a filler slot
         self.positions: torch.Tensor | None = None  # int32 [B, H, compressed_tokens]
         # routers that accumulate attention: what every query gave each stored slot, then each exact token

@@ -98,3 +98,88 @@ def test_a_sliding_window_without_a_size_is_refused():
     config.sliding_window = None
     with pytest.raises(ModelError, match="sliding_window is None"):
         model_shape(config)
+
+
+COMPRESSING = """
+[pipelines.t-slide-k4]
+extends = "prerope-k4v2"
+sliding_layers = "compress"
+
+[pipelines.t-slide-int4]
+extends = "int4"
+recent_window = 16
+sliding_layers = "compress"
+
+[pipelines.t-slide-exact]
+extends = "full"
+compress = true
+recent_window = 8
+block_tokens = 16
+sliding_layers = "compress"
+
+[pipelines.t-slide-fused]
+extends = "depthweave-kv"
+sliding_layers = "compress"
+
+[pipelines.t-slide-residuals]
+extends = "depthweave-kv-reference-kernel"
+sliding_layers = "compress"
+"""
+
+
+@pytest.fixture(scope="module")
+def sliding_registry(tmp_path_factory):
+    from kvweave.core.registry import load_registry
+
+    path = tmp_path_factory.mktemp("sliding") / "sliding.toml"
+    path.write_text(COMPRESSING)
+    return load_registry(path)
+
+
+def test_compressed_sliding_layers_drop_whole_blocks_outside_their_window(gemma, sliding_registry):
+    ids = torch.randint(1, 128, (1, 300), generator=torch.Generator().manual_seed(4))
+    cache = build_cache(sliding_registry.resolve("t-slide-k4"), gemma)
+    out = _generate(gemma, cache, ids, new=40)
+    total = cache.get_seq_length()
+    assert out.sequences.shape[1] == 340 and total == 339
+    for layer, window in enumerate(cache.engine.windows):
+        held = window.compressed_tokens + window.exact_tokens
+        if TYPES[layer] == "sliding_attention":
+            # every token a later query can see is held; what is dropped is whole 64-token blocks
+            assert window.dropped_tokens + held == total and window.dropped_tokens % 64 == 0 and window.dropped_tokens > 0
+            assert WINDOW - 1 <= held < WINDOW - 1 + 2 * 64 + 16
+            assert cache.layers[layer].get_mask_sizes(1) == (held + 1, window.dropped_tokens)
+        else:
+            assert window.dropped_tokens == 0 and held == total
+    assert "sliding_window" not in cache.memory_breakdown()  # the windows are compressed, in the other parts
+
+
+def test_compressed_sliding_layers_without_quantization_give_the_models_own_outputs(gemma, sliding_registry):
+    """Stored bit-exactly (the 'none' quantizer, keys after RoPE): dropping blocks and offsetting the mask
+    must give what the model's own cache gives, token for token."""
+    ids = torch.randint(1, 128, (1, 150), generator=torch.Generator().manual_seed(5))
+    cache = build_cache(sliding_registry.resolve("t-slide-exact"), gemma)
+    ours = _generate(gemma, cache, ids, new=30)
+    theirs = _generate(gemma, DynamicCache(config=gemma.config), ids, new=30)
+    assert torch.equal(ours.sequences, theirs.sequences)
+    assert max((a - b).abs().max().item() for a, b in zip(ours.scores, theirs.scores)) < 1e-4
+    assert any(w.dropped_tokens > 0 for w in cache.engine.windows)
+
+
+def test_compressing_sliding_windows_lowers_the_bytes_against_the_models_own_cache(gemma, sliding_registry):
+    ids = torch.randint(1, 128, (1, 400), generator=torch.Generator().manual_seed(6))
+    ratios = {}
+    for name, pipeline in (("exact", load_pipeline("int4")), ("compress", sliding_registry.resolve("t-slide-int4"))):
+        cache = build_cache(pipeline, gemma)
+        with torch.no_grad():
+            gemma(input_ids=ids, use_cache=True, **cache_kwargs(gemma, cache))
+        ratios[name] = cache.compression_ratio()
+    assert ratios["compress"] > 1.5 * ratios["exact"]
+
+
+@pytest.mark.parametrize("name, match", [("t-slide-fused", "slot 'kernel'"), ("t-slide-residuals", "residual ranks")])
+def test_what_cannot_follow_dropped_blocks_is_refused(gemma, sliding_registry, name, match):
+    from kvweave.core.errors import RegistryError
+
+    with pytest.raises((RegistryError, ModelError), match=match):
+        build_cache(sliding_registry.resolve(name), gemma, tokenizer=ToyTokenizer())
