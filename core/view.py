@@ -56,7 +56,8 @@ class KindView:
     version int32 [V])`` when the basis decodes as coefficients times bases, else None. ``residuals`` one
     view per rank level > 0 (ascending), packed in ``residual_format``; ``residual_basis`` [B, H, R, D]
     float16 in ``residual_mode = "basis"``; ``gates`` [H] the router's residual gates (None: all 1).
-    ``exact`` [B, H, n_exact, D] the recent tokens as computed, in the model's dtype.
+    ``exact`` [B, H, n_exact, D] the recent tokens as computed, in the model's dtype; ``quantizer`` the
+    quantizer that packed ``coefficients``.
     """
 
     kind: str
@@ -70,6 +71,8 @@ class KindView:
     residual_basis: torch.Tensor | None
     gates: torch.Tensor | None
     exact: torch.Tensor | None
+    #: the quantizer that packed ``coefficients`` (a kernel reads its parameters: bits, groups, levels)
+    quantizer: Any = None
 
 
 @attrs.frozen
@@ -101,6 +104,8 @@ class LayerView:
     scratch: dict
     key_space: str = "post-rope"
     scores: torch.Tensor | None = None
+    #: keys stored before RoPE: the model's rotary embedding (:class:`kvweave.engine.rotary.RotaryInverse`)
+    rotary: Any = None
 
     @property
     def exact_tokens(self) -> int:

@@ -92,6 +92,26 @@ class RotaryInverse:
         shape = (*positions.shape, self.head_dim)
         return cos.float().reshape(shape), sin.float().reshape(shape)
 
+    def frequencies(self, layer: int) -> tuple[torch.Tensor, float]:
+        """``(inv_freq float32 [D / 2], scale)``: the angles ``position * inv_freq`` and the factor on cos and
+        sin that :meth:`angles` gives at ``layer`` (what a kernel rotates keys with in registers); checked
+        against the module's own cos and sin, ``ModelError`` when they differ."""
+        kind = self.layer_types[layer] if self.takes_layer_type and self.layer_types else None
+        prefix = f"{kind}_" if kind is not None and hasattr(self.module, f"{kind}_inv_freq") else ""
+        inv_freq = getattr(self.module, f"{prefix}inv_freq", None)
+        if not isinstance(inv_freq, torch.Tensor) or inv_freq.numel() * 2 != self.head_dim:
+            raise ModelError(f"{self.where}: the model's rotary embedding has no inv_freq of {self.head_dim // 2} angles "
+                             "to rotate keys with; use kernel 'reference'")
+        scale = float(getattr(self.module, f"{prefix}attention_scaling", 1.0) or 1.0)
+        inv_freq = inv_freq.detach().float()
+        positions = torch.tensor([0, 1, 7, 97, 4093], device=inv_freq.device)
+        cos, sin = self.angles(layer, positions, inv_freq.device)
+        angle = positions[:, None].float() * inv_freq[None, :]
+        mine = torch.cat((angle.cos(), angle.cos()), -1) * scale, torch.cat((angle.sin(), angle.sin()), -1) * scale
+        if not (torch.allclose(mine[0], cos, atol=1e-4) and torch.allclose(mine[1], sin, atol=1e-4)):
+            raise ModelError(f"{self.where}: the model's rotary angles are not position * inv_freq; use kernel 'reference'")
+        return inv_freq, scale
+
     def unrotate(self, keys: torch.Tensor, layer: int, positions: torch.Tensor) -> torch.Tensor:
         """Post-RoPE ``keys`` [..., n, D] at cache indices ``positions`` (broadcast to [..., n]) -> pre-RoPE,
         in float32 (float64 for float64 keys)."""

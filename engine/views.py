@@ -48,9 +48,10 @@ def layer_view(engine: CompressionEngine, layer: int) -> LayerView:
             residual_basis=window.residual_basis[kind],
             gates=engine.router.gates(layer, kind),
             exact=window.exact[kind],
+            quantizer=engine.quantizers[kind],
         )
     return LayerView(
         layer=layer, group=group_index, member=member, packed_tokens=window.compressed_tokens,
         passed_tokens=window.passed_tokens, flushes=stores["keys"].flushes, keys=kinds["keys"],
-        values=kinds["values"], positions=window.positions, scratch=engine.kernel_state, scores=window.scores, key_space=engine.settings.key_space,
+        values=kinds["values"], positions=window.positions, scratch=engine.kernel_state, scores=window.scores, key_space=engine.settings.key_space, rotary=engine.rotary,
     )

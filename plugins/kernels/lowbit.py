@@ -1,0 +1,164 @@
+"""``lowbit``: decode attention read straight from low-bit keys and values (the frontier pipelines of
+docs/frontier.md), by the Triton kernel of :mod:`kvweave.kernels.lowbit_decode`.
+
+Keys packed as ``channel-group.v1`` (per channel over token groups, uniform 2- or 4-bit codes, exact
+outliers) and stored before the rotary embedding (``key_space = "pre-rope"``; post-RoPE works too) are
+dequantized and rotated at each token's position in registers, from the model's ``inv_freq``; values packed
+as ``rotated-token.v1`` (2- or 4-bit codes per token after a fixed rotation, symmetric, normal or uniform
+levels) are summed in the rotated space and rotated back once per query. Nothing is reconstructed in memory:
+the cache's ``update`` returns only the exact window for one-token forwards, and kvweave's attention calls
+:meth:`LowbitKernel.attend` with the layer's view. Prompts (several tokens) run the model's sdpa over
+reconstructed K/V, as with every kernel.
+
+Refused when the pipeline is resolved, naming the slot: ``compress = false``, a basis other than
+``identity``, residual rank levels, an evictor that drops tokens, other packed formats, 3-bit codes,
+non-uniform key levels, asymmetric values. Refused when the cache is built: head_dim not 64, 128 or 256, a
+rotary embedding whose angles are not ``position * inv_freq``.
+
+``backend``: ``auto`` runs the Triton kernel on CUDA tensors and its torch twin elsewhere; ``triton`` and
+``torch`` force one (``triton`` on a CPU needs ``TRITON_INTERPRET=1``).
+"""
+
+from __future__ import annotations
+
+from typing import Any, ClassVar
+
+import attrs
+
+from kvweave.core import hookimpl
+from kvweave.core.errors import CacheStateError, ComponentError, ModelError
+from kvweave.core.interfaces import AttentionKernel, PipelineSlots
+from kvweave.core.lazy import torch
+from kvweave.core.params import choice
+from kvweave.core.view import LayerView
+from kvweave.kernels.lowbit_decode import LowbitView, lowbit_decode, torch_lowbit_decode
+
+from .fused import first_positions
+
+BACKENDS = ("auto", "triton", "torch")
+HEAD_DIMS = (64, 128, 256)
+KEY_FORMAT = "channel-group.v1"
+VALUE_FORMAT = "rotated-token.v1"
+CODE_BITS = (2, 4)
+
+
+@attrs.frozen
+class LowbitKernel(AttentionKernel):
+    """Attend over channel-group keys (pre- or post-RoPE) and rotated-token values without reconstructing K/V."""
+
+    materializes: ClassVar[bool] = False
+    pre_rope_keys: ClassVar[bool] = True
+    coefficient_formats: ClassVar[tuple[str, ...]] = (KEY_FORMAT, VALUE_FORMAT)
+
+    backend: str = attrs.field(default="auto", validator=choice(BACKENDS), metadata={"doc": "'auto' (Triton on CUDA, the torch twin elsewhere), 'triton' or 'torch'"})
+
+    # ---------------------------------------------------------------------------------- checks
+    def check_pipeline(self, pipeline: PipelineSlots, slot: str) -> None:
+        where = f"pipeline '{pipeline.name}': slot '{slot}' ('{pipeline.use(slot)}')"
+        if not pipeline.settings.compress:
+            raise ComponentError(f"{where} reads packed storage, but the pipeline stores nothing packed (compress = false); use kernel 'reference'")
+        if pipeline.use("basis") != "identity":
+            raise ComponentError(f"{where} reads keys and values quantized as they are, but slot 'basis' is '{pipeline.use('basis')}'; use basis 'identity' or kernel 'reference'")
+        if any(rank > 0 for rank in pipeline.component("router").levels()):
+            raise ComponentError(f"{where} reads no residuals, but slot 'router' ('{pipeline.use('router')}') gives residual ranks; use kernel 'reference'")
+        if "evictor" in pipeline.slots and getattr(pipeline.component("evictor"), "evicts", False):
+            raise ComponentError(f"{where} attends over every stored token, but slot 'evictor' ('{pipeline.use('evictor')}') evicts tokens; use kernel 'reference'")
+        keys = self._quantizer(pipeline, "keys", KEY_FORMAT, where)
+        if getattr(keys, "levels", "uniform") != "uniform" or keys.bits not in CODE_BITS:
+            raise ComponentError(f"{where} reads keys as uniform {' or '.join(map(str, CODE_BITS))}-bit codes, not {keys.bits}-bit {keys.levels}; use kernel 'reference'")
+        values = self._quantizer(pipeline, "values", VALUE_FORMAT, where)
+        if values.bits not in CODE_BITS or not values.symmetric:
+            raise ComponentError(f"{where} reads values as symmetric {' or '.join(map(str, CODE_BITS))}-bit codes, not {values.bits}-bit "
+                                 f"{'symmetric' if values.symmetric else 'asymmetric'}; use kernel 'reference'")
+
+    @staticmethod
+    def _quantizer(pipeline: PipelineSlots, kind: str, packed: str, where: str) -> Any:
+        quantizer = pipeline.component_for("quantizer", kind).for_kind(kind)  # type: ignore[attr-defined]
+        if quantizer.packed_format != packed:
+            slot = f"{kind}.quantizer" if f"{kind}.quantizer" in pipeline.slots else "quantizer"  # type: ignore[attr-defined]
+            writer = "channel-group" if packed == KEY_FORMAT else "rotated-token"
+            raise ComponentError(f"{where} reads {kind} packed as {packed}, but slot '{slot}' ('{pipeline.use(slot)}') packs "
+                                 f"{quantizer.packed_format}; use {slot} '{writer}' or kernel 'reference'")
+        return quantizer
+
+    def check_engine(self, engine: Any) -> None:
+        where = f"pipeline '{engine.pipeline.name}': slot 'kernel' ('{engine.pipeline.use('kernel')}')"
+        if engine.shape.head_dim not in HEAD_DIMS:
+            raise ModelError(f"{where} takes head_dim {HEAD_DIMS}; this model's head_dim {engine.shape.head_dim} is not one of them; use kernel 'reference'")
+        if engine.evicts or engine.accumulates:
+            raise ComponentError(f"{where}: the pipeline evicts tokens or accumulates attention; use kernel 'reference'")
+
+    # ---------------------------------------------------------------------------------- views
+    def lowbit_view(self, view: LayerView, device: torch.device) -> LowbitView:
+        """``view``'s packed storage as the kernel reads it (views of the stored tensors; the level table,
+        rotation and rotary angles kept in ``view.scratch``)."""
+        exact_k, exact_v = view.keys.exact, view.values.exact
+        if exact_k is None or exact_v is None:
+            raise CacheStateError(f"layer {view.layer}: the cache holds nothing for this layer yet")
+        for kind_view, packed in ((view.keys, KEY_FORMAT), (view.values, VALUE_FORMAT)):
+            if kind_view.coefficient_format != packed:
+                raise CacheStateError(f"layer {view.layer}: the {kind_view.kind} are packed as {kind_view.coefficient_format}; the lowbit kernel reads {packed}")
+        batch, heads, _, dim = exact_k.shape
+        kq, vq = view.keys.quantizer, view.values.quantizer
+        tables = view.scratch.get(("lowbit", view.layer, device))
+        if tables is None:
+            tables = self._tables(view, kq, vq, dim, device)
+            view.scratch[("lowbit", view.layer, device)] = tables
+        levels, rotation, inv_freq, rope_scale = tables
+        tokens = view.packed_tokens
+        k, v = view.keys.coefficients, view.values.coefficients
+
+        def rows(tensor: torch.Tensor, row: int) -> torch.Tensor:
+            return tensor[row].reshape(batch * heads, *tensor.shape[-2:])
+
+        if tokens == 0:
+            blank = exact_k.new_zeros(batch * heads, 0, 1, dtype=torch.uint8)
+            half = exact_k.new_zeros(batch * heads, 0, dim, dtype=torch.float16)
+            return LowbitView(0, view.passed_tokens, blank, half, half, None, None, kq.bits, kq.group, blank, half, vq.bits,
+                              min(vq.group, dim), levels, rotation, inv_freq, rope_scale, exact_k, exact_v)
+        kr, vr = view.keys.coefficient_row, view.values.coefficient_row
+        outliers = kq.outliers > 0
+        return LowbitView(
+            tokens=tokens, first=view.passed_tokens - tokens,
+            k_codes=rows(k["codes"], kr), k_zero=rows(k["zero"], kr), k_scale=rows(k["scale"], kr),
+            k_out_index=rows(k["outlier_index"], kr) if outliers else None,
+            k_out_value=rows(k["outlier_value"], kr) if outliers else None,
+            k_bits=kq.bits, k_group=kq.group, v_codes=rows(v["codes"], vr), v_scale=rows(v["scale"], vr),
+            v_bits=vq.bits, v_group=min(vq.group, dim), v_levels=levels, rotation=rotation, inv_freq=inv_freq,
+            rope_scale=rope_scale, exact_k=exact_k, exact_v=exact_v,
+        )
+
+    @staticmethod
+    def _tables(view: LayerView, kq: Any, vq: Any, dim: int, device: torch.device) -> tuple:
+        from kvweave.plugins.quantizers._bitpack import normal_levels
+        from kvweave.plugins.quantizers.rotated_token import rotation_matrix
+
+        count = 1 << vq.bits
+        if vq.levels == "normal":
+            levels = torch.tensor(normal_levels(vq.bits), dtype=torch.float32, device=device)
+        else:
+            levels = torch.arange(count, dtype=torch.float32, device=device) - (count - 1) / 2
+        rotation = rotation_matrix(vq.rotation, vq.seed, dim, str(device)).float().contiguous()
+        if view.key_space != "pre-rope":
+            return levels, rotation, None, 1.0
+        if view.rotary is None:
+            raise CacheStateError(f"layer {view.layer}: keys are stored before RoPE but the cache has no rotary module; build it with build_cache(pipeline, model)")
+        inv_freq, scale = view.rotary.frequencies(view.layer)
+        return levels, rotation, inv_freq.to(device).contiguous(), scale
+
+    # ---------------------------------------------------------------------------------- attention
+    def attend(self, view: LayerView, query: torch.Tensor, attention_mask: Any, scaling: float) -> torch.Tensor:
+        """``query`` [B, Hq, 1, D] over ``view``'s packed tokens and exact window -> [B, 1, Hq, D]."""
+        if query.shape[-2] != 1:
+            raise CacheStateError(f"the lowbit kernel decodes one token per sequence; layer {view.layer} got {query.shape[-2]}")
+        packed = self.lowbit_view(view, query.device)
+        start = first_positions(view.scratch, attention_mask, query.device)
+        q = query[:, :, 0, :]
+        use_triton = self.backend == "triton" or (self.backend == "auto" and query.is_cuda)
+        out = (lowbit_decode if use_triton else torch_lowbit_decode)(packed, q, start, scaling)
+        return out.to(query.dtype).unsqueeze(1)
+
+
+@hookimpl
+def kvweave_register_kernels(registrar) -> None:
+    registrar.add("lowbit", LowbitKernel)
