@@ -168,6 +168,7 @@ if triton is not None:
         tokens, heads, splits, split_len, first, rope_scale, scaling,
         D: tl.constexpr, G: tl.constexpr, KBITS: tl.constexpr, KGROUP: tl.constexpr, KO: tl.constexpr,
         VBITS: tl.constexpr, VGROUP: tl.constexpr, ROPE: tl.constexpr, HAS_START: tl.constexpr, BLOCK: tl.constexpr,
+        LOWP: tl.constexpr,
     ):
         bh = tl.program_id(0)
         split = tl.program_id(1)
@@ -200,7 +201,10 @@ if triton is not None:
                 other = _dequant(kc_ptr, kz_ptr, ks_ptr, koi_ptr, kov_ptr, row_off, t_idx, t_ok, partner, D, KBITS, KGROUP, KO)
                 angle = (first + t_idx).to(tl.float32)[:, None] * freq[None, :]
                 keys = (keys * tl.cos(angle) + sign[None, :] * other * tl.sin(angle)) * rope_scale
-            s = tl.dot(q, tl.trans(keys), input_precision="ieee")  # [G, BLOCK]
+            if LOWP:  # tensor cores: bfloat16 operands (what sdpa over bfloat16 keys computes), float32 sums
+                s = tl.dot(q.to(tl.bfloat16), tl.trans(keys.to(tl.bfloat16)))  # [G, BLOCK]
+            else:
+                s = tl.dot(q, tl.trans(keys), input_precision="ieee")
             visible = t_ok
             if HAS_START:
                 visible = visible & ((first + t_idx) >= start)
@@ -214,7 +218,10 @@ if triton is not None:
             level = tl.load(vlev_ptr + code)
             vscale = tl.load(vs_ptr + row_off * v_groups + t_idx[:, None] * v_groups + (chan // VGROUP)[None, :], mask=t_ok[:, None], other=0.0).to(tl.float32)
             values = level * vscale
-            acc = acc * alpha[:, None] + tl.dot(p, values, input_precision="ieee")
+            if LOWP:
+                acc = acc * alpha[:, None] + tl.dot(p.to(tl.bfloat16), values.to(tl.bfloat16))
+            else:
+                acc = acc * alpha[:, None] + tl.dot(p, values, input_precision="ieee")
             l_i = l_i * alpha + tl.sum(p, 1)
             m_i = m_new
         out = (bh * splits + split) * G
@@ -230,7 +237,9 @@ def choose_splits(tokens: int, programs: int, target: int = 264) -> int:
 
 
 def lowbit_decode(view: LowbitView, q: torch.Tensor, start: torch.Tensor | None, scaling: float) -> torch.Tensor:
-    """The Triton path of :func:`torch_lowbit_decode`: [B, Hq, D] float32."""
+    """The Triton path of :func:`torch_lowbit_decode`: [B, Hq, D] float32. On a GPU the two products of
+    each tile take bfloat16 operands (float32 sums), as sdpa over the reference path's bfloat16 keys does;
+    under ``TRITON_INTERPRET=1`` they stay float32, so the tests compare it with the twin closely."""
     if triton is None:
         raise RuntimeError("the lowbit kernel needs Triton; use backend 'torch'")
     batch, q_heads, dim = q.shape
@@ -257,7 +266,7 @@ def lowbit_decode(view: LowbitView, q: torch.Tensor, start: torch.Tensor | None,
         start if start is not None else m, m, l, acc,
         view.tokens, heads, splits, split_len, view.first, float(view.rope_scale), float(scaling),
         D=dim, G=rows, KBITS=view.k_bits, KGROUP=view.k_group, KO=ko, VBITS=view.v_bits, VGROUP=view.v_group,
-        ROPE=view.inv_freq is not None, HAS_START=start is not None, BLOCK=BLOCK_T,
+        ROPE=view.inv_freq is not None, HAS_START=start is not None, BLOCK=BLOCK_T, LOWP=q.is_cuda,
     )
     top = m.amax(1)  # [BH, rows]
     safe = torch.where(torch.isinf(top), torch.zeros_like(top), top)

@@ -1,0 +1,138 @@
+"""Decode attention alone: the ``lowbit`` kernel (prerope-k4v2's storage: 4-bit pre-RoPE keys per channel
+with one exact outlier, 2-bit rotated values) against SDPA over a full bf16 cache.
+
+    python benchmarks/lowbit_kernel.py [--tokens 32768,65536,131072] [--batches 1,8,32] [--out DIR]
+
+Shape: Llama-3-8B attention (32 query heads, 8 KV heads, head_dim 128, rope theta 500000), one new query
+token per sequence. The packed storage is written by the real quantizers (``channel-group`` 4-bit, group 64,
+one outlier; ``rotated-token`` 2-bit, normal levels) from random keys and values; the exact window holds
+16 tokens. Reported per (T, B): SDPA and kernel time (median of ``--reps`` calls, CUDA events), speed-up,
+the bytes the kernel reads (``nbytes`` of every packed tensor and the exact window), the bandwidth that
+implies and its share of the measured copy bandwidth, the bytes ratio against the bf16 cache, and the
+largest difference from the torch twin (checked at the smallest size). A table on stdout, JSON in ``--out``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from kvweave.kernels.lowbit_decode import LowbitView, lowbit_decode, torch_lowbit_decode
+from kvweave.plugins.quantizers._bitpack import normal_levels
+from kvweave.plugins.quantizers.channel_group import ChannelGroupQuantizer
+from kvweave.plugins.quantizers.rotated_token import RotatedTokenQuantizer, rotation_matrix
+
+Q_HEADS, KV_HEADS, HEAD_DIM, THETA, WINDOW = 32, 8, 128, 500000.0, 16
+
+
+def timed(fn, reps: int) -> float:
+    """Median microseconds of ``fn()`` over ``reps`` runs (CUDA events, after 3 warm-up runs)."""
+    for _ in range(3):
+        fn()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(reps):
+        start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        stop.record()
+        stop.synchronize()
+        times.append(start.elapsed_time(stop) * 1000)
+    return sorted(times)[len(times) // 2]
+
+
+def copy_bandwidth(nbytes: int = 2 << 30) -> float:
+    """Bytes per second of a device-to-device copy (read + write counted)."""
+    src = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
+    dst = torch.empty_like(src)
+    return 2 * nbytes / (timed(lambda: dst.copy_(src), 10) * 1e-6)
+
+
+def packed_view(batch: int, tokens: int, device: str = "cuda") -> LowbitView:
+    """Random keys and values packed the way prerope-k4v2 packs them, [B * 8 heads, T, 128], in chunks."""
+    kq, vq = ChannelGroupQuantizer(bits=4, group=64, outliers=1), RotatedTokenQuantizer(bits=2)
+    rows = batch * KV_HEADS
+    fields: dict[str, list] = {}
+    gen = torch.Generator(device=device).manual_seed(0)
+    widths = torch.exp(torch.randn(HEAD_DIM, generator=gen, device=device))
+    for first in range(0, rows, 8):
+        count = min(8, rows - first)
+        keys = torch.randn(count, tokens, HEAD_DIM, generator=gen, device=device) * widths
+        values = torch.randn(count, tokens, HEAD_DIM, generator=gen, device=device)
+        for name, tensor in kq.quantize(keys).items():
+            fields.setdefault("k_" + name, []).append(tensor)
+        for name, tensor in vq.quantize(values).items():
+            fields.setdefault("v_" + name, []).append(tensor)
+        del keys, values
+    f = {name: torch.cat(parts) for name, parts in fields.items()}
+    inv_freq = 1.0 / THETA ** (torch.arange(0, HEAD_DIM, 2, device=device, dtype=torch.float32) / HEAD_DIM)
+    exact = torch.randn(batch, KV_HEADS, WINDOW, HEAD_DIM, device=device, dtype=torch.bfloat16)
+    return LowbitView(
+        tokens=tokens, first=0, k_codes=f["k_codes"], k_zero=f["k_zero"], k_scale=f["k_scale"],
+        k_out_index=f["k_outlier_index"], k_out_value=f["k_outlier_value"], k_bits=4, k_group=64,
+        v_codes=f["v_codes"], v_scale=f["v_scale"], v_bits=2, v_group=64,
+        v_levels=torch.tensor(normal_levels(2), device=device, dtype=torch.float32),
+        rotation=rotation_matrix("hadamard", 0, HEAD_DIM, device).float().contiguous(), inv_freq=inv_freq,
+        rope_scale=1.0, exact_k=exact, exact_v=exact.clone(),
+    )
+
+
+def view_bytes(view: LowbitView) -> int:
+    tensors = [view.k_codes, view.k_zero, view.k_scale, view.k_out_index, view.k_out_value, view.v_codes, view.v_scale,
+               view.exact_k, view.exact_v]
+    return sum(t.nbytes for t in tensors if t is not None)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--tokens", default="32768,65536,131072")
+    parser.add_argument("--batches", default="1,8,32")
+    parser.add_argument("--reps", type=int, default=30)
+    parser.add_argument("--out", default="results/lowbit_kernel")
+    args = parser.parse_args()
+    if not torch.cuda.is_available():
+        raise SystemExit("lowbit_kernel.py times CUDA kernels; run it on a GPU machine")
+    bandwidth = copy_bandwidth()
+    print(f"{torch.cuda.get_device_name()}: copy bandwidth {bandwidth / 1e12:.2f} TB/s (read + write)")
+    scale = HEAD_DIM ** -0.5
+    small = packed_view(1, 4096)
+    q_small = torch.randn(1, Q_HEADS, HEAD_DIM, device="cuda")
+    twin = float((lowbit_decode(small, q_small, None, scale) - torch_lowbit_decode(small, q_small, None, scale)).abs().max())
+    print(f"largest difference from the torch twin (T = 4096, B = 1): {twin:.2e}\n")
+    rows = []
+    print("| T | B | SDPA us | lowbit us | speed-up | bytes read | GB/s | % of copy bw | bytes ratio |")
+    print("|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+    for tokens in (int(t) for t in args.tokens.split(",")):
+        for batch in (int(b) for b in args.batches.split(",")):
+            full_bytes = 2 * batch * KV_HEADS * (tokens + WINDOW) * HEAD_DIM * 2
+            if full_bytes > 60e9:
+                continue
+            view = packed_view(batch, tokens)
+            q = torch.randn(batch, Q_HEADS, HEAD_DIM, device="cuda", dtype=torch.bfloat16)
+            keys = torch.randn(batch, KV_HEADS, tokens + WINDOW, HEAD_DIM, device="cuda", dtype=torch.bfloat16)
+            values = torch.randn_like(keys)
+            sdpa = timed(lambda: F.scaled_dot_product_attention(q[:, :, None], keys, values, enable_gqa=True), args.reps)
+            kernel = timed(lambda: lowbit_decode(view, q, None, scale), args.reps)
+            read = view_bytes(view)
+            row = {"tokens": tokens, "batch": batch, "sdpa_us": sdpa, "kernel_us": kernel, "speedup": sdpa / kernel,
+                   "bytes_read": read, "gbps": read / kernel / 1e3, "of_copy": read / (kernel * 1e-6) / bandwidth,
+                   "bytes_ratio": full_bytes / read}
+            rows.append(row)
+            print(f"| {tokens} | {batch} | {sdpa:.1f} | {kernel:.1f} | {row['speedup']:.2f}x | {read / 1e6:.1f} MB | "
+                  f"{row['gbps']:.0f} | {100 * row['of_copy']:.0f}% | {row['bytes_ratio']:.2f}x |")
+            del view, keys, values
+            torch.cuda.empty_cache()
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    stamp = datetime.date.today().isoformat()
+    (out / "lowbit_kernel.json").write_text(json.dumps({"date": stamp, "device": torch.cuda.get_device_name(),
+                                                        "copy_bandwidth": bandwidth, "twin_difference": twin, "rows": rows}, indent=1))
+
+
+if __name__ == "__main__":
+    main()
