@@ -19,6 +19,7 @@ import datetime
 import json
 from pathlib import Path
 
+import attrs
 import torch
 import torch.nn.functional as F
 
@@ -93,6 +94,10 @@ def main() -> None:
     parser.add_argument("--tokens", default="32768,65536,131072")
     parser.add_argument("--batches", default="1,8,32")
     parser.add_argument("--reps", type=int, default=30)
+    parser.add_argument("--block", type=int, default=16, help="tokens per loop step of a kernel program (divides 64)")
+    parser.add_argument("--num-warps", type=int, default=4, help="warps per kernel program")
+    parser.add_argument("--general", action="store_true", help="time the general kernel instead of the sub-tile one")
+    parser.add_argument("--post-rope", action="store_true", help="keys stored after RoPE (no rotation in the kernel)")
     parser.add_argument("--out", default="results/lowbit_kernel")
     args = parser.parse_args()
     if not torch.cuda.is_available():
@@ -102,7 +107,7 @@ def main() -> None:
     scale = HEAD_DIM ** -0.5
     small = packed_view(1, 4096)
     q_small = torch.randn(1, Q_HEADS, HEAD_DIM, device="cuda")
-    twin = float((lowbit_decode(small, q_small, None, scale) - torch_lowbit_decode(small, q_small, None, scale)).abs().max())
+    twin = float((lowbit_decode(small, q_small, None, scale, args.block, args.num_warps, not args.general) - torch_lowbit_decode(small, q_small, None, scale)).abs().max())
     print(f"largest difference from the torch twin (T = 4096, B = 1): {twin:.2e}\n")
     rows = []
     print("| T | B | SDPA us | lowbit us | speed-up | bytes read | GB/s | % of copy bw | bytes ratio |")
@@ -113,11 +118,13 @@ def main() -> None:
             if full_bytes > 60e9:
                 continue
             view = packed_view(batch, tokens)
+            if args.post_rope:
+                view = attrs.evolve(view, inv_freq=None)
             q = torch.randn(batch, Q_HEADS, HEAD_DIM, device="cuda", dtype=torch.bfloat16)
             keys = torch.randn(batch, KV_HEADS, tokens + WINDOW, HEAD_DIM, device="cuda", dtype=torch.bfloat16)
             values = torch.randn_like(keys)
             sdpa = timed(lambda: F.scaled_dot_product_attention(q[:, :, None], keys, values, enable_gqa=True), args.reps)
-            kernel = timed(lambda: lowbit_decode(view, q, None, scale), args.reps)
+            kernel = timed(lambda: lowbit_decode(view, q, None, scale, args.block, args.num_warps, not args.general), args.reps)
             read = view_bytes(view)
             row = {"tokens": tokens, "batch": batch, "sdpa_us": sdpa, "kernel_us": kernel, "speedup": sdpa / kernel,
                    "bytes_read": read, "gbps": read / kernel / 1e3, "of_copy": read / (kernel * 1e-6) / bandwidth,

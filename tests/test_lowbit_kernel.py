@@ -1,0 +1,118 @@
+"""The ``lowbit`` kernel: decode attention read in place from channel-group keys (rotated at each token's
+position in registers) and rotated-token values. The Triton kernel (under ``TRITON_INTERPRET=1`` on a CPU,
+set by conftest.py) against its torch twin, and the twin against the reference path's reconstructed K/V."""
+
+from __future__ import annotations
+
+import textwrap
+
+import attrs
+import pytest
+import torch
+
+from kvweave.core.errors import ComponentError, RegistryError
+from kvweave.core.registry import load_pipeline, load_registry
+from kvweave.engine import build_cache, cache_kwargs
+from kvweave.kernels.lowbit_decode import lowbit_decode, torch_keys, torch_lowbit_decode
+
+from conftest import tiny_llama, write_registry
+
+VARIANTS = textwrap.dedent("""
+    [pipelines.t-lowbit-post]
+    extends = "prerope-k4v2-lowbit"
+    key_space = "post-rope"
+
+    [pipelines.t-lowbit-k2v4]
+    extends = "prerope-k4v2-lowbit"
+    [pipelines.t-lowbit-k2v4.keys.quantizer]
+    bits = 2
+    outliers = 2
+    [pipelines.t-lowbit-k2v4.values.quantizer]
+    bits = 4
+    levels = "uniform"
+
+    [pipelines.t-lowbit-k3]
+    extends = "prerope-k4v2-lowbit"
+    [pipelines.t-lowbit-k3.keys.quantizer]
+    bits = 3
+
+    [pipelines.t-lowbit-alloc]
+    extends = "prerope-a3v2"
+    [pipelines.t-lowbit-alloc.kernel]
+    use = "lowbit"
+
+    [pipelines.t-lowbit-asym]
+    extends = "prerope-k4v2-lowbit"
+    [pipelines.t-lowbit-asym.values.quantizer]
+    symmetric = false
+""")
+
+
+@pytest.fixture(scope="module")
+def registry(tmp_path_factory):
+    return load_registry(write_registry(tmp_path_factory.mktemp("lowbit"), "lowbit", VARIANTS))
+
+
+@pytest.fixture(scope="module")
+def model():
+    return tiny_llama(torch.float32, hidden=256, layers=2)  # head_dim 64
+
+
+def _generate(model, cache, ids, mask):
+    with torch.no_grad():
+        return model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=16, do_sample=False, output_scores=True,
+                              return_dict_in_generate=True, pad_token_id=0, **cache_kwargs(model, cache))
+
+
+@pytest.mark.parametrize("name", ["prerope-k4v2-lowbit", "t-lowbit-post", "t-lowbit-k2v4"])
+def test_the_kernel_decodes_what_the_reference_path_decodes(model, registry, name):
+    """A left-padded batch decodes to the same tokens, with the same scores to float rounding, as the same
+    storage reconstructed and attended by the model's own sdpa."""
+    ids = torch.randint(1, 128, (2, 200), generator=torch.Generator().manual_seed(1))
+    mask = torch.ones_like(ids)
+    mask[1, :23] = 0
+    pipeline = registry.resolve(name)
+    reference = attrs.evolve(pipeline, slots={**pipeline.slots, "kernel": load_pipeline("prerope-k4v2").slots["kernel"]})
+    ours, theirs = (_generate(model, build_cache(p, model), ids, mask) for p in (pipeline, reference))
+    assert torch.equal(ours.sequences, theirs.sequences)
+    assert max((a - b).abs().max().item() for a, b in zip(ours.scores, theirs.scores)) < 1e-4
+
+
+@pytest.mark.parametrize("name", ["prerope-k4v2-lowbit", "t-lowbit-post", "t-lowbit-k2v4"])
+def test_the_triton_kernel_matches_its_torch_twin(model, registry, name):
+    ids = torch.randint(1, 128, (2, 230), generator=torch.Generator().manual_seed(2))
+    mask = torch.ones_like(ids)
+    mask[0, :40] = 0
+    cache = build_cache(registry.resolve(name), model)
+    with torch.no_grad():
+        model(input_ids=ids, attention_mask=mask, use_cache=True, **cache_kwargs(model, cache))
+    view = cache.engine.kernel.lowbit_view(cache.engine.view(1), torch.device("cpu"))
+    assert view.tokens == 192 and view.exact_k.shape[-2] == 38
+    q = torch.randn(2, 4, 64, generator=torch.Generator().manual_seed(3))
+    start = torch.tensor([40, 0], dtype=torch.int32)
+    for first in (start, None):
+        twin = torch_lowbit_decode(view, q, first, 0.125)
+        for fast in (True, False):  # the sub-tile kernel (where 16 channels fill a sub-tile) and the general one
+            kernel = lowbit_decode(view, q, first, 0.125, block=16, fast=fast)
+            assert torch.allclose(kernel, twin, atol=1e-5), (fast, (kernel - twin).abs().max())
+
+
+def test_keys_rotated_in_registers_are_the_keys_the_engine_rotates(model):
+    ids = torch.randint(1, 128, (1, 150), generator=torch.Generator().manual_seed(4))
+    cache = build_cache(load_pipeline("prerope-k4v2-lowbit"), model)
+    with torch.no_grad():
+        model(input_ids=ids, use_cache=True, **cache_kwargs(model, cache))
+    view = cache.engine.kernel.lowbit_view(cache.engine.view(0), torch.device("cpu"))
+    ours = torch_keys(view).reshape(1, 2, view.tokens, 64)
+    engine = cache.engine.reconstruct(0, "keys", torch.float32)
+    assert torch.allclose(ours, engine, atol=1e-4)
+
+
+@pytest.mark.parametrize("name, match", [
+    ("t-lowbit-k3", "uniform 2 or 4-bit codes"),
+    ("t-lowbit-alloc", "packed as channel-group.v1"),
+    ("t-lowbit-asym", "symmetric 2 or 4-bit"),
+])
+def test_storage_the_kernel_cannot_read_is_refused_at_resolve_time(registry, name, match):
+    with pytest.raises((RegistryError, ComponentError), match=match):
+        registry.resolve(name)
