@@ -31,6 +31,12 @@ VARIANTS = textwrap.dedent("""
     bits = 4
     levels = "uniform"
 
+    [pipelines.t-lowbit-v4]
+    extends = "prerope-k4v2-lowbit"
+    [pipelines.t-lowbit-v4.values.quantizer]
+    bits = 4
+    levels = "uniform"
+
     [pipelines.t-lowbit-k3]
     extends = "prerope-k4v2-lowbit"
     [pipelines.t-lowbit-k3.keys.quantizer]
@@ -78,7 +84,7 @@ def test_the_kernel_decodes_what_the_reference_path_decodes(model, registry, nam
     assert max((a - b).abs().max().item() for a, b in zip(ours.scores, theirs.scores)) < 1e-4
 
 
-@pytest.mark.parametrize("name", ["prerope-k4v2-lowbit", "t-lowbit-post", "t-lowbit-k2v4"])
+@pytest.mark.parametrize("name", ["prerope-k4v2-lowbit", "t-lowbit-post", "t-lowbit-k2v4", "t-lowbit-v4"])
 def test_the_triton_kernel_matches_its_torch_twin(model, registry, name):
     ids = torch.randint(1, 128, (2, 230), generator=torch.Generator().manual_seed(2))
     mask = torch.ones_like(ids)

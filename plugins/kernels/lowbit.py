@@ -31,7 +31,7 @@ from kvweave.core.interfaces import AttentionKernel, PipelineSlots
 from kvweave.core.lazy import torch
 from kvweave.core.params import choice
 from kvweave.core.view import LayerView
-from kvweave.kernels.lowbit_decode import LowbitView, lowbit_decode, torch_lowbit_decode
+from kvweave.kernels.lowbit_decode import LowbitView, level_kind, lowbit_decode, torch_lowbit_decode
 
 from .fused import first_positions
 
@@ -104,7 +104,7 @@ class LowbitKernel(AttentionKernel):
         if tables is None:
             tables = self._tables(view, kq, vq, dim, device)
             view.scratch[("lowbit", view.layer, device)] = tables
-        levels, rotation, inv_freq, rope_scale = tables
+        levels, rotation, inv_freq, rope_scale, kind = tables
         tokens = view.packed_tokens
         k, v = view.keys.coefficients, view.values.coefficients
 
@@ -115,7 +115,7 @@ class LowbitKernel(AttentionKernel):
             blank = exact_k.new_zeros(batch * heads, 0, 1, dtype=torch.uint8)
             half = exact_k.new_zeros(batch * heads, 0, dim, dtype=torch.float16)
             return LowbitView(0, view.passed_tokens, blank, half, half, None, None, kq.bits, kq.group, blank, half, vq.bits,
-                              min(vq.group, dim), levels, rotation, inv_freq, rope_scale, exact_k, exact_v)
+                              min(vq.group, dim), levels, rotation, inv_freq, rope_scale, exact_k, exact_v, kind)
         kr, vr = view.keys.coefficient_row, view.values.coefficient_row
         outliers = kq.outliers > 0
         return LowbitView(
@@ -125,26 +125,20 @@ class LowbitKernel(AttentionKernel):
             k_out_value=rows(k["outlier_value"], kr) if outliers else None,
             k_bits=kq.bits, k_group=kq.group, v_codes=rows(v["codes"], vr), v_scale=rows(v["scale"], vr),
             v_bits=vq.bits, v_group=min(vq.group, dim), v_levels=levels, rotation=rotation, inv_freq=inv_freq,
-            rope_scale=rope_scale, exact_k=exact_k, exact_v=exact_v,
+            rope_scale=rope_scale, exact_k=exact_k, exact_v=exact_v, level_kind=kind,
         )
 
     @staticmethod
     def _tables(view: LayerView, kq: Any, vq: Any, dim: int, device: torch.device) -> tuple:
-        from kvweave.plugins.quantizers._bitpack import normal_levels
-        from kvweave.plugins.quantizers.rotated_token import rotation_matrix
-
-        count = 1 << vq.bits
-        if vq.levels == "normal":
-            levels = torch.tensor(normal_levels(vq.bits), dtype=torch.float32, device=device)
-        else:
-            levels = torch.arange(count, dtype=torch.float32, device=device) - (count - 1) / 2
-        rotation = rotation_matrix(vq.rotation, vq.seed, dim, str(device)).float().contiguous()
+        table = vq.level_table()
+        levels = torch.tensor(table, dtype=torch.float32, device=device)
+        rotation = vq.rotation_for(dim, device)
         if view.key_space != "pre-rope":
-            return levels, rotation, None, 1.0
+            return levels, rotation, None, 1.0, level_kind(table)
         if view.rotary is None:
             raise CacheStateError(f"layer {view.layer}: keys are stored before RoPE but the cache has no rotary module; build it with build_cache(pipeline, model)")
         inv_freq, scale = view.rotary.frequencies(view.layer)
-        return levels, rotation, inv_freq.to(device).contiguous(), scale
+        return levels, rotation, inv_freq.to(device).contiguous(), scale, level_kind(table)
 
     # ---------------------------------------------------------------------------------- attention
     def attend(self, view: LayerView, query: torch.Tensor, attention_mask: Any, scaling: float) -> torch.Tensor:

@@ -156,6 +156,21 @@ class RotatedTokenQuantizer(Quantizer):
     def _matrix(self, width: int, device: torch.device) -> torch.Tensor:
         return rotation_matrix(self.rotation, self.seed, width, str(device))
 
+    def rotation_for(self, width: int, device: torch.device) -> torch.Tensor:
+        """``Q`` [C, C] float32: a stored vector restores as ``(level * scale (+ zero)) @ Q`` (for kernels that
+        sum in the rotated space and rotate back once)."""
+        return self._matrix(width, device).float().contiguous()
+
+    def level_table(self) -> tuple[float, ...]:
+        """The value of each code before its scale: the normal levels, the mid-rise levels (uniform,
+        symmetric), or the code itself (uniform, asymmetric: ``zero`` is added)."""
+        count = 1 << self.bits
+        if self.levels == "normal":
+            return normal_levels(self.bits)
+        if self.symmetric:
+            return tuple(code - (count - 1) / 2 for code in range(count))
+        return tuple(float(code) for code in range(count))
+
     def quantize(self, x: torch.Tensor) -> dict[str, torch.Tensor]:
         width = x.shape[-1]
         self.check_width(width, "rotated-token.quantize")

@@ -1,0 +1,240 @@
+"""The ``@triton.jit`` kernels of the ``lowbit`` decode attention (launched by
+:func:`kvweave.kernels.lowbit_decode.lowbit_decode`, which documents what they read). Without triton
+installed the module defines no kernel (``triton`` is None)."""
+
+from __future__ import annotations
+
+try:  # the kernels need triton; the torch twin does not
+    import triton
+    import triton.language as tl
+except ImportError:  # pragma: no cover - exercised where triton is missing
+    triton = None
+
+if triton is not None:
+
+    @triton.jit
+    def _dequant(codes_ptr, zero_ptr, scale_ptr, oi_ptr, ov_ptr, row_off, t_idx, t_ok, chan,
+                 D: tl.constexpr, KBITS: tl.constexpr, KGROUP: tl.constexpr, KO: tl.constexpr):
+        """Keys [BLOCK_T, D] (channel order ``chan``) of tokens ``t_idx``, before the rotary embedding."""
+        per: tl.constexpr = 8 // KBITS
+        width: tl.constexpr = D * KBITS // 8
+        byte = tl.load(codes_ptr + row_off * width + t_idx[:, None] * width + (chan // per)[None, :], mask=t_ok[:, None], other=0)
+        code = (byte.to(tl.int32) >> ((chan % per) * KBITS)[None, :]) & ((1 << KBITS) - 1)
+        group_row = tl.min(t_idx) // KGROUP  # a tile lies within one token group (BLOCK divides KGROUP)
+        zero = tl.load(zero_ptr + (row_off // KGROUP) * D + group_row * D + chan).to(tl.float32)
+        scale = tl.load(scale_ptr + (row_off // KGROUP) * D + group_row * D + chan).to(tl.float32)
+        keys = zero[None, :] + code.to(tl.float32) * scale[None, :]
+        for o in tl.static_range(KO):
+            index = tl.load(oi_ptr + row_off * KO + t_idx * KO + o, mask=t_ok, other=0).to(tl.int32)
+            value = tl.load(ov_ptr + row_off * KO + t_idx * KO + o, mask=t_ok, other=0.0).to(tl.float32)
+            keys = tl.where(index[:, None] == chan[None, :], value[:, None], keys)
+        return keys
+
+    @triton.jit
+    def _lowbit_kernel(
+        q_ptr, kc_ptr, kz_ptr, ks_ptr, koi_ptr, kov_ptr, vc_ptr, vs_ptr, vlev_ptr, freq_ptr, start_ptr,
+        m_ptr, l_ptr, acc_ptr,
+        tokens, heads, splits, split_len, first, rope_scale, scaling,
+        D: tl.constexpr, G: tl.constexpr, KBITS: tl.constexpr, KGROUP: tl.constexpr, KO: tl.constexpr,
+        VBITS: tl.constexpr, VGROUP: tl.constexpr, ROPE: tl.constexpr, HAS_START: tl.constexpr, BLOCK: tl.constexpr,
+        LOWP: tl.constexpr,
+    ):
+        bh = tl.program_id(0)
+        split = tl.program_id(1)
+        batch = bh // heads
+        chan = tl.arange(0, D)
+        half: tl.constexpr = D // 2
+        partner = (chan + half) % D
+        sign = tl.where(chan < half, -1.0, 1.0)
+        gi = tl.arange(0, G)
+        q = tl.load(q_ptr + bh * G * D + gi[:, None] * D + chan[None, :]).to(tl.float32) * scaling
+        if ROPE:
+            freq = tl.load(freq_ptr + chan % half)
+        start = 0
+        if HAS_START:
+            start = tl.load(start_ptr + batch)
+        m_i = tl.full([G], float("-inf"), tl.float32)
+        l_i = tl.zeros([G], tl.float32)
+        acc = tl.zeros([G, D], tl.float32)
+        row_off = bh.to(tl.int64) * tokens  # 64-bit offsets: B x H x T x width passes 2**31 at long contexts
+        v_per: tl.constexpr = 8 // VBITS
+        v_width: tl.constexpr = D * VBITS // 8
+        v_groups: tl.constexpr = D // VGROUP
+        lo = split * split_len
+        hi = tl.minimum(lo + split_len, tokens)
+        for t0 in range(lo, hi, BLOCK):
+            t_idx = t0 + tl.arange(0, BLOCK)
+            t_ok = t_idx < hi
+            keys = _dequant(kc_ptr, kz_ptr, ks_ptr, koi_ptr, kov_ptr, row_off, t_idx, t_ok, chan, D, KBITS, KGROUP, KO)
+            if ROPE:
+                other = _dequant(kc_ptr, kz_ptr, ks_ptr, koi_ptr, kov_ptr, row_off, t_idx, t_ok, partner, D, KBITS, KGROUP, KO)
+                angle = (first + t_idx).to(tl.float32)[:, None] * freq[None, :]
+                # into [-pi, pi] before cos/sin (their large-argument path is slow): Cody-Waite with 2 pi =
+                # 6.28125 + 0.00193530717958647 (k * 6.28125 exact in float32 for k < 2**15, 200K positions)
+                turns = tl.floor(angle * 0.15915494309189535 + 0.5)
+                angle = (angle - turns * 6.28125) - turns * 0.0019353071795864769
+                keys = (keys * tl.cos(angle) + sign[None, :] * other * tl.sin(angle)) * rope_scale
+            if LOWP:  # tensor cores: bfloat16 operands (what sdpa over bfloat16 keys computes), float32 sums
+                s = tl.dot(q.to(tl.bfloat16), tl.trans(keys.to(tl.bfloat16)))  # [G, BLOCK]
+            else:
+                s = tl.dot(q, tl.trans(keys), input_precision="ieee")
+            visible = t_ok
+            if HAS_START:
+                visible = visible & ((first + t_idx) >= start)
+            s = tl.where(visible[None, :], s, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(s, 1))
+            m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+            alpha = tl.exp(m_i - m_safe)
+            p = tl.exp(s - m_safe[:, None])
+            byte = tl.load(vc_ptr + row_off * v_width + t_idx[:, None] * v_width + (chan // v_per)[None, :], mask=t_ok[:, None], other=0)
+            code = (byte.to(tl.int32) >> ((chan % v_per) * VBITS)[None, :]) & ((1 << VBITS) - 1)
+            level = tl.load(vlev_ptr + code)
+            vscale = tl.load(vs_ptr + row_off * v_groups + t_idx[:, None] * v_groups + (chan // VGROUP)[None, :], mask=t_ok[:, None], other=0.0).to(tl.float32)
+            values = level * vscale
+            if LOWP:
+                acc = acc * alpha[:, None] + tl.dot(p.to(tl.bfloat16), values.to(tl.bfloat16))
+            else:
+                acc = acc * alpha[:, None] + tl.dot(p, values, input_precision="ieee")
+            l_i = l_i * alpha + tl.sum(p, 1)
+            m_i = m_new
+        out = (bh * splits + split) * G
+        tl.store(m_ptr + out + gi, m_i)
+        tl.store(l_ptr + out + gi, l_i)
+        tl.store(acc_ptr + out * D + gi[:, None] * D + chan[None, :], acc)
+
+    @triton.jit
+    def _key_sub(kc_row, kz_row, ks_row, koi_row, kov_row, t_loc, t_ok, byte_idx, chan,
+                 R: tl.constexpr, KBITS: tl.constexpr, WIDTH: tl.constexpr, D: tl.constexpr, KO: tl.constexpr):
+        """Sub-tile ``R`` of a key tile: channels ``chan`` (= byte * per + R) from bytes ``byte_idx`` [NB]."""
+        byte = tl.load(kc_row + t_loc[:, None] * WIDTH + byte_idx[None, :], mask=t_ok[:, None], other=0)
+        code = (byte.to(tl.int32) >> (R * KBITS)) & ((1 << KBITS) - 1)
+        zero = tl.load(kz_row + chan).to(tl.float32)
+        scale = tl.load(ks_row + chan).to(tl.float32)
+        keys = zero[None, :] + code.to(tl.float32) * scale[None, :]
+        for o in tl.static_range(KO):
+            index = tl.load(koi_row + t_loc * KO + o, mask=t_ok, other=0).to(tl.int32)
+            value = tl.load(kov_row + t_loc * KO + o, mask=t_ok, other=0.0).to(tl.float32)
+            keys = tl.where(index[:, None] == chan[None, :], value[:, None], keys)
+        return keys
+
+    @triton.jit
+    def _value_sub(vc_row, vs_row, vlev_ptr, t_loc, t_ok, j, R: tl.constexpr, VBITS: tl.constexpr, VWIDTH: tl.constexpr,
+                   VGROUPS: tl.constexpr, VGROUP: tl.constexpr, LEVELS: tl.constexpr, l0, l1):
+        """Sub-tile ``R`` of a value tile (rotated space): channels ``j * per + R``."""
+        per: tl.constexpr = 8 // VBITS
+        byte = tl.load(vc_row + t_loc[:, None] * VWIDTH + j[None, :], mask=t_ok[:, None], other=0)
+        code = (byte.to(tl.int32) >> (R * VBITS)) & ((1 << VBITS) - 1)
+        if LEVELS == 1:  # uniform, symmetric: code - (2**bits - 1) / 2
+            level = code.to(tl.float32) - ((1 << VBITS) - 1) / 2
+        elif LEVELS == 2:  # the four normal levels -l1, -l0, l0, l1
+            level = tl.where(code >= 2, 1.0, -1.0) * tl.where((code == 0) | (code == 3), l1, l0)
+        else:
+            level = tl.load(vlev_ptr + code)
+        scale = tl.load(vs_row + t_loc[:, None] * VGROUPS + ((j * per + R) // VGROUP)[None, :], mask=t_ok[:, None], other=0.0)
+        return level * scale.to(tl.float32)
+
+    @triton.jit
+    def _lowbit_fast_kernel(
+        q_ptr, kc_ptr, kz_ptr, ks_ptr, koi_ptr, kov_ptr, vc_ptr, vs_ptr, vlev_ptr, freq_ptr, start_ptr,
+        m_ptr, l_ptr, acc_ptr,
+        tokens, heads, splits, split_len, first, rope_scale, scaling, l0, l1,
+        D: tl.constexpr, G: tl.constexpr, KBITS: tl.constexpr, KGROUP: tl.constexpr, KO: tl.constexpr,
+        VBITS: tl.constexpr, VGROUP: tl.constexpr, ROPE: tl.constexpr, HAS_START: tl.constexpr, BLOCK: tl.constexpr,
+        LOWP: tl.constexpr, LEVELS: tl.constexpr,
+    ):
+        """The kernel with each tile split into sub-tiles of channels ``byte * per + r`` taken straight from the
+        packed bytes (no per-element gather), each half of the head dequantized once and rotated pairwise."""
+        bh = tl.program_id(0)
+        split = tl.program_id(1)
+        batch = bh // heads
+        KP: tl.constexpr = 8 // KBITS
+        VP: tl.constexpr = 8 // VBITS
+        HALF: tl.constexpr = D // 2
+        NB: tl.constexpr = HALF // KP  # bytes of a half-head of keys
+        NV: tl.constexpr = D // VP  # bytes of a value
+        KWIDTH: tl.constexpr = D * KBITS // 8
+        VGROUPS: tl.constexpr = D // VGROUP
+        gi = tl.arange(0, G)
+        jb = tl.arange(0, NB)
+        jv = tl.arange(0, NV)
+        start = 0
+        if HAS_START:
+            start = tl.load(start_ptr + batch)
+        row = bh.to(tl.int64) * tokens
+        q_row = q_ptr + bh.to(tl.int64) * G * D
+        lo = split * split_len
+        hi = tl.minimum(lo + split_len, tokens)
+        m_i = tl.full([G], float("-inf"), tl.float32)
+        l_i = tl.zeros([G], tl.float32)
+        acc0 = tl.zeros([G, NV], tl.float32)
+        acc1 = tl.zeros([G, NV], tl.float32)
+        acc2 = tl.zeros([G, NV], tl.float32)
+        acc3 = tl.zeros([G, NV], tl.float32)
+        for t0 in range(lo, hi, BLOCK):
+            t_loc = tl.arange(0, BLOCK)
+            t_ok = t0 + t_loc < hi
+            kc_row = kc_ptr + (row + t0) * KWIDTH
+            kz_row = kz_ptr + (row + t0) // KGROUP * D  # a tile lies within one token group
+            ks_row = ks_ptr + (row + t0) // KGROUP * D
+            koi_row = koi_ptr + (row + t0) * KO
+            kov_row = kov_ptr + (row + t0) * KO
+            s = tl.zeros([G, BLOCK], tl.float32)
+            for r in tl.static_range(KP):
+                chan_lo = jb * KP + r
+                chan_hi = chan_lo + HALF
+                k_lo = _key_sub(kc_row, kz_row, ks_row, koi_row, kov_row, t_loc, t_ok, jb, chan_lo, r, KBITS, KWIDTH, D, KO)
+                k_hi = _key_sub(kc_row, kz_row, ks_row, koi_row, kov_row, t_loc, t_ok, jb + NB, chan_hi, r, KBITS, KWIDTH, D, KO)
+                if ROPE:
+                    freq = tl.load(freq_ptr + chan_lo)
+                    angle = (first + t0 + t_loc).to(tl.float32)[:, None] * freq[None, :]
+                    turns = tl.floor(angle * 0.15915494309189535 + 0.5)
+                    angle = (angle - turns * 6.28125) - turns * 0.0019353071795864769
+                    cos = tl.cos(angle) * rope_scale
+                    sin = tl.sin(angle) * rope_scale
+                    k_lo, k_hi = k_lo * cos - k_hi * sin, k_hi * cos + k_lo * sin
+                q_lo = tl.load(q_row + gi[:, None] * D + chan_lo[None, :]) * scaling
+                q_hi = tl.load(q_row + gi[:, None] * D + chan_hi[None, :]) * scaling
+                if LOWP:
+                    s += tl.dot(q_lo.to(tl.bfloat16), tl.trans(k_lo.to(tl.bfloat16)))
+                    s += tl.dot(q_hi.to(tl.bfloat16), tl.trans(k_hi.to(tl.bfloat16)))
+                else:
+                    s += tl.dot(q_lo, tl.trans(k_lo), input_precision="ieee")
+                    s += tl.dot(q_hi, tl.trans(k_hi), input_precision="ieee")
+            visible = t_ok
+            if HAS_START:
+                visible = visible & ((first + t0 + t_loc) >= start)
+            s = tl.where(visible[None, :], s, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(s, 1))
+            m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+            alpha = tl.exp(m_i - m_safe)
+            p = tl.exp(s - m_safe[:, None])
+            l_i = l_i * alpha + tl.sum(p, 1)
+            m_i = m_new
+            vc_row = vc_ptr + (row + t0) * NV
+            vs_row = vs_ptr + (row + t0) * VGROUPS
+            pl = p.to(tl.bfloat16) if LOWP else p
+            for r in tl.static_range(VP):
+                v = _value_sub(vc_row, vs_row, vlev_ptr, t_loc, t_ok, jv, r, VBITS, NV, VGROUPS, VGROUP, LEVELS, l0, l1)
+                if LOWP:
+                    part = tl.dot(pl, v.to(tl.bfloat16))
+                else:
+                    part = tl.dot(pl, v, input_precision="ieee")
+                if r == 0:
+                    acc0 = acc0 * alpha[:, None] + part
+                elif r == 1:
+                    acc1 = acc1 * alpha[:, None] + part
+                elif r == 2:
+                    acc2 = acc2 * alpha[:, None] + part
+                else:
+                    acc3 = acc3 * alpha[:, None] + part
+        out = (bh * splits + split) * G
+        tl.store(m_ptr + out + gi, m_i)
+        tl.store(l_ptr + out + gi, l_i)
+        base = acc_ptr + out.to(tl.int64) * D + gi[:, None] * D
+        tl.store(base + (jv * VP)[None, :], acc0)
+        tl.store(base + (jv * VP + 1)[None, :], acc1)
+        if VP > 2:
+            tl.store(base + (jv * VP + 2)[None, :], acc2)
+            tl.store(base + (jv * VP + 3)[None, :], acc3)
+
+
