@@ -23,35 +23,13 @@ import attrs
 import torch
 import torch.nn.functional as F
 
+from decode_kernel import copy_bandwidth, timed  # the same timing as the fused kernel's benchmark
 from kvweave.kernels.lowbit_decode import LowbitView, lowbit_decode, torch_lowbit_decode
 from kvweave.plugins.quantizers._bitpack import normal_levels
 from kvweave.plugins.quantizers.channel_group import ChannelGroupQuantizer
 from kvweave.plugins.quantizers.rotated_token import RotatedTokenQuantizer, rotation_matrix
 
 Q_HEADS, KV_HEADS, HEAD_DIM, THETA, WINDOW = 32, 8, 128, 500000.0, 16
-
-
-def timed(fn, reps: int) -> float:
-    """Median microseconds of ``fn()`` over ``reps`` runs (CUDA events, after 3 warm-up runs)."""
-    for _ in range(3):
-        fn()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(reps):
-        start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        stop.record()
-        stop.synchronize()
-        times.append(start.elapsed_time(stop) * 1000)
-    return sorted(times)[len(times) // 2]
-
-
-def copy_bandwidth(nbytes: int = 2 << 30) -> float:
-    """Bytes per second of a device-to-device copy (read + write counted)."""
-    src = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
-    dst = torch.empty_like(src)
-    return 2 * nbytes / (timed(lambda: dst.copy_(src), 10) * 1e-6)
 
 
 def packed_view(batch: int, tokens: int, device: str = "cuda") -> LowbitView:

@@ -322,17 +322,21 @@ def check_channel_group(quantizer, x: torch.Tensor) -> None:
     assert bool((error <= scale[..., None, :] / 2 + slack)[kept].all()), "beyond half a stored step"
 
 
-@st.composite
-def channel_group_cases(draw, factory):
-    quantizer = factory(
-        bits=draw(st.sampled_from((2, 3, 4))), group=draw(st.sampled_from((1, 2, 4, 8))),
-        outliers=draw(st.integers(0, 2)), levels=draw(st.sampled_from(("uniform", "normal"))),
-    )
+def token_group_case(draw, quantizer):
+    """``(quantizer, x)``: x [*leading, tokens, width] in whole token groups, at a width the quantizer takes."""
     width = draw(st.sampled_from(WIDTHS))
     assume(_accepts(quantizer, width))
     leading = draw(st.lists(st.integers(1, 3), min_size=0, max_size=2).map(tuple))
     tokens = quantizer.tokens_per_group() * draw(st.integers(1, 3))
     return quantizer, draw(tensors((*leading, tokens), width, low=-8.0, high=5.0))
+
+
+@st.composite
+def channel_group_cases(draw, factory):
+    return token_group_case(draw, factory(
+        bits=draw(st.sampled_from((2, 3, 4))), group=draw(st.sampled_from((1, 2, 4, 8))),
+        outliers=draw(st.integers(0, 2)), levels=draw(st.sampled_from(("uniform", "normal"))),
+    ))
 
 
 @PROPERTY
@@ -384,15 +388,10 @@ def check_channel_alloc(quantizer, x: torch.Tensor) -> None:
 
 @st.composite
 def channel_alloc_cases(draw, factory):
-    quantizer = factory(
+    return token_group_case(draw, factory(
         mean_bits=draw(st.sampled_from((1.0, 2.5, 3.0, 3.125, 3.5, 4.0, 6.0))), group=draw(st.sampled_from((1, 2, 4, 8))),
         outliers=draw(st.integers(0, 2)), pairs=draw(st.booleans()), max_bits=draw(st.sampled_from((4, 8))),
-    )
-    width = draw(st.sampled_from(WIDTHS))
-    assume(_accepts(quantizer, width))
-    leading = draw(st.lists(st.integers(1, 3), min_size=0, max_size=2).map(tuple))
-    tokens = quantizer.tokens_per_group() * draw(st.integers(1, 3))
-    return quantizer, draw(tensors((*leading, tokens), width, low=-8.0, high=5.0))
+    ))
 
 
 @PROPERTY
