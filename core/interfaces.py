@@ -81,6 +81,11 @@ class Component(ABC):
     """Common base of every component. ``group`` names the registration hook's group."""
 
     group: ClassVar[str] = ""
+    #: how it works when a model's KV heads are split over tensor-parallel ranks: "head-local" (a head's
+    #: storage depends on that head only), "rank-budget" (only a byte budget spans the heads), a sentence
+    #: saying why it cannot, or None: undeclared, refused under tensor parallelism (engine/sharding.py). Read
+    #: from the component's own class: a subclass declares it again
+    head_sharding: ClassVar[str | None] = None
 
     def check_model(self, shape: ModelShape) -> None:
         """Raise :class:`ModelError` if this component cannot work on a model of this shape."""
@@ -237,6 +242,9 @@ class Router(Component):
     needs_attention: ClassVar[bool] = False
     #: whether ``assign`` uses delimiter flags (the cache then needs the tokenizer and the token ids)
     needs_boundaries: ClassVar[bool] = False
+    #: one byte budget for keys and values together (the keys block, routed first, may take what the values'
+    #: coefficients of the same block leave); False: each keeps to its half of the target (engine/budget.py)
+    pools_budget: ClassVar[bool] = False
 
     @abstractmethod
     def levels(self) -> tuple[int, ...]:

@@ -85,7 +85,7 @@ class BudgetPlan:
         batch = first.exact[kind].shape[0]
         tokens = first.compressed_tokens + first.exact_tokens - dropped_tokens
         vectors = batch * tokens * len(members) * shape.num_kv_heads
-        if not getattr(engine.router, "pools_budget", False):
+        if not engine.router.pools_budget:
             target_bytes = vectors * shape.head_dim * 2 / self.target * engine.stores[group_index][kind].share
             return max(0.0, target_bytes - self._held(engine, group_index, kind, block_tokens, dropped_tokens))
         target_bytes = sum(vectors * shape.head_dim * 2 / self.target * engine.stores[group_index][k].share for k in KINDS)

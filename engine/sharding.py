@@ -46,25 +46,6 @@ HEAD_LOCAL = "head-local"
 RANK_BUDGET = "rank-budget"
 POLICIES = (HEAD_LOCAL, RANK_BUDGET)
 
-#: how kvweave's own components behave when the KV heads are split over ranks (a sentence: why they cannot)
-BUILTIN_POLICIES: dict[tuple[str, str], str] = {
-    **{("bases", name): HEAD_LOCAL for name in ("identity", "sketch-ema", "eigen-lowrank", "layer-share", "dct-depth")},
-    ("bases", "minicache"): "whether a token stays unmerged is decided on the angle between its two layers averaged over "
-                            "all KV heads, a statistic no rank has",
-    ("bases", "kvsharer"): "which layers share is calibrated on mean vectors taken over all KV heads together, so each rank "
-                           "would pair different layers",
-    **{("quantizers", name): HEAD_LOCAL for name in ("none", "int8-block", "int4-group", "channel-group", "rotated-token", "kivi")},
-    ("routers", "uniform"): HEAD_LOCAL,
-    ("routers", "sigmoid-multilevel"): RANK_BUDGET,  # one threshold shift per block over all heads' residual bytes
-    ("routers", "head-mode"): RANK_BUDGET,  # one lambda per block over all heads' routed bytes
-    ("probes", "none"): HEAD_LOCAL,
-    ("probes", "attention-output"): RANK_BUDGET,  # a group's budget share follows its worst head's error
-    ("probes", "prefill-logit"): "the probe positions every head is routed on are chosen by attention entropy averaged over "
-                                 "all query heads, a statistic no rank has",
-    **{("evictors", name): HEAD_LOCAL for name in ("none", "streaming-llm", "h2o", "snapkv", "pyramidkv")},
-    **{("kernels", name): HEAD_LOCAL for name in ("reference", "fused")},
-}
-BUILTIN_MODULES = "kvweave.plugins."
 
 
 @attrs.frozen
@@ -157,15 +138,11 @@ def detect_head_shard(model: Any) -> HeadShard | None:
 
 
 # ------------------------------------------------------------------------------------ policies
-def component_policy(group: str, name: str, component: Any) -> str | None:
+def component_policy(component: Any) -> str | None:
     """``head-local``, ``rank-budget``, a reason the component cannot work on a rank's share of the heads,
     or None when it declares nothing."""
-    declared = getattr(component, "head_sharding", None)
-    if declared is not None:
-        return str(declared)
-    if type(component).__module__.startswith(BUILTIN_MODULES):
-        return BUILTIN_POLICIES.get((group, name))
-    return None
+    declared = type(component).__dict__.get("head_sharding")  # its own class's word: a subclass may store otherwise
+    return None if declared is None else str(declared)
 
 
 def check_shardable(pipeline: Any, shard: HeadShard) -> dict[str, str]:
@@ -175,7 +152,7 @@ def check_shardable(pipeline: Any, shard: HeadShard) -> dict[str, str]:
     for slot, config in pipeline.slots.items():
         component = config.component
         group = SLOT_GROUPS.get(slot.rsplit(".", 1)[-1], "?")  # 'keys.quantizer' takes a quantizer
-        policy = component_policy(group, config.use, component)
+        policy = component_policy(component)
         where = f"pipeline '{pipeline.name}', slot '{slot}' ({group} '{config.use}')"
         if policy is None:
             raise ComponentError(

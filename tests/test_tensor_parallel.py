@@ -271,3 +271,19 @@ def test_two_gloo_processes_match_one_process_and_only_rank_0_prints(tiny_model_
         assert record["shard"] == [rank, 2] and record["kv_heads"] == 1 and record["query_heads"] == 2 and record["model_kv_heads"] == 2
         assert "pipeline 'freqdepthkv', slot 'probe'" in record["refusal"]
     assert not list(scratch.glob("kvweave-tp-rank*"))  # rank 1's copy of the results folder is gone
+
+
+def test_every_builtin_component_declares_how_it_shards():
+    """Each built-in component says on its class whether it works on a share of the KV heads (or why not),
+    so a new one cannot be refused under tensor parallelism by omission."""
+    from kvweave.core import plugins
+    from kvweave.engine.sharding import POLICIES
+
+    undeclared = []
+    for info in (i for group in plugins.catalog().components.values() for i in group.values()):
+        policy = info.factory.__dict__.get("head_sharding")
+        if info.factory.__module__.startswith("kvweave.") and (policy is None or (policy not in POLICIES and len(policy) < 40)):
+            undeclared.append(f"{info.group} '{info.name}'")
+    assert not undeclared, undeclared
+    assert check_shardable(load_pipeline("prerope-a3v2"), HeadShard(0, 2))["keys.quantizer"] == "head-local"
+    assert check_shardable(load_pipeline("prerope-k4v2-lowbit"), HeadShard(0, 2))["kernel"] == "head-local"

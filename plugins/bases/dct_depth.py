@@ -37,6 +37,8 @@ No stored state: ``F`` is a fixed function of ``G``.
 
 from __future__ import annotations
 
+from typing import ClassVar
+
 import math
 
 import attrs
@@ -99,6 +101,8 @@ def depth_blocks(num_layers: int, block: int, edge_block: int, edge_layers: int,
 @attrs.frozen
 class DctDepthBasis(BasisBuilder):
     """DC of an orthonormal depth DCT per block of layers (shared); high frequencies as routed residual rows."""
+
+    head_sharding: ClassVar[str] = "head-local"
 
     block: int = attrs.field(default=4, validator=integer(1, 64), metadata={"doc": "B, layers per block between the edges"})
     edge_block: int = attrs.field(default=2, validator=integer(1, 64), metadata={"doc": "layers per block within the first and last edge_layers layers"})

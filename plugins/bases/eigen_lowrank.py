@@ -17,6 +17,8 @@ State (batch on dim 0): ``basis`` [B, H, rank, D] in ``basis_dtype`` (float16 by
 
 from __future__ import annotations
 
+from typing import ClassVar
+
 import attrs
 
 from kvweave.core import hookimpl
@@ -31,6 +33,8 @@ DTYPES = DtypeTable("float16", "float32")
 @attrs.frozen
 class EigenLowRankBasis(BasisBuilder):
     """A fixed rank-``rank`` eigenbasis per layer and head, from the first compressed block."""
+
+    head_sharding: ClassVar[str] = "head-local"
 
     rank: int = attrs.field(default=32, validator=integer(1, 4096), metadata={"doc": "coefficients per token (<= head_dim)"})
     basis_dtype: str = attrs.field(default="float16", validator=choice(DTYPES), metadata={"doc": "dtype of the stored basis"})

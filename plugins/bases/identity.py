@@ -6,6 +6,8 @@ layers, so each layer is its own group.
 
 from __future__ import annotations
 
+from typing import ClassVar
+
 import attrs
 
 from kvweave.core import hookimpl
@@ -16,6 +18,8 @@ from kvweave.core.lazy import torch
 @attrs.frozen
 class IdentityBasis(BasisBuilder):
     """Coefficients [1, B, H, n, D] equal to the input vectors; no stored state."""
+
+    head_sharding: ClassVar[str] = "head-local"
 
     def coefficient_width(self, shape: ModelShape) -> int:
         return shape.head_dim

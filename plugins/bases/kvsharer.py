@@ -26,6 +26,8 @@ Here:
 
 from __future__ import annotations
 
+from typing import ClassVar
+
 import attrs
 
 from kvweave.core import hookimpl
@@ -55,6 +57,11 @@ def dissimilar_pairs(means: torch.Tensor, share_layers: int) -> dict[int, int]:
 @attrs.frozen
 class KVSharerBasis(BasisBuilder):
     """``share_layers`` layers reuse the stored K/V of the layer most dissimilar to them (calibrated once)."""
+
+    head_sharding: ClassVar[str] = (
+        "which layers share is calibrated on mean vectors taken over all KV "
+        "heads together, so each rank would pair different layers"
+    )
 
     share_layers: int = attrs.field(default=-1, validator=integer(-1), metadata={"doc": "layers that store nothing and reuse another layer's K/V (-1: share_fraction of the layers)"})
     share_fraction: float = attrs.field(default=0.25, validator=number(0.0, 0.5), metadata={"doc": "fraction of the layers that share, when share_layers = -1"})

@@ -17,6 +17,8 @@ do not overlap: ``[0..w-1], [w..2w-1], ...`` (the last may be shorter). No store
 
 from __future__ import annotations
 
+from typing import ClassVar
+
 import attrs
 
 from kvweave.core import hookimpl
@@ -32,6 +34,8 @@ MODES = ("mean", "first")
 @attrs.frozen
 class LayerShareBasis(BasisBuilder):
     """Every layer of a window of ``window`` layers decodes the same stored vector per token."""
+
+    head_sharding: ClassVar[str] = "head-local"
 
     window: int = attrs.field(default=2, validator=integer(1), metadata={"doc": "consecutive layers sharing one stored vector per token (the last window may be shorter)"})
     mode: str = attrs.field(default="mean", validator=choice(MODES), metadata={"doc": "'mean': the average of the window's layers (MiniCache-like); 'first': the first layer's vector (KVSharer-like reuse)"})

@@ -23,6 +23,7 @@ Here:
 
 from __future__ import annotations
 
+from typing import ClassVar
 
 import attrs
 
@@ -50,6 +51,11 @@ def slerp(u: torch.Tensor, v: torch.Tensor, t: float) -> torch.Tensor:
 @attrs.frozen
 class MiniCacheBasis(BasisBuilder):
     """Adjacent layer pairs from ``start_layer`` on share one SLERP-merged direction per token."""
+
+    head_sharding: ClassVar[str] = (
+        "whether a token stays unmerged is decided on the angle between its two "
+        "layers averaged over all KV heads, a statistic no rank has"
+    )
 
     start_layer: int = attrs.field(default=-1, validator=integer(-1), metadata={"doc": "first merged layer (-1: half the depth)"})
     t: float = attrs.field(default=0.6, validator=number(0.0, 1.0), metadata={"doc": "SLERP interpolation weight of the second layer of a pair"})

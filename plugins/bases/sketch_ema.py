@@ -56,7 +56,7 @@ the version it was encoded with.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, ClassVar
 
 import attrs
 
@@ -79,6 +79,8 @@ def _below_one(_instance: Any, attribute: attrs.Attribute, value: Any) -> None:
 @attrs.frozen
 class SketchEmaBasis(BasisBuilder):
     """Rank-``rank`` bases per window of ``window`` layers, head and K/V; versioned EMA updates."""
+
+    head_sharding: ClassVar[str] = "head-local"
 
     window: int = attrs.field(default=4, validator=integer(1), metadata={"doc": "layers per depth window (consecutive; the last window may be shorter)"})
     rank: int = attrs.field(default=16, validator=integer(1), metadata={"doc": "r, coefficients per token (per window for token-factor, per layer for basis)"})

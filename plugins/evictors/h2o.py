@@ -11,6 +11,8 @@ recent window is the pipeline's exact window.
 
 from __future__ import annotations
 
+from typing import ClassVar
+
 import attrs
 
 from kvweave.core import hookimpl
@@ -23,6 +25,8 @@ from ._budget import budget_field, check_budget_holds_window, check_one_budget, 
 @attrs.frozen
 class H2OEvictor(Evictor):
     """Keep the heavy hitters (most accumulated attention) and the recent window."""
+
+    head_sharding: ClassVar[str] = "head-local"
 
     budget: int = budget_field()
     fraction: float | None = fraction_field()

@@ -15,6 +15,8 @@ from kvweave.core.lazy import torch
 class KeepAll(Evictor):
     """Never drops a token; the engine does not call it."""
 
+    head_sharding: ClassVar[str] = "head-local"
+
     evicts: ClassVar[bool] = False
 
     def keep(self, block: EvictionBlock) -> torch.Tensor:

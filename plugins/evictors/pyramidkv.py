@@ -11,6 +11,8 @@ chosen as in ``snapkv`` (pooled observation-window votes, per KV head, at prefil
 
 from __future__ import annotations
 
+from typing import ClassVar
+
 import attrs
 
 from kvweave.core import hookimpl
@@ -26,6 +28,8 @@ from .snapkv import SnapKVEvictor
 @attrs.frozen
 class PyramidKVEvictor(SnapKVEvictor):
     """SnapKV selection with a linear pyramid of layer budgets (mean = the budget)."""
+
+    head_sharding: ClassVar[str] = "head-local"
 
     beta: float = attrs.field(default=20.0, validator=number(1.0, 1e6), metadata={"doc": "first-to-last layer ratio of the budget beyond the window"})
     _layers: list = attrs.field(init=False, factory=list, repr=False, eq=False)

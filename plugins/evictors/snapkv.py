@@ -13,6 +13,8 @@ tokens generated one at a time are kept, as in the paper. Padding never receives
 
 from __future__ import annotations
 
+from typing import ClassVar
+
 import attrs
 
 from kvweave.core import hookimpl
@@ -31,6 +33,8 @@ def _odd(_instance, attribute, value) -> None:
 @attrs.frozen
 class SnapKVEvictor(Evictor):
     """Top tokens per KV head by pooled observation-window votes, selected once at prefill."""
+
+    head_sharding: ClassVar[str] = "head-local"
 
     budget: int = budget_field()
     fraction: float | None = fraction_field()

@@ -9,6 +9,8 @@ tokens are held after every step.
 
 from __future__ import annotations
 
+from typing import ClassVar
+
 import attrs
 
 from kvweave.core import hookimpl
@@ -20,6 +22,8 @@ from kvweave.core.params import integer
 @attrs.frozen
 class StreamingLLMEvictor(Evictor):
     """Keep the first ``sinks`` real tokens and the exact recent window; drop the rest."""
+
+    head_sharding: ClassVar[str] = "head-local"
 
     sinks: int = attrs.field(default=4, validator=integer(0, 1 << 20), metadata={"doc": "first tokens kept as attention sinks"})
 

@@ -48,6 +48,8 @@ WRITERS = {INT8_BLOCK: "int8-block", INT4_GROUP: "int4-group"}
 class FusedKernel(AttentionKernel):
     """Attend over int8 coefficients, int4 residuals and the exact window without reconstructing K/V."""
 
+    head_sharding: ClassVar[str] = "head-local"
+
     materializes: ClassVar[bool] = False
     coefficient_formats: ClassVar[tuple[str, ...]] = (INT8_BLOCK,)
     residual_formats: ClassVar[tuple[str, ...]] = (INT4_GROUP,)

@@ -46,6 +46,8 @@ CODE_BITS = (2, 4)
 class LowbitKernel(AttentionKernel):
     """Attend over channel-group keys (pre- or post-RoPE) and rotated-token values without reconstructing K/V."""
 
+    head_sharding: ClassVar[str] = "head-local"
+
     materializes: ClassVar[bool] = False
     pre_rope_keys: ClassVar[bool] = True
     coefficient_formats: ClassVar[tuple[str, ...]] = (KEY_FORMAT, VALUE_FORMAT)

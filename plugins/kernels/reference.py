@@ -6,6 +6,8 @@ time (transient memory, freed after the layer's attention); the stored cache sta
 
 from __future__ import annotations
 
+from typing import ClassVar
+
 import attrs
 
 from kvweave.core import hookimpl
@@ -15,6 +17,8 @@ from kvweave.core.interfaces import AttentionKernel
 @attrs.frozen
 class ReferenceKernel(AttentionKernel):
     """Reconstruct, then run the model's configured attention (sdpa or eager)."""
+
+    head_sharding: ClassVar[str] = "head-local"
 
 
 @hookimpl

@@ -16,6 +16,8 @@ pipeline's total budget still holds.
 
 from __future__ import annotations
 
+from typing import ClassVar
+
 import attrs
 
 from kvweave.core import hookimpl
@@ -38,6 +40,8 @@ def _attention(queries: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, 
 @attrs.frozen
 class AttentionOutputProbe(Probe):
     """Relative attention-output error of each encoded block, steering the budget between windows."""
+
+    head_sharding: ClassVar[str] = "rank-budget"
 
     needs_queries = True
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import ClassVar
+
 import attrs
 
 from kvweave.core import hookimpl
@@ -11,6 +13,8 @@ from kvweave.core.interfaces import Probe
 @attrs.frozen
 class NoProbe(Probe):
     """Observes nothing."""
+
+    head_sharding: ClassVar[str] = "head-local"
 
 
 @hookimpl

@@ -23,7 +23,7 @@ nothing itself (``wants`` is false): the loss is computed by the ``head-mode`` r
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, ClassVar
 
 import attrs
 
@@ -63,6 +63,11 @@ def row_entropy(queries: torch.Tensor, keys: torch.Tensor, positions: torch.Tens
 @attrs.frozen
 class PrefillLogitProbe(Probe):
     """Picks the probe query positions of each prefill: recent tokens, boundaries, high-entropy rows."""
+
+    head_sharding: ClassVar[str] = (
+        "the probe positions every head is routed on are chosen by attention "
+        "entropy averaged over all query heads, a statistic no rank has"
+    )
 
     needs_queries = True
     selects_queries = True

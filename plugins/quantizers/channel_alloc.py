@@ -105,6 +105,8 @@ def unpack_varwidth(packed: torch.Tensor, bits: torch.Tensor) -> torch.Tensor:
 class ChannelAllocQuantizer(Quantizer):
     """Per-channel codes over ``group`` tokens, ``mean_bits`` per element spread over the channels by range."""
 
+    head_sharding: ClassVar[str] = "head-local"
+
     packed_format: ClassVar[str] = "channel-alloc.v1"
 
     mean_bits: float = attrs.field(

@@ -117,6 +117,8 @@ def channel_ranges(grouped: torch.Tensor, mask: torch.Tensor | None) -> tuple[to
 class ChannelGroupQuantizer(Quantizer):
     """``bits``-bit codes per channel over ``group`` tokens, ``outliers`` exact entries per token."""
 
+    head_sharding: ClassVar[str] = "head-local"
+
     packed_format: ClassVar[str] = "channel-group.v1"
 
     bits: int = attrs.field(default=3, validator=_bits, metadata={"doc": "bits per code (2, 3 or 4)"})

@@ -34,6 +34,8 @@ from ._scales import SCALE_DTYPES, absmax_scales
 class Int4GroupQuantizer(Quantizer):
     """Round-to-nearest int4 in [-7, 7] with an absmax scale per ``group`` channels."""
 
+    head_sharding: ClassVar[str] = "head-local"
+
     packed_format: ClassVar[str] = "int4-group.v1"
 
     group: int = attrs.field(default=32, validator=integer(2, 4096), metadata={"doc": "channels per scale (even)"})

@@ -33,6 +33,8 @@ from ._scales import SCALE_DTYPES, absmax_scales
 class Int8BlockQuantizer(Quantizer):
     """Round-to-nearest int8 in [-127, 127] with an absmax scale per ``block`` channels."""
 
+    head_sharding: ClassVar[str] = "head-local"
+
     packed_format: ClassVar[str] = "int8-block.v1"
 
     block: int = attrs.field(default=64, validator=integer(1, 4096), metadata={"doc": "channels per scale"})

@@ -24,6 +24,8 @@ maximum near 65504, overflows that dtype.)
 
 from __future__ import annotations
 
+from typing import ClassVar
+
 import attrs
 
 from kvweave.core import hookimpl
@@ -158,6 +160,8 @@ class KiviValues(Quantizer):
 @attrs.frozen
 class KiviQuantizer(Quantizer):
     """Keys per channel over ``group`` tokens, values per token over ``value_group`` channels, 2 or 4 bits."""
+
+    head_sharding: ClassVar[str] = "head-local"
 
     bits: int = attrs.field(default=2, validator=_bits, metadata={"doc": "bits per code (2 or 4)"})
     group: int = attrs.field(default=32, validator=integer(1, 1 << 16), metadata={"doc": "tokens per key scale (divides block_tokens)"})

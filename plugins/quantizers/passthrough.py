@@ -18,6 +18,8 @@ _DTYPES = DtypeTable("float16", "bfloat16", "float32")
 class NoQuantizer(Quantizer):
     """No quantization. ``dtype = "input"`` keeps the dtype values arrive in (bit-exact storage)."""
 
+    head_sharding: ClassVar[str] = "head-local"
+
     packed_format: ClassVar[str] = "none.v1"
 
     dtype: str = attrs.field(

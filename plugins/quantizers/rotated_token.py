@@ -116,6 +116,8 @@ def rotation_matrix(rotation: str, seed: int, width: int, device: str = "cpu") -
 class RotatedTokenQuantizer(Quantizer):
     """Rotate each vector by a fixed orthogonal ``Q``, then ``bits``-bit codes per ``group`` channels."""
 
+    head_sharding: ClassVar[str] = "head-local"
+
     packed_format: ClassVar[str] = "rotated-token.v1"
 
     bits: int = attrs.field(default=2, validator=_bits, metadata={"doc": "bits per code (2, 3 or 4)"})

@@ -41,7 +41,7 @@ whole row, no channel indices).
 from __future__ import annotations
 
 import math
-from typing import Any
+from typing import Any, ClassVar
 
 import attrs
 
@@ -111,6 +111,8 @@ def decide(loss: torch.Tensor, omega: torch.Tensor, cost: torch.Tensor, budget: 
 @attrs.frozen
 class HeadModeRouter(Router):
     """Shared-depth / residual-depth / exact per (block, head), by the logit loss of Eq. (2) under a byte budget."""
+
+    head_sharding: ClassVar[str] = "rank-budget"
 
     rank: int = attrs.field(default=64, validator=integer(1, 256), metadata={"doc": "channels of a routed row (= head_dim: whole rows, no indices; exact mode is exact only then)"})
     target_reduction_: float = attrs.field(

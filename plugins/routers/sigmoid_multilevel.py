@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 import attrs
 
@@ -80,6 +80,8 @@ def load_weights(path: str) -> dict[str, Any]:
 @attrs.frozen
 class SigmoidMultilevelRouter(Router):
     """Residual rank by sigmoid(u . phi) with byte-budgeted thresholds over several levels."""
+
+    head_sharding: ClassVar[str] = "rank-budget"
 
     levels_: tuple[int, ...] = attrs.field(
         default=(0, 2, 4, 8), converter=int_tuple, validator=_levels, alias="levels",

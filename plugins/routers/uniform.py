@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import ClassVar
+
 import attrs
 
 from kvweave.core import hookimpl
@@ -14,6 +16,8 @@ from kvweave.core.params import integer
 @attrs.frozen
 class UniformRouter(Router):
     """Rank ``rank`` for every token, layer and head; 0 stores no residual at all."""
+
+    head_sharding: ClassVar[str] = "head-local"
 
     rank: int = attrs.field(default=0, validator=integer(0, 256), metadata={"doc": "residual channels per token"})
 
