@@ -24,7 +24,7 @@ import torch
 import torch.nn.functional as F
 
 from decode_kernel import copy_bandwidth, timed  # the same timing as the fused kernel's benchmark
-from kvweave.kernels.lowbit_decode import LowbitView, lowbit_decode, torch_lowbit_decode
+from kvweave.kernels.lowbit_decode import LowbitView, level_kind, lowbit_decode, torch_lowbit_decode
 from kvweave.plugins.quantizers._bitpack import normal_levels
 from kvweave.plugins.quantizers.channel_group import ChannelGroupQuantizer
 from kvweave.plugins.quantizers.rotated_token import RotatedTokenQuantizer, rotation_matrix
@@ -57,7 +57,7 @@ def packed_view(batch: int, tokens: int, device: str = "cuda") -> LowbitView:
         v_codes=f["v_codes"], v_scale=f["v_scale"], v_bits=2, v_group=64,
         v_levels=torch.tensor(normal_levels(2), device=device, dtype=torch.float32),
         rotation=rotation_matrix("hadamard", 0, HEAD_DIM, device).float().contiguous(), inv_freq=inv_freq,
-        rope_scale=1.0, exact_k=exact, exact_v=exact.clone(),
+        rope_scale=1.0, exact_k=exact, exact_v=exact.clone(), level_kind=level_kind(normal_levels(2)),
     )
 
 
@@ -74,6 +74,7 @@ def main() -> None:
     parser.add_argument("--reps", type=int, default=30)
     parser.add_argument("--block", type=int, default=16, help="tokens per loop step of a kernel program (divides 64)")
     parser.add_argument("--num-warps", type=int, default=4, help="warps per kernel program")
+    parser.add_argument("--programs", type=int, default=264, help="kernel programs to aim for (splits of the tokens)")
     parser.add_argument("--general", action="store_true", help="time the general kernel instead of the sub-tile one")
     parser.add_argument("--post-rope", action="store_true", help="keys stored after RoPE (no rotation in the kernel)")
     parser.add_argument("--out", default="results/lowbit_kernel")
@@ -102,7 +103,7 @@ def main() -> None:
             keys = torch.randn(batch, KV_HEADS, tokens + WINDOW, HEAD_DIM, device="cuda", dtype=torch.bfloat16)
             values = torch.randn_like(keys)
             sdpa = timed(lambda: F.scaled_dot_product_attention(q[:, :, None], keys, values, enable_gqa=True), args.reps)
-            kernel = timed(lambda: lowbit_decode(view, q, None, scale, args.block, args.num_warps, not args.general), args.reps)
+            kernel = timed(lambda: lowbit_decode(view, q, None, scale, args.block, args.num_warps, not args.general, args.programs), args.reps)
             read = view_bytes(view)
             row = {"tokens": tokens, "batch": batch, "sdpa_us": sdpa, "kernel_us": kernel, "speedup": sdpa / kernel,
                    "bytes_read": read, "gbps": read / kernel / 1e3, "of_copy": read / (kernel * 1e-6) / bandwidth,

@@ -169,7 +169,7 @@ def choose_splits(tokens: int, programs: int, target: int = 264) -> int:
 
 
 def lowbit_decode(view: LowbitView, q: torch.Tensor, start: torch.Tensor | None, scaling: float,
-                  block: int = 16, num_warps: int = 4, fast: bool = True) -> torch.Tensor:
+                  block: int = 16, num_warps: int = 4, fast: bool = True, programs: int = 264) -> torch.Tensor:
     """The Triton path of :func:`torch_lowbit_decode`: [B, Hq, D] float32. On a GPU the two products of
     each tile take bfloat16 operands (float32 sums), as sdpa over the reference path's bfloat16 keys does;
     under ``TRITON_INTERPRET=1`` they stay float32, so the tests compare it with the twin closely."""
@@ -183,7 +183,7 @@ def lowbit_decode(view: LowbitView, q: torch.Tensor, start: torch.Tensor | None,
     rows = max(16, 1 << (group - 1).bit_length())  # tensor-core tiles take 16 rows
     padded = q.new_zeros(batch * heads, rows, dim, dtype=torch.float32)
     padded[:, :group] = q.float().reshape(batch * heads, group, dim)
-    splits = choose_splits(view.tokens, batch * heads)
+    splits = choose_splits(view.tokens, batch * heads, programs)
     split_len = -(-view.tokens // splits)
     if view.k_group % block:
         raise ValueError(f"the lowbit kernel's tile of {block} tokens must divide the keys' token group {view.k_group}")
