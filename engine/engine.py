@@ -23,6 +23,8 @@ Keys and values may take different quantizers (``keys.quantizer`` / ``values.qua
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 
 from kvweave.core.errors import CacheStateError, ComponentError, ModelError
@@ -37,6 +39,7 @@ from kvweave.engine.eviction import Eviction
 from kvweave.engine.observation import ATTENTION_NAME, Observer
 from kvweave.engine.residuals import add_residuals, mix_residuals
 from kvweave.engine.rotary import RotaryInverse
+from kvweave.engine.rows import RowSplit, left_padding
 from kvweave.engine.store import GroupStore, LayerWindow, select_rows
 from kvweave.engine.views import layer_view
 
@@ -140,6 +143,10 @@ class CompressionEngine:
         self.forward_tokens = 0  # tokens of the forward pass in progress
         self._flush_info: dict | None = None  # the flush in progress, when it evicts
         self._budget_warned = False  # BudgetPlan.check_met warns once per cache
+        #: the model's 2-D attention mask of the forward in progress (set by bind_model's hook), and the
+        #: engines of a left-padded batch's rows once one arrives (engine/rows.py)
+        self.mask_tap: Any = None
+        self.rows: RowSplit | None = None
         self.kernel.check_engine(self)
 
     def _check_compress_sliding(self, where: str) -> None:
@@ -187,6 +194,11 @@ class CompressionEngine:
                     "; the model computes a share of its heads per tensor-parallel rank: build the cache with "
                     "build_cache(pipeline, model), which reads the model's sharding" if self.shape.num_kv_heads % keys.shape[1] == 0 else "")
             )
+        if layer == 0 and self.rows is None and self._splits_rows():
+            pads = left_padding(self.mask_tap.pending)  # type: ignore[union-attr,arg-type]
+            self.rows = RowSplit(self, pads, lambda: CompressionEngine(self.pipeline, self.shape))  # type: ignore[arg-type]
+        if self.rows is not None:
+            return self.rows.update(layer, keys, values, materialize)
         if layer == 0:
             self.observer.start_forward(keys.shape[-2])
             self.forward_tokens = keys.shape[-2]
@@ -203,7 +215,7 @@ class CompressionEngine:
         if self.reads_in_place(keys.shape[-2]) or not materialize:  # the kernel reads the packed tokens itself
             full = (window.exact["keys"], window.exact["values"])
         else:
-            full = tuple(self.materialize(layer, kind) for kind in KINDS)
+            full = tuple(self._materialize(layer, kind) for kind in KINDS)
         if layer in self.sliding and not self.compress_sliding:  # the model's own attention reads its window
             self._slide(window, self.sliding[layer])
             return full if materialize else None  # type: ignore[return-value]
@@ -216,6 +228,16 @@ class CompressionEngine:
             else:
                 self._flush(group_index)
         return full if materialize else None  # type: ignore[return-value]
+
+    def _splits_rows(self) -> bool:
+        """Whether this forward starts per-row storage: an empty cache of a compressing pipeline, a model
+        without sliding-window layers, a left-padded batch."""
+        mask = None if self.mask_tap is None else self.mask_tap.pending
+        if mask is None or mask.shape[0] < 2 or self.windows[0].exact["keys"] is not None:
+            return False
+        if not self.settings.compress or self.sliding:
+            return False
+        return left_padding(mask) is not None
 
     @staticmethod
     def _slide(window: LayerWindow, size: int) -> None:
@@ -250,6 +272,8 @@ class CompressionEngine:
 
     def owns(self, layer: int, keys: torch.Tensor) -> bool:
         """Whether ``keys`` are what this cache's ``update`` just returned for ``layer``."""
+        if self.rows is not None:
+            return self.rows.owns(layer, keys)
         return self.returned_keys.get(layer) is keys
 
     def after_attention(self, layer: int) -> None:
@@ -269,6 +293,10 @@ class CompressionEngine:
         return previous
 
     def materialize(self, layer: int, kind: str) -> torch.Tensor:
+        self._one_storage("materialize")
+        return self._materialize(layer, kind)
+
+    def _materialize(self, layer: int, kind: str) -> torch.Tensor:
         """``layer``'s ``kind`` ("keys"/"values") as the reference path attends over: the packed tokens
         reconstructed, then the exact window, [B, H, T_stored, D] in the model's dtype."""
         exact = self.windows[layer].exact[kind]
@@ -346,7 +374,7 @@ class CompressionEngine:
             return torch.stack([s[0] for s in stats]), torch.stack([s[1] for s in stats])
         stats = [
             self.observer.attention_stats(
-                layer, self.materialize(layer, "keys"), count, self.windows[layer].compressed_tokens,
+                layer, self._materialize(layer, "keys"), count, self.windows[layer].compressed_tokens,
                 self.eviction.key_valid(layer) if self.evicts else None,
             )
             for layer in members
@@ -403,15 +431,26 @@ class CompressionEngine:
     # ---------------------------------------------------------------------------------- views
     def view(self, layer: int) -> LayerView:
         """``layer``'s packed storage, typed and read-only (:class:`kvweave.core.view.LayerView`)."""
+        self._one_storage("view")
         return layer_view(self, layer)
+
+    def _one_storage(self, what: str) -> None:
+        if self.rows is not None:
+            raise CacheStateError(
+                f"this cache keeps each row of its left-padded batch in an engine of its own; ask row i's engine "
+                f"for its {what}: cache.engine.rows.engines[i].{what}(...)"
+            )
 
     def views(self) -> list[LayerView]:
         """Every layer's view, in layer order."""
+        self._one_storage("views")
         return [layer_view(self, layer) for layer in range(self.shape.num_layers)]
 
     # ------------------------------------------------------------------------------ queries
     def seq_length(self, layer: int = 0) -> int:
         """Logical tokens cached for ``layer`` (dropped ones included: positions are derived from it)."""
+        if self.rows is not None:
+            return self.rows.seq_length(layer)
         window = self.windows[layer]
         return window.passed_tokens + window.exact_tokens
 
@@ -419,6 +458,8 @@ class CompressionEngine:
         """Stored bytes by part: exact window, coefficients, residuals (positions and indices included),
         basis state, the observation state of the router and probe (recent queries, token flags), eviction,
         and for a model with sliding-window layers kept exactly, their windows."""
+        if self.rows is not None:
+            return self.rows.memory_breakdown()
         kept_exact = {} if self.compress_sliding else self.sliding
         exact = [t for layer, w in enumerate(self.windows) if layer not in kept_exact for t in w.exact.values() if t is not None]
         sliding = [t for layer in kept_exact for t in self.windows[layer].exact.values() if t is not None]
@@ -441,12 +482,17 @@ class CompressionEngine:
         return sum(self.memory_breakdown().values())
 
     def batch_size(self) -> int:
+        if self.rows is not None:
+            return len(self.rows.engines)
         tensor = self.windows[0].exact["keys"]
         return -1 if tensor is None else tensor.shape[0]
 
     # ---------------------------------------------------------------------------- batch ops
     def select_batch(self, index: torch.Tensor) -> None:
         """Keep batch rows ``index`` [B'] (reordering and repeats allowed) of every stored tensor."""
+        if self.rows is not None:
+            self.rows.select(index)
+            return
         select_rows(self.windows, self.stores, index, self.shape.num_kv_heads)
         self.observer.select_batch(index)
         self.kernel_state = {}
@@ -454,6 +500,7 @@ class CompressionEngine:
             self.padding = self.padding.index_select(0, index.to(self.padding.device))
 
     def reset(self) -> None:
+        self.rows = None
         self.windows = [LayerWindow(self.levels) for _ in range(self.shape.num_layers)]
         self.stores = [{kind: GroupStore() for kind in KINDS} for _ in self.groups]
         self.pending = set()

@@ -37,6 +37,9 @@ def _observing_attention(module, query, key, value, attention_mask, **kwargs):
     if engine is None or not engine.own_attention or not engine.owns(module.layer_idx, key):
         # another cache (or none) serves this forward: plain sdpa, nothing recorded
         return ALL_ATTENTION_FUNCTIONS["sdpa"](module, query, key, value, attention_mask, **kwargs)
+    if engine.rows is not None:  # a left-padded batch, each row in an engine of its own (engine/rows.py)
+        with torch.cuda.device(query.device) if query.is_cuda else contextlib.nullcontext():
+            return engine.rows.attend(_engine_attention, module, query, attention_mask, **kwargs)
     # a layer placed on another GPU (device_map) launches the cache's kernels there, not on the current device
     with torch.cuda.device(query.device) if query.is_cuda else contextlib.nullcontext():
         return _engine_attention(engine, module, query, key, value, attention_mask, **kwargs)
@@ -87,10 +90,29 @@ class TokenTap:
             self.pending = args[0]
 
 
+class MaskTap:
+    """Holds the 2-D attention mask of the model's forward in progress (a forward pre-hook on the model)."""
+
+    def __init__(self) -> None:
+        self.pending: torch.Tensor | None = None
+
+    def __call__(self, module: Any, args: tuple, kwargs: dict) -> None:
+        mask = kwargs.get("attention_mask")
+        self.pending = mask if isinstance(mask, torch.Tensor) and mask.dim() == 2 else None
+
+
+
 def bind_model(model: Any, engine: Any, tokenizer: Any = None) -> None:
     """Let ``engine`` observe ``model``: switch its attention to ``kvweave-observe`` when the pipeline needs
     queries, and tap its token ids when the router needs delimiter flags (which need ``tokenizer``)."""
     observer = engine.observer
+    if engine.settings.compress:  # a left-padded batch gets per-row storage (engine/rows.py)
+        mask_tap = getattr(model, "_kvweave_mask_tap", None)
+        if mask_tap is None:
+            mask_tap = MaskTap()
+            model.register_forward_pre_hook(mask_tap, with_kwargs=True)
+            model._kvweave_mask_tap = mask_tap
+        engine.mask_tap = mask_tap
     if engine.own_attention and model.config._attn_implementation != ATTENTION_NAME:
         _register_attention()
         model.set_attn_implementation(ATTENTION_NAME)

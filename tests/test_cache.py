@@ -174,7 +174,7 @@ def test_keys_and_values_with_their_own_quantizers_store_each_in_its_format(tiny
         use = "int8-block"
         block = 16
     """))
-    inputs = _inputs()
+    inputs = _inputs(pad=0)  # one storage for the batch (a left-padded one is kept row by row: test_padded_rows.py)
     caches = {name: _prefill(tiny_model, load_pipeline(name, path), inputs) for name in ("int4", "k4v8", "int8")}
     view = caches["k4v8"].engine.view(0)
     assert view.keys.coefficient_format == "int4-group.v1" and view.values.coefficient_format == "int8-block.v1"

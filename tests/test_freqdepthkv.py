@@ -373,5 +373,7 @@ def test_a_left_padded_batch_with_beams_runs_and_the_router_state_follows_the_be
     new, stats = generate(model, {"input_ids": ids, "attention_mask": mask}, cache, max_new_tokens=40, do_sample=False,
                           num_beams=2, pad_token_id=0)
     assert new.shape == (2, 40) and stats.ratio > 2.0
-    state = cache.engine.stores[2]["keys"].route_state
-    assert state["modes"].shape == (4, 2)  # 2 rows x 2 beams, 2 KV heads
+    rows = cache.engine.rows.engines  # a left-padded batch is kept row by row (engine/rows.py)
+    assert len(rows) == 4 and len({id(engine) for engine in rows}) == 4  # 2 rows x 2 beams, each its own copy
+    for engine in rows:
+        assert engine.stores[2]["keys"].route_state["modes"].shape == (1, 2)  # 2 KV heads
