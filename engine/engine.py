@@ -194,7 +194,7 @@ class CompressionEngine:
                     "; the model computes a share of its heads per tensor-parallel rank: build the cache with "
                     "build_cache(pipeline, model), which reads the model's sharding" if self.shape.num_kv_heads % keys.shape[1] == 0 else "")
             )
-        if layer == 0 and self.rows is None and self._splits_rows():
+        if layer == 0 and self.rows is None and self._splits_rows(keys):
             pads = left_padding(self.mask_tap.pending)  # type: ignore[union-attr,arg-type]
             self.rows = RowSplit(self, pads, lambda: CompressionEngine(self.pipeline, self.shape))  # type: ignore[arg-type]
         if self.rows is not None:
@@ -229,11 +229,14 @@ class CompressionEngine:
                 self._flush(group_index)
         return full if materialize else None  # type: ignore[return-value]
 
-    def _splits_rows(self) -> bool:
+    def _splits_rows(self, keys: torch.Tensor) -> bool:
         """Whether this forward starts per-row storage: an empty cache of a compressing pipeline, a model
-        without sliding-window layers, a left-padded batch."""
+        without sliding-window layers, a left-padded batch (the mask of this very forward: as many rows and
+        tokens as ``keys``, so a mask left from another call is never taken)."""
         mask = None if self.mask_tap is None else self.mask_tap.pending
         if mask is None or mask.shape[0] < 2 or self.windows[0].exact["keys"] is not None:
+            return False
+        if tuple(mask.shape) != (keys.shape[0], keys.shape[-2]):
             return False
         if not self.settings.compress or self.sliding:
             return False

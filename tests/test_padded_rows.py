@@ -91,3 +91,13 @@ def test_int4_on_the_default_model_gives_a_padded_prompt_what_it_gives_alone(rea
                                   **cache_kwargs(model, build_cache(load_pipeline("int4"), model)))
         alone = model.generate(input_ids=short, **options, **cache_kwargs(model, build_cache(load_pipeline("int4"), model)))
     assert torch.equal(together[0, 375:], alone[0, 272:])
+
+
+def test_a_mask_left_from_another_call_is_not_taken(model, ids):
+    mask = torch.ones_like(ids)
+    mask[0, :PAD] = 0
+    _generate(model, "int4", ids, mask)  # the model's mask hook now holds that padded mask
+    cache = build_cache(load_pipeline("int4"), model)
+    keys = torch.randn(2, 2, 7, 64)
+    cache.engine.update(0, keys, keys.clone())  # filled directly, without a forward of the model
+    assert cache.engine.rows is None and cache.engine.batch_size() == 2
