@@ -40,23 +40,9 @@ from kvweave.engine.observation import ATTENTION_NAME, Observer
 from kvweave.engine.residuals import add_residuals, mix_residuals
 from kvweave.engine.rotary import RotaryInverse
 from kvweave.engine.rows import RowSplit, left_padding
+from kvweave.engine.sliding import check_compress_sliding, drop_outside_window, slide, split_sliding
 from kvweave.engine.store import GroupStore, LayerWindow, select_rows
 from kvweave.engine.views import layer_view
-
-
-def split_sliding(groups: list[tuple[int, ...]], sliding: dict[int, int], together: bool = False) -> list[tuple[int, ...]]:
-    """A basis's layer ``groups`` with the sliding-window layers taken out: each into a group of its own (it
-    keeps its window exactly, never encoded), or with ``together`` the sliding members of a group into one
-    group (they are compressed, and drop their old blocks together); the other members stay together."""
-    if not sliding:
-        return groups
-    split: list[tuple[int, ...]] = []
-    for members in groups:
-        kept = tuple(layer for layer in members if layer not in sliding)
-        windowed = tuple(layer for layer in members if layer in sliding)
-        split += [kept] if kept else []
-        split += ([windowed] if windowed else []) if together else [(layer,) for layer in windowed]
-    return split
 
 
 class CompressionEngine:
@@ -116,7 +102,7 @@ class CompressionEngine:
         if self.evicts:
             self.eviction.check(where)
         if self.compress_sliding:
-            self._check_compress_sliding(where)
+            check_compress_sliding(self, where)
         for kind in KINDS:
             group = self.quantizers[kind].tokens_per_group()
             if self.settings.block_tokens % group:
@@ -148,21 +134,6 @@ class CompressionEngine:
         self.mask_tap: Any = None
         self.rows: RowSplit | None = None
         self.kernel.check_engine(self)
-
-    def _check_compress_sliding(self, where: str) -> None:
-        """sliding_layers = "compress" drops whole stored blocks from the front of a group's coefficients:
-        refuse what indexes stored tokens from position 0 (residual lists, evicted slots) or groups whose
-        sliding-window layers have different windows."""
-        if self.residual_levels or self.evicts:
-            part = "slot 'router' gives residual ranks" if self.residual_levels else f"slot 'evictor' ('{self.pipeline.use('evictor')}') drops tokens"
-            raise ModelError(
-                f"{where}: setting sliding_layers = 'compress' drops the blocks that leave a sliding window, but its {part}, "
-                "which index stored tokens from the first; use sliding_layers 'exact'"
-            )
-        for members in self.groups:
-            windows = {self.sliding[layer] for layer in members if layer in self.sliding}
-            if len(windows) > 1:
-                raise ModelError(f"{where}: layers {members} share a basis group but have sliding windows {sorted(windows)}")
 
     def _index_groups(self) -> dict[int, tuple[int, int]]:
         group_of: dict[int, tuple[int, int]] = {}
@@ -217,7 +188,7 @@ class CompressionEngine:
         else:
             full = tuple(self._materialize(layer, kind) for kind in KINDS)
         if layer in self.sliding and not self.compress_sliding:  # the model's own attention reads its window
-            self._slide(window, self.sliding[layer])
+            slide(window, self.sliding[layer])
             return full if materialize else None  # type: ignore[return-value]
         if self.own_attention:
             self.returned_keys[layer] = full[0]  # lets the attention call tell it belongs to this cache
@@ -241,32 +212,6 @@ class CompressionEngine:
         if not self.settings.compress or self.sliding:
             return False
         return left_padding(mask) is not None
-
-    @staticmethod
-    def _slide(window: LayerWindow, size: int) -> None:
-        """Keep the last ``size - 1`` tokens of a sliding-window layer (what its next queries can see)."""
-        extra = window.exact_tokens - (size - 1)
-        if extra > 0:
-            for kind in KINDS:
-                window.exact[kind] = window.exact[kind][..., extra:, :].clone()  # type: ignore[index]
-            window.passed_tokens += extra
-            window.dropped_tokens += extra
-
-    def _drop_outside_window(self, group_index: int) -> None:
-        """sliding_layers = "compress": drop the stored blocks of a sliding-window group that no later query
-        can see (every token before the last ``window - 1``), whole blocks at a time."""
-        members = self.groups[group_index]
-        first = self.windows[members[0]]
-        total = first.passed_tokens + first.exact_tokens
-        block = self.settings.block_tokens
-        count = min(first.compressed_tokens, (total - (self.sliding[members[0]] - 1) - first.dropped_tokens) // block * block)
-        if count <= 0:
-            return
-        for kind in KINDS:
-            self.stores[group_index][kind].coefficients.drop_front(count)
-        for layer in members:
-            self.windows[layer].compressed_tokens -= count
-            self.windows[layer].dropped_tokens += count
 
     def reads_in_place(self, new_tokens: int) -> bool:
         """Whether the attention of a forward of ``new_tokens`` tokens goes to the pipeline's kernel, which
@@ -337,7 +282,7 @@ class CompressionEngine:
                 window.exact[kind] = window.exact[kind][..., count:, :].clone()
             window.passed_tokens += count
         if self.compress_sliding and members[0] in self.sliding:
-            self._drop_outside_window(group_index)
+            drop_outside_window(self, group_index)
         self.observer.forget_selection(members)
         self.observer.forget_boundaries(min(w.passed_tokens for w in self.windows))
         if self.evicts and not self.residual_levels and not self.probe.needs_queries:

@@ -11,7 +11,7 @@ from transformers import DynamicCache, Gemma3ForCausalLM, Gemma3TextConfig
 from kvweave.core.registry import load_pipeline
 from kvweave.engine import build_cache, cache_kwargs
 from kvweave.engine.cache import model_shape
-from kvweave.engine.engine import split_sliding
+from kvweave.engine.sliding import split_sliding
 from kvweave.core.errors import ModelError
 
 from conftest import ToyTokenizer
