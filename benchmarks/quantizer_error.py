@@ -26,6 +26,7 @@ from pathlib import Path
 
 import torch
 
+from kvweave.plugins.quantizers.channel_alloc import ChannelAllocQuantizer
 from kvweave.plugins.quantizers.channel_group import ChannelGroupQuantizer
 from kvweave.plugins.quantizers.int4_group import Int4GroupQuantizer
 from kvweave.plugins.quantizers.kivi import KiviQuantizer
@@ -179,9 +180,9 @@ def attention(queries, keys, values, scale) -> torch.Tensor:
 
 
 def attention_pairs() -> list[tuple[str, object, bool, object]]:
-    """(label, key quantizer, keys pre-RoPE?, value quantizer); cg = channel-group, rt = rotated-token
+    """(label, key quantizer, keys pre-RoPE?, value quantizer); cg = channel-group, rt = rotated-token, ca = channel-alloc
     (defaults: cg 3 bits, 1 outlier, uniform, group 32; rt 2 bits, normal levels, symmetric, group 64)."""
-    cg, rt = ChannelGroupQuantizer, RotatedTokenQuantizer
+    cg, rt, ca = ChannelGroupQuantizer, RotatedTokenQuantizer, ChannelAllocQuantizer
     kivi2, kivi4 = KiviQuantizer(bits=2), KiviQuantizer(bits=4)
     return [
         ("int4-group / int4-group", Int4GroupQuantizer(), False, Int4GroupQuantizer()),
@@ -201,6 +202,15 @@ def attention_pairs() -> list[tuple[str, object, bool, object]]:
         ("cg 3b k1 pre-RoPE / rt 3b", cg(), True, rt(bits=3)),
         ("cg 4b k1 pre-RoPE / rt 4b", cg(bits=4), True, rt(bits=4)),
         ("rt 3b keys pre-RoPE / rt 3b", rt(bits=3), True, rt(bits=3)),
+        # the frontier pipelines' keys (group 64): uniform widths against widths allocated by range
+        ("cg 3b k1 g64 pre-RoPE / rt 2b (prerope-k3v2)", cg(group=64), True, rt()),
+        ("cg 4b k1 g64 pre-RoPE / rt 2b (prerope-k4v2)", cg(bits=4, group=64), True, rt()),
+        ("ca 3.0b k0 pre-RoPE / rt 2b (prerope-a3v2)", ca(mean_bits=3.0, outliers=0), True, rt()),
+        ("ca 3.0b k1 pre-RoPE / rt 2b", ca(mean_bits=3.0, outliers=1), True, rt()),
+        ("ca 3.25b k0 pre-RoPE / rt 2b (prerope-a325v2)", ca(mean_bits=3.25, outliers=0), True, rt()),
+        ("ca 3.5b k0 pre-RoPE / rt 2b (prerope-a35v2)", ca(mean_bits=3.5, outliers=0), True, rt()),
+        ("ca 3.5b k0 pre-RoPE, no pairs / rt 2b", ca(mean_bits=3.5, outliers=0, pairs=False), True, rt()),
+        ("ca 3.5b k0 post-RoPE, no pairs / rt 2b", ca(mean_bits=3.5, outliers=0, pairs=False), False, rt()),
     ]
 
 

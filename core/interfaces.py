@@ -15,6 +15,7 @@ The key/value vector is reconstructed as ``basis.decode(coefficients) + residual
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from collections.abc import Container
 from typing import TYPE_CHECKING, Any, ClassVar, Protocol
 
 import attrs
@@ -66,15 +67,18 @@ class ModelShape:
         tokens exactly, as the model's own cache does, and compresses the other layers)."""
         return {layer: window for layer, window in enumerate(self.layer_windows) if window}
 
-    def own_cache_tokens(self, tokens: int) -> int:
+    def own_cache_tokens(self, tokens: int, exclude: Container[int] = ()) -> int:
         """Token-layers the model's own cache holds after ``tokens`` tokens: all of them in a full-attention
-        layer, the last ``window - 1`` in a sliding-window one (transformers' ``DynamicSlidingWindowLayer``)."""
+        layer, the last ``window - 1`` in a sliding-window one (transformers' ``DynamicSlidingWindowLayer``);
+        the layers in ``exclude`` left out."""
         sliding = self.sliding_layers
-        return sum(min(tokens, sliding[layer] - 1) if layer in sliding else tokens for layer in range(self.num_layers))
+        return sum(min(tokens, sliding[layer] - 1) if layer in sliding else tokens
+                   for layer in range(self.num_layers) if layer not in exclude)
 
-    def own_cache_bytes_16bit(self, tokens: int, batch: int) -> int:
-        """Bytes the model's own cache holds in 16 bits after ``tokens`` tokens of ``batch`` rows."""
-        return batch * self.own_cache_tokens(tokens) * 2 * self.num_kv_heads * self.head_dim * 2
+    def own_cache_bytes_16bit(self, tokens: int, batch: int, exclude: Container[int] = ()) -> int:
+        """Bytes the model's own cache holds in 16 bits after ``tokens`` tokens of ``batch`` rows (the layers
+        in ``exclude`` left out)."""
+        return batch * self.own_cache_tokens(tokens, exclude) * 2 * self.num_kv_heads * self.head_dim * 2
 
 
 class Component(ABC):

@@ -54,7 +54,7 @@ class BudgetPlan:
         per_vector = sum(engine.quantizers[kind].bytes_per_vector(width, torch.bfloat16) for kind in KINDS) / len(KINDS)
         # coefficient bytes per key or value vector, averaged over the layers
         # (sliding-window layers keep the model's own window, outside any target)
-        compressed = [g for g in engine.groups if engine.compress_sliding or g[0] not in engine.sliding]
+        compressed = [g for g in engine.groups if g[0] not in engine.kept_exact]
         floor = sum(per_vector * engine.basis.coefficient_rows(len(g)) for g in compressed) / max(1, sum(map(len, compressed)))
         allowed = 2 * shape.head_dim / target
         if floor >= allowed:
@@ -130,10 +130,8 @@ class BudgetPlan:
             return False
         tokens = engine.seq_length(0)
         shape = engine.shape
-        if engine.compress_sliding:  # against what the model's own cache holds
-            full_16bit = shape.own_cache_bytes_16bit(tokens, engine.batch_size())
-        else:  # sliding-window layers keep the model's own window and are no part of the target
-            full_16bit = engine.batch_size() * tokens * 4 * shape.num_kv_heads * shape.head_dim * (shape.num_layers - len(engine.sliding))
+        # against what the model's own cache holds, leaving out the windows kept exactly as it keeps them
+        full_16bit = shape.own_cache_bytes_16bit(tokens, engine.batch_size(), exclude=engine.kept_exact)
         allowed = full_16bit / self.target
         breakdown = engine.memory_breakdown()
         stored = sum(breakdown.values()) - breakdown.get("sliding_window", 0)

@@ -66,15 +66,16 @@ class CompressionEngine:
         }
         for slot in pipeline.slots:
             pipeline.component(slot).check_model(shape)
-        #: sliding-window layers keep their last ``window - 1`` tokens exactly, each in a group of its own
+        #: ``{layer: window}`` of the sliding-window layers (engine/sliding.py)
         self.sliding = shape.sliding_layers
         #: sliding_layers = "compress": sliding-window layers are compressed too and drop the blocks their window left
         self.compress_sliding = bool(self.sliding) and self.settings.sliding_layers == "compress"
+        #: ``{layer: window}`` of the layers kept exactly as the model's own cache keeps them (never encoded)
+        self.kept_exact: dict[int, int] = {} if self.compress_sliding else self.sliding
         self.groups = split_sliding(self.basis.layer_groups(shape), self.sliding, together=self.compress_sliding)
         self.group_of = self._index_groups()
         #: the last group that compresses: its flush ends a forward's flushes
-        self.last_flushing = max(
-            (g for g, members in enumerate(self.groups) if self.compress_sliding or members[0] not in self.sliding), default=-1)
+        self.last_flushing = max((g for g, members in enumerate(self.groups) if members[0] not in self.kept_exact), default=-1)
         where = f"pipeline '{pipeline.name}'"
         for kind in KINDS:
             slot = pipeline.slot_for("quantizer", kind)
@@ -187,8 +188,8 @@ class CompressionEngine:
             full = (window.exact["keys"], window.exact["values"])
         else:
             full = tuple(self._materialize(layer, kind) for kind in KINDS)
-        if layer in self.sliding and not self.compress_sliding:  # the model's own attention reads its window
-            slide(window, self.sliding[layer])
+        if layer in self.kept_exact:  # the model's own attention reads its window
+            slide(window, self.kept_exact[layer])
             return full if materialize else None  # type: ignore[return-value]
         if self.own_attention:
             self.returned_keys[layer] = full[0]  # lets the attention call tell it belongs to this cache
@@ -408,9 +409,8 @@ class CompressionEngine:
         and for a model with sliding-window layers kept exactly, their windows."""
         if self.rows is not None:
             return self.rows.memory_breakdown()
-        kept_exact = {} if self.compress_sliding else self.sliding
-        exact = [t for layer, w in enumerate(self.windows) if layer not in kept_exact for t in w.exact.values() if t is not None]
-        sliding = [t for layer in kept_exact for t in self.windows[layer].exact.values() if t is not None]
+        exact = [t for layer, w in enumerate(self.windows) if layer not in self.kept_exact for t in w.exact.values() if t is not None]
+        sliding = [t for layer in self.kept_exact for t in self.windows[layer].exact.values() if t is not None]
         stores = [store for group in self.stores for store in group.values()]
         parts = {
             "exact_window": tensor_bytes(exact),
@@ -422,7 +422,7 @@ class CompressionEngine:
             # evicting routers: the cache index of every stored slot, and accumulated attention (H2O)
             "eviction": tensor_bytes(t for w in self.windows for t in (w.positions, w.scores) if t is not None),
         }
-        if kept_exact:  # sliding-window layers: their last window - 1 tokens, exact, as the model's own cache keeps them
+        if self.kept_exact:  # sliding-window layers: their last window - 1 tokens, exact, as the model's own cache keeps them
             parts["sliding_window"] = tensor_bytes(sliding)
         return parts
 

@@ -101,7 +101,6 @@ class MaskTap:
         self.pending = mask if isinstance(mask, torch.Tensor) and mask.dim() == 2 else None
 
 
-
 def bind_model(model: Any, engine: Any, tokenizer: Any = None) -> None:
     """Let ``engine`` observe ``model``: switch its attention to ``kvweave-observe`` when the pipeline needs
     queries, and tap its token ids when the router needs delimiter flags (which need ``tokenizer``)."""

@@ -25,13 +25,7 @@ import torch
 
 from kvweave.core.errors import CacheStateError
 from kvweave.core.interfaces import KINDS
-
-
-class RowTap:
-    """One row's view of the model's token ids (for routers that read delimiter flags)."""
-
-    def __init__(self) -> None:
-        self.pending: torch.Tensor | None = None
+from kvweave.engine.observation import TokenTap
 
 
 def left_padding(mask: torch.Tensor) -> list[int] | None:
@@ -71,7 +65,7 @@ class RowSplit:
             engine = make()
             engine.rotary = parent.rotary
             engine.observer.boundary_ids = parent.observer.boundary_ids
-            engine.observer.tap = RowTap() if parent.observer.tap is not None else None
+            engine.observer.tap = TokenTap() if parent.observer.tap is not None else None  # the row's ids, set per forward
             self.engines.append(engine)
         self.token_tap = parent.observer.tap
         #: per layer, the logical tokens (padding included) the batch has sent
@@ -79,8 +73,6 @@ class RowSplit:
         #: per layer, what each row's engine returned in the forward in progress (for the attention)
         self.returned: dict[int, list[tuple[torch.Tensor, torch.Tensor]]] = {}
         self.assembled: dict[int, torch.Tensor] = {}
-        #: per layer, how many of the forward in progress's tokens are each row's padding
-        self.starts: dict[int, list[int]] = {}
 
     # ------------------------------------------------------------------------------- update
     def update(self, layer: int, keys: torch.Tensor, values: torch.Tensor, materialize: bool) -> tuple[torch.Tensor, torch.Tensor] | None:
@@ -93,9 +85,8 @@ class RowSplit:
                 engine.observer.tap.pending = None if ids is None else ids[i : i + 1, max(0, self.pads[i] - past):]  # type: ignore[union-attr]
             self.token_tap.pending = None
         outputs = []
-        self.starts[layer] = [max(0, pad - past) for pad in self.pads]
         for i, engine in enumerate(self.engines):
-            start = self.starts[layer][i]
+            start = max(0, self.pads[i] - past)  # the row's padding among this forward's tokens
             if start >= new:
                 raise CacheStateError(f"row {i} of the batch got only padding in a forward after its first; kvweave caches take left padding only")
             outputs.append(engine.update(layer, keys[i : i + 1, :, start:], values[i : i + 1, :, start:], materialize))
@@ -123,9 +114,10 @@ class RowSplit:
         layer = module.layer_idx
         pairs = self.returned.pop(layer)
         self.assembled.pop(layer, None)
+        past = self.logical[layer] - query.shape[-2]
         outputs = []
         for i, (engine, (key, value)) in enumerate(zip(self.engines, pairs)):
-            start = self.starts[layer][i]  # the row's padding queries are left out (their output is zero)
+            start = max(0, self.pads[i] - past)  # the row's padding queries are left out (their output is zero)
             mask = attention_mask
             if isinstance(mask, torch.Tensor) and mask.dim() == 4:
                 mask = _plain_causal(mask[i : i + 1, :, start:, mask.shape[-1] - engine.seq_length(layer):])
@@ -153,11 +145,11 @@ class RowSplit:
         engines, pads = [], []
         for row in index.tolist():
             engine = self.engines[row]
-            if row in seen:  # shared, never copied: the pipeline, the model's rotary module, the token tap
+            if row in seen:  # a copy of its own, sharing only the pipeline and the model's rotary module
                 keep = {id(engine.pipeline): engine.pipeline, id(engine.rotary): engine.rotary}
                 engine = copy.deepcopy(engine, memo=keep)
             engines.append(engine)
             pads.append(self.pads[row])
             seen.add(row)
         self.engines, self.pads = engines, pads
-        self.returned, self.assembled, self.starts = {}, {}, {}
+        self.returned, self.assembled = {}, {}

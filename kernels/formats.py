@@ -13,6 +13,11 @@ and ``int4-group`` quantizers write them:
 
 In both, the channels per scale follow from the shapes (``C`` over the scales' width), so nothing but
 the packed tensors is needed to unpack them.
+
+The ``lowbit`` kernel reads two more (their scales and levels are documented with it,
+:mod:`kvweave.kernels.lowbit_decode`): ``channel-group.v1`` keys and ``rotated-token.v1`` values, whose
+``codes`` are uint8 [..., C * bits / 8], code ``c`` at bits ``c * bits ..`` of a little-endian stream
+(:func:`unpack_codes` for 2, 4 and 8 bits).
 """
 
 from __future__ import annotations
@@ -21,6 +26,8 @@ from kvweave.core.lazy import torch
 
 INT8_BLOCK = "int8-block.v1"
 INT4_GROUP = "int4-group.v1"
+CHANNEL_GROUP = "channel-group.v1"
+ROTATED_TOKEN = "rotated-token.v1"
 
 
 def int8_block_width(codes: torch.Tensor, scales: torch.Tensor) -> int:
@@ -50,3 +57,9 @@ def dequantize_int4_group(packed: torch.Tensor, scales: torch.Tensor, dtype: tor
     codes = torch.stack((low, high), dim=-1).reshape(*packed.shape[:-1], packed.shape[-1] * 2)
     grouped = codes.reshape(*scales.shape, -1).to(dtype) * scales.to(dtype).unsqueeze(-1)
     return grouped.reshape(codes.shape)
+
+
+def unpack_codes(packed: torch.Tensor, bits: int) -> torch.Tensor:
+    """uint8 [..., C * bits / 8] little-endian codes (2, 4 or 8 bits a code) -> int64 [..., C]."""
+    shifts = torch.arange(8 // bits, device=packed.device) * bits
+    return ((packed.long().unsqueeze(-1) >> shifts) & ((1 << bits) - 1)).flatten(-2)

@@ -27,6 +27,7 @@ from typing import TYPE_CHECKING, Any
 import attrs
 
 from kvweave.core.lazy import lazy_module, torch
+from kvweave.kernels.formats import unpack_codes
 
 if TYPE_CHECKING:
     from kvweave.kernels import lowbit_triton as jit
@@ -64,16 +65,9 @@ class LowbitView:
     level_kind: tuple[int, float, float] | None = None
 
 
-def _codes(packed: torch.Tensor, bits: int) -> torch.Tensor:
-    """uint8 [..., C * bits / 8] little-endian codes (2, 4 or 8 bits) -> int64 [..., C]."""
-    per = 8 // bits
-    shifts = torch.arange(per, device=packed.device) * bits
-    return ((packed.long().unsqueeze(-1) >> shifts) & ((1 << bits) - 1)).flatten(-2)
-
-
 def torch_keys(view: LowbitView) -> torch.Tensor:
     """The packed keys as attention reads them (rotated at their positions): float32 [BH, T, D]."""
-    codes = _codes(view.k_codes, view.k_bits).float()
+    codes = unpack_codes(view.k_codes, view.k_bits).float()
     bh, tokens, dim = codes.shape
     rows = torch.arange(tokens, device=codes.device) // view.k_group
     keys = view.k_zero.float()[:, rows] + codes * view.k_scale.float()[:, rows]
@@ -92,7 +86,7 @@ def torch_keys(view: LowbitView) -> torch.Tensor:
 
 def torch_values(view: LowbitView) -> torch.Tensor:
     """The packed values in the rotated space (before ``rotation``): float32 [BH, T, D]."""
-    codes = _codes(view.v_codes, view.v_bits)
+    codes = unpack_codes(view.v_codes, view.v_bits)
     bh, tokens, dim = codes.shape
     levels = view.v_levels.float()[codes]
     scale = view.v_scale.float().repeat_interleave(view.v_group, dim=-1)
@@ -183,10 +177,10 @@ def lowbit_decode(view: LowbitView, q: torch.Tensor, start: torch.Tensor | None,
     rows = max(16, 1 << (group - 1).bit_length())  # tensor-core tiles take 16 rows
     padded = q.new_zeros(batch * heads, rows, dim, dtype=torch.float32)
     padded[:, :group] = q.float().reshape(batch * heads, group, dim)
-    splits = choose_splits(view.tokens, batch * heads, programs)
-    split_len = -(-view.tokens // splits)
     if view.k_group % block:
         raise ValueError(f"the lowbit kernel's tile of {block} tokens must divide the keys' token group {view.k_group}")
+    splits = choose_splits(view.tokens, batch * heads, programs)
+    split_len = -(-view.tokens // splits)
     split_len = -(-split_len // view.k_group) * view.k_group  # splits start on a token group
     splits = -(-view.tokens // split_len)
     m = torch.empty(batch * heads, splits, rows, device=q.device)

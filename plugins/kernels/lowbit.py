@@ -31,14 +31,13 @@ from kvweave.core.interfaces import AttentionKernel, PipelineSlots
 from kvweave.core.lazy import torch
 from kvweave.core.params import choice
 from kvweave.core.view import LayerView
+from kvweave.kernels.formats import CHANNEL_GROUP, ROTATED_TOKEN
 from kvweave.kernels.lowbit_decode import LowbitView, level_kind, lowbit_decode, torch_lowbit_decode
 
 from .fused import first_positions
 
 BACKENDS = ("auto", "triton", "torch")
 HEAD_DIMS = (64, 128, 256)
-KEY_FORMAT = "channel-group.v1"
-VALUE_FORMAT = "rotated-token.v1"
 CODE_BITS = (2, 4)
 
 
@@ -50,7 +49,7 @@ class LowbitKernel(AttentionKernel):
 
     materializes: ClassVar[bool] = False
     pre_rope_keys: ClassVar[bool] = True
-    coefficient_formats: ClassVar[tuple[str, ...]] = (KEY_FORMAT, VALUE_FORMAT)
+    coefficient_formats: ClassVar[tuple[str, ...]] = (CHANNEL_GROUP, ROTATED_TOKEN)
 
     backend: str = attrs.field(default="auto", validator=choice(BACKENDS), metadata={"doc": "'auto' (Triton on CUDA, the torch twin elsewhere), 'triton' or 'torch'"})
 
@@ -65,10 +64,10 @@ class LowbitKernel(AttentionKernel):
             raise ComponentError(f"{where} reads no residuals, but slot 'router' ('{pipeline.use('router')}') gives residual ranks; use kernel 'reference'")
         if "evictor" in pipeline.slots and getattr(pipeline.component("evictor"), "evicts", False):
             raise ComponentError(f"{where} attends over every stored token, but slot 'evictor' ('{pipeline.use('evictor')}') evicts tokens; use kernel 'reference'")
-        keys = self._quantizer(pipeline, "keys", KEY_FORMAT, where)
+        keys = self._quantizer(pipeline, "keys", CHANNEL_GROUP, where)
         if getattr(keys, "levels", "uniform") != "uniform" or keys.bits not in CODE_BITS:
             raise ComponentError(f"{where} reads keys as uniform {' or '.join(map(str, CODE_BITS))}-bit codes, not {keys.bits}-bit {keys.levels}; use kernel 'reference'")
-        values = self._quantizer(pipeline, "values", VALUE_FORMAT, where)
+        values = self._quantizer(pipeline, "values", ROTATED_TOKEN, where)
         if values.bits not in CODE_BITS or not values.symmetric:
             raise ComponentError(f"{where} reads values as symmetric {' or '.join(map(str, CODE_BITS))}-bit codes, not {values.bits}-bit "
                                  f"{'symmetric' if values.symmetric else 'asymmetric'}; use kernel 'reference'")
@@ -78,7 +77,7 @@ class LowbitKernel(AttentionKernel):
         quantizer = pipeline.component_for("quantizer", kind).for_kind(kind)  # type: ignore[attr-defined]
         if quantizer.packed_format != packed:
             slot = f"{kind}.quantizer" if f"{kind}.quantizer" in pipeline.slots else "quantizer"  # type: ignore[attr-defined]
-            writer = "channel-group" if packed == KEY_FORMAT else "rotated-token"
+            writer = "channel-group" if packed == CHANNEL_GROUP else "rotated-token"
             raise ComponentError(f"{where} reads {kind} packed as {packed}, but slot '{slot}' ('{pipeline.use(slot)}') packs "
                                  f"{quantizer.packed_format}; use {slot} '{writer}' or kernel 'reference'")
         return quantizer
@@ -97,7 +96,7 @@ class LowbitKernel(AttentionKernel):
         exact_k, exact_v = view.keys.exact, view.values.exact
         if exact_k is None or exact_v is None:
             raise CacheStateError(f"layer {view.layer}: the cache holds nothing for this layer yet")
-        for kind_view, packed in ((view.keys, KEY_FORMAT), (view.values, VALUE_FORMAT)):
+        for kind_view, packed in ((view.keys, CHANNEL_GROUP), (view.values, ROTATED_TOKEN)):
             if kind_view.coefficient_format != packed:
                 raise CacheStateError(f"layer {view.layer}: the {kind_view.kind} are packed as {kind_view.coefficient_format}; the lowbit kernel reads {packed}")
         batch, heads, _, dim = exact_k.shape

@@ -17,9 +17,11 @@ models turns those two together, so keys stored before it (``key_space = "pre-ro
 width. Each token of a group then carries exactly ``mean_bits * C`` bits, so the codes stay a rectangular
 tensor whatever the allocation.
 
-Measured (``benchmarks/quantizer_error.py --model default``, SmolLM2-135M pre-RoPE keys, group 64, one
-outlier, attention-output error of keys alone over the last 128 positions): ``mean_bits`` 3.0 gives 0.097
-and 3.5 gives 0.066, against 0.132 for ``channel-group`` at 3 bits and 0.060 at 4 bits.
+Measured (``python benchmarks/quantizer_error.py --model default``, SmolLM2-135M pre-RoPE keys, group 64,
+attention-output error of keys alone over the last 128 positions): without outliers ``mean_bits`` 3.0 gives
+0.102, 3.25 0.084 and 3.5 0.070, against 0.132 and 0.060 for ``channel-group`` at 3 and 4 bits with one
+outlier; 3.0 with one outlier 0.097 (more bytes than 3.25 without, for more error); 3.5 without tied pairs
+0.083, and after RoPE (no pairs) 0.098.
 
 Stored fields (packed_format ``channel-alloc.v1``), for ``x`` [..., n, C] with ``n`` a multiple of ``group``:
 
