@@ -133,6 +133,12 @@ class Quantizer(Component):
         quantizers pack keys and values along different axes)."""
         return self
 
+    def for_layer(self, layer: int) -> Quantizer:
+        """The quantizer of ``layer``'s tokens (after :meth:`for_kind`); the same one by default. Quantizers
+        with a per-layer table (``layer_bits``) return a copy with that layer's width: the cache encodes and
+        decodes each layer with its own, so layers of one basis group must get equal ones."""
+        return self
+
     def tokens_per_group(self) -> int:
         """Tokens that share one row of some packed field (scales over a group of tokens); 1 by default.
         The cache's ``block_tokens`` must be a multiple of it."""
@@ -148,6 +154,8 @@ class BasisBuilder(Component):
     """
 
     group: ClassVar[str] = "bases"
+    #: coefficients are the vectors' own channels (what a quantizer weighing channels by the queries needs)
+    keeps_channels: ClassVar[bool] = False
 
     def layer_groups(self, shape: ModelShape) -> list[tuple[int, ...]]:
         """The groups of layers encoded together; each layer in exactly one group. Default: one each."""

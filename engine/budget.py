@@ -51,11 +51,13 @@ class BudgetPlan:
             return cls(None, levels)
         shape = engine.shape
         width = engine.basis.coefficient_width(shape)
-        per_vector = sum(engine.quantizers[kind].bytes_per_vector(width, torch.bfloat16) for kind in KINDS) / len(KINDS)
         # coefficient bytes per key or value vector, averaged over the layers
         # (sliding-window layers keep the model's own window, outside any target)
-        compressed = [g for g in engine.groups if g[0] not in engine.kept_exact]
-        floor = sum(per_vector * engine.basis.coefficient_rows(len(g)) for g in compressed) / max(1, sum(map(len, compressed)))
+        compressed = [(i, g) for i, g in enumerate(engine.groups) if g[0] not in engine.kept_exact]
+        floor = sum(
+            sum(engine.quantizer(i, kind).bytes_per_vector(width, torch.bfloat16) for kind in KINDS) / len(KINDS)
+            * engine.basis.coefficient_rows(len(g)) for i, g in compressed
+        ) / max(1, sum(len(g) for _, g in compressed))
         allowed = 2 * shape.head_dim / target
         if floor >= allowed:
             slots = engine.pipeline.slots
@@ -93,7 +95,7 @@ class BudgetPlan:
         if kind == KINDS[0]:  # the values of this block are encoded next: their coefficients are spoken for
             kept = block_tokens - dropped_tokens
             rows = engine.basis.coefficient_rows(len(members))
-            per_vector = engine.quantizers[KINDS[1]].bytes_per_vector(engine.basis.coefficient_width(shape), first.exact[kind].dtype)
+            per_vector = engine.quantizer(group_index, KINDS[1]).bytes_per_vector(engine.basis.coefficient_width(shape), first.exact[kind].dtype)
             held += batch * shape.num_kv_heads * kept * rows * per_vector
         return max(0.0, target_bytes - held)
 

@@ -45,9 +45,13 @@ class BlockEncoder:
         if store.state is None:
             store.state = self.engine.basis.init_state(work)
         first = store.coefficients.tokens
-        quantizer = self.engine.quantizers[kind]
+        quantizer = self.engine.quantizer(group_index, kind)
         residual_quantizer = self.engine.residual_quantizers[kind]
-        packed = quantizer.quantize(self.engine.basis.encode(store.state, work).to(block.dtype))
+        coefficients = self.engine.basis.encode(store.state, work).to(block.dtype)
+        if getattr(quantizer, "uses_query_energy", False):  # keys: channels weighed by the queries' energy (engine/energy.py)
+            packed = quantizer.quantize(coefficients, channel_weights=self.engine.energy.means(members))  # type: ignore[union-attr,call-arg]
+        else:
+            packed = quantizer.quantize(coefficients)
         store.coefficients.append(packed)
         store.flushes += 1
         if not self.engine.residual_levels and not self.engine.probe.wants(store.flushes):

@@ -35,6 +35,7 @@ from kvweave.core.storage import tensor_bytes
 from kvweave.core.view import LayerView
 from kvweave.engine.budget import BudgetPlan
 from kvweave.engine.encoder import BlockEncoder
+from kvweave.engine.energy import QueryEnergy
 from kvweave.engine.eviction import Eviction
 from kvweave.engine.observation import ATTENTION_NAME, Observer
 from kvweave.engine.residuals import add_residuals, mix_residuals
@@ -77,9 +78,12 @@ class CompressionEngine:
         #: the last group that compresses: its flush ends a forward's flushes
         self.last_flushing = max((g for g, members in enumerate(self.groups) if members[0] not in self.kept_exact), default=-1)
         where = f"pipeline '{pipeline.name}'"
+        #: per basis group and kind: the quantizer of its layers (``Quantizer.for_layer``: a per-layer table)
+        self.group_quantizers = [{kind: self._group_quantizer(members, kind, where) for kind in KINDS} for members in self.groups]
         for kind in KINDS:
             slot = pipeline.slot_for("quantizer", kind)
-            self.quantizers[kind].check_width(self.basis.coefficient_width(shape), f"{where}, slot '{slot}' (coefficients)")
+            for quantizer in {id(q[kind]): q[kind] for q in self.group_quantizers}.values():
+                quantizer.check_width(self.basis.coefficient_width(shape), f"{where}, slot '{slot}' (coefficients)")
         self.levels = tuple(self.router.levels())
         for rank in self.levels:
             if rank > shape.head_dim or rank < 0:
@@ -104,8 +108,8 @@ class CompressionEngine:
             self.eviction.check(where)
         if self.compress_sliding:
             check_compress_sliding(self, where)
-        for kind in KINDS:
-            group = self.quantizers[kind].tokens_per_group()
+        for kind, quantizer in ((k, q[k]) for q in self.group_quantizers for k in KINDS):
+            group = quantizer.tokens_per_group()
             if self.settings.block_tokens % group:
                 slot = pipeline.slot_for("quantizer", kind)
                 raise ModelError(
@@ -115,6 +119,8 @@ class CompressionEngine:
         self.budget = BudgetPlan.for_engine(self)  # raises BudgetError when the target cannot be met
         observes = self.router.needs_attention or self.probe.needs_queries or (self.evicts and self.evictor.needs_attention)
         self.observer = Observer(shape, pipeline.settings.observe_queries if observes else 0)
+        #: per-channel query energy, for a keys quantizer that weighs its channels by it (engine/energy.py)
+        self.energy = QueryEnergy(shape.num_layers) if self._wants_energy(where) else None
         if self.probe.selects_queries:
             self.observer.selector = self.probe.select_queries
         self.boundary_ids: torch.Tensor | None = None
@@ -123,7 +129,7 @@ class CompressionEngine:
         self.pending: set[int] = set()
         self.returned_keys: dict[int, torch.Tensor] = {}
         #: the model's attention must report to this cache (queries, masks of evicted tokens, attention)
-        self.own_attention = self.observer.active or self.evicts or self.accumulates or not self.kernel.materializes
+        self.own_attention = self.observer.active or self.evicts or self.accumulates or not self.kernel.materializes or self.energy is not None
         #: what a kernel that reads the packed storage in place keeps between calls (segment tables, ...)
         self.kernel_state: dict = {}
         self.padding: torch.Tensor | None = None  # bool [B, T]: False for padding (from the attention mask)
@@ -135,6 +141,38 @@ class CompressionEngine:
         self.mask_tap: Any = None
         self.rows: RowSplit | None = None
         self.kernel.check_engine(self)
+
+    def _group_quantizer(self, members: tuple[int, ...], kind: str, where: str) -> Quantizer:
+        """The quantizer of a basis group's layers: one for all of them (their coefficients are packed together)."""
+        chosen = [self.quantizers[kind].for_layer(layer) for layer in members]
+        if any(q != chosen[0] for q in chosen[1:]):
+            slot = self.pipeline.slot_for("quantizer", kind)
+            raise ModelError(
+                f"{where}, slot '{slot}': layers {list(members)} are encoded together by basis "
+                f"'{self.pipeline.use('basis')}' but the quantizer's per-layer table gives them different settings; "
+                "give the layers of one basis group the same entry, or use a basis of one layer per group"
+            )
+        return chosen[0]
+
+    def _wants_energy(self, where: str) -> bool:
+        """Whether a quantizer weighs channels by the queries' energy (keys only: it is the logit's weight)."""
+        if any(getattr(q["values"], "uses_query_energy", False) for q in self.group_quantizers):
+            raise ModelError(
+                f"{where}, slot '{self.pipeline.slot_for('quantizer', 'values')}': weighing channels by the queries' "
+                "energy applies to keys (a key channel's error is multiplied by the query's); set query_weight = 0 for values"
+            )
+        wants = any(getattr(q["keys"], "uses_query_energy", False) for q in self.group_quantizers)
+        if wants and not self.basis.keeps_channels:
+            raise ModelError(
+                f"{where}, slot '{self.pipeline.slot_for('quantizer', 'keys')}': weighing channels by the queries' energy "
+                f"needs coefficients that are the keys' own channels, which basis '{self.pipeline.use('basis')}' does not "
+                "keep; use basis 'identity' or query_weight = 0"
+            )
+        return wants
+
+    def quantizer(self, group_index: int, kind: str) -> Quantizer:
+        """The quantizer of ``kind`` for the layers of basis group ``group_index``."""
+        return self.group_quantizers[group_index][kind]
 
     def _index_groups(self) -> dict[int, tuple[int, int]]:
         group_of: dict[int, tuple[int, int]] = {}
@@ -335,7 +373,7 @@ class CompressionEngine:
         """The stored (packed) tokens of ``layer`` decoded to [B, H, T_packed, D] in ``dtype``."""
         group_index, member = self.group_of[layer]
         store = self.stores[group_index][kind]
-        coefficients = self.quantizers[kind].dequantize(store.coefficients.fields, dtype)
+        coefficients = self.quantizer(group_index, kind).dequantize(store.coefficients.fields, dtype)
         vectors = self.basis.decode(store.state or {}, coefficients, member)
         mixing = self.basis.residual_mixing(len(self.groups[group_index])) if self.residual_levels else None
         if mixing is not None:  # residual rows of the whole group (e.g. depth frequencies)
@@ -418,7 +456,8 @@ class CompressionEngine:
             "residuals": sum(r.nbytes() for w in self.windows for lists in w.residuals.values() for r in lists.values())
             + tensor_bytes(b for w in self.windows for b in w.residual_basis.values() if b is not None),
             "basis_state": tensor_bytes(t for store in stores for t in (store.state or {}).values()),
-            "observation": self.observer.nbytes() + (0 if self.padding is None else tensor_bytes([self.padding])),
+            "observation": self.observer.nbytes() + (0 if self.padding is None else tensor_bytes([self.padding]))
+            + (0 if self.energy is None else self.energy.nbytes()),
             # evicting routers: the cache index of every stored slot, and accumulated attention (H2O)
             "eviction": tensor_bytes(t for w in self.windows for t in (w.positions, w.scores) if t is not None),
         }
@@ -443,6 +482,8 @@ class CompressionEngine:
             return
         select_rows(self.windows, self.stores, index, self.shape.num_kv_heads)
         self.observer.select_batch(index)
+        if self.energy is not None:
+            self.energy.select_batch(index)
         self.kernel_state = {}
         if self.padding is not None:
             self.padding = self.padding.index_select(0, index.to(self.padding.device))
@@ -458,3 +499,5 @@ class CompressionEngine:
         self._budget_warned = False
         self.kernel_state = {}
         self.observer.reset()
+        if self.energy is not None:
+            self.energy.reset()

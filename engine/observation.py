@@ -59,11 +59,15 @@ def _engine_attention(engine, module, query, key, value, attention_mask, **kwarg
             )
         if engine.observer.active:
             engine.observer.record(layer, query, scaling, keys_seen=engine.seq_length(layer))
+        if engine.energy is not None:
+            engine.energy.record(layer, query, key.shape[1])
         output = engine.kernel.attend(engine.view(layer), query, attention_mask, scaling or query.shape[-1] ** -0.5)
         engine.after_attention(layer)
         return output, None
     if engine.observer.active:
         engine.observer.record(module.layer_idx, query, scaling, key)
+    if engine.energy is not None:
+        engine.energy.record(module.layer_idx, query, key.shape[1])
     # K/V without the evicted tokens need their own mask (built from the model's mask over all tokens)
     attention_mask = engine.prepare_attention(module.layer_idx, query, key, attention_mask, scaling)
     output = ALL_ATTENTION_FUNCTIONS["sdpa"](module, query, key, value, attention_mask, **kwargs)

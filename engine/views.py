@@ -40,7 +40,7 @@ def layer_view(engine: CompressionEngine, layer: int) -> LayerView:
             kind=kind,
             coefficients=store.coefficients.fields,
             coefficient_row=0 if shared else member,
-            coefficient_format=engine.quantizers[kind].packed_format,
+            coefficient_format=engine.quantizer(group_index, kind).packed_format,
             basis_state=state,
             factor_bases=factored,
             residuals=tuple(levels),
@@ -48,7 +48,7 @@ def layer_view(engine: CompressionEngine, layer: int) -> LayerView:
             residual_basis=window.residual_basis[kind],
             gates=engine.router.gates(layer, kind),
             exact=window.exact[kind],
-            quantizer=engine.quantizers[kind],
+            quantizer=engine.quantizer(group_index, kind),
         )
     return LayerView(
         layer=layer, group=group_index, member=member, packed_tokens=window.compressed_tokens,

@@ -20,6 +20,7 @@ class IdentityBasis(BasisBuilder):
     """Coefficients [1, B, H, n, D] equal to the input vectors; no stored state."""
 
     head_sharding: ClassVar[str] = "head-local"
+    keeps_channels: ClassVar[bool] = True
 
     def coefficient_width(self, shape: ModelShape) -> int:
         return shape.head_dim

@@ -46,11 +46,12 @@ import attrs
 
 from kvweave.core import hookimpl
 from kvweave.core.errors import ModelError
-from kvweave.core.interfaces import Quantizer
+from kvweave.core.interfaces import ModelShape, Quantizer
 from kvweave.core.lazy import torch
 from kvweave.core.params import integer, number
 
 from ._bitpack import affine_range, safe_step
+from ._layers import check_table, each_entry, layer_table
 from ._scales import FLOAT16_MAX, check_magnitude
 from .channel_group import MAX_OUTLIER_WIDTH, channel_ranges, split_outliers
 
@@ -61,6 +62,14 @@ MAX_BITS = 8
 def _eighths(_instance, attribute, value) -> None:
     if value * 8 != int(value * 8):
         raise ValueError(f"'{attribute.name}' must be a multiple of 1/8 (whole bytes per 8 channels), got {value!r}")
+
+
+_MEAN_BITS = number(1, MAX_BITS)
+
+
+def _mean_bits(instance, attribute, value) -> None:
+    _MEAN_BITS(instance, attribute, value)
+    _eighths(instance, attribute, value)
 
 
 def allocate(cost: torch.Tensor, total: int, max_bits: int) -> torch.Tensor:
@@ -112,7 +121,7 @@ class ChannelAllocQuantizer(Quantizer):
     packed_format: ClassVar[str] = "channel-alloc.v1"
 
     mean_bits: float = attrs.field(
-        default=3.5, validator=[number(1, MAX_BITS), _eighths],
+        default=3.5, validator=_mean_bits,
         metadata={"doc": "bits per element on average over a token's channels (a multiple of 1/8, 1 to 8)"},
     )
     group: int = attrs.field(
@@ -130,6 +139,25 @@ class ChannelAllocQuantizer(Quantizer):
         default=True, validator=attrs.validators.instance_of(bool),
         metadata={"doc": "channel c and c + C/2 (turned together by Llama-style RoPE) share their width"},
     )
+    query_weight: float = attrs.field(
+        default=0.0, validator=number(0.0, 2.0),
+        metadata={"doc": "0: a channel's cost is its range squared; w > 0: times the w-th power of the energy the layer's queries put on it (keys; 0.5 measured best)"},
+    )
+    layer_bits: tuple[float, ...] = attrs.field(
+        default=(), converter=layer_table, validator=each_entry(_mean_bits, "mean_bits"),
+        metadata={"doc": "mean_bits per layer, one entry per layer of the model (empty: 'mean_bits' for every layer)"},
+    )
+
+    @property
+    def uses_query_energy(self) -> bool:
+        """Whether the cache must hand :meth:`quantize` the queries' per-channel energy (engine/energy.py)."""
+        return self.query_weight > 0
+
+    def check_model(self, shape: ModelShape) -> None:
+        check_table(self.layer_bits, shape.num_layers, "channel-alloc")
+
+    def for_layer(self, layer: int) -> ChannelAllocQuantizer:
+        return attrs.evolve(self, mean_bits=float(self.layer_bits[layer]), layer_bits=()) if self.layer_bits else self
 
     def tokens_per_group(self) -> int:
         return self.group
@@ -158,7 +186,9 @@ class ChannelAllocQuantizer(Quantizer):
         if self.outliers >= width:
             raise ModelError(f"{where}: channel-alloc outliers={self.outliers} must be below the width {width}")
 
-    def quantize(self, x: torch.Tensor) -> dict[str, torch.Tensor]:
+    def quantize(self, x: torch.Tensor, channel_weights: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
+        """Pack ``x`` [..., n, C]; ``channel_weights`` [..., C] (the queries' mean energy per channel, with
+        ``query_weight > 0``) scales each channel's cost by its ``query_weight``-th power."""
         tokens, width = x.shape[-2:]
         self.check_width(width, "channel-alloc.quantize")
         if tokens % self.group:
@@ -174,6 +204,17 @@ class ChannelAllocQuantizer(Quantizer):
         mask, fields = split_outliers(grouped, x.shape, self.outliers)
         low, high = channel_ranges(grouped, mask)  # [..., G, C]
         cost = (high - low).square()
+        if self.query_weight > 0:
+            if channel_weights is None or channel_weights.shape[-1] != width:
+                raise ValueError(
+                    f"channel-alloc with query_weight={self.query_weight} needs the queries' energy per channel "
+                    f"([..., {width}]), got {None if channel_weights is None else tuple(channel_weights.shape)}"
+                )
+            energy = channel_weights.float().clamp_min(0)
+            if self.pairs:  # a pair turns together under RoPE: its summed energy is what both channels see
+                energy = energy[..., : width // 2] + energy[..., width // 2 :]
+                energy = torch.cat((energy, energy), dim=-1)
+            cost = cost * (energy / energy.mean(dim=-1, keepdim=True).clamp_min(1e-30)).pow(self.query_weight).unsqueeze(-2)
         if self.pairs:
             cost = cost[..., : width // 2] + cost[..., width // 2 :]
         entries, total = self._units(width)

@@ -63,11 +63,12 @@ import attrs
 
 from kvweave.core import hookimpl
 from kvweave.core.errors import ModelError
-from kvweave.core.interfaces import Quantizer
+from kvweave.core.interfaces import ModelShape, Quantizer
 from kvweave.core.lazy import torch
 from kvweave.core.params import choice, integer
 
 from ._bitpack import affine_range, chunk_codes, midrise_scale, nearest_level_codes, normal_levels, pack, safe_step, unpack
+from ._layers import check_table, each_entry, layer_table
 from ._scales import FLOAT16_MAX, check_magnitude
 
 ROTATIONS = ("hadamard", "random", "none")
@@ -137,6 +138,16 @@ class RotatedTokenQuantizer(Quantizer):
         default="normal", validator=choice(LEVELS),
         metadata={"doc": "'normal' (Lloyd-Max levels of N(0, 1) times the group's RMS) or 'uniform' steps"},
     )
+    layer_bits: tuple[int, ...] = attrs.field(
+        default=(), converter=layer_table, validator=each_entry(_bits, "bits"),
+        metadata={"doc": "bits per layer, one entry per layer of the model (empty: 'bits' for every layer)"},
+    )
+
+    def check_model(self, shape: ModelShape) -> None:
+        check_table(self.layer_bits, shape.num_layers, "rotated-token")
+
+    def for_layer(self, layer: int) -> RotatedTokenQuantizer:
+        return attrs.evolve(self, bits=int(self.layer_bits[layer]), layer_bits=()) if self.layer_bits else self
 
     def _group_for(self, width: int) -> int:
         return min(self.group, width)
