@@ -1,0 +1,260 @@
+"""How much each layer loses to low-bit keys or values, end to end, and a per-layer bit table for a budget.
+
+Layer-wise mixed precision after KVTuner (Li et al., "KVTuner: Sensitivity-Aware Layer-wise Mixed Precision
+KV Cache Quantization", arXiv:2502.04420): layers differ in how much a coarser cache hurts the output, so at
+one average width the sensitive layers should get the wider codes. This script (written for kvweave, no
+code taken from KVTuner) measures that sensitivity directly: for one layer at a time it replaces that
+layer's keys (or values) by their quantized round trip and takes the mean, over all positions, of
+KL(p_exact || p_perturbed) between the next-token distributions of an exact forward and the perturbed one.
+
+Usage::
+
+    python benchmarks/layer_sensitivity.py --kind values --low 2 --high 3 --mean 2.5
+    python benchmarks/layer_sensitivity.py --kind keys --low 3 --high 4 --mean 3.5 --json /tmp/keys.json
+
+Quantizers: values ``rotated-token`` (``bits`` 2, 3 or 4); keys ``channel-alloc`` (``mean_bits``, a multiple
+of 1/8; group 64, no outliers). Each works per KV head on [B, H, T, D]. Where it acts:
+
+* keys: the output of ``self_attn.k_proj``, i.e. before the rotary embedding, where kvweave's pre-RoPE
+  pipelines quantize. A model whose attention has a ``k_norm`` (Qwen3, Gemma-3) normalises the keys after
+  ``k_proj``; there the hook sits on ``k_norm``'s output instead, which is what the cache holds before
+  RoPE. ``k_norm`` output may be [B, T, H, D] (Qwen3) or [B, H, T, D] (Gemma-3); the layout is told by
+  which dim equals the number of KV heads (unambiguous since T is a multiple of 64).
+* values: the output of ``self_attn.v_proj``, or of ``v_norm`` where the attention has one.
+
+Allocation: every layer starts at ``--low``; the layers with the largest gains ``KL_low - KL_high`` move to
+``--high``, round((mean - low) / (high - low) * L) of them. Last, the whole model is run with every layer
+quantized: at the chosen table, at the same count of ``--high`` layers evenly spaced (a blind table of the
+same mean), at ``--low`` and ``--high`` everywhere and, when ``--mean`` is a valid width, at ``--mean``
+everywhere; a table that helps has the lower KL at its mean. The single-layer KLs add only approximately,
+so that end-to-end check is the one to trust.
+Text: the first ``--tokens`` tokens of the Paul Graham essays (``kvweave.tools.data``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+import torch
+from tqdm import tqdm
+
+KINDS = ("keys", "values")
+
+
+def allocate(gains: list[float], low: float, high: float, mean: float) -> list[float]:
+    """Bits per layer: ``low`` everywhere except the round((mean - low) / (high - low) * L) layers of the
+    largest ``gains``, which get ``high`` (ties go to the earlier layer)."""
+    if not low < high:
+        raise ValueError(f"low ({low}) must be below high ({high})")
+    if not low <= mean <= high:
+        raise ValueError(f"mean ({mean}) must lie in [low, high] = [{low}, {high}]")
+    count = round((mean - low) / (high - low) * len(gains))
+    order = sorted(range(len(gains)), key=lambda layer: (-gains[layer], layer))
+    chosen = set(order[:count])
+    return [high if layer in chosen else low for layer in range(len(gains))]
+
+
+def evenly(layers: int, low: float, high: float, mean: float) -> list[float]:
+    """The same count of ``high`` layers as :func:`allocate`, evenly spaced: a blind table at the same mean."""
+    count = len([b for b in allocate([0.0] * layers, low, high, mean) if b == high])
+    chosen = {int((i + 0.5) * layers / count) for i in range(count)}
+    return [high if layer in chosen else low for layer in range(layers)]
+
+
+def make_quantizer(kind: str, bits: float) -> Any:
+    """The round-trip quantizer of ``kind`` at ``bits`` (raises ValueError/TypeError for a bad width)."""
+    if kind == "values":
+        from kvweave.plugins.quantizers.rotated_token import RotatedTokenQuantizer
+
+        if bits != int(bits):
+            raise ValueError(f"rotated-token values take whole bits, got {bits}")
+        return RotatedTokenQuantizer(bits=int(bits)).for_kind("values")
+    from kvweave.plugins.quantizers.channel_alloc import ChannelAllocQuantizer
+
+    return ChannelAllocQuantizer(mean_bits=float(bits), group=64, outliers=0).for_kind("keys")
+
+
+def valid_width(kind: str, bits: float, head_dim: int) -> bool:
+    """Whether ``bits`` is a width the quantizer of ``kind`` accepts for heads of ``head_dim``."""
+    try:
+        make_quantizer(kind, bits).check_width(head_dim, "layer_sensitivity")
+    except Exception:  # noqa: BLE001 - any refusal means "not a valid uniform width"
+        return False
+    return True
+
+
+def shape_of(model: Any) -> tuple[int, int]:
+    """(KV heads, head dim) of ``model``."""
+    config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    return config.num_key_value_heads, head_dim
+
+
+def decoder_layers(model: Any) -> list[Any]:
+    from kvweave.engine.generation import decoder_layers as found
+
+    layers = found(model)
+    if not layers:
+        raise ValueError(f"cannot find the decoder layers of {type(model).__name__}")
+    return layers
+
+
+def target_module(layer: Any, kind: str) -> torch.nn.Module:
+    """The module whose output is what the cache stores for ``kind`` before RoPE."""
+    attn = layer.self_attn
+    norm, proj = ("k_norm", "k_proj") if kind == "keys" else ("v_norm", "v_proj")
+    module = getattr(attn, norm, None)
+    return module if isinstance(module, torch.nn.Module) else getattr(attn, proj)
+
+
+def round_trip(x: torch.Tensor, quantizer: Any, heads: int, head_dim: int) -> torch.Tensor:
+    """``x`` (a projection output [B, T, H*D], or a norm output [B, T, H, D] / [B, H, T, D]) with each KV
+    head's [T, D] replaced by its quantized round trip; same shape and dtype."""
+    if x.dim() == 3:
+        per_head = x.reshape(x.shape[0], x.shape[1], heads, head_dim).transpose(1, 2)
+        restored = quantizer.dequantize(quantizer.quantize(per_head.float()), torch.float32)
+        return restored.transpose(1, 2).reshape(x.shape).to(x.dtype)
+    if x.dim() == 4 and x.shape[2] == heads and x.shape[1] != heads:  # [B, T, H, D]
+        restored = quantizer.dequantize(quantizer.quantize(x.transpose(1, 2).float()), torch.float32)
+        return restored.transpose(1, 2).to(x.dtype)
+    if x.dim() == 4 and x.shape[1] == heads:  # [B, H, T, D]
+        return quantizer.dequantize(quantizer.quantize(x.float()), torch.float32).to(x.dtype)
+    raise ValueError(f"unexpected key/value shape {tuple(x.shape)} for {heads} KV heads of width {head_dim}")
+
+
+@contextmanager
+def perturbed(model: Any, kind: str, bits_by_layer: dict[int, float]) -> Iterator[None]:
+    """Within the block, each layer in ``bits_by_layer`` has its ``kind`` quantized at those bits."""
+    heads, head_dim = shape_of(model)
+    layers = decoder_layers(model)
+    handles = []
+    for index, bits in bits_by_layer.items():
+        quantizer = make_quantizer(kind, bits)
+
+        def hook(_module: Any, _args: Any, output: torch.Tensor, quantizer: Any = quantizer) -> torch.Tensor:
+            return round_trip(output, quantizer, heads, head_dim)
+
+        handles.append(target_module(layers[index], kind).register_forward_hook(hook))
+    try:
+        yield
+    finally:
+        for handle in handles:
+            handle.remove()
+
+
+def log_probs(model: Any, ids: torch.Tensor) -> torch.Tensor:
+    """float64 next-token log-probabilities [T, V] of one sequence ``ids`` [1, T] (an exact forward)."""
+    with torch.inference_mode():
+        return torch.log_softmax(model(input_ids=ids, use_cache=False).logits[0].double(), dim=-1)
+
+
+def mean_kl(model: Any, ids: torch.Tensor, exact: torch.Tensor, kind: str, table: dict[int, float]) -> float:
+    """Mean over positions of KL(p_exact || p_quantized), the layers of ``table`` quantized at its bits."""
+    with torch.inference_mode(), perturbed(model, kind, table):
+        logits = model(input_ids=ids, use_cache=False).logits[0]
+    total = 0.0
+    for start in range(0, logits.shape[0], 256):  # chunks keep the float64 copies small
+        approx = torch.log_softmax(logits[start : start + 256].double(), dim=-1)
+        rows = exact[start : start + 256]
+        total += float((rows.exp() * (rows - approx)).sum())
+    return total / logits.shape[0]
+
+
+def kl_per_layer(
+    model: Any, ids: torch.Tensor, kind: str, widths: list[float], exact: torch.Tensor | None = None, progress: bool = True
+) -> list[list[float]]:
+    """``[layer][width]``: mean KL with only that layer's ``kind`` quantized at each of ``widths``."""
+    exact = log_probs(model, ids) if exact is None else exact
+    layers = range(len(decoder_layers(model)))
+    return [
+        [mean_kl(model, ids, exact, kind, {layer: bits}) for bits in widths]
+        for layer in tqdm(layers, desc=f"{kind} per layer", disable=not progress)
+    ]
+
+
+def whole_model_kl(
+    model: Any, ids: torch.Tensor, exact: torch.Tensor, kind: str, tables: dict[str, list[float]]
+) -> dict[str, float]:
+    """Mean KL with every layer quantized (hooks on all layers at once), per named table of bits."""
+    return {name: mean_kl(model, ids, exact, kind, dict(enumerate(table))) for name, table in tables.items()}
+
+
+def compact(bits: list[float], kind: str) -> str:
+    """A TOML list: ints for values, floats (3.0, 3.25) for keys."""
+    return "[" + ", ".join(str(int(b)) if kind == "values" else repr(float(b)) for b in bits) + "]"
+
+
+def parse(argv: list[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--model", default="default", help="a kvweave model spec (default: %(default)s)")
+    parser.add_argument("--tokens", type=int, default=1024, help="tokens of essay text, a multiple of 64")
+    parser.add_argument("--kind", choices=KINDS, required=True)
+    parser.add_argument("--low", type=float, help="narrow width (default 2 for values, 3 for keys)")
+    parser.add_argument("--high", type=float, help="wide width (default 3 for values, 4 for keys)")
+    parser.add_argument("--mean", type=float, required=True, help="target average bits over layers")
+    parser.add_argument("--json", help="write the measurements and the table to this path")
+    args = parser.parse_args(argv)
+    args.low = args.low if args.low is not None else (2.0 if args.kind == "values" else 3.0)
+    args.high = args.high if args.high is not None else (3.0 if args.kind == "values" else 4.0)
+    if args.tokens < 64 or args.tokens % 64:
+        parser.error(f"--tokens must be a positive multiple of 64, got {args.tokens}")
+    if not args.low < args.high:
+        parser.error(f"--low ({args.low:g}) must be below --high ({args.high:g})")
+    if not args.low <= args.mean <= args.high:
+        parser.error(f"--mean {args.mean:g} must lie in [--low, --high] = [{args.low:g}, {args.high:g}]")
+    for name in ("low", "high"):
+        try:
+            make_quantizer(args.kind, getattr(args, name))
+        except (ValueError, TypeError) as exc:
+            parser.error(f"--{name} {getattr(args, name):g} is not a width for {args.kind}: {exc}")
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse(argv)
+    torch.set_num_threads(2)
+    from kvweave.tools.data import essays_text, leading_token_ids
+    from kvweave.tools.models import load_model
+
+    model, tokenizer = load_model(args.model, device="cpu", progress=False)
+    ids = torch.tensor([leading_token_ids(tokenizer, essays_text(), args.tokens)])
+    if ids.shape[1] != args.tokens:
+        raise SystemExit(f"the essays gave only {ids.shape[1]} tokens, fewer than --tokens {args.tokens}")
+    _, head_dim = shape_of(model)
+    for bits in (args.low, args.high):
+        if not valid_width(args.kind, bits, head_dim):
+            raise SystemExit(f"{bits:g} bits: the {args.kind} quantizer refuses heads of width {head_dim}")
+    exact = log_probs(model, ids)
+    kl = kl_per_layer(model, ids, args.kind, [args.low, args.high], exact)
+    table = allocate([low - high for low, high in kl], args.low, args.high, args.mean)
+    if args.kind == "values":
+        table = [int(bits) for bits in table]
+    print(f"\n{args.kind}, {args.model}, {args.tokens} tokens: mean KL(exact || one layer quantized)\n")
+    print(f"| layer | KL at {args.low:g} | KL at {args.high:g} | chosen bits |\n|---:|---:|---:|---:|")
+    for layer, ((low, high), bits) in enumerate(zip(kl, table)):
+        print(f"| {layer} | {low:.3e} | {high:.3e} | {bits:g} |")
+    print(f"\nlayer_bits = {compact(table, args.kind)}  # mean {sum(table) / len(table):g}")
+    tables = {"allocated": table, "evenly spaced": evenly(len(table), args.low, args.high, args.mean)}
+    tables |= {f"uniform {b:g}": [b] * len(table) for b in (args.low, args.high)}
+    if valid_width(args.kind, args.mean, head_dim) and args.mean not in (args.low, args.high):
+        tables[f"uniform {args.mean:g}"] = [args.mean] * len(table)
+    whole = whole_model_kl(model, ids, exact, args.kind, tables)
+    print("\nall layers quantized: mean KL(exact || quantized)")
+    for name, value in whole.items():
+        print(f"  {name:>14} (mean {sum(tables[name]) / len(table):g} bits): {value:.4e}")
+    if args.json:
+        record = {**{k: getattr(args, k) for k in ("model", "kind", "tokens", "low", "high", "mean")},
+                  "kl_low": [k[0] for k in kl], "kl_high": [k[1] for k in kl], "layer_bits": table, "whole_model_kl": whole}
+        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.json).write_text(json.dumps(record, indent=2) + "\n")
+    return 0 if all(math.isfinite(v) for v in whole.values()) else 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
