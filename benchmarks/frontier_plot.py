@@ -1,9 +1,10 @@
 """The quality-at-ratio frontier from an evaluation's needle.json and ppl.json: a markdown table and a plot.
 
-    python benchmarks/frontier_plot.py RESULTS_FOLDER [--out PNG]
+    python benchmarks/frontier_plot.py RESULTS_FOLDER [RESULTS_FOLDER ...] [--out PNG]
 
 RESULTS_FOLDER holds ``needle.json`` (``kvweave eval needle``) and optionally ``ppl.json`` (``kvweave eval
-ppl``). Per pipeline and context length: needles found, found of what the full cache finds (the cells
+ppl``). Several folders (one grid run in parts, or earlier runs of the same grid) are merged: each
+pipeline is taken from the first folder that has it, and their needle grids must be the same. Per pipeline and context length: needles found, found of what the full cache finds (the cells
 ``full`` answered), and the real stored-bytes ratio against a 16-bit cache; perplexity against the
 DynamicCache reference.
 """
@@ -81,18 +82,41 @@ def plot(table: list[dict], lengths: list[int], path: Path, title: str) -> None:
     fig.savefig(path, dpi=120)
 
 
+def merged(folders: list[Path]) -> tuple[dict, dict | None]:
+    """needle.json and ppl.json of ``folders`` as one: each pipeline from the first folder that has it."""
+    needle: dict | None = None
+    ppl: dict | None = None
+    for folder in folders:
+        part = json.loads((folder / "needle.json").read_text())
+        if needle is None:
+            needle = part
+        else:
+            grid = ("lengths", "depths", "needles", "protocol")
+            if any(part.get(key) != needle.get(key) for key in grid):
+                raise SystemExit(f"{folder}/needle.json: its grid ({', '.join(f'{k}={part.get(k)}' for k in grid)}) differs from the first folder's")
+            for name, data in part["pipelines"].items():
+                needle["pipelines"].setdefault(name, data)
+        ppl_file = folder / "ppl.json"
+        if ppl_file.is_file():
+            more = json.loads(ppl_file.read_text())
+            if ppl is None:
+                ppl = more
+            else:
+                for name, data in more.get("pipelines", {}).items():
+                    ppl["pipelines"].setdefault(name, data)
+    return needle, ppl  # type: ignore[return-value]
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("folder", type=Path)
-    parser.add_argument("--out", type=Path, default=None, help="plot file (default FOLDER/frontier.png)")
+    parser.add_argument("folders", type=Path, nargs="+")
+    parser.add_argument("--out", type=Path, default=None, help="plot file (default FIRST_FOLDER/frontier.png)")
     args = parser.parse_args()
-    needle = json.loads((args.folder / "needle.json").read_text())
-    ppl_file = args.folder / "ppl.json"
-    ppl = json.loads(ppl_file.read_text()) if ppl_file.is_file() else None
+    needle, ppl = merged(args.folders)
     table = rows(needle, ppl)
     print(markdown(table, needle["lengths"]))
     title = f"needles ({needle.get('protocol', 'query-aware')}) vs real bytes"
-    plot(table, needle["lengths"], args.out or args.folder / "frontier.png", title)
+    plot(table, needle["lengths"], args.out or args.folders[0] / "frontier.png", title)
     return 0
 
 

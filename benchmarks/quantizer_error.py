@@ -113,8 +113,12 @@ def model_kv(spec: str, tokens: int, query_count: int) -> dict[str, torch.Tensor
     last = positions[-query_count:]
     queries = torch.stack([inverse.rotate(captured["q"][i][:, -query_count:], i, last) for i in range(len(layers))])
     outputs = torch.stack([captured["o"][i][:, -query_count:] for i in range(len(layers))])
+    # the mean square of each query channel over every position (a KV head's query heads summed): what a
+    # cache accumulates from the context's own queries for channel-alloc's query_weight (engine/energy.py)
+    group = captured["q"][0].shape[0] // keys.shape[1]
+    energy = torch.stack([q.square().mean(dim=1).reshape(keys.shape[1], group, head_dim).sum(dim=1) for q in captured["q"]])
     return {"keys post-RoPE": keys, "keys pre-RoPE": pre, "values": values, "queries": queries,
-            "outputs": outputs, "inverse": inverse, "scale": float(layers[0].self_attn.scaling)}
+            "outputs": outputs, "inverse": inverse, "scale": float(layers[0].self_attn.scaling), "energy": energy}
 
 
 # --- quantizers ---------------------------------------------------------------------------------------
@@ -141,9 +145,11 @@ def for_kind(quantizer, kind: str):
     return quantizer.for_kind("keys" if kind.startswith("keys") else "values")
 
 
-def round_trip(quantizer, x: torch.Tensor) -> tuple[torch.Tensor, float]:
-    """``x_hat`` and the bits per element of the packed fields (from their nbytes)."""
-    packed = quantizer.quantize(x)
+def round_trip(quantizer, x: torch.Tensor, energy: torch.Tensor | None = None) -> tuple[torch.Tensor, float]:
+    """``x_hat`` and the bits per element of the packed fields (from their nbytes); ``energy`` [..., C] the
+    queries' energy per channel, for a quantizer that weighs channels by it."""
+    weighted = getattr(quantizer, "uses_query_energy", False)
+    packed = quantizer.quantize(x, channel_weights=energy) if weighted else quantizer.quantize(x)
     stored = sum(t.numel() * t.element_size() for t in packed.values())
     return quantizer.dequantize(packed, torch.float32), 8 * stored / x.numel()
 
@@ -211,6 +217,10 @@ def attention_pairs() -> list[tuple[str, object, bool, object]]:
         ("ca 3.5b k0 pre-RoPE / rt 2b (prerope-a35v2)", ca(mean_bits=3.5, outliers=0), True, rt()),
         ("ca 3.5b k0 pre-RoPE, no pairs / rt 2b", ca(mean_bits=3.5, outliers=0, pairs=False), True, rt()),
         ("ca 3.5b k0 post-RoPE, no pairs / rt 2b", ca(mean_bits=3.5, outliers=0, pairs=False), False, rt()),
+        # channels weighed by the energy of the model's queries (query_weight), and 3-bit values
+        ("ca 3.0b k0 pre-RoPE, query_weight 0.5 / rt 2b (prerope-qa3v2)", ca(mean_bits=3.0, outliers=0, query_weight=0.5), True, rt()),
+        ("ca 3.0b k0 pre-RoPE, query_weight 1.0 / rt 2b", ca(mean_bits=3.0, outliers=0, query_weight=1.0), True, rt()),
+        ("ca 3.5b k0 pre-RoPE, query_weight 0.5 / rt 3b (prerope-qa35v3)", ca(mean_bits=3.5, outliers=0, query_weight=0.5), True, rt(bits=3)),
     ]
 
 
@@ -225,10 +235,10 @@ def attention_table(data) -> list[str]:
              "|---|---:|---:|---:|---:|---:|"]
     for label, key_quantizer, pre_rope, value_quantizer in attention_pairs():
         if pre_rope:
-            stored, key_bits = round_trip(key_quantizer, pre)
+            stored, key_bits = round_trip(key_quantizer, pre, data["energy"])
             key_hat = torch.stack([inverse.rotate(stored[i], i, positions) for i in range(len(stored))])
         else:
-            key_hat, key_bits = round_trip(key_quantizer, keys)
+            key_hat, key_bits = round_trip(key_quantizer, keys, data["energy"])
         value_hat, value_bits = round_trip(value_quantizer, values)
         errors = [relative(exact, attention(queries, k, v, scale)) for k, v in ((key_hat, values), (keys, value_hat), (key_hat, value_hat))]
         total = key_bits + value_bits
