@@ -61,13 +61,15 @@ def plot(table: list[dict], lengths: list[int], path: Path, title: str) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, axes = plt.subplots(1, len(lengths), figsize=(6 * len(lengths), 4.5), sharey=True)
+    fig, axes = plt.subplots(1, len(lengths), figsize=(6 * len(lengths) + 2.5, 4.5), sharey=True)
+    markers = "osD^v<>pP*Xh"
+    colors = plt.get_cmap("tab20").colors
     for ax, n in zip(axes if len(lengths) > 1 else [axes], lengths):
-        for row in table:
+        for index, row in enumerate(table):  # one colour and marker per pipeline, named in the legend
             c = row["lengths"][n]
             share = c["of_full"] / c["full_found"] if c["full_found"] else 0.0
-            ax.scatter(c["ratio"], share, s=40)
-            ax.annotate(row["pipeline"], (c["ratio"], share), fontsize=7, xytext=(3, 3), textcoords="offset points")
+            ax.scatter(c["ratio"], share, s=45, marker=markers[index % len(markers)], color=colors[index % len(colors)],
+                       label=row["pipeline"], alpha=0.85)
         ax.axhline(0.95, color="grey", lw=0.8, ls="--")
         ax.axvline(5.0, color="grey", lw=0.8, ls=":")
         ax.set_xscale("log")
@@ -76,7 +78,10 @@ def plot(table: list[dict], lengths: list[int], path: Path, title: str) -> None:
         ax.minorticks_off()
         ax.set_xlabel("real stored bytes: x less than a 16-bit cache")
         ax.set_title(f"{n:,} tokens")
-    (axes[0] if len(lengths) > 1 else axes).set_ylabel("needles found, of what the full cache finds")
+    first = axes[0] if len(lengths) > 1 else axes
+    first.set_ylabel("needles found, of what the full cache finds")
+    last = axes[-1] if len(lengths) > 1 else axes
+    last.legend(loc="upper left", bbox_to_anchor=(1.02, 1.0), fontsize=8, frameon=False)
     fig.suptitle(title)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
