@@ -51,6 +51,10 @@ VARIANTS = textwrap.dedent("""
     extends = "prerope-k4v2-lowbit"
     [pipelines.t-lowbit-asym.values.quantizer]
     symmetric = false
+    [pipelines.t-lowbit-layers]
+    extends = "prerope-k4v2-lowbit"
+    [pipelines.t-lowbit-layers.values.quantizer]
+    layer_bits = [2, 3]
 """)
 
 
@@ -116,6 +120,7 @@ def test_keys_rotated_in_registers_are_the_keys_the_engine_rotates(model):
     ("t-lowbit-k3", "uniform 2 or 4-bit codes"),
     ("t-lowbit-alloc", "packed as channel-group.v1"),
     ("t-lowbit-asym", "symmetric 2 or 4-bit"),
+    ("t-lowbit-layers", "layer_bits give some layers 3 bits"),
 ])
 def test_storage_the_kernel_cannot_read_is_refused_at_resolve_time(registry, name, match):
     with pytest.raises((RegistryError, ComponentError), match=match):

@@ -71,6 +71,10 @@ class LowbitKernel(AttentionKernel):
         if values.bits not in CODE_BITS or not values.symmetric:
             raise ComponentError(f"{where} reads values as symmetric {' or '.join(map(str, CODE_BITS))}-bit codes, not {values.bits}-bit "
                                  f"{'symmetric' if values.symmetric else 'asymmetric'}; use kernel 'reference'")
+        widths = sorted({int(b) for b in getattr(values, "layer_bits", ())} - set(CODE_BITS))
+        if widths:
+            raise ComponentError(f"{where} reads values as {' or '.join(map(str, CODE_BITS))}-bit codes, but the values' layer_bits "
+                                 f"give some layers {', '.join(map(str, widths))} bits; use kernel 'reference'")
 
     @staticmethod
     def _quantizer(pipeline: PipelineSlots, kind: str, packed: str, where: str) -> Any:
