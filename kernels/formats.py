@@ -60,6 +60,12 @@ def dequantize_int4_group(packed: torch.Tensor, scales: torch.Tensor, dtype: tor
 
 
 def unpack_codes(packed: torch.Tensor, bits: int) -> torch.Tensor:
-    """uint8 [..., C * bits / 8] little-endian codes (2, 4 or 8 bits a code) -> int64 [..., C]."""
-    shifts = torch.arange(8 // bits, device=packed.device) * bits
-    return ((packed.long().unsqueeze(-1) >> shifts) & ((1 << bits) - 1)).flatten(-2)
+    """uint8 [..., C * bits / 8], one little-endian bit stream of codes (code ``c`` at bits ``c * bits ..``;
+    1 to 8 bits a code) -> int64 [..., C]."""
+    if 8 % bits == 0:  # whole codes in each byte
+        shifts = torch.arange(8 // bits, device=packed.device) * bits
+        return ((packed.long().unsqueeze(-1) >> shifts) & ((1 << bits) - 1)).flatten(-2)
+    stream = ((packed.long().unsqueeze(-1) >> torch.arange(8, device=packed.device)) & 1).flatten(-2)
+    count = stream.shape[-1] // bits
+    weights = 1 << torch.arange(bits, device=packed.device)
+    return (stream[..., : count * bits].reshape(*packed.shape[:-1], count, bits) * weights).sum(-1)

@@ -139,7 +139,10 @@ def torch_lowbit_decode(view: LowbitView, q: torch.Tensor, start: torch.Tensor |
 
 
 def fast_path(view: LowbitView) -> bool:
-    """Whether the sub-tile kernel reads ``view``: tile products need 16 channels a sub-tile."""
+    """Whether the sub-tile kernel reads ``view``: whole codes in each byte (2 or 4 bits; 3-bit codes cross
+    bytes and take the general kernel), and 16 channels a sub-tile for the tile products."""
+    if 8 % view.k_bits or 8 % view.v_bits:
+        return False
     dim = view.exact_k.shape[-1]
     return (dim // 2) // (8 // view.k_bits) >= 16 and dim // (8 // view.v_bits) >= 16
 

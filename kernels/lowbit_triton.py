@@ -13,13 +13,23 @@ except ImportError:  # pragma: no cover - exercised where triton is missing
 if triton is not None:
 
     @triton.jit
+    def _codes(row_ptr, t_idx, t_ok, chan, BITS: tl.constexpr, WIDTH: tl.constexpr):
+        """Codes [BLOCK, len(chan)] of tokens ``t_idx`` from one little-endian bit stream per token (``WIDTH``
+        bytes; code ``c`` at bits ``c * BITS ..``): a code of 3 bits may cross into the next byte."""
+        offset = chan * BITS
+        at = row_ptr + t_idx[:, None] * WIDTH + (offset // 8)[None, :]
+        word = tl.load(at, mask=t_ok[:, None], other=0).to(tl.int32)
+        if 8 % BITS != 0:
+            crosses = (offset % 8 + BITS > 8) & (offset // 8 + 1 < WIDTH)
+            word = word | (tl.load(at + 1, mask=t_ok[:, None] & crosses[None, :], other=0).to(tl.int32) << 8)
+        return (word >> (offset % 8)[None, :]) & ((1 << BITS) - 1)
+
+    @triton.jit
     def _dequant(codes_ptr, zero_ptr, scale_ptr, oi_ptr, ov_ptr, row_off, t_idx, t_ok, chan,
                  D: tl.constexpr, KBITS: tl.constexpr, KGROUP: tl.constexpr, KO: tl.constexpr):
         """Keys [BLOCK_T, D] (channel order ``chan``) of tokens ``t_idx``, before the rotary embedding."""
-        per: tl.constexpr = 8 // KBITS
         width: tl.constexpr = D * KBITS // 8
-        byte = tl.load(codes_ptr + row_off * width + t_idx[:, None] * width + (chan // per)[None, :], mask=t_ok[:, None], other=0)
-        code = (byte.to(tl.int32) >> ((chan % per) * KBITS)[None, :]) & ((1 << KBITS) - 1)
+        code = _codes(codes_ptr + row_off * width, t_idx, t_ok, chan, KBITS, width)
         group_row = tl.min(t_idx) // KGROUP  # a tile lies within one token group (BLOCK divides KGROUP)
         zero = tl.load(zero_ptr + (row_off // KGROUP) * D + group_row * D + chan).to(tl.float32)
         scale = tl.load(scale_ptr + (row_off // KGROUP) * D + group_row * D + chan).to(tl.float32)
@@ -57,7 +67,6 @@ if triton is not None:
         l_i = tl.zeros([G], tl.float32)
         acc = tl.zeros([G, D], tl.float32)
         row_off = bh.to(tl.int64) * tokens  # 64-bit offsets: B x H x T x width passes 2**31 at long contexts
-        v_per: tl.constexpr = 8 // VBITS
         v_width: tl.constexpr = D * VBITS // 8
         v_groups: tl.constexpr = D // VGROUP
         lo = split * split_len
@@ -86,8 +95,7 @@ if triton is not None:
             m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
             alpha = tl.exp(m_i - m_safe)
             p = tl.exp(s - m_safe[:, None])
-            byte = tl.load(vc_ptr + row_off * v_width + t_idx[:, None] * v_width + (chan // v_per)[None, :], mask=t_ok[:, None], other=0)
-            code = (byte.to(tl.int32) >> ((chan % v_per) * VBITS)[None, :]) & ((1 << VBITS) - 1)
+            code = _codes(vc_ptr + row_off * v_width, t_idx, t_ok, chan, VBITS, v_width)
             level = tl.load(vlev_ptr + code)
             vscale = tl.load(vs_ptr + row_off * v_groups + t_idx[:, None] * v_groups + (chan // VGROUP)[None, :], mask=t_ok[:, None], other=0.0).to(tl.float32)
             values = level * vscale

@@ -37,10 +37,22 @@ VARIANTS = textwrap.dedent("""
     bits = 4
     levels = "uniform"
 
-    [pipelines.t-lowbit-k3]
+    [pipelines.t-lowbit-k3v3]
     extends = "prerope-k4v2-lowbit"
-    [pipelines.t-lowbit-k3.keys.quantizer]
+    [pipelines.t-lowbit-k3v3.keys.quantizer]
     bits = 3
+    [pipelines.t-lowbit-k3v3.values.quantizer]
+    bits = 3
+
+    [pipelines.t-lowbit-layers]
+    extends = "prerope-k4v2-lowbit"
+    [pipelines.t-lowbit-layers.values.quantizer]
+    layer_bits = [3, 2]
+
+    [pipelines.t-lowbit-knormal]
+    extends = "prerope-k4v2-lowbit"
+    [pipelines.t-lowbit-knormal.keys.quantizer]
+    levels = "normal"
 
     [pipelines.t-lowbit-alloc]
     extends = "prerope-a3v2"
@@ -51,10 +63,6 @@ VARIANTS = textwrap.dedent("""
     extends = "prerope-k4v2-lowbit"
     [pipelines.t-lowbit-asym.values.quantizer]
     symmetric = false
-    [pipelines.t-lowbit-layers]
-    extends = "prerope-k4v2-lowbit"
-    [pipelines.t-lowbit-layers.values.quantizer]
-    layer_bits = [2, 3]
 """)
 
 
@@ -74,7 +82,7 @@ def _generate(model, cache, ids, mask):
                               return_dict_in_generate=True, pad_token_id=0, **cache_kwargs(model, cache))
 
 
-@pytest.mark.parametrize("name", ["prerope-k4v2-lowbit", "t-lowbit-post", "t-lowbit-k2v4"])
+@pytest.mark.parametrize("name", ["prerope-k4v2-lowbit", "t-lowbit-post", "t-lowbit-k2v4", "t-lowbit-k3v3", "t-lowbit-layers"])
 def test_the_kernel_decodes_what_the_reference_path_decodes(model, registry, name):
     """A left-padded batch decodes to the same tokens, with the same scores to float rounding, as the same
     storage reconstructed and attended by the model's own sdpa."""
@@ -88,7 +96,7 @@ def test_the_kernel_decodes_what_the_reference_path_decodes(model, registry, nam
     assert max((a - b).abs().max().item() for a, b in zip(ours.scores, theirs.scores)) < 1e-4
 
 
-@pytest.mark.parametrize("name", ["prerope-k4v2-lowbit", "t-lowbit-post", "t-lowbit-k2v4", "t-lowbit-v4"])
+@pytest.mark.parametrize("name", ["prerope-k4v2-lowbit", "t-lowbit-post", "t-lowbit-k2v4", "t-lowbit-v4", "t-lowbit-k3v3"])
 def test_the_triton_kernel_matches_its_torch_twin(model, registry, name):
     ids = torch.randint(1, 128, (2, 230), generator=torch.Generator().manual_seed(2))
     cache = build_cache(registry.resolve(name), model)
@@ -117,10 +125,9 @@ def test_keys_rotated_in_registers_are_the_keys_the_engine_rotates(model):
 
 
 @pytest.mark.parametrize("name, match", [
-    ("t-lowbit-k3", "uniform 2 or 4-bit codes"),
+    ("t-lowbit-knormal", "uniform 2, 3, 4-bit codes"),
     ("t-lowbit-alloc", "packed as channel-group.v1"),
-    ("t-lowbit-asym", "symmetric 2 or 4-bit"),
-    ("t-lowbit-layers", "layer_bits give some layers 3 bits"),
+    ("t-lowbit-asym", "symmetric 2, 3, 4-bit"),
 ])
 def test_storage_the_kernel_cannot_read_is_refused_at_resolve_time(registry, name, match):
     with pytest.raises((RegistryError, ComponentError), match=match):

@@ -1,18 +1,19 @@
 """``lowbit``: decode attention read straight from low-bit keys and values (the frontier pipelines of
 docs/frontier.md), by the Triton kernel of :mod:`kvweave.kernels.lowbit_decode`.
 
-Keys packed as ``channel-group.v1`` (per channel over token groups, uniform 2- or 4-bit codes, exact
+Keys packed as ``channel-group.v1`` (per channel over token groups, uniform 2-, 3- or 4-bit codes, exact
 outliers) and stored before the rotary embedding (``key_space = "pre-rope"``; post-RoPE works too) are
 dequantized and rotated at each token's position in registers, from the model's ``inv_freq``; values packed
-as ``rotated-token.v1`` (2- or 4-bit codes per token after a fixed rotation, symmetric, normal or uniform
-levels) are summed in the rotated space and rotated back once per query. Nothing is reconstructed in memory:
+as ``rotated-token.v1`` (2-, 3- or 4-bit codes per token after a fixed rotation, symmetric, normal or uniform
+levels; a per-layer ``layer_bits`` table too) are summed in the rotated space and rotated back once per query. Nothing is reconstructed in memory:
 the cache's ``update`` returns only the exact window for one-token forwards, and kvweave's attention calls
 :meth:`LowbitKernel.attend` with the layer's view. Prompts (several tokens) run the model's sdpa over
 reconstructed K/V, as with every kernel.
 
 Refused when the pipeline is resolved, naming the slot: ``compress = false``, a basis other than
-``identity``, residual rank levels, an evictor that drops tokens, other packed formats, 3-bit codes,
-non-uniform key levels, asymmetric values. Refused when the cache is built: head_dim not 64, 128 or 256, a
+``identity``, residual rank levels, an evictor that drops tokens, other packed formats (``channel-alloc`` keys among them),
+non-uniform key levels, asymmetric values. 3-bit codes cross bytes: they take the general kernel, not the
+sub-tile one. Refused when the cache is built: head_dim not 64, 128 or 256, a
 rotary embedding whose angles are not ``position * inv_freq``.
 
 ``backend``: ``auto`` runs the Triton kernel on CUDA tensors and its torch twin elsewhere; ``triton`` and
@@ -38,7 +39,7 @@ from .fused import first_positions
 
 BACKENDS = ("auto", "triton", "torch")
 HEAD_DIMS = (64, 128, 256)
-CODE_BITS = (2, 4)
+CODE_BITS = (2, 3, 4)
 
 
 @attrs.frozen
@@ -66,15 +67,12 @@ class LowbitKernel(AttentionKernel):
             raise ComponentError(f"{where} attends over every stored token, but slot 'evictor' ('{pipeline.use('evictor')}') evicts tokens; use kernel 'reference'")
         keys = self._quantizer(pipeline, "keys", CHANNEL_GROUP, where)
         if getattr(keys, "levels", "uniform") != "uniform" or keys.bits not in CODE_BITS:
-            raise ComponentError(f"{where} reads keys as uniform {' or '.join(map(str, CODE_BITS))}-bit codes, not {keys.bits}-bit {keys.levels}; use kernel 'reference'")
+            raise ComponentError(f"{where} reads keys as uniform {', '.join(map(str, CODE_BITS))}-bit codes, not {keys.bits}-bit {keys.levels}; use kernel 'reference'")
         values = self._quantizer(pipeline, "values", ROTATED_TOKEN, where)
         if values.bits not in CODE_BITS or not values.symmetric:
-            raise ComponentError(f"{where} reads values as symmetric {' or '.join(map(str, CODE_BITS))}-bit codes, not {values.bits}-bit "
+            raise ComponentError(f"{where} reads values as symmetric {', '.join(map(str, CODE_BITS))}-bit codes, not {values.bits}-bit "
                                  f"{'symmetric' if values.symmetric else 'asymmetric'}; use kernel 'reference'")
-        widths = sorted({int(b) for b in getattr(values, "layer_bits", ())} - set(CODE_BITS))
-        if widths:
-            raise ComponentError(f"{where} reads values as {' or '.join(map(str, CODE_BITS))}-bit codes, but the values' layer_bits "
-                                 f"give some layers {', '.join(map(str, widths))} bits; use kernel 'reference'")
+
 
     @staticmethod
     def _quantizer(pipeline: PipelineSlots, kind: str, packed: str, where: str) -> Any:
