@@ -28,6 +28,9 @@ INT8_BLOCK = "int8-block.v1"
 INT4_GROUP = "int4-group.v1"
 CHANNEL_GROUP = "channel-group.v1"
 ROTATED_TOKEN = "rotated-token.v1"
+CHANNEL_ALLOC = "channel-alloc.v1"
+#: the widest code of a variable-width stream (``channel-alloc.v1``)
+MAX_CODE_BITS = 8
 
 
 def int8_block_width(codes: torch.Tensor, scales: torch.Tensor) -> int:
@@ -69,3 +72,18 @@ def unpack_codes(packed: torch.Tensor, bits: int) -> torch.Tensor:
     count = stream.shape[-1] // bits
     weights = 1 << torch.arange(bits, device=packed.device)
     return (stream[..., : count * bits].reshape(*packed.shape[:-1], count, bits) * weights).sum(-1)
+
+
+def unpack_varwidth(packed: torch.Tensor, bits: torch.Tensor) -> torch.Tensor:
+    """uint8 [..., n, total / 8], one little-endian bit stream per token whose channel ``c`` takes ``bits[c]``
+    bits at offset ``sum(bits[:c])`` (``channel-alloc.v1``), with widths ``bits`` [..., 1 | n, C] -> int64
+    codes [..., n, C] (a channel of 0 bits reads 0)."""
+    stream = ((packed.long().unsqueeze(-1) >> torch.arange(8, device=packed.device)) & 1).flatten(-2)
+    shape = (*packed.shape[:-1], bits.shape[-1])
+    bits = bits.long().expand(shape)
+    offsets = bits.cumsum(-1) - bits
+    place = torch.arange(MAX_CODE_BITS, device=packed.device)
+    used = place < bits.unsqueeze(-1)
+    where = torch.where(used, offsets.unsqueeze(-1) + place, 0).clamp_max(stream.shape[-1] - 1)
+    picked = stream.gather(-1, where.flatten(-2)).reshape(*shape, MAX_CODE_BITS)
+    return ((picked * used) << place).sum(-1)

@@ -10,7 +10,9 @@ torch twin (the same arithmetic with whole tensors: the kernel's reference in th
 CPU). Both then merge the exact window (the recent tokens in the model's dtype) by their log-sum-exp.
 
 Inputs (:class:`LowbitView`), ``BH`` = batch x KV heads, ``T`` packed tokens, ``D`` head dim:
-``k_codes`` uint8 [BH, T, D * kbits / 8], ``k_zero``/``k_scale`` float16 [BH, T / kgroup, D],
+``k_codes`` uint8 [BH, T, D * kbits / 8] (``channel-alloc.v1``: [BH, T, mean bits * D / 8] with ``k_widths``
+and ``k_offsets`` int32 [BH, T / kgroup, D], each channel's width and offset in the stream),
+``k_zero``/``k_scale`` float16 [BH, T / kgroup, D],
 ``k_out_index`` uint8 / ``k_out_value`` float16 [BH, T, KO]; ``v_codes`` uint8 [BH, T, D * vbits / 8],
 ``v_scale`` float16 [BH, T, D / vgroup]; ``v_levels`` float32 [2 ** vbits] (the value of each code before
 the scale), ``rotation`` float32 [D, D] (a stored value vector is ``y @ rotation``); ``inv_freq`` float32
@@ -27,7 +29,7 @@ from typing import TYPE_CHECKING, Any
 import attrs
 
 from kvweave.core.lazy import lazy_module, torch
-from kvweave.kernels.formats import unpack_codes
+from kvweave.kernels.formats import unpack_codes, unpack_varwidth
 
 if TYPE_CHECKING:
     from kvweave.kernels import lowbit_triton as jit
@@ -63,11 +65,18 @@ class LowbitView:
     exact_v: torch.Tensor
     #: how the sub-tile kernel makes value levels (:func:`level_kind`); None: read from ``v_levels`` per call
     level_kind: tuple[int, float, float] | None = None
+    #: ``channel-alloc.v1`` keys: each channel's width and bit offset in its token's stream, int32 [BH, T /
+    #: k_group, D] (None: ``channel-group.v1``, every channel ``k_bits`` wide)
+    k_widths: torch.Tensor | None = None
+    k_offsets: torch.Tensor | None = None
 
 
 def torch_keys(view: LowbitView) -> torch.Tensor:
     """The packed keys as attention reads them (rotated at their positions): float32 [BH, T, D]."""
-    codes = unpack_codes(view.k_codes, view.k_bits).float()
+    if view.k_widths is not None:
+        codes = unpack_varwidth(view.k_codes, view.k_widths.repeat_interleave(view.k_group, dim=-2)).float()
+    else:
+        codes = unpack_codes(view.k_codes, view.k_bits).float()
     bh, tokens, dim = codes.shape
     rows = torch.arange(tokens, device=codes.device) // view.k_group
     keys = view.k_zero.float()[:, rows] + codes * view.k_scale.float()[:, rows]
@@ -141,7 +150,7 @@ def torch_lowbit_decode(view: LowbitView, q: torch.Tensor, start: torch.Tensor |
 def fast_path(view: LowbitView) -> bool:
     """Whether the sub-tile kernel reads ``view``: whole codes in each byte (2 or 4 bits; 3-bit codes cross
     bytes and take the general kernel), and 16 channels a sub-tile for the tile products."""
-    if 8 % view.k_bits or 8 % view.v_bits:
+    if view.k_widths is not None or 8 % view.k_bits or 8 % view.v_bits:
         return False
     dim = view.exact_k.shape[-1]
     return (dim // 2) // (8 // view.k_bits) >= 16 and dim // (8 // view.v_bits) >= 16
@@ -191,9 +200,11 @@ def lowbit_decode(view: LowbitView, q: torch.Tensor, start: torch.Tensor | None,
     acc = torch.empty(batch * heads, splits, rows, dim, device=q.device)
     ko = 0 if view.k_out_index is None else view.k_out_index.shape[-1]
     dummy = view.k_zero
+    varw = view.k_widths is not None
     args = (
         padded, view.k_codes, view.k_zero, view.k_scale,
         view.k_out_index if ko else dummy, view.k_out_value if ko else dummy,
+        view.k_widths if varw else dummy, view.k_offsets if varw else dummy,
         view.v_codes, view.v_scale, view.v_levels, view.inv_freq if view.inv_freq is not None else view.v_levels,
         start if start is not None else m, m, l, acc,
         view.tokens, heads, splits, split_len, view.first, float(view.rope_scale), float(scaling),
@@ -201,6 +212,7 @@ def lowbit_decode(view: LowbitView, q: torch.Tensor, start: torch.Tensor | None,
     constants = dict(
         D=dim, G=rows, KBITS=view.k_bits, KGROUP=view.k_group, KO=ko, VBITS=view.v_bits, VGROUP=view.v_group,
         ROPE=view.inv_freq is not None, HAS_START=start is not None, BLOCK=block, LOWP=q.is_cuda, num_warps=num_warps,
+        KWIDTH=view.k_codes.shape[-1], VARW=varw,
     )
     if fast and fast_path(view):
         kind, l0, l1 = view.level_kind or level_kind(view.v_levels.tolist())

@@ -25,14 +25,24 @@ if triton is not None:
         return (word >> (offset % 8)[None, :]) & ((1 << BITS) - 1)
 
     @triton.jit
-    def _dequant(codes_ptr, zero_ptr, scale_ptr, oi_ptr, ov_ptr, row_off, t_idx, t_ok, chan,
-                 D: tl.constexpr, KBITS: tl.constexpr, KGROUP: tl.constexpr, KO: tl.constexpr):
-        """Keys [BLOCK_T, D] (channel order ``chan``) of tokens ``t_idx``, before the rotary embedding."""
-        width: tl.constexpr = D * KBITS // 8
-        code = _codes(codes_ptr + row_off * width, t_idx, t_ok, chan, KBITS, width)
+    def _dequant(codes_ptr, zero_ptr, scale_ptr, oi_ptr, ov_ptr, kw_ptr, koff_ptr, row_off, t_idx, t_ok, chan,
+                 D: tl.constexpr, KBITS: tl.constexpr, KGROUP: tl.constexpr, KO: tl.constexpr, KWIDTH: tl.constexpr,
+                 VARW: tl.constexpr):
+        """Keys [BLOCK_T, D] (channel order ``chan``) of tokens ``t_idx``, before the rotary embedding. ``VARW``:
+        each channel of the token group has its own width and offset in the token's stream (channel-alloc.v1)."""
         group_row = tl.min(t_idx) // KGROUP  # a tile lies within one token group (BLOCK divides KGROUP)
-        zero = tl.load(zero_ptr + (row_off // KGROUP) * D + group_row * D + chan).to(tl.float32)
-        scale = tl.load(scale_ptr + (row_off // KGROUP) * D + group_row * D + chan).to(tl.float32)
+        meta = (row_off // KGROUP) * D + group_row * D + chan
+        if VARW:
+            width = tl.load(kw_ptr + meta)
+            offset = tl.load(koff_ptr + meta)
+            at = codes_ptr + row_off * KWIDTH + t_idx[:, None] * KWIDTH + (offset // 8)[None, :]
+            word = tl.load(at, mask=t_ok[:, None], other=0).to(tl.int32)
+            word = word | (tl.load(at + 1, mask=t_ok[:, None] & ((offset // 8 + 1) < KWIDTH)[None, :], other=0).to(tl.int32) << 8)
+            code = (word >> (offset % 8)[None, :]) & ((1 << width) - 1)[None, :]
+        else:
+            code = _codes(codes_ptr + row_off * KWIDTH, t_idx, t_ok, chan, KBITS, KWIDTH)
+        zero = tl.load(zero_ptr + meta).to(tl.float32)
+        scale = tl.load(scale_ptr + meta).to(tl.float32)
         keys = zero[None, :] + code.to(tl.float32) * scale[None, :]
         for o in tl.static_range(KO):
             index = tl.load(oi_ptr + row_off * KO + t_idx * KO + o, mask=t_ok, other=0).to(tl.int32)
@@ -42,12 +52,12 @@ if triton is not None:
 
     @triton.jit
     def _lowbit_kernel(
-        q_ptr, kc_ptr, kz_ptr, ks_ptr, koi_ptr, kov_ptr, vc_ptr, vs_ptr, vlev_ptr, freq_ptr, start_ptr,
+        q_ptr, kc_ptr, kz_ptr, ks_ptr, koi_ptr, kov_ptr, kw_ptr, koff_ptr, vc_ptr, vs_ptr, vlev_ptr, freq_ptr, start_ptr,
         m_ptr, l_ptr, acc_ptr,
         tokens, heads, splits, split_len, first, rope_scale, scaling,
         D: tl.constexpr, G: tl.constexpr, KBITS: tl.constexpr, KGROUP: tl.constexpr, KO: tl.constexpr,
         VBITS: tl.constexpr, VGROUP: tl.constexpr, ROPE: tl.constexpr, HAS_START: tl.constexpr, BLOCK: tl.constexpr,
-        LOWP: tl.constexpr,
+        LOWP: tl.constexpr, KWIDTH: tl.constexpr, VARW: tl.constexpr,
     ):
         bh = tl.program_id(0)
         split = tl.program_id(1)
@@ -74,9 +84,9 @@ if triton is not None:
         for t0 in range(lo, hi, BLOCK):
             t_idx = t0 + tl.arange(0, BLOCK)
             t_ok = t_idx < hi
-            keys = _dequant(kc_ptr, kz_ptr, ks_ptr, koi_ptr, kov_ptr, row_off, t_idx, t_ok, chan, D, KBITS, KGROUP, KO)
+            keys = _dequant(kc_ptr, kz_ptr, ks_ptr, koi_ptr, kov_ptr, kw_ptr, koff_ptr, row_off, t_idx, t_ok, chan, D, KBITS, KGROUP, KO, KWIDTH, VARW)
             if ROPE:
-                other = _dequant(kc_ptr, kz_ptr, ks_ptr, koi_ptr, kov_ptr, row_off, t_idx, t_ok, partner, D, KBITS, KGROUP, KO)
+                other = _dequant(kc_ptr, kz_ptr, ks_ptr, koi_ptr, kov_ptr, kw_ptr, koff_ptr, row_off, t_idx, t_ok, partner, D, KBITS, KGROUP, KO, KWIDTH, VARW)
                 angle = (first + t_idx).to(tl.float32)[:, None] * freq[None, :]
                 # into [-pi, pi] before cos/sin (their large-argument path is slow): Cody-Waite with 2 pi =
                 # 6.28125 + 0.00193530717958647 (k * 6.28125 exact in float32 for k < 2**15, 200K positions)
@@ -143,12 +153,12 @@ if triton is not None:
 
     @triton.jit
     def _lowbit_fast_kernel(
-        q_ptr, kc_ptr, kz_ptr, ks_ptr, koi_ptr, kov_ptr, vc_ptr, vs_ptr, vlev_ptr, freq_ptr, start_ptr,
+        q_ptr, kc_ptr, kz_ptr, ks_ptr, koi_ptr, kov_ptr, kw_ptr, koff_ptr, vc_ptr, vs_ptr, vlev_ptr, freq_ptr, start_ptr,
         m_ptr, l_ptr, acc_ptr,
         tokens, heads, splits, split_len, first, rope_scale, scaling, l0, l1,
         D: tl.constexpr, G: tl.constexpr, KBITS: tl.constexpr, KGROUP: tl.constexpr, KO: tl.constexpr,
         VBITS: tl.constexpr, VGROUP: tl.constexpr, ROPE: tl.constexpr, HAS_START: tl.constexpr, BLOCK: tl.constexpr,
-        LOWP: tl.constexpr, LEVELS: tl.constexpr,
+        LOWP: tl.constexpr, LEVELS: tl.constexpr, KWIDTH: tl.constexpr, VARW: tl.constexpr,
     ):
         """The kernel with each tile split into sub-tiles of channels ``byte * per + r`` taken straight from the
         packed bytes (no per-element gather), each half of the head dequantized once and rotated pairwise."""

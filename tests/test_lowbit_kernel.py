@@ -59,6 +59,24 @@ VARIANTS = textwrap.dedent("""
     [pipelines.t-lowbit-alloc.kernel]
     use = "lowbit"
 
+    [pipelines.t-lowbit-qa35v3]
+    extends = "prerope-qa35v3"
+    [pipelines.t-lowbit-qa35v3.kernel]
+    use = "lowbit"
+
+    [pipelines.t-lowbit-alloc-post]
+    extends = "t-lowbit-alloc"
+    key_space = "post-rope"
+    [pipelines.t-lowbit-alloc-post.keys.quantizer]
+    pairs = false
+    outliers = 1
+    mean_bits = 2.5
+
+    [pipelines.t-lowbit-int4]
+    extends = "prerope-k4v2-lowbit"
+    [pipelines.t-lowbit-int4.keys.quantizer]
+    use = "int4-group"
+
     [pipelines.t-lowbit-asym]
     extends = "prerope-k4v2-lowbit"
     [pipelines.t-lowbit-asym.values.quantizer]
@@ -82,7 +100,8 @@ def _generate(model, cache, ids, mask):
                               return_dict_in_generate=True, pad_token_id=0, **cache_kwargs(model, cache))
 
 
-@pytest.mark.parametrize("name", ["prerope-k4v2-lowbit", "t-lowbit-post", "t-lowbit-k2v4", "t-lowbit-k3v3", "t-lowbit-layers"])
+@pytest.mark.parametrize("name", ["prerope-k4v2-lowbit", "t-lowbit-post", "t-lowbit-k2v4", "t-lowbit-k3v3", "t-lowbit-layers",
+                                  "t-lowbit-alloc", "t-lowbit-qa35v3", "t-lowbit-alloc-post"])
 def test_the_kernel_decodes_what_the_reference_path_decodes(model, registry, name):
     """A left-padded batch decodes to the same tokens, with the same scores to float rounding, as the same
     storage reconstructed and attended by the model's own sdpa."""
@@ -96,7 +115,8 @@ def test_the_kernel_decodes_what_the_reference_path_decodes(model, registry, nam
     assert max((a - b).abs().max().item() for a, b in zip(ours.scores, theirs.scores)) < 1e-4
 
 
-@pytest.mark.parametrize("name", ["prerope-k4v2-lowbit", "t-lowbit-post", "t-lowbit-k2v4", "t-lowbit-v4", "t-lowbit-k3v3"])
+@pytest.mark.parametrize("name", ["prerope-k4v2-lowbit", "t-lowbit-post", "t-lowbit-k2v4", "t-lowbit-v4", "t-lowbit-k3v3",
+                                  "t-lowbit-alloc", "t-lowbit-qa35v3", "t-lowbit-alloc-post"])
 def test_the_triton_kernel_matches_its_torch_twin(model, registry, name):
     ids = torch.randint(1, 128, (2, 230), generator=torch.Generator().manual_seed(2))
     cache = build_cache(registry.resolve(name), model)
@@ -126,7 +146,7 @@ def test_keys_rotated_in_registers_are_the_keys_the_engine_rotates(model):
 
 @pytest.mark.parametrize("name, match", [
     ("t-lowbit-knormal", "uniform 2, 3, 4-bit codes"),
-    ("t-lowbit-alloc", "packed as channel-group.v1"),
+    ("t-lowbit-int4", "packed as channel-group.v1 or channel-alloc.v1"),
     ("t-lowbit-asym", "symmetric 2, 3, 4-bit"),
 ])
 def test_storage_the_kernel_cannot_read_is_refused_at_resolve_time(registry, name, match):

@@ -10,8 +10,11 @@ the cache's ``update`` returns only the exact window for one-token forwards, and
 :meth:`LowbitKernel.attend` with the layer's view. Prompts (several tokens) run the model's sdpa over
 reconstructed K/V, as with every kernel.
 
+Keys packed as ``channel-alloc.v1`` (each token group's bits spread over its channels) are read the same
+way, each channel at its own width and offset in the token's stream (two bytes a code, general kernel).
+
 Refused when the pipeline is resolved, naming the slot: ``compress = false``, a basis other than
-``identity``, residual rank levels, an evictor that drops tokens, other packed formats (``channel-alloc`` keys among them),
+``identity``, residual rank levels, an evictor that drops tokens, other packed formats,
 non-uniform key levels, asymmetric values. 3-bit codes cross bytes: they take the general kernel, not the
 sub-tile one. Refused when the cache is built: head_dim not 64, 128 or 256, a
 rotary embedding whose angles are not ``position * inv_freq``.
@@ -32,7 +35,7 @@ from kvweave.core.interfaces import AttentionKernel, PipelineSlots
 from kvweave.core.lazy import torch
 from kvweave.core.params import choice
 from kvweave.core.view import LayerView
-from kvweave.kernels.formats import CHANNEL_GROUP, ROTATED_TOKEN
+from kvweave.kernels.formats import CHANNEL_ALLOC, CHANNEL_GROUP, ROTATED_TOKEN
 from kvweave.kernels.lowbit_decode import LowbitView, level_kind, lowbit_decode, torch_lowbit_decode
 
 from .fused import first_positions
@@ -50,7 +53,7 @@ class LowbitKernel(AttentionKernel):
 
     materializes: ClassVar[bool] = False
     pre_rope_keys: ClassVar[bool] = True
-    coefficient_formats: ClassVar[tuple[str, ...]] = (CHANNEL_GROUP, ROTATED_TOKEN)
+    coefficient_formats: ClassVar[tuple[str, ...]] = (CHANNEL_GROUP, CHANNEL_ALLOC, ROTATED_TOKEN)
 
     backend: str = attrs.field(default="auto", validator=choice(BACKENDS), metadata={"doc": "'auto' (Triton on CUDA, the torch twin elsewhere), 'triton' or 'torch'"})
 
@@ -65,23 +68,23 @@ class LowbitKernel(AttentionKernel):
             raise ComponentError(f"{where} reads no residuals, but slot 'router' ('{pipeline.use('router')}') gives residual ranks; use kernel 'reference'")
         if "evictor" in pipeline.slots and getattr(pipeline.component("evictor"), "evicts", False):
             raise ComponentError(f"{where} attends over every stored token, but slot 'evictor' ('{pipeline.use('evictor')}') evicts tokens; use kernel 'reference'")
-        keys = self._quantizer(pipeline, "keys", CHANNEL_GROUP, where)
-        if getattr(keys, "levels", "uniform") != "uniform" or keys.bits not in CODE_BITS:
+        keys = self._quantizer(pipeline, "keys", (CHANNEL_GROUP, CHANNEL_ALLOC), where)
+        if keys.packed_format == CHANNEL_GROUP and (getattr(keys, "levels", "uniform") != "uniform" or keys.bits not in CODE_BITS):
             raise ComponentError(f"{where} reads keys as uniform {', '.join(map(str, CODE_BITS))}-bit codes, not {keys.bits}-bit {keys.levels}; use kernel 'reference'")
-        values = self._quantizer(pipeline, "values", ROTATED_TOKEN, where)
+        values = self._quantizer(pipeline, "values", (ROTATED_TOKEN,), where)
         if values.bits not in CODE_BITS or not values.symmetric:
             raise ComponentError(f"{where} reads values as symmetric {', '.join(map(str, CODE_BITS))}-bit codes, not {values.bits}-bit "
                                  f"{'symmetric' if values.symmetric else 'asymmetric'}; use kernel 'reference'")
 
 
     @staticmethod
-    def _quantizer(pipeline: PipelineSlots, kind: str, packed: str, where: str) -> Any:
+    def _quantizer(pipeline: PipelineSlots, kind: str, packed: tuple[str, ...], where: str) -> Any:
         quantizer = pipeline.component_for("quantizer", kind).for_kind(kind)  # type: ignore[attr-defined]
-        if quantizer.packed_format != packed:
+        if quantizer.packed_format not in packed:
             slot = f"{kind}.quantizer" if f"{kind}.quantizer" in pipeline.slots else "quantizer"  # type: ignore[attr-defined]
-            writer = "channel-group" if packed == CHANNEL_GROUP else "rotated-token"
-            raise ComponentError(f"{where} reads {kind} packed as {packed}, but slot '{slot}' ('{pipeline.use(slot)}') packs "
-                                 f"{quantizer.packed_format}; use {slot} '{writer}' or kernel 'reference'")
+            writers = "'channel-group' or 'channel-alloc'" if kind == "keys" else "'rotated-token'"
+            raise ComponentError(f"{where} reads {kind} packed as {' or '.join(packed)}, but slot '{slot}' ('{pipeline.use(slot)}') packs "
+                                 f"{quantizer.packed_format}; use {slot} {writers} or kernel 'reference'")
         return quantizer
 
     def check_engine(self, engine: Any) -> None:
@@ -98,9 +101,9 @@ class LowbitKernel(AttentionKernel):
         exact_k, exact_v = view.keys.exact, view.values.exact
         if exact_k is None or exact_v is None:
             raise CacheStateError(f"layer {view.layer}: the cache holds nothing for this layer yet")
-        for kind_view, packed in ((view.keys, CHANNEL_GROUP), (view.values, ROTATED_TOKEN)):
-            if kind_view.coefficient_format != packed:
-                raise CacheStateError(f"layer {view.layer}: the {kind_view.kind} are packed as {kind_view.coefficient_format}; the lowbit kernel reads {packed}")
+        for kind_view, packed in ((view.keys, (CHANNEL_GROUP, CHANNEL_ALLOC)), (view.values, (ROTATED_TOKEN,))):
+            if kind_view.coefficient_format not in packed:
+                raise CacheStateError(f"layer {view.layer}: the {kind_view.kind} are packed as {kind_view.coefficient_format}; the lowbit kernel reads {' or '.join(packed)}")
         batch, heads, _, dim = exact_k.shape
         kq, vq = view.keys.quantizer, view.values.quantizer
         tables = view.scratch.get(("lowbit", view.layer, device))
@@ -114,21 +117,29 @@ class LowbitKernel(AttentionKernel):
         def rows(tensor: torch.Tensor, row: int) -> torch.Tensor:
             return tensor[row].reshape(batch * heads, *tensor.shape[-2:])
 
+        alloc = view.keys.coefficient_format == CHANNEL_ALLOC
+        key_bits = 0 if alloc else kq.bits  # channel-alloc: widths per channel and group, below
         if tokens == 0:
             blank = exact_k.new_zeros(batch * heads, 0, 1, dtype=torch.uint8)
             half = exact_k.new_zeros(batch * heads, 0, dim, dtype=torch.float16)
-            return LowbitView(0, view.passed_tokens, blank, half, half, None, None, kq.bits, kq.group, blank, half, vq.bits,
+            return LowbitView(0, view.passed_tokens, blank, half, half, None, None, key_bits, kq.group, blank, half, vq.bits,
                               min(vq.group, dim), levels, rotation, inv_freq, rope_scale, exact_k, exact_v, kind)
         kr, vr = view.keys.coefficient_row, view.values.coefficient_row
         outliers = kq.outliers > 0
+        widths = offsets = None
+        if alloc:  # each channel's width and offset in its token's stream, per token group
+            pair = rows(k["bits"], kr).to(torch.int32)
+            widths = torch.cat((pair, pair), dim=-1) if kq.pairs else pair
+            offsets = (widths.cumsum(-1) - widths).to(torch.int32).contiguous()
+            widths = widths.contiguous()
         return LowbitView(
             tokens=tokens, first=view.passed_tokens - tokens,
             k_codes=rows(k["codes"], kr), k_zero=rows(k["zero"], kr), k_scale=rows(k["scale"], kr),
             k_out_index=rows(k["outlier_index"], kr) if outliers else None,
             k_out_value=rows(k["outlier_value"], kr) if outliers else None,
-            k_bits=kq.bits, k_group=kq.group, v_codes=rows(v["codes"], vr), v_scale=rows(v["scale"], vr),
+            k_bits=key_bits, k_group=kq.group, v_codes=rows(v["codes"], vr), v_scale=rows(v["scale"], vr),
             v_bits=vq.bits, v_group=min(vq.group, dim), v_levels=levels, rotation=rotation, inv_freq=inv_freq,
-            rope_scale=rope_scale, exact_k=exact_k, exact_v=exact_v, level_kind=kind,
+            rope_scale=rope_scale, exact_k=exact_k, exact_v=exact_v, level_kind=kind, k_widths=widths, k_offsets=offsets,
         )
 
     @staticmethod

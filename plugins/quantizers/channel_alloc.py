@@ -56,13 +56,15 @@ from kvweave.core.interfaces import ModelShape, Quantizer
 from kvweave.core.lazy import torch
 from kvweave.core.params import integer, number
 
+from kvweave.kernels.formats import CHANNEL_ALLOC, MAX_CODE_BITS, unpack_varwidth
+
 from ._bitpack import affine_range, safe_step
 from ._layers import check_table, each_entry, layer_table
 from ._scales import FLOAT16_MAX, check_magnitude
 from .channel_group import MAX_OUTLIER_WIDTH, channel_ranges, split_outliers
 
 #: the widest code a channel may get
-MAX_BITS = 8
+MAX_BITS = MAX_CODE_BITS
 
 
 def _eighths(_instance, attribute, value) -> None:
@@ -105,26 +107,13 @@ def pack_varwidth(codes: torch.Tensor, bits: torch.Tensor, total: int) -> torch.
     return (stream << torch.arange(8, device=codes.device)).sum(-1).to(torch.uint8)
 
 
-def unpack_varwidth(packed: torch.Tensor, bits: torch.Tensor) -> torch.Tensor:
-    """uint8 [..., n, total / 8] with widths ``bits`` [..., 1 | n, C] -> int64 codes [..., n, C]."""
-    stream = ((packed.long().unsqueeze(-1) >> torch.arange(8, device=packed.device)) & 1).flatten(-2)
-    shape = (*packed.shape[:-1], bits.shape[-1])
-    bits = bits.long().expand(shape)
-    offsets = bits.cumsum(-1) - bits
-    place = torch.arange(MAX_BITS, device=packed.device)
-    used = place < bits.unsqueeze(-1)
-    where = torch.where(used, offsets.unsqueeze(-1) + place, 0).clamp_max(stream.shape[-1] - 1)
-    picked = stream.gather(-1, where.flatten(-2)).reshape(*shape, MAX_BITS)
-    return ((picked * used) << place).sum(-1)
-
-
 @attrs.frozen
 class ChannelAllocQuantizer(Quantizer):
     """Per-channel codes over ``group`` tokens, ``mean_bits`` per element spread over the channels by range."""
 
     head_sharding: ClassVar[str] = "head-local"
 
-    packed_format: ClassVar[str] = "channel-alloc.v1"
+    packed_format: ClassVar[str] = CHANNEL_ALLOC
 
     mean_bits: float = attrs.field(
         default=3.5, validator=_mean_bits,
