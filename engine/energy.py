@@ -15,8 +15,28 @@ from __future__ import annotations
 
 import torch
 
-from kvweave.core.errors import CacheStateError
+from kvweave.core.errors import CacheStateError, ModelError
+from kvweave.core.interfaces import BasisBuilder, Quantizer
+from kvweave.core.registry import ResolvedPipeline
 from kvweave.core.storage import tensor_bytes
+
+
+def weighs_by_energy(pipeline: ResolvedPipeline, basis: BasisBuilder, quantizers: list[dict[str, Quantizer]], where: str) -> bool:
+    """Whether a keys quantizer weighs its channels by the queries' energy; refused for values (a key
+    channel's error is what the query multiplies) and for a basis whose coefficients are not the channels."""
+    if any(getattr(q["values"], "uses_query_energy", False) for q in quantizers):
+        raise ModelError(
+            f"{where}, slot '{pipeline.slot_for('quantizer', 'values')}': weighing channels by the queries' "
+            "energy applies to keys (a key channel's error is multiplied by the query's); set query_weight = 0 for values"
+        )
+    wants = any(getattr(q["keys"], "uses_query_energy", False) for q in quantizers)
+    if wants and not basis.keeps_channels:
+        raise ModelError(
+            f"{where}, slot '{pipeline.slot_for('quantizer', 'keys')}': weighing channels by the queries' energy "
+            f"needs coefficients that are the keys' own channels, which basis '{pipeline.use('basis')}' does not "
+            "keep; use basis 'identity' or query_weight = 0"
+        )
+    return wants
 
 
 class QueryEnergy:

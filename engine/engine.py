@@ -35,9 +35,10 @@ from kvweave.core.storage import tensor_bytes
 from kvweave.core.view import LayerView
 from kvweave.engine.budget import BudgetPlan
 from kvweave.engine.encoder import BlockEncoder
-from kvweave.engine.energy import QueryEnergy
+from kvweave.engine.energy import QueryEnergy, weighs_by_energy
 from kvweave.engine.eviction import Eviction
 from kvweave.engine.observation import ATTENTION_NAME, Observer
+from kvweave.engine.quantizers import group_quantizers
 from kvweave.engine.residuals import add_residuals, mix_residuals
 from kvweave.engine.rotary import RotaryInverse
 from kvweave.engine.rows import RowSplit, left_padding
@@ -79,7 +80,7 @@ class CompressionEngine:
         self.last_flushing = max((g for g, members in enumerate(self.groups) if members[0] not in self.kept_exact), default=-1)
         where = f"pipeline '{pipeline.name}'"
         #: per basis group and kind: the quantizer of its layers (``Quantizer.for_layer``: a per-layer table)
-        self.group_quantizers = [{kind: self._group_quantizer(members, kind, where) for kind in KINDS} for members in self.groups]
+        self.group_quantizers = group_quantizers(pipeline, self.quantizers, self.groups, where)
         for kind in KINDS:
             slot = pipeline.slot_for("quantizer", kind)
             for quantizer in {id(q[kind]): q[kind] for q in self.group_quantizers}.values():
@@ -120,7 +121,7 @@ class CompressionEngine:
         observes = self.router.needs_attention or self.probe.needs_queries or (self.evicts and self.evictor.needs_attention)
         self.observer = Observer(shape, pipeline.settings.observe_queries if observes else 0)
         #: per-channel query energy, for a keys quantizer that weighs its channels by it (engine/energy.py)
-        self.energy = QueryEnergy(shape.num_layers) if self._wants_energy(where) else None
+        self.energy = QueryEnergy(shape.num_layers) if weighs_by_energy(pipeline, self.basis, self.group_quantizers, where) else None
         if self.probe.selects_queries:
             self.observer.selector = self.probe.select_queries
         self.boundary_ids: torch.Tensor | None = None
@@ -141,34 +142,6 @@ class CompressionEngine:
         self.mask_tap: Any = None
         self.rows: RowSplit | None = None
         self.kernel.check_engine(self)
-
-    def _group_quantizer(self, members: tuple[int, ...], kind: str, where: str) -> Quantizer:
-        """The quantizer of a basis group's layers: one for all of them (their coefficients are packed together)."""
-        chosen = [self.quantizers[kind].for_layer(layer) for layer in members]
-        if any(q != chosen[0] for q in chosen[1:]):
-            slot = self.pipeline.slot_for("quantizer", kind)
-            raise ModelError(
-                f"{where}, slot '{slot}': layers {list(members)} are encoded together by basis "
-                f"'{self.pipeline.use('basis')}' but the quantizer's per-layer table gives them different settings; "
-                "give the layers of one basis group the same entry, or use a basis of one layer per group"
-            )
-        return chosen[0]
-
-    def _wants_energy(self, where: str) -> bool:
-        """Whether a quantizer weighs channels by the queries' energy (keys only: it is the logit's weight)."""
-        if any(getattr(q["values"], "uses_query_energy", False) for q in self.group_quantizers):
-            raise ModelError(
-                f"{where}, slot '{self.pipeline.slot_for('quantizer', 'values')}': weighing channels by the queries' "
-                "energy applies to keys (a key channel's error is multiplied by the query's); set query_weight = 0 for values"
-            )
-        wants = any(getattr(q["keys"], "uses_query_energy", False) for q in self.group_quantizers)
-        if wants and not self.basis.keeps_channels:
-            raise ModelError(
-                f"{where}, slot '{self.pipeline.slot_for('quantizer', 'keys')}': weighing channels by the queries' energy "
-                f"needs coefficients that are the keys' own channels, which basis '{self.pipeline.use('basis')}' does not "
-                "keep; use basis 'identity' or query_weight = 0"
-            )
-        return wants
 
     def quantizer(self, group_index: int, kind: str) -> Quantizer:
         """The quantizer of ``kind`` for the layers of basis group ``group_index``."""
