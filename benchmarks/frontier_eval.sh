@@ -1,18 +1,41 @@
 #!/usr/bin/env bash
 # The quality-at-ratio frontier (docs/frontier.md): query-agnostic needles at 2,000 and 5,000 tokens
-# (8 distinct needles x depths 0.1/0.5/0.9 = 24 cases per length) and perplexity at 8,000 tokens against
-# the full cache, for every pipeline named, on one model.
+# (NEEDLES distinct needles x depths 0.1/0.5/0.9; 16 needles = 48 cases per length by default) and perplexity
+# at 8,000 tokens against the full cache, for every pipeline named, on one model; then the table and plot.
 #   bash benchmarks/frontier_eval.sh MODEL OUT PIPELINES [REGISTRY]
-# e.g. bash benchmarks/frontier_eval.sh default results/frontier-smollm full,int4,kq3-vq2
+# e.g. bash benchmarks/frontier_eval.sh default results/frontier-smollm full,int4,prerope-qa35v3
+# Environment: NEEDLES (16), LENGTHS (2000,5000), TOKENS (8000), DTYPE (bfloat16), DEVICE (cuda), JOBS (1):
+# JOBS=3 runs the needle grid as 3 processes on the same device, each a share of the pipelines (small models
+# leave a large GPU mostly idle); the parts are merged by frontier_plot.py.
 set -euo pipefail
 model=${1:?model (default, a .gguf file or an HF folder)}
 out=${2:?results folder}
 pipelines=${3:?comma-separated pipelines}
 registry=${4:-}
 device=${DEVICE:-cuda}
+needles=${NEEDLES:-16}
+jobs=${JOBS:-1}
+lengths=${LENGTHS:-2000,5000}
+tokens=${TOKENS:-8000}
+dtype=${DTYPE:-bfloat16}
 extra=()
 [ -n "$registry" ] && extra=(--registry "$registry")
-kvweave eval needle --model "$model" --device "$device" --dtype bfloat16 "${extra[@]}" --pipelines "$pipelines" \
-  --lengths 2000,5000 --depths 0.1,0.5,0.9 --needles 8 --out "$out/needle"
-kvweave eval ppl --model "$model" --device "$device" --dtype bfloat16 "${extra[@]}" --pipelines "$pipelines" \
-  --tokens 8000 --out "$out/ppl"
+IFS=, read -ra names <<< "$pipelines"
+case " ${names[*]} " in *" full "*) ;; *) echo "frontier_eval: add 'full' to the pipelines: 'of full' counts the cases it answers" >&2; exit 2;; esac
+(( jobs < 1 )) && { echo "frontier_eval: JOBS must be at least 1, got $jobs" >&2; exit 2; }
+parts=()
+for (( j = 0; j < jobs; j++ )); do
+  share=()
+  for (( i = j; i < ${#names[@]}; i += jobs )); do share+=("${names[i]}"); done
+  (( ${#share[@]} )) || continue
+  part="$out/needle-part$j"
+  parts+=("$part")
+  kvweave eval needle --model "$model" --device "$device" --dtype "$dtype" "${extra[@]}" \
+    --pipelines "$(IFS=,; echo "${share[*]}")" --lengths "$lengths" --depths 0.1,0.5,0.9 --needles "$needles" --out "$part" &
+done
+wait
+compressed=$(IFS=,; echo "${names[*]}" | sed -e 's/^full,//' -e 's/,full,/,/' -e 's/,full$//')
+kvweave eval ppl --model "$model" --device "$device" --dtype "$dtype" "${extra[@]}" --pipelines "$compressed" \
+  --tokens "$tokens" --out "$out/ppl"
+cp "$out/ppl/ppl.json" "${parts[0]}/ppl.json"
+python "$(dirname "$0")/frontier_plot.py" "${parts[@]}" --out "$out/frontier.png" | tee "$out/frontier.md"

@@ -41,8 +41,9 @@ def rows(needle: dict, ppl: dict | None) -> list[dict]:
     return table
 
 
-def markdown(table: list[dict], lengths: list[int]) -> str:
-    head = "| pipeline | " + " | ".join(f"{n:,} tok: found / of full / bytes x" for n in lengths) + " | ppl 8K (change) |"
+def markdown(table: list[dict], lengths: list[int], ppl_tokens: int | None = None) -> str:
+    ppl = f"ppl {ppl_tokens:,} tok" if ppl_tokens else "ppl"
+    head = "| pipeline | " + " | ".join(f"{n:,} tok: found / of full / bytes x" for n in lengths) + f" | {ppl} (change) |"
     lines = [head, "|---" * (len(lengths) + 2) + "|"]
     for row in table:
         cells = []
@@ -119,7 +120,7 @@ def main() -> int:
     args = parser.parse_args()
     needle, ppl = merged(args.folders)
     table = rows(needle, ppl)
-    print(markdown(table, needle["lengths"]))
+    print(markdown(table, needle["lengths"], (ppl or {}).get("tokens")))
     title = f"needles ({needle.get('protocol', 'query-aware')}) vs real bytes"
     plot(table, needle["lengths"], args.out or args.folders[0] / "frontier.png", title)
     return 0
