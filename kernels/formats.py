@@ -77,13 +77,14 @@ def unpack_codes(packed: torch.Tensor, bits: int) -> torch.Tensor:
 def unpack_varwidth(packed: torch.Tensor, bits: torch.Tensor) -> torch.Tensor:
     """uint8 [..., n, total / 8], one little-endian bit stream per token whose channel ``c`` takes ``bits[c]``
     bits at offset ``sum(bits[:c])`` (``channel-alloc.v1``), with widths ``bits`` [..., 1 | n, C] -> int64
-    codes [..., n, C] (a channel of 0 bits reads 0)."""
-    stream = ((packed.long().unsqueeze(-1) >> torch.arange(8, device=packed.device)) & 1).flatten(-2)
+    codes [..., n, C] (a channel of 0 bits reads 0). A code of at most 8 bits lies within two bytes: each
+    channel reads the byte its offset falls in and the next one (the last byte stands in for the next where
+    the stream ends, which no code reaches into)."""
     shape = (*packed.shape[:-1], bits.shape[-1])
     bits = bits.long().expand(shape)
     offsets = bits.cumsum(-1) - bits
-    place = torch.arange(MAX_CODE_BITS, device=packed.device)
-    used = place < bits.unsqueeze(-1)
-    where = torch.where(used, offsets.unsqueeze(-1) + place, 0).clamp_max(stream.shape[-1] - 1)
-    picked = stream.gather(-1, where.flatten(-2)).reshape(*shape, MAX_CODE_BITS)
-    return ((picked * used) << place).sum(-1)
+    last = packed.shape[-1] - 1
+    index = (offsets // 8).clamp_max(last)  # a 0-bit channel at the stream's end points past it, and reads 0
+    stream = packed.long()
+    word = stream.gather(-1, index) | (stream.gather(-1, (index + 1).clamp_max(last)) << 8)
+    return (word >> (offsets % 8)) & ((1 << bits) - 1)

@@ -36,7 +36,8 @@ if triton is not None:
             width = tl.load(kw_ptr + meta)
             offset = tl.load(koff_ptr + meta)
             at = codes_ptr + row_off * KWIDTH + t_idx[:, None] * KWIDTH + (offset // 8)[None, :]
-            word = tl.load(at, mask=t_ok[:, None], other=0).to(tl.int32)
+            # a 0-bit channel at the stream's end points past it: neither byte is read there
+            word = tl.load(at, mask=t_ok[:, None] & ((offset // 8) < KWIDTH)[None, :], other=0).to(tl.int32)
             word = word | (tl.load(at + 1, mask=t_ok[:, None] & ((offset // 8 + 1) < KWIDTH)[None, :], other=0).to(tl.int32) << 8)
             code = (word >> (offset % 8)[None, :]) & ((1 << width) - 1)[None, :]
         else:
