@@ -94,17 +94,16 @@ def allocate(cost: torch.Tensor, total: int, max_bits: int) -> torch.Tensor:
 
 def pack_varwidth(codes: torch.Tensor, bits: torch.Tensor, total: int) -> torch.Tensor:
     """Codes [..., n, C] (code ``c`` below ``2**bits[c]``) with widths ``bits`` [..., 1 | n, C] summing to
-    ``total`` (a multiple of 8) -> uint8 [..., n, total / 8]: one little-endian bit stream per token."""
+    ``total`` (a multiple of 8) -> uint8 [..., n, total / 8]: one little-endian bit stream per token. A code
+    of at most 8 bits shifted to its offset spans two bytes; codes share no bit, so adding them is or-ing."""
     bits = bits.long().expand_as(codes)
     offsets = bits.cumsum(-1) - bits
-    place = torch.arange(MAX_BITS, device=codes.device)
-    used = place < bits.unsqueeze(-1)  # [..., n, C, 8]
-    where = torch.where(used, offsets.unsqueeze(-1) + place, total)  # unused bits go past the stream
-    values = (codes.long().unsqueeze(-1) >> place) & 1
-    stream = torch.zeros(*codes.shape[:-1], total + 1, dtype=torch.long, device=codes.device)
-    stream.scatter_(-1, where.flatten(-2), (values * used).flatten(-2))
-    stream = stream[..., :total].reshape(*codes.shape[:-1], total // 8, 8)
-    return (stream << torch.arange(8, device=codes.device)).sum(-1).to(torch.uint8)
+    index = offsets // 8
+    word = (codes.long() & ((1 << bits) - 1)) << (offsets % 8)
+    stream = torch.zeros(*codes.shape[:-1], total // 8 + 2, dtype=torch.long, device=codes.device)
+    stream.scatter_add_(-1, index, word & 0xFF)
+    stream.scatter_add_(-1, index + 1, word >> 8)
+    return stream[..., : total // 8].to(torch.uint8)
 
 
 @attrs.frozen
