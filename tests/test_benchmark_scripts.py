@@ -8,6 +8,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
@@ -49,3 +51,31 @@ def test_tp_capacity_smoke_finds_a_larger_batch_for_a_smaller_cache(tmp_path, mo
     monkeypatch.setattr(sys, "argv", ["tp_capacity.py", "table", str(out)])
     tp_capacity.main()
     assert "| smoke | tp | 1 | 192 | int4 |" in capsys.readouterr().out
+
+
+def _needle(folder: Path, pipelines: dict, needles: int = 1) -> None:
+    folder.mkdir(parents=True)
+    grid = {"lengths": [100], "depths": [0.5], "needles": [{"answer": str(n)} for n in range(needles)], "protocol": "query-agnostic"}
+    (folder / "needle.json").write_text(json.dumps({**grid, "pipelines": pipelines}))
+
+
+def _answers(hits: list[bool], stored: int) -> dict:
+    return {"answers": [{"length": 100, "depth": 0.5, "needle": n, "hit": h, "full_16bit_bytes": 1000, "stored_bytes": stored}
+                        for n, h in enumerate(hits)]}
+
+
+def test_frontier_plot_merges_runs_taking_each_pipeline_from_the_first_folder(tmp_path, monkeypatch):
+    """benchmarks/frontier_plot.py over a grid run in parts: 'of full' counts the cases the full cache of
+    another part answered; a pipeline in two folders comes from the first; a different grid is refused."""
+    monkeypatch.syspath_prepend(str(ROOT / "benchmarks"))
+    import frontier_plot
+
+    _needle(tmp_path / "a", {"full": _answers([True, True, False], 1000), "x": _answers([True, False, False], 250)}, needles=3)
+    _needle(tmp_path / "b", {"x": _answers([False, False, False], 500), "y": _answers([True, True, True], 200)}, needles=3)
+    needle, _ = frontier_plot.merged([tmp_path / "a", tmp_path / "b"])
+    rows = {row["pipeline"]: row["lengths"][100] for row in frontier_plot.rows(needle, None)}
+    assert rows["x"]["of_full"] == 1 and rows["x"]["full_found"] == 2 and rows["x"]["ratio"] == 4.0  # from folder a
+    assert rows["y"]["of_full"] == 2 and rows["y"]["hits"] == 3 and rows["y"]["ratio"] == 5.0
+    _needle(tmp_path / "c", {"z": _answers([True], 100)}, needles=1)
+    with pytest.raises(SystemExit, match="grid"):
+        frontier_plot.merged([tmp_path / "a", tmp_path / "c"])
