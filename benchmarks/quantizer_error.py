@@ -26,6 +26,7 @@ from pathlib import Path
 
 import torch
 
+from kvweave.core.errors import ModelError
 from kvweave.plugins.quantizers.channel_alloc import ChannelAllocQuantizer
 from kvweave.plugins.quantizers.channel_group import ChannelGroupQuantizer
 from kvweave.plugins.quantizers.int4_group import Int4GroupQuantizer
@@ -93,12 +94,18 @@ def model_kv(spec: str, tokens: int, query_count: int) -> dict[str, torch.Tensor
     def keep(kind, index):
         def hook(_module, args, output):
             tensor = output if kind == "q" else args[0]
-            captured[kind][index] = tensor[0].reshape(tensor.shape[1], -1, head_dim).transpose(0, 1).float()
+            if tensor.dim() == 4:  # a q_norm's output: [B, Hq, T, D] (Gemma-3) or [B, T, Hq, D] (Qwen3); T is a multiple of 64
+                heads = model.config.num_attention_heads
+                captured[kind][index] = (tensor[0] if tensor.shape[1] == heads else tensor[0].transpose(0, 1)).float()
+            else:
+                captured[kind][index] = tensor[0].reshape(tensor.shape[1], -1, head_dim).transpose(0, 1).float()
         return hook
 
-    handles = [layer.self_attn.q_proj.register_forward_hook(keep("q", i)) for i, layer in enumerate(layers)]
+    # the queries as attention takes them: after a q_norm where the model has one (Gemma-3, Qwen3)
+    handles = [getattr(layer.self_attn, "q_norm", layer.self_attn.q_proj).register_forward_hook(keep("q", i))
+               for i, layer in enumerate(layers)]
     handles += [layer.self_attn.o_proj.register_forward_hook(keep("o", i)) for i, layer in enumerate(layers)]
-    cache = DynamicCache(config=model.config)
+    cache = DynamicCache()  # full layers everywhere: a sliding-window layer keeps every token too (its mask still applies)
     try:
         with torch.inference_mode():
             model(input_ids=ids, use_cache=True, **cache_kwargs(model, cache))
@@ -117,8 +124,11 @@ def model_kv(spec: str, tokens: int, query_count: int) -> dict[str, torch.Tensor
     # cache accumulates from the context's own queries for channel-alloc's query_weight (engine/energy.py)
     group = captured["q"][0].shape[0] // keys.shape[1]
     energy = torch.stack([q.square().mean(dim=1).reshape(keys.shape[1], group, head_dim).sum(dim=1) for q in captured["q"]])
+    types = getattr(model.config, "layer_types", None) or ["full_attention"] * len(layers)
+    windows = [model.config.sliding_window if kind == "sliding_attention" else None for kind in types]
     return {"keys post-RoPE": keys, "keys pre-RoPE": pre, "values": values, "queries": queries,
-            "outputs": outputs, "inverse": inverse, "scale": float(layers[0].self_attn.scaling), "energy": energy}
+            "outputs": outputs, "inverse": inverse, "scale": float(layers[0].self_attn.scaling), "energy": energy,
+            "windows": windows}
 
 
 # --- quantizers ---------------------------------------------------------------------------------------
@@ -164,9 +174,13 @@ def error_table(data: dict[str, torch.Tensor]) -> list[str]:
              "|---|---:|---:|" + "---:|" * len(kinds)]
     for label, quantizer in methods():
         errors, bits = [], {}
-        for kind in kinds:
-            x_hat, bits[kind] = round_trip(for_kind(quantizer, kind), data[kind])
-            errors.append(relative(data[kind], x_hat))
+        try:
+            for kind in kinds:
+                x_hat, bits[kind] = round_trip(for_kind(quantizer, kind), data[kind])
+                errors.append(relative(data[kind], x_hat))
+        except ModelError as exc:  # e.g. outlier channels stored as uint8 on a head of 256 channels
+            lines.append(f"| {label} | - | - | refused: {exc} |" + " |" * (len(kinds) - 1))
+            continue
         lines.append(f"| {label} | {bits['keys pre-RoPE']:.2f} | {bits['values']:.2f} | "
                      + " | ".join(f"{e:.4f}" for e in errors) + " |")
     return lines
@@ -175,14 +189,19 @@ def error_table(data: dict[str, torch.Tensor]) -> list[str]:
 # --- attention output (real model) --------------------------------------------------------------------
 
 
-def attention(queries, keys, values, scale) -> torch.Tensor:
-    """Causal attention of the last P positions: queries [L, Hq, P, D] over keys/values [L, H, T, D]."""
+def attention(queries, keys, values, scale, windows=None) -> torch.Tensor:
+    """Causal attention of the last P positions: queries [L, Hq, P, D] over keys/values [L, H, T, D];
+    ``windows`` (one per layer, None for full attention) limits a sliding-window layer to its last tokens."""
     repeat = queries.shape[1] // keys.shape[1]
     keys, values = keys.repeat_interleave(repeat, dim=1), values.repeat_interleave(repeat, dim=1)
     logits = queries @ keys.transpose(-1, -2) * scale
     tokens, count = keys.shape[-2], queries.shape[-2]
-    allowed = torch.arange(tokens)[None, :] <= torch.arange(tokens - count, tokens)[:, None]
-    return torch.softmax(logits.masked_fill(~allowed, -torch.inf), dim=-1) @ values
+    distance = torch.arange(tokens - count, tokens)[:, None] - torch.arange(tokens)[None, :]  # [P, T]
+    allowed = (distance >= 0).expand(len(keys), -1, -1).clone()
+    for layer, window in enumerate(windows or []):
+        if window is not None:
+            allowed[layer] &= distance < window
+    return torch.softmax(logits.masked_fill(~allowed[:, None], -torch.inf), dim=-1) @ values
 
 
 def attention_pairs() -> list[tuple[str, object, bool, object]]:
@@ -225,25 +244,36 @@ def attention_pairs() -> list[tuple[str, object, bool, object]]:
 
 
 def attention_table(data) -> list[str]:
-    queries, scale, inverse = data["queries"], data["scale"], data["inverse"]
-    keys, pre, values = data["keys post-RoPE"], data["keys pre-RoPE"], data["values"]
-    exact = attention(queries, keys, values, scale)
+    windows = data.get("windows")
+    exact = attention(data["queries"], data["keys post-RoPE"], data["values"], data["scale"], windows)
     check = relative(data["outputs"], exact)
-    positions = torch.arange(keys.shape[-2])
     lines = [f"attention recomputed from the cache vs the model's own output: relative difference {check:.1e}", "",
              "| keys / values | bits/elem K+V | x less than 16-bit | attn err K only | attn err V only | attn err both |",
              "|---|---:|---:|---:|---:|---:|"]
     for label, key_quantizer, pre_rope, value_quantizer in attention_pairs():
-        if pre_rope:
-            stored, key_bits = round_trip(key_quantizer, pre, data["energy"])
-            key_hat = torch.stack([inverse.rotate(stored[i], i, positions) for i in range(len(stored))])
-        else:
-            key_hat, key_bits = round_trip(key_quantizer, keys, data["energy"])
-        value_hat, value_bits = round_trip(value_quantizer, values)
-        errors = [relative(exact, attention(queries, k, v, scale)) for k, v in ((key_hat, values), (keys, value_hat), (key_hat, value_hat))]
-        total = key_bits + value_bits
-        lines.append(f"| {label} | {total:.2f} | {32 / total:.2f} | " + " | ".join(f"{e:.4f}" for e in errors) + " |")
+        try:
+            row = _attention_row(data, key_quantizer, pre_rope, value_quantizer, exact, windows)
+        except ModelError as exc:
+            lines.append(f"| {label} | - | - | refused: {exc} | | |")
+            continue
+        lines.append(f"| {label} | " + row + " |")
     return lines
+
+
+def _attention_row(data, key_quantizer, pre_rope: bool, value_quantizer, exact, windows) -> str:
+    """Bits, ratio and the three attention-output errors of one key/value quantizer pair."""
+    queries, scale, inverse = data["queries"], data["scale"], data["inverse"]
+    keys, pre, values = data["keys post-RoPE"], data["keys pre-RoPE"], data["values"]
+    positions = torch.arange(keys.shape[-2])
+    if pre_rope:
+        stored, key_bits = round_trip(key_quantizer, pre, data["energy"])
+        key_hat = torch.stack([inverse.rotate(stored[i], i, positions) for i in range(len(stored))])
+    else:
+        key_hat, key_bits = round_trip(key_quantizer, keys, data["energy"])
+    value_hat, value_bits = round_trip(value_quantizer, values)
+    errors = [relative(exact, attention(queries, k, v, scale, windows)) for k, v in ((key_hat, values), (keys, value_hat), (key_hat, value_hat))]
+    total = key_bits + value_bits
+    return f"{total:.2f} | {32 / total:.2f} | " + " | ".join(f"{e:.4f}" for e in errors)
 
 
 def main(argv: list[str] | None = None) -> int:
