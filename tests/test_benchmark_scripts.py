@@ -9,6 +9,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -79,3 +80,21 @@ def test_frontier_plot_merges_runs_taking_each_pipeline_from_the_first_folder(tm
     _needle(tmp_path / "c", {"z": _answers([True], 100)}, needles=1)
     with pytest.raises(SystemExit, match="grid"):
         frontier_plot.merged([tmp_path / "a", tmp_path / "c"])
+
+
+def test_quantizer_error_attention_masks_a_sliding_layer_to_its_window(monkeypatch):
+    """benchmarks/quantizer_error.py recomputes attention per layer: a sliding-window layer sees only its last
+    ``window`` keys, so changing an older key changes the full layer's output and not the sliding one's."""
+    monkeypatch.syspath_prepend(str(ROOT / "benchmarks"))
+    import quantizer_error
+
+    gen = torch.Generator().manual_seed(0)
+    q, k, v = torch.randn(2, 2, 3, 8, generator=gen), torch.randn(2, 1, 10, 8, generator=gen), torch.randn(2, 1, 10, 8, generator=gen)
+    before = quantizer_error.attention(q, k, v, 0.3, [None, 3])
+    k2, v2 = k.clone(), v.clone()
+    k2[:, :, 0] += 5.0
+    v2[:, :, 0] -= 5.0
+    after = quantizer_error.attention(q, k2, v2, 0.3, [None, 3])
+    assert not torch.allclose(before[0], after[0])  # the full-attention layer reads token 0
+    assert torch.allclose(before[1], after[1])  # the window of 3 never reaches it (queries at 7, 8, 9)
+    assert torch.allclose(quantizer_error.attention(q, k, v, 0.3), quantizer_error.attention(q, k, v, 0.3, [None, None]))
