@@ -183,3 +183,22 @@ def test_what_cannot_follow_dropped_blocks_is_refused(gemma, sliding_registry, n
 
     with pytest.raises((RegistryError, ModelError), match=match):
         build_cache(sliding_registry.resolve(name), gemma, tokenizer=ToyTokenizer())
+
+
+def test_attention_output_error_compares_sliding_layers_over_the_window_the_model_keeps(gemma, tmp_path):
+    """The fidelity metric (tools/metrics.py) on a model with sliding-window layers: each is compared over the
+    tokens the reference cache keeps of it (its last window), whether kvweave keeps that window exactly (no
+    error in the first layer, which nothing compressed feeds) or compresses it and drops older blocks."""
+    from kvweave.tools import metrics
+
+    path = tmp_path / "fidelity.toml"
+    path.write_text(
+        '[pipelines.e-int8]\nextends = "int8"\nrecent_window = 8\n'
+        '[pipelines.s-int8]\nextends = "e-int8"\nsliding_layers = "compress"\n'
+    )
+    ids = torch.randint(1, 128, (1, 330), generator=torch.Generator().manual_seed(1))  # packed tokens inside the last window
+    kept = metrics.attention_output_error(gemma, None, "e-int8", ids, "cpu", registry=str(path))
+    squeezed = metrics.attention_output_error(gemma, None, "s-int8", ids, "cpu", registry=str(path))
+    assert kept["per_layer"][0] == 0.0 and kept["per_layer"][2] > 0  # layer 2 (full attention) is compressed
+    assert 0 < squeezed["per_layer"][0] < 0.05  # int8 codes among the window's tokens
+    assert all(0 <= e < 0.05 for e in squeezed["per_layer"])

@@ -188,7 +188,8 @@ def attention_output_error(
     cache's and ``K_hat, V_hat`` the compressed cache's reconstruction of all its tokens (packed blocks
     decoded, then the exact window). So the error includes what compression of earlier chunks changed in
     later chunks' keys and values. A cache that dropped tokens (eviction routers) is attended over what it
-    kept, each key at its logical position. ``reference`` (from :func:`reference_pass` with the same
+    kept, each key at its logical position. A sliding-window layer is compared over the tokens the reference's
+    own cache keeps of it (its last window), whatever the compressed cache holds beyond them. ``reference`` (from :func:`reference_pass` with the same
     arguments) skips the reference run.
 
     Returns ``per_layer`` (L floats, mean over KV heads), ``per_head`` ([L][H]), ``mean`` (over layers),
@@ -208,11 +209,21 @@ def attention_output_error(
             zip(reference["queries"], reference["keys"], reference["values"], reference["scaling"])
         ):
             approx_keys, approx_values = (cache.engine.materialize(layer, kind) for kind in KINDS)
-            positions = stored_positions(cache.engine.view(layer))
+            view = cache.engine.view(layer)
+            positions = stored_positions(view)
+            total, count = reference["tokens"], keys.shape[-2]
+            ref_positions = None
+            if count < total:  # a sliding-window layer: the reference keeps its last `count` tokens
+                ref_positions = torch.arange(total - count, total, device=keys.device).expand(*keys.shape[:2], count)
+                if positions is None:  # the compressed layer's packed tokens (its older blocks dropped), then its window
+                    held = approx_keys.shape[-2]
+                    first = view.passed_tokens - view.packed_tokens
+                    positions = torch.arange(first, first + held, device=keys.device).expand(*approx_keys.shape[:2], held)
+                positions = positions.to(keys.device).masked_fill(positions.to(keys.device) < total - count, -1)  # the reference's tokens only
             if positions is None and approx_keys.shape != keys.shape:
                 raise RuntimeError(f"layer {layer}: compressed cache holds {tuple(approx_keys.shape)}, reference {tuple(keys.shape)}")
-            exact = attention_outputs(queries, keys, values, scaling)
-            approx = attention_outputs(queries, approx_keys, approx_values, scaling, positions, keys.shape[-2])
+            exact = attention_outputs(queries, keys, values, scaling, ref_positions, total)
+            approx = attention_outputs(queries, approx_keys, approx_values, scaling, positions, total)
             per_head.append(relative_output_error(exact, approx).tolist())
     per_layer = [sum(h) / len(h) for h in per_head]
     return {
