@@ -48,8 +48,8 @@ class BlockEncoder:
         quantizer = self.engine.quantizer(group_index, kind)
         residual_quantizer = self.engine.residual_quantizers[kind]
         coefficients = self.engine.basis.encode(store.state, work).to(block.dtype)
-        if getattr(quantizer, "uses_query_energy", False):  # keys: channels weighed by the queries' energy (engine/energy.py)
-            packed = quantizer.quantize(coefficients, channel_weights=self.engine.energy.means(members))  # type: ignore[union-attr,call-arg]
+        if kind == "keys" and self.engine.energy is not None:  # channels weighed by the queries' energy (engine/energy.py)
+            packed = quantizer.quantize(coefficients, channel_weights=self.engine.energy.means(members))  # type: ignore[call-arg]
         else:
             packed = quantizer.quantize(coefficients)
         store.coefficients.append(packed)

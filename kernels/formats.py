@@ -68,10 +68,8 @@ def unpack_codes(packed: torch.Tensor, bits: int) -> torch.Tensor:
     if 8 % bits == 0:  # whole codes in each byte
         shifts = torch.arange(8 // bits, device=packed.device) * bits
         return ((packed.long().unsqueeze(-1) >> shifts) & ((1 << bits) - 1)).flatten(-2)
-    stream = ((packed.long().unsqueeze(-1) >> torch.arange(8, device=packed.device)) & 1).flatten(-2)
-    count = stream.shape[-1] // bits
-    weights = 1 << torch.arange(bits, device=packed.device)
-    return (stream[..., : count * bits].reshape(*packed.shape[:-1], count, bits) * weights).sum(-1)
+    widths = torch.full((packed.shape[-1] * 8 // bits,), bits, dtype=torch.long, device=packed.device)
+    return unpack_varwidth(packed, widths)  # every channel as wide: the variable-width stream's reader
 
 
 def unpack_varwidth(packed: torch.Tensor, bits: torch.Tensor) -> torch.Tensor:

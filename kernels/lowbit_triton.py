@@ -13,16 +13,25 @@ except ImportError:  # pragma: no cover - exercised where triton is missing
 if triton is not None:
 
     @triton.jit
-    def _codes(row_ptr, t_idx, t_ok, chan, BITS: tl.constexpr, WIDTH: tl.constexpr):
-        """Codes [BLOCK, len(chan)] of tokens ``t_idx`` from one little-endian bit stream per token (``WIDTH``
-        bytes; code ``c`` at bits ``c * BITS ..``): a code of 3 bits may cross into the next byte."""
-        offset = chan * BITS
+    def _stream_codes(row_ptr, t_idx, t_ok, offset, bits, WIDTH: tl.constexpr):
+        """Codes [BLOCK, len(offset)] of tokens ``t_idx`` from one little-endian bit stream per token
+        (``WIDTH`` bytes): channel ``j``'s code takes ``bits[j]`` bits at bit ``offset[j]``. A code of at most 8
+        bits lies within two bytes; the second is read only where the code crosses into it, and a 0-bit
+        channel at the stream's end, pointing past it, reads nothing."""
         at = row_ptr + t_idx[:, None] * WIDTH + (offset // 8)[None, :]
-        word = tl.load(at, mask=t_ok[:, None], other=0).to(tl.int32)
-        if 8 % BITS != 0:
-            crosses = (offset % 8 + BITS > 8) & (offset // 8 + 1 < WIDTH)
-            word = word | (tl.load(at + 1, mask=t_ok[:, None] & crosses[None, :], other=0).to(tl.int32) << 8)
-        return (word >> (offset % 8)[None, :]) & ((1 << BITS) - 1)
+        word = tl.load(at, mask=t_ok[:, None] & ((offset // 8) < WIDTH)[None, :], other=0).to(tl.int32)
+        crosses = (offset % 8 + bits > 8) & (offset // 8 + 1 < WIDTH)
+        word = word | (tl.load(at + 1, mask=t_ok[:, None] & crosses[None, :], other=0).to(tl.int32) << 8)
+        return (word >> (offset % 8)[None, :]) & ((1 << bits) - 1)[None, :]
+
+    @triton.jit
+    def _codes(row_ptr, t_idx, t_ok, chan, BITS: tl.constexpr, WIDTH: tl.constexpr):
+        """Codes of ``BITS`` each (code ``c`` at bit ``c * BITS``); a 3-bit code may cross into the next byte."""
+        if 8 % BITS == 0:  # whole codes in each byte
+            per: tl.constexpr = 8 // BITS
+            byte = tl.load(row_ptr + t_idx[:, None] * WIDTH + (chan // per)[None, :], mask=t_ok[:, None], other=0)
+            return (byte.to(tl.int32) >> ((chan % per) * BITS)[None, :]) & ((1 << BITS) - 1)
+        return _stream_codes(row_ptr, t_idx, t_ok, chan * BITS, tl.full(chan.shape, BITS, tl.int32), WIDTH)
 
     @triton.jit
     def _dequant(codes_ptr, zero_ptr, scale_ptr, oi_ptr, ov_ptr, kw_ptr, koff_ptr, row_off, t_idx, t_ok, chan,
@@ -33,13 +42,7 @@ if triton is not None:
         group_row = tl.min(t_idx) // KGROUP  # a tile lies within one token group (BLOCK divides KGROUP)
         meta = (row_off // KGROUP) * D + group_row * D + chan
         if VARW:
-            width = tl.load(kw_ptr + meta)
-            offset = tl.load(koff_ptr + meta)
-            at = codes_ptr + row_off * KWIDTH + t_idx[:, None] * KWIDTH + (offset // 8)[None, :]
-            # a 0-bit channel at the stream's end points past it: neither byte is read there
-            word = tl.load(at, mask=t_ok[:, None] & ((offset // 8) < KWIDTH)[None, :], other=0).to(tl.int32)
-            word = word | (tl.load(at + 1, mask=t_ok[:, None] & ((offset // 8 + 1) < KWIDTH)[None, :], other=0).to(tl.int32) << 8)
-            code = (word >> (offset % 8)[None, :]) & ((1 << width) - 1)[None, :]
+            code = _stream_codes(codes_ptr + row_off * KWIDTH, t_idx, t_ok, tl.load(koff_ptr + meta), tl.load(kw_ptr + meta), KWIDTH)
         else:
             code = _codes(codes_ptr + row_off * KWIDTH, t_idx, t_ok, chan, KBITS, KWIDTH)
         zero = tl.load(zero_ptr + meta).to(tl.float32)

@@ -76,7 +76,6 @@ class LowbitKernel(AttentionKernel):
             raise ComponentError(f"{where} reads values as symmetric {', '.join(map(str, CODE_BITS))}-bit codes, not {values.bits}-bit "
                                  f"{'symmetric' if values.symmetric else 'asymmetric'}; use kernel 'reference'")
 
-
     @staticmethod
     def _quantizer(pipeline: PipelineSlots, kind: str, packed: tuple[str, ...], where: str) -> Any:
         quantizer = pipeline.component_for("quantizer", kind).for_kind(kind)  # type: ignore[attr-defined]
@@ -127,11 +126,15 @@ class LowbitKernel(AttentionKernel):
         kr, vr = view.keys.coefficient_row, view.values.coefficient_row
         outliers = kq.outliers > 0
         widths = offsets = None
-        if alloc:  # each channel's width and offset in its token's stream, per token group
-            pair = rows(k["bits"], kr).to(torch.int32)
-            widths = torch.cat((pair, pair), dim=-1) if kq.pairs else pair
-            offsets = (widths.cumsum(-1) - widths).to(torch.int32).contiguous()
-            widths = widths.contiguous()
+        if alloc:  # each channel's width and offset in its token's stream, per token group: kept until a block arrives
+            key = ("lowbit-widths", view.layer, device, tokens)
+            if key not in view.scratch:
+                pair = rows(k["bits"], kr).to(torch.int32)
+                full = torch.cat((pair, pair), dim=-1) if kq.pairs else pair
+                for old in [name for name in view.scratch if name[:3] == key[:3]]:
+                    del view.scratch[old]
+                view.scratch[key] = (full.contiguous(), (full.cumsum(-1) - full).to(torch.int32).contiguous())
+            widths, offsets = view.scratch[key]
         return LowbitView(
             tokens=tokens, first=view.passed_tokens - tokens,
             k_codes=rows(k["codes"], kr), k_zero=rows(k["zero"], kr), k_scale=rows(k["scale"], kr),
