@@ -9,7 +9,8 @@ from pathlib import Path
 
 import pytest
 import torch
-from transformers import LlamaConfig, LlamaForCausalLM
+
+from conftest import tiny_llama
 
 
 def _script():
@@ -21,15 +22,6 @@ def _script():
 
 
 sens = _script()
-
-
-def _tiny_llama(layers: int = 2) -> LlamaForCausalLM:
-    torch.manual_seed(0)
-    config = LlamaConfig(
-        vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=layers,
-        num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=512,
-    )
-    return LlamaForCausalLM(config).eval()
 
 
 # --------------------------------------------------------------------------------------- allocation
@@ -104,7 +96,7 @@ def test_valid_width():
 
 # --------------------------------------------------------------------------------------- hooks and KL
 def test_kl_per_layer_on_a_tiny_llama():
-    model = _tiny_llama()
+    model = tiny_llama(torch.float32, layers=2)  # 4 heads, 2 KV heads, head_dim 16
     ids = torch.randint(0, 128, (1, 64), generator=torch.Generator().manual_seed(2))
     exact = sens.log_probs(model, ids)
     values = sens.kl_per_layer(model, ids, "values", [2, 4], exact, progress=False)
