@@ -59,6 +59,10 @@ class StorageSettings:
         default="exact", validator=choice(("exact", "compress")),
         metadata={"doc": "sliding-window layers: keep their window exactly as the model's own cache does, or compress it like the other layers (blocks wholly out of the window are dropped)"},
     )
+    window_storage: str = attrs.field(
+        default="input", validator=choice(("input", "int8")),
+        metadata={"doc": "tokens held uncompressed (recent window, the block not yet full, kept sliding windows): as they arrive, or int8 per token and head with a float16 scale (D + 2 bytes a vector)"},
+    )
     observe_queries: int = attrs.field(
         default=16, validator=integer(1, 4096),
         metadata={"doc": "recent queries per layer kept for attention features and probes (when used)"},

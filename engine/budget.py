@@ -118,8 +118,7 @@ class BudgetPlan:
                 # the kernel's residual tile index grows with this block: int32 start + int32 mask per
                 # (row, 32-token tile) and level (the index of earlier blocks is in the lists' bytes)
                 held += batch * shape.num_kv_heads * (block_tokens // TILE_TOKENS) * 8 * len(engine.residual_levels)
-            exact = window.exact[kind]
-            held += (exact.shape[-2] - block_tokens - dropped_tokens) * exact[..., :1, :].numel() * exact.element_size()
+            held += (window.exact_tokens - block_tokens - dropped_tokens) * window.exact.bytes_per_token(kind)
             queries = engine.observer.queries(layer)
             if queries is not None:  # recent queries, split between keys and values
                 held += queries.numel() * queries.element_size() / 2
@@ -141,7 +140,7 @@ class BudgetPlan:
             return False
         dtype = engine.windows[0].exact["keys"].dtype
         parts = ", ".join(f"{part} {size:,}" for part, size in breakdown.items() if size)
-        remedy = "a shorter recent_window, a lower target_reduction or a longer context"
+        remedy = "a shorter recent_window, window_storage = 'int8', a lower target_reduction or a longer context"
         if dtype.itemsize > 2:
             remedy = f"the exact window is held in the model's dtype ({str(dtype).removeprefix('torch.')}, twice a 16-bit cache's bytes): a 16-bit dtype, {remedy}"
         warnings.warn(BudgetWarning(

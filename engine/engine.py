@@ -125,7 +125,7 @@ class CompressionEngine:
         if self.probe.selects_queries:
             self.observer.selector = self.probe.select_queries
         self.boundary_ids: torch.Tensor | None = None
-        self.windows = [LayerWindow(self.levels) for _ in range(shape.num_layers)]
+        self.windows = [LayerWindow(self.levels, self.settings.window_storage) for _ in range(shape.num_layers)]
         self.stores = [{kind: GroupStore() for kind in KINDS} for _ in self.groups]
         self.pending: set[int] = set()
         self.returned_keys: dict[int, torch.Tensor] = {}
@@ -193,12 +193,14 @@ class CompressionEngine:
             )
         window = self.windows[layer]
         for kind, new in zip(KINDS, (keys, values)):
-            old = window.exact[kind]
-            window.exact[kind] = new if old is None else torch.cat((old, new), dim=-2)
+            window.exact.append(kind, new)
         if self.reads_in_place(keys.shape[-2]) or not materialize:  # the kernel reads the packed tokens itself
             full = (window.exact["keys"], window.exact["values"])
         else:
             full = tuple(self._materialize(layer, kind) for kind in KINDS)
+        if window.exact.lossy and materialize:  # this forward attends over its own tokens as they arrived
+            for tensor, new in zip(full, (keys, values)):
+                tensor[..., -new.shape[-2]:, :] = new
         if layer in self.kept_exact:  # the model's own attention reads its window
             slide(window, self.kept_exact[layer])
             return full if materialize else None  # type: ignore[return-value]
@@ -217,7 +219,7 @@ class CompressionEngine:
         without sliding-window layers, a left-padded batch (the mask of this very forward: as many rows and
         tokens as ``keys``, so a mask left from another call is never taken)."""
         mask = None if self.mask_tap is None else self.mask_tap.pending
-        if mask is None or mask.shape[0] < 2 or self.windows[0].exact["keys"] is not None:
+        if mask is None or mask.shape[0] < 2 or self.windows[0].exact.shape() is not None:
             return False
         if tuple(mask.shape) != (keys.shape[0], keys.shape[-2]):
             return False
@@ -290,8 +292,7 @@ class CompressionEngine:
         for layer in members:
             window = self.windows[layer]
             for kind in KINDS:
-                # clone: a slice would keep the whole old window's storage alive
-                window.exact[kind] = window.exact[kind][..., count:, :].clone()
+                window.exact.drop_front(kind, count)
             window.passed_tokens += count
         if self.compress_sliding and members[0] in self.sliding:
             drop_outside_window(self, group_index)
@@ -420,8 +421,8 @@ class CompressionEngine:
         and for a model with sliding-window layers kept exactly, their windows."""
         if self.rows is not None:
             return self.rows.memory_breakdown()
-        exact = [t for layer, w in enumerate(self.windows) if layer not in self.kept_exact for t in w.exact.values() if t is not None]
-        sliding = [t for layer in self.kept_exact for t in self.windows[layer].exact.values() if t is not None]
+        exact = [t for layer, w in enumerate(self.windows) if layer not in self.kept_exact for t in w.exact.stored()]
+        sliding = [t for layer in self.kept_exact for t in self.windows[layer].exact.stored()]
         stores = [store for group in self.stores for store in group.values()]
         parts = {
             "exact_window": tensor_bytes(exact),
@@ -444,8 +445,8 @@ class CompressionEngine:
     def batch_size(self) -> int:
         if self.rows is not None:
             return len(self.rows.engines)
-        tensor = self.windows[0].exact["keys"]
-        return -1 if tensor is None else tensor.shape[0]
+        shape = self.windows[0].exact.shape()
+        return -1 if shape is None else shape[0]
 
     # ---------------------------------------------------------------------------- batch ops
     def select_batch(self, index: torch.Tensor) -> None:
@@ -463,7 +464,7 @@ class CompressionEngine:
 
     def reset(self) -> None:
         self.rows = None
-        self.windows = [LayerWindow(self.levels) for _ in range(self.shape.num_layers)]
+        self.windows = [LayerWindow(self.levels, self.settings.window_storage) for _ in range(self.shape.num_layers)]
         self.stores = [{kind: GroupStore() for kind in KINDS} for _ in self.groups]
         self.pending = set()
         self.returned_keys = {}

@@ -56,7 +56,7 @@ def slide(window: LayerWindow, size: int) -> None:
     extra = window.exact_tokens - (size - 1)
     if extra > 0:
         for kind in KINDS:
-            window.exact[kind] = window.exact[kind][..., extra:, :].clone()  # type: ignore[index]
+            window.exact.drop_front(kind, extra)
         window.passed_tokens += extra
         window.dropped_tokens += extra
 

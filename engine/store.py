@@ -8,16 +8,115 @@ from __future__ import annotations
 
 import torch
 
+from kvweave.core.errors import ModelError
 from kvweave.core.interfaces import KINDS
-from kvweave.core.storage import Segment, TensorMap
+from kvweave.core.storage import Segment, TensorMap, tensor_bytes
 from kvweave.engine.residuals import ResidualList
+
+#: ``window_storage`` choices: tokens held as they arrive, or 8-bit per token and head
+WINDOW_STORAGE = ("input", "int8")
+#: int8 window: one float16 scale per (token, head) is ``absmax / 127``, so absmax may reach 127 x 65504
+_INT8_LIMIT = 127 * 65504.0
+
+
+class ExactTokens:
+    """A layer's tokens not (yet) compressed, for keys and values, each [B, H, n, D].
+
+    ``storage = "input"`` holds the tensors as they arrive. ``storage = "int8"`` holds each vector as int8
+    codes ``round(x / s)`` with one float16 scale ``s = absmax / 127`` per (token, head) (``D + 2`` bytes a
+    vector instead of ``2 D``); reading a kind dequantizes it to the dtype it arrived in, every element within
+    ``s / 2`` of what was stored (plus float16's rounding of ``s``, which clamps at most one step). Tokens are
+    appended, dropped from the front and batch rows selected on the stored codes, never re-quantized.
+    """
+
+    def __init__(self, storage: str = "input") -> None:
+        if storage not in WINDOW_STORAGE:
+            raise ValueError(f"window_storage must be one of {list(WINDOW_STORAGE)}, got {storage!r}")
+        self.storage = storage
+        self._held: dict[str, tuple[torch.Tensor, ...] | None] = {kind: None for kind in KINDS}
+        self._dtype: torch.dtype | None = None
+
+    @property
+    def lossy(self) -> bool:
+        """Whether reading returns something other than what arrived (int8 storage)."""
+        return self.storage != "input"
+
+    def __getitem__(self, kind: str) -> torch.Tensor | None:
+        held = self._held[kind]
+        if held is None:
+            return None
+        if not self.lossy:
+            return held[0]
+        codes, scale = held
+        return (codes.float() * scale.float()).to(self._dtype)
+
+    def __setitem__(self, kind: str, tensor: torch.Tensor | None) -> None:
+        self._held[kind] = None if tensor is None else self._encode(tensor)
+
+    def tokens(self) -> int:
+        held = self._held["keys"]
+        return 0 if held is None else held[0].shape[-2]
+
+    def shape(self, kind: str = "keys") -> torch.Size | None:
+        """The shape reading ``kind`` gives, without dequantizing."""
+        held = self._held[kind]
+        return None if held is None else held[0].shape
+
+    def append(self, kind: str, new: torch.Tensor) -> None:
+        encoded = self._encode(new)
+        old = self._held[kind]
+        self._held[kind] = encoded if old is None else tuple(torch.cat((a, b), dim=-2) for a, b in zip(old, encoded))
+
+    def drop_front(self, kind: str, count: int) -> None:
+        """Forget the first ``count`` tokens (a copy: a slice would keep the old storage alive)."""
+        held = self._held[kind]
+        if held is not None:
+            self._held[kind] = tuple(t[..., count:, :].clone() for t in held)
+
+    def select_rows(self, index: torch.Tensor) -> None:
+        for kind, held in self._held.items():
+            if held is not None:
+                self._held[kind] = tuple(t.index_select(0, index.to(t.device)) for t in held)
+
+    def stored(self) -> list[torch.Tensor]:
+        """Every tensor held (what :meth:`nbytes` counts)."""
+        return [t for held in self._held.values() if held is not None for t in held]
+
+    def nbytes(self) -> int:
+        return tensor_bytes(self.stored())
+
+    def bytes_per_token(self, kind: str) -> int:
+        """Stored bytes of one token of ``kind`` over every batch row and head."""
+        held = self._held[kind]
+        return 0 if held is None else sum(t[..., :1, :].numel() * t.element_size() for t in held)
+
+    def _encode(self, tensor: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        if self._dtype is None or self._held["keys"] is None and self._held["values"] is None:
+            self._dtype = tensor.dtype
+        elif tensor.dtype != self._dtype:
+            raise ModelError(f"the exact window holds {str(self._dtype).removeprefix('torch.')} tokens; tokens of "
+                             f"{str(tensor.dtype).removeprefix('torch.')} arrived (one cache serves one dtype)")
+        if not self.lossy:
+            return (tensor,)
+        absmax = tensor.detach().float().abs().amax(dim=-1, keepdim=True)
+        finite = torch.isfinite(absmax)
+        if bool((finite & (absmax > _INT8_LIMIT)).any()):
+            raise ValueError(
+                f"window_storage = 'int8': a token's largest magnitude {float(absmax[finite].max()):.7g} is beyond "
+                f"{_INT8_LIMIT:.7g} (127 x the largest float16 scale); use window_storage = 'input'"
+            )
+        # a vector holding NaN or infinity reads back as NaN, so the engine's check at the flush still names it
+        scale = torch.where(finite, absmax / 127, torch.nan).to(torch.float16)
+        step = torch.where(scale > 0, scale.float(), torch.ones_like(absmax))
+        codes = torch.round(tensor.float() / step).clamp_(-127, 127).to(torch.int8)
+        return codes, scale
 
 
 class LayerWindow:
     """One layer's exact (uncompressed) recent tokens, its routed residuals, and its packed-token count."""
 
-    def __init__(self, levels: tuple[int, ...]) -> None:
-        self.exact: dict[str, torch.Tensor | None] = {"keys": None, "values": None}
+    def __init__(self, levels: tuple[int, ...], window_storage: str = "input") -> None:
+        self.exact = ExactTokens(window_storage)
         self.residuals = {kind: {rank: ResidualList(rank) for rank in levels if rank > 0} for kind in KINDS}
         self.residual_basis: dict[str, torch.Tensor | None] = {kind: None for kind in KINDS}  # [B, H, R, D]
         self.compressed_tokens = 0  # stored (packed) slots per batch row and head
@@ -30,8 +129,7 @@ class LayerWindow:
 
     @property
     def exact_tokens(self) -> int:
-        tensor = self.exact["keys"]
-        return 0 if tensor is None else tensor.shape[-2]
+        return self.exact.tokens()
 
 
 class GroupStore:
@@ -52,9 +150,8 @@ def select_rows(windows: list[LayerWindow], stores: list[dict[str, GroupStore]],
     """Keep batch rows ``index`` [B'] (reordering and repeats allowed) of every tensor held in ``windows``
     and ``stores`` (``heads`` KV heads per row in the residual lists)."""
     for window in windows:
+        window.exact.select_rows(index)
         for kind in KINDS:
-            if window.exact[kind] is not None:
-                window.exact[kind] = window.exact[kind].index_select(0, index.to(window.exact[kind].device))
             for residuals in window.residuals[kind].values():
                 residuals.select_batch(index, heads)
             if window.residual_basis[kind] is not None:
