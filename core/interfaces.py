@@ -110,7 +110,8 @@ class Quantizer(Component):
     group: ClassVar[str] = "quantizers"
     #: the layout of the packed fields, for kernels that read them in place (``LayerView`` carries it);
     #: a kernel declares the formats it reads, and a pipeline pairing it with another is refused when it
-    #: is resolved. Give a new layout a new name (and a version where it could change).
+    #: is resolved. Give a new layout a new name (and a version where it could change). A quantizer whose
+    #: parameters choose between layouts may make it a property of its instance (``rotated-token``'s scales).
     packed_format: ClassVar[str] = "opaque"
 
     @abstractmethod

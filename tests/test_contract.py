@@ -134,7 +134,7 @@ QUANTIZER_CASES = [
 def test_quantizer_round_trip_shapes_and_bytes(name, kind, dtype):
     base = build("quantizers", name)
     quantizer = base if kind is None else base.for_kind(kind)
-    assert isinstance(type(base).packed_format, str) and type(base).packed_format.strip()
+    assert isinstance(base.packed_format, str) and base.packed_format.strip()
     width = SHAPE.head_dim
     quantizer.check_width(width, "contract test")
     group = quantizer.tokens_per_group()

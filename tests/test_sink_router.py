@@ -1,0 +1,72 @@
+"""The ``sinks`` router: the first positions of a sequence restored to float16 precision through a full-rank
+residual, every other token left to its codes, the residual's bytes counted."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kvweave.core.errors import ModelError
+from kvweave.core.registry import load_pipeline
+from kvweave.engine import build_cache, cache_kwargs
+
+from conftest import tiny_llama, write_registry
+
+REGISTRY = """
+[pipelines.s-plain]
+extends = "prerope-qa3v2"
+recent_window = 16
+
+[pipelines.s-sinks]
+extends = "s-plain"
+[pipelines.s-sinks.router]
+use = "sinks"
+sink_tokens = 3
+rank = 64
+[pipelines.s-sinks.residual_quantizer]
+use = "none"
+dtype = "float16"
+
+[pipelines.s-sinks-values]
+extends = "s-sinks"
+[pipelines.s-sinks-values.router]
+kinds = "values"
+"""
+
+
+def _fill(model, name, registry, ids):
+    cache = build_cache(load_pipeline(name, registry), model)
+    with torch.no_grad():
+        model(input_ids=ids, use_cache=True, **cache_kwargs(model, cache))
+    return cache
+
+
+def test_sink_tokens_come_back_exact_and_the_rest_as_coded(tmp_path):
+    model = tiny_llama(torch.float32, hidden=256)  # head_dim 64
+    registry = write_registry(tmp_path, "sinks", REGISTRY)
+    ids = torch.randint(1, 128, (2, 150))
+    caches = {name: _fill(model, name, registry, ids) for name in ("full", "s-plain", "s-sinks", "s-sinks-values")}
+    for layer in range(model.config.num_hidden_layers):
+        for kind in ("keys", "values"):
+            exact = caches["full"].engine.materialize(layer, kind)
+            plain = caches["s-plain"].engine.materialize(layer, kind)
+            sinks = caches["s-sinks"].engine.materialize(layer, kind)
+            error = lambda x: (x - exact).norm(dim=-1) / exact.norm(dim=-1)  # noqa: E731  [B, H, T]
+            assert bool((error(sinks)[..., :3] < 1e-3).all()), (layer, kind)
+            assert bool((error(plain)[..., :3] > 1e-2).all()), (layer, kind)
+            assert torch.equal(sinks[..., 3:, :], plain[..., 3:, :])  # every other token: its codes alone
+        # values only: the keys of the sinks stay as coded
+        keys = caches["s-sinks-values"].engine.materialize(layer, "keys")
+        assert torch.equal(keys, caches["s-plain"].engine.materialize(layer, "keys"))
+    parts = {name: cache.memory_breakdown() for name, cache in caches.items()}
+    assert parts["s-plain"]["residuals"] == 0
+    layers, rows, heads = model.config.num_hidden_layers, 2, 2
+    # per sink, layer, row, head and kind: 64 float16 channels plus an int32 row and an int32 token index
+    assert parts["s-sinks"]["residuals"] == layers * rows * heads * 3 * 2 * (64 * 2 + 8)
+    assert parts["s-sinks-values"]["residuals"] == parts["s-sinks"]["residuals"] // 2
+
+
+def test_a_rank_beyond_the_head_dim_is_refused(tmp_path):
+    registry = write_registry(tmp_path, "sinks", REGISTRY + "\n[pipelines.s-wide]\nextends = \"s-sinks\"\n[pipelines.s-wide.router]\nrank = 128\n")
+    with pytest.raises(ModelError, match="rank 128 exceeds the model's head_dim 64"):
+        build_cache(load_pipeline("s-wide", registry), tiny_llama(torch.float32, hidden=256))
