@@ -251,7 +251,8 @@ class RotatedTokenQuantizer(Quantizer):
             scale = wanted.to(torch.float16)
             return scale.float(), {"scale": scale}
         top = wanted.amax(dim=-2, keepdim=True) if wanted.shape[-2] else wanted[..., :1, :]
-        top = torch.nextafter(top.to(torch.float16).float(), torch.full_like(top, torch.inf)).to(torch.float16)  # >= every scale
+        half = top.to(torch.float16)  # rounded up where nearest fell short, so that it is >= every scale
+        top = torch.where(half.float() < top, (top * (1 + 2**-10)).clamp(max=65504.0).to(torch.float16), half)
         steps = torch.log2(top.float() / wanted.clamp_min(1e-30)) * LOG8_STEPS
         steps = torch.floor(steps + 1e-4) if up else torch.round(steps)
         log = steps.clamp_(0, 255).to(torch.uint8)
