@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kvweave.core.errors import RegistryError
+from kvweave.core.errors import ModelError, RegistryError
 from kvweave.core.registry import load_pipeline, load_registry
 from kvweave.engine import build_cache, cache_kwargs
 from kvweave.plugins.quantizers.rotated_token import RotatedTokenQuantizer
@@ -68,13 +68,33 @@ use = "lowbit"
     with pytest.raises(RegistryError, match=r"reads values packed as rotated-token\.v1, but slot 'values\.quantizer' \('rotated-token'\) packs rotated-token-log8\.v1"):
         load_registry(path).resolve("v-log8-lowbit")
     model = tiny_llama(torch.float32, hidden=256)  # head_dim 64
-    ids = torch.randint(1, 128, (1, 144))
+    ids = torch.randint(1, 128, (1, 144))  # the prefill flushes 128 tokens at once, the next 64 one by one:
     parts = {}
     for name in ("v-half", "v-log8"):
         cache = build_cache(load_pipeline(name, path), model)
         with torch.no_grad():
-            model(input_ids=ids, use_cache=True, **cache_kwargs(model, cache))
+            out = model(input_ids=ids, use_cache=True, **cache_kwargs(model, cache))
+            for _ in range(64):  # flushes of one block each, appended to the prefill's (one maximum per 64 tokens throughout)
+                out = model(input_ids=out.logits[:, -1:].argmax(-1), use_cache=True, **cache_kwargs(model, cache))
         parts[name] = cache.memory_breakdown()["coefficients"]
-    vectors = 3 * 2 * 128  # layers x KV heads x packed tokens
-    # a byte saved per vector, less one float16 maximum per layer and head: the prefill flushes its 128 tokens at once
-    assert parts["v-half"] - parts["v-log8"] == vectors * 1 - 3 * 2 * 2
+    vectors = 3 * 2 * 192  # layers x KV heads x packed tokens
+    # a byte saved per vector, less one float16 maximum per 64 tokens, layer and head
+    assert parts["v-half"] - parts["v-log8"] == vectors * 1 - 3 * 2 * 3 * 2
+
+
+def test_log8_needs_whole_spans_of_tokens_and_the_cache_checks_its_blocks(tmp_path):
+    q = RotatedTokenQuantizer(scale_format="log8", scale_tokens=64)
+    with pytest.raises(ModelError, match="every 64 tokens .* got 40 tokens"):
+        q.quantize(torch.randn(1, 40, 64))
+    assert q.tokens_per_group() == 64 and RotatedTokenQuantizer().tokens_per_group() == 1
+    path = write_registry(tmp_path, "log8", """
+[pipelines.v-short-blocks]
+extends = "prerope-qa3v2"
+block_tokens = 32
+[pipelines.v-short-blocks.keys.quantizer]
+group = 32
+[pipelines.v-short-blocks.values.quantizer]
+scale_format = "log8"
+""")
+    with pytest.raises(ModelError, match=r"slot 'values.quantizer' \('rotated-token'\): it packs groups of 64 tokens"):
+        build_cache(load_pipeline("v-short-blocks", path), tiny_llama(torch.float32, hidden=256))

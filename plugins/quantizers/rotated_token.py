@@ -58,11 +58,11 @@ symmetric: 16 + 2 = 18 bytes (0.25 bit per element of metadata; 7.1x below 16 bi
 
 ``scale_format = "log8"`` (packed_format ``rotated-token-log8.v1``) stores each scale in one byte instead:
 ``scale_log`` uint8 [..., n, C / group], ``k`` for ``scale_max * 2**(-k / 16)`` (16 steps an octave, 4.4 %
-apart, 16 octaves deep), and ``scale_max`` float16 [..., 1, C / group], the largest scale of the tokens
-quantized together (a flushed block), rounded up. Normal levels take the nearest step (the RMS need not
+apart, 16 octaves deep), and ``scale_max`` float16 [..., n / scale_tokens, C / group], the largest scale of
+each ``scale_tokens`` (64) tokens, rounded up. Normal levels take the nearest step (the RMS need not
 be exact: relative error 0.3356 against 0.3354 at 2 bits on spread-out vectors); uniform levels take the
 step at or above the wanted scale, so the range stays covered. C = 64, 2 bits: 16 + 1 bytes a vector and 2
-bytes a block (0.129 bit per element of metadata).
+bytes per 64 tokens (0.129 bit per element of metadata).
 """
 
 from __future__ import annotations
@@ -158,6 +158,10 @@ class RotatedTokenQuantizer(Quantizer):
         default="float16", validator=choice(SCALE_FORMATS),
         metadata={"doc": "'float16' scales, or 'log8': one byte per scale, 2**(-k/16) below a float16 maximum per call (block)"},
     )
+    scale_tokens: int = attrs.field(
+        default=64, validator=integer(1, 1 << 16),
+        metadata={"doc": "log8: tokens whose scales share one float16 maximum (must divide the pipeline's block_tokens)"},
+    )
     layer_bits: tuple[int, ...] = attrs.field(
         default=(), converter=layer_table, validator=each_entry(_bits, "bits"),
         metadata={"doc": "bits per layer, one entry per layer of the model (empty: 'bits' for every layer)"},
@@ -244,23 +248,29 @@ class RotatedTokenQuantizer(Quantizer):
     def _stored_scale(self, wanted: torch.Tensor, up: bool) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         """The scales as stored (float32, what the codes are taken against) and their fields. ``wanted`` [..., n,
         groups] float32; ``up``: never store less than wanted (a range that must stay covered). float16: the
-        scale itself (rounded up by the caller where that matters). log8: ``scale_max`` float16 [..., 1, groups]
-        (the largest scale of the call's tokens, rounded up) and ``scale_log`` uint8 [..., n, groups], ``k``
+        scale itself (rounded up by the caller where that matters). log8: ``scale_max`` float16 [..., n / scale_tokens,
+        groups] (the largest scale of each scale_tokens tokens, rounded up) and ``scale_log`` uint8 [..., n, groups], ``k``
         for ``scale_max * 2**(-k / 16)``, to nearest or rounded toward the larger scale with ``up``."""
         if self.scale_format == "float16":
             scale = wanted.to(torch.float16)
             return scale.float(), {"scale": scale}
-        top = wanted.amax(dim=-2, keepdim=True) if wanted.shape[-2] else wanted[..., :1, :]
+        tokens, span = wanted.shape[-2], self.scale_tokens
+        if tokens % span:
+            raise ModelError(f"rotated-token scale_format 'log8' shares one maximum among every {span} tokens (scale_tokens); "
+                             f"got {tokens} tokens, not a multiple of it")
+        top = wanted.unflatten(-2, (tokens // span, span)).amax(dim=-2)  # [..., n / span, groups]
         half = top.to(torch.float16)  # rounded up where nearest fell short, so that it is >= every scale
         top = torch.where(half.float() < top, (top * (1 + 2**-10)).clamp(max=65504.0).to(torch.float16), half)
-        steps = torch.log2(top.float() / wanted.clamp_min(1e-30)) * LOG8_STEPS
+        steps = torch.log2(top.float().repeat_interleave(span, dim=-2) / wanted.clamp_min(1e-30)) * LOG8_STEPS
         steps = torch.floor(steps + 1e-4) if up else torch.round(steps)
         log = steps.clamp_(0, 255).to(torch.uint8)
         return self._log8_scale(top, log), {"scale_max": top, "scale_log": log}
 
-    @staticmethod
-    def _log8_scale(top: torch.Tensor, log: torch.Tensor) -> torch.Tensor:
-        return top.float() * torch.exp2(-log.float() / LOG8_STEPS)
+    def _log8_scale(self, top: torch.Tensor, log: torch.Tensor) -> torch.Tensor:
+        return top.float().repeat_interleave(self.scale_tokens, dim=-2) * torch.exp2(-log.float() / LOG8_STEPS)
+
+    def tokens_per_group(self) -> int:
+        return self.scale_tokens if self.scale_format == "log8" else 1
 
     def dequantize(self, packed: dict[str, torch.Tensor], dtype: torch.dtype) -> torch.Tensor:
         codes = unpack(packed["codes"], self.bits)
@@ -283,7 +293,7 @@ class RotatedTokenQuantizer(Quantizer):
 
     def bytes_per_vector(self, width: int, dtype: torch.dtype) -> float:
         groups = width // self._group_for(width)
-        scale = 2 if self.scale_format == "float16" else 1 + 2 / 64  # log8: a byte, plus a float16 maximum per 64-token block
+        scale = 2 if self.scale_format == "float16" else 1 + 2 / self.scale_tokens  # log8: a byte, and a share of a float16 maximum
         return width * self.bits / 8 + groups * (scale + (0 if self.symmetric else 2))
 
 
