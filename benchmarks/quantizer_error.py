@@ -145,6 +145,7 @@ def methods() -> list[tuple[str, object]]:
         rows.append((f"channel-group {bits}b k1 uniform g64", ChannelGroupQuantizer(bits=bits, group=64, outliers=1)))
     for bits in (2, 3, 4):
         rows.append((f"rotated-token {bits}b normal", RotatedTokenQuantizer(bits=bits)))
+        rows.append((f"rotated-token {bits}b normal log8 scales", RotatedTokenQuantizer(bits=bits, scale_format="log8")))
         rows.append((f"rotated-token {bits}b uniform", RotatedTokenQuantizer(bits=bits, levels="uniform")))
         rows.append((f"rotated-token {bits}b uniform asym", RotatedTokenQuantizer(bits=bits, levels="uniform", symmetric=False)))
         rows.append((f"  (no rotation) {bits}b normal", RotatedTokenQuantizer(bits=bits, rotation="none")))
@@ -257,20 +258,29 @@ def attention_table(data) -> list[str]:
             lines.append(f"| {label} | - | - | refused: {exc} | | |")
             continue
         lines.append(f"| {label} | " + row + " |")
+    # the sinks router's effect: the first position restored exactly (its float16 residual), bits unchanged
+    for label, key_quantizer, pre_rope, value_quantizer in attention_pairs():
+        if label.endswith(("(prerope-qa3v2)", "(prerope-qa35v3)")):
+            row = _attention_row(data, key_quantizer, pre_rope, value_quantizer, exact, windows, sinks=1)
+            lines.append(f"| {label}, first position restored (sinks) | " + row + " |")
     return lines
 
 
-def _attention_row(data, key_quantizer, pre_rope: bool, value_quantizer, exact, windows) -> str:
-    """Bits, ratio and the three attention-output errors of one key/value quantizer pair."""
+def _attention_row(data, key_quantizer, pre_rope: bool, value_quantizer, exact, windows, sinks: int = 0) -> str:
+    """Bits, ratio and the three attention-output errors of one key/value quantizer pair; ``sinks``: the first
+    positions put back exactly after quantization (their residual's bytes are not counted)."""
     queries, scale, inverse = data["queries"], data["scale"], data["inverse"]
     keys, pre, values = data["keys post-RoPE"], data["keys pre-RoPE"], data["values"]
     positions = torch.arange(keys.shape[-2])
     if pre_rope:
         stored, key_bits = round_trip(key_quantizer, pre, data["energy"])
+        stored[..., :sinks, :] = pre[..., :sinks, :]
         key_hat = torch.stack([inverse.rotate(stored[i], i, positions) for i in range(len(stored))])
     else:
         key_hat, key_bits = round_trip(key_quantizer, keys, data["energy"])
+        key_hat[..., :sinks, :] = keys[..., :sinks, :]
     value_hat, value_bits = round_trip(value_quantizer, values)
+    value_hat[..., :sinks, :] = values[..., :sinks, :]
     errors = [relative(exact, attention(queries, k, v, scale, windows)) for k, v in ((key_hat, values), (keys, value_hat), (key_hat, value_hat))]
     total = key_bits + value_bits
     return f"{total:.2f} | {32 / total:.2f} | " + " | ".join(f"{e:.4f}" for e in errors)

@@ -34,6 +34,10 @@ BUILTIN_REGISTRY = Path(__file__).with_name("registry.toml").resolve()
 PIPELINE_KEYS = ("description", "extends")
 
 
+#: ``window_storage`` choices: the uncompressed tokens as they arrive, or int8 per token and head
+WINDOW_STORAGE = ("input", "int8")
+
+
 @attrs.frozen
 class StorageSettings:
     """Pipeline-level settings of the compressed cache."""
@@ -60,7 +64,7 @@ class StorageSettings:
         metadata={"doc": "sliding-window layers: keep their window exactly as the model's own cache does, or compress it like the other layers (blocks wholly out of the window are dropped)"},
     )
     window_storage: str = attrs.field(
-        default="input", validator=choice(("input", "int8")),
+        default="input", validator=choice(WINDOW_STORAGE),
         metadata={"doc": "tokens held uncompressed (recent window, the block not yet full, kept sliding windows): as they arrive, or int8 per token and head with a float16 scale (D + 2 bytes a vector)"},
     )
     observe_queries: int = attrs.field(

@@ -84,7 +84,7 @@ class BudgetPlan:
         shape = engine.shape
         members = engine.groups[group_index]
         first = engine.windows[members[0]]
-        batch = first.exact[kind].shape[0]
+        batch = first.exact.shape(kind)[0]
         tokens = first.compressed_tokens + first.exact_tokens - dropped_tokens
         vectors = batch * tokens * len(members) * shape.num_kv_heads
         if not engine.router.pools_budget:
@@ -95,7 +95,7 @@ class BudgetPlan:
         if kind == KINDS[0]:  # the values of this block are encoded next: their coefficients are spoken for
             kept = block_tokens - dropped_tokens
             rows = engine.basis.coefficient_rows(len(members))
-            per_vector = engine.quantizer(group_index, KINDS[1]).bytes_per_vector(engine.basis.coefficient_width(shape), first.exact[kind].dtype)
+            per_vector = engine.quantizer(group_index, KINDS[1]).bytes_per_vector(engine.basis.coefficient_width(shape), first.exact.dtype)
             held += batch * shape.num_kv_heads * kept * rows * per_vector
         return max(0.0, target_bytes - held)
 
@@ -105,7 +105,7 @@ class BudgetPlan:
         shape = engine.shape
         members = engine.groups[group_index]
         store = engine.stores[group_index][kind]
-        batch = engine.windows[members[0]].exact[kind].shape[0]
+        batch = engine.windows[members[0]].exact.shape(kind)[0]
         held = store.coefficients.nbytes() + tensor_bytes((store.state or {}).values())
         for layer in members:
             window = engine.windows[layer]
@@ -138,7 +138,7 @@ class BudgetPlan:
         stored = sum(breakdown.values()) - breakdown.get("sliding_window", 0)
         if stored <= allowed * 1.01:
             return False
-        dtype = engine.windows[0].exact["keys"].dtype
+        dtype = engine.windows[0].exact.dtype
         parts = ", ".join(f"{part} {size:,}" for part, size in breakdown.items() if size)
         remedy = "a shorter recent_window, window_storage = 'int8', a lower target_reduction or a longer context"
         if dtype.itemsize > 2:

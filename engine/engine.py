@@ -283,7 +283,7 @@ class CompressionEngine:
             self.eviction.evict(group_index, count, stats)
         else:
             passed = self.windows[members[0]].passed_tokens
-            positions = torch.arange(passed, passed + count, device=self.windows[members[0]].exact["keys"].device)
+            positions = torch.arange(passed, passed + count, device=self.windows[members[0]].exact.device)
             for kind in KINDS:
                 block = torch.stack([self.windows[layer].exact[kind][..., :count, :] for layer in members])
                 self.encoder.encode(kind, group_index, block, stats, positions)

@@ -165,11 +165,11 @@ class Eviction:
         """The accumulated scores of ``layer`` split into stored slots, the ``count`` tokens now leaving the
         window, and the rest of the window (zeros where no query has attended yet)."""
         window = self.engine.windows[layer]
-        exact = window.exact["keys"]
+        exact = window.exact
         total = window.compressed_tokens + window.exact_tokens
         scores = window.scores
         if scores is None:
-            scores = torch.zeros(*exact.shape[:2], 0, device=exact.device)
+            scores = torch.zeros(*exact.shape()[:2], 0, device=exact.device)
         if scores.shape[-1] < total:
             scores = torch.cat((scores, scores.new_zeros(*scores.shape[:2], total - scores.shape[-1])), dim=-1)
         stored = window.compressed_tokens
@@ -181,7 +181,7 @@ class Eviction:
         (layer,) = self.engine.groups[group_index]
         window = self.engine.windows[layer]
         stored = window.compressed_tokens
-        dtype = window.exact["keys"].dtype
+        dtype = window.exact.dtype
         candidates = {}
         for kind in KINDS:
             new = window.exact[kind][..., :count, :]
@@ -252,10 +252,9 @@ class Eviction:
         window = self.engine.windows[layer]
         if window.positions is None:
             return logical
-        exact = window.exact["keys"]
-        batch, heads = exact.shape[:2]
+        batch, heads = window.exact.shape()[:2]
         total = window.passed_tokens + window.exact_tokens
-        device = exact.device
+        device = window.exact.device
         if logical is None:
             rows = total - queries + torch.arange(queries, device=device)
             logical = (torch.arange(total, device=device)[None, :] <= rows[:, None])[None, None]
@@ -330,9 +329,8 @@ class Eviction:
         window = self.engine.windows[layer]
         if window.positions is None and self.engine.padding is None:
             return None
-        exact = window.exact["keys"]
-        batch, heads = exact.shape[:2]
-        device = exact.device
+        batch, heads = window.exact.shape()[:2]
+        device = window.exact.device
         if window.positions is None:
             stored = torch.arange(window.compressed_tokens, device=device).expand(batch, heads, -1)
         else:

@@ -10,11 +10,10 @@ import torch
 
 from kvweave.core.errors import ModelError
 from kvweave.core.interfaces import KINDS
+from kvweave.core.registry import WINDOW_STORAGE
 from kvweave.core.storage import Segment, TensorMap, tensor_bytes
 from kvweave.engine.residuals import ResidualList
 
-#: ``window_storage`` choices: tokens held as they arrive, or 8-bit per token and head
-WINDOW_STORAGE = ("input", "int8")
 #: int8 window: one float16 scale per (token, head) is ``absmax / 127``, so absmax may reach 127 x 65504
 _INT8_LIMIT = 127 * 65504.0
 
@@ -61,6 +60,16 @@ class ExactTokens:
         """The shape reading ``kind`` gives, without dequantizing."""
         held = self._held[kind]
         return None if held is None else held[0].shape
+
+    @property
+    def dtype(self) -> torch.dtype | None:
+        """The dtype reading gives (the tokens' own), without dequantizing."""
+        return self._dtype
+
+    @property
+    def device(self) -> torch.device | None:
+        held = self._held["keys"]
+        return None if held is None else held[0].device
 
     def append(self, kind: str, new: torch.Tensor) -> None:
         encoded = self._encode(new)

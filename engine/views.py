@@ -22,8 +22,9 @@ def layer_view(engine: CompressionEngine, layer: int) -> LayerView:
     window = engine.windows[layer]
     shared = engine.basis.coefficient_rows(len(engine.groups[group_index])) == 1
     stores = engine.stores[group_index]
-    exact = window.exact["keys"]
-    rows = 0 if exact is None else exact.shape[0] * exact.shape[1]
+    exact = window.exact.shape()
+    rows = 0 if exact is None else exact[0] * exact[1]
+    device = window.exact.device
     kinds = {}
     for kind in KINDS:
         store = stores[kind]
@@ -33,7 +34,7 @@ def layer_view(engine: CompressionEngine, layer: int) -> LayerView:
             lists = window.residuals[kind][rank]
             start = mask = None
             if not engine.kernel.materializes and exact is not None:
-                start, mask = lists.tile_index(rows, window.compressed_tokens // TILE_TOKENS, exact.device)
+                start, mask = lists.tile_index(rows, window.compressed_tokens // TILE_TOKENS, device)
             levels.append(ResidualLevelView(rank, lists.fields, start, mask))
         factored = engine.basis.factor_bases(store.state, member) if store.state else None
         kinds[kind] = KindView(
