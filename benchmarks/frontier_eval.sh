@@ -4,7 +4,9 @@
 # at 8,000 tokens against the full cache, for every pipeline named, on one model; then the table and plot.
 #   bash benchmarks/frontier_eval.sh MODEL OUT PIPELINES [REGISTRY]
 # e.g. bash benchmarks/frontier_eval.sh default results/frontier-smollm full,int4,prerope-qa35v3
-# Environment: NEEDLES (16), LENGTHS (2000,5000), TOKENS (8000), DTYPE (bfloat16), DEVICE (cuda), JOBS (1):
+# Environment: NEEDLES (16), LENGTHS (2000,5000), TOKENS (8000), DTYPE (bfloat16), DEVICE (cuda), JOBS (1),
+# PREFILL (0: perplexity of every token fed in chunks; N: the first N tokens one forward, a context that
+# pipelines evicting by context importance need, and perplexity of the tokens after it):
 # JOBS=3 runs the needle grid as 3 processes on the same device, each a share of the pipelines (small models
 # leave a large GPU mostly idle); the parts are merged by frontier_plot.py.
 set -euo pipefail
@@ -18,6 +20,7 @@ jobs=${JOBS:-1}
 lengths=${LENGTHS:-2000,5000}
 tokens=${TOKENS:-8000}
 dtype=${DTYPE:-bfloat16}
+prefill=${PREFILL:-0}
 extra=()
 [ -n "$registry" ] && extra=(--registry "$registry")
 IFS=, read -ra names <<< "$pipelines"
@@ -36,6 +39,6 @@ done
 wait
 compressed=$(IFS=,; echo "${names[*]}" | sed -e 's/^full,//' -e 's/,full,/,/' -e 's/,full$//')
 kvweave eval ppl --model "$model" --device "$device" --dtype "$dtype" "${extra[@]}" --pipelines "$compressed" \
-  --tokens "$tokens" --out "$out/ppl"
+  --tokens "$tokens" --prefill "$prefill" --out "$out/ppl"
 cp "$out/ppl/ppl.json" "${parts[0]}/ppl.json"
 python "$(dirname "$0")/frontier_plot.py" "${parts[@]}" --out "$out/frontier.png" | tee "$out/frontier.md"

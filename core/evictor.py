@@ -33,7 +33,11 @@ class EvictionBlock:
     leading tokens of the block are already stored (re-offered to evictors with ``reselects``); ``held``
     [G] the slots each layer already stores outside the block; ``forward_tokens`` the tokens of the
     forward pass that flushes (1 while decoding); ``shared_tokens`` whether the group's layers share
-    coefficient rows (a token is then kept for all of them if any keeps it).
+    coefficient rows (a token is then kept for all of them if any keeps it); ``importance`` [G, B, H, n]
+    each token's context importance (``+inf`` where none was scored: tokens fed after the scored forward,
+    layers the scorer cannot see whole) and ``context_importance`` [L, B, H, T] every layer's scores of the
+    scored forward (budgets shared between layers), both for evictors with ``needs_importance`` once the
+    cache was fed by ``kvweave.engine.importance.prefill`` (None otherwise).
     """
 
     layers: tuple[int, ...]
@@ -50,6 +54,8 @@ class EvictionBlock:
     held: tuple[int, ...] = ()
     forward_tokens: int = 0
     shared_tokens: bool = False
+    importance: torch.Tensor | None = None
+    context_importance: torch.Tensor | None = None
 
 
 class Evictor(Component):
@@ -62,6 +68,9 @@ class Evictor(Component):
     needs_attention: ClassVar[bool] = False
     #: whether the cache should accumulate, per stored token, the attention every query gives it (H2O)
     accumulates: ClassVar[bool] = False
+    #: whether ``keep`` needs each token's context importance (engine/importance.py scores the context
+    #: before the forward that fills the cache; the evictor then has ``chunk`` and ``sinks`` parameters)
+    needs_importance: ClassVar[bool] = False
     #: whether stored tokens are offered again at every flush (they may then be dropped; needs a basis
     #: with single-layer groups and a router without residual levels)
     reselects: ClassVar[bool] = False

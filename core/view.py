@@ -80,7 +80,7 @@ class LayerView:
     """One layer's packed storage, keys and values.
 
     ``packed_tokens`` slots stored per batch row and head (before the exact window); ``passed_tokens``
-    logical tokens that left the exact window (stored or evicted); ``positions`` int32 [B, H,
+    logical tokens that left the exact window (stored or evicted); ``positions`` int16 or int32 [B, H,
     packed_tokens], each slot's logical position (-1: filler), present once an evictor dropped tokens;
     ``group``/``member`` the layer's basis group and its place in it; ``flushes`` how many blocks the
     group has encoded (changes whenever the storage grows); ``scratch`` a dict a kernel may keep derived

@@ -150,15 +150,28 @@ class KVWeaveCache(Cache):
         self.shape = shard.local_shape(self.model_shape) if shard is not None else self.model_shape
         self.pipeline = pipeline
         self.engine = CompressionEngine(pipeline, self.shape)
+        self.tokenizer: Any = None
         super().__init__(layers=[KVWeaveLayer(self.engine, i) for i in range(self.shape.num_layers)])
 
     def bind(self, model: Any, tokenizer: Any = None) -> KVWeaveCache:
         """Let the cache observe ``model`` where its router or probe needs queries or token ids."""
         bind_model(model, self.engine, tokenizer)
+        self.tokenizer = tokenizer  # context scoring (engine/importance.py) builds its repeat prompt with it
+        if self.engine.evicts and self.engine.evictor.needs_importance and tokenizer is None:
+            raise CacheStateError(
+                f"pipeline '{self.pipeline.name}': evictor '{self.pipeline.use('evictor')}' scores the context by asking the "
+                "model to repeat it, which needs the tokenizer; pass tokenizer= to build_cache")
         if self.engine.pre_rope:
             where = f"pipeline '{self.pipeline.name}', setting key_space"
             self.engine.rotary = RotaryInverse.from_model(model, self.engine.shape.head_dim, where)
         return self
+
+    def set_importance(self, scores: torch.Tensor) -> None:
+        """Context importance [L, B, H, T] of the tokens the next (first) forward feeds, for an evictor that
+        chooses by it (``kvweave.engine.importance.prefill`` computes and sets it)."""
+        if self.shard is not None:
+            raise CacheStateError(f"pipeline '{self.pipeline.name}': context importance is not split over tensor-parallel ranks")
+        self.engine.eviction.set_importance(scores)
 
     def __repr__(self) -> str:
         return f"KVWeaveCache(pipeline={self.pipeline.name!r}, tokens={self.get_seq_length()}, bytes={self.memory_bytes()})"

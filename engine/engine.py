@@ -178,6 +178,10 @@ class CompressionEngine:
                     "build_cache(pipeline, model), which reads the model's sharding" if self.shape.num_kv_heads % keys.shape[1] == 0 else "")
             )
         if layer == 0 and self.rows is None and self._splits_rows(keys):
+            if self.eviction.importance is not None:
+                raise CacheStateError(
+                    f"pipeline '{self.pipeline.name}': context importance is scored for whole rows; a left-padded batch is "
+                    "stored row by row (feed its rows one at a time)")
             pads = left_padding(self.mask_tap.pending)  # type: ignore[union-attr,arg-type]
             self.rows = RowSplit(self, pads, lambda: CompressionEngine(self.pipeline, self.shape))  # type: ignore[arg-type]
         if self.rows is not None:
@@ -185,6 +189,8 @@ class CompressionEngine:
         if layer == 0:
             self.observer.start_forward(keys.shape[-2])
             self.forward_tokens = keys.shape[-2]
+            if self.evicts:
+                self.eviction.start_forward(keys.shape[-2], keys.shape[0])
         if self.pending and self.group_of[layer][0] in self.pending:
             raise CacheStateError(
                 f"pipeline '{self.pipeline.name}' needs the model's attention to report to the cache (recent queries, "
@@ -279,7 +285,7 @@ class CompressionEngine:
         stats = self._attention_stats(members, count) if wants_stats else None
         if self.reselects:
             self.eviction.reselect(group_index, count)
-        elif self.evicts:
+        elif self.evicts and not (self.compress_sliding and members[0] in self.sliding):  # a window bounds those
             self.eviction.evict(group_index, count, stats)
         else:
             passed = self.windows[members[0]].passed_tokens
@@ -473,5 +479,6 @@ class CompressionEngine:
         self._budget_warned = False
         self.kernel_state = {}
         self.observer.reset()
+        self.eviction.importance, self.eviction.scored_tokens = None, 0
         if self.energy is not None:
             self.energy.reset()

@@ -29,6 +29,12 @@ if TYPE_CHECKING:
 TOKEN_FIELDS = ("vectors", "attention_mass", "attention_spike", "miss", "approx", "rows")
 
 
+def position_dtype(tokens: int) -> torch.dtype:
+    """The integer type stored slots' cache indices take (-1 for a filler): int16 while every index of a
+    ``tokens``-token cache fits, else int32 (stored indices are widened when a cache grows past it)."""
+    return torch.int16 if tokens <= 32767 else torch.int32
+
+
 class Eviction:
     """The engine's collaborator for a pipeline whose evictor drops tokens: builds the evictor's
     :class:`EvictionBlock`, stores the kept tokens through the engine's encoder, keeps every slot's
@@ -37,6 +43,63 @@ class Eviction:
     def __init__(self, engine: CompressionEngine, evictor: Evictor) -> None:
         self.engine = engine
         self.evictor = evictor
+        #: context importance [L, B, H, T] of the forward about to fill the cache (engine/importance.py);
+        #: held for that one forward, then dropped (tokens fed later are kept)
+        self.importance: torch.Tensor | None = None
+        self.scored_tokens = 0  # tokens the cache's first forward had scored (0: never scored)
+        self._importance_used = False
+
+    # ------------------------------------------------------------------------- context importance
+    def set_importance(self, scores: torch.Tensor) -> None:
+        """Hold ``scores`` [L, B, H, T] (float, ``+inf`` = never evicted by score) for the next forward,
+        which must feed exactly those ``T`` tokens into the empty cache."""
+        engine = self.engine
+        name = engine.pipeline.name
+        if not (engine.evicts and self.evictor.needs_importance):
+            raise CacheStateError(
+                f"pipeline '{name}': its evictor ('{engine.pipeline.use('evictor')}') does not choose tokens by context importance")
+        if engine.seq_length(0) != 0:
+            raise CacheStateError(f"pipeline '{name}': context importance is set before the first forward, but the cache holds {engine.seq_length(0)} tokens")
+        shape = engine.shape
+        if scores.dim() != 4 or scores.shape[0] != shape.num_layers or scores.shape[2] != shape.num_kv_heads or scores.shape[-1] < 1:
+            raise CacheStateError(
+                f"pipeline '{name}': context importance shaped {tuple(scores.shape)}; expected [layers {shape.num_layers}, batch, "
+                f"KV heads {shape.num_kv_heads}, tokens]")
+        if torch.isnan(scores).any():
+            raise CacheStateError(f"pipeline '{name}': context importance holds NaN")
+        self.importance = scores.float()
+        self.scored_tokens = int(scores.shape[-1])
+        self._importance_used = False
+
+    def start_forward(self, tokens: int, batch: int) -> None:
+        """Layer 0 of a forward of ``tokens`` tokens: the held importance is for the first forward only."""
+        if self.importance is None:
+            return
+        if self._importance_used:
+            self.importance = None
+            return
+        self._importance_used = True
+        expected = tuple(self.importance.shape[i] for i in (1, 3))
+        if (batch, tokens) != expected or self.engine.seq_length(0) != 0:
+            self.importance = None
+            raise CacheStateError(
+                f"pipeline '{self.engine.pipeline.name}': the context importance scored {expected[1]} tokens of {expected[0]} rows, "
+                f"but the first forward feeds {tokens} tokens of {batch} rows into a cache holding {self.engine.seq_length(0)}"
+            )
+
+    def _importance_of(self, members: tuple[int, ...], logical: torch.Tensor) -> torch.Tensor | None:
+        """Each token's importance [G, B, H, n] at cache indices ``logical`` (``+inf`` where unscored), or
+        None when the cache was never scored."""
+        if not self.scored_tokens:
+            return None
+        out = torch.full(logical.shape, float("inf"), device=logical.device)
+        if self.importance is None:
+            return out
+        scores = self.importance[list(members)].to(logical.device)  # [G, B, H, T]
+        total = scores.shape[-1]
+        scored = (logical >= 0) & (logical < total)
+        picked = scores.expand(*logical.shape[:-1], total).gather(-1, logical.clamp(0, total - 1).long())
+        return torch.where(scored, picked, out)
 
     def check(self, where: str) -> None:
         """Refuse what the evictor cannot work with (a token budget below the window, re-selection with
@@ -122,6 +185,8 @@ class Eviction:
             held=tuple(0 if stored else self.engine.windows[layer].compressed_tokens for layer in members),
             forward_tokens=self.engine.forward_tokens,
             shared_tokens=len(members) > 1 and self.engine.basis.coefficient_rows(len(members)) == 1,
+            importance=self._importance_of(tuple(members), logical),
+            context_importance=self.importance,
         )
 
     def evict(self, group_index: int, count: int, stats: tuple[torch.Tensor, torch.Tensor] | None) -> None:
@@ -139,6 +204,7 @@ class Eviction:
         self._check_keep(keep, work.shape[:-1])
         if route.shared_tokens:  # one coefficient row per token for the whole group
             keep = keep.any(0, keepdim=True).expand_as(keep)
+        keep = self._whole_groups(group_index, keep, route)
         index, kept = self._kept_index(keep)
         slots = index.shape[-1]
         if slots:
@@ -150,16 +216,40 @@ class Eviction:
                     self.engine.encoder.encode(kind, group_index, gathered[kind], kept_stats, logical.gather(-1, index))  # type: ignore[arg-type]
             finally:
                 self.engine._flush_info = None
-        positions = torch.where(kept, logical.gather(-1, index), -1).to(torch.int32)
+        positions = torch.where(kept, logical.gather(-1, index), -1)
         for member, layer in enumerate(members):
             window = self.engine.windows[layer]
             old = window.positions
-            window.positions = positions[member] if old is None else torch.cat((old, positions[member]), dim=-1)
+            dtype = position_dtype(passed + count)
+            new = positions[member].to(dtype)
+            window.positions = new if old is None else torch.cat((old.to(dtype), new), dim=-1)
             if self.engine.accumulates:
                 stored_scores, block_scores, rest = self._score_slice(layer, count)
                 picked = block_scores.gather(-1, index[member]) * kept[member]
                 window.scores = torch.cat((stored_scores, picked, rest), dim=-1)
             window.compressed_tokens += slots
+
+    def _whole_groups(self, group_index: int, keep: torch.Tensor, route: EvictionBlock) -> torch.Tensor:
+        """``keep`` [G, B, H, n] topped up so that every layer, row and head keeps the same multiple of the
+        quantizers' token group (a per-group quantizer packs whole groups): the slots a head would leave
+        as fillers hold its best dropped tokens instead (by context importance where the block has it, else
+        the latest), so no slot is stored for nothing."""
+        tokens = max(self.engine.quantizer(group_index, kind).tokens_per_group() for kind in KINDS)
+        if tokens <= 1 or keep.numel() == 0:
+            return keep
+        counts = keep.sum(-1, keepdim=True)
+        target = min(keep.shape[-1], -(-int(counts.max()) // tokens) * tokens)
+        if route.importance is not None:
+            priority = route.importance.double().clamp(-1e300, 1e300)
+        else:
+            priority = torch.arange(keep.shape[-1], device=keep.device, dtype=torch.float64).expand(keep.shape)
+        priority = priority.masked_fill(~route.valid.to(keep.device), -1e301).masked_fill(keep, float("-inf"))
+        order = priority.argsort(dim=-1, descending=True, stable=True)
+        ranks = torch.empty_like(order).scatter_(-1, order, torch.arange(keep.shape[-1], device=keep.device).expand_as(order))
+        topped = keep | (ranks < (target - counts))
+        if route.shared_tokens:
+            topped = topped[:1].expand_as(topped)
+        return topped
 
     def _score_slice(self, layer: int, count: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """The accumulated scores of ``layer`` split into stored slots, the ``count`` tokens now leaving the
@@ -204,7 +294,7 @@ class Eviction:
         if index.shape[-1]:
             for kind in KINDS:
                 self.engine.encoder.encode(kind, group_index, self._gather_tokens(candidates[kind], index)[None])
-        window.positions = torch.where(kept, logical.gather(-1, index), -1).to(torch.int32)
+        window.positions = torch.where(kept, logical.gather(-1, index), -1).to(position_dtype(window.passed_tokens + count))
         if scores is not None:
             window.scores = torch.cat((scores.gather(-1, index) * kept, rest), dim=-1)
         window.compressed_tokens = index.shape[-1]

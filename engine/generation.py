@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
-import inspect
 import sys
 import time
 from collections.abc import Iterator
@@ -25,17 +24,8 @@ import attrs
 import torch
 
 from kvweave.engine.cache import KVWeaveCache
-
-
-def cache_argument_name(model: Any) -> str:
-    """``"cache"`` where the model's forward takes it (transformers >= 5.24), else ``"past_key_values"``."""
-    parameters = inspect.signature(type(model).forward).parameters
-    return "cache" if "cache" in parameters else "past_key_values"
-
-
-def cache_kwargs(model: Any, cache: Any) -> dict[str, Any]:
-    """``{name: cache}`` for ``model.generate(**inputs, **cache_kwargs(model, cache))``."""
-    return {cache_argument_name(model): cache}
+from kvweave.engine.importance import score_for
+from kvweave.engine.observation import cache_argument_name, cache_kwargs  # noqa: F401 (tools import them from here)
 
 
 @attrs.frozen
@@ -207,6 +197,7 @@ def generate(
     if torch.cuda.is_available():
         torch.cuda.synchronize()
     start = time.perf_counter()
+    score_for(model, cache, inputs["input_ids"], progress is not None, inputs.get("attention_mask"))  # evictors by importance
     with torch.inference_mode(), progress or contextlib.nullcontext():
         output = model.generate(**inputs, logits_processor=processors, **cache_kwargs(model, cache), **generate_kwargs)
     if torch.cuda.is_available():

@@ -10,8 +10,10 @@ bytes ("observation").
 from __future__ import annotations
 
 import contextlib
+import inspect
 import threading
 import weakref
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -316,3 +318,29 @@ class Observer:
         ]
         if self._flags is not None:
             self._flags = self._flags.index_select(0, index.to(self._flags.device))
+
+
+@contextlib.contextmanager
+def plain_attention(model: Any) -> Iterator[None]:
+    """Use plain sdpa for the duration (a model bound to an observing pipeline would otherwise report a
+    reference pass's queries to the last compressed cache that ran); identical numbers."""
+    previous = getattr(model.config, "_attn_implementation", None)
+    if previous != ATTENTION_NAME:
+        yield
+        return
+    model.set_attn_implementation("sdpa")
+    try:
+        yield
+    finally:
+        model.set_attn_implementation(previous)
+
+
+def cache_argument_name(model: Any) -> str:
+    """``"cache"`` where the model's forward takes it (transformers >= 5.24), else ``"past_key_values"``."""
+    parameters = inspect.signature(type(model).forward).parameters
+    return "cache" if "cache" in parameters else "past_key_values"
+
+
+def cache_kwargs(model: Any, cache: Any) -> dict[str, Any]:
+    """``{name: cache}`` for ``model.generate(**inputs, **cache_kwargs(model, cache))``."""
+    return {cache_argument_name(model): cache}

@@ -37,10 +37,12 @@ def split_sliding(groups: list[tuple[int, ...]], sliding: dict[int, int], togeth
 
 def check_compress_sliding(engine: CompressionEngine, where: str) -> None:
     """sliding_layers = "compress" drops whole stored blocks from the front of a group's coefficients:
-    refuse what indexes stored tokens from position 0 (residual lists, evicted slots) or groups whose
-    sliding-window layers have different windows."""
-    if engine.residual_levels or engine.evicts:
-        part = "slot 'router' gives residual ranks" if engine.residual_levels else f"slot 'evictor' ('{engine.pipeline.use('evictor')}') drops tokens"
+    refuse what indexes stored tokens from position 0 (residual lists, slots re-selected or scored over
+    their whole history) or groups whose sliding-window layers have different windows. Other evictors
+    drop tokens in the full-attention layers only (a sliding-window layer's window bounds it already)."""
+    if engine.residual_levels or engine.reselects or engine.accumulates:
+        part = "slot 'router' gives residual ranks" if engine.residual_levels else (
+            f"slot 'evictor' ('{engine.pipeline.use('evictor')}') re-selects or scores every stored token")
         raise ModelError(
             f"{where}: setting sliding_layers = 'compress' drops the blocks that leave a sliding window, but its {part}, "
             "which index stored tokens from the first; use sliding_layers 'exact'"

@@ -132,7 +132,7 @@ class LayerWindow:
         self.passed_tokens = 0  # logical tokens that left the exact window (stored or dropped)
         self.dropped_tokens = 0  # sliding-window layers: logical tokens no longer held (before the first held one)
         # eviction: the cache index (logical position) of each stored slot, -1 for a filler slot
-        self.positions: torch.Tensor | None = None  # int32 [B, H, compressed_tokens]
+        self.positions: torch.Tensor | None = None  # int16/int32 [B, H, compressed_tokens] (eviction.position_dtype)
         # routers that accumulate attention: what every query gave each stored slot, then each exact token
         self.scores: torch.Tensor | None = None  # float32 [B, H, compressed_tokens + exact_tokens]
 

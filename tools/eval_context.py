@@ -20,7 +20,8 @@ import torch
 
 from kvweave.core.errors import KvweaveError
 from kvweave.core.registry import Registry, ResolvedPipeline
-from kvweave.engine.generation import cache_kwargs, generate
+from kvweave.engine import importance
+from kvweave.engine.generation import generate
 from kvweave.engine.pipeline import build_cache
 from kvweave.tools import metrics
 from kvweave.tools.data import essays_text, leading_token_ids
@@ -133,9 +134,9 @@ class Evaluation:
         return self.tokenizer.decode(new[0], skip_special_tokens=True), stats
 
     def prefill(self, cache: Any, input_ids: torch.Tensor) -> None:
-        """One forward of ``input_ids`` [1, n] into ``cache`` (which compresses what its pipeline packs)."""
-        with torch.inference_mode():
-            self.model(input_ids=input_ids, use_cache=True, logits_to_keep=1, **cache_kwargs(self.model, cache))
+        """One forward of ``input_ids`` [1, n] into ``cache`` (which compresses what its pipeline packs),
+        the context scored first for a pipeline whose evictor chooses by context importance."""
+        importance.prefill(self.model, cache, input_ids)
 
     def context_limit(self) -> int | None:
         config = self.model.config.get_text_config() if hasattr(self.model.config, "get_text_config") else self.model.config

@@ -98,7 +98,8 @@ def _task_settings(args: argparse.Namespace, task: str) -> dict[str, Any]:
     if task == "qa":
         return {"datasets": args.datasets, "qa_samples": args.qa_samples, "qa_length": args.qa_length}
     if task in ("ppl", "fidelity"):
-        return {"tokens": args.tokens, "chunk": args.chunk, **({"probe": args.probe} if task == "fidelity" else {})}
+        extra = {"probe": args.probe} if task == "fidelity" else ({"prefill": args.prefill} if args.prefill else {})
+        return {"tokens": args.tokens, "chunk": args.chunk, **extra}
     return {"speed_tokens": args.speed_tokens, "speed_new_tokens": args.speed_new_tokens}
 
 
@@ -249,7 +250,7 @@ def report(path: Path, ablations: str | None = None) -> dict[str, dict[str, Any]
         elif task == "qa":
             results[task] = qa_result(run, pipelines, {}, opts["datasets"], opts["qa_samples"], opts["qa_length"])
         elif task == "ppl":
-            results[task] = ppl_result(run, pipelines, {}, opts["tokens"], opts["chunk"])
+            results[task] = ppl_result(run, pipelines, {}, opts["tokens"], opts["chunk"], opts.get("prefill", 0))
         elif task == "fidelity":
             results[task] = fidelity_result(run, pipelines, {}, label, opts["tokens"], opts["chunk"], opts["probe"])
         else:
@@ -289,7 +290,7 @@ def run_tasks(ev: Evaluation, args: argparse.Namespace, tasks: list[str]) -> dic
         elif task == "qa":
             results[task] = run_qa(ev, args.datasets, args.qa_samples, args.qa_length)
         elif task == "ppl":
-            results[task] = run_ppl(ev, args.tokens, args.chunk)
+            results[task] = run_ppl(ev, args.tokens, args.chunk, args.prefill)
         elif task == "fidelity":
             results[task] = run_fidelity(ev, args.tokens, args.chunk, args.probe)
         else:
@@ -353,6 +354,10 @@ def _add_task_options(p: argparse.ArgumentParser, task: str) -> None:
         if not any(a.dest == "tokens" for a in p._actions):
             p.add_argument("--tokens", type=int, default=4096, help="essay tokens fed to the cache")
             p.add_argument("--chunk", type=int, default=64, help="tokens per forward while feeding")
+        if task == "ppl":
+            p.add_argument("--prefill", type=int, default=0,
+                           help="feed the first N tokens as one forward (a context; scored first for evictors by context importance) "
+                                "and count perplexity on the tokens after them only")
         if task == "fidelity":
             p.add_argument("--probe", type=int, default=32, help="query positions Eq. (3) is measured for")
     else:

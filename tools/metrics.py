@@ -26,7 +26,8 @@ from kvweave.core.interfaces import KINDS
 from kvweave.core.registry import Registry, ResolvedPipeline
 from kvweave.core.view import LayerView
 from kvweave.engine.generation import cache_kwargs
-from kvweave.engine.observation import ATTENTION_NAME
+from kvweave.engine.importance import module_queries, score_for
+from kvweave.engine.observation import plain_attention  # noqa: F401 (tools import it from here)
 from kvweave.engine.pipeline import build_cache
 
 
@@ -58,21 +59,6 @@ def feed(
                 on_logits(start, out.logits.float())
 
 
-@contextlib.contextmanager
-def plain_attention(model: Any) -> Iterator[None]:
-    """Use plain sdpa for the duration (a model bound to an observing pipeline would otherwise report a
-    reference pass's queries to the last compressed cache that ran); identical numbers."""
-    previous = getattr(model.config, "_attn_implementation", None)
-    if previous != ATTENTION_NAME:
-        yield
-        return
-    model.set_attn_implementation("sdpa")
-    try:
-        yield
-    finally:
-        model.set_attn_implementation(previous)
-
-
 class QueryTap:
     """Records the post-RoPE queries [1, Hq, P, D] of the last ``positions`` tokens of every attention layer.
 
@@ -98,16 +84,10 @@ class QueryTap:
             handle.remove()
 
     def _hook(self, module: Any, args: tuple, kwargs: dict) -> None:
-        from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
-
         hidden = args[0] if args else kwargs["hidden_states"]
         cos, sin = kwargs["position_embeddings"]
         keep = self.positions
-        hidden, cos, sin = hidden[:, -keep:], cos[:, -keep:], sin[:, -keep:]
-        query = module.q_proj(hidden).view(*hidden.shape[:-1], -1, module.head_dim)
-        if hasattr(module, "q_norm"):
-            query = module.q_norm(query)
-        query, _ = apply_rotary_pos_emb(query.transpose(1, 2), query.transpose(1, 2), cos, sin)
+        query = module_queries(module, hidden[:, -keep:], (cos[:, -keep:], sin[:, -keep:]))
         old = self.queries.get(module.layer_idx)
         joined = query if old is None else torch.cat((old, query), dim=-2)
         self.queries[module.layer_idx] = joined[..., -keep:, :].float().clone()
@@ -238,12 +218,16 @@ def attention_output_error(
 
 # ------------------------------------------------------------------------------------------ perplexity
 def perplexity(model: Any, cache_or_none: Any, input_ids: torch.Tensor, chunk: int, prefill: int = 0) -> float:
-    """Perplexity of ``input_ids`` [1, T] fed in ``chunk``-token pieces (after an optional ``prefill``
-    forward) into ``cache_or_none`` (``None``: a fresh DynamicCache). Each forward's logits score the next
-    tokens; the last logit of a piece scores the first token of the next, so all ``T - 1`` are scored."""
+    """Perplexity of ``input_ids`` [1, T] fed in ``chunk``-token pieces into ``cache_or_none`` (``None``: a
+    fresh DynamicCache). Each forward's logits score the next tokens; the last logit of a piece scores the
+    first token of the next, so all ``T - 1`` are scored. With ``prefill = P > 0`` the first ``P`` tokens
+    are one forward (scored first when the cache's evictor chooses by context importance) and only the
+    ``T - P`` tokens after it are scored: the continuation read over what the cache kept of the prefill."""
     input_ids = input_ids.to(model.device)
     cache = DynamicCache(config=model.config) if cache_or_none is None else cache_or_none
     total = {"nll": 0.0, "count": 0}
+    if not 0 <= prefill < input_ids.shape[-1]:
+        raise ValueError(f"prefill must be in 0..{input_ids.shape[-1] - 1} for {input_ids.shape[-1]} tokens, got {prefill}")
 
     def score(start: int, logits: torch.Tensor) -> None:
         targets = input_ids[0, start + 1 : start + 1 + logits.shape[1]]
@@ -252,8 +236,16 @@ def perplexity(model: Any, cache_or_none: Any, input_ids: torch.Tensor, chunk: i
         total["count"] += targets.shape[0]
 
     context = plain_attention(model) if cache_or_none is None else contextlib.nullcontext()
-    with context:
-        feed(model, cache, input_ids, chunk, prefill, on_logits=score)
+    with context, torch.inference_mode():
+        if prefill:
+            score_for(model, cache, input_ids[:, :prefill])
+            out = model(input_ids=input_ids[:, :prefill], use_cache=True, logits_to_keep=1, **cache_kwargs(model, cache))
+            score(prefill - 1, out.logits.float())
+            for start in range(prefill, input_ids.shape[-1], chunk):
+                piece = input_ids[:, start : start + chunk]
+                score(start, model(input_ids=piece, use_cache=True, logits_to_keep=0, **cache_kwargs(model, cache)).logits.float())
+        else:
+            feed(model, cache, input_ids, chunk, 0, on_logits=score)
     if total["count"] == 0:
         raise ValueError("perplexity needs at least 2 tokens")
     return math.exp(total["nll"] / total["count"])

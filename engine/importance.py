@@ -1,0 +1,191 @@
+"""Context importance by reconstruction, for evictors that choose tokens before any question is known.
+
+KVzip (Kim, Kim, Kwon, Lee, Yun, Song: "KVzip: Query-Agnostic KV Cache Compression with Context
+Reconstruction", NeurIPS 2025, arXiv:2505.23416) scores a cached context by asking the model to repeat
+it: after the context is prefilled, the model reads "Repeat the previous context exactly." and then the
+context again, and each cached key/value pair scores the largest attention probability any query of that
+repetition (and any query head of its KV head) gives it. Tokens the model needs to reproduce the context
+are the ones a later question can need; those it never looks at can go.
+
+:func:`reconstruction_scores` computes the scores with the model and a plain ``DynamicCache`` (the context
+prefilled once, then each chunk of at most ``chunk`` tokens repeated over it; the cache is restored to the
+context after each chunk, so chunks never see each other). The softmax of a chunk's queries runs over the
+first ``sinks`` tokens, the chunk's own context tokens and the repetition itself, as in the paper, so
+scores of different chunks compare. Layers whose cache keeps only a sliding window (Gemma 3's local
+layers) cannot be scored over the whole context: their scores are ``+inf`` (never evicted by score).
+
+:func:`prefill` is the one entry point the tools use: it scores the tokens when the cache's evictor needs
+it (``Evictor.needs_importance``), hands the scores to the cache, then runs the forward that fills it.
+The cost is about two extra prefills of the context (KVzip's own figure is 2-3x the prefill).
+"""
+
+from __future__ import annotations
+
+import copy
+from typing import Any
+
+import torch
+
+from kvweave.core.errors import CacheStateError
+from kvweave.engine.observation import cache_kwargs, plain_attention
+
+#: what the model is asked before the first chunk, and before each later one (then the chunk's last tokens)
+REPEAT_PROMPT = "\n\nRepeat the previous context exactly."
+REPEAT_CONTINUE = "\n\nRepeat the part of the previous context exactly, starting with"
+#: tokens of the previous chunk quoted after :data:`REPEAT_CONTINUE`
+OVERLAP_TOKENS = 8
+
+
+def attention_modules(model: Any) -> list[Any]:
+    """The model's attention modules (those with ``q_proj`` and ``layer_idx``), in layer order."""
+    modules = [m for m in model.modules() if hasattr(m, "q_proj") and hasattr(m, "layer_idx")]
+    if not modules:
+        raise CacheStateError(f"{type(model).__name__} has no attention modules with q_proj and layer_idx to score a context with")
+    return sorted(modules, key=lambda m: int(m.layer_idx))
+
+
+def module_queries(module: Any, hidden: torch.Tensor, position_embeddings: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+    """The post-RoPE queries [B, Hq, q, D] an attention module computes from ``hidden`` [B, q, C] (its
+    ``q_norm`` too, where the model has one), with the module's own ``position_embeddings`` (cos, sin)."""
+    from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
+
+    cos, sin = position_embeddings
+    query = module.q_proj(hidden).view(*hidden.shape[:-1], -1, module.head_dim)
+    if hasattr(module, "q_norm"):
+        query = module.q_norm(query)
+    query = query.transpose(1, 2)
+    rotated, _ = apply_rotary_pos_emb(query, query, cos, sin)
+    return rotated
+
+
+def turn_suffix(tokenizer: Any) -> str:
+    """What follows a user turn's text up to where the model's answer starts (the chat template's end of
+    turn and generation prompt), or a newline for a tokenizer without a chat template."""
+    if not getattr(tokenizer, "chat_template", None):
+        return "\n"
+    marker = "\u2063kvweave-marker\u2063"
+    text = tokenizer.apply_chat_template([{"role": "user", "content": marker}], tokenize=False, add_generation_prompt=True)
+    at = text.rfind(marker)
+    if at < 0:
+        raise CacheStateError("the tokenizer's chat template changed the user turn's text; cannot build the repeat prompt")
+    return text[at + len(marker):]
+
+
+class _Scorer:
+    """Forward hooks on the attention modules that turn one repetition forward into scores."""
+
+    def __init__(self, model: Any, cache: Any, scores: torch.Tensor, sinks: int) -> None:
+        self.cache, self.scores, self.sinks = cache, scores, sinks
+        self.modules = attention_modules(model)
+        self.start = self.stop = 0
+        self.context = scores.shape[-1]
+
+    def __enter__(self) -> _Scorer:
+        self.handles = [m.register_forward_hook(self._hook, with_kwargs=True) for m in self.modules]
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        for handle in self.handles:
+            handle.remove()
+
+    def _hook(self, module: Any, args: tuple, kwargs: dict, output: Any) -> None:
+        layer = int(module.layer_idx)
+        keys = self.cache.layers[layer].keys
+        hidden = args[0] if args else kwargs["hidden_states"]
+        fed = hidden.shape[-2]
+        if keys is None or keys.shape[-2] != self.context + fed:
+            return  # a layer whose cache holds a sliding window only: left at +inf
+        queries = module_queries(module, hidden, kwargs["position_embeddings"]).float()
+        batch, q_heads, _, dim = queries.shape
+        heads = keys.shape[1]
+        sinks = min(self.sinks, self.start)
+        chosen = torch.cat((keys[..., :sinks, :], keys[..., self.start : self.stop, :], keys[..., self.context :, :]), dim=-2).float()
+        scaling = float(getattr(module, "scaling", dim**-0.5))
+        grouped = queries.reshape(batch, heads, q_heads // heads, fed, dim)
+        logits = grouped @ chosen.transpose(-1, -2).unsqueeze(2) * scaling  # [B, H, G, fed, S]
+        own = torch.ones(fed, fed, dtype=torch.bool, device=logits.device).triu(1)  # the repetition is causal
+        logits[..., -fed:] = logits[..., -fed:].masked_fill(own, float("-inf"))
+        probs = logits.softmax(dim=-1)[..., sinks : sinks + self.stop - self.start]
+        self.scores[layer, :, :, self.start : self.stop] = probs.amax(dim=(2, 3))
+
+
+def reconstruction_scores(
+    model: Any, tokenizer: Any, input_ids: torch.Tensor, *, chunk: int = 2048, sinks: int = 4, progress: bool = False,
+) -> torch.Tensor:
+    """KVzip's importance of every cached token of ``input_ids`` [B, T] (no padding): float32
+    [L, B, H, T] on the model's device, the largest attention probability a repetition query gives it
+    (``+inf`` for layers that keep a sliding window only). See the module's docstring."""
+    from transformers import DynamicCache
+
+    if input_ids.dim() != 2 or input_ids.shape[-1] < 1:
+        raise CacheStateError(f"context scoring takes input_ids [B, T] with T >= 1, got shape {tuple(input_ids.shape)}")
+    if chunk < 1:
+        raise CacheStateError(f"context scoring chunk must be >= 1 token, got {chunk}")
+    if tokenizer is None:
+        raise CacheStateError("context scoring builds the repeat prompt with the tokenizer: pass tokenizer= to build_cache")
+    config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+    layers = int(config.num_hidden_layers)
+    heads = int(getattr(config, "num_key_value_heads", None) or config.num_attention_heads)
+    batch, total = input_ids.shape
+    device = model.device
+    ids = input_ids.to(device)
+    encode = lambda text: tokenizer(text, add_special_tokens=False, return_tensors="pt")["input_ids"].to(device)  # noqa: E731
+    suffix = encode(turn_suffix(tokenizer))
+    scores = torch.full((layers, batch, heads, total), float("inf"), dtype=torch.float32, device=device)
+    cache = DynamicCache(config=model.config)
+    starts = list(range(0, total, chunk))
+    bar = None
+    if progress:
+        from tqdm.auto import tqdm
+
+        bar = tqdm(total=len(starts), desc=f"scoring {total:,} tokens", unit="chunk", dynamic_ncols=True)
+    with torch.inference_mode(), plain_attention(model):
+        model(input_ids=ids, use_cache=True, logits_to_keep=1, **cache_kwargs(model, cache))
+        saved = [copy.copy(layer) for layer in cache.layers]
+        scorer = _Scorer(model, cache, scores, sinks)
+        with scorer:
+            for start in starts:
+                stop = min(total, start + chunk)
+                if start == 0:
+                    ask = encode(REPEAT_PROMPT)
+                else:
+                    ask = torch.cat((encode(REPEAT_CONTINUE), ids[:1, max(0, start - OVERLAP_TOKENS) : start]), dim=-1)
+                fed = torch.cat((ask.expand(batch, -1), suffix.expand(batch, -1), ids[:, start:stop]), dim=-1)
+                cache.layers = [copy.copy(layer) for layer in saved]
+                scorer.start, scorer.stop = start, stop
+                model(input_ids=fed, use_cache=True, logits_to_keep=1, **cache_kwargs(model, cache))
+                if bar is not None:
+                    bar.update(1)
+    if bar is not None:
+        bar.close()
+    if sinks:
+        scores[..., :sinks] = float("inf")
+    return scores
+
+
+def needs_importance(cache: Any) -> bool:
+    """Whether ``cache``'s evictor chooses tokens by context importance (then feed it with :func:`prefill`)."""
+    engine = getattr(cache, "engine", None)
+    return bool(engine is not None and engine.evicts and getattr(engine.evictor, "needs_importance", False))
+
+
+def score_for(model: Any, cache: Any, input_ids: torch.Tensor, progress: bool = False,
+              attention_mask: torch.Tensor | None = None) -> None:
+    """Score ``input_ids`` [B, T] for ``cache`` when its evictor needs it and the cache is still empty."""
+    if not needs_importance(cache) or cache.get_seq_length() != 0:
+        return
+    if attention_mask is not None and not bool(attention_mask.bool().all()):
+        raise CacheStateError(
+            f"pipeline '{cache.pipeline.name}': its evictor scores whole rows of context; this batch is padded "
+            "(feed its rows one at a time)")
+    evictor = cache.engine.evictor
+    scores = reconstruction_scores(model, getattr(cache, "tokenizer", None), input_ids, chunk=evictor.chunk, sinks=evictor.sinks,
+                                   progress=progress)
+    cache.set_importance(scores)
+
+
+def prefill(model: Any, cache: Any, input_ids: torch.Tensor, progress: bool = False) -> None:
+    """One forward of ``input_ids`` [B, T] into ``cache``, scored first when its evictor needs importance."""
+    score_for(model, cache, input_ids, progress)
+    with torch.inference_mode():
+        model(input_ids=input_ids, use_cache=True, logits_to_keep=1, **cache_kwargs(model, cache))

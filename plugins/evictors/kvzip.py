@@ -1,0 +1,99 @@
+"""``kvzip``: the tokens a model needs to repeat its context, kept; the others dropped, before any question.
+
+Kim, Kim, Kwon, Lee, Yun, Song: "KVzip: Query-Agnostic KV Cache Compression with Context Reconstruction"
+(NeurIPS 2025, arXiv:2505.23416). The context is scored first (``kvweave.engine.importance``: the model
+is asked to repeat it, and each cached token scores the largest attention a repetition query gives it);
+then the forward that fills the cache keeps, of the scored tokens, the ``fraction`` that score highest:
+
+* ``share = "model"`` (the paper's default): one threshold over every layer and KV head, so layers the
+  model reads more keep more; each layer then keeps the same count in each of its KV heads (the count its
+  heads' tokens above the threshold average to), so a layer's heads store equal numbers of slots.
+* ``share = "layer"``: every layer keeps ``fraction`` of its scored tokens in each KV head.
+
+The first ``sinks`` tokens are always kept (and not counted against the threshold), as are tokens the
+scorer cannot see whole (the sliding-window layers of Gemma 3, whose own window bounds them) and every
+token fed after the scored forward (the question, generated tokens). Scoring costs about two extra
+prefills of the context, split in ``chunk``-token pieces.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import ClassVar
+
+import attrs
+
+from kvweave.core import hookimpl
+from kvweave.core.evictor import EvictionBlock, Evictor
+from kvweave.core.lazy import torch
+from kvweave.core.params import choice, integer
+
+
+def _fraction(_instance, attribute, value) -> None:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0.0 < value <= 1.0:
+        raise ValueError(f"'{attribute.name}' must be a number in (0, 1], got {value!r}")
+
+
+@attrs.frozen
+class KVzipEvictor(Evictor):
+    """Keeps the scored context's most important tokens by reconstruction attention (KVzip)."""
+
+    head_sharding: ClassVar[str] = "head-local"
+    needs_importance: ClassVar[bool] = True
+
+    fraction: float = attrs.field(default=0.5, validator=_fraction,
+                                  metadata={"doc": "share of the scored context's tokens kept (per layer and KV head on average)"})
+    share: str = attrs.field(default="model", validator=choice(("model", "layer")),
+                             metadata={"doc": "'model': one threshold over all layers and heads (layers keep different counts); 'layer': each layer keeps fraction"})
+    sinks: int = attrs.field(default=4, validator=integer(0, 4096), metadata={"doc": "first tokens always kept (attention sinks)"})
+    chunk: int = attrs.field(default=2048, validator=integer(16, 1 << 20),
+                             metadata={"doc": "context tokens repeated per scoring forward"})
+
+    def name(self) -> str:
+        return "kvzip"
+
+    def keep(self, block: EvictionBlock) -> torch.Tensor:
+        if block.importance is None:
+            raise ValueError(
+                f"evictor '{self.name()}' chooses tokens by context importance, and this cache was filled without it: feed the "
+                "context with kvweave.engine.importance.prefill(model, cache, input_ids) (kvweave generate and kvweave eval do)"
+            )
+        keep = torch.isinf(block.importance)
+        if block.context_importance is None or bool(keep.all()):
+            return torch.ones_like(keep)
+        cuts = self.cuts(block.context_importance)[list(block.layers)].to(block.importance.device)  # [G, B, H]
+        return block.importance >= cuts[..., None]
+
+    def cuts(self, scores: torch.Tensor) -> torch.Tensor:
+        """The importance [L, B, H] a token needs to be kept in each layer and KV head, from every layer's
+        scores [L, B, H, T] (``+inf``: kept whatever the cut, and not counted)."""
+        layers, batch, heads, _ = scores.shape
+        finite = torch.isfinite(scores)
+        cuts = torch.full((layers, batch, heads), -math.inf, device=scores.device)
+        for row in range(batch):
+            counts = finite[:, row, 0].sum(-1)  # [L] scored tokens per head of each layer
+            if self.share == "model":
+                values = scores[:, row][finite[:, row]]
+                if values.numel() == 0:
+                    continue
+                kept = max(1, math.ceil(self.fraction * values.numel()))
+                threshold = values.topk(kept).values[-1]
+                above = ((scores[:, row] >= threshold) & finite[:, row]).sum(dim=(-1, -2))  # [L]
+                per_head = torch.ceil(above.double() / heads).long()
+            else:
+                per_head = torch.ceil(counts.double() * self.fraction).long()
+            for layer in range(layers):
+                if int(counts[layer]) == 0:
+                    continue  # nothing scored: every token kept
+                k = int(per_head[layer])
+                if k == 0:
+                    cuts[layer, row] = math.inf
+                    continue
+                ranked = scores[layer, row].masked_fill(~finite[layer, row], -math.inf)
+                cuts[layer, row] = ranked.topk(min(k, int(counts[layer])), dim=-1).values[:, -1]
+        return cuts
+
+
+@hookimpl
+def kvweave_register_evictors(registrar) -> None:
+    registrar.add("kvzip", KVzipEvictor)
