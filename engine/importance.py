@@ -147,10 +147,10 @@ def reconstruction_scores(
             for start in starts:
                 stop = min(total, start + chunk)
                 if start == 0:
-                    ask = encode(REPEAT_PROMPT)
-                else:
-                    ask = torch.cat((encode(REPEAT_CONTINUE), ids[:1, max(0, start - OVERLAP_TOKENS) : start]), dim=-1)
-                fed = torch.cat((ask.expand(batch, -1), suffix.expand(batch, -1), ids[:, start:stop]), dim=-1)
+                    ask = encode(REPEAT_PROMPT).expand(batch, -1)
+                else:  # each row quotes the end of its own previous chunk
+                    ask = torch.cat((encode(REPEAT_CONTINUE).expand(batch, -1), ids[:, max(0, start - OVERLAP_TOKENS) : start]), dim=-1)
+                fed = torch.cat((ask, suffix.expand(batch, -1), ids[:, start:stop]), dim=-1)
                 cache.layers = [copy.copy(layer) for layer in saved]
                 scorer.start, scorer.stop = start, stop
                 model(input_ids=fed, use_cache=True, logits_to_keep=1, **cache_kwargs(model, cache))

@@ -74,7 +74,7 @@ def test_evicted_bytes_leave_the_cache_and_memory_stays_flat(model64):
     stored = long.memory_breakdown()
     kv = stored["exact_window"] + stored["coefficients"]
     assert kv * 20 == full.memory_bytes()  # 20 of 400 tokens held, nothing else of the K/V
-    assert stored["eviction"] == 3 * 1 * 2 * 4 * 4  # int32 cache index of each stored slot
+    assert stored["eviction"] == 3 * 1 * 2 * 4 * 2  # int16 cache index of each stored slot (eviction.position_dtype)
     assert long.compression_ratio() > 4.9  # 20x fewer tokens, stored in float64 (4x a 16-bit cache)
 
 

@@ -61,14 +61,18 @@ class KVzipEvictor(Evictor):
         keep = torch.isinf(block.importance)
         if block.context_importance is None or bool(keep.all()):
             return torch.ones_like(keep)
-        cuts = self.cuts(block.context_importance)[list(block.layers)].to(block.importance.device)  # [G, B, H]
+        cuts = self.cuts(block.context_importance, block.window_tokens)[list(block.layers)].to(block.importance.device)  # [G, B, H]
         return block.importance >= cuts[..., None]
 
-    def cuts(self, scores: torch.Tensor) -> torch.Tensor:
+    def cuts(self, scores: torch.Tensor, window: int = 0) -> torch.Tensor:
         """The importance [L, B, H] a token needs to be kept in each layer and KV head, from every layer's
-        scores [L, B, H, T] (``+inf``: kept whatever the cut, and not counted)."""
-        layers, batch, heads, _ = scores.shape
+        scores [L, B, H, T] (``+inf``: kept whatever the cut, and not counted). The last ``window`` scored
+        tokens stay in the exact window after the scored forward (kept when they leave it later), so they
+        are not counted either: each head keeps the same number of the tokens flushed now."""
+        layers, batch, heads, total = scores.shape
         finite = torch.isfinite(scores)
+        if window > 0:
+            finite[..., max(0, total - window):] = False
         cuts = torch.full((layers, batch, heads), -math.inf, device=scores.device)
         for row in range(batch):
             counts = finite[:, row, 0].sum(-1)  # [L] scored tokens per head of each layer

@@ -1,0 +1,485 @@
+"""KVzip eviction (plugins/evictors/kvzip.py, engine/importance.py): context importance by reconstruction,
+the cuts it makes, and a cache filled through ``kvweave.engine.importance.prefill``.
+
+Every property here could fail: the scores equal a brute-force recomputation of the repetition's
+attention (its queries from the layer's own q_proj and rotary, a softmax over the sinks, the chunk and the
+causal repetition), the cuts keep the counts the evictor's docstring promises, the stored slots are
+exactly the tokens above the cut, evicted bytes leave the cache, tokens fed after the scored forward are
+kept, whole quantizer groups are stored, misuse is refused naming the fix, and perplexity with a prefill
+scores the tokens after it only.
+
+The random Llama's attention is nearly uniform (its logits are about 0), so a wrong mask or a wrong
+query would hardly change a score; the scoring tests sharpen it (q_proj and k_proj scaled up) so that
+every query's attention differs."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from transformers import DynamicCache
+
+from kvweave.core.errors import CacheStateError
+from kvweave.core.registry import load_registry
+from kvweave.engine import cache_kwargs
+from kvweave.engine import importance
+from kvweave.engine.eviction import position_dtype
+from kvweave.engine.generation import generate
+from kvweave.engine.pipeline import build_cache
+from kvweave.plugins.evictors.kvzip import KVzipEvictor
+from kvweave.tools import metrics
+
+from conftest import tiny_llama, write_registry
+
+CONTEXT = 200  # tokens of the scored context in the end-to-end tests
+SINKS = 4  # the evictor's default
+
+
+class CharTokenizer:
+    """Each character one id (its code point mod 128, tiny_llama's vocabulary); no chat template, so the
+    repeat prompt's turn suffix is a newline."""
+
+    chat_template = None
+
+    def __call__(self, text: str, add_special_tokens: bool = False, return_tensors: str = "pt") -> dict:
+        return {"input_ids": torch.tensor([[ord(c) % 128 for c in text]])}
+
+
+TOK = CharTokenizer()
+
+PIPELINES = """
+[pipelines.t-kz]
+extends = "full"
+compress = true
+recent_window = 16
+block_tokens = 16
+
+[pipelines.t-kz.evictor]
+use = "kvzip"
+fraction = 0.5
+
+[pipelines.t-kz-layer]
+extends = "t-kz"
+
+[pipelines.t-kz-layer.evictor]
+share = "layer"
+
+[pipelines.t-kz-keep-all]
+extends = "t-kz"
+
+[pipelines.t-kz-keep-all.evictor]
+fraction = 1.0
+
+[pipelines.t-kz-none]
+extends = "t-kz"
+
+[pipelines.t-kz-none.evictor]
+use = "none"
+
+# keys per channel over groups of 16 tokens (= block_tokens); values stored as computed
+[pipelines.t-kz-cg]
+extends = "t-kz"
+
+[pipelines.t-kz-cg.keys.quantizer]
+use = "channel-group"
+bits = 4
+group = 16
+"""
+
+
+@pytest.fixture(scope="module")
+def registry(tmp_path_factory):
+    return load_registry(write_registry(tmp_path_factory.mktemp("kvzip"), "kvzip", PIPELINES))
+
+
+def sharpened(seed: int = 0):
+    """tiny_llama (float32, 3 layers, 2 KV heads of 4 query heads) with q_proj and k_proj scaled by 6, so
+    that its attention is far from uniform."""
+    model = tiny_llama(seed=seed)
+    with torch.no_grad():
+        for module in importance.attention_modules(model):
+            module.q_proj.weight.mul_(6.0)
+            module.k_proj.weight.mul_(6.0)
+    return model
+
+
+@pytest.fixture(scope="module")
+def model():
+    return sharpened()
+
+
+def context_ids(batch: int = 1, length: int = CONTEXT, seed: int = 3) -> torch.Tensor:
+    torch.manual_seed(seed)
+    return torch.randint(1, 128, (batch, length))
+
+
+def make_cache(registry, name: str, model, tokenizer=TOK):
+    return build_cache(registry.resolve(name), model, tokenizer=tokenizer)
+
+
+def record_importance(cache) -> dict:
+    """Wrap ``cache.set_importance`` so the scores ``prefill`` hands it are kept in the returned dict."""
+    seen: dict = {}
+    real = cache.set_importance
+
+    def recorder(scores):
+        seen["scores"] = scores.clone()
+        return real(scores)
+
+    cache.set_importance = recorder
+    return seen
+
+
+def kept_positions(window, head: int) -> list[int]:
+    positions = window.positions[0, head]
+    return positions[positions >= 0].tolist()
+
+
+# ------------------------------------------------------------------------------ reconstruction scores
+def encode(text: str, batch: int) -> torch.Tensor:
+    return TOK(text)["input_ids"].expand(batch, -1)
+
+
+def brute_force_scores(model, ids: torch.Tensor, layer: int, chunk: int, sinks: int) -> torch.Tensor:
+    """[B, H, T] the scores of ``layer`` recomputed from scratch: the context prefilled into a fresh
+    DynamicCache for every chunk, the repeat input fed after it, the layer's queries recomputed from its
+    input (captured by a pre-hook), attention over every key with a mask allowing the first ``sinks``
+    tokens before the chunk, the chunk and the repetition causally; the largest probability over queries
+    and the query heads of each KV head. Each row quotes its own previous tokens after a later chunk's
+    prompt. float64."""
+    batch, total = ids.shape
+    module = importance.attention_modules(model)[layer]
+    heads = model.config.num_key_value_heads
+    out = torch.full((batch, heads, total), float("nan"), dtype=torch.float64)
+    for start in range(0, total, chunk):
+        stop = min(total, start + chunk)
+        if start == 0:
+            ask = encode(importance.REPEAT_PROMPT, batch)
+        else:
+            ask = torch.cat((encode(importance.REPEAT_CONTINUE, batch), ids[:, max(0, start - importance.OVERLAP_TOKENS) : start]), -1)
+        fed = torch.cat((ask, encode("\n", batch), ids[:, start:stop]), -1)
+        seen: dict = {}
+
+        def capture(_module, args, kwargs):
+            seen["hidden"] = args[0] if args else kwargs["hidden_states"]
+            seen["rotary"] = kwargs["position_embeddings"]
+
+        cache = DynamicCache(config=model.config)
+        with torch.no_grad():
+            model(input_ids=ids, use_cache=True, **cache_kwargs(model, cache))
+            handle = module.register_forward_pre_hook(capture, with_kwargs=True)
+            try:
+                model(input_ids=fed, use_cache=True, **cache_kwargs(model, cache))
+            finally:
+                handle.remove()
+            queries = importance.module_queries(module, seen["hidden"], seen["rotary"]).double()  # [B, Hq, n, D]
+            keys = cache.layers[layer].keys.double()  # [B, H, T + n, D]
+        n = fed.shape[-1]
+        group = queries.shape[1] // heads
+        assert keys.shape[-2] == total + n
+        logits = queries @ keys.repeat_interleave(group, dim=1).transpose(-1, -2) * module.scaling
+        allowed = torch.zeros(n, total + n, dtype=torch.bool)
+        allowed[:, : min(sinks, start)] = True
+        allowed[:, start:stop] = True
+        allowed[:, total:] = torch.ones(n, n, dtype=torch.bool).tril()
+        probs = logits.masked_fill(~allowed, float("-inf")).softmax(-1)[..., start:stop]
+        out[..., start:stop] = probs.reshape(batch, heads, group, n, stop - start).amax(dim=(2, 3))
+    return out
+
+
+def test_scores_shape_dtype_sinks_and_range(model):
+    ids = context_ids(batch=2, length=60)
+    scores = importance.reconstruction_scores(model, TOK, ids, sinks=SINKS)
+    assert scores.shape == (3, 2, 2, 60) and scores.dtype == torch.float32
+    assert bool(torch.isposinf(scores[..., :SINKS]).all())
+    rest = scores[..., SINKS:]
+    assert bool(torch.isfinite(rest).all())
+    assert bool((rest > 0).all()) and bool((rest <= 1).all())
+    assert float(rest.std()) > 1e-3  # the sharpened model's scores differ between tokens
+
+
+@pytest.mark.parametrize("chunk", [2048, 40])
+def test_scores_equal_a_brute_force_recomputation(model, chunk):
+    ids = context_ids(length=100, seed=5)
+    scores = importance.reconstruction_scores(model, TOK, ids, chunk=chunk, sinks=SINKS)
+    assert bool(torch.isposinf(scores[..., :SINKS]).all())
+    assert bool(torch.isfinite(scores[..., SINKS:]).all())  # every chunk scored every one of its tokens
+    for layer in range(3):
+        expected = brute_force_scores(model, ids, layer, chunk, SINKS)
+        got = scores[layer, ..., SINKS:].double()
+        assert torch.allclose(got, expected[..., SINKS:], atol=1e-5, rtol=0), (got - expected[..., SINKS:]).abs().max()
+
+
+def test_chunks_are_scored_separately_and_sinks_count_in_every_softmax(model):
+    ids = context_ids(length=100, seed=5)
+    whole = importance.reconstruction_scores(model, TOK, ids, chunk=2048, sinks=SINKS)
+    chunked = importance.reconstruction_scores(model, TOK, ids, chunk=40, sinks=SINKS)
+    # the first chunk is fed with the same prompt but softmaxes over 40 context tokens, not 100
+    assert not torch.allclose(whole[..., SINKS:40], chunked[..., SINKS:40], atol=1e-4)
+    no_sinks = importance.reconstruction_scores(model, TOK, ids, chunk=40, sinks=0)
+    assert bool(torch.isfinite(no_sinks).all())
+    # within the first chunk the sinks are chunk tokens anyway; later chunks lose them from the softmax
+    assert torch.allclose(no_sinks[..., SINKS:40], chunked[..., SINKS:40], atol=1e-6)
+    assert bool((no_sinks[..., 40:] >= chunked[..., 40:] - 1e-7).all())
+    assert not torch.allclose(no_sinks[..., 40:], chunked[..., 40:], atol=1e-4)
+
+
+def test_a_rows_scores_do_not_depend_on_the_other_rows(model):
+    ids = context_ids(batch=2, length=100, seed=5)
+    batch = importance.reconstruction_scores(model, TOK, ids, chunk=40, sinks=SINKS)
+    alone = importance.reconstruction_scores(model, TOK, ids[1:], chunk=40, sinks=SINKS)
+    assert torch.allclose(batch[:, 1:, :, SINKS:], alone[..., SINKS:], atol=1e-5)
+
+
+def test_turn_suffix_is_a_newline_without_a_chat_template():
+    assert importance.turn_suffix(TOK) == "\n"
+
+
+# ------------------------------------------------------------------------------------------ cuts
+def kept_counts(scores: torch.Tensor, cuts: torch.Tensor) -> torch.Tensor:
+    """[L, B, H] tokens of finite score at or above the cut."""
+    return (torch.isfinite(scores) & (scores >= cuts[..., None])).sum(-1)
+
+
+def test_layer_share_keeps_the_fraction_of_each_heads_scored_tokens():
+    torch.manual_seed(0)
+    scores = torch.rand(3, 2, 2, 50)
+    scores[..., :SINKS] = float("inf")
+    for fraction in (0.3, 0.5, 0.77, 1.0):
+        cuts = KVzipEvictor(fraction=fraction, share="layer").cuts(scores)
+        assert cuts.shape == (3, 2, 2)
+        expected = math.ceil(fraction * (50 - SINKS))
+        assert kept_counts(scores, cuts).tolist() == [[[expected] * 2] * 2] * 3
+        assert bool((scores[..., :SINKS] >= cuts[..., None]).all())  # +inf always kept
+
+
+def test_model_share_keeps_the_fraction_overall_and_more_in_layers_read_more():
+    torch.manual_seed(1)
+    scores = torch.rand(4, 1, 2, 64) * torch.tensor([1.0, 2.0, 4.0, 8.0])[:, None, None, None]
+    scores[..., :SINKS] = float("inf")
+    finite = int(torch.isfinite(scores).sum())
+    cuts = KVzipEvictor(fraction=0.4, share="model").cuts(scores)
+    counts = kept_counts(scores, cuts)[:, 0]  # [L, H]
+    assert int(counts.sum()) >= 0.4 * finite
+    assert int(counts.sum()) <= 0.4 * finite + 4 * 2  # at most one more per layer and head (rounding up)
+    assert bool((counts[:, 0] == counts[:, 1]).all())  # a layer's heads keep the same count
+    per_layer = counts[:, 0].tolist()
+    assert per_layer == sorted(per_layer) and per_layer[0] < per_layer[-1]
+    assert bool((scores[..., :SINKS] >= cuts[..., None]).all())
+
+
+def test_a_layer_with_only_infinite_scores_keeps_everything():
+    torch.manual_seed(2)
+    scores = torch.rand(3, 1, 2, 30)
+    scores[1] = float("inf")  # e.g. a sliding-window layer the scorer cannot see whole
+    for share in ("model", "layer"):
+        cuts = KVzipEvictor(fraction=0.5, share=share).cuts(scores)
+        assert bool(torch.isneginf(cuts[1]).all())
+        assert bool(torch.isfinite(cuts[0]).all()) and bool(torch.isfinite(cuts[2]).all())
+        kept = int(kept_counts(scores, cuts)[[0, 2]].sum())
+        assert 60 <= kept <= 64  # the scored layers keep half of their 2 x 2 x 30 tokens (rounded up per head)
+
+
+def test_fraction_and_share_are_validated():
+    for bad in (0.0, 1.5, True, "half"):
+        with pytest.raises(ValueError, match="fraction"):
+            KVzipEvictor(fraction=bad)
+    with pytest.raises(ValueError):
+        KVzipEvictor(share="head")
+
+
+# ----------------------------------------------------------------------------------- end to end
+def test_prefill_keeps_exactly_the_tokens_above_the_cut_and_frees_their_bytes(registry, model):
+    ids = context_ids()
+    full = make_cache(registry, "t-kz-none", model)
+    importance.prefill(model, full, ids)
+    for name in ("t-kz", "t-kz-layer"):
+        cache = make_cache(registry, name, model)
+        seen = record_importance(cache)
+        importance.prefill(model, cache, ids)
+        assert cache.get_seq_length() == CONTEXT
+        scores = seen["scores"]
+        assert scores.shape == (3, 1, 2, CONTEXT)
+        cuts = cache.engine.evictor.cuts(scores, cache.engine.windows[0].exact_tokens)  # the window is not ranked
+        assert cache.memory_bytes() < 0.75 * full.memory_bytes()
+        for layer, window in enumerate(cache.engine.windows):
+            passed = window.passed_tokens
+            assert passed == CONTEXT - window.exact_tokens and passed > 0
+            assert window.positions.dtype == torch.int16
+            assert window.positions.shape[-1] == window.compressed_tokens
+            for head in range(2):
+                kept = kept_positions(window, head)
+                assert kept == sorted(kept)
+                expected = [p for p in range(passed) if scores[layer, 0, head, p] >= cuts[layer, 0, head]]
+                assert kept == expected
+                assert kept[:SINKS] == list(range(SINKS))
+                assert 0.4 * passed <= len(kept) <= 0.65 * passed  # about half of the flushed tokens
+
+
+def test_generation_continues_and_tokens_fed_after_the_prefill_are_kept(registry, model):
+    ids = context_ids()
+    cache = make_cache(registry, "t-kz", model)
+    importance.prefill(model, cache, ids[:, :-1])
+    before = [[kept_positions(w, h) for h in range(2)] for w in cache.engine.windows]
+    new, _stats = generate(model, {"input_ids": ids, "attention_mask": torch.ones_like(ids)}, cache,
+                           max_new_tokens=48, min_new_tokens=48, do_sample=False)
+    assert new.shape == (1, 48)
+    assert cache.get_seq_length() == CONTEXT + 48 - 1  # the last generated token is not fed
+    for layer, window in enumerate(cache.engine.windows):
+        assert window.passed_tokens > CONTEXT  # tokens after the scored forward were flushed
+        assert window.positions.dtype == torch.int16
+        for head in range(2):
+            kept = kept_positions(window, head)
+            assert kept == sorted(kept)
+            assert kept[: len(before[layer][head])] == before[layer][head]  # stored slots stay
+            assert [p for p in kept if p >= CONTEXT - 1] == list(range(CONTEXT - 1, window.passed_tokens))
+
+
+def test_a_layers_heads_store_equal_slot_counts_without_fillers(registry, model):
+    cache = make_cache(registry, "t-kz", model)
+    importance.prefill(model, cache, context_ids())
+    for window in cache.engine.windows:
+        assert bool((window.positions >= 0).all())
+
+
+def test_a_kept_fraction_of_one_changes_nothing(registry, model):
+    ids = context_ids(length=120)
+    cache = make_cache(registry, "t-kz-keep-all", model)
+    importance.prefill(model, cache, ids)
+    for window in cache.engine.windows:
+        assert window.positions is None or kept_positions(window, 0) == list(range(window.passed_tokens))
+    reference = DynamicCache(config=model.config)
+    with torch.inference_mode():
+        model(input_ids=ids, use_cache=True, **cache_kwargs(model, reference))
+        token = ids[:, -1:]
+        ours = model(input_ids=token, use_cache=True, **cache_kwargs(model, cache)).logits
+        theirs = model(input_ids=token, use_cache=True, **cache_kwargs(model, reference)).logits
+    assert torch.allclose(ours, theirs, atol=1e-5), (ours - theirs).abs().max()
+
+
+# ------------------------------------------------------------------------------------------ misuse
+def test_a_forward_without_importance_is_refused_naming_prefill(registry, model):
+    cache = make_cache(registry, "t-kz", model)
+    with pytest.raises(Exception, match=r"kvweave\.engine\.importance\.prefill"):
+        with torch.inference_mode():
+            model(input_ids=context_ids(length=100), use_cache=True, **cache_kwargs(model, cache))
+
+
+def test_a_cache_without_tokenizer_is_refused(registry, model):
+    with pytest.raises(CacheStateError, match="tokenizer="):
+        make_cache(registry, "t-kz", model, tokenizer=None)
+    make_cache(registry, "t-kz-none", model, tokenizer=None)  # an evictor without importance needs none
+
+
+def test_bad_importance_is_refused(registry, model):
+    cache = make_cache(registry, "t-kz", model)
+    good = torch.rand(3, 1, 2, 50)
+    for shape in ((3, 1, 2), (2, 1, 2, 50), (3, 1, 4, 50), (3, 1, 2, 0)):
+        with pytest.raises(CacheStateError, match="shaped"):
+            cache.set_importance(torch.rand(shape))
+    nan = good.clone()
+    nan[1, 0, 1, 7] = float("nan")
+    with pytest.raises(CacheStateError, match="NaN"):
+        cache.set_importance(nan)
+    none = make_cache(registry, "t-kz-none", model)
+    with pytest.raises(CacheStateError, match="does not choose"):
+        none.set_importance(good)
+    filled = make_cache(registry, "t-kz", model)
+    importance.prefill(model, filled, context_ids(length=50))
+    with pytest.raises(CacheStateError, match="before the first forward"):
+        filled.set_importance(good)
+
+
+def test_importance_for_another_token_count_is_refused_at_the_forward(registry, model):
+    for fed in (40, 60):
+        cache = make_cache(registry, "t-kz", model)
+        cache.set_importance(importance.reconstruction_scores(model, TOK, context_ids(length=50)))
+        with pytest.raises(CacheStateError, match="scored 50 tokens"):
+            with torch.inference_mode():
+                model(input_ids=context_ids(length=fed), use_cache=True, **cache_kwargs(model, cache))
+
+
+# ---------------------------------------------------------------------------- per-group quantizers
+def test_a_group_quantizer_stores_whole_groups_of_real_tokens(registry, model):
+    ids = context_ids()
+    cache = make_cache(registry, "t-kz-cg", model)
+    assert cache.engine.quantizer(0, "keys").tokens_per_group() == 16
+    seen = record_importance(cache)
+    inputs: dict = {}
+    real_update = cache.engine.update
+
+    def update(layer, keys, values):
+        if layer not in inputs:
+            inputs[layer] = values.clone()  # the prefill's values, as computed
+        out = real_update(layer, keys, values)
+        inputs[("out", layer)] = (out[0].clone(), out[1].clone())
+        return out
+
+    cache.engine.update = update
+    importance.prefill(model, cache, ids[:, :-1])
+    cuts = cache.engine.evictor.cuts(seen["scores"])
+    for layer, window in enumerate(cache.engine.windows):
+        assert bool((window.positions >= 0).all())  # topped up: no filler slot
+        assert window.compressed_tokens % 16 == 0
+        for head in range(2):
+            kept = kept_positions(window, head)
+            assert len(kept) == len(set(kept)) and kept == sorted(kept) and kept[-1] < window.passed_tokens
+            chosen = [p for p in range(window.passed_tokens) if seen["scores"][layer, 0, head, p] >= cuts[layer, 0, head]]
+            assert set(chosen) <= set(kept)  # the evictor's choice, topped up to the group
+            assert len(kept) - len(chosen) < 16 * (1 + window.passed_tokens // 16) and len(kept) < window.passed_tokens
+    new, _ = generate(model, {"input_ids": ids, "attention_mask": torch.ones_like(ids)}, cache,
+                      max_new_tokens=20, min_new_tokens=20, do_sample=False)
+    assert new.shape == (1, 20) and cache.get_seq_length() == CONTEXT + 20 - 1
+    for layer, window in enumerate(cache.engine.windows):
+        assert window.compressed_tokens % 16 == 0 and bool((window.positions >= 0).all())
+        assert cache.engine.eviction.key_valid(layer) is None or bool(cache.engine.eviction.key_valid(layer).all())
+        # the values the last decode step attended to: each stored slot holds the token its position names
+        _keys, values = inputs[("out", layer)]
+        slots = window.compressed_tokens
+        positions = window.positions.long()[0]  # [H, slots]
+        prefilled = inputs[layer][0]  # [H, T - 1, D]
+        early = positions < prefilled.shape[-2]
+        for head in range(2):
+            picked = prefilled[head, positions[head][early[head]]]
+            assert torch.allclose(values[0, head, :slots][early[head]], picked, atol=1e-6)
+
+
+# ---------------------------------------------------------------------------------------- perplexity
+def test_perplexity_with_a_prefill_scores_the_tokens_after_it():
+    plain = tiny_llama(seed=4)
+    ids = context_ids(length=90, seed=7)
+    prefill = 50
+    with torch.inference_mode():
+        logits = plain(input_ids=ids).logits[0].float()
+    nll = torch.nn.functional.cross_entropy(logits[prefill - 1 : -1], ids[0, prefill:])
+    expected = math.exp(float(nll))
+    got = metrics.perplexity(plain, None, ids, 16, prefill=prefill)
+    assert got == pytest.approx(expected, rel=1e-5)
+    everything = math.exp(float(torch.nn.functional.cross_entropy(logits[:-1], ids[0, 1:])))
+    assert metrics.perplexity(plain, None, ids, 16) == pytest.approx(everything, rel=1e-5)
+    assert abs(got - everything) > 1e-3  # the prefill's own tokens are not scored
+    with pytest.raises(ValueError, match="prefill"):
+        metrics.perplexity(plain, None, ids, 16, prefill=90)
+
+
+def test_perplexity_of_a_kvzip_cache_needs_a_prefill(registry, model):
+    ids = context_ids(length=160, seed=7)
+    reference = metrics.perplexity(model, None, ids, 16, prefill=120)
+    same = metrics.perplexity(model, make_cache(registry, "t-kz-keep-all", model), ids, 16, prefill=120)
+    assert same == pytest.approx(reference, rel=1e-4)  # everything kept: the reference's value
+    cache = make_cache(registry, "t-kz", model)
+    evicted = metrics.perplexity(model, cache, ids, 16, prefill=120)
+    assert math.isfinite(evicted) and evicted != pytest.approx(reference, rel=1e-4)
+    assert cache.engine.windows[0].compressed_tokens < cache.engine.windows[0].passed_tokens
+    with pytest.raises(Exception, match=r"kvweave\.engine\.importance\.prefill"):
+        metrics.perplexity(model, make_cache(registry, "t-kz", model), ids, 16)
+
+
+# ------------------------------------------------------------------------------------ position dtype
+def test_position_dtype_is_int16_while_every_index_fits():
+    for tokens in (0, 1, 200, 32767):
+        assert position_dtype(tokens) == torch.int16
+    for tokens in (32768, 40000, 1 << 20):
+        assert position_dtype(tokens) == torch.int32
+    assert torch.iinfo(torch.int16).max >= 32767 - 1  # the largest index of a 32767-token cache fits
