@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 from pathlib import Path
 
 
@@ -41,8 +42,10 @@ def rows(needle: dict, ppl: dict | None) -> list[dict]:
     return table
 
 
-def markdown(table: list[dict], lengths: list[int], ppl_tokens: int | None = None) -> str:
+def markdown(table: list[dict], lengths: list[int], ppl_tokens: int | None = None, prefill: int = 0) -> str:
     ppl = f"ppl {ppl_tokens:,} tok" if ppl_tokens else "ppl"
+    if ppl_tokens and prefill:
+        ppl = f"ppl of {ppl_tokens - prefill:,} tok after a {prefill:,}-tok prefill"
     head = "| pipeline | " + " | ".join(f"{n:,} tok: found / of full / bytes x" for n in lengths) + f" | {ppl} (change) |"
     lines = [head, "|---" * (len(lengths) + 2) + "|"]
     for row in table:
@@ -108,6 +111,12 @@ def merged(folders: list[Path]) -> tuple[dict, dict | None]:
             if ppl is None:
                 ppl = more
             else:
+                protocol = ("tokens", "chunk", "prefill", "dynamic_cache_ppl")
+                if any(more.get(key, 0 if key == "prefill" else None) != ppl.get(key, 0 if key == "prefill" else None) for key in protocol):
+                    print(f"frontier_plot: {folder}/ppl.json left out: measured with {', '.join(f'{k}={more.get(k)}' for k in protocol)}, "
+                          f"the first ppl.json with {', '.join(f'{k}={ppl.get(k)}' for k in protocol)}; perplexities of "
+                          "different runs do not compare", file=sys.stderr)
+                    continue
                 for name, data in more.get("pipelines", {}).items():
                     ppl["pipelines"].setdefault(name, data)
     return needle, ppl  # type: ignore[return-value]
@@ -120,7 +129,7 @@ def main() -> int:
     args = parser.parse_args()
     needle, ppl = merged(args.folders)
     table = rows(needle, ppl)
-    print(markdown(table, needle["lengths"], (ppl or {}).get("tokens")))
+    print(markdown(table, needle["lengths"], (ppl or {}).get("tokens"), (ppl or {}).get("prefill", 0)))
     title = f"needles ({needle.get('protocol', 'query-aware')}) vs real bytes"
     plot(table, needle["lengths"], args.out or args.folders[0] / "frontier.png", title)
     return 0

@@ -82,6 +82,28 @@ def test_frontier_plot_merges_runs_taking_each_pipeline_from_the_first_folder(tm
         frontier_plot.merged([tmp_path / "a", tmp_path / "c"])
 
 
+def test_frontier_plot_merges_perplexities_of_one_protocol_only(tmp_path, monkeypatch, capsys):
+    """ppl.json files merge when measured alike (tokens, chunk, prefill, reference); a run without a prefill
+    is left out (with a note) next to one with it, and the column says what was scored."""
+    monkeypatch.syspath_prepend(str(ROOT / "benchmarks"))
+    import frontier_plot
+
+    def ppl(folder: Path, prefill: int, pipelines: dict) -> None:
+        record = {"tokens": 800, "chunk": 64, "dynamic_cache_ppl": 10.0, "pipelines": pipelines}
+        (folder / "ppl.json").write_text(json.dumps({**record, **({"prefill": prefill} if prefill is not None else {})}))
+
+    for name, prefill, value in (("a", 400, 10.5), ("b", 400, 11.0), ("c", None, 12.0)):
+        _needle(tmp_path / name, {"full": _answers([True], 1000), name: _answers([True], 200)})
+        ppl(tmp_path / name, prefill, {name: {"ppl": value}})
+    needle, merged_ppl = frontier_plot.merged([tmp_path / "a", tmp_path / "b"])
+    rows = {row["pipeline"]: row for row in frontier_plot.rows(needle, merged_ppl)}
+    assert rows["a"]["ppl"] == 10.5 and abs(rows["b"]["ppl_change"] - 0.1) < 1e-9
+    assert "ppl of 400 tok after a 400-tok prefill" in frontier_plot.markdown(list(rows.values()), [100], 800, 400)
+    needle, merged_ppl = frontier_plot.merged([tmp_path / "a", tmp_path / "c"])  # c's perplexity is left out, said so
+    assert "c" not in merged_ppl["pipelines"] and "c" in needle["pipelines"]
+    assert "do not compare" in capsys.readouterr().err
+
+
 def test_quantizer_error_attention_masks_a_sliding_layer_to_its_window(monkeypatch):
     """benchmarks/quantizer_error.py recomputes attention per layer: a sliding-window layer sees only its last
     ``window`` keys, so changing an older key changes the full layer's output and not the sliding one's."""

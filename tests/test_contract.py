@@ -269,12 +269,14 @@ def eviction_block(forward_tokens: int) -> EvictionBlock:
     valid = torch.ones(g, B, h, N, dtype=torch.bool)
     valid[:, 1, :, :4] = False
     positions = (valid.long().cumsum(-1) - 1).masked_fill(~valid, -1)
+    importance = torch.rand(g, B, h, N + window, generator=gen)  # the scored forward: block, then the window
     return EvictionBlock(
         layers=(0, 1), keys=torch.randn(g, B, h, N, SHAPE.head_dim, generator=gen), valid=valid, positions=positions,
         row_tokens=torch.tensor([N + window, N - 4 + window]), window_tokens=window,
         attention_mass=torch.rand(g, B, h, N, generator=gen), attention_spike=torch.rand(g, B, h, N, generator=gen),
         scores=torch.rand(g, B, h, N, generator=gen), boundary=(torch.rand(B, N, generator=gen) < 0.2).float(),
         stored=0, held=(0, 0), forward_tokens=forward_tokens, shared_tokens=False,
+        importance=importance[:, :, :, :N], context_importance=importance,
     )
 
 
@@ -282,7 +284,7 @@ def eviction_block(forward_tokens: int) -> EvictionBlock:
 def test_evictor_keep_is_a_bool_mask_of_the_block(name):
     evictor = build("evictors", name)
     assert isinstance(evictor, Evictor)
-    for flag in ("evicts", "needs_attention", "accumulates", "reselects"):
+    for flag in ("evicts", "needs_attention", "accumulates", "reselects", "needs_importance"):
         assert isinstance(getattr(evictor, flag), bool), flag
     evictor.check_window(8, 1, "contract test")  # the default budget holds an 8-token window
     for forward_tokens in (N + 8, 1):  # a prefill, then one decoding step
