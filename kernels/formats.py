@@ -28,6 +28,8 @@ INT8_BLOCK = "int8-block.v1"
 INT4_GROUP = "int4-group.v1"
 CHANNEL_GROUP = "channel-group.v1"
 ROTATED_TOKEN = "rotated-token.v1"
+#: ``rotated-token`` with one-byte scales: ``scale_log`` uint8 and a float16 ``scale_max`` per ``scale_tokens`` tokens
+ROTATED_TOKEN_LOG8 = "rotated-token-log8.v1"
 CHANNEL_ALLOC = "channel-alloc.v1"
 #: the widest code of a variable-width stream (``channel-alloc.v1``)
 MAX_CODE_BITS = 8

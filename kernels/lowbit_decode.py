@@ -14,7 +14,8 @@ Inputs (:class:`LowbitView`), ``BH`` = batch x KV heads, ``T`` packed tokens, ``
 and ``k_offsets`` int32 [BH, T / kgroup, D], each channel's width and offset in the stream),
 ``k_zero``/``k_scale`` float16 [BH, T / kgroup, D],
 ``k_out_index`` uint8 / ``k_out_value`` float16 [BH, T, KO]; ``v_codes`` uint8 [BH, T, D * vbits / 8],
-``v_scale`` float16 [BH, T, D / vgroup]; ``v_levels`` float32 [2 ** vbits] (the value of each code before
+``v_scale`` float16 [BH, T, D / vgroup] (``rotated-token-log8.v1``: uint8 ``k`` for ``v_scale_max * 2**(-k / 16)``,
+with ``v_scale_max`` float16 [BH, T / v_scale_tokens, D / vgroup]); ``v_levels`` float32 [2 ** vbits] (the value of each code before
 the scale), ``rotation`` float32 [D, D] (a stored value vector is ``y @ rotation``); ``inv_freq`` float32
 [D / 2] and ``rope_scale`` (the rotary embedding's angles ``position * inv_freq``, cos and sin times
 ``rope_scale``; None: keys stored after it); ``first`` the logical position of packed token 0.
@@ -69,6 +70,17 @@ class LowbitView:
     #: k_group, D] (None: ``channel-group.v1``, every channel ``k_bits`` wide)
     k_widths: torch.Tensor | None = None
     k_offsets: torch.Tensor | None = None
+    #: ``rotated-token-log8.v1`` values: the float16 maximum of each ``v_scale_tokens`` tokens' scales, [BH, T /
+    #: v_scale_tokens, D / v_group] (``v_scale`` then holds the one-byte steps below it); None: float16 scales
+    v_scale_max: torch.Tensor | None = None
+    v_scale_tokens: int = 1
+
+
+def value_scales(view: LowbitView) -> torch.Tensor:
+    """Each packed token's value scales as stored, float32 [BH, T, D / v_group]."""
+    if view.v_scale_max is None:
+        return view.v_scale.float()
+    return view.v_scale_max.float().repeat_interleave(view.v_scale_tokens, dim=-2) * torch.exp2(-view.v_scale.float() / 16)
 
 
 def torch_keys(view: LowbitView) -> torch.Tensor:
@@ -98,7 +110,7 @@ def torch_values(view: LowbitView) -> torch.Tensor:
     codes = unpack_codes(view.v_codes, view.v_bits)
     bh, tokens, dim = codes.shape
     levels = view.v_levels.float()[codes]
-    scale = view.v_scale.float().repeat_interleave(view.v_group, dim=-1)
+    scale = value_scales(view).repeat_interleave(view.v_group, dim=-1)
     return levels * scale
 
 
@@ -205,14 +217,15 @@ def lowbit_decode(view: LowbitView, q: torch.Tensor, start: torch.Tensor | None,
         padded, view.k_codes, view.k_zero, view.k_scale,
         view.k_out_index if ko else dummy, view.k_out_value if ko else dummy,
         view.k_widths if varw else dummy, view.k_offsets if varw else dummy,
-        view.v_codes, view.v_scale, view.v_levels, view.inv_freq if view.inv_freq is not None else view.v_levels,
+        view.v_codes, view.v_scale, view.v_scale_max if view.v_scale_max is not None else view.v_scale, view.v_levels,
+        view.inv_freq if view.inv_freq is not None else view.v_levels,
         start if start is not None else m, m, l, acc,
         view.tokens, heads, splits, split_len, view.first, float(view.rope_scale), float(scaling),
     )
     constants = dict(
         D=dim, G=rows, KBITS=view.k_bits, KGROUP=view.k_group, KO=ko, VBITS=view.v_bits, VGROUP=view.v_group,
         ROPE=view.inv_freq is not None, HAS_START=start is not None, BLOCK=block, LOWP=q.is_cuda, num_warps=num_warps,
-        KWIDTH=view.k_codes.shape[-1], VARW=varw,
+        KWIDTH=view.k_codes.shape[-1], VARW=varw, VLOG=view.v_scale_max is not None, VST=view.v_scale_tokens,
     )
     if fast and fast_path(view):
         kind, l0, l1 = view.level_kind or level_kind(view.v_levels.tolist())

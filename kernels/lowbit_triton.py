@@ -55,13 +55,23 @@ if triton is not None:
         return keys
 
     @triton.jit
+    def _value_scale(vs_row, vmax_row, t_idx, t_ok, group, VGROUPS: tl.constexpr, VLOG: tl.constexpr, VST: tl.constexpr):
+        """The value scales [tokens, channels] of tokens ``t_idx`` (from the row's first token) and channel groups
+        ``group`` [1, channels]: float16 as stored, or log8 steps ``k`` below each ``VST`` tokens' float16 maximum."""
+        stored = tl.load(vs_row + t_idx[:, None] * VGROUPS + group, mask=t_ok[:, None], other=0).to(tl.float32)
+        if VLOG:
+            top = tl.load(vmax_row + (t_idx // VST)[:, None] * VGROUPS + group, mask=t_ok[:, None], other=0.0).to(tl.float32)
+            return top * tl.exp2(stored * -0.0625)
+        return stored
+
+    @triton.jit
     def _lowbit_kernel(
-        q_ptr, kc_ptr, kz_ptr, ks_ptr, koi_ptr, kov_ptr, kw_ptr, koff_ptr, vc_ptr, vs_ptr, vlev_ptr, freq_ptr, start_ptr,
+        q_ptr, kc_ptr, kz_ptr, ks_ptr, koi_ptr, kov_ptr, kw_ptr, koff_ptr, vc_ptr, vs_ptr, vmax_ptr, vlev_ptr, freq_ptr, start_ptr,
         m_ptr, l_ptr, acc_ptr,
         tokens, heads, splits, split_len, first, rope_scale, scaling,
         D: tl.constexpr, G: tl.constexpr, KBITS: tl.constexpr, KGROUP: tl.constexpr, KO: tl.constexpr,
         VBITS: tl.constexpr, VGROUP: tl.constexpr, ROPE: tl.constexpr, HAS_START: tl.constexpr, BLOCK: tl.constexpr,
-        LOWP: tl.constexpr, KWIDTH: tl.constexpr, VARW: tl.constexpr,
+        LOWP: tl.constexpr, KWIDTH: tl.constexpr, VARW: tl.constexpr, VLOG: tl.constexpr, VST: tl.constexpr,
     ):
         bh = tl.program_id(0)
         split = tl.program_id(1)
@@ -111,7 +121,8 @@ if triton is not None:
             p = tl.exp(s - m_safe[:, None])
             code = _codes(vc_ptr + row_off * v_width, t_idx, t_ok, chan, VBITS, v_width)
             level = tl.load(vlev_ptr + code)
-            vscale = tl.load(vs_ptr + row_off * v_groups + t_idx[:, None] * v_groups + (chan // VGROUP)[None, :], mask=t_ok[:, None], other=0.0).to(tl.float32)
+            vscale = _value_scale(vs_ptr + row_off * v_groups, vmax_ptr + row_off // VST * v_groups, t_idx, t_ok,
+                                  (chan // VGROUP)[None, :], v_groups, VLOG, VST)
             values = level * vscale
             if LOWP:
                 acc = acc * alpha[:, None] + tl.dot(p.to(tl.bfloat16), values.to(tl.bfloat16))
@@ -140,8 +151,8 @@ if triton is not None:
         return keys
 
     @triton.jit
-    def _value_sub(vc_row, vs_row, vlev_ptr, t_loc, t_ok, j, R: tl.constexpr, VBITS: tl.constexpr, VWIDTH: tl.constexpr,
-                   VGROUPS: tl.constexpr, VGROUP: tl.constexpr, LEVELS: tl.constexpr, l0, l1):
+    def _value_sub(vc_row, vs_row, vmax_row, vlev_ptr, t_loc, t_ok, t0, j, R: tl.constexpr, VBITS: tl.constexpr, VWIDTH: tl.constexpr,
+                   VGROUPS: tl.constexpr, VGROUP: tl.constexpr, LEVELS: tl.constexpr, l0, l1, VLOG: tl.constexpr, VST: tl.constexpr):
         """Sub-tile ``R`` of a value tile (rotated space): channels ``j * per + R``."""
         per: tl.constexpr = 8 // VBITS
         byte = tl.load(vc_row + t_loc[:, None] * VWIDTH + j[None, :], mask=t_ok[:, None], other=0)
@@ -152,17 +163,17 @@ if triton is not None:
             level = tl.where(code >= 2, 1.0, -1.0) * tl.where((code == 0) | (code == 3), l1, l0)
         else:
             level = tl.load(vlev_ptr + code)
-        scale = tl.load(vs_row + t_loc[:, None] * VGROUPS + ((j * per + R) // VGROUP)[None, :], mask=t_ok[:, None], other=0.0)
-        return level * scale.to(tl.float32)
+        scale = _value_scale(vs_row, vmax_row, t0 + t_loc, t_ok, ((j * per + R) // VGROUP)[None, :], VGROUPS, VLOG, VST)
+        return level * scale
 
     @triton.jit
     def _lowbit_fast_kernel(
-        q_ptr, kc_ptr, kz_ptr, ks_ptr, koi_ptr, kov_ptr, kw_ptr, koff_ptr, vc_ptr, vs_ptr, vlev_ptr, freq_ptr, start_ptr,
+        q_ptr, kc_ptr, kz_ptr, ks_ptr, koi_ptr, kov_ptr, kw_ptr, koff_ptr, vc_ptr, vs_ptr, vmax_ptr, vlev_ptr, freq_ptr, start_ptr,
         m_ptr, l_ptr, acc_ptr,
         tokens, heads, splits, split_len, first, rope_scale, scaling, l0, l1,
         D: tl.constexpr, G: tl.constexpr, KBITS: tl.constexpr, KGROUP: tl.constexpr, KO: tl.constexpr,
         VBITS: tl.constexpr, VGROUP: tl.constexpr, ROPE: tl.constexpr, HAS_START: tl.constexpr, BLOCK: tl.constexpr,
-        LOWP: tl.constexpr, LEVELS: tl.constexpr, KWIDTH: tl.constexpr, VARW: tl.constexpr,
+        LOWP: tl.constexpr, LEVELS: tl.constexpr, KWIDTH: tl.constexpr, VARW: tl.constexpr, VLOG: tl.constexpr, VST: tl.constexpr,
     ):
         """The kernel with each tile split into sub-tiles of channels ``byte * per + r`` taken straight from the
         packed bytes (no per-element gather), each half of the head dequantized once and rotated pairwise."""
@@ -233,10 +244,11 @@ if triton is not None:
             l_i = l_i * alpha + tl.sum(p, 1)
             m_i = m_new
             vc_row = vc_ptr + (row + t0) * NV
-            vs_row = vs_ptr + (row + t0) * VGROUPS
+            vs_row = vs_ptr + row * VGROUPS  # scales indexed from the row's first token (log8 maxima by t // VST)
+            vmax_row = vmax_ptr + row // VST * VGROUPS
             pl = p.to(tl.bfloat16) if LOWP else p
             for r in tl.static_range(VP):
-                v = _value_sub(vc_row, vs_row, vlev_ptr, t_loc, t_ok, jv, r, VBITS, NV, VGROUPS, VGROUP, LEVELS, l0, l1)
+                v = _value_sub(vc_row, vs_row, vmax_row, vlev_ptr, t_loc, t_ok, t0, jv, r, VBITS, NV, VGROUPS, VGROUP, LEVELS, l0, l1, VLOG, VST)
                 if LOWP:
                     part = tl.dot(pl, v.to(tl.bfloat16))
                 else:

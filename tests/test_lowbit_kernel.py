@@ -77,6 +77,16 @@ VARIANTS = textwrap.dedent("""
     [pipelines.t-lowbit-int4.keys.quantizer]
     use = "int4-group"
 
+    [pipelines.t-lowbit-log8]
+    extends = "t-lowbit-qa35v3"
+    [pipelines.t-lowbit-log8.values.quantizer]
+    scale_format = "log8"
+
+    [pipelines.t-lowbit-k4log8]
+    extends = "prerope-k4v2-lowbit"
+    [pipelines.t-lowbit-k4log8.values.quantizer]
+    scale_format = "log8"
+
     [pipelines.t-lowbit-asym]
     extends = "prerope-k4v2-lowbit"
     [pipelines.t-lowbit-asym.values.quantizer]
@@ -101,7 +111,7 @@ def _generate(model, cache, ids, mask):
 
 
 @pytest.mark.parametrize("name", ["prerope-k4v2-lowbit", "t-lowbit-post", "t-lowbit-k2v4", "t-lowbit-k3v3", "t-lowbit-layers",
-                                  "t-lowbit-alloc", "t-lowbit-qa35v3", "t-lowbit-alloc-post"])
+                                  "t-lowbit-alloc", "t-lowbit-qa35v3", "t-lowbit-alloc-post", "t-lowbit-log8", "t-lowbit-k4log8"])
 def test_the_kernel_decodes_what_the_reference_path_decodes(model, registry, name):
     """A left-padded batch decodes to the same tokens, with the same scores to float rounding, as the same
     storage reconstructed and attended by the model's own sdpa."""
@@ -116,7 +126,7 @@ def test_the_kernel_decodes_what_the_reference_path_decodes(model, registry, nam
 
 
 @pytest.mark.parametrize("name", ["prerope-k4v2-lowbit", "t-lowbit-post", "t-lowbit-k2v4", "t-lowbit-v4", "t-lowbit-k3v3",
-                                  "t-lowbit-alloc", "t-lowbit-qa35v3", "t-lowbit-alloc-post"])
+                                  "t-lowbit-alloc", "t-lowbit-qa35v3", "t-lowbit-alloc-post", "t-lowbit-log8", "t-lowbit-k4log8"])
 def test_the_triton_kernel_matches_its_torch_twin(model, registry, name):
     ids = torch.randint(1, 128, (2, 230), generator=torch.Generator().manual_seed(2))
     cache = build_cache(registry.resolve(name), model)

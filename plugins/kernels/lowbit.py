@@ -12,6 +12,8 @@ reconstructed K/V, as with every kernel.
 
 Keys packed as ``channel-alloc.v1`` (each token group's bits spread over its channels) are read the same
 way, each channel at its own width and offset in the token's stream (two bytes a code, general kernel).
+Values packed as ``rotated-token-log8.v1`` (one-byte scales) are read in place too: each scale is made in
+registers from its byte and its ``scale_tokens`` tokens' float16 maximum.
 
 Refused when the pipeline is resolved, naming the slot: ``compress = false``, a basis other than
 ``identity``, residual rank levels, an evictor that drops tokens, other packed formats,
@@ -35,7 +37,7 @@ from kvweave.core.interfaces import AttentionKernel, PipelineSlots
 from kvweave.core.lazy import torch
 from kvweave.core.params import choice
 from kvweave.core.view import LayerView
-from kvweave.kernels.formats import CHANNEL_ALLOC, CHANNEL_GROUP, ROTATED_TOKEN
+from kvweave.kernels.formats import CHANNEL_ALLOC, CHANNEL_GROUP, ROTATED_TOKEN, ROTATED_TOKEN_LOG8
 from kvweave.kernels.lowbit_decode import LowbitView, level_kind, lowbit_decode, torch_lowbit_decode
 
 from .fused import first_positions
@@ -53,7 +55,7 @@ class LowbitKernel(AttentionKernel):
 
     materializes: ClassVar[bool] = False
     pre_rope_keys: ClassVar[bool] = True
-    coefficient_formats: ClassVar[tuple[str, ...]] = (CHANNEL_GROUP, CHANNEL_ALLOC, ROTATED_TOKEN)
+    coefficient_formats: ClassVar[tuple[str, ...]] = (CHANNEL_GROUP, CHANNEL_ALLOC, ROTATED_TOKEN, ROTATED_TOKEN_LOG8)
 
     backend: str = attrs.field(default="auto", validator=choice(BACKENDS), metadata={"doc": "'auto' (Triton on CUDA, the torch twin elsewhere), 'triton' or 'torch'"})
 
@@ -71,7 +73,7 @@ class LowbitKernel(AttentionKernel):
         keys = self._quantizer(pipeline, "keys", (CHANNEL_GROUP, CHANNEL_ALLOC), where)
         if keys.packed_format == CHANNEL_GROUP and (getattr(keys, "levels", "uniform") != "uniform" or keys.bits not in CODE_BITS):
             raise ComponentError(f"{where} reads keys as uniform {', '.join(map(str, CODE_BITS))}-bit codes, not {keys.bits}-bit {keys.levels}; use kernel 'reference'")
-        values = self._quantizer(pipeline, "values", (ROTATED_TOKEN,), where)
+        values = self._quantizer(pipeline, "values", (ROTATED_TOKEN, ROTATED_TOKEN_LOG8), where)
         if values.bits not in CODE_BITS or not values.symmetric:
             raise ComponentError(f"{where} reads values as symmetric {', '.join(map(str, CODE_BITS))}-bit codes, not {values.bits}-bit "
                                  f"{'symmetric' if values.symmetric else 'asymmetric'}; use kernel 'reference'")
@@ -100,7 +102,7 @@ class LowbitKernel(AttentionKernel):
         exact_k, exact_v = view.keys.exact, view.values.exact
         if exact_k is None or exact_v is None:
             raise CacheStateError(f"layer {view.layer}: the cache holds nothing for this layer yet")
-        for kind_view, packed in ((view.keys, (CHANNEL_GROUP, CHANNEL_ALLOC)), (view.values, (ROTATED_TOKEN,))):
+        for kind_view, packed in ((view.keys, (CHANNEL_GROUP, CHANNEL_ALLOC)), (view.values, (ROTATED_TOKEN, ROTATED_TOKEN_LOG8))):
             if kind_view.coefficient_format not in packed:
                 raise CacheStateError(f"layer {view.layer}: the {kind_view.kind} are packed as {kind_view.coefficient_format}; the lowbit kernel reads {' or '.join(packed)}")
         batch, heads, _, dim = exact_k.shape
@@ -124,6 +126,9 @@ class LowbitKernel(AttentionKernel):
             return LowbitView(0, view.passed_tokens, blank, half, half, None, None, key_bits, kq.group, blank, half, vq.bits,
                               min(vq.group, dim), levels, rotation, inv_freq, rope_scale, exact_k, exact_v, kind)
         kr, vr = view.keys.coefficient_row, view.values.coefficient_row
+        log8 = view.values.coefficient_format == ROTATED_TOKEN_LOG8
+        if log8 and tokens % vq.scale_tokens:
+            raise CacheStateError(f"layer {view.layer}: {tokens} packed tokens are not whole spans of the values' {vq.scale_tokens}-token scale maxima")
         outliers = kq.outliers > 0
         widths = offsets = None
         if alloc:  # each channel's width and offset in its token's stream, per token group: kept until a block arrives
@@ -140,9 +145,10 @@ class LowbitKernel(AttentionKernel):
             k_codes=rows(k["codes"], kr), k_zero=rows(k["zero"], kr), k_scale=rows(k["scale"], kr),
             k_out_index=rows(k["outlier_index"], kr) if outliers else None,
             k_out_value=rows(k["outlier_value"], kr) if outliers else None,
-            k_bits=key_bits, k_group=kq.group, v_codes=rows(v["codes"], vr), v_scale=rows(v["scale"], vr),
+            k_bits=key_bits, k_group=kq.group, v_codes=rows(v["codes"], vr), v_scale=rows(v["scale_log" if log8 else "scale"], vr),
             v_bits=vq.bits, v_group=min(vq.group, dim), v_levels=levels, rotation=rotation, inv_freq=inv_freq,
             rope_scale=rope_scale, exact_k=exact_k, exact_v=exact_v, level_kind=kind, k_widths=widths, k_offsets=offsets,
+            v_scale_max=rows(v["scale_max"], vr) if log8 else None, v_scale_tokens=vq.scale_tokens if log8 else 1,
         )
 
     @staticmethod
