@@ -65,6 +65,13 @@ extends = "t-kz"
 [pipelines.t-kz-layer.evictor]
 share = "layer"
 
+[pipelines.t-kz-spread]
+extends = "t-kz"
+
+[pipelines.t-kz-spread.evictor]
+spread = "segments"
+segment = 32
+
 [pipelines.t-kz-keep-all]
 extends = "t-kz"
 
@@ -281,6 +288,28 @@ def test_a_layer_with_only_infinite_scores_keeps_everything():
         assert 60 <= kept <= 64  # the scored layers keep half of their 2 x 2 x 30 tokens (rounded up per head)
 
 
+def test_segments_keep_each_part_of_the_context_its_layers_share():
+    """spread = "segments": scores that rise with position (as reconstruction scores do) keep the layer's share
+    of every 16-position segment instead of the last positions only; the total per head is what cuts keeps."""
+    torch.manual_seed(4)
+    total, size = 96, 16
+    scores = torch.rand(2, 1, 2, total) + torch.linspace(0, 4, total)  # later tokens score higher
+    scores[..., :SINKS] = float("inf")
+    for share in ("model", "layer"):
+        plain = KVzipEvictor(fraction=0.5, share=share)
+        spread = KVzipEvictor(fraction=0.5, share=share, spread="segments", segment=size)
+        whole = kept_counts(scores, plain.cuts(scores))  # [L, B, H]
+        cut = spread.segment_cuts(scores)  # [L, B, H, T]
+        kept = torch.isfinite(scores) & (scores >= cut)
+        first = int(kept[..., SINKS:size].sum()), int(kept[..., -size:].sum())
+        assert first[0] >= 0.4 * 2 * 2 * (size - SINKS) and first[1] <= 0.6 * 2 * 2 * size  # the share, in both ends
+        plain_kept = torch.isfinite(scores) & (scores >= plain.cuts(scores)[..., None])
+        assert int(plain_kept[..., SINKS:size].sum()) == 0  # without spreading, the first segment keeps nothing
+        assert abs(int(kept.sum()) - int(whole.sum())) <= 2 * 2 * (total // size)  # rounding up per segment at most
+    with pytest.raises(ValueError):
+        KVzipEvictor(spread="even")
+
+
 def test_fraction_and_share_are_validated():
     for bad in (0.0, 1.5, True, "half"):
         with pytest.raises(ValueError, match="fraction"):
@@ -315,6 +344,22 @@ def test_prefill_keeps_exactly_the_tokens_above_the_cut_and_frees_their_bytes(re
                 assert kept == expected
                 assert kept[:SINKS] == list(range(SINKS))
                 assert 0.4 * passed <= len(kept) <= 0.65 * passed  # about half of the flushed tokens
+
+
+def test_a_spread_cache_keeps_exactly_each_segments_tokens_above_its_cut(registry, model):
+    cache = make_cache(registry, "t-kz-spread", model)
+    seen = record_importance(cache)
+    importance.prefill(model, cache, context_ids())
+    scores = seen["scores"]
+    cut = cache.engine.evictor.segment_cuts(scores, cache.engine.windows[0].exact_tokens)
+    for layer, window in enumerate(cache.engine.windows):
+        passed = window.passed_tokens
+        for head in range(2):
+            expected = [p for p in range(passed) if scores[layer, 0, head, p] >= cut[layer, 0, head, p]]
+            assert kept_positions(window, head) == expected
+            kept = torch.tensor(expected)
+            for start in range(SINKS, passed - 32, 32):  # every whole segment keeps some of its tokens
+                assert 0 < int(((kept >= start) & (kept < start + 32)).sum()) < 32
 
 
 def test_generation_continues_and_tokens_fed_after_the_prefill_are_kept(registry, model):

@@ -48,6 +48,9 @@ class KVzipEvictor(Evictor):
     sinks: int = attrs.field(default=4, validator=integer(0, 4096), metadata={"doc": "first tokens always kept (attention sinks)"})
     chunk: int = attrs.field(default=2048, validator=integer(16, 1 << 20),
                              metadata={"doc": "context tokens repeated per scoring forward"})
+    spread: str = attrs.field(default="none", validator=choice(("none", "segments")),
+                              metadata={"doc": "'none': one cut per layer and head; 'segments': each segment of positions keeps the layer's share"})
+    segment: int = attrs.field(default=128, validator=integer(1, 1 << 20), metadata={"doc": "positions per segment (spread = 'segments')"})
 
     def name(self) -> str:
         return "kvzip"
@@ -61,41 +64,70 @@ class KVzipEvictor(Evictor):
         keep = torch.isinf(block.importance)
         if block.context_importance is None or bool(keep.all()):
             return torch.ones_like(keep)
-        cuts = self.cuts(block.context_importance, block.window_tokens)[list(block.layers)].to(block.importance.device)  # [G, B, H]
+        layers = list(block.layers)
+        if self.spread == "segments":  # the cut of each token's segment of positions
+            cuts = self.segment_cuts(block.context_importance, block.window_tokens)[layers].to(block.importance.device)
+            at = block.positions.clamp(0, cuts.shape[-1] - 1).long()
+            return block.importance >= cuts.gather(-1, at)
+        cuts = self.cuts(block.context_importance, block.window_tokens)[layers].to(block.importance.device)  # [G, B, H]
         return block.importance >= cuts[..., None]
+
+    def _scored(self, scores: torch.Tensor, window: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Which scores count (finite, not in the exact window after the scored forward) [L, B, H, T], how many
+        tokens each layer's heads score [L, B], and how many each keeps [L, B] (``share``)."""
+        layers, batch, heads, total = scores.shape
+        finite = torch.isfinite(scores)
+        if window > 0:
+            finite[..., max(0, total - window):] = False
+        counts = finite[:, :, 0].sum(-1)  # [L, B] scored tokens per head of each layer
+        if self.share == "layer":
+            return finite, counts, torch.ceil(counts.double() * self.fraction).long()
+        kept = torch.zeros_like(counts)
+        for row in range(batch):
+            values = scores[:, row][finite[:, row]]
+            if values.numel() == 0:
+                continue
+            threshold = values.topk(max(1, math.ceil(self.fraction * values.numel()))).values[-1]
+            above = ((scores[:, row] >= threshold) & finite[:, row]).sum(dim=(-1, -2))  # [L]
+            kept[:, row] = torch.ceil(above.double() / heads).long()
+        return finite, counts, kept.clamp(max=counts)
 
     def cuts(self, scores: torch.Tensor, window: int = 0) -> torch.Tensor:
         """The importance [L, B, H] a token needs to be kept in each layer and KV head, from every layer's
         scores [L, B, H, T] (``+inf``: kept whatever the cut, and not counted). The last ``window`` scored
         tokens stay in the exact window after the scored forward (kept when they leave it later), so they
         are not counted either: each head keeps the same number of the tokens flushed now."""
-        layers, batch, heads, total = scores.shape
-        finite = torch.isfinite(scores)
-        if window > 0:
-            finite[..., max(0, total - window):] = False
+        finite, counts, kept = self._scored(scores, window)
+        layers, batch, heads, _ = scores.shape
         cuts = torch.full((layers, batch, heads), -math.inf, device=scores.device)
-        for row in range(batch):
-            counts = finite[:, row, 0].sum(-1)  # [L] scored tokens per head of each layer
-            if self.share == "model":
-                values = scores[:, row][finite[:, row]]
-                if values.numel() == 0:
-                    continue
-                kept = max(1, math.ceil(self.fraction * values.numel()))
-                threshold = values.topk(kept).values[-1]
-                above = ((scores[:, row] >= threshold) & finite[:, row]).sum(dim=(-1, -2))  # [L]
-                per_head = torch.ceil(above.double() / heads).long()
-            else:
-                per_head = torch.ceil(counts.double() * self.fraction).long()
-            for layer in range(layers):
-                if int(counts[layer]) == 0:
+        ranked = scores.masked_fill(~finite, -math.inf)
+        for layer in range(layers):
+            for row in range(batch):
+                n, k = int(counts[layer, row]), int(kept[layer, row])
+                if n == 0:
                     continue  # nothing scored: every token kept
-                k = int(per_head[layer])
-                if k == 0:
-                    cuts[layer, row] = math.inf
-                    continue
-                ranked = scores[layer, row].masked_fill(~finite[layer, row], -math.inf)
-                cuts[layer, row] = ranked.topk(min(k, int(counts[layer])), dim=-1).values[:, -1]
+                cuts[layer, row] = ranked[layer, row].topk(k, dim=-1).values[:, -1] if k else math.inf
         return cuts
+
+    def segment_cuts(self, scores: torch.Tensor, window: int = 0) -> torch.Tensor:
+        """``spread = "segments"``: each token's cut [L, B, H, T], the cut of its ``segment`` of positions, where
+        each layer keeps the share of every segment's scored tokens it keeps of the whole context (the count
+        :meth:`cuts` gives it), so every part of the context keeps its share of tokens, chosen by importance."""
+        finite, counts, kept = self._scored(scores, window)
+        layers, batch, heads, total = scores.shape
+        size = self.segment
+        pieces = -(-total // size)
+        pad = pieces * size - total
+        ranked = torch.nn.functional.pad(scores.masked_fill(~finite, -math.inf), (0, pad), value=-math.inf)
+        ranked = ranked.reshape(layers, batch, heads, pieces, size).sort(dim=-1, descending=True).values
+        scored = torch.nn.functional.pad(finite[:, :, 0], (0, pad)).reshape(layers, batch, pieces, size).sum(-1)  # [L, B, S]
+        share = (kept.double() / counts.clamp(min=1).double())[..., None]  # [L, B, 1]
+        want = torch.ceil(scored.double() * share).long().clamp(max=size)  # [L, B, S]
+        pick = (want - 1).clamp(min=0)[:, :, None, :, None].expand(layers, batch, heads, pieces, 1)
+        cut = ranked.gather(-1, pick)[..., 0]  # [L, B, H, S]
+        cut = torch.where((want == 0)[:, :, None, :], torch.full_like(cut, math.inf), cut)
+        cut = torch.where((scored == 0)[:, :, None, :], torch.full_like(cut, -math.inf), cut)
+        return cut.repeat_interleave(size, dim=-1)[..., :total]
 
 
 @hookimpl
