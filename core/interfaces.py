@@ -113,6 +113,9 @@ class Quantizer(Component):
     #: is resolved. Give a new layout a new name (and a version where it could change). A quantizer whose
     #: parameters choose between layouts may make it a property of its instance (``rotated-token``'s scales).
     packed_format: ClassVar[str] = "opaque"
+    #: such a quantizer names every layout its instances may write here (the contract tests check kernels'
+    #: declarations against them); empty: ``packed_format`` is the only one
+    packed_formats: ClassVar[tuple[str, ...]] = ()
 
     @abstractmethod
     def quantize(self, x: torch.Tensor) -> dict[str, torch.Tensor]:

@@ -74,6 +74,22 @@ class LowbitView:
     #: v_scale_tokens, D / v_group] (``v_scale`` then holds the one-byte steps below it); None: float16 scales
     v_scale_max: torch.Tensor | None = None
     v_scale_tokens: int = 1
+    #: a cache that dropped tokens: each packed slot's cache index, int32 [BH, T] (-1: a filler slot, never
+    #: attended), and the cache index of the exact window's first token (None: slots ``first ..`` in order)
+    positions: torch.Tensor | None = None
+    exact_first: int | None = None
+
+
+def exact_start(view: LowbitView) -> int:
+    """The cache index of the exact window's first token."""
+    return view.first + view.tokens if view.exact_first is None else view.exact_first
+
+
+def slot_positions(view: LowbitView, device: torch.device) -> torch.Tensor:
+    """Each packed slot's cache index: [BH, T] (``positions``) or [T] (``first ..`` in order)."""
+    if view.positions is not None:
+        return view.positions.to(device).long()
+    return view.first + torch.arange(view.tokens, device=device)
 
 
 def value_scales(view: LowbitView) -> torch.Tensor:
@@ -96,8 +112,8 @@ def torch_keys(view: LowbitView) -> torch.Tensor:
         keys = keys.scatter(-1, view.k_out_index.long(), view.k_out_value.float())
     if view.inv_freq is None:
         return keys
-    positions = view.first + torch.arange(tokens, device=codes.device, dtype=torch.float32)
-    angles = positions[:, None] * view.inv_freq[None, :].float()  # [T, D / 2]
+    positions = slot_positions(view, codes.device).float()
+    angles = positions[..., None] * view.inv_freq.float()  # [T, D / 2] or [BH, T, D / 2]
     cos = torch.cat((angles.cos(), angles.cos()), -1) * view.rope_scale
     sin = torch.cat((angles.sin(), angles.sin()), -1) * view.rope_scale
     half = dim // 2
@@ -125,7 +141,7 @@ def _merge_exact(view: LowbitView, q: torch.Tensor, start: torch.Tensor | None, 
     values = view.exact_v.float().repeat_interleave(group, dim=1)
     logits = torch.einsum("bhd,bhnd->bhn", q.float(), keys) * scaling
     if start is not None and keys.shape[-2]:
-        positions = view.first + view.tokens + torch.arange(keys.shape[-2], device=q.device)
+        positions = exact_start(view) + torch.arange(keys.shape[-2], device=q.device)
         logits = logits.masked_fill(positions[None, None, :] < start[:, None, None], -math.inf)
     m_e = logits.amax(-1) if logits.shape[-1] else torch.full_like(m, -math.inf)
     top = torch.maximum(m, m_e)
@@ -149,9 +165,12 @@ def torch_lowbit_decode(view: LowbitView, q: torch.Tensor, start: torch.Tensor |
     keys = torch_keys(view).reshape(batch, heads, view.tokens, dim).repeat_interleave(group, dim=1)
     values = torch_values(view).reshape(batch, heads, view.tokens, dim).repeat_interleave(group, dim=1)
     logits = torch.einsum("bhd,bhtd->bht", q.float(), keys) * scaling
+    positions = slot_positions(view, q.device)
+    positions = positions.reshape(batch, heads, view.tokens).repeat_interleave(group, dim=1) if positions.dim() > 1 else positions[None, None, :]
+    hidden = positions < 0  # filler slots
     if start is not None:
-        positions = view.first + torch.arange(view.tokens, device=q.device)
-        logits = logits.masked_fill(positions[None, None, :] < start[:, None, None], -math.inf)
+        hidden = hidden | (positions < start[:, None, None])
+    logits = logits.masked_fill(hidden, -math.inf)
     m = logits.amax(-1)
     safe = torch.where(torch.isinf(m), torch.zeros_like(m), m)
     p = torch.exp(logits - safe[..., None])
@@ -219,13 +238,14 @@ def lowbit_decode(view: LowbitView, q: torch.Tensor, start: torch.Tensor | None,
         view.k_widths if varw else dummy, view.k_offsets if varw else dummy,
         view.v_codes, view.v_scale, view.v_scale_max if view.v_scale_max is not None else view.v_scale, view.v_levels,
         view.inv_freq if view.inv_freq is not None else view.v_levels,
-        start if start is not None else m, m, l, acc,
+        start if start is not None else m, view.positions if view.positions is not None else m, m, l, acc,
         view.tokens, heads, splits, split_len, view.first, float(view.rope_scale), float(scaling),
     )
     constants = dict(
         D=dim, G=rows, KBITS=view.k_bits, KGROUP=view.k_group, KO=ko, VBITS=view.v_bits, VGROUP=view.v_group,
         ROPE=view.inv_freq is not None, HAS_START=start is not None, BLOCK=block, LOWP=q.is_cuda, num_warps=num_warps,
         KWIDTH=view.k_codes.shape[-1], VARW=varw, VLOG=view.v_scale_max is not None, VST=view.v_scale_tokens,
+        HAS_POS=view.positions is not None,
     )
     if fast and fast_path(view):
         kind, l0, l1 = view.level_kind or level_kind(view.v_levels.tolist())

@@ -67,11 +67,12 @@ if triton is not None:
     @triton.jit
     def _lowbit_kernel(
         q_ptr, kc_ptr, kz_ptr, ks_ptr, koi_ptr, kov_ptr, kw_ptr, koff_ptr, vc_ptr, vs_ptr, vmax_ptr, vlev_ptr, freq_ptr, start_ptr,
-        m_ptr, l_ptr, acc_ptr,
+        pos_ptr, m_ptr, l_ptr, acc_ptr,
         tokens, heads, splits, split_len, first, rope_scale, scaling,
         D: tl.constexpr, G: tl.constexpr, KBITS: tl.constexpr, KGROUP: tl.constexpr, KO: tl.constexpr,
         VBITS: tl.constexpr, VGROUP: tl.constexpr, ROPE: tl.constexpr, HAS_START: tl.constexpr, BLOCK: tl.constexpr,
         LOWP: tl.constexpr, KWIDTH: tl.constexpr, VARW: tl.constexpr, VLOG: tl.constexpr, VST: tl.constexpr,
+        HAS_POS: tl.constexpr,
     ):
         bh = tl.program_id(0)
         split = tl.program_id(1)
@@ -99,9 +100,13 @@ if triton is not None:
             t_idx = t0 + tl.arange(0, BLOCK)
             t_ok = t_idx < hi
             keys = _dequant(kc_ptr, kz_ptr, ks_ptr, koi_ptr, kov_ptr, kw_ptr, koff_ptr, row_off, t_idx, t_ok, chan, D, KBITS, KGROUP, KO, KWIDTH, VARW)
+            if HAS_POS:  # a cache that dropped tokens: each slot's cache index (-1: a filler)
+                pos = tl.load(pos_ptr + row_off + t_idx, mask=t_ok, other=-1).to(tl.int32)
+            else:
+                pos = first + t_idx
             if ROPE:
                 other = _dequant(kc_ptr, kz_ptr, ks_ptr, koi_ptr, kov_ptr, kw_ptr, koff_ptr, row_off, t_idx, t_ok, partner, D, KBITS, KGROUP, KO, KWIDTH, VARW)
-                angle = (first + t_idx).to(tl.float32)[:, None] * freq[None, :]
+                angle = pos.to(tl.float32)[:, None] * freq[None, :]
                 # into [-pi, pi] before cos/sin (their large-argument path is slow): Cody-Waite with 2 pi =
                 # 6.28125 + 0.00193530717958647 (k * 6.28125 exact in float32 for k < 2**15, 200K positions)
                 turns = tl.floor(angle * 0.15915494309189535 + 0.5)
@@ -111,9 +116,9 @@ if triton is not None:
                 s = tl.dot(q.to(tl.bfloat16), tl.trans(keys.to(tl.bfloat16)))  # [G, BLOCK]
             else:
                 s = tl.dot(q, tl.trans(keys), input_precision="ieee")
-            visible = t_ok
+            visible = t_ok & (pos >= 0)
             if HAS_START:
-                visible = visible & ((first + t_idx) >= start)
+                visible = visible & (pos >= start)
             s = tl.where(visible[None, :], s, float("-inf"))
             m_new = tl.maximum(m_i, tl.max(s, 1))
             m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
@@ -169,11 +174,12 @@ if triton is not None:
     @triton.jit
     def _lowbit_fast_kernel(
         q_ptr, kc_ptr, kz_ptr, ks_ptr, koi_ptr, kov_ptr, kw_ptr, koff_ptr, vc_ptr, vs_ptr, vmax_ptr, vlev_ptr, freq_ptr, start_ptr,
-        m_ptr, l_ptr, acc_ptr,
+        pos_ptr, m_ptr, l_ptr, acc_ptr,
         tokens, heads, splits, split_len, first, rope_scale, scaling, l0, l1,
         D: tl.constexpr, G: tl.constexpr, KBITS: tl.constexpr, KGROUP: tl.constexpr, KO: tl.constexpr,
         VBITS: tl.constexpr, VGROUP: tl.constexpr, ROPE: tl.constexpr, HAS_START: tl.constexpr, BLOCK: tl.constexpr,
         LOWP: tl.constexpr, LEVELS: tl.constexpr, KWIDTH: tl.constexpr, VARW: tl.constexpr, VLOG: tl.constexpr, VST: tl.constexpr,
+        HAS_POS: tl.constexpr,
     ):
         """The kernel with each tile split into sub-tiles of channels ``byte * per + r`` taken straight from the
         packed bytes (no per-element gather), each half of the head dequantized once and rotated pairwise."""
@@ -212,6 +218,10 @@ if triton is not None:
             koi_row = koi_ptr + (row + t0) * KO
             kov_row = kov_ptr + (row + t0) * KO
             s = tl.zeros([G, BLOCK], tl.float32)
+            if HAS_POS:  # a cache that dropped tokens: each slot's cache index (-1: a filler)
+                pos = tl.load(pos_ptr + row + t0 + t_loc, mask=t_ok, other=-1).to(tl.int32)
+            else:
+                pos = first + t0 + t_loc
             for r in tl.static_range(KP):
                 chan_lo = jb * KP + r
                 chan_hi = chan_lo + HALF
@@ -219,7 +229,7 @@ if triton is not None:
                 k_hi = _key_sub(kc_row, kz_row, ks_row, koi_row, kov_row, t_loc, t_ok, jb + NB, chan_hi, r, KBITS, KWIDTH, D, KO)
                 if ROPE:
                     freq = tl.load(freq_ptr + chan_lo)
-                    angle = (first + t0 + t_loc).to(tl.float32)[:, None] * freq[None, :]
+                    angle = pos.to(tl.float32)[:, None] * freq[None, :]
                     turns = tl.floor(angle * 0.15915494309189535 + 0.5)
                     angle = (angle - turns * 6.28125) - turns * 0.0019353071795864769
                     cos = tl.cos(angle) * rope_scale
@@ -233,9 +243,9 @@ if triton is not None:
                 else:
                     s += tl.dot(q_lo, tl.trans(k_lo), input_precision="ieee")
                     s += tl.dot(q_hi, tl.trans(k_hi), input_precision="ieee")
-            visible = t_ok
+            visible = t_ok & (pos >= 0)
             if HAS_START:
-                visible = visible & ((first + t0 + t_loc) >= start)
+                visible = visible & (pos >= start)
             s = tl.where(visible[None, :], s, float("-inf"))
             m_new = tl.maximum(m_i, tl.max(s, 1))
             m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)

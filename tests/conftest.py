@@ -46,6 +46,16 @@ class ToyTokenizer:
         return "." if ids[0] % 10 == 0 else "a"
 
 
+class CharTokenizer:
+    """Each character one id (its code point mod 128, tiny_llama's vocabulary); no chat template, so the
+    repeat prompt's turn suffix is a newline."""
+
+    chat_template = None
+
+    def __call__(self, text: str, add_special_tokens: bool = False, return_tensors: str = "pt") -> dict:
+        return {"input_ids": torch.tensor([[ord(c) % 128 for c in text]])}
+
+
 #: the tiny test pipelines shared by the test files (names start with ``t-``); see the file's comments
 TEST_PIPELINES = Path(__file__).with_name("pipelines.toml")
 

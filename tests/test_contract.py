@@ -340,6 +340,9 @@ def written_formats() -> set[str]:
     for name in _of("quantizers"):
         quantizer = build("quantizers", name)
         formats |= {quantizer.packed_format, *(quantizer.for_kind(kind).packed_format for kind in KINDS)}
+        formats |= set(quantizer.packed_formats)
+        if quantizer.packed_formats:  # a class that names its layouts writes one of them
+            assert quantizer.packed_format in quantizer.packed_formats, name
     return formats
 
 

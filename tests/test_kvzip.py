@@ -30,20 +30,10 @@ from kvweave.engine.pipeline import build_cache
 from kvweave.plugins.evictors.kvzip import KVzipEvictor
 from kvweave.tools import metrics
 
-from conftest import tiny_llama, write_registry
+from conftest import CharTokenizer, tiny_llama, write_registry
 
 CONTEXT = 200  # tokens of the scored context in the end-to-end tests
 SINKS = 4  # the evictor's default
-
-
-class CharTokenizer:
-    """Each character one id (its code point mod 128, tiny_llama's vocabulary); no chat template, so the
-    repeat prompt's turn suffix is a newline."""
-
-    chat_template = None
-
-    def __call__(self, text: str, add_special_tokens: bool = False, return_tensors: str = "pt") -> dict:
-        return {"input_ids": torch.tensor([[ord(c) % 128 for c in text]])}
 
 
 TOK = CharTokenizer()

@@ -13,9 +13,10 @@ import torch
 from kvweave.core.errors import ComponentError, RegistryError
 from kvweave.core.registry import load_pipeline, load_registry
 from kvweave.engine import build_cache, cache_kwargs
+from kvweave.engine.generation import generate
 from kvweave.kernels.lowbit_decode import lowbit_decode, torch_keys, torch_lowbit_decode
 
-from conftest import tiny_llama, write_registry
+from conftest import CharTokenizer, tiny_llama, write_registry
 
 VARIANTS = textwrap.dedent("""
     [pipelines.t-lowbit-post]
@@ -87,6 +88,18 @@ VARIANTS = textwrap.dedent("""
     [pipelines.t-lowbit-k4log8.values.quantizer]
     scale_format = "log8"
 
+    [pipelines.t-lowbit-kvzip]
+    extends = "t-lowbit-log8"
+    [pipelines.t-lowbit-kvzip.evictor]
+    use = "kvzip"
+    fraction = 0.5
+
+    [pipelines.t-lowbit-kvzip-cg]
+    extends = "t-lowbit-k4log8"
+    [pipelines.t-lowbit-kvzip-cg.evictor]
+    use = "kvzip"
+    fraction = 0.6
+
     [pipelines.t-lowbit-asym]
     extends = "prerope-k4v2-lowbit"
     [pipelines.t-lowbit-asym.values.quantizer]
@@ -141,6 +154,35 @@ def test_the_triton_kernel_matches_its_torch_twin(model, registry, name):
         for fast in (True, False):  # the sub-tile kernel (where 16 channels fill a sub-tile) and the general one
             kernel = lowbit_decode(view, q, first, 0.125, block=16, fast=fast)
             assert torch.allclose(kernel, twin, atol=1e-5), (fast, (kernel - twin).abs().max())
+
+
+@pytest.mark.parametrize("name", ["t-lowbit-kvzip", "t-lowbit-kvzip-cg"])
+def test_a_cache_that_dropped_tokens_decodes_as_the_reference_path(model, registry, name):
+    """KVzip keeps about half of the context: the kernel reads each slot at its cache index (keys rotated there)
+    and decodes the same tokens, with the same scores to float rounding, as the reference path; the Triton
+    kernels equal the twin on that storage."""
+    ids = torch.randint(1, 128, (2, 260), generator=torch.Generator().manual_seed(4))
+    pipeline = registry.resolve(name)
+    reference = attrs.evolve(pipeline, slots={**pipeline.slots, "kernel": load_pipeline("prerope-k4v2").slots["kernel"]})
+    runs = []
+    for p in (pipeline, reference):
+        cache = build_cache(p, model, tokenizer=CharTokenizer())
+        new, _ = generate(model, {"input_ids": ids}, cache, max_new_tokens=12, do_sample=False, output_scores=True,
+                          return_dict_in_generate=False, pad_token_id=0)
+        runs.append((new, cache))
+    (ours, cache), (theirs, _) = runs
+    assert torch.equal(ours, theirs)
+    view = cache.engine.kernel.lowbit_view(cache.engine.view(1), torch.device("cpu"))
+    positions = view.positions
+    assert positions is not None and view.tokens < 0.8 * view.exact_first  # tokens were dropped
+    assert bool((positions[:, 1:] > positions[:, :-1]).all())  # in order, no fillers
+    q = torch.randn(2, 4, 64, generator=torch.Generator().manual_seed(5))
+    twin = torch_lowbit_decode(view, q, None, 0.125)
+    for fast in (True, False):
+        kernel = lowbit_decode(view, q, None, 0.125, block=16, fast=fast)
+        assert torch.allclose(kernel, twin, atol=1e-5), (fast, (kernel - twin).abs().max())
+    moved = attrs.evolve(view, positions=positions + 7)  # the rotation follows the slots' positions
+    assert not torch.allclose(torch_lowbit_decode(moved, q, None, 0.125), twin, atol=1e-3)
 
 
 def test_keys_rotated_in_registers_are_the_keys_the_engine_rotates(model):

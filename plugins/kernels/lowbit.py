@@ -15,8 +15,12 @@ way, each channel at its own width and offset in the token's stream (two bytes a
 Values packed as ``rotated-token-log8.v1`` (one-byte scales) are read in place too: each scale is made in
 registers from its byte and its ``scale_tokens`` tokens' float16 maximum.
 
+A cache that dropped tokens (an evictor that neither accumulates attention nor re-selects, e.g. ``kvzip``) is
+read at each slot's cache index: the keys rotated at it, filler slots never attended; the query must then see
+every held token (no padding mask).
+
 Refused when the pipeline is resolved, naming the slot: ``compress = false``, a basis other than
-``identity``, residual rank levels, an evictor that drops tokens, other packed formats,
+``identity``, residual rank levels, an evictor that accumulates attention or re-selects, other packed formats,
 non-uniform key levels, asymmetric values. 3-bit codes cross bytes: they take the general kernel, not the
 sub-tile one. Refused when the cache is built: head_dim not 64, 128 or 256, a
 rotary embedding whose angles are not ``position * inv_freq``.
@@ -68,8 +72,10 @@ class LowbitKernel(AttentionKernel):
             raise ComponentError(f"{where} reads keys and values quantized as they are, but slot 'basis' is '{pipeline.use('basis')}'; use basis 'identity' or kernel 'reference'")
         if any(rank > 0 for rank in pipeline.component("router").levels()):
             raise ComponentError(f"{where} reads no residuals, but slot 'router' ('{pipeline.use('router')}') gives residual ranks; use kernel 'reference'")
-        if "evictor" in pipeline.slots and getattr(pipeline.component("evictor"), "evicts", False):
-            raise ComponentError(f"{where} attends over every stored token, but slot 'evictor' ('{pipeline.use('evictor')}') evicts tokens; use kernel 'reference'")
+        evictor = pipeline.component("evictor") if "evictor" in pipeline.slots else None
+        if evictor is not None and evictor.evicts and (evictor.accumulates or evictor.reselects):
+            raise ComponentError(f"{where} reads stored slots at their cache indices, but slot 'evictor' ('{pipeline.use('evictor')}') "
+                                 "accumulates attention or re-selects stored tokens; use kernel 'reference'")
         keys = self._quantizer(pipeline, "keys", (CHANNEL_GROUP, CHANNEL_ALLOC), where)
         if keys.packed_format == CHANNEL_GROUP and (getattr(keys, "levels", "uniform") != "uniform" or keys.bits not in CODE_BITS):
             raise ComponentError(f"{where} reads keys as uniform {', '.join(map(str, CODE_BITS))}-bit codes, not {keys.bits}-bit {keys.levels}; use kernel 'reference'")
@@ -92,8 +98,8 @@ class LowbitKernel(AttentionKernel):
         where = f"pipeline '{engine.pipeline.name}': slot 'kernel' ('{engine.pipeline.use('kernel')}')"
         if engine.shape.head_dim not in HEAD_DIMS:
             raise ModelError(f"{where} takes head_dim {HEAD_DIMS}; this model's head_dim {engine.shape.head_dim} is not one of them; use kernel 'reference'")
-        if engine.evicts or engine.accumulates:
-            raise ComponentError(f"{where}: the pipeline evicts tokens or accumulates attention; use kernel 'reference'")
+        if engine.accumulates or engine.reselects:
+            raise ComponentError(f"{where}: the pipeline accumulates attention or re-selects stored tokens; use kernel 'reference'")
 
     # ---------------------------------------------------------------------------------- views
     def lowbit_view(self, view: LayerView, device: torch.device) -> LowbitView:
@@ -140,8 +146,17 @@ class LowbitKernel(AttentionKernel):
                     del view.scratch[old]
                 view.scratch[key] = (full.contiguous(), (full.cumsum(-1) - full).to(torch.int32).contiguous())
             widths, offsets = view.scratch[key]
+        positions = None
+        if view.positions is not None:  # a cache that dropped tokens: each slot's cache index, int32 (kept until a block arrives)
+            key = ("lowbit-positions", view.layer, device, tokens)
+            if key not in view.scratch:
+                for old in [name for name in view.scratch if name[:3] == key[:3]]:
+                    del view.scratch[old]
+                view.scratch[key] = view.positions.reshape(batch * heads, tokens).to(device=device, dtype=torch.int32).contiguous()
+            positions = view.scratch[key]
         return LowbitView(
-            tokens=tokens, first=view.passed_tokens - tokens,
+            tokens=tokens, first=view.passed_tokens - tokens, positions=positions,
+            exact_first=view.passed_tokens if positions is not None else None,
             k_codes=rows(k["codes"], kr), k_zero=rows(k["zero"], kr), k_scale=rows(k["scale"], kr),
             k_out_index=rows(k["outlier_index"], kr) if outliers else None,
             k_out_value=rows(k["outlier_value"], kr) if outliers else None,
@@ -169,6 +184,9 @@ class LowbitKernel(AttentionKernel):
         if query.shape[-2] != 1:
             raise CacheStateError(f"the lowbit kernel decodes one token per sequence; layer {view.layer} got {query.shape[-2]}")
         packed = self.lowbit_view(view, query.device)
+        if packed.positions is not None and attention_mask is not None:
+            raise CacheStateError(f"layer {view.layer}: the lowbit kernel reads a cache that dropped tokens only when the query sees every "
+                                  "held token (no padding); use kernel 'reference'")
         start = first_positions(view.scratch, attention_mask, query.device)
         q = query[:, :, 0, :]
         use_triton = self.backend == "triton" or (self.backend == "auto" and query.is_cuda)

@@ -132,10 +132,11 @@ class RotatedTokenQuantizer(Quantizer):
     """Rotate each vector by a fixed orthogonal ``Q``, then ``bits``-bit codes per ``group`` channels."""
 
     head_sharding: ClassVar[str] = "head-local"
+    packed_formats: ClassVar[tuple[str, ...]] = ("rotated-token.v1", "rotated-token-log8.v1")
 
     @property
     def packed_format(self) -> str:  # type: ignore[override]
-        return "rotated-token.v1" if self.scale_format == "float16" else "rotated-token-log8.v1"
+        return self.packed_formats[0] if self.scale_format == "float16" else self.packed_formats[1]
 
     bits: int = attrs.field(default=2, validator=_bits, metadata={"doc": "bits per code (2, 3 or 4)"})
     group: int = attrs.field(
