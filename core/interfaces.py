@@ -340,6 +340,14 @@ class AttentionKernel(Component):
     #: whether a kernel that reads in place rotates keys stored before the rotary embedding
     #: (``key_space = "pre-rope"``); a materializing kernel always can (the engine rotates them back)
     pre_rope_keys: ClassVar[bool] = False
+    #: whether a kernel that reads in place finds residual entries by the per-tile index (the cache then
+    #: builds it and counts its bytes); False for a kernel that reads the entries' lists itself
+    reads_residual_tiles: ClassVar[bool] = True
+
+    @property
+    def builds_residual_tiles(self) -> bool:
+        """Whether the cache keeps the residual tile index for this kernel."""
+        return not self.materializes and self.reads_residual_tiles
 
     def check_engine(self, engine: Any) -> None:
         """Raise :class:`ModelError` or :class:`ComponentError` when this kernel cannot read the storage

@@ -114,7 +114,7 @@ class BudgetPlan:
                 held += tensor_bytes([window.residual_basis[kind]])
             elif engine.settings.residual_mode == "basis" and engine.residual_levels:  # fitted on this block
                 held += batch * shape.num_kv_heads * max(engine.residual_levels) * shape.head_dim * 2
-            if engine.residual_levels and not engine.kernel.materializes:
+            if engine.residual_levels and engine.kernel.builds_residual_tiles:
                 # the kernel's residual tile index grows with this block: int32 start + int32 mask per
                 # (row, 32-token tile) and level (the index of earlier blocks is in the lists' bytes)
                 held += batch * shape.num_kv_heads * (block_tokens // TILE_TOKENS) * 8 * len(engine.residual_levels)

@@ -88,7 +88,7 @@ class BlockEncoder:
                 gates = [self.engine.router.gates(layer, kind) for layer in members]
                 bases = [self.engine.windows[layer].residual_basis[kind] for layer in members]
                 approx = torch.stack([mix_residuals(approx[m], m, relative, residual_quantizer, mixing, gates, bases) for m in range(len(members))])
-        if self.engine.residual_levels and not self.engine.kernel.materializes:  # the kernel's tile index, built as entries arrive
+        if self.engine.residual_levels and self.engine.kernel.builds_residual_tiles:  # the kernel's tile index, built as entries arrive
             rows = block.shape[1] * block.shape[2]
             for layer in members:
                 tiles = (self.engine.windows[layer].compressed_tokens + block.shape[-2]) // TILE_TOKENS

@@ -129,6 +129,8 @@ class CompressionEngine:
         self.stores = [{kind: GroupStore() for kind in KINDS} for _ in self.groups]
         self.pending: set[int] = set()
         self.returned_keys: dict[int, torch.Tensor] = {}
+        #: a lossy exact window as this forward attends over it (its own tokens exact), for the layer's view
+        self.attending: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
         #: the model's attention must report to this cache (queries, masks of evicted tokens, attention)
         self.own_attention = self.observer.active or self.evicts or self.accumulates or not self.kernel.materializes or self.energy is not None
         #: what a kernel that reads the packed storage in place keeps between calls (segment tables, ...)
@@ -207,6 +209,8 @@ class CompressionEngine:
         if window.exact.lossy and materialize:  # this forward attends over its own tokens as they arrived
             for tensor, new in zip(full, (keys, values)):
                 tensor[..., -new.shape[-2]:, :] = new
+            if self.reads_in_place(keys.shape[-2]):  # so does a kernel reading the window from the layer's view
+                self.attending[layer] = full
         if layer in self.kept_exact:  # the model's own attention reads its window
             slide(window, self.kept_exact[layer])
             return full if materialize else None  # type: ignore[return-value]
@@ -461,6 +465,7 @@ class CompressionEngine:
             self.rows.select(index)
             return
         select_rows(self.windows, self.stores, index, self.shape.num_kv_heads)
+        self.attending = {}
         self.observer.select_batch(index)
         if self.energy is not None:
             self.energy.select_batch(index)
@@ -474,6 +479,7 @@ class CompressionEngine:
         self.stores = [{kind: GroupStore() for kind in KINDS} for _ in self.groups]
         self.pending = set()
         self.returned_keys = {}
+        self.attending = {}
         self.padding = None
         self._flush_info = None
         self._budget_warned = False

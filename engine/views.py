@@ -25,6 +25,9 @@ def layer_view(engine: CompressionEngine, layer: int) -> LayerView:
     exact = window.exact.shape()
     rows = 0 if exact is None else exact[0] * exact[1]
     device = window.exact.device
+    attending = engine.attending.get(layer)  # a lossy window with this forward's own tokens exact
+    if attending is not None and attending[0].shape[-2] != window.exact_tokens:
+        attending = None  # the window moved since (a flush): read what it holds
     kinds = {}
     for kind in KINDS:
         store = stores[kind]
@@ -33,7 +36,7 @@ def layer_view(engine: CompressionEngine, layer: int) -> LayerView:
         for rank in engine.residual_levels:
             lists = window.residuals[kind][rank]
             start = mask = None
-            if not engine.kernel.materializes and exact is not None:
+            if engine.kernel.builds_residual_tiles and exact is not None:
                 start, mask = lists.tile_index(rows, window.compressed_tokens // TILE_TOKENS, device)
             levels.append(ResidualLevelView(rank, lists.fields, start, mask))
         factored = engine.basis.factor_bases(store.state, member) if store.state else None
@@ -48,7 +51,7 @@ def layer_view(engine: CompressionEngine, layer: int) -> LayerView:
             residual_format=engine.residual_quantizers[kind].packed_format,
             residual_basis=window.residual_basis[kind],
             gates=engine.router.gates(layer, kind),
-            exact=window.exact[kind],
+            exact=attending[KINDS.index(kind)] if attending is not None else window.exact[kind],
             quantizer=engine.quantizer(group_index, kind),
         )
     return LayerView(

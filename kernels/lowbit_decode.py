@@ -78,6 +78,13 @@ class LowbitView:
     #: attended), and the cache index of the exact window's first token (None: slots ``first ..`` in order)
     positions: torch.Tensor | None = None
     exact_first: int | None = None
+    #: tokens restored to their exact vectors by full-rank residuals (e.g. the attention sinks): attended with the
+    #: exact window, ``restored_k``/``restored_v`` [B, H, r, D] float32 (keys rotated at their position),
+    #: ``restored_pos`` int64 [B, H, r] their cache indices (-1: padding); their packed slots are hidden
+    #: (``positions`` -1 there)
+    restored_k: torch.Tensor | None = None
+    restored_v: torch.Tensor | None = None
+    restored_pos: torch.Tensor | None = None
 
 
 def exact_start(view: LowbitView) -> int:
@@ -112,11 +119,15 @@ def torch_keys(view: LowbitView) -> torch.Tensor:
         keys = keys.scatter(-1, view.k_out_index.long(), view.k_out_value.float())
     if view.inv_freq is None:
         return keys
-    positions = slot_positions(view, codes.device).float()
-    angles = positions[..., None] * view.inv_freq.float()  # [T, D / 2] or [BH, T, D / 2]
+    return rope_at(view, keys, slot_positions(view, codes.device))
+
+
+def rope_at(view: LowbitView, keys: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    """``keys`` [..., D] rotated at cache indices ``positions`` [...] (or broadcast to them) as the kernel does."""
+    angles = positions.float()[..., None] * view.inv_freq.float()  # [..., D / 2]
     cos = torch.cat((angles.cos(), angles.cos()), -1) * view.rope_scale
     sin = torch.cat((angles.sin(), angles.sin()), -1) * view.rope_scale
-    half = dim // 2
+    half = keys.shape[-1] // 2
     partner = torch.cat((-keys[..., half:], keys[..., :half]), -1)
     return keys * cos + partner * sin
 
@@ -139,10 +150,16 @@ def _merge_exact(view: LowbitView, q: torch.Tensor, start: torch.Tensor | None, 
     group = q_heads // heads
     keys = view.exact_k.float().repeat_interleave(group, dim=1)  # [B, Hq, n, D]
     values = view.exact_v.float().repeat_interleave(group, dim=1)
+    positions = (exact_start(view) + torch.arange(keys.shape[-2], device=q.device)).expand(batch, q_heads, -1)
+    if view.restored_k is not None:  # tokens restored by full-rank residuals, attended as exact ones
+        keys = torch.cat((view.restored_k.to(q.device).repeat_interleave(group, dim=1), keys), dim=-2)
+        values = torch.cat((view.restored_v.to(q.device).repeat_interleave(group, dim=1), values), dim=-2)
+        positions = torch.cat((view.restored_pos.to(q.device).repeat_interleave(group, dim=1), positions), dim=-1)
     logits = torch.einsum("bhd,bhnd->bhn", q.float(), keys) * scaling
-    if start is not None and keys.shape[-2]:
-        positions = exact_start(view) + torch.arange(keys.shape[-2], device=q.device)
-        logits = logits.masked_fill(positions[None, None, :] < start[:, None, None], -math.inf)
+    hidden = positions < 0
+    if start is not None:
+        hidden = hidden | (positions < start[:, None, None])
+    logits = logits.masked_fill(hidden, -math.inf)
     m_e = logits.amax(-1) if logits.shape[-1] else torch.full_like(m, -math.inf)
     top = torch.maximum(m, m_e)
     top = torch.where(torch.isinf(top), torch.zeros_like(top), top)

@@ -10,7 +10,7 @@ import attrs
 import pytest
 import torch
 
-from kvweave.core.errors import ComponentError, RegistryError
+from kvweave.core.errors import ComponentError, ModelError, RegistryError
 from kvweave.core.registry import load_pipeline, load_registry
 from kvweave.engine import build_cache, cache_kwargs
 from kvweave.engine.generation import generate
@@ -100,6 +100,52 @@ VARIANTS = textwrap.dedent("""
     use = "kvzip"
     fraction = 0.6
 
+    [pipelines.t-lowbit-sinks]
+    extends = "t-lowbit-log8"
+    [pipelines.t-lowbit-sinks.router]
+    use = "sinks"
+    sink_tokens = 4
+    rank = 64
+    [pipelines.t-lowbit-sinks.residual_quantizer]
+    use = "none"
+    dtype = "float16"
+
+    [pipelines.t-lowbit-sinks-kvzip]
+    extends = "t-lowbit-sinks"
+    [pipelines.t-lowbit-sinks-kvzip.evictor]
+    use = "kvzip"
+    fraction = 0.5
+
+    [pipelines.t-lowbit-sinks-cg]
+    extends = "t-lowbit-k4log8"
+    [pipelines.t-lowbit-sinks-cg.router]
+    use = "sinks"
+    sink_tokens = 3
+    rank = 64
+    kinds = "keys"
+    [pipelines.t-lowbit-sinks-cg.residual_quantizer]
+    use = "none"
+    dtype = "float16"
+
+    [pipelines.t-lowbit-sinks-int4]
+    extends = "t-lowbit-sinks"
+    [pipelines.t-lowbit-sinks-int4.residual_quantizer]
+    use = "int4-group"
+
+    [pipelines.t-lowbit-sinks-rank16]
+    extends = "t-lowbit-sinks"
+    [pipelines.t-lowbit-sinks-rank16.router]
+    rank = 16
+
+    [pipelines.t-lowbit-h2o]
+    extends = "t-lowbit-log8"
+    [pipelines.t-lowbit-h2o.evictor]
+    use = "h2o"
+
+    [pipelines.t-lowbit-w8]
+    extends = "t-lowbit-log8"
+    window_storage = "int8"
+
     [pipelines.t-lowbit-asym]
     extends = "prerope-k4v2-lowbit"
     [pipelines.t-lowbit-asym.values.quantizer]
@@ -124,7 +170,8 @@ def _generate(model, cache, ids, mask):
 
 
 @pytest.mark.parametrize("name", ["prerope-k4v2-lowbit", "t-lowbit-post", "t-lowbit-k2v4", "t-lowbit-k3v3", "t-lowbit-layers",
-                                  "t-lowbit-alloc", "t-lowbit-qa35v3", "t-lowbit-alloc-post", "t-lowbit-log8", "t-lowbit-k4log8"])
+                                  "t-lowbit-alloc", "t-lowbit-qa35v3", "t-lowbit-alloc-post", "t-lowbit-log8", "t-lowbit-k4log8",
+                                  "t-lowbit-sinks", "t-lowbit-sinks-cg"])
 def test_the_kernel_decodes_what_the_reference_path_decodes(model, registry, name):
     """A left-padded batch decodes to the same tokens, with the same scores to float rounding, as the same
     storage reconstructed and attended by the model's own sdpa."""
@@ -139,7 +186,8 @@ def test_the_kernel_decodes_what_the_reference_path_decodes(model, registry, nam
 
 
 @pytest.mark.parametrize("name", ["prerope-k4v2-lowbit", "t-lowbit-post", "t-lowbit-k2v4", "t-lowbit-v4", "t-lowbit-k3v3",
-                                  "t-lowbit-alloc", "t-lowbit-qa35v3", "t-lowbit-alloc-post", "t-lowbit-log8", "t-lowbit-k4log8"])
+                                  "t-lowbit-alloc", "t-lowbit-qa35v3", "t-lowbit-alloc-post", "t-lowbit-log8", "t-lowbit-k4log8",
+                                  "t-lowbit-sinks", "t-lowbit-sinks-cg"])
 def test_the_triton_kernel_matches_its_torch_twin(model, registry, name):
     ids = torch.randint(1, 128, (2, 230), generator=torch.Generator().manual_seed(2))
     cache = build_cache(registry.resolve(name), model)
@@ -156,7 +204,7 @@ def test_the_triton_kernel_matches_its_torch_twin(model, registry, name):
             assert torch.allclose(kernel, twin, atol=1e-5), (fast, (kernel - twin).abs().max())
 
 
-@pytest.mark.parametrize("name", ["t-lowbit-kvzip", "t-lowbit-kvzip-cg"])
+@pytest.mark.parametrize("name", ["t-lowbit-kvzip", "t-lowbit-kvzip-cg", "t-lowbit-sinks-kvzip"])
 def test_a_cache_that_dropped_tokens_decodes_as_the_reference_path(model, registry, name):
     """KVzip keeps about half of the context: the kernel reads each slot at its cache index (keys rotated there)
     and decodes the same tokens, with the same scores to float rounding, as the reference path; the Triton
@@ -175,7 +223,11 @@ def test_a_cache_that_dropped_tokens_decodes_as_the_reference_path(model, regist
     view = cache.engine.kernel.lowbit_view(cache.engine.view(1), torch.device("cpu"))
     positions = view.positions
     assert positions is not None and view.tokens < 0.8 * view.exact_first  # tokens were dropped
-    assert bool((positions[:, 1:] > positions[:, :-1]).all())  # in order, no fillers
+    for row in positions:  # in order; -1 only where a full-rank residual restores the token (attended as exact)
+        kept = row[row >= 0]
+        assert bool((kept[1:] > kept[:-1]).all())
+        hidden = int((row < 0).sum())
+        assert hidden == (0 if view.restored_pos is None else int((view.restored_pos[0, 0] >= 0).sum()))
     q = torch.randn(2, 4, 64, generator=torch.Generator().manual_seed(5))
     twin = torch_lowbit_decode(view, q, None, 0.125)
     for fast in (True, False):
@@ -200,7 +252,15 @@ def test_keys_rotated_in_registers_are_the_keys_the_engine_rotates(model):
     ("t-lowbit-knormal", "uniform 2, 3, 4-bit codes"),
     ("t-lowbit-int4", "packed as channel-group.v1 or channel-alloc.v1"),
     ("t-lowbit-asym", "symmetric 2, 3, 4-bit"),
+    ("t-lowbit-sinks-int4", "residuals only as whole restored vectors .* 'int4-group'"),
+    ("t-lowbit-h2o", "accumulates attention or re-selects"),
+    ("t-lowbit-w8", "window_storage is 'int8'"),
 ])
 def test_storage_the_kernel_cannot_read_is_refused_at_resolve_time(registry, name, match):
     with pytest.raises((RegistryError, ComponentError), match=match):
         registry.resolve(name)
+
+
+def test_residuals_below_full_rank_are_refused_when_the_cache_is_built(registry, model):
+    with pytest.raises(ModelError, match=r"residual ranks \[16\] are below this model's head_dim 64"):
+        build_cache(registry.resolve("t-lowbit-sinks-rank16"), model)

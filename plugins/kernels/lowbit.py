@@ -42,7 +42,9 @@ from kvweave.core.lazy import torch
 from kvweave.core.params import choice
 from kvweave.core.view import LayerView
 from kvweave.kernels.formats import CHANNEL_ALLOC, CHANNEL_GROUP, ROTATED_TOKEN, ROTATED_TOKEN_LOG8
-from kvweave.kernels.lowbit_decode import LowbitView, level_kind, lowbit_decode, torch_lowbit_decode
+from kvweave.kernels.lowbit_decode import (
+    LowbitView, exact_start, level_kind, lowbit_decode, rope_at, slot_positions, torch_keys, torch_lowbit_decode, torch_values,
+)
 
 from .fused import first_positions
 
@@ -60,6 +62,7 @@ class LowbitKernel(AttentionKernel):
     materializes: ClassVar[bool] = False
     pre_rope_keys: ClassVar[bool] = True
     coefficient_formats: ClassVar[tuple[str, ...]] = (CHANNEL_GROUP, CHANNEL_ALLOC, ROTATED_TOKEN, ROTATED_TOKEN_LOG8)
+    reads_residual_tiles: ClassVar[bool] = False  # restored tokens are found from the entries' lists, once
 
     backend: str = attrs.field(default="auto", validator=choice(BACKENDS), metadata={"doc": "'auto' (Triton on CUDA, the torch twin elsewhere), 'triton' or 'torch'"})
 
@@ -71,11 +74,19 @@ class LowbitKernel(AttentionKernel):
         if pipeline.use("basis") != "identity":
             raise ComponentError(f"{where} reads keys and values quantized as they are, but slot 'basis' is '{pipeline.use('basis')}'; use basis 'identity' or kernel 'reference'")
         if any(rank > 0 for rank in pipeline.component("router").levels()):
-            raise ComponentError(f"{where} reads no residuals, but slot 'router' ('{pipeline.use('router')}') gives residual ranks; use kernel 'reference'")
+            formats = {pipeline.component_for("residual_quantizer", kind).packed_format for kind in ("keys", "values")}  # type: ignore[attr-defined]
+            if formats != {"none.v1"} or pipeline.settings.residual_mode != "channels":
+                raise ComponentError(
+                    f"{where} reads residuals only as whole restored vectors (full-rank levels, residual_mode 'channels', "
+                    f"residual_quantizer 'none'), but slot 'residual_quantizer' is '{pipeline.use('residual_quantizer')}' with "
+                    f"residual_mode '{pipeline.settings.residual_mode}'; use kernel 'reference'")
         evictor = pipeline.component("evictor") if "evictor" in pipeline.slots else None
         if evictor is not None and evictor.evicts and (evictor.accumulates or evictor.reselects):
             raise ComponentError(f"{where} reads stored slots at their cache indices, but slot 'evictor' ('{pipeline.use('evictor')}') "
                                  "accumulates attention or re-selects stored tokens; use kernel 'reference'")
+        if pipeline.settings.window_storage != "input":
+            raise ComponentError(f"{where} reads the exact window in the model's dtype, but setting window_storage is "
+                                 f"'{pipeline.settings.window_storage}'; use window_storage 'input' or kernel 'reference'")
         keys = self._quantizer(pipeline, "keys", (CHANNEL_GROUP, CHANNEL_ALLOC), where)
         if keys.packed_format == CHANNEL_GROUP and (getattr(keys, "levels", "uniform") != "uniform" or keys.bits not in CODE_BITS):
             raise ComponentError(f"{where} reads keys as uniform {', '.join(map(str, CODE_BITS))}-bit codes, not {keys.bits}-bit {keys.levels}; use kernel 'reference'")
@@ -100,6 +111,10 @@ class LowbitKernel(AttentionKernel):
             raise ModelError(f"{where} takes head_dim {HEAD_DIMS}; this model's head_dim {engine.shape.head_dim} is not one of them; use kernel 'reference'")
         if engine.accumulates or engine.reselects:
             raise ComponentError(f"{where}: the pipeline accumulates attention or re-selects stored tokens; use kernel 'reference'")
+        partial = [rank for rank in engine.residual_levels if rank != engine.shape.head_dim]
+        if partial:
+            raise ModelError(f"{where} reads residuals only as whole restored vectors; residual ranks {partial} are below this "
+                             f"model's head_dim {engine.shape.head_dim}; use kernel 'reference'")
 
     # ---------------------------------------------------------------------------------- views
     def lowbit_view(self, view: LayerView, device: torch.device) -> LowbitView:
@@ -154,7 +169,7 @@ class LowbitKernel(AttentionKernel):
                     del view.scratch[old]
                 view.scratch[key] = view.positions.reshape(batch * heads, tokens).to(device=device, dtype=torch.int32).contiguous()
             positions = view.scratch[key]
-        return LowbitView(
+        packed = LowbitView(
             tokens=tokens, first=view.passed_tokens - tokens, positions=positions,
             exact_first=view.passed_tokens if positions is not None else None,
             k_codes=rows(k["codes"], kr), k_zero=rows(k["zero"], kr), k_scale=rows(k["scale"], kr),
@@ -165,6 +180,53 @@ class LowbitKernel(AttentionKernel):
             rope_scale=rope_scale, exact_k=exact_k, exact_v=exact_v, level_kind=kind, k_widths=widths, k_offsets=offsets,
             v_scale_max=rows(v["scale_max"], vr) if log8 else None, v_scale_tokens=vq.scale_tokens if log8 else 1,
         )
+        if any(level.entries for kind_view in (view.keys, view.values) for level in kind_view.residuals):
+            packed = self._restored(view, packed, device)
+        return packed
+
+    @staticmethod
+    def _restored(view: LayerView, packed: LowbitView, device: torch.device) -> LowbitView:
+        """``packed`` with the tokens that full-rank residuals restore (e.g. the attention sinks) taken out of the
+        packed pass and attended with the exact window at their exact vectors: dequantized codes plus residual
+        (keys rotated at their position). Built once per set of residual entries (stored tokens never change)."""
+        levels = [(kind_view, level) for kind_view in (view.keys, view.values) for level in kind_view.residuals if level.entries]
+        batch, heads = packed.exact_k.shape[:2]
+        tokens = packed.tokens
+        key = ("lowbit-restored", view.layer, device, tuple(level.entries for _, level in levels))
+        if key not in view.scratch:
+            for old in [name for name in view.scratch if name[:3] == key[:3]]:
+                del view.scratch[old]
+            ids = torch.unique(torch.cat([level.fields["row"].long() * tokens + level.fields["token"].long() for _, level in levels]))
+            keys = torch_keys(packed).reshape(-1, packed.exact_k.shape[-1])[ids]
+            values = (torch_values(packed) @ packed.rotation).reshape(-1, keys.shape[-1])[ids]
+            positions = slot_positions(packed, device)
+            positions = (positions.expand(batch * heads, tokens) if positions.dim() == 1 else positions).reshape(-1)[ids]
+            for kind_view, level in levels:
+                at = torch.searchsorted(ids, level.fields["row"].long() * tokens + level.fields["token"].long())
+                delta = level.fields["q_values"].float().to(device)
+                if kind_view.gates is not None:
+                    delta = delta * kind_view.gates.float().to(device)[level.fields["row"].long() % heads].unsqueeze(-1)
+                if kind_view.kind == "keys":
+                    keys = keys.index_add(0, at, rope_at(packed, delta, positions[at]) if packed.inv_freq is not None else delta)
+                else:
+                    values = values.index_add(0, at, delta)
+            rows = ids // tokens
+            counts = torch.bincount(rows, minlength=batch * heads)
+            width = int(counts.max())
+            slot = torch.arange(ids.numel(), device=device) - (counts.cumsum(0) - counts)[rows]
+            dim = keys.shape[-1]
+            out_k = torch.zeros(batch * heads, width, dim, device=device)
+            out_v = torch.zeros_like(out_k)
+            out_pos = torch.full((batch * heads, width), -1, dtype=torch.long, device=device)
+            out_k[rows, slot], out_v[rows, slot], out_pos[rows, slot] = keys, values, positions
+            view.scratch[key] = (rows, ids % tokens, out_k.reshape(batch, heads, width, dim), out_v.reshape(batch, heads, width, dim),
+                                 out_pos.reshape(batch, heads, width))
+        rows, slots, out_k, out_v, out_pos = view.scratch[key]
+        hidden = slot_positions(packed, device)
+        hidden = (hidden.expand(batch * heads, tokens) if hidden.dim() == 1 else hidden).reshape(-1).clone()
+        hidden[rows * tokens + slots] = -1  # packed slots keep their index as later blocks are appended
+        return attrs.evolve(packed, positions=hidden.reshape(batch * heads, tokens).to(torch.int32), exact_first=exact_start(packed),
+                            restored_k=out_k, restored_v=out_v, restored_pos=out_pos)
 
     @staticmethod
     def _tables(view: LayerView, kq: Any, vq: Any, dim: int, device: torch.device) -> tuple:
@@ -184,7 +246,7 @@ class LowbitKernel(AttentionKernel):
         if query.shape[-2] != 1:
             raise CacheStateError(f"the lowbit kernel decodes one token per sequence; layer {view.layer} got {query.shape[-2]}")
         packed = self.lowbit_view(view, query.device)
-        if packed.positions is not None and attention_mask is not None:
+        if view.positions is not None and attention_mask is not None:
             raise CacheStateError(f"layer {view.layer}: the lowbit kernel reads a cache that dropped tokens only when the query sees every "
                                   "held token (no padding); use kernel 'reference'")
         start = first_positions(view.scratch, attention_mask, query.device)
