@@ -84,9 +84,6 @@ class LowbitKernel(AttentionKernel):
         if evictor is not None and evictor.evicts and (evictor.accumulates or evictor.reselects):
             raise ComponentError(f"{where} reads stored slots at their cache indices, but slot 'evictor' ('{pipeline.use('evictor')}') "
                                  "accumulates attention or re-selects stored tokens; use kernel 'reference'")
-        if pipeline.settings.window_storage != "input":
-            raise ComponentError(f"{where} reads the exact window in the model's dtype, but setting window_storage is "
-                                 f"'{pipeline.settings.window_storage}'; use window_storage 'input' or kernel 'reference'")
         keys = self._quantizer(pipeline, "keys", (CHANNEL_GROUP, CHANNEL_ALLOC), where)
         if keys.packed_format == CHANNEL_GROUP and (getattr(keys, "levels", "uniform") != "uniform" or keys.bits not in CODE_BITS):
             raise ComponentError(f"{where} reads keys as uniform {', '.join(map(str, CODE_BITS))}-bit codes, not {keys.bits}-bit {keys.levels}; use kernel 'reference'")
