@@ -12,7 +12,7 @@ from kvweave.tools.cli_io import print_json, read_text_file
 
 #: what each part of the stored bytes is (printed under the stats of `kvweave generate`)
 BREAKDOWN_TERMS = {
-    "exact_window": "the most recent tokens, kept as computed (in the model's dtype)",
+    "exact_window": "the most recent tokens, kept as computed (in the model's dtype; int8 with window_storage = 'int8')",
     "sliding_window": "sliding-window layers: their last window - 1 tokens, kept as computed, as the model's own cache does",
     "coefficients": "the packed (quantized / projected) keys and values of the compressed tokens",
     "residuals": "routed corrections of chosen tokens, with their indices and scales",
