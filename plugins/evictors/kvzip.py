@@ -10,6 +10,10 @@ then the forward that fills the cache keeps, of the scored tokens, the ``fractio
   heads' tokens above the threshold average to), so a layer's heads store equal numbers of slots.
 * ``share = "layer"``: every layer keeps ``fraction`` of its scored tokens in each KV head.
 
+``spread = "segments"`` (not in the paper) keeps a layer's share in every ``segment`` positions instead of
+above one cut per layer and head: reconstruction scores favour the end of a context (docs/frontier.md), so
+one cut leaves the beginning nearly empty.
+
 The first ``sinks`` tokens are always kept (and not counted against the threshold), as are tokens the
 scorer cannot see whole (the sliding-window layers of Gemma 3, whose own window bounds them) and every
 token fed after the scored forward (the question, generated tokens). Scoring costs about two extra
