@@ -69,7 +69,8 @@ class Evictor(Component):
     #: whether the cache should accumulate, per stored token, the attention every query gives it (H2O)
     accumulates: ClassVar[bool] = False
     #: whether ``keep`` needs each token's context importance (engine/importance.py scores the context
-    #: before the forward that fills the cache; the evictor then has ``chunk`` and ``sinks`` parameters)
+    #: before the forward that fills the cache, with the evictor's ``chunk`` and ``sinks`` where it has them,
+    #: else 2,048 and 4)
     needs_importance: ClassVar[bool] = False
     #: whether stored tokens are offered again at every flush (they may then be dropped; needs a basis
     #: with single-layer groups and a router without residual levels)

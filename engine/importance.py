@@ -179,8 +179,8 @@ def score_for(model: Any, cache: Any, input_ids: torch.Tensor, progress: bool = 
             f"pipeline '{cache.pipeline.name}': its evictor scores whole rows of context; this batch is padded "
             "(feed its rows one at a time)")
     evictor = cache.engine.evictor
-    scores = reconstruction_scores(model, getattr(cache, "tokenizer", None), input_ids, chunk=evictor.chunk, sinks=evictor.sinks,
-                                   progress=progress)
+    scores = reconstruction_scores(model, getattr(cache, "tokenizer", None), input_ids, chunk=getattr(evictor, "chunk", 2048),
+                                   sinks=getattr(evictor, "sinks", 4), progress=progress)  # an evictor's own, else KVzip's
     cache.set_importance(scores)
 
 
