@@ -163,10 +163,14 @@ def reconstruction_scores(
     return scores
 
 
-def needs_importance(cache: Any) -> bool:
-    """Whether ``cache``'s evictor chooses tokens by context importance (then feed it with :func:`prefill`)."""
-    engine = getattr(cache, "engine", None)
-    return bool(engine is not None and engine.evicts and getattr(engine.evictor, "needs_importance", False))
+def needs_importance(cache_or_pipeline: Any) -> bool:
+    """Whether the evictor of a cache (or of a resolved pipeline) chooses tokens by context importance (then
+    feed it with :func:`prefill`)."""
+    pipeline = getattr(cache_or_pipeline, "pipeline", cache_or_pipeline)
+    if "evictor" not in getattr(pipeline, "slots", ()):  # a DynamicCache, or a pipeline without the slot
+        return False
+    evictor = pipeline.component("evictor")
+    return bool(evictor.evicts and getattr(evictor, "needs_importance", False))
 
 
 def score_for(model: Any, cache: Any, input_ids: torch.Tensor, progress: bool = False,
@@ -178,7 +182,7 @@ def score_for(model: Any, cache: Any, input_ids: torch.Tensor, progress: bool = 
         raise CacheStateError(
             f"pipeline '{cache.pipeline.name}': its evictor scores whole rows of context; this batch is padded "
             "(feed its rows one at a time)")
-    evictor = cache.engine.evictor
+    evictor = cache.pipeline.component("evictor")
     scores = reconstruction_scores(model, getattr(cache, "tokenizer", None), input_ids, chunk=getattr(evictor, "chunk", 2048),
                                    sinks=getattr(evictor, "sinks", 4), progress=progress)  # an evictor's own, else KVzip's
     cache.set_importance(scores)

@@ -39,7 +39,8 @@ def run_ppl(ev: Evaluation, tokens: int, chunk: int, prefill: int = 0) -> dict[s
     reference = ev.run.get(reference_key)["ppl"]
     if not prefill:
         for name in ev.pipelines:
-            if ev.pipeline(name) is not None and needs_importance(ev.cache(name)):
+            resolved = ev.pipeline(name)
+            if resolved is not None and needs_importance(resolved):
                 ev.errors[name] = (f"pipeline '{name}' scores a context before compressing it (its evictor chooses by context "
                                    "importance); measure its perplexity with --prefill N (the context's tokens)")
                 ev.say(f"{name}: skipped: {ev.errors[name]}")

@@ -70,10 +70,10 @@ class KVzipEvictor(Evictor):
             return torch.ones_like(keep)
         layers = list(block.layers)
         if self.spread == "segments":  # the cut of each token's segment of positions
-            cuts = self.segment_cuts(block.context_importance, block.window_tokens)[layers].to(block.importance.device)
+            cuts = self.segment_cuts(block.context_importance, block.window_tokens, layers).to(block.importance.device)
             at = block.positions.clamp(0, cuts.shape[-1] - 1).long()
             return block.importance >= cuts.gather(-1, at)
-        cuts = self.cuts(block.context_importance, block.window_tokens)[layers].to(block.importance.device)  # [G, B, H]
+        cuts = self.cuts(block.context_importance, block.window_tokens, layers).to(block.importance.device)  # [G, B, H]
         return block.importance >= cuts[..., None]
 
     def _scored(self, scores: torch.Tensor, window: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -96,16 +96,22 @@ class KVzipEvictor(Evictor):
             kept[:, row] = torch.ceil(above.double() / heads).long()
         return finite, counts, kept.clamp(max=counts)
 
-    def cuts(self, scores: torch.Tensor, window: int = 0) -> torch.Tensor:
+    @staticmethod
+    def _select(scored: tuple[torch.Tensor, ...], layers: list[int] | None) -> tuple[torch.Tensor, ...]:
+        return scored if layers is None else tuple(part[layers] for part in scored)
+
+    def cuts(self, scores: torch.Tensor, window: int = 0, layers: list[int] | None = None) -> torch.Tensor:
         """The importance [L, B, H] a token needs to be kept in each layer and KV head, from every layer's
         scores [L, B, H, T] (``+inf``: kept whatever the cut, and not counted). The last ``window`` scored
         tokens stay in the exact window after the scored forward (kept when they leave it later), so they
-        are not counted either: each head keeps the same number of the tokens flushed now."""
-        finite, counts, kept = self._scored(scores, window)
-        layers, batch, heads, _ = scores.shape
-        cuts = torch.full((layers, batch, heads), -math.inf, device=scores.device)
+        are not counted either: each head keeps the same number of the tokens flushed now. ``layers``: only
+        those layers' cuts (the threshold still comes from every layer's scores)."""
+        finite, counts, kept = self._select(self._scored(scores, window), layers)
+        scores = scores if layers is None else scores[layers]
+        count, batch, heads, _ = scores.shape
+        cuts = torch.full((count, batch, heads), -math.inf, device=scores.device)
         ranked = scores.masked_fill(~finite, -math.inf)
-        for layer in range(layers):
+        for layer in range(count):
             for row in range(batch):
                 n, k = int(counts[layer, row]), int(kept[layer, row])
                 if n == 0:
@@ -113,12 +119,13 @@ class KVzipEvictor(Evictor):
                 cuts[layer, row] = ranked[layer, row].topk(k, dim=-1).values[:, -1] if k else math.inf
         return cuts
 
-    def segment_cuts(self, scores: torch.Tensor, window: int = 0) -> torch.Tensor:
+    def segment_cuts(self, scores: torch.Tensor, window: int = 0, layers: list[int] | None = None) -> torch.Tensor:
         """``spread = "segments"``: each token's cut [L, B, H, T], the cut of its ``segment`` of positions, where
         each layer keeps the share of every segment's scored tokens it keeps of the whole context (the count
         :meth:`cuts` gives it), so every part of the context keeps its share of tokens, chosen by importance."""
-        finite, counts, kept = self._scored(scores, window)
-        layers, batch, heads, total = scores.shape
+        finite, counts, kept = self._select(self._scored(scores, window), layers)
+        scores = scores if layers is None else scores[layers]
+        layers, batch, heads, total = scores.shape  # type: ignore[assignment]
         size = self.segment
         pieces = -(-total // size)
         pad = pieces * size - total
