@@ -1,0 +1,65 @@
+"""Where KVzip's reconstruction scores put a needle cell's kept tokens (docs/frontier.md, "Dropping tokens
+before the question"): the share of each fifth of the context kept at ``--fraction``, per chunk size and
+share, and each layer's mean rank of the needle's tokens among its scores (0 = most important).
+
+    python benchmarks/kvzip_positions.py --length 2000 --depth 0.1 --needle 0
+
+The cell is the one ``kvweave eval needle`` builds (query-agnostic: the context part only, chat template),
+scored on the CPU in float32 with the default model.
+"""
+
+from __future__ import annotations
+
+import argparse
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", default="default")
+    parser.add_argument("--length", type=int, default=2000)
+    parser.add_argument("--depth", type=float, default=0.1)
+    parser.add_argument("--needle", type=int, default=0, help="index of the needle (of 16, seed 0)")
+    parser.add_argument("--fraction", type=float, default=0.5)
+    parser.add_argument("--chunks", default="2048,512,256", help="scoring chunk sizes")
+    args = parser.parse_args()
+    from kvweave.core.registry import load_registry
+    from kvweave.engine import importance
+    from kvweave.plugins.evictors.kvzip import KVzipEvictor
+    from kvweave.tools import datasets
+    from kvweave.tools.data import essays_text
+    from kvweave.tools.eval_context import Evaluation
+    from kvweave.tools.models import load_model
+
+    model, tokenizer = load_model(args.model, device="cpu", progress=False)
+    ev = Evaluation(model, tokenizer, load_registry(None), [], None, progress=False)
+    needle = datasets.make_needles(16, 0)[args.needle]
+    cell = datasets.needle_cell(tokenizer, essays_text(), needle, args.needle, args.length, args.depth, 0, 1)
+    inputs, split = ev.encode_split(cell.context, cell.question)
+    ids = inputs["input_ids"][:, :split]
+    pieces = [tokenizer.decode([t]) for t in ids[0].tolist()]
+    at, offset, span = "".join(pieces).find(needle.answer), 0, []
+    for index, piece in enumerate(pieces):
+        if offset + len(piece) > at and offset < at + len(needle.answer):
+            span.append(index)
+        offset += len(piece)
+    print(f"context {split} tokens, needle {needle.answer!r} at tokens {span[0]}-{span[-1]}\n")
+    print("| chunk | share | kept of the needle's entries | kept of each fifth of the context |\n|---|---|---|---|")
+    ranks = None
+    for chunk in (int(c) for c in args.chunks.split(",")):
+        scores = importance.reconstruction_scores(model, tokenizer, ids, chunk=chunk)
+        total = scores.shape[-1]
+        for share in ("model", "layer"):
+            cuts = KVzipEvictor(fraction=args.fraction, share=share).cuts(scores)
+            kept = scores[:, 0] >= cuts[:, 0, :, None]  # [L, H, T]
+            fifths = [float(kept[..., total * f // 5 : total * (f + 1) // 5].float().mean()) for f in range(5)]
+            print(f"| {chunk} | {share} | {float(kept[..., span].float().mean()):.2f} | {', '.join(f'{x:.2f}' for x in fifths)} |")
+        if ranks is None:
+            order = scores[:, 0].argsort(-1, descending=True).argsort(-1).float() / total  # [L, H, T]
+            ranks = [float(order[layer][:, span].mean()) for layer in range(order.shape[0])]
+    print("\nmean rank of the needle's tokens per layer (first chunk size; 0 = most important):")
+    print(", ".join(f"{layer}: {rank:.2f}" for layer, rank in enumerate(ranks)))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
