@@ -76,6 +76,11 @@ class Evictor(Component):
     #: with single-layer groups and a router without residual levels)
     reselects: ClassVar[bool] = False
 
+    def prepare_importance(self, scores: torch.Tensor) -> torch.Tensor:
+        """The context importance [L, B, H, T] this evictor chooses by, made once from the scorer's (``+inf``
+        entries must stay ``+inf``); the default takes them as they are."""
+        return scores
+
     def check_window(self, recent_window: int, block_tokens: int, where: str) -> None:
         """Raise :class:`BudgetError` if the evictor's token budget cannot hold the pipeline's exact window."""
 

@@ -67,7 +67,12 @@ class Eviction:
                 f"KV heads {shape.num_kv_heads}, tokens]")
         if torch.isnan(scores).any():
             raise CacheStateError(f"pipeline '{name}': context importance holds NaN")
-        self.importance = scores.float()
+        prepared = self.evictor.prepare_importance(scores.float())
+        if prepared.shape != scores.shape or torch.isnan(prepared).any() or not bool(torch.isinf(prepared[torch.isinf(scores)]).all()):
+            raise ComponentError(
+                f"pipeline '{name}', slot 'evictor' ('{engine.pipeline.use('evictor')}'): prepare_importance must return the scores' "
+                f"shape {tuple(scores.shape)} without NaN, keeping +inf where the scorer put it")
+        self.importance = prepared
         self.scored_tokens = int(scores.shape[-1])
         self._importance_used = False
 

@@ -20,7 +20,7 @@ import pytest
 import torch
 from transformers import DynamicCache
 
-from kvweave.core.errors import CacheStateError
+from kvweave.core.errors import CacheStateError, ComponentError
 from kvweave.core.registry import load_registry
 from kvweave.engine import cache_kwargs
 from kvweave.engine import importance
@@ -61,6 +61,12 @@ extends = "t-kz"
 [pipelines.t-kz-spread.evictor]
 spread = "segments"
 segment = 32
+
+[pipelines.t-kz-pool]
+extends = "t-kz"
+
+[pipelines.t-kz-pool.evictor]
+pool = 5
 
 [pipelines.t-kz-keep-all]
 extends = "t-kz"
@@ -300,12 +306,29 @@ def test_segments_keep_each_part_of_the_context_its_layers_share():
         KVzipEvictor(spread="even")
 
 
+def test_pooling_takes_each_tokens_largest_neighbour_and_leaves_infinite_scores_alone():
+    torch.manual_seed(0)
+    scores = torch.rand(2, 1, 3, 40)
+    scores[..., :4] = math.inf  # sinks
+    scores[1] = math.inf  # a layer the scorer cannot see whole
+    pooled = KVzipEvictor(pool=5).prepare_importance(scores)
+    assert torch.equal(KVzipEvictor().prepare_importance(scores), scores)  # pool = 1: as scored
+    assert torch.isinf(pooled[1]).all() and torch.isinf(pooled[..., :4]).all()
+    for t in range(4, 40):  # a window of +-2 positions, the sinks lending nothing
+        lo, hi = max(4, t - 2), min(40, t + 3)
+        assert torch.equal(pooled[0, 0, :, t], scores[0, 0, :, lo:hi].amax(-1))
+    assert bool((pooled[0] >= scores[0]).all()) and not torch.equal(pooled[0], scores[0])
+
+
 def test_fraction_and_share_are_validated():
     for bad in (0.0, 1.5, True, "half"):
         with pytest.raises(ValueError, match="fraction"):
             KVzipEvictor(fraction=bad)
     with pytest.raises(ValueError):
         KVzipEvictor(share="head")
+    for bad in (0, 4, 257):
+        with pytest.raises(ValueError, match="pool"):
+            KVzipEvictor(pool=bad)
 
 
 # ----------------------------------------------------------------------------------- end to end
@@ -350,6 +373,24 @@ def test_a_spread_cache_keeps_exactly_each_segments_tokens_above_its_cut(registr
             kept = torch.tensor(expected)
             for start in range(SINKS, passed - 32, 32):  # every whole segment keeps some of its tokens
                 assert 0 < int(((kept >= start) & (kept < start + 32)).sum()) < 32
+
+
+def test_a_pooling_cache_keeps_the_tokens_whose_pooled_scores_pass_the_cut(registry, model):
+    ids = context_ids()
+    cache = make_cache(registry, "t-kz-pool", model)
+    seen = record_importance(cache)
+    importance.prefill(model, cache, ids)
+    pooled = cache.engine.evictor.prepare_importance(seen["scores"])
+    cuts = cache.engine.evictor.cuts(pooled, cache.engine.windows[0].exact_tokens)
+    plain = make_cache(registry, "t-kz", model)
+    importance.prefill(model, plain, ids)
+    differs = False
+    for layer, window in enumerate(cache.engine.windows):
+        for head in range(2):
+            kept = kept_positions(window, head)
+            assert kept == [p for p in range(window.passed_tokens) if pooled[layer, 0, head, p] >= cuts[layer, 0, head]]
+            differs |= kept != kept_positions(plain.engine.windows[layer], head)
+    assert differs  # pooling chose other tokens than the raw scores
 
 
 def test_generation_continues_and_tokens_fed_after_the_prefill_are_kept(registry, model):
@@ -424,6 +465,26 @@ def test_bad_importance_is_refused(registry, model):
     importance.prefill(model, filled, context_ids(length=50))
     with pytest.raises(CacheStateError, match="before the first forward"):
         filled.set_importance(good)
+
+
+class _Shrinking(KVzipEvictor):
+    def prepare_importance(self, scores):
+        return scores[..., :-1]
+
+
+class _Finite(KVzipEvictor):
+    def prepare_importance(self, scores):
+        return scores.nan_to_num(posinf=1.0)
+
+
+def test_an_evictor_that_prepares_bad_importance_is_refused_naming_the_slot(registry, model):
+    good = torch.rand(3, 1, 2, 50)
+    good[..., :4] = math.inf
+    for evictor in (_Shrinking(), _Finite()):
+        cache = make_cache(registry, "t-kz", model)
+        cache.engine.eviction.evictor = evictor
+        with pytest.raises(ComponentError, match="slot 'evictor'.*prepare_importance"):
+            cache.set_importance(good)
 
 
 def test_importance_for_another_token_count_is_refused_at_the_forward(registry, model):

@@ -55,9 +55,27 @@ class KVzipEvictor(Evictor):
     spread: str = attrs.field(default="none", validator=choice(("none", "segments")),
                               metadata={"doc": "'none': one cut per layer and head; 'segments': each segment of positions keeps the layer's share"})
     segment: int = attrs.field(default=128, validator=integer(1, 1 << 20), metadata={"doc": "positions per segment (spread = 'segments')"})
+    pool: int = attrs.field(default=1, validator=integer(1, 255),
+                            metadata={"doc": "odd: each token scores the largest score within pool // 2 positions of it (1: its own)"})
+
+    def __attrs_post_init__(self) -> None:
+        if self.pool % 2 == 0:
+            raise ValueError(f"'pool' must be odd (a window centred on the token), got {self.pool}")
 
     def name(self) -> str:
         return "kvzip"
+
+    def prepare_importance(self, scores: torch.Tensor) -> torch.Tensor:
+        """``pool`` > 1: each scored token takes the largest finite score of its ``pool`` neighbourhood in its
+        layer and head (SnapKV's clustering, applied to reconstruction scores), so a kept token keeps its
+        neighbours' chance; ``+inf`` entries stay as they are and lend nothing."""
+        if self.pool == 1:
+            return scores
+        infinite = torch.isinf(scores)
+        finite = scores.masked_fill(infinite, -math.inf)
+        shape = finite.shape
+        pooled = torch.nn.functional.max_pool1d(finite.reshape(-1, 1, shape[-1]), self.pool, stride=1, padding=self.pool // 2)
+        return torch.where(infinite, scores, pooled.reshape(shape))
 
     def keep(self, block: EvictionBlock) -> torch.Tensor:
         if block.importance is None:
