@@ -1,15 +1,19 @@
 """Decode attention alone: the ``lowbit`` kernel (prerope-k4v2's storage: 4-bit pre-RoPE keys per channel
 with one exact outlier, 2-bit rotated values) against SDPA over a full bf16 cache.
 
-    python benchmarks/lowbit_kernel.py [--tokens 32768,65536,131072] [--batches 1,8,32] [--out DIR]
+    python benchmarks/lowbit_kernel.py [--tokens 32768,65536,131072] [--batches 1,8,32]
+        [--configs subtile:16:4,simt:16:4] [--out DIR]
 
 Shape: Llama-3-8B attention (32 query heads, 8 KV heads, head_dim 128, rope theta 500000), one new query
 token per sequence. The packed storage is written by the real quantizers (``channel-group`` 4-bit, group 64,
 one outlier; ``rotated-token`` 2-bit, normal levels) from random keys and values; the exact window holds
-16 tokens. Reported per (T, B): SDPA and kernel time (median of ``--reps`` calls, CUDA events), speed-up,
-the bytes the kernel reads (``nbytes`` of every packed tensor and the exact window), the bandwidth that
-implies and its share of the measured copy bandwidth, the bytes ratio against the bf16 cache, and the
-largest difference from the torch twin (checked at the smallest size). A table on stdout, JSON in ``--out``.
+16 tokens. Reported per (T, B) and kernel configuration (``variant:block:warps``, the Triton kernels of
+``kvweave.kernels.lowbit_decode.VARIANTS``): SDPA and kernel GPU time (the kernels' device time from the torch
+profiler per call, combine and exact-window merge included; host time left out), the kernel's wall time per
+call (CUDA events, host included), speed-up on GPU time, the bytes the kernel reads (``nbytes`` of every packed
+tensor and the exact window), the bandwidth that implies and its share of the measured copy bandwidth, the
+bytes ratio against the bf16 cache; before that, each configuration's largest difference from the torch twin
+(T = 4096) and the compiled kernel's registers and spills. A table on stdout, JSON in ``--out``.
 """
 
 from __future__ import annotations
@@ -23,8 +27,8 @@ import attrs
 import torch
 import torch.nn.functional as F
 
-from decode_kernel import copy_bandwidth, timed  # the same timing as the fused kernel's benchmark
-from kvweave.kernels.lowbit_decode import LowbitView, level_kind, lowbit_decode, torch_lowbit_decode
+from decode_kernel import copy_bandwidth, device_us, timed  # the same timing as the fused kernel's benchmark
+from kvweave.kernels.lowbit_decode import VARIANTS, LowbitView, level_kind, lowbit_decode, torch_lowbit_decode
 from kvweave.plugins.quantizers._bitpack import normal_levels
 from kvweave.plugins.quantizers.channel_group import ChannelGroupQuantizer
 from kvweave.plugins.quantizers.rotated_token import RotatedTokenQuantizer, rotation_matrix
@@ -67,18 +71,45 @@ def view_bytes(view: LowbitView) -> int:
     return sum(t.nbytes for t in tensors if t is not None)
 
 
+def kernel_stats(variant: str) -> str:
+    """Registers and spills of the compiled Triton kernel of ``variant`` (as far as this Triton reports them)."""
+    from kvweave.kernels import lowbit_triton
+
+    name = {"subtile": "_lowbit_fast_kernel", "general": "_lowbit_kernel", "simt": "_lowbit_simt_kernel"}[variant]
+    found = []
+    try:
+        for per_device in getattr(getattr(lowbit_triton, name), "device_caches", {}).values():
+            for compiled in per_device[0].values():
+                found.append(f"{getattr(compiled, 'n_regs', '?')} registers, {getattr(compiled, 'n_spills', '?')} spills")
+    except Exception as exc:  # noqa: BLE001 - Triton's cache layout differs between versions; the stats are a courtesy
+        return f"(not reported: {type(exc).__name__})"
+    return "; ".join(found) or "(not reported)"
+
+
+def parse_configs(text: str) -> list[tuple[str, int, int]]:
+    """``variant:block:warps`` items, comma-separated (``subtile:16:4,simt:32:8``)."""
+    configs = []
+    for item in text.split(","):
+        parts = item.split(":")
+        if len(parts) != 3 or parts[0] not in VARIANTS or not parts[1].isdigit() or not parts[2].isdigit():
+            raise SystemExit(f"--configs: {item!r} is not variant:block:warps with variant one of {', '.join(VARIANTS)}")
+        configs.append((parts[0], int(parts[1]), int(parts[2])))
+    return configs
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--tokens", default="32768,65536,131072")
     parser.add_argument("--batches", default="1,8,32")
     parser.add_argument("--reps", type=int, default=30)
-    parser.add_argument("--block", type=int, default=16, help="tokens per loop step of a kernel program (divides 64)")
-    parser.add_argument("--num-warps", type=int, default=4, help="warps per kernel program")
+    parser.add_argument("--configs", default="subtile:16:4,simt:16:4",
+                        help="kernels timed, each variant:block:warps (variant: subtile, general, simt; block: tokens per "
+                             "loop step, divides 64; warps per program)")
     parser.add_argument("--programs", type=int, default=264, help="kernel programs to aim for (splits of the tokens)")
-    parser.add_argument("--general", action="store_true", help="time the general kernel instead of the sub-tile one")
     parser.add_argument("--post-rope", action="store_true", help="keys stored after RoPE (no rotation in the kernel)")
     parser.add_argument("--out", default="results/lowbit_kernel")
     args = parser.parse_args()
+    configs = parse_configs(args.configs)
     if not torch.cuda.is_available():
         raise SystemExit("lowbit_kernel.py times CUDA kernels; run it on a GPU machine")
     bandwidth = copy_bandwidth()
@@ -86,11 +117,16 @@ def main() -> None:
     scale = HEAD_DIM ** -0.5
     small = packed_view(1, 4096)
     q_small = torch.randn(1, Q_HEADS, HEAD_DIM, device="cuda")
-    twin = float((lowbit_decode(small, q_small, None, scale, args.block, args.num_warps, not args.general) - torch_lowbit_decode(small, q_small, None, scale)).abs().max())
-    print(f"largest difference from the torch twin (T = 4096, B = 1): {twin:.2e}\n")
+    reference = torch_lowbit_decode(small, q_small, None, scale)
+    twins = {}
+    for variant, block, warps in configs:
+        out = lowbit_decode(small, q_small, None, scale, block, warps, variant, args.programs)
+        twins[f"{variant}:{block}:{warps}"] = float((out - reference).abs().max())
+        print(f"{variant}:{block}:{warps}: largest difference from the torch twin (T = 4096, B = 1) {twins[f'{variant}:{block}:{warps}']:.2e}; "
+              f"compiled: {kernel_stats(variant)}")
     rows = []
-    print("| T | B | SDPA us | lowbit us | speed-up | bytes read | GB/s | % of copy bw | bytes ratio |")
-    print("|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+    print("\n| T | B | kernel | SDPA us (GPU) | lowbit us (GPU) | lowbit us (wall) | speed-up (GPU) | bytes read | GB/s | % of copy bw | bytes ratio |")
+    print("|---:|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|")
     for tokens in (int(t) for t in args.tokens.split(",")):
         for batch in (int(b) for b in args.batches.split(",")):
             full_bytes = 2 * batch * KV_HEADS * (tokens + WINDOW) * HEAD_DIM * 2
@@ -102,22 +138,26 @@ def main() -> None:
             q = torch.randn(batch, Q_HEADS, HEAD_DIM, device="cuda", dtype=torch.bfloat16)
             keys = torch.randn(batch, KV_HEADS, tokens + WINDOW, HEAD_DIM, device="cuda", dtype=torch.bfloat16)
             values = torch.randn_like(keys)
-            sdpa = timed(lambda: F.scaled_dot_product_attention(q[:, :, None], keys, values, enable_gqa=True), args.reps)
-            kernel = timed(lambda: lowbit_decode(view, q, None, scale, args.block, args.num_warps, not args.general, args.programs), args.reps)
+            sdpa_call = lambda: F.scaled_dot_product_attention(q[:, :, None], keys, values, enable_gqa=True)  # noqa: E731
+            sdpa = device_us(sdpa_call, args.reps)
             read = view_bytes(view)
-            row = {"tokens": tokens, "batch": batch, "sdpa_us": sdpa, "kernel_us": kernel, "speedup": sdpa / kernel,
-                   "bytes_read": read, "gbps": read / kernel / 1e3, "of_copy": read / (kernel * 1e-6) / bandwidth,
-                   "bytes_ratio": full_bytes / read}
-            rows.append(row)
-            print(f"| {tokens} | {batch} | {sdpa:.1f} | {kernel:.1f} | {row['speedup']:.2f}x | {read / 1e6:.1f} MB | "
-                  f"{row['gbps']:.0f} | {100 * row['of_copy']:.0f}% | {row['bytes_ratio']:.2f}x |")
+            for variant, block, warps in configs:
+                call = lambda: lowbit_decode(view, q, None, scale, block, warps, variant, args.programs)  # noqa: E731
+                kernel = device_us(call, args.reps)
+                wall = timed(call, args.reps)
+                row = {"tokens": tokens, "batch": batch, "kernel": f"{variant}:{block}:{warps}", "sdpa_us": sdpa, "kernel_us": kernel,
+                       "wall_us": wall, "speedup": sdpa / kernel, "bytes_read": read, "gbps": read / kernel / 1e3,
+                       "of_copy": read / (kernel * 1e-6) / bandwidth, "bytes_ratio": full_bytes / read}
+                rows.append(row)
+                print(f"| {tokens} | {batch} | {row['kernel']} | {sdpa:.1f} | {kernel:.1f} | {wall:.1f} | {row['speedup']:.2f}x | "
+                      f"{read / 1e6:.1f} MB | {row['gbps']:.0f} | {100 * row['of_copy']:.0f}% | {row['bytes_ratio']:.2f}x |", flush=True)
             del view, keys, values
             torch.cuda.empty_cache()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     stamp = datetime.date.today().isoformat()
-    (out / "lowbit_kernel.json").write_text(json.dumps({"date": stamp, "device": torch.cuda.get_device_name(),
-                                                        "copy_bandwidth": bandwidth, "twin_difference": twin, "rows": rows}, indent=1))
+    (out / "lowbit_kernel.json").write_text(json.dumps({"date": stamp, "device": torch.cuda.get_device_name(), "configs": args.configs,
+                                                        "copy_bandwidth": bandwidth, "twin_difference": twins, "rows": rows}, indent=1))
 
 
 if __name__ == "__main__":

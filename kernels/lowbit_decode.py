@@ -222,19 +222,45 @@ def choose_splits(tokens: int, programs: int, target: int = 264) -> int:
     return max(1, min(most, -(-target // max(1, programs))))
 
 
-def lowbit_decode(view: LowbitView, q: torch.Tensor, start: torch.Tensor | None, scaling: float,
-                  block: int = 16, num_warps: int = 4, fast: bool = True, programs: int = 264) -> torch.Tensor:
-    """The Triton path of :func:`torch_lowbit_decode`: [B, Hq, D] float32. On a GPU the two products of
-    each tile take bfloat16 operands (float32 sums), as sdpa over the reference path's bfloat16 keys does;
-    under ``TRITON_INTERPRET=1`` they stay float32, so the tests compare it with the twin closely."""
-    if jit.triton is None:
-        raise RuntimeError("the lowbit kernel needs Triton; use backend 'torch'")
+#: the Triton kernels :func:`lowbit_decode` can run: "subtile" (tensor-core tiles of 16 channels taken straight
+#: from the packed bytes; 2- and 4-bit ``channel-group`` keys, 2- and 4-bit values), "general" (tensor-core tiles,
+#: any storage), "simt" (no tensor cores: products reduced in registers, query heads not padded to 16 rows; any
+#: storage); "auto": "subtile" where it applies, else "general"
+VARIANTS = ("auto", "subtile", "general", "simt")
+
+
+@attrs.frozen
+class Launch:
+    """One launch of a lowbit Triton kernel: ``kernel[grid](*args, **constants)`` fills ``m``, ``l`` [BH, splits,
+    rows] and ``acc`` [BH, splits, rows, D] (running max, sum and output of each split, rows = the KV head's
+    query heads padded)."""
+
+    kernel: Any
+    grid: tuple[int, int]
+    args: tuple
+    constants: dict
+    m: torch.Tensor
+    l: torch.Tensor
+    acc: torch.Tensor
+
+
+def plan_launch(view: LowbitView, q: torch.Tensor, start: torch.Tensor | None, scaling: float, block: int = 16,
+                num_warps: int = 4, variant: str = "auto", programs: int = 264, lowp: bool | None = None) -> Launch:
+    """The launch :func:`lowbit_decode` makes for ``view`` (``view.tokens`` > 0); ``lowp``: bfloat16 tile operands
+    (None: where ``q`` is on a GPU)."""
+    if variant not in VARIANTS:
+        raise ValueError(f"lowbit kernel variant {variant!r}: expected one of {', '.join(VARIANTS)}")
+    if variant == "subtile" and not fast_path(view):
+        raise ValueError("the lowbit 'subtile' kernel takes 2- or 4-bit channel-group keys and 2- or 4-bit values with 16 "
+                         "channels a sub-tile; use variant 'general' or 'simt'")
+    if variant == "auto":
+        variant = "subtile" if fast_path(view) else "general"
     batch, q_heads, dim = q.shape
     heads = view.exact_k.shape[1]
     group = q_heads // heads
-    if view.tokens == 0:
-        return torch_lowbit_decode(view, q, start, scaling)
-    rows = max(16, 1 << (group - 1).bit_length())  # tensor-core tiles take 16 rows
+    rows = 1 << (group - 1).bit_length()  # a power of two
+    if variant != "simt":
+        rows = max(16, rows)  # tensor-core tiles take 16 rows
     padded = q.new_zeros(batch * heads, rows, dim, dtype=torch.float32)
     padded[:, :group] = q.float().reshape(batch * heads, group, dim)
     if view.k_group % block:
@@ -260,15 +286,34 @@ def lowbit_decode(view: LowbitView, q: torch.Tensor, start: torch.Tensor | None,
     )
     constants = dict(
         D=dim, G=rows, KBITS=view.k_bits, KGROUP=view.k_group, KO=ko, VBITS=view.v_bits, VGROUP=view.v_group,
-        ROPE=view.inv_freq is not None, HAS_START=start is not None, BLOCK=block, LOWP=q.is_cuda, num_warps=num_warps,
-        KWIDTH=view.k_codes.shape[-1], VARW=varw, VLOG=view.v_scale_max is not None, VST=view.v_scale_tokens,
-        HAS_POS=view.positions is not None,
+        ROPE=view.inv_freq is not None, HAS_START=start is not None, BLOCK=block, LOWP=q.is_cuda if lowp is None else lowp,
+        num_warps=num_warps, KWIDTH=view.k_codes.shape[-1], VARW=varw, VLOG=view.v_scale_max is not None,
+        VST=view.v_scale_tokens, HAS_POS=view.positions is not None,
     )
-    if fast and fast_path(view):
-        kind, l0, l1 = view.level_kind or level_kind(view.v_levels.tolist())
-        jit._lowbit_fast_kernel[(batch * heads, splits)](*args, l0, l1, LEVELS=kind, **constants)
-    else:
-        jit._lowbit_kernel[(batch * heads, splits)](*args, **constants)
+    if variant == "general":
+        return Launch(jit._lowbit_kernel, (batch * heads, splits), args, constants, m, l, acc)
+    kind, l0, l1 = view.level_kind or level_kind(view.v_levels.tolist())
+    kernel = jit._lowbit_fast_kernel if variant == "subtile" else jit._lowbit_simt_kernel
+    return Launch(kernel, (batch * heads, splits), (*args, l0, l1), {**constants, "LEVELS": kind}, m, l, acc)
+
+
+def lowbit_decode(view: LowbitView, q: torch.Tensor, start: torch.Tensor | None, scaling: float,
+                  block: int = 16, num_warps: int = 4, variant: str = "auto", programs: int = 264) -> torch.Tensor:
+    """The Triton path of :func:`torch_lowbit_decode`: [B, Hq, D] float32. On a GPU the two products of
+    each tile take bfloat16 operands (float32 sums), as sdpa over the reference path's bfloat16 keys does;
+    under ``TRITON_INTERPRET=1`` they stay float32, so the tests compare it with the twin closely.
+    ``variant``: which kernel (:data:`VARIANTS`)."""
+    if jit.triton is None:
+        raise RuntimeError("the lowbit kernel needs Triton; use backend 'torch'")
+    if variant not in VARIANTS:
+        raise ValueError(f"lowbit kernel variant {variant!r}: expected one of {', '.join(VARIANTS)}")
+    if view.tokens == 0:
+        return torch_lowbit_decode(view, q, start, scaling)
+    batch, q_heads, dim = q.shape
+    group = q_heads // view.exact_k.shape[1]
+    launch = plan_launch(view, q, start, scaling, block, num_warps, variant, programs)
+    launch.kernel[launch.grid](*launch.args, **launch.constants)
+    m, l, acc = launch.m, launch.l, launch.acc
     top = m.amax(1)  # [BH, rows]
     safe = torch.where(torch.isinf(top), torch.zeros_like(top), top)
     weight = torch.exp(m - safe[:, None])

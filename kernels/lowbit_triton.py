@@ -156,18 +156,24 @@ if triton is not None:
         return keys
 
     @triton.jit
+    def _level(code, vlev_ptr, VBITS: tl.constexpr, LEVELS: tl.constexpr, l0, l1):
+        """The value level of each code (:func:`kvweave.kernels.lowbit_decode.level_kind`): arithmetic where the
+        levels allow it, else a load from the table."""
+        if LEVELS == 1:  # uniform, symmetric: code - (2**bits - 1) / 2
+            return code.to(tl.float32) - ((1 << VBITS) - 1) / 2
+        elif LEVELS == 2:  # the four normal levels -l1, -l0, l0, l1
+            return tl.where(code >= 2, 1.0, -1.0) * tl.where((code == 0) | (code == 3), l1, l0)
+        else:
+            return tl.load(vlev_ptr + code)
+
+    @triton.jit
     def _value_sub(vc_row, vs_row, vmax_row, vlev_ptr, t_loc, t_ok, t0, j, R: tl.constexpr, VBITS: tl.constexpr, VWIDTH: tl.constexpr,
                    VGROUPS: tl.constexpr, VGROUP: tl.constexpr, LEVELS: tl.constexpr, l0, l1, VLOG: tl.constexpr, VST: tl.constexpr):
         """Sub-tile ``R`` of a value tile (rotated space): channels ``j * per + R``."""
         per: tl.constexpr = 8 // VBITS
         byte = tl.load(vc_row + t_loc[:, None] * VWIDTH + j[None, :], mask=t_ok[:, None], other=0)
         code = (byte.to(tl.int32) >> (R * VBITS)) & ((1 << VBITS) - 1)
-        if LEVELS == 1:  # uniform, symmetric: code - (2**bits - 1) / 2
-            level = code.to(tl.float32) - ((1 << VBITS) - 1) / 2
-        elif LEVELS == 2:  # the four normal levels -l1, -l0, l0, l1
-            level = tl.where(code >= 2, 1.0, -1.0) * tl.where((code == 0) | (code == 3), l1, l0)
-        else:
-            level = tl.load(vlev_ptr + code)
+        level = _level(code, vlev_ptr, VBITS, LEVELS, l0, l1)
         scale = _value_scale(vs_row, vmax_row, t0 + t_loc, t_ok, ((j * per + R) // VGROUP)[None, :], VGROUPS, VLOG, VST)
         return level * scale
 
@@ -191,7 +197,6 @@ if triton is not None:
         HALF: tl.constexpr = D // 2
         NB: tl.constexpr = HALF // KP  # bytes of a half-head of keys
         NV: tl.constexpr = D // VP  # bytes of a value
-        KWIDTH: tl.constexpr = D * KBITS // 8
         VGROUPS: tl.constexpr = D // VGROUP
         gi = tl.arange(0, G)
         jb = tl.arange(0, NB)
@@ -282,3 +287,87 @@ if triton is not None:
             tl.store(base + (jv * VP + 3)[None, :], acc3)
 
 
+
+    @triton.jit
+    def _lowbit_simt_kernel(
+        q_ptr, kc_ptr, kz_ptr, ks_ptr, koi_ptr, kov_ptr, kw_ptr, koff_ptr, vc_ptr, vs_ptr, vmax_ptr, vlev_ptr, freq_ptr, start_ptr,
+        pos_ptr, m_ptr, l_ptr, acc_ptr,
+        tokens, heads, splits, split_len, first, rope_scale, scaling, l0, l1,
+        D: tl.constexpr, G: tl.constexpr, KBITS: tl.constexpr, KGROUP: tl.constexpr, KO: tl.constexpr,
+        VBITS: tl.constexpr, VGROUP: tl.constexpr, ROPE: tl.constexpr, HAS_START: tl.constexpr, BLOCK: tl.constexpr,
+        LOWP: tl.constexpr, LEVELS: tl.constexpr, KWIDTH: tl.constexpr, VARW: tl.constexpr, VLOG: tl.constexpr, VST: tl.constexpr,
+        HAS_POS: tl.constexpr,
+    ):
+        """The kernel without tensor-core tiles: ``G`` is the KV head's query heads rounded up to a power of two
+        (not padded to 16 rows), the logits and the value sums are products reduced in registers, and each half
+        of the head is dequantized once and rotated pairwise (no layout change between a dequantized tile and a
+        tile product). Every storage the general kernel reads (``_dequant``, ``_codes``, ``_value_scale``)."""
+        bh = tl.program_id(0)
+        split = tl.program_id(1)
+        batch = bh // heads
+        HALF: tl.constexpr = D // 2
+        lo_c = tl.arange(0, HALF)
+        hi_c = lo_c + HALF
+        chan = tl.arange(0, D)
+        gi = tl.arange(0, G)
+        q_row = q_ptr + bh.to(tl.int64) * G * D + gi[:, None] * D
+        q_lo = tl.load(q_row + lo_c[None, :]).to(tl.float32) * scaling
+        q_hi = tl.load(q_row + hi_c[None, :]).to(tl.float32) * scaling
+        if LOWP:  # the operands sdpa over bfloat16 keys multiplies (float32 sums)
+            q_lo = q_lo.to(tl.bfloat16).to(tl.float32)
+            q_hi = q_hi.to(tl.bfloat16).to(tl.float32)
+        if ROPE:
+            freq = tl.load(freq_ptr + lo_c)
+        start = 0
+        if HAS_START:
+            start = tl.load(start_ptr + batch)
+        m_i = tl.full([G], float("-inf"), tl.float32)
+        l_i = tl.zeros([G], tl.float32)
+        acc = tl.zeros([G, D], tl.float32)
+        row_off = bh.to(tl.int64) * tokens
+        v_width: tl.constexpr = D * VBITS // 8
+        v_groups: tl.constexpr = D // VGROUP
+        lo = split * split_len
+        hi = tl.minimum(lo + split_len, tokens)
+        for t0 in range(lo, hi, BLOCK):
+            t_idx = t0 + tl.arange(0, BLOCK)
+            t_ok = t_idx < hi
+            k_lo = _dequant(kc_ptr, kz_ptr, ks_ptr, koi_ptr, kov_ptr, kw_ptr, koff_ptr, row_off, t_idx, t_ok, lo_c, D, KBITS, KGROUP, KO, KWIDTH, VARW)
+            k_hi = _dequant(kc_ptr, kz_ptr, ks_ptr, koi_ptr, kov_ptr, kw_ptr, koff_ptr, row_off, t_idx, t_ok, hi_c, D, KBITS, KGROUP, KO, KWIDTH, VARW)
+            if HAS_POS:  # a cache that dropped tokens: each slot's cache index (-1: a filler)
+                pos = tl.load(pos_ptr + row_off + t_idx, mask=t_ok, other=-1).to(tl.int32)
+            else:
+                pos = first + t_idx
+            if ROPE:  # the angle reduced into [-pi, pi] as in the general kernel
+                angle = pos.to(tl.float32)[:, None] * freq[None, :]
+                turns = tl.floor(angle * 0.15915494309189535 + 0.5)
+                angle = (angle - turns * 6.28125) - turns * 0.0019353071795864769
+                cos = tl.cos(angle) * rope_scale
+                sin = tl.sin(angle) * rope_scale
+                k_lo, k_hi = k_lo * cos - k_hi * sin, k_hi * cos + k_lo * sin
+            if LOWP:
+                k_lo = k_lo.to(tl.bfloat16).to(tl.float32)
+                k_hi = k_hi.to(tl.bfloat16).to(tl.float32)
+            s = tl.sum(q_lo[:, None, :] * k_lo[None, :, :], axis=2) + tl.sum(q_hi[:, None, :] * k_hi[None, :, :], axis=2)  # [G, BLOCK]
+            visible = t_ok & (pos >= 0)
+            if HAS_START:
+                visible = visible & (pos >= start)
+            s = tl.where(visible[None, :], s, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(s, 1))
+            m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+            alpha = tl.exp(m_i - m_safe)
+            p = tl.exp(s - m_safe[:, None])
+            l_i = l_i * alpha + tl.sum(p, 1)
+            m_i = m_new
+            code = _codes(vc_ptr + row_off * v_width, t_idx, t_ok, chan, VBITS, v_width)
+            vscale = _value_scale(vs_ptr + row_off * v_groups, vmax_ptr + row_off // VST * v_groups, t_idx, t_ok,
+                                  (chan // VGROUP)[None, :], v_groups, VLOG, VST)
+            values = _level(code, vlev_ptr, VBITS, LEVELS, l0, l1) * vscale
+            if LOWP:
+                values = values.to(tl.bfloat16).to(tl.float32)
+                p = p.to(tl.bfloat16).to(tl.float32)
+            acc = acc * alpha[:, None] + tl.sum(p[:, :, None] * values[None, :, :], axis=1)
+        out = (bh * splits + split) * G
+        tl.store(m_ptr + out + gi, m_i)
+        tl.store(l_ptr + out + gi, l_i)
+        tl.store(acc_ptr + out.to(tl.int64) * D + gi[:, None] * D + chan[None, :], acc)

@@ -4,6 +4,10 @@ set by conftest.py) against its torch twin, and the twin against the reference p
 
 from __future__ import annotations
 
+import json
+import os
+import subprocess
+import sys
 import textwrap
 
 import attrs
@@ -13,8 +17,9 @@ import torch
 from kvweave.core.errors import ComponentError, ModelError, RegistryError
 from kvweave.core.registry import load_pipeline, load_registry
 from kvweave.engine import build_cache, cache_kwargs
+from kvweave.engine import importance
 from kvweave.engine.generation import generate
-from kvweave.kernels.lowbit_decode import lowbit_decode, torch_keys, torch_lowbit_decode
+from kvweave.kernels.lowbit_decode import VARIANTS as KERNELS, fast_path, lowbit_decode, plan_launch, torch_keys, torch_lowbit_decode
 
 from conftest import CharTokenizer, tiny_llama, write_registry
 
@@ -199,9 +204,9 @@ def test_the_triton_kernel_matches_its_torch_twin(model, registry, name):
     start = torch.tensor([40, 0], dtype=torch.int32)
     for first in (start, None):
         twin = torch_lowbit_decode(view, q, first, 0.125)
-        for fast in (True, False):  # the sub-tile kernel (where 16 channels fill a sub-tile) and the general one
-            kernel = lowbit_decode(view, q, first, 0.125, block=16, fast=fast)
-            assert torch.allclose(kernel, twin, atol=1e-5), (fast, (kernel - twin).abs().max())
+        for variant in KERNELS:  # auto: the sub-tile kernel where 16 channels fill a sub-tile, else the general one
+            kernel = lowbit_decode(view, q, first, 0.125, block=16, variant=variant) if variant != "subtile" or fast_path(view) else twin
+            assert torch.allclose(kernel, twin, atol=1e-5), (variant, (kernel - twin).abs().max())
 
 
 @pytest.mark.parametrize("name", ["t-lowbit-kvzip", "t-lowbit-kvzip-cg", "t-lowbit-sinks-kvzip"])
@@ -230,11 +235,78 @@ def test_a_cache_that_dropped_tokens_decodes_as_the_reference_path(model, regist
         assert hidden == (0 if view.restored_pos is None else int((view.restored_pos[0, 0] >= 0).sum()))
     q = torch.randn(2, 4, 64, generator=torch.Generator().manual_seed(5))
     twin = torch_lowbit_decode(view, q, None, 0.125)
-    for fast in (True, False):
-        kernel = lowbit_decode(view, q, None, 0.125, block=16, fast=fast)
-        assert torch.allclose(kernel, twin, atol=1e-5), (fast, (kernel - twin).abs().max())
+    for variant in KERNELS:
+        kernel = lowbit_decode(view, q, None, 0.125, block=16, variant=variant) if variant != "subtile" or fast_path(view) else twin
+        assert torch.allclose(kernel, twin, atol=1e-5), (variant, (kernel - twin).abs().max())
     moved = attrs.evolve(view, positions=positions + 7)  # the rotation follows the slots' positions
     assert not torch.allclose(torch_lowbit_decode(moved, q, None, 0.125), twin, atol=1e-3)
+
+
+TRITON_TYPES = {torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16", torch.uint8: "u8", torch.int8: "i8",
+                torch.int16: "i16", torch.int32: "i32", torch.int64: "i64"}
+
+# Compiles one kernel for an sm_90 target from the argument types and constants on stdin (no GPU needed: Triton
+# carries its own ptxas); run in a process of its own, since conftest.py puts this one in interpreter mode.
+COMPILE = """
+import json, sys
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from kvweave.kernels import lowbit_triton
+job = json.load(sys.stdin)
+fn = getattr(lowbit_triton, job["kernel"])
+signature = dict(zip(fn.arg_names, job["types"]))
+signature.update({name: "constexpr" for name in job["constants"]})
+constexprs = {(fn.arg_names.index(name),): value for name, value in job["constants"].items()}
+compiled = triton.compile(ASTSource(fn, signature, constexprs=constexprs), target=GPUTarget("cuda", 90, 32),
+                          options={"num_warps": job["num_warps"]})
+print(json.dumps({"cubin": len(compiled.asm["cubin"]), "ptx": compiled.asm["ptx"].count("\\n")}))
+"""
+
+
+def compile_for_gpu(launch) -> dict:
+    """Compile ``launch``'s kernel for an H100/H200 (sm_90) as the GPU would, with its argument types and constants."""
+    types = [TRITON_TYPES[a.dtype] if isinstance(a, torch.Tensor) else "fp32" if isinstance(a, float) else "i32" for a in launch.args]
+    types = ["*" + t if isinstance(a, torch.Tensor) else t for t, a in zip(types, launch.args)]
+    constants = {k: v for k, v in launch.constants.items() if k != "num_warps"}
+    job = {"kernel": getattr(launch.kernel, "fn", launch.kernel).__name__,
+           "types": types, "constants": constants, "num_warps": launch.constants["num_warps"]}
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    done = subprocess.run([sys.executable, "-c", COMPILE], input=json.dumps(job), capture_output=True, text=True, env=env, timeout=600)
+    assert done.returncode == 0, f"{job['kernel']} does not compile for sm_90:\n{done.stderr[-3000:]}"
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def _nvidia_backend() -> bool:
+    try:
+        from triton.backends import backends
+    except ImportError:
+        return False
+    return "nvidia" in backends
+
+
+@pytest.mark.skipif(not _nvidia_backend(), reason="Triton without its CUDA backend cannot compile for a GPU here")
+@pytest.mark.parametrize("name, variants", [
+    ("prerope-k4v2-lowbit", ("subtile", "general", "simt")),  # 4-bit keys with an outlier, 2-bit values
+    ("t-lowbit-alloc", ("general", "simt")),  # channel-alloc widths
+    ("t-lowbit-log8", ("general",)),  # one-byte value scales
+    ("t-lowbit-kvzip", ("auto",)),  # slots at their cache indices
+])
+def test_each_kernel_compiles_for_the_gpu_with_the_arguments_the_plugin_passes(model, registry, name, variants):
+    """Under the interpreter a kernel runs as Python, which accepts what the GPU compiler refuses (a constexpr
+    assigned twice once broke the sub-tile kernel on the GPU only): each variant is compiled for sm_90 from the
+    argument types and constants of a real launch, with the bfloat16 tile operands the GPU takes."""
+    ids = torch.randint(1, 128, (2, 230), generator=torch.Generator().manual_seed(2))
+    cache = build_cache(registry.resolve(name), model, tokenizer=CharTokenizer())
+    with torch.no_grad():
+        importance.prefill(model, cache, ids[:1] if importance.needs_importance(cache) else ids)  # kvzip scores whole rows
+    view = cache.engine.kernel.lowbit_view(cache.engine.view(1), torch.device("cpu"))
+    rows = view.exact_k.shape[0]
+    q = torch.randn(rows, 4, 64)
+    for variant in variants:
+        launch = plan_launch(view, q, torch.tensor([40, 0][:rows], dtype=torch.int32), 0.125, variant=variant, lowp=True)
+        stats = compile_for_gpu(launch)
+        assert stats["cubin"] > 0 and stats["ptx"] > 100, (variant, stats)
 
 
 def test_keys_rotated_in_registers_are_the_keys_the_engine_rotates(model):
