@@ -11,7 +11,8 @@ CPU). Both then merge the exact window (the recent tokens in the model's dtype) 
 
 Inputs (:class:`LowbitView`), ``BH`` = batch x KV heads, ``T`` packed tokens, ``D`` head dim:
 ``k_codes`` uint8 [BH, T, D * kbits / 8] (``channel-alloc.v1``: [BH, T, mean bits * D / 8] with ``k_widths``
-and ``k_offsets`` int32 [BH, T / kgroup, D], each channel's width and offset in the stream),
+uint8 [BH, T / kgroup, W] as stored, channel ``c`` of a token group ``k_widths[..., c % W]`` bits wide, at the
+offset the widths of the channels before it sum to; W = D / 2 where rotary pairs share a width),
 ``k_zero``/``k_scale`` float16 [BH, T / kgroup, D],
 ``k_out_index`` uint8 / ``k_out_value`` float16 [BH, T, KO]; ``v_codes`` uint8 [BH, T, D * vbits / 8],
 ``v_scale`` float16 [BH, T, D / vgroup] (``rotated-token-log8.v1``: uint8 ``k`` for ``v_scale_max * 2**(-k / 16)``,
@@ -66,10 +67,9 @@ class LowbitView:
     exact_v: torch.Tensor
     #: how the sub-tile kernel makes value levels (:func:`level_kind`); None: read from ``v_levels`` per call
     level_kind: tuple[int, float, float] | None = None
-    #: ``channel-alloc.v1`` keys: each channel's width and bit offset in its token's stream, int32 [BH, T /
-    #: k_group, D] (None: ``channel-group.v1``, every channel ``k_bits`` wide)
+    #: ``channel-alloc.v1`` keys: the widths as stored, uint8 [BH, T / k_group, W] (channel ``c`` takes ``c % W``;
+    #: None: ``channel-group.v1``, every channel ``k_bits`` wide)
     k_widths: torch.Tensor | None = None
-    k_offsets: torch.Tensor | None = None
     #: ``rotated-token-log8.v1`` values: the float16 maximum of each ``v_scale_tokens`` tokens' scales, [BH, T /
     #: v_scale_tokens, D / v_group] (``v_scale`` then holds the one-byte steps below it); None: float16 scales
     v_scale_max: torch.Tensor | None = None
@@ -109,7 +109,9 @@ def value_scales(view: LowbitView) -> torch.Tensor:
 def torch_keys(view: LowbitView) -> torch.Tensor:
     """The packed keys as attention reads them (rotated at their positions): float32 [BH, T, D]."""
     if view.k_widths is not None:
-        codes = unpack_varwidth(view.k_codes, view.k_widths.repeat_interleave(view.k_group, dim=-2)).float()
+        widths = view.k_widths.long()
+        widths = widths.repeat(1, 1, view.exact_k.shape[-1] // widths.shape[-1])  # channel c takes width c % W
+        codes = unpack_varwidth(view.k_codes, widths.repeat_interleave(view.k_group, dim=-2)).float()
     else:
         codes = unpack_codes(view.k_codes, view.k_bits).float()
     bh, tokens, dim = codes.shape
@@ -278,7 +280,7 @@ def plan_launch(view: LowbitView, q: torch.Tensor, start: torch.Tensor | None, s
     args = (
         padded, view.k_codes, view.k_zero, view.k_scale,
         view.k_out_index if ko else dummy, view.k_out_value if ko else dummy,
-        view.k_widths if varw else dummy, view.k_offsets if varw else dummy,
+        view.k_widths if varw else dummy,
         view.v_codes, view.v_scale, view.v_scale_max if view.v_scale_max is not None else view.v_scale, view.v_levels,
         view.inv_freq if view.inv_freq is not None else view.v_levels,
         start if start is not None else m, view.positions if view.positions is not None else m, m, l, acc,
@@ -288,7 +290,7 @@ def plan_launch(view: LowbitView, q: torch.Tensor, start: torch.Tensor | None, s
         D=dim, G=rows, KBITS=view.k_bits, KGROUP=view.k_group, KO=ko, VBITS=view.v_bits, VGROUP=view.v_group,
         ROPE=view.inv_freq is not None, HAS_START=start is not None, BLOCK=block, LOWP=q.is_cuda if lowp is None else lowp,
         num_warps=num_warps, KWIDTH=view.k_codes.shape[-1], VARW=varw, VLOG=view.v_scale_max is not None,
-        VST=view.v_scale_tokens, HAS_POS=view.positions is not None,
+        VST=view.v_scale_tokens, HAS_POS=view.positions is not None, KWW=view.k_widths.shape[-1] if varw else 1,
     )
     if variant == "general":
         return Launch(jit._lowbit_kernel, (batch * heads, splits), args, constants, m, l, acc)

@@ -34,15 +34,20 @@ if triton is not None:
         return _stream_codes(row_ptr, t_idx, t_ok, chan * BITS, tl.full(chan.shape, BITS, tl.int32), WIDTH)
 
     @triton.jit
-    def _dequant(codes_ptr, zero_ptr, scale_ptr, oi_ptr, ov_ptr, kw_ptr, koff_ptr, row_off, t_idx, t_ok, chan,
+    def _dequant(codes_ptr, zero_ptr, scale_ptr, oi_ptr, ov_ptr, kw_ptr, row_off, t_idx, t_ok, chan,
                  D: tl.constexpr, KBITS: tl.constexpr, KGROUP: tl.constexpr, KO: tl.constexpr, KWIDTH: tl.constexpr,
-                 VARW: tl.constexpr):
+                 VARW: tl.constexpr, KWW: tl.constexpr):
         """Keys [BLOCK_T, D] (channel order ``chan``) of tokens ``t_idx``, before the rotary embedding. ``VARW``:
-        each channel of the token group has its own width and offset in the token's stream (channel-alloc.v1)."""
+        each channel of the token group has its own width (channel-alloc.v1: ``KWW`` one-byte widths a group as
+        stored, channel ``c`` taking width ``c % KWW``), its offset in the token's stream the sum of the widths of
+        the channels before it, summed here."""
         group_row = tl.min(t_idx) // KGROUP  # a tile lies within one token group (BLOCK divides KGROUP)
         meta = (row_off // KGROUP) * D + group_row * D + chan
         if VARW:
-            code = _stream_codes(codes_ptr + row_off * KWIDTH, t_idx, t_ok, tl.load(koff_ptr + meta), tl.load(kw_ptr + meta), KWIDTH)
+            every = tl.arange(0, D)
+            widths = tl.load(kw_ptr + ((row_off // KGROUP) + group_row) * KWW + every % KWW).to(tl.int32)
+            starts = tl.cumsum(widths, 0) - widths
+            code = _stream_codes(codes_ptr + row_off * KWIDTH, t_idx, t_ok, tl.gather(starts, chan, 0), tl.gather(widths, chan, 0), KWIDTH)
         else:
             code = _codes(codes_ptr + row_off * KWIDTH, t_idx, t_ok, chan, KBITS, KWIDTH)
         zero = tl.load(zero_ptr + meta).to(tl.float32)
@@ -53,6 +58,29 @@ if triton is not None:
             value = tl.load(ov_ptr + row_off * KO + t_idx * KO + o, mask=t_ok, other=0.0).to(tl.float32)
             keys = tl.where(index[:, None] == chan[None, :], value[:, None], keys)
         return keys
+
+    @triton.jit
+    def _online_step(s, t_ok, pos, start, m_i, HAS_START: tl.constexpr):
+        """One tile of the online softmax: the logits ``s`` [G, BLOCK] of the visible slots (in the tile, not a filler,
+        at or after the row's first visible position) against the running max ``m_i``: (``p``, the factor ``alpha``
+        that rescales what was summed before, the new max)."""
+        visible = t_ok & (pos >= 0)
+        if HAS_START:
+            visible = visible & (pos >= start)
+        s = tl.where(visible[None, :], s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        return tl.exp(s - m_safe[:, None]), tl.exp(m_i - m_safe), m_new
+
+    @triton.jit
+    def _cos_sin(pos, freq, rope_scale):
+        """cos and sin [BLOCK, len(freq)] of the rotary angles ``pos * freq``, times ``rope_scale``; each angle reduced
+        into [-pi, pi] first (their large-argument path is slow): Cody-Waite with 2 pi = 6.28125 + 0.00193530717958647
+        (k * 6.28125 exact in float32 for k < 2**15, 200K positions)."""
+        angle = pos.to(tl.float32)[:, None] * freq[None, :]
+        turns = tl.floor(angle * 0.15915494309189535 + 0.5)
+        angle = (angle - turns * 6.28125) - turns * 0.0019353071795864769
+        return tl.cos(angle) * rope_scale, tl.sin(angle) * rope_scale
 
     @triton.jit
     def _value_scale(vs_row, vmax_row, t_idx, t_ok, group, VGROUPS: tl.constexpr, VLOG: tl.constexpr, VST: tl.constexpr):
@@ -66,13 +94,13 @@ if triton is not None:
 
     @triton.jit
     def _lowbit_kernel(
-        q_ptr, kc_ptr, kz_ptr, ks_ptr, koi_ptr, kov_ptr, kw_ptr, koff_ptr, vc_ptr, vs_ptr, vmax_ptr, vlev_ptr, freq_ptr, start_ptr,
+        q_ptr, kc_ptr, kz_ptr, ks_ptr, koi_ptr, kov_ptr, kw_ptr, vc_ptr, vs_ptr, vmax_ptr, vlev_ptr, freq_ptr, start_ptr,
         pos_ptr, m_ptr, l_ptr, acc_ptr,
         tokens, heads, splits, split_len, first, rope_scale, scaling,
         D: tl.constexpr, G: tl.constexpr, KBITS: tl.constexpr, KGROUP: tl.constexpr, KO: tl.constexpr,
         VBITS: tl.constexpr, VGROUP: tl.constexpr, ROPE: tl.constexpr, HAS_START: tl.constexpr, BLOCK: tl.constexpr,
         LOWP: tl.constexpr, KWIDTH: tl.constexpr, VARW: tl.constexpr, VLOG: tl.constexpr, VST: tl.constexpr,
-        HAS_POS: tl.constexpr,
+        HAS_POS: tl.constexpr, KWW: tl.constexpr,
     ):
         bh = tl.program_id(0)
         split = tl.program_id(1)
@@ -99,31 +127,20 @@ if triton is not None:
         for t0 in range(lo, hi, BLOCK):
             t_idx = t0 + tl.arange(0, BLOCK)
             t_ok = t_idx < hi
-            keys = _dequant(kc_ptr, kz_ptr, ks_ptr, koi_ptr, kov_ptr, kw_ptr, koff_ptr, row_off, t_idx, t_ok, chan, D, KBITS, KGROUP, KO, KWIDTH, VARW)
+            keys = _dequant(kc_ptr, kz_ptr, ks_ptr, koi_ptr, kov_ptr, kw_ptr, row_off, t_idx, t_ok, chan, D, KBITS, KGROUP, KO, KWIDTH, VARW, KWW)
             if HAS_POS:  # a cache that dropped tokens: each slot's cache index (-1: a filler)
                 pos = tl.load(pos_ptr + row_off + t_idx, mask=t_ok, other=-1).to(tl.int32)
             else:
                 pos = first + t_idx
             if ROPE:
-                other = _dequant(kc_ptr, kz_ptr, ks_ptr, koi_ptr, kov_ptr, kw_ptr, koff_ptr, row_off, t_idx, t_ok, partner, D, KBITS, KGROUP, KO, KWIDTH, VARW)
-                angle = pos.to(tl.float32)[:, None] * freq[None, :]
-                # into [-pi, pi] before cos/sin (their large-argument path is slow): Cody-Waite with 2 pi =
-                # 6.28125 + 0.00193530717958647 (k * 6.28125 exact in float32 for k < 2**15, 200K positions)
-                turns = tl.floor(angle * 0.15915494309189535 + 0.5)
-                angle = (angle - turns * 6.28125) - turns * 0.0019353071795864769
-                keys = (keys * tl.cos(angle) + sign[None, :] * other * tl.sin(angle)) * rope_scale
+                other = _dequant(kc_ptr, kz_ptr, ks_ptr, koi_ptr, kov_ptr, kw_ptr, row_off, t_idx, t_ok, partner, D, KBITS, KGROUP, KO, KWIDTH, VARW, KWW)
+                cos, sin = _cos_sin(pos, freq, rope_scale)
+                keys = keys * cos + sign[None, :] * other * sin
             if LOWP:  # tensor cores: bfloat16 operands (what sdpa over bfloat16 keys computes), float32 sums
                 s = tl.dot(q.to(tl.bfloat16), tl.trans(keys.to(tl.bfloat16)))  # [G, BLOCK]
             else:
                 s = tl.dot(q, tl.trans(keys), input_precision="ieee")
-            visible = t_ok & (pos >= 0)
-            if HAS_START:
-                visible = visible & (pos >= start)
-            s = tl.where(visible[None, :], s, float("-inf"))
-            m_new = tl.maximum(m_i, tl.max(s, 1))
-            m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-            alpha = tl.exp(m_i - m_safe)
-            p = tl.exp(s - m_safe[:, None])
+            p, alpha, m_new = _online_step(s, t_ok, pos, start, m_i, HAS_START)
             code = _codes(vc_ptr + row_off * v_width, t_idx, t_ok, chan, VBITS, v_width)
             level = tl.load(vlev_ptr + code)
             vscale = _value_scale(vs_ptr + row_off * v_groups, vmax_ptr + row_off // VST * v_groups, t_idx, t_ok,
@@ -179,13 +196,13 @@ if triton is not None:
 
     @triton.jit
     def _lowbit_fast_kernel(
-        q_ptr, kc_ptr, kz_ptr, ks_ptr, koi_ptr, kov_ptr, kw_ptr, koff_ptr, vc_ptr, vs_ptr, vmax_ptr, vlev_ptr, freq_ptr, start_ptr,
+        q_ptr, kc_ptr, kz_ptr, ks_ptr, koi_ptr, kov_ptr, kw_ptr, vc_ptr, vs_ptr, vmax_ptr, vlev_ptr, freq_ptr, start_ptr,
         pos_ptr, m_ptr, l_ptr, acc_ptr,
         tokens, heads, splits, split_len, first, rope_scale, scaling, l0, l1,
         D: tl.constexpr, G: tl.constexpr, KBITS: tl.constexpr, KGROUP: tl.constexpr, KO: tl.constexpr,
         VBITS: tl.constexpr, VGROUP: tl.constexpr, ROPE: tl.constexpr, HAS_START: tl.constexpr, BLOCK: tl.constexpr,
         LOWP: tl.constexpr, LEVELS: tl.constexpr, KWIDTH: tl.constexpr, VARW: tl.constexpr, VLOG: tl.constexpr, VST: tl.constexpr,
-        HAS_POS: tl.constexpr,
+        HAS_POS: tl.constexpr, KWW: tl.constexpr,
     ):
         """The kernel with each tile split into sub-tiles of channels ``byte * per + r`` taken straight from the
         packed bytes (no per-element gather), each half of the head dequantized once and rotated pairwise."""
@@ -234,11 +251,7 @@ if triton is not None:
                 k_hi = _key_sub(kc_row, kz_row, ks_row, koi_row, kov_row, t_loc, t_ok, jb + NB, chan_hi, r, KBITS, KWIDTH, D, KO)
                 if ROPE:
                     freq = tl.load(freq_ptr + chan_lo)
-                    angle = pos.to(tl.float32)[:, None] * freq[None, :]
-                    turns = tl.floor(angle * 0.15915494309189535 + 0.5)
-                    angle = (angle - turns * 6.28125) - turns * 0.0019353071795864769
-                    cos = tl.cos(angle) * rope_scale
-                    sin = tl.sin(angle) * rope_scale
+                    cos, sin = _cos_sin(pos, freq, rope_scale)
                     k_lo, k_hi = k_lo * cos - k_hi * sin, k_hi * cos + k_lo * sin
                 q_lo = tl.load(q_row + gi[:, None] * D + chan_lo[None, :]) * scaling
                 q_hi = tl.load(q_row + gi[:, None] * D + chan_hi[None, :]) * scaling
@@ -248,14 +261,7 @@ if triton is not None:
                 else:
                     s += tl.dot(q_lo, tl.trans(k_lo), input_precision="ieee")
                     s += tl.dot(q_hi, tl.trans(k_hi), input_precision="ieee")
-            visible = t_ok & (pos >= 0)
-            if HAS_START:
-                visible = visible & (pos >= start)
-            s = tl.where(visible[None, :], s, float("-inf"))
-            m_new = tl.maximum(m_i, tl.max(s, 1))
-            m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-            alpha = tl.exp(m_i - m_safe)
-            p = tl.exp(s - m_safe[:, None])
+            p, alpha, m_new = _online_step(s, t_ok, pos, start, m_i, HAS_START)
             l_i = l_i * alpha + tl.sum(p, 1)
             m_i = m_new
             vc_row = vc_ptr + (row + t0) * NV
@@ -290,13 +296,13 @@ if triton is not None:
 
     @triton.jit
     def _lowbit_simt_kernel(
-        q_ptr, kc_ptr, kz_ptr, ks_ptr, koi_ptr, kov_ptr, kw_ptr, koff_ptr, vc_ptr, vs_ptr, vmax_ptr, vlev_ptr, freq_ptr, start_ptr,
+        q_ptr, kc_ptr, kz_ptr, ks_ptr, koi_ptr, kov_ptr, kw_ptr, vc_ptr, vs_ptr, vmax_ptr, vlev_ptr, freq_ptr, start_ptr,
         pos_ptr, m_ptr, l_ptr, acc_ptr,
         tokens, heads, splits, split_len, first, rope_scale, scaling, l0, l1,
         D: tl.constexpr, G: tl.constexpr, KBITS: tl.constexpr, KGROUP: tl.constexpr, KO: tl.constexpr,
         VBITS: tl.constexpr, VGROUP: tl.constexpr, ROPE: tl.constexpr, HAS_START: tl.constexpr, BLOCK: tl.constexpr,
         LOWP: tl.constexpr, LEVELS: tl.constexpr, KWIDTH: tl.constexpr, VARW: tl.constexpr, VLOG: tl.constexpr, VST: tl.constexpr,
-        HAS_POS: tl.constexpr,
+        HAS_POS: tl.constexpr, KWW: tl.constexpr,
     ):
         """The kernel without tensor-core tiles: ``G`` is the KV head's query heads rounded up to a power of two
         (not padded to 16 rows), the logits and the value sums are products reduced in registers, and each half
@@ -332,31 +338,20 @@ if triton is not None:
         for t0 in range(lo, hi, BLOCK):
             t_idx = t0 + tl.arange(0, BLOCK)
             t_ok = t_idx < hi
-            k_lo = _dequant(kc_ptr, kz_ptr, ks_ptr, koi_ptr, kov_ptr, kw_ptr, koff_ptr, row_off, t_idx, t_ok, lo_c, D, KBITS, KGROUP, KO, KWIDTH, VARW)
-            k_hi = _dequant(kc_ptr, kz_ptr, ks_ptr, koi_ptr, kov_ptr, kw_ptr, koff_ptr, row_off, t_idx, t_ok, hi_c, D, KBITS, KGROUP, KO, KWIDTH, VARW)
+            k_lo = _dequant(kc_ptr, kz_ptr, ks_ptr, koi_ptr, kov_ptr, kw_ptr, row_off, t_idx, t_ok, lo_c, D, KBITS, KGROUP, KO, KWIDTH, VARW, KWW)
+            k_hi = _dequant(kc_ptr, kz_ptr, ks_ptr, koi_ptr, kov_ptr, kw_ptr, row_off, t_idx, t_ok, hi_c, D, KBITS, KGROUP, KO, KWIDTH, VARW, KWW)
             if HAS_POS:  # a cache that dropped tokens: each slot's cache index (-1: a filler)
                 pos = tl.load(pos_ptr + row_off + t_idx, mask=t_ok, other=-1).to(tl.int32)
             else:
                 pos = first + t_idx
-            if ROPE:  # the angle reduced into [-pi, pi] as in the general kernel
-                angle = pos.to(tl.float32)[:, None] * freq[None, :]
-                turns = tl.floor(angle * 0.15915494309189535 + 0.5)
-                angle = (angle - turns * 6.28125) - turns * 0.0019353071795864769
-                cos = tl.cos(angle) * rope_scale
-                sin = tl.sin(angle) * rope_scale
+            if ROPE:
+                cos, sin = _cos_sin(pos, freq, rope_scale)
                 k_lo, k_hi = k_lo * cos - k_hi * sin, k_hi * cos + k_lo * sin
             if LOWP:
                 k_lo = k_lo.to(tl.bfloat16).to(tl.float32)
                 k_hi = k_hi.to(tl.bfloat16).to(tl.float32)
             s = tl.sum(q_lo[:, None, :] * k_lo[None, :, :], axis=2) + tl.sum(q_hi[:, None, :] * k_hi[None, :, :], axis=2)  # [G, BLOCK]
-            visible = t_ok & (pos >= 0)
-            if HAS_START:
-                visible = visible & (pos >= start)
-            s = tl.where(visible[None, :], s, float("-inf"))
-            m_new = tl.maximum(m_i, tl.max(s, 1))
-            m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-            alpha = tl.exp(m_i - m_safe)
-            p = tl.exp(s - m_safe[:, None])
+            p, alpha, m_new = _online_step(s, t_ok, pos, start, m_i, HAS_START)
             l_i = l_i * alpha + tl.sum(p, 1)
             m_i = m_new
             code = _codes(vc_ptr + row_off * v_width, t_idx, t_ok, chan, VBITS, v_width)

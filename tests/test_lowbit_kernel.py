@@ -209,6 +209,21 @@ def test_the_triton_kernel_matches_its_torch_twin(model, registry, name):
             assert torch.allclose(kernel, twin, atol=1e-5), (variant, (kernel - twin).abs().max())
 
 
+def test_two_bit_keys_at_head_dim_128_take_the_subtile_kernel(registry):
+    """At D = 128 a half-head of 2-bit keys fills a 16-channel sub-tile: four query sub-tiles per step."""
+    model = tiny_llama(layers=2, hidden=512)
+    ids = torch.randint(1, 128, (2, 230), generator=torch.Generator().manual_seed(2))
+    cache = build_cache(registry.resolve("t-lowbit-k2v4"), model)
+    with torch.no_grad():
+        model(input_ids=ids, use_cache=True, **cache_kwargs(model, cache))
+    view = cache.engine.kernel.lowbit_view(cache.engine.view(1), torch.device("cpu"))
+    assert view.k_bits == 2 and view.exact_k.shape[-1] == 128 and fast_path(view)
+    q = torch.randn(2, 4, 128, generator=torch.Generator().manual_seed(3))
+    twin = torch_lowbit_decode(view, q, torch.tensor([40, 0], dtype=torch.int32), 0.125)
+    kernel = lowbit_decode(view, q, torch.tensor([40, 0], dtype=torch.int32), 0.125, variant="subtile")
+    assert torch.allclose(kernel, twin, atol=1e-5), (kernel - twin).abs().max()
+
+
 @pytest.mark.parametrize("name", ["t-lowbit-kvzip", "t-lowbit-kvzip-cg", "t-lowbit-sinks-kvzip"])
 def test_a_cache_that_dropped_tokens_decodes_as_the_reference_path(model, registry, name):
     """KVzip keeps about half of the context: the kernel reads each slot at its cache index (keys rotated there)
@@ -286,27 +301,54 @@ def _nvidia_backend() -> bool:
 
 
 @pytest.mark.skipif(not _nvidia_backend(), reason="Triton without its CUDA backend cannot compile for a GPU here")
-@pytest.mark.parametrize("name, variants", [
-    ("prerope-k4v2-lowbit", ("subtile", "general", "simt")),  # 4-bit keys with an outlier, 2-bit values
-    ("t-lowbit-alloc", ("general", "simt")),  # channel-alloc widths
-    ("t-lowbit-log8", ("general",)),  # one-byte value scales
-    ("t-lowbit-kvzip", ("auto",)),  # slots at their cache indices
+@pytest.mark.parametrize("name, variants, hidden", [
+    ("prerope-k4v2-lowbit", ("subtile", "general", "simt"), 64),  # 4-bit keys with an outlier, 2-bit values
+    ("t-lowbit-k2v4", ("subtile",), 512),  # 2-bit keys at head_dim 128: four query sub-tiles
+    ("t-lowbit-alloc", ("general", "simt"), 64),  # channel-alloc widths
+    ("t-lowbit-log8", ("general",), 64),  # one-byte value scales
+    ("t-lowbit-kvzip", ("auto",), 64),  # slots at their cache indices
 ])
-def test_each_kernel_compiles_for_the_gpu_with_the_arguments_the_plugin_passes(model, registry, name, variants):
+def test_each_kernel_compiles_for_the_gpu_with_the_arguments_the_plugin_passes(model, registry, name, variants, hidden):
     """Under the interpreter a kernel runs as Python, which accepts what the GPU compiler refuses (a constexpr
     assigned twice once broke the sub-tile kernel on the GPU only): each variant is compiled for sm_90 from the
     argument types and constants of a real launch, with the bfloat16 tile operands the GPU takes."""
     ids = torch.randint(1, 128, (2, 230), generator=torch.Generator().manual_seed(2))
+    model = model if hidden == 64 else tiny_llama(layers=2, hidden=hidden)
     cache = build_cache(registry.resolve(name), model, tokenizer=CharTokenizer())
     with torch.no_grad():
         importance.prefill(model, cache, ids[:1] if importance.needs_importance(cache) else ids)  # kvzip scores whole rows
     view = cache.engine.kernel.lowbit_view(cache.engine.view(1), torch.device("cpu"))
     rows = view.exact_k.shape[0]
-    q = torch.randn(rows, 4, 64)
+    q = torch.randn(rows, 4, view.exact_k.shape[-1])
     for variant in variants:
         launch = plan_launch(view, q, torch.tensor([40, 0][:rows], dtype=torch.int32), 0.125, variant=variant, lowp=True)
         stats = compile_for_gpu(launch)
         assert stats["cubin"] > 0 and stats["ptx"] > 100, (variant, stats)
+
+
+def _held_bytes(item) -> int:
+    if isinstance(item, torch.Tensor):
+        return item.nbytes
+    if isinstance(item, dict):
+        return sum(_held_bytes(v) for v in item.values())
+    if isinstance(item, (tuple, list)):
+        return sum(_held_bytes(v) for v in item)
+    return 0
+
+
+@pytest.mark.parametrize("name", ["t-lowbit-kvzip", "t-lowbit-sinks"])
+def test_the_kernel_holds_no_copy_of_what_the_cache_stores(model, registry, name):
+    """What the cache reports is what it holds: the kernel reads channel-alloc widths and slot positions as stored,
+    so the state it keeps between calls (constant tables, the few restored sink tokens) does not grow with the
+    context (it once kept int32 widths, offsets and positions per layer, uncounted)."""
+    held = []
+    for length in (200, 400):
+        ids = torch.randint(1, 128, (1, length), generator=torch.Generator().manual_seed(6))
+        cache = build_cache(registry.resolve(name), model, tokenizer=CharTokenizer())
+        generate(model, {"input_ids": ids}, cache, max_new_tokens=4, do_sample=False, pad_token_id=0)
+        assert cache.engine.windows[1].compressed_tokens >= length // 2 - 64  # the kernel read packed tokens
+        held.append(_held_bytes(cache.engine.kernel_state))
+    assert held[0] == held[1] > 0, held
 
 
 def test_keys_rotated_in_registers_are_the_keys_the_engine_rotates(model):

@@ -148,24 +148,10 @@ class LowbitKernel(AttentionKernel):
         if log8 and tokens % vq.scale_tokens:
             raise CacheStateError(f"layer {view.layer}: {tokens} packed tokens are not whole spans of the values' {vq.scale_tokens}-token scale maxima")
         outliers = kq.outliers > 0
-        widths = offsets = None
-        if alloc:  # each channel's width and offset in its token's stream, per token group: kept until a block arrives
-            key = ("lowbit-widths", view.layer, device, tokens)
-            if key not in view.scratch:
-                pair = rows(k["bits"], kr).to(torch.int32)
-                full = torch.cat((pair, pair), dim=-1) if kq.pairs else pair
-                for old in [name for name in view.scratch if name[:3] == key[:3]]:
-                    del view.scratch[old]
-                view.scratch[key] = (full.contiguous(), (full.cumsum(-1) - full).to(torch.int32).contiguous())
-            widths, offsets = view.scratch[key]
-        positions = None
-        if view.positions is not None:  # a cache that dropped tokens: each slot's cache index, int32 (kept until a block arrives)
-            key = ("lowbit-positions", view.layer, device, tokens)
-            if key not in view.scratch:
-                for old in [name for name in view.scratch if name[:3] == key[:3]]:
-                    del view.scratch[old]
-                view.scratch[key] = view.positions.reshape(batch * heads, tokens).to(device=device, dtype=torch.int32).contiguous()
-            positions = view.scratch[key]
+        # read as stored, no copy kept: channel-alloc widths (uint8, one per rotary pair where pairs share one; the
+        # kernel sums each channel's offset), and the cache index of each slot of a cache that dropped tokens
+        widths = rows(k["bits"], kr).contiguous() if alloc else None
+        positions = None if view.positions is None else view.positions.reshape(batch * heads, tokens).contiguous()
         packed = LowbitView(
             tokens=tokens, first=view.passed_tokens - tokens, positions=positions,
             exact_first=view.passed_tokens if positions is not None else None,
@@ -174,7 +160,7 @@ class LowbitKernel(AttentionKernel):
             k_out_value=rows(k["outlier_value"], kr) if outliers else None,
             k_bits=key_bits, k_group=kq.group, v_codes=rows(v["codes"], vr), v_scale=rows(v["scale_log" if log8 else "scale"], vr),
             v_bits=vq.bits, v_group=min(vq.group, dim), v_levels=levels, rotation=rotation, inv_freq=inv_freq,
-            rope_scale=rope_scale, exact_k=exact_k, exact_v=exact_v, level_kind=kind, k_widths=widths, k_offsets=offsets,
+            rope_scale=rope_scale, exact_k=exact_k, exact_v=exact_v, level_kind=kind, k_widths=widths,
             v_scale_max=rows(v["scale_max"], vr) if log8 else None, v_scale_tokens=vq.scale_tokens if log8 else 1,
         )
         if any(level.entries for kind_view in (view.keys, view.values) for level in kind_view.residuals):
