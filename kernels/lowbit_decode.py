@@ -5,7 +5,7 @@ after a fixed orthogonal rotation (``rotated-token.v1``: codes on a table of lev
 group of channels), accumulated in the rotated space and rotated back once per query.
 
 :func:`lowbit_decode` runs a Triton kernel of :mod:`kvweave.kernels.lowbit_triton` (one program per batch row, KV head and split of the packed
-tokens; each keeps a running max, sum and output, combined by the host), :func:`torch_lowbit_decode` is its
+tokens; each keeps a running max, sum and output, combined with the exact window by a second kernel), :func:`torch_lowbit_decode` is its
 torch twin (the same arithmetic with whole tensors: the kernel's reference in the tests and the path on a
 CPU). Both then merge the exact window (the recent tokens in the model's dtype) by their log-sum-exp.
 
@@ -233,17 +233,19 @@ VARIANTS = ("auto", "subtile", "general", "simt")
 
 @attrs.frozen
 class Launch:
-    """One launch of a lowbit Triton kernel: ``kernel[grid](*args, **constants)`` fills ``m``, ``l`` [BH, splits,
-    rows] and ``acc`` [BH, splits, rows, D] (running max, sum and output of each split, rows = the KV head's
-    query heads padded)."""
+    """One launch of a lowbit Triton kernel: ``kernel[grid](*args, **constants)`` fills ``outputs`` (the packed
+    pass: ``m``, ``l`` [BH, splits, rows] and ``acc`` [BH, splits, rows, D], each split's running max, sum and
+    output, rows = the KV head's query heads padded; the combine: the attention output [B, Hq, D])."""
 
     kernel: Any
-    grid: tuple[int, int]
+    grid: tuple[int, ...]
     args: tuple
     constants: dict
-    m: torch.Tensor
-    l: torch.Tensor
-    acc: torch.Tensor
+    outputs: tuple
+
+    def run(self) -> tuple:
+        self.kernel[self.grid](*self.args, **self.constants)
+        return self.outputs
 
 
 def plan_launch(view: LowbitView, q: torch.Tensor, start: torch.Tensor | None, scaling: float, block: int = 16,
@@ -293,10 +295,10 @@ def plan_launch(view: LowbitView, q: torch.Tensor, start: torch.Tensor | None, s
         VST=view.v_scale_tokens, HAS_POS=view.positions is not None, KWW=view.k_widths.shape[-1] if varw else 1,
     )
     if variant == "general":
-        return Launch(jit._lowbit_kernel, (batch * heads, splits), args, constants, m, l, acc)
+        return Launch(jit._lowbit_kernel, (batch * heads, splits), args, constants, (m, l, acc))
     kind, l0, l1 = view.level_kind or level_kind(view.v_levels.tolist())
     kernel = jit._lowbit_fast_kernel if variant == "subtile" else jit._lowbit_simt_kernel
-    return Launch(kernel, (batch * heads, splits), (*args, l0, l1), {**constants, "LEVELS": kind}, m, l, acc)
+    return Launch(kernel, (batch * heads, splits), (*args, l0, l1), {**constants, "LEVELS": kind}, (m, l, acc))
 
 
 def lowbit_decode(view: LowbitView, q: torch.Tensor, start: torch.Tensor | None, scaling: float,
@@ -311,16 +313,26 @@ def lowbit_decode(view: LowbitView, q: torch.Tensor, start: torch.Tensor | None,
         raise ValueError(f"lowbit kernel variant {variant!r}: expected one of {', '.join(VARIANTS)}")
     if view.tokens == 0:
         return torch_lowbit_decode(view, q, start, scaling)
+    packed = plan_launch(view, q, start, scaling, block, num_warps, variant, programs)
+    packed.run()
+    return plan_combine(view, q, start, scaling, packed).run()[0]
+
+
+def plan_combine(view: LowbitView, q: torch.Tensor, start: torch.Tensor | None, scaling: float, packed: Launch) -> Launch:
+    """The launch that combines the splits of ``packed``, rotates their output back and merges it with the exact
+    window and the restored tokens, one Triton program per query head (``_merge_exact``'s arithmetic): its
+    output [B, Hq, D] float32."""
     batch, q_heads, dim = q.shape
-    group = q_heads // view.exact_k.shape[1]
-    launch = plan_launch(view, q, start, scaling, block, num_warps, variant, programs)
-    launch.kernel[launch.grid](*launch.args, **launch.constants)
-    m, l, acc = launch.m, launch.l, launch.acc
-    top = m.amax(1)  # [BH, rows]
-    safe = torch.where(torch.isinf(top), torch.zeros_like(top), top)
-    weight = torch.exp(m - safe[:, None])
-    total = (weight * l).sum(1)
-    out = ((weight[..., None] * acc).sum(1) @ view.rotation)[:, :group]  # [BH, group, D], original space
-    top = top[:, :group].reshape(batch, q_heads)
-    return _merge_exact(view, q, start, scaling, top, total[:, :group].reshape(batch, q_heads),
-                        out.reshape(batch, q_heads, dim))
+    heads = view.exact_k.shape[1]
+    m, l, acc = packed.outputs
+    out = torch.empty(batch, q_heads, dim, device=q.device, dtype=torch.float32)
+    rest = view.restored_k is not None
+    args = (
+        m, l, acc, view.rotation, q.contiguous(), view.exact_k.contiguous(), view.exact_v.contiguous(),
+        view.restored_k.contiguous() if rest else m, view.restored_v.contiguous() if rest else m,
+        view.restored_pos.contiguous() if rest else m, start if start is not None else m, out,
+        m.shape[1], view.exact_k.shape[-2], view.restored_k.shape[-2] if rest else 0, exact_start(view), float(scaling),
+    )
+    constants = dict(D=dim, G=m.shape[-1], HEADS=heads, GROUP=q_heads // heads, HAS_START=start is not None, HAS_REST=rest,
+                     SB=32, CB=min(32, dim), EB=16)
+    return Launch(jit._lowbit_combine_kernel, (batch * q_heads,), args, constants, (out,))

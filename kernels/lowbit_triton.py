@@ -366,3 +366,77 @@ if triton is not None:
         tl.store(m_ptr + out + gi, m_i)
         tl.store(l_ptr + out + gi, l_i)
         tl.store(acc_ptr + out.to(tl.int64) * D + gi[:, None] * D + chan[None, :], acc)
+
+    @triton.jit
+    def _lowbit_combine_kernel(
+        m_ptr, l_ptr, acc_ptr, rot_ptr, q_ptr, ek_ptr, ev_ptr, rk_ptr, rv_ptr, rpos_ptr, start_ptr, out_ptr,
+        splits, exact, restored, exact_first, scaling,
+        D: tl.constexpr, G: tl.constexpr, HEADS: tl.constexpr, GROUP: tl.constexpr, HAS_START: tl.constexpr,
+        HAS_REST: tl.constexpr, SB: tl.constexpr, CB: tl.constexpr, EB: tl.constexpr,
+    ):
+        """One query head of one row: the splits of the packed pass combined (``m``, ``l``, ``acc`` [BH, S, G(, D)]),
+        their output rotated back once (``rot`` [D, D]), then the exact window [B, H, n, D] (positions ``exact_first
+        ..``) and the tokens full-rank residuals restore ([B, H, r, D], positions ``rpos``, -1: none) attended
+        exactly and merged by their log-sum-exp: ``out`` [B, Hq, D] float32 (what ``_merge_exact`` computes)."""
+        row = tl.program_id(0)  # batch * query heads
+        batch = row // (HEADS * GROUP)
+        head = (row // GROUP) % HEADS
+        g = row % GROUP
+        bh = (batch * HEADS + head).to(tl.int64)
+        chan = tl.arange(0, D)
+        s_idx = tl.arange(0, SB)
+        top = tl.full([SB], float("-inf"), tl.float32)
+        for s0 in range(0, splits, SB):  # the largest running max of any split
+            ok = s0 + s_idx < splits
+            top = tl.maximum(top, tl.load(m_ptr + (bh * splits + s0 + s_idx) * G + g, mask=ok, other=float("-inf")))
+        m = tl.max(top, 0)
+        m_safe = tl.where(m == float("-inf"), 0.0, m)
+        total = tl.sum(tl.zeros([SB], tl.float32), 0)
+        out = tl.zeros([D], tl.float32)
+        c_idx = tl.arange(0, CB)
+        for c0 in tl.static_range(0, D, CB):  # the splits' outputs summed, chunk of rotated channels by chunk
+            part = tl.zeros([CB], tl.float32)
+            for s0 in range(0, splits, SB):
+                ok = s0 + s_idx < splits
+                at = (bh * splits + s0 + s_idx) * G + g
+                w = tl.exp(tl.load(m_ptr + at, mask=ok, other=float("-inf")) - m_safe)
+                if c0 == 0:
+                    total += tl.sum(w * tl.load(l_ptr + at, mask=ok, other=0.0), 0)
+                a = tl.load(acc_ptr + at[:, None] * D + c0 + c_idx[None, :], mask=ok[:, None], other=0.0)
+                part += tl.sum(w[:, None] * a, 0)
+            rot = tl.load(rot_ptr + (c0 + c_idx)[:, None] * D + chan[None, :])  # rows c0 .. of the rotation
+            out += tl.sum(part[:, None] * rot, 0)
+        q = tl.load(q_ptr + row.to(tl.int64) * D + chan).to(tl.float32) * scaling
+        start = 0
+        if HAS_START:
+            start = tl.load(start_ptr + batch)
+        e_idx = tl.arange(0, EB)
+        if HAS_REST:  # restored tokens, then the exact window: the same online merge
+            for j0 in range(0, restored, EB):
+                j = j0 + e_idx
+                pos = tl.load(rpos_ptr + bh * restored + j, mask=j < restored, other=-1)
+                ok = (j < restored) & (pos >= 0) & (pos >= start)
+                keys = tl.load(rk_ptr + (bh * restored + j)[:, None] * D + chan[None, :], mask=ok[:, None], other=0.0).to(tl.float32)
+                logits = tl.where(ok, tl.sum(keys * q[None, :], 1), float("-inf"))
+                m_new = tl.maximum(m, tl.max(logits, 0))
+                m_new_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+                alpha = tl.exp(m - m_new_safe)
+                p = tl.exp(logits - m_new_safe)
+                values = tl.load(rv_ptr + (bh * restored + j)[:, None] * D + chan[None, :], mask=ok[:, None], other=0.0).to(tl.float32)
+                out = out * alpha + tl.sum(p[:, None] * values, 0)
+                total = total * alpha + tl.sum(p, 0)
+                m = m_new
+        for j0 in range(0, exact, EB):
+            j = j0 + e_idx
+            ok = (j < exact) & (exact_first + j >= start)
+            keys = tl.load(ek_ptr + (bh * exact + j)[:, None] * D + chan[None, :], mask=ok[:, None], other=0.0).to(tl.float32)
+            logits = tl.where(ok, tl.sum(keys * q[None, :], 1), float("-inf"))
+            m_new = tl.maximum(m, tl.max(logits, 0))
+            m_new_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+            alpha = tl.exp(m - m_new_safe)
+            p = tl.exp(logits - m_new_safe)
+            values = tl.load(ev_ptr + (bh * exact + j)[:, None] * D + chan[None, :], mask=ok[:, None], other=0.0).to(tl.float32)
+            out = out * alpha + tl.sum(p[:, None] * values, 0)
+            total = total * alpha + tl.sum(p, 0)
+            m = m_new
+        tl.store(out_ptr + row.to(tl.int64) * D + chan, out / total)

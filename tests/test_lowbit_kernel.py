@@ -19,7 +19,7 @@ from kvweave.core.registry import load_pipeline, load_registry
 from kvweave.engine import build_cache, cache_kwargs
 from kvweave.engine import importance
 from kvweave.engine.generation import generate
-from kvweave.kernels.lowbit_decode import VARIANTS as KERNELS, fast_path, lowbit_decode, plan_launch, torch_keys, torch_lowbit_decode
+from kvweave.kernels.lowbit_decode import VARIANTS as KERNELS, fast_path, lowbit_decode, plan_combine, plan_launch, torch_keys, torch_lowbit_decode
 
 from conftest import CharTokenizer, tiny_llama, write_registry
 
@@ -285,7 +285,7 @@ def compile_for_gpu(launch) -> dict:
     types = ["*" + t if isinstance(a, torch.Tensor) else t for t, a in zip(types, launch.args)]
     constants = {k: v for k, v in launch.constants.items() if k != "num_warps"}
     job = {"kernel": getattr(launch.kernel, "fn", launch.kernel).__name__,
-           "types": types, "constants": constants, "num_warps": launch.constants["num_warps"]}
+           "types": types, "constants": constants, "num_warps": launch.constants.get("num_warps", 4)}
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     done = subprocess.run([sys.executable, "-c", COMPILE], input=json.dumps(job), capture_output=True, text=True, env=env, timeout=600)
     assert done.returncode == 0, f"{job['kernel']} does not compile for sm_90:\n{done.stderr[-3000:]}"
@@ -307,6 +307,7 @@ def _nvidia_backend() -> bool:
     ("t-lowbit-alloc", ("general", "simt"), 64),  # channel-alloc widths
     ("t-lowbit-log8", ("general",), 64),  # one-byte value scales
     ("t-lowbit-kvzip", ("auto",), 64),  # slots at their cache indices
+    ("t-lowbit-sinks", ("auto",), 64),  # tokens restored by residuals, merged by the combine
 ])
 def test_each_kernel_compiles_for_the_gpu_with_the_arguments_the_plugin_passes(model, registry, name, variants, hidden):
     """Under the interpreter a kernel runs as Python, which accepts what the GPU compiler refuses (a constexpr
@@ -321,9 +322,11 @@ def test_each_kernel_compiles_for_the_gpu_with_the_arguments_the_plugin_passes(m
     rows = view.exact_k.shape[0]
     q = torch.randn(rows, 4, view.exact_k.shape[-1])
     for variant in variants:
-        launch = plan_launch(view, q, torch.tensor([40, 0][:rows], dtype=torch.int32), 0.125, variant=variant, lowp=True)
-        stats = compile_for_gpu(launch)
-        assert stats["cubin"] > 0 and stats["ptx"] > 100, (variant, stats)
+        start = torch.tensor([40, 0][:rows], dtype=torch.int32)
+        launch = plan_launch(view, q, start, 0.125, variant=variant, lowp=True)
+        for planned in (launch, plan_combine(view, q, start, 0.125, launch)):  # the packed pass, then the combine
+            stats = compile_for_gpu(planned)
+            assert stats["cubin"] > 0 and stats["ptx"] > 100, (variant, stats)
 
 
 def _held_bytes(item) -> int:
@@ -349,6 +352,38 @@ def test_the_kernel_holds_no_copy_of_what_the_cache_stores(model, registry, name
         assert cache.engine.windows[1].compressed_tokens >= length // 2 - 64  # the kernel read packed tokens
         held.append(_held_bytes(cache.engine.kernel_state))
     assert held[0] == held[1] > 0, held
+
+
+class _NoLaunch:
+    def __getitem__(self, grid):
+        return lambda *args, **kwargs: None
+
+
+def test_a_decode_call_dispatches_few_torch_operations(model, registry, monkeypatch):
+    """Each torch operation a decode call dispatches costs host time on a GPU (the step at B = 1 is host-bound):
+    the splits are combined, rotated back and merged with the exact window and the restored tokens by one Triton
+    program per query head, so a call is two launches and a handful of allocations (it was 58 operations)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    from kvweave.kernels import lowbit_decode as module
+
+    ids = torch.randint(1, 128, (2, 230), generator=torch.Generator().manual_seed(2))
+    cache = build_cache(registry.resolve("t-lowbit-sinks"), model)
+    with torch.no_grad():
+        model(input_ids=ids, use_cache=True, **cache_kwargs(model, cache))
+    view = cache.engine.kernel.lowbit_view(cache.engine.view(1), torch.device("cpu"))
+    assert view.restored_k is not None  # the merge has restored tokens to attend too
+    for name in ("plan_launch", "plan_combine"):  # what the host does, without running the kernels
+        real = getattr(module, name)
+        monkeypatch.setattr(module, name, lambda *a, real=real, **k: attrs.evolve(real(*a, **k), kernel=_NoLaunch()))
+    q = torch.randn(2, 4, 64)
+    start = torch.tensor([40, 0], dtype=torch.int32)
+    module.lowbit_decode(view, q, start, 0.125)
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        module.lowbit_decode(view, q, start, 0.125)
+    dispatched = [e.name for e in prof.events() if e.name.startswith("aten::")
+                  and (e.cpu_parent is None or not e.cpu_parent.name.startswith("aten::"))]
+    assert len(dispatched) <= 12, dispatched
 
 
 def test_keys_rotated_in_registers_are_the_keys_the_engine_rotates(model):
