@@ -171,7 +171,7 @@ class KVWeaveCache(Cache):
         chooses by it (``kvweave.engine.importance.prefill`` computes and sets it)."""
         if self.shard is not None:
             raise CacheStateError(f"pipeline '{self.pipeline.name}': context importance is not split over tensor-parallel ranks")
-        self.engine.eviction.set_importance(scores)
+        self.engine.eviction.context.set(scores)
 
     def __repr__(self) -> str:
         return f"KVWeaveCache(pipeline={self.pipeline.name!r}, tokens={self.get_seq_length()}, bytes={self.memory_bytes()})"

@@ -180,7 +180,7 @@ class CompressionEngine:
                     "build_cache(pipeline, model), which reads the model's sharding" if self.shape.num_kv_heads % keys.shape[1] == 0 else "")
             )
         if layer == 0 and self.rows is None and self._splits_rows(keys):
-            if self.eviction.importance is not None:
+            if self.eviction.context.scores is not None:
                 raise CacheStateError(
                     f"pipeline '{self.pipeline.name}': context importance is scored for whole rows; a left-padded batch is "
                     "stored row by row (feed its rows one at a time)")
@@ -192,7 +192,7 @@ class CompressionEngine:
             self.observer.start_forward(keys.shape[-2])
             self.forward_tokens = keys.shape[-2]
             if self.evicts:
-                self.eviction.start_forward(keys.shape[-2], keys.shape[0])
+                self.eviction.context.start_forward(keys.shape[-2], keys.shape[0])
         if self.pending and self.group_of[layer][0] in self.pending:
             raise CacheStateError(
                 f"pipeline '{self.pipeline.name}' needs the model's attention to report to the cache (recent queries, "
@@ -485,6 +485,6 @@ class CompressionEngine:
         self._budget_warned = False
         self.kernel_state = {}
         self.observer.reset()
-        self.eviction.importance, self.eviction.scored_tokens = None, 0
+        self.eviction.context.clear()
         if self.energy is not None:
             self.energy.reset()

@@ -20,6 +20,7 @@ import attrs
 
 from kvweave.core.evictor import EvictionBlock, Evictor
 from kvweave.core.interfaces import KINDS, RouteBlock, Router
+from kvweave.engine.context_importance import ContextImportance
 from kvweave.engine.store import GroupStore
 
 if TYPE_CHECKING:
@@ -43,68 +44,8 @@ class Eviction:
     def __init__(self, engine: CompressionEngine, evictor: Evictor) -> None:
         self.engine = engine
         self.evictor = evictor
-        #: context importance [L, B, H, T] of the forward about to fill the cache (engine/importance.py);
-        #: held for that one forward, then dropped (tokens fed later are kept)
-        self.importance: torch.Tensor | None = None
-        self.scored_tokens = 0  # tokens the cache's first forward had scored (0: never scored)
-        self._importance_used = False
-
-    # ------------------------------------------------------------------------- context importance
-    def set_importance(self, scores: torch.Tensor) -> None:
-        """Hold ``scores`` [L, B, H, T] (float, ``+inf`` = never evicted by score) for the next forward,
-        which must feed exactly those ``T`` tokens into the empty cache."""
-        engine = self.engine
-        name = engine.pipeline.name
-        if not (engine.evicts and self.evictor.needs_importance):
-            raise CacheStateError(
-                f"pipeline '{name}': its evictor ('{engine.pipeline.use('evictor')}') does not choose tokens by context importance")
-        if engine.seq_length(0) != 0:
-            raise CacheStateError(f"pipeline '{name}': context importance is set before the first forward, but the cache holds {engine.seq_length(0)} tokens")
-        shape = engine.shape
-        if scores.dim() != 4 or scores.shape[0] != shape.num_layers or scores.shape[2] != shape.num_kv_heads or scores.shape[-1] < 1:
-            raise CacheStateError(
-                f"pipeline '{name}': context importance shaped {tuple(scores.shape)}; expected [layers {shape.num_layers}, batch, "
-                f"KV heads {shape.num_kv_heads}, tokens]")
-        if torch.isnan(scores).any():
-            raise CacheStateError(f"pipeline '{name}': context importance holds NaN")
-        prepared = self.evictor.prepare_importance(scores.float())
-        if prepared.shape != scores.shape or torch.isnan(prepared).any() or not bool(torch.isinf(prepared[torch.isinf(scores)]).all()):
-            raise ComponentError(
-                f"pipeline '{name}', slot 'evictor' ('{engine.pipeline.use('evictor')}'): prepare_importance must return the scores' "
-                f"shape {tuple(scores.shape)} without NaN, keeping +inf where the scorer put it")
-        self.importance = prepared
-        self.scored_tokens = int(scores.shape[-1])
-        self._importance_used = False
-
-    def start_forward(self, tokens: int, batch: int) -> None:
-        """Layer 0 of a forward of ``tokens`` tokens: the held importance is for the first forward only."""
-        if self.importance is None:
-            return
-        if self._importance_used:
-            self.importance = None
-            return
-        self._importance_used = True
-        expected = tuple(self.importance.shape[i] for i in (1, 3))
-        if (batch, tokens) != expected or self.engine.seq_length(0) != 0:
-            self.importance = None
-            raise CacheStateError(
-                f"pipeline '{self.engine.pipeline.name}': the context importance scored {expected[1]} tokens of {expected[0]} rows, "
-                f"but the first forward feeds {tokens} tokens of {batch} rows into a cache holding {self.engine.seq_length(0)}"
-            )
-
-    def _importance_of(self, members: tuple[int, ...], logical: torch.Tensor) -> torch.Tensor | None:
-        """Each token's importance [G, B, H, n] at cache indices ``logical`` (``+inf`` where unscored), or
-        None when the cache was never scored."""
-        if not self.scored_tokens:
-            return None
-        out = torch.full(logical.shape, float("inf"), device=logical.device)
-        if self.importance is None:
-            return out
-        scores = self.importance[list(members)].to(logical.device)  # [G, B, H, T]
-        total = scores.shape[-1]
-        scored = (logical >= 0) & (logical < total)
-        picked = scores.expand(*logical.shape[:-1], total).gather(-1, logical.clamp(0, total - 1).long())
-        return torch.where(scored, picked, out)
+        #: the context importance of the forward that fills the cache, for an evictor with ``needs_importance``
+        self.context = ContextImportance(self)
 
     def check(self, where: str) -> None:
         """Refuse what the evictor cannot work with (a token budget below the window, re-selection with
@@ -190,8 +131,8 @@ class Eviction:
             held=tuple(0 if stored else self.engine.windows[layer].compressed_tokens for layer in members),
             forward_tokens=self.engine.forward_tokens,
             shared_tokens=len(members) > 1 and self.engine.basis.coefficient_rows(len(members)) == 1,
-            importance=self._importance_of(tuple(members), logical),
-            context_importance=self.importance,
+            importance=self.context.at(tuple(members), logical),
+            context_importance=self.context.scores,
         )
 
     def evict(self, group_index: int, count: int, stats: tuple[torch.Tensor, torch.Tensor] | None) -> None:
