@@ -2,7 +2,7 @@
 with one exact outlier, 2-bit rotated values) against SDPA over a full bf16 cache.
 
     python benchmarks/lowbit_kernel.py [--tokens 32768,65536,131072] [--batches 1,8,32]
-        [--configs subtile:16:4,simt:16:4] [--out DIR]
+        [--configs subtile:16:4,general:16:4] [--out DIR]
 
 Shape: Llama-3-8B attention (32 query heads, 8 KV heads, head_dim 128, rope theta 500000), one new query
 token per sequence. The packed storage is written by the real quantizers (``channel-group`` 4-bit, group 64,
@@ -75,7 +75,7 @@ def kernel_stats(variant: str) -> str:
     """Registers and spills of the compiled Triton kernel of ``variant`` (as far as this Triton reports them)."""
     from kvweave.kernels import lowbit_triton
 
-    name = {"subtile": "_lowbit_fast_kernel", "general": "_lowbit_kernel", "simt": "_lowbit_simt_kernel"}[variant]
+    name = {"subtile": "_lowbit_fast_kernel", "general": "_lowbit_kernel"}[variant]
     found = []
     try:
         for per_device in getattr(getattr(lowbit_triton, name), "device_caches", {}).values():
@@ -87,7 +87,7 @@ def kernel_stats(variant: str) -> str:
 
 
 def parse_configs(text: str) -> list[tuple[str, int, int]]:
-    """``variant:block:warps`` items, comma-separated (``subtile:16:4,simt:32:8``)."""
+    """``variant:block:warps`` items, comma-separated (``subtile:16:4,general:16:4``)."""
     configs = []
     for item in text.split(","):
         parts = item.split(":")
@@ -102,8 +102,8 @@ def main() -> None:
     parser.add_argument("--tokens", default="32768,65536,131072")
     parser.add_argument("--batches", default="1,8,32")
     parser.add_argument("--reps", type=int, default=30)
-    parser.add_argument("--configs", default="subtile:16:4,simt:16:4",
-                        help="kernels timed, each variant:block:warps (variant: subtile, general, simt; block: tokens per "
+    parser.add_argument("--configs", default="subtile:16:4",
+                        help="kernels timed, each variant:block:warps (variant: subtile, general; block: tokens per "
                              "loop step, divides 64; warps per program)")
     parser.add_argument("--programs", type=int, default=264, help="kernel programs to aim for (splits of the tokens)")
     parser.add_argument("--post-rope", action="store_true", help="keys stored after RoPE (no rotation in the kernel)")

@@ -226,9 +226,8 @@ def choose_splits(tokens: int, programs: int, target: int = 264) -> int:
 
 #: the Triton kernels :func:`lowbit_decode` can run: "subtile" (tensor-core tiles of 16 channels taken straight
 #: from the packed bytes; 2- and 4-bit ``channel-group`` keys, 2- and 4-bit values), "general" (tensor-core tiles,
-#: any storage), "simt" (no tensor cores: products reduced in registers, query heads not padded to 16 rows; any
-#: storage); "auto": "subtile" where it applies, else "general"
-VARIANTS = ("auto", "subtile", "general", "simt")
+#: any storage); "auto": "subtile" where it applies, else "general"
+VARIANTS = ("auto", "subtile", "general")
 
 
 @attrs.frozen
@@ -256,15 +255,13 @@ def plan_launch(view: LowbitView, q: torch.Tensor, start: torch.Tensor | None, s
         raise ValueError(f"lowbit kernel variant {variant!r}: expected one of {', '.join(VARIANTS)}")
     if variant == "subtile" and not fast_path(view):
         raise ValueError("the lowbit 'subtile' kernel takes 2- or 4-bit channel-group keys and 2- or 4-bit values with 16 "
-                         "channels a sub-tile; use variant 'general' or 'simt'")
+                         "channels a sub-tile; use variant 'general'")
     if variant == "auto":
         variant = "subtile" if fast_path(view) else "general"
     batch, q_heads, dim = q.shape
     heads = view.exact_k.shape[1]
     group = q_heads // heads
-    rows = 1 << (group - 1).bit_length()  # a power of two
-    if variant != "simt":
-        rows = max(16, rows)  # tensor-core tiles take 16 rows
+    rows = max(16, 1 << (group - 1).bit_length())  # tensor-core tiles take 16 rows
     padded = q.new_zeros(batch * heads, rows, dim, dtype=torch.float32)
     padded[:, :group] = q.float().reshape(batch * heads, group, dim)
     if view.k_group % block:
@@ -297,8 +294,7 @@ def plan_launch(view: LowbitView, q: torch.Tensor, start: torch.Tensor | None, s
     if variant == "general":
         return Launch(jit._lowbit_kernel, (batch * heads, splits), args, constants, (m, l, acc))
     kind, l0, l1 = view.level_kind or level_kind(view.v_levels.tolist())
-    kernel = jit._lowbit_fast_kernel if variant == "subtile" else jit._lowbit_simt_kernel
-    return Launch(kernel, (batch * heads, splits), (*args, l0, l1), {**constants, "LEVELS": kind}, (m, l, acc))
+    return Launch(jit._lowbit_fast_kernel, (batch * heads, splits), (*args, l0, l1), {**constants, "LEVELS": kind}, (m, l, acc))
 
 
 def lowbit_decode(view: LowbitView, q: torch.Tensor, start: torch.Tensor | None, scaling: float,

@@ -295,77 +295,17 @@ if triton is not None:
 
 
     @triton.jit
-    def _lowbit_simt_kernel(
-        q_ptr, kc_ptr, kz_ptr, ks_ptr, koi_ptr, kov_ptr, kw_ptr, vc_ptr, vs_ptr, vmax_ptr, vlev_ptr, freq_ptr, start_ptr,
-        pos_ptr, m_ptr, l_ptr, acc_ptr,
-        tokens, heads, splits, split_len, first, rope_scale, scaling, l0, l1,
-        D: tl.constexpr, G: tl.constexpr, KBITS: tl.constexpr, KGROUP: tl.constexpr, KO: tl.constexpr,
-        VBITS: tl.constexpr, VGROUP: tl.constexpr, ROPE: tl.constexpr, HAS_START: tl.constexpr, BLOCK: tl.constexpr,
-        LOWP: tl.constexpr, LEVELS: tl.constexpr, KWIDTH: tl.constexpr, VARW: tl.constexpr, VLOG: tl.constexpr, VST: tl.constexpr,
-        HAS_POS: tl.constexpr, KWW: tl.constexpr,
-    ):
-        """The kernel without tensor-core tiles: ``G`` is the KV head's query heads rounded up to a power of two
-        (not padded to 16 rows), the logits and the value sums are products reduced in registers, and each half
-        of the head is dequantized once and rotated pairwise (no layout change between a dequantized tile and a
-        tile product). Every storage the general kernel reads (``_dequant``, ``_codes``, ``_value_scale``)."""
-        bh = tl.program_id(0)
-        split = tl.program_id(1)
-        batch = bh // heads
-        HALF: tl.constexpr = D // 2
-        lo_c = tl.arange(0, HALF)
-        hi_c = lo_c + HALF
-        chan = tl.arange(0, D)
-        gi = tl.arange(0, G)
-        q_row = q_ptr + bh.to(tl.int64) * G * D + gi[:, None] * D
-        q_lo = tl.load(q_row + lo_c[None, :]).to(tl.float32) * scaling
-        q_hi = tl.load(q_row + hi_c[None, :]).to(tl.float32) * scaling
-        if LOWP:  # the operands sdpa over bfloat16 keys multiplies (float32 sums)
-            q_lo = q_lo.to(tl.bfloat16).to(tl.float32)
-            q_hi = q_hi.to(tl.bfloat16).to(tl.float32)
-        if ROPE:
-            freq = tl.load(freq_ptr + lo_c)
-        start = 0
-        if HAS_START:
-            start = tl.load(start_ptr + batch)
-        m_i = tl.full([G], float("-inf"), tl.float32)
-        l_i = tl.zeros([G], tl.float32)
-        acc = tl.zeros([G, D], tl.float32)
-        row_off = bh.to(tl.int64) * tokens
-        v_width: tl.constexpr = D * VBITS // 8
-        v_groups: tl.constexpr = D // VGROUP
-        lo = split * split_len
-        hi = tl.minimum(lo + split_len, tokens)
-        for t0 in range(lo, hi, BLOCK):
-            t_idx = t0 + tl.arange(0, BLOCK)
-            t_ok = t_idx < hi
-            k_lo = _dequant(kc_ptr, kz_ptr, ks_ptr, koi_ptr, kov_ptr, kw_ptr, row_off, t_idx, t_ok, lo_c, D, KBITS, KGROUP, KO, KWIDTH, VARW, KWW)
-            k_hi = _dequant(kc_ptr, kz_ptr, ks_ptr, koi_ptr, kov_ptr, kw_ptr, row_off, t_idx, t_ok, hi_c, D, KBITS, KGROUP, KO, KWIDTH, VARW, KWW)
-            if HAS_POS:  # a cache that dropped tokens: each slot's cache index (-1: a filler)
-                pos = tl.load(pos_ptr + row_off + t_idx, mask=t_ok, other=-1).to(tl.int32)
-            else:
-                pos = first + t_idx
-            if ROPE:
-                cos, sin = _cos_sin(pos, freq, rope_scale)
-                k_lo, k_hi = k_lo * cos - k_hi * sin, k_hi * cos + k_lo * sin
-            if LOWP:
-                k_lo = k_lo.to(tl.bfloat16).to(tl.float32)
-                k_hi = k_hi.to(tl.bfloat16).to(tl.float32)
-            s = tl.sum(q_lo[:, None, :] * k_lo[None, :, :], axis=2) + tl.sum(q_hi[:, None, :] * k_hi[None, :, :], axis=2)  # [G, BLOCK]
-            p, alpha, m_new = _online_step(s, t_ok, pos, start, m_i, HAS_START)
-            l_i = l_i * alpha + tl.sum(p, 1)
-            m_i = m_new
-            code = _codes(vc_ptr + row_off * v_width, t_idx, t_ok, chan, VBITS, v_width)
-            vscale = _value_scale(vs_ptr + row_off * v_groups, vmax_ptr + row_off // VST * v_groups, t_idx, t_ok,
-                                  (chan // VGROUP)[None, :], v_groups, VLOG, VST)
-            values = _level(code, vlev_ptr, VBITS, LEVELS, l0, l1) * vscale
-            if LOWP:
-                values = values.to(tl.bfloat16).to(tl.float32)
-                p = p.to(tl.bfloat16).to(tl.float32)
-            acc = acc * alpha[:, None] + tl.sum(p[:, :, None] * values[None, :, :], axis=1)
-        out = (bh * splits + split) * G
-        tl.store(m_ptr + out + gi, m_i)
-        tl.store(l_ptr + out + gi, l_i)
-        tl.store(acc_ptr + out.to(tl.int64) * D + gi[:, None] * D + chan[None, :], acc)
+    def _merge_tokens(k_ptr, v_ptr, slot, ok, chan, q, m, total, out, D: tl.constexpr):
+        """Tokens ``slot`` (rows of [.., D] keys and values; ``ok``: attended) merged into a running max, sum and
+        output by their exact attention (``q`` already scaled): the new (max, sum, output)."""
+        keys = tl.load(k_ptr + slot[:, None] * D + chan[None, :], mask=ok[:, None], other=0.0).to(tl.float32)
+        logits = tl.where(ok, tl.sum(keys * q[None, :], 1), float("-inf"))
+        m_new = tl.maximum(m, tl.max(logits, 0))
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = tl.exp(m - m_safe)
+        p = tl.exp(logits - m_safe)
+        values = tl.load(v_ptr + slot[:, None] * D + chan[None, :], mask=ok[:, None], other=0.0).to(tl.float32)
+        return m_new, total * alpha + tl.sum(p, 0), out * alpha + tl.sum(p[:, None] * values, 0)
 
     @triton.jit
     def _lowbit_combine_kernel(
@@ -416,27 +356,9 @@ if triton is not None:
                 j = j0 + e_idx
                 pos = tl.load(rpos_ptr + bh * restored + j, mask=j < restored, other=-1)
                 ok = (j < restored) & (pos >= 0) & (pos >= start)
-                keys = tl.load(rk_ptr + (bh * restored + j)[:, None] * D + chan[None, :], mask=ok[:, None], other=0.0).to(tl.float32)
-                logits = tl.where(ok, tl.sum(keys * q[None, :], 1), float("-inf"))
-                m_new = tl.maximum(m, tl.max(logits, 0))
-                m_new_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-                alpha = tl.exp(m - m_new_safe)
-                p = tl.exp(logits - m_new_safe)
-                values = tl.load(rv_ptr + (bh * restored + j)[:, None] * D + chan[None, :], mask=ok[:, None], other=0.0).to(tl.float32)
-                out = out * alpha + tl.sum(p[:, None] * values, 0)
-                total = total * alpha + tl.sum(p, 0)
-                m = m_new
+                m, total, out = _merge_tokens(rk_ptr, rv_ptr, bh * restored + j, ok, chan, q, m, total, out, D)
         for j0 in range(0, exact, EB):
             j = j0 + e_idx
             ok = (j < exact) & (exact_first + j >= start)
-            keys = tl.load(ek_ptr + (bh * exact + j)[:, None] * D + chan[None, :], mask=ok[:, None], other=0.0).to(tl.float32)
-            logits = tl.where(ok, tl.sum(keys * q[None, :], 1), float("-inf"))
-            m_new = tl.maximum(m, tl.max(logits, 0))
-            m_new_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-            alpha = tl.exp(m - m_new_safe)
-            p = tl.exp(logits - m_new_safe)
-            values = tl.load(ev_ptr + (bh * exact + j)[:, None] * D + chan[None, :], mask=ok[:, None], other=0.0).to(tl.float32)
-            out = out * alpha + tl.sum(p[:, None] * values, 0)
-            total = total * alpha + tl.sum(p, 0)
-            m = m_new
+            m, total, out = _merge_tokens(ek_ptr, ev_ptr, bh * exact + j, ok, chan, q, m, total, out, D)
         tl.store(out_ptr + row.to(tl.int64) * D + chan, out / total)

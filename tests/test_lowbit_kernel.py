@@ -302,9 +302,9 @@ def _nvidia_backend() -> bool:
 
 @pytest.mark.skipif(not _nvidia_backend(), reason="Triton without its CUDA backend cannot compile for a GPU here")
 @pytest.mark.parametrize("name, variants, hidden", [
-    ("prerope-k4v2-lowbit", ("subtile", "general", "simt"), 64),  # 4-bit keys with an outlier, 2-bit values
+    ("prerope-k4v2-lowbit", ("subtile", "general"), 64),  # 4-bit keys with an outlier, 2-bit values
     ("t-lowbit-k2v4", ("subtile",), 512),  # 2-bit keys at head_dim 128: four query sub-tiles
-    ("t-lowbit-alloc", ("general", "simt"), 64),  # channel-alloc widths
+    ("t-lowbit-alloc", ("general",), 64),  # channel-alloc widths
     ("t-lowbit-log8", ("general",), 64),  # one-byte value scales
     ("t-lowbit-kvzip", ("auto",), 64),  # slots at their cache indices
     ("t-lowbit-sinks", ("auto",), 64),  # tokens restored by residuals, merged by the combine
