@@ -81,10 +81,13 @@ class LowbitView:
     #: tokens restored to their exact vectors by full-rank residuals (e.g. the attention sinks): attended with the
     #: exact window, ``restored_k``/``restored_v`` [B, H, r, D] float32 (keys rotated at their position),
     #: ``restored_pos`` int64 [B, H, r] their cache indices (-1: padding); their packed slots are hidden
-    #: (``positions`` -1 there)
+    #: (``hidden_slots``)
     restored_k: torch.Tensor | None = None
     restored_v: torch.Tensor | None = None
     restored_pos: torch.Tensor | None = None
+    #: packed slots the packed pass does not attend (their tokens are attended exactly, above): int32 [BH, R], R a
+    #: power of two, -1 for none
+    hidden_slots: torch.Tensor | None = None
 
 
 def exact_start(view: LowbitView) -> int:
@@ -189,6 +192,10 @@ def torch_lowbit_decode(view: LowbitView, q: torch.Tensor, start: torch.Tensor |
     hidden = positions < 0  # filler slots
     if start is not None:
         hidden = hidden | (positions < start[:, None, None])
+    if view.hidden_slots is not None:
+        slots = torch.arange(view.tokens, device=q.device)
+        listed = (slots[None, :, None] == view.hidden_slots.to(q.device).long()[:, None, :]).any(-1)  # [BH, T]
+        hidden = hidden | listed.reshape(batch, heads, view.tokens).repeat_interleave(group, dim=1)
     logits = logits.masked_fill(hidden, -math.inf)
     m = logits.amax(-1)
     safe = torch.where(torch.isinf(m), torch.zeros_like(m), m)
@@ -282,7 +289,8 @@ def plan_launch(view: LowbitView, q: torch.Tensor, start: torch.Tensor | None, s
         view.k_widths if varw else dummy,
         view.v_codes, view.v_scale, view.v_scale_max if view.v_scale_max is not None else view.v_scale, view.v_levels,
         view.inv_freq if view.inv_freq is not None else view.v_levels,
-        start if start is not None else m, view.positions if view.positions is not None else m, m, l, acc,
+        start if start is not None else m, view.positions if view.positions is not None else m,
+        view.hidden_slots if view.hidden_slots is not None else m, m, l, acc,
         view.tokens, heads, splits, split_len, view.first, float(view.rope_scale), float(scaling),
     )
     constants = dict(
@@ -290,6 +298,7 @@ def plan_launch(view: LowbitView, q: torch.Tensor, start: torch.Tensor | None, s
         ROPE=view.inv_freq is not None, HAS_START=start is not None, BLOCK=block, LOWP=q.is_cuda if lowp is None else lowp,
         num_warps=num_warps, KWIDTH=view.k_codes.shape[-1], VARW=varw, VLOG=view.v_scale_max is not None,
         VST=view.v_scale_tokens, HAS_POS=view.positions is not None, KWW=view.k_widths.shape[-1] if varw else 1,
+        HID=0 if view.hidden_slots is None else view.hidden_slots.shape[-1],
     )
     if variant == "general":
         return Launch(jit._lowbit_kernel, (batch * heads, splits), args, constants, (m, l, acc))

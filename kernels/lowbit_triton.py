@@ -73,6 +73,13 @@ if triton is not None:
         return tl.exp(s - m_safe[:, None]), tl.exp(m_i - m_safe), m_new
 
     @triton.jit
+    def _hide(pos, slots, hid_row, HID: tl.constexpr):
+        """``pos`` with -1 (never attended) at the packed ``slots`` listed in ``hid_row`` [HID] (-1: none)."""
+        listed = tl.load(hid_row + tl.arange(0, HID))
+        hidden = tl.sum((slots[:, None] == listed[None, :]).to(tl.int32), 1) > 0
+        return tl.where(hidden, -1, pos)
+
+    @triton.jit
     def _cos_sin(pos, freq, rope_scale):
         """cos and sin [BLOCK, len(freq)] of the rotary angles ``pos * freq``, times ``rope_scale``; each angle reduced
         into [-pi, pi] first (their large-argument path is slow): Cody-Waite with 2 pi = 6.28125 + 0.00193530717958647
@@ -95,12 +102,12 @@ if triton is not None:
     @triton.jit
     def _lowbit_kernel(
         q_ptr, kc_ptr, kz_ptr, ks_ptr, koi_ptr, kov_ptr, kw_ptr, vc_ptr, vs_ptr, vmax_ptr, vlev_ptr, freq_ptr, start_ptr,
-        pos_ptr, m_ptr, l_ptr, acc_ptr,
+        pos_ptr, hid_ptr, m_ptr, l_ptr, acc_ptr,
         tokens, heads, splits, split_len, first, rope_scale, scaling,
         D: tl.constexpr, G: tl.constexpr, KBITS: tl.constexpr, KGROUP: tl.constexpr, KO: tl.constexpr,
         VBITS: tl.constexpr, VGROUP: tl.constexpr, ROPE: tl.constexpr, HAS_START: tl.constexpr, BLOCK: tl.constexpr,
         LOWP: tl.constexpr, KWIDTH: tl.constexpr, VARW: tl.constexpr, VLOG: tl.constexpr, VST: tl.constexpr,
-        HAS_POS: tl.constexpr, KWW: tl.constexpr,
+        HAS_POS: tl.constexpr, KWW: tl.constexpr, HID: tl.constexpr,
     ):
         bh = tl.program_id(0)
         split = tl.program_id(1)
@@ -140,6 +147,8 @@ if triton is not None:
                 s = tl.dot(q.to(tl.bfloat16), tl.trans(keys.to(tl.bfloat16)))  # [G, BLOCK]
             else:
                 s = tl.dot(q, tl.trans(keys), input_precision="ieee")
+            if HID > 0:  # slots whose tokens are attended exactly (restored by residuals)
+                pos = _hide(pos, t_idx, hid_ptr + bh * HID, HID)
             p, alpha, m_new = _online_step(s, t_ok, pos, start, m_i, HAS_START)
             code = _codes(vc_ptr + row_off * v_width, t_idx, t_ok, chan, VBITS, v_width)
             level = tl.load(vlev_ptr + code)
@@ -197,12 +206,12 @@ if triton is not None:
     @triton.jit
     def _lowbit_fast_kernel(
         q_ptr, kc_ptr, kz_ptr, ks_ptr, koi_ptr, kov_ptr, kw_ptr, vc_ptr, vs_ptr, vmax_ptr, vlev_ptr, freq_ptr, start_ptr,
-        pos_ptr, m_ptr, l_ptr, acc_ptr,
+        pos_ptr, hid_ptr, m_ptr, l_ptr, acc_ptr,
         tokens, heads, splits, split_len, first, rope_scale, scaling, l0, l1,
         D: tl.constexpr, G: tl.constexpr, KBITS: tl.constexpr, KGROUP: tl.constexpr, KO: tl.constexpr,
         VBITS: tl.constexpr, VGROUP: tl.constexpr, ROPE: tl.constexpr, HAS_START: tl.constexpr, BLOCK: tl.constexpr,
         LOWP: tl.constexpr, LEVELS: tl.constexpr, KWIDTH: tl.constexpr, VARW: tl.constexpr, VLOG: tl.constexpr, VST: tl.constexpr,
-        HAS_POS: tl.constexpr, KWW: tl.constexpr,
+        HAS_POS: tl.constexpr, KWW: tl.constexpr, HID: tl.constexpr,
     ):
         """The kernel with each tile split into sub-tiles of channels ``byte * per + r`` taken straight from the
         packed bytes (no per-element gather), each half of the head dequantized once and rotated pairwise."""
@@ -261,6 +270,8 @@ if triton is not None:
                 else:
                     s += tl.dot(q_lo, tl.trans(k_lo), input_precision="ieee")
                     s += tl.dot(q_hi, tl.trans(k_hi), input_precision="ieee")
+            if HID > 0:  # slots whose tokens are attended exactly (restored by residuals)
+                pos = _hide(pos, t0 + t_loc, hid_ptr + bh * HID, HID)
             p, alpha, m_new = _online_step(s, t_ok, pos, start, m_i, HAS_START)
             l_i = l_i * alpha + tl.sum(p, 1)
             m_i = m_new

@@ -243,11 +243,11 @@ def test_a_cache_that_dropped_tokens_decodes_as_the_reference_path(model, regist
     view = cache.engine.kernel.lowbit_view(cache.engine.view(1), torch.device("cpu"))
     positions = view.positions
     assert positions is not None and view.tokens < 0.8 * view.exact_first  # tokens were dropped
-    for row in positions:  # in order; -1 only where a full-rank residual restores the token (attended as exact)
-        kept = row[row >= 0]
-        assert bool((kept[1:] > kept[:-1]).all())
-        hidden = int((row < 0).sum())
-        assert hidden == (0 if view.restored_pos is None else int((view.restored_pos[0, 0] >= 0).sum()))
+    assert bool((positions >= 0).all())  # a kvzip cache has no filler slots
+    assert bool((positions[:, 1:] > positions[:, :-1]).all())  # in order
+    restored = 0 if view.restored_pos is None else int((view.restored_pos[0, 0] >= 0).sum())
+    hidden = 0 if view.hidden_slots is None else int((view.hidden_slots[0] >= 0).sum())
+    assert hidden == restored  # the slots of tokens a full-rank residual restores are hidden from the packed pass
     q = torch.randn(2, 4, 64, generator=torch.Generator().manual_seed(5))
     twin = torch_lowbit_decode(view, q, None, 0.125)
     for variant in KERNELS:
@@ -352,6 +352,21 @@ def test_the_kernel_holds_no_copy_of_what_the_cache_stores(model, registry, name
         assert cache.engine.windows[1].compressed_tokens >= length // 2 - 64  # the kernel read packed tokens
         held.append(_held_bytes(cache.engine.kernel_state))
     assert held[0] == held[1] > 0, held
+
+
+def test_restored_tokens_are_hidden_by_a_short_slot_list_not_a_position_per_slot(model, registry):
+    """A cache that restores its sinks but drops nothing is read in slot order: the few restored slots are listed
+    per row (a power of two wide), and no position per packed slot is built at every call (it once was: a [B x H,
+    T] tensor per layer and step)."""
+    ids = torch.randint(1, 128, (2, 230), generator=torch.Generator().manual_seed(2))
+    cache = build_cache(registry.resolve("t-lowbit-sinks"), model)
+    with torch.no_grad():
+        model(input_ids=ids, use_cache=True, **cache_kwargs(model, cache))
+    view = cache.engine.kernel.lowbit_view(cache.engine.view(1), torch.device("cpu"))
+    assert view.positions is None and view.restored_k is not None
+    hidden = view.hidden_slots
+    assert hidden.dtype == torch.int32 and hidden.shape == (4, 4)  # 2 rows x 2 KV heads, the 4 sinks
+    assert sorted(hidden[0].tolist()) == [0, 1, 2, 3]
 
 
 class _NoLaunch:

@@ -43,7 +43,7 @@ from kvweave.core.params import choice
 from kvweave.core.view import LayerView
 from kvweave.kernels.formats import CHANNEL_ALLOC, CHANNEL_GROUP, ROTATED_TOKEN, ROTATED_TOKEN_LOG8
 from kvweave.kernels.lowbit_decode import (
-    LowbitView, exact_start, level_kind, lowbit_decode, rope_at, slot_positions, torch_keys, torch_lowbit_decode, torch_values,
+    LowbitView, level_kind, lowbit_decode, rope_at, slot_positions, torch_keys, torch_lowbit_decode, torch_values,
 )
 
 from .fused import first_positions
@@ -202,14 +202,12 @@ class LowbitKernel(AttentionKernel):
             out_v = torch.zeros_like(out_k)
             out_pos = torch.full((batch * heads, width), -1, dtype=torch.long, device=device)
             out_k[rows, slot], out_v[rows, slot], out_pos[rows, slot] = keys, values, positions
-            view.scratch[key] = (rows, ids % tokens, out_k.reshape(batch, heads, width, dim), out_v.reshape(batch, heads, width, dim),
+            hidden = torch.full((batch * heads, max(2, 1 << (width - 1).bit_length())), -1, dtype=torch.int32, device=device)
+            hidden[rows, slot] = (ids % tokens).to(torch.int32)  # packed slots keep their index as later blocks are appended
+            view.scratch[key] = (hidden, out_k.reshape(batch, heads, width, dim), out_v.reshape(batch, heads, width, dim),
                                  out_pos.reshape(batch, heads, width))
-        rows, slots, out_k, out_v, out_pos = view.scratch[key]
-        hidden = slot_positions(packed, device)
-        hidden = (hidden.expand(batch * heads, tokens) if hidden.dim() == 1 else hidden).reshape(-1).clone()
-        hidden[rows * tokens + slots] = -1  # packed slots keep their index as later blocks are appended
-        return attrs.evolve(packed, positions=hidden.reshape(batch * heads, tokens).to(torch.int32), exact_first=exact_start(packed),
-                            restored_k=out_k, restored_v=out_v, restored_pos=out_pos)
+        hidden, out_k, out_v, out_pos = view.scratch[key]
+        return attrs.evolve(packed, hidden_slots=hidden, restored_k=out_k, restored_v=out_v, restored_pos=out_pos)
 
     @staticmethod
     def _tables(view: LayerView, kq: Any, vq: Any, dim: int, device: torch.device) -> tuple:
