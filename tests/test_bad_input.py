@@ -95,6 +95,13 @@ CASES: list[Case] = [
     Case(("eval", "report", "{SETTINGS_BAD_TASK}"), "\"settings\".needle lacks 'depths'", "a settings.json whose needle settings lack depths"),
     Case(("eval", "report", "{CELL_WITHOUT_KEY}"), "cells.jsonl, line 1: a cell record must be a JSON object with a string \"key\"",
          "a cells.jsonl line without \"key\""),
+    # --- eval merge
+    Case(("eval", "merge", "{OUT}", "{RUN_A}"), "joins two or more results folders", "one folder to merge"),
+    Case(("eval", "merge", "{OUT}", "{RUN_A}", "{RUN_OTHER}"), "was run with other settings than", "a run with another --needles"),
+    Case(("eval", "merge", "{OUT}", "{RUN_A}", "{RUN_CLASH}"), "with different results; pass --prefer first or --prefer last",
+         "the same cell with another answer"),
+    Case(("eval", "merge", "{FOLDER}", "{RUN_A}", "{RUN_B}"), "exists and is not an empty folder", "an output folder that holds files"),
+    Case(("eval", "merge", "{OUT}", "{RUN_PPL}", "{RUN_A}"), "joins needle runs split by length or depth", "a perplexity run"),
 ]
 
 #: how the doc spells each placeholder
@@ -102,7 +109,8 @@ SHOWN = {
     "{FOLDER}": "my-registries/", "{LATIN1}": "latin1.txt", "{EMPTY}": "empty.txt", "{LONG}": "long.txt",
     "{TINY}": "tiny-model/", "{REPORT_X13}": "report-x13.txt", "{OUT}": "results/", "{FILE}": "notes.txt",
     "{NOTHING}": "empty-folder/", "{SETTINGS_EMPTY}": "run/", "{SETTINGS_LIST}": "run/", "{SETTINGS_BAD_TASK}": "run/",
-    "{CELL_WITHOUT_KEY}": "run/",
+    "{CELL_WITHOUT_KEY}": "run/", "{RUN_A}": "run-a/", "{RUN_B}": "run-b/", "{RUN_OTHER}": "run-b/", "{RUN_CLASH}": "run-b/",
+    "{RUN_PPL}": "ppl-run/",
 }
 
 
@@ -148,6 +156,8 @@ def materials(tmp: Path, tiny: Path) -> dict[str, str]:
     (tmp / "notes.txt").write_text("not a folder")
     (tmp / "empty-folder").mkdir()
     bad_task = {**good, "settings": {**good["settings"], "needle": {"lengths": [128], "needles": 1}}}
+    cell = {"key": "needle|full|128|0.5|0", "session": 0, "task": "needle", "pipeline": "full", "length": 128, "depth": 0.5,
+            "needle": 0, "answer": "7", "hit": True}
     paths = {
         "{FOLDER}": tmp / "my-registries", "{LATIN1}": tmp / "latin1.txt", "{EMPTY}": tmp / "empty.txt", "{LONG}": tmp / "long.txt",
         "{TINY}": tiny, "{OUT}": tmp / "results", "{FILE}": tmp / "notes.txt", "{NOTHING}": tmp / "empty-folder",
@@ -156,6 +166,11 @@ def materials(tmp: Path, tiny: Path) -> dict[str, str]:
         "{SETTINGS_BAD_TASK}": _run_folder(tmp / "run-bad-task", bad_task),
         "{CELL_WITHOUT_KEY}": _run_folder(tmp / "run-no-key", good, '{"task": "needle", "pipeline": "full", "hit": true}\n'),
         "{REPORT_X13}": tmp / "report-x13.txt",
+        "{RUN_A}": _run_folder(tmp / "run-a", good, json.dumps(cell) + "\n"),
+        "{RUN_B}": _run_folder(tmp / "run-b", {**good, "settings": {**good["settings"], "needle": {**good["settings"]["needle"], "lengths": [192]}}}),
+        "{RUN_OTHER}": _run_folder(tmp / "run-other", {**good, "settings": {**good["settings"], "needle": {**good["settings"]["needle"], "needles": 2}}}),
+        "{RUN_CLASH}": _run_folder(tmp / "run-clash", good, json.dumps({**cell, "answer": "42", "hit": False}) + "\n"),
+        "{RUN_PPL}": _run_folder(tmp / "ppl-run", {**good, "settings": {"task": "ppl", "model": "default"}}),
     }
     (tmp / "report-x13.txt").write_text("\n\n".join([REPORT.read_text(encoding="utf-8")] * 13), encoding="utf-8")
     return {name: str(path) for name, path in paths.items()}

@@ -302,3 +302,53 @@ def test_a_float32_run_shows_the_reduction_against_its_own_cache_beside_the_16_b
     assert text.splitlines()[0].startswith("pipeline,bytes,ratio,ratio_float32") and "16-bit" in eval_report.ratio_note(rows)
     bf16 = eval_report.table_rows(["full", "int4"], {}, results, "bfloat16")
     assert "vs float32" not in eval_report.render_table(bf16, [])[0] and eval_report.ratio_note(bf16) == ""
+
+
+def test_merge_joins_runs_split_by_length_into_the_run_of_both(tiny_model_folder, tmp_path, capsys):
+    """Two processes each ran one length; the merged folder reports what one run of both lengths reports (the
+    cells are seeded per needle, length and depth), keeps both sessions, and refuses what does not belong."""
+    def args(out: Path, lengths: str, needles: str = "2") -> list[str]:
+        command = _needle_args(tiny_model_folder, out)
+        command[command.index("--lengths") + 1] = lengths
+        command[command.index("--needles") + 1] = needles
+        return command
+
+    for name, lengths in (("short", "128"), ("long", "192"), ("both", "128,192")):
+        assert cli.main(args(tmp_path / name, lengths)) == 0
+    assert cli.main(["eval", "merge", str(tmp_path / "merged"), str(tmp_path / "short"), str(tmp_path / "long")]) == 0
+    merged = json.loads((tmp_path / "merged" / "needle.json").read_text())
+    once = json.loads((tmp_path / "both" / "needle.json").read_text())
+    answers = lambda r, p: sorted((a["length"], a["depth"], a["needle"], a["answer"], a["hit"]) for a in r["pipelines"][p]["answers"])  # noqa: E731
+    for pipeline in ("full", "int4"):
+        assert answers(merged, pipeline) == answers(once, pipeline) and len(answers(once, pipeline)) == 8
+        assert merged["pipelines"][pipeline]["grid"] == once["pipelines"][pipeline]["grid"]
+    record = json.loads((tmp_path / "merged" / "settings.json").read_text())
+    assert record["settings"]["needle"]["lengths"] == [128, 192] and len(record["sessions"]) == 2
+    cells = [json.loads(line) for line in (tmp_path / "merged" / "cells.jsonl").read_text().splitlines()]
+    assert {(c["length"], c["session"]) for c in cells} == {(128, 0), (192, 1)}  # each cell keeps the session that ran it
+
+    capsys.readouterr()
+    assert cli.main(args(tmp_path / "three", "192", needles="3")) == 0
+    for bad, says in (
+        ([tmp_path / "short"], "two or more"),
+        ([tmp_path / "short", tmp_path / "three"], "needles"),  # another setting than lengths and depths
+    ):
+        assert cli.main(["eval", "merge", str(tmp_path / "new"), *map(str, bad)]) == 2
+        assert says in capsys.readouterr().err
+    assert cli.main(["eval", "merge", str(tmp_path / "both"), str(tmp_path / "short"), str(tmp_path / "long")]) == 2
+    assert "not an empty folder" in capsys.readouterr().err
+
+    cells_file = tmp_path / "long" / "cells.jsonl"  # the same cell decoded differently in a second run
+    lines = cells_file.read_text().splitlines()
+    changed = json.loads(lines[0])
+    changed["answer"] = changed["answer"] + " (another decode)"
+    (tmp_path / "again").mkdir()
+    (tmp_path / "again" / "settings.json").write_text((tmp_path / "long" / "settings.json").read_text())
+    (tmp_path / "again" / "cells.jsonl").write_text(json.dumps(changed) + "\n")
+    sources = [str(tmp_path / "short"), str(tmp_path / "long"), str(tmp_path / "again")]
+    assert cli.main(["eval", "merge", str(tmp_path / "m2"), *sources]) == 2
+    assert "--prefer" in capsys.readouterr().err
+    assert cli.main(["eval", "merge", str(tmp_path / "m3"), *sources, "--prefer", "last"]) == 0
+    assert changed["key"] in capsys.readouterr().err
+    kept = {json.loads(line)["key"]: json.loads(line) for line in (tmp_path / "m3" / "cells.jsonl").read_text().splitlines()}
+    assert kept[changed["key"]]["answer"].endswith("(another decode)") and len(kept) == 16

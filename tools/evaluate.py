@@ -42,6 +42,7 @@ from kvweave.tools.distributed import add_tp_option
 from kvweave.tools.eval_context import Evaluation, model_label
 from kvweave.tools.eval_fidelity import fidelity_result, run_fidelity
 from kvweave.tools.eval_folder import EvalError, RunFolder
+from kvweave.tools.eval_merge import merge
 from kvweave.tools.eval_needle import QUERY_AGNOSTIC, QUERY_AWARE, needle_note, needle_result, run_needle
 from kvweave.tools.eval_ppl import ppl_result, run_ppl
 from kvweave.tools.eval_qa import qa_result, run_qa
@@ -279,6 +280,15 @@ def cmd_report(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_merge(args: argparse.Namespace) -> int:
+    out, differed = merge(Path(args.out), [Path(folder) for folder in args.folders], args.prefer)
+    for key in differed:
+        print(f"kvweave eval merge: cell {key} differs between folders; kept the {args.prefer} folder's", file=sys.stderr)
+    report(out)
+    print(f"{len(args.folders)} folders merged into {out}", file=sys.stderr)
+    return 0
+
+
 def run_tasks(ev: Evaluation, args: argparse.Namespace, tasks: list[str]) -> dict[str, dict[str, Any]]:
     results: dict[str, dict[str, Any]] = {}
     for task in TASKS:
@@ -387,4 +397,12 @@ def add_eval_command(subparsers: Any) -> argparse.ArgumentParser:
     p.add_argument("folder", help="a results folder written by kvweave eval")
     p.add_argument("--ablations", metavar="BASE", help="show the table's deltas against BASE (default: the run's own --ablations)")
     p.set_defaults(func=cmd_report)
+    p = tasks.add_parser("merge", help="join needle runs split by length or depth into one results folder",
+                         description="Join needle results folders of the same settings, split by --lengths or --depths (for "
+                                     "instance run as several processes), into a new folder, and build its outputs; no model is loaded.")
+    p.add_argument("out", help="the new results folder (must not exist, or be empty)")
+    p.add_argument("folders", nargs="+", help="results folders written by kvweave eval needle")
+    p.add_argument("--prefer", choices=("first", "last"),
+                   help="a cell in two folders with different results: keep the first (or last) folder's (default: refuse)")
+    p.set_defaults(func=cmd_merge)
     return parser
