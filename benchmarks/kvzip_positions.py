@@ -2,10 +2,12 @@
 before the question"): the share of each fifth of the context kept at ``--fraction``, per chunk size and
 share, and each layer's mean rank of the needle's tokens among its scores (0 = most important).
 
-    python benchmarks/kvzip_positions.py --length 2000 --depth 0.1 --needle 0
+    python benchmarks/kvzip_positions.py --length 2000 --depth 0.1 --needle 0 [--pools 1,7] [--model M]
 
-The cell is the one ``kvweave eval needle`` builds (query-agnostic: the context part only, chat template),
-scored on the CPU in float32 with the default model.
+Layers the scorer cannot see whole (sliding-window layers) are left out of every share and rank.
+
+The cell is the one ``kvweave eval needle`` builds (query-agnostic: the context part only, chat template where
+the model has one), scored on the CPU in float32.
 """
 
 from __future__ import annotations
@@ -21,7 +23,11 @@ def main() -> int:
     parser.add_argument("--needle", type=int, default=0, help="index of the needle (of 16, seed 0)")
     parser.add_argument("--fraction", type=float, default=0.5)
     parser.add_argument("--chunks", default="2048,512,256", help="scoring chunk sizes")
+    parser.add_argument("--pools", default="1", help="kvzip pool widths compared (scores max-pooled over that many positions)")
     args = parser.parse_args()
+    args.sinks_shown = 4  # the first positions are kept whatever their score
+    import torch
+
     from kvweave.core.registry import load_registry
     from kvweave.engine import importance
     from kvweave.plugins.evictors.kvzip import KVzipEvictor
@@ -43,20 +49,24 @@ def main() -> int:
             span.append(index)
         offset += len(piece)
     print(f"context {split} tokens, needle {needle.answer!r} at tokens {span[0]}-{span[-1]}\n")
-    print("| chunk | share | kept of the needle's entries | kept of each fifth of the context |\n|---|---|---|---|")
+    print("| chunk | share | pool | kept of the needle's entries | kept of each fifth of the context |\n|---|---|---|---|---|")
     ranks = None
     for chunk in (int(c) for c in args.chunks.split(",")):
-        scores = importance.reconstruction_scores(model, tokenizer, ids, chunk=chunk)
-        total = scores.shape[-1]
-        for share in ("model", "layer"):
-            cuts = KVzipEvictor(fraction=args.fraction, share=share).cuts(scores)
-            kept = scores[:, 0] >= cuts[:, 0, :, None]  # [L, H, T]
-            fifths = [float(kept[..., total * f // 5 : total * (f + 1) // 5].float().mean()) for f in range(5)]
-            print(f"| {chunk} | {share} | {float(kept[..., span].float().mean()):.2f} | {', '.join(f'{x:.2f}' for x in fifths)} |")
+        raw = importance.reconstruction_scores(model, tokenizer, ids, chunk=chunk)
+        scored = torch.isfinite(raw[:, 0, :, args.sinks_shown:]).any(-1).any(-1)  # layers the scorer sees whole
+        for pool in (int(p) for p in args.pools.split(",")):
+            scores = KVzipEvictor(pool=pool).prepare_importance(raw)
+            total = scores.shape[-1]
+            for share in ("model", "layer"):
+                cuts = KVzipEvictor(fraction=args.fraction, share=share).cuts(scores)
+                kept = (scores[:, 0] >= cuts[:, 0, :, None])[scored]  # [L, H, T], scored layers only
+                fifths = [float(kept[..., total * f // 5 : total * (f + 1) // 5].float().mean()) for f in range(5)]
+                print(f"| {chunk} | {share} | {pool} | {float(kept[..., span].float().mean()):.2f} | {', '.join(f'{x:.2f}' for x in fifths)} |")
+        scores = raw
         if ranks is None:
             order = scores[:, 0].argsort(-1, descending=True).argsort(-1).float() / total  # [L, H, T]
-            ranks = [float(order[layer][:, span].mean()) for layer in range(order.shape[0])]
-    print("\nmean rank of the needle's tokens per layer (first chunk size; 0 = most important):")
+            ranks = [float(order[layer][:, span].mean()) for layer in range(order.shape[0]) if bool(scored[layer])]
+    print("\nmean rank of the needle's tokens per scored layer (first chunk size; 0 = most important):")
     print(", ".join(f"{layer}: {rank:.2f}" for layer, rank in enumerate(ranks)))
     return 0
 
