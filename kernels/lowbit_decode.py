@@ -237,6 +237,19 @@ def choose_splits(tokens: int, programs: int, target: int = 264) -> int:
 VARIANTS = ("auto", "subtile", "general")
 
 
+def resolve_variant(view: LowbitView, variant: str) -> str:
+    """The kernel ``variant`` (:data:`VARIANTS`) names for ``view``: "auto" resolved; a variant that cannot read
+    ``view`` refused."""
+    if variant not in VARIANTS:
+        raise ValueError(f"lowbit kernel variant {variant!r}: expected one of {', '.join(VARIANTS)}")
+    if variant == "subtile" and not fast_path(view):
+        raise ValueError("the lowbit 'subtile' kernel takes 2- or 4-bit channel-group keys and 2- or 4-bit values with 16 "
+                         "channels a sub-tile; use variant 'general'")
+    if variant == "auto":
+        return "subtile" if fast_path(view) else "general"
+    return variant
+
+
 @attrs.frozen
 class Launch:
     """One launch of a lowbit Triton kernel: ``kernel[grid](*args, **constants)`` fills ``outputs`` (the packed
@@ -258,13 +271,7 @@ def plan_launch(view: LowbitView, q: torch.Tensor, start: torch.Tensor | None, s
                 num_warps: int = 4, variant: str = "auto", programs: int = 264, lowp: bool | None = None) -> Launch:
     """The launch :func:`lowbit_decode` makes for ``view`` (``view.tokens`` > 0); ``lowp``: bfloat16 tile operands
     (None: where ``q`` is on a GPU)."""
-    if variant not in VARIANTS:
-        raise ValueError(f"lowbit kernel variant {variant!r}: expected one of {', '.join(VARIANTS)}")
-    if variant == "subtile" and not fast_path(view):
-        raise ValueError("the lowbit 'subtile' kernel takes 2- or 4-bit channel-group keys and 2- or 4-bit values with 16 "
-                         "channels a sub-tile; use variant 'general'")
-    if variant == "auto":
-        variant = "subtile" if fast_path(view) else "general"
+    variant = resolve_variant(view, variant)
     batch, q_heads, dim = q.shape
     heads = view.exact_k.shape[1]
     group = q_heads // heads
@@ -314,7 +321,7 @@ def lowbit_decode(view: LowbitView, q: torch.Tensor, start: torch.Tensor | None,
     ``variant``: which kernel (:data:`VARIANTS`)."""
     if jit.triton is None:
         raise RuntimeError("the lowbit kernel needs Triton; use backend 'torch'")
-    if variant not in VARIANTS:
+    if variant not in VARIANTS:  # refused even where no kernel runs (plan_launch resolves it against the storage)
         raise ValueError(f"lowbit kernel variant {variant!r}: expected one of {', '.join(VARIANTS)}")
     if view.tokens == 0:
         return torch_lowbit_decode(view, q, start, scaling)
