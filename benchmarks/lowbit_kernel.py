@@ -2,12 +2,12 @@
 with one exact outlier, 2-bit rotated values) against SDPA over a full bf16 cache.
 
     python benchmarks/lowbit_kernel.py [--tokens 32768,65536,131072] [--batches 1,8,32]
-        [--configs subtile:16:4,general:16:4] [--out DIR]
+        [--configs subtile:16:4,wide:16:4:528] [--out DIR]
 
 Shape: Llama-3-8B attention (32 query heads, 8 KV heads, head_dim 128, rope theta 500000), one new query
 token per sequence. The packed storage is written by the real quantizers (``channel-group`` 4-bit, group 64,
 one outlier; ``rotated-token`` 2-bit, normal levels) from random keys and values; the exact window holds
-16 tokens. Reported per (T, B) and kernel configuration (``variant:block:warps``, the Triton kernels of
+16 tokens. Reported per (T, B) and kernel configuration (``variant:block:warps[:programs]``, the Triton kernels of
 ``kvweave.kernels.lowbit_decode.VARIANTS``): SDPA and kernel GPU time (the kernels' device time from the torch
 profiler per call, combine and exact-window merge included; host time left out), the kernel's wall time per
 call (CUDA events, host included), speed-up on GPU time, the bytes the kernel reads (``nbytes`` of every packed
@@ -75,7 +75,7 @@ def kernel_stats(variant: str) -> str:
     """Registers and spills of the compiled Triton kernel of ``variant`` (as far as this Triton reports them)."""
     from kvweave.kernels import lowbit_triton
 
-    name = {"subtile": "_lowbit_fast_kernel", "general": "_lowbit_kernel"}[variant]
+    name = {"subtile": "_lowbit_fast_kernel", "wide": "_lowbit_wide_kernel", "general": "_lowbit_kernel"}[variant]
     found = []
     try:
         for per_device in getattr(getattr(lowbit_triton, name), "device_caches", {}).values():
@@ -86,14 +86,15 @@ def kernel_stats(variant: str) -> str:
     return "; ".join(found) or "(not reported)"
 
 
-def parse_configs(text: str) -> list[tuple[str, int, int]]:
-    """``variant:block:warps`` items, comma-separated (``subtile:16:4,general:16:4``)."""
+def parse_configs(text: str, programs: int) -> list[tuple[str, int, int, int]]:
+    """``variant:block:warps[:programs]`` items, comma-separated (``subtile:16:4,wide:16:4:528``); ``programs``
+    (the kernel programs aimed for, splitting the tokens) defaults to ``--programs``."""
     configs = []
     for item in text.split(","):
         parts = item.split(":")
-        if len(parts) != 3 or parts[0] not in VARIANTS or not parts[1].isdigit() or not parts[2].isdigit():
-            raise SystemExit(f"--configs: {item!r} is not variant:block:warps with variant one of {', '.join(VARIANTS)}")
-        configs.append((parts[0], int(parts[1]), int(parts[2])))
+        if len(parts) not in (3, 4) or parts[0] not in VARIANTS or not all(part.isdigit() for part in parts[1:]):
+            raise SystemExit(f"--configs: {item!r} is not variant:block:warps[:programs] with variant one of {', '.join(VARIANTS)}")
+        configs.append((parts[0], int(parts[1]), int(parts[2]), int(parts[3]) if len(parts) == 4 else programs))
     return configs
 
 
@@ -103,13 +104,13 @@ def main() -> None:
     parser.add_argument("--batches", default="1,8,32")
     parser.add_argument("--reps", type=int, default=30)
     parser.add_argument("--configs", default="subtile:16:4",
-                        help="kernels timed, each variant:block:warps (variant: subtile, general; block: tokens per "
-                             "loop step, divides 64; warps per program)")
-    parser.add_argument("--programs", type=int, default=264, help="kernel programs to aim for (splits of the tokens)")
+                        help="kernels timed, each variant:block:warps[:programs] (variant: subtile, wide, general; block: "
+                             "tokens per loop step, divides 64; warps per program; programs aimed for, default --programs)")
+    parser.add_argument("--programs", type=int, default=528, help="kernel programs to aim for (splits of the tokens)")
     parser.add_argument("--post-rope", action="store_true", help="keys stored after RoPE (no rotation in the kernel)")
     parser.add_argument("--out", default="results/lowbit_kernel")
     args = parser.parse_args()
-    configs = parse_configs(args.configs)
+    configs = parse_configs(args.configs, args.programs)
     if not torch.cuda.is_available():
         raise SystemExit("lowbit_kernel.py times CUDA kernels; run it on a GPU machine")
     bandwidth = copy_bandwidth()
@@ -119,11 +120,11 @@ def main() -> None:
     q_small = torch.randn(1, Q_HEADS, HEAD_DIM, device="cuda")
     reference = torch_lowbit_decode(small, q_small, None, scale)
     twins = {}
-    for variant, block, warps in configs:
-        out = lowbit_decode(small, q_small, None, scale, block, warps, variant, args.programs)
-        twins[f"{variant}:{block}:{warps}"] = float((out - reference).abs().max())
-        print(f"{variant}:{block}:{warps}: largest difference from the torch twin (T = 4096, B = 1) {twins[f'{variant}:{block}:{warps}']:.2e}; "
-              f"compiled: {kernel_stats(variant)}")
+    for variant, block, warps, programs in configs:
+        name = f"{variant}:{block}:{warps}:{programs}"
+        out = lowbit_decode(small, q_small, None, scale, block, warps, variant, programs)
+        twins[name] = float((out - reference).abs().max())
+        print(f"{name}: largest difference from the torch twin (T = 4096, B = 1) {twins[name]:.2e}; compiled: {kernel_stats(variant)}")
     rows = []
     print("\n| T | B | kernel | SDPA us (GPU) | lowbit us (GPU) | lowbit us (wall) | speed-up (GPU) | bytes read | GB/s | % of copy bw | bytes ratio |")
     print("|---:|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|")
@@ -141,11 +142,11 @@ def main() -> None:
             sdpa_call = lambda: F.scaled_dot_product_attention(q[:, :, None], keys, values, enable_gqa=True)  # noqa: E731
             sdpa = device_us(sdpa_call, args.reps)
             read = view_bytes(view)
-            for variant, block, warps in configs:
-                call = lambda: lowbit_decode(view, q, None, scale, block, warps, variant, args.programs)  # noqa: E731
+            for variant, block, warps, programs in configs:
+                call = lambda: lowbit_decode(view, q, None, scale, block, warps, variant, programs)  # noqa: E731
                 kernel = device_us(call, args.reps)
                 wall = timed(call, args.reps)
-                row = {"tokens": tokens, "batch": batch, "kernel": f"{variant}:{block}:{warps}", "sdpa_us": sdpa, "kernel_us": kernel,
+                row = {"tokens": tokens, "batch": batch, "kernel": f"{variant}:{block}:{warps}:{programs}", "sdpa_us": sdpa, "kernel_us": kernel,
                        "wall_us": wall, "speedup": sdpa / kernel, "bytes_read": read, "gbps": read / kernel / 1e3,
                        "of_copy": read / (kernel * 1e-6) / bandwidth, "bytes_ratio": full_bytes / read}
                 rows.append(row)

@@ -225,16 +225,22 @@ def level_kind(levels: list[float] | tuple[float, ...]) -> tuple[int, float, flo
     return 0, 0.0, 0.0
 
 
-def choose_splits(tokens: int, programs: int, target: int = 264) -> int:
+def choose_splits(tokens: int, programs: int, target: int = 528) -> int:
     """Splits of the packed tokens per (row, head) so that about ``target`` programs run (>= BLOCK_T tokens each)."""
     most = max(1, -(-tokens // BLOCK_T))
     return max(1, min(most, -(-target // max(1, programs))))
 
 
 #: the Triton kernels :func:`lowbit_decode` can run: "subtile" (tensor-core tiles of 16 channels taken straight
-#: from the packed bytes; 2- and 4-bit ``channel-group`` keys, 2- and 4-bit values), "general" (tensor-core tiles,
-#: any storage); "auto": "subtile" where it applies, else "general"
-VARIANTS = ("auto", "subtile", "general")
+#: from the packed bytes; 2- and 4-bit ``channel-group`` keys, 2- and 4-bit values), "wide" (the same storage,
+#: whole half-head key tiles unpacked in registers and the value scales applied to the probabilities; steps of
+#: at least :data:`WIDE_MIN_BLOCK` tokens), "general" (tensor-core tiles, any storage); "auto": "subtile" where it
+#: applies, else "general"
+VARIANTS = ("auto", "subtile", "wide", "general")
+
+#: the "wide" kernel's smallest step: with 16-token steps its sm_90 build (Triton 3.x) disagreed with the torch twin by
+#: ~1.5 on the H200 (2026-12-01) while the interpreter agreed; 32-token steps agree (docs/kernels.md)
+WIDE_MIN_BLOCK = 32
 
 
 def resolve_variant(view: LowbitView, variant: str) -> str:
@@ -242,9 +248,13 @@ def resolve_variant(view: LowbitView, variant: str) -> str:
     ``view`` refused."""
     if variant not in VARIANTS:
         raise ValueError(f"lowbit kernel variant {variant!r}: expected one of {', '.join(VARIANTS)}")
-    if variant == "subtile" and not fast_path(view):
-        raise ValueError("the lowbit 'subtile' kernel takes 2- or 4-bit channel-group keys and 2- or 4-bit values with 16 "
+    if variant in ("subtile", "wide") and not fast_path(view):
+        raise ValueError(f"the lowbit {variant!r} kernel takes 2- or 4-bit channel-group keys and 2- or 4-bit values with 16 "
                          "channels a sub-tile; use variant 'general'")
+    dim = view.exact_k.shape[-1]
+    if variant == "wide" and not (16 <= view.v_group and dim // view.v_group <= 4):
+        raise ValueError(f"the lowbit 'wide' kernel takes values in at most 4 channel groups of at least 16 (got groups of "
+                         f"{view.v_group} channels at head_dim {dim}); use variant 'subtile' or 'general'")
     if variant == "auto":
         return "subtile" if fast_path(view) else "general"
     return variant
@@ -268,10 +278,12 @@ class Launch:
 
 
 def plan_launch(view: LowbitView, q: torch.Tensor, start: torch.Tensor | None, scaling: float, block: int = 16,
-                num_warps: int = 4, variant: str = "auto", programs: int = 264, lowp: bool | None = None) -> Launch:
+                num_warps: int = 4, variant: str = "auto", programs: int = 528, lowp: bool | None = None) -> Launch:
     """The launch :func:`lowbit_decode` makes for ``view`` (``view.tokens`` > 0); ``lowp``: bfloat16 tile operands
     (None: where ``q`` is on a GPU)."""
     variant = resolve_variant(view, variant)
+    if variant == "wide" and block < WIDE_MIN_BLOCK:
+        raise ValueError(f"the lowbit 'wide' kernel takes steps of at least {WIDE_MIN_BLOCK} tokens, got block={block}")
     batch, q_heads, dim = q.shape
     heads = view.exact_k.shape[1]
     group = q_heads // heads
@@ -310,11 +322,12 @@ def plan_launch(view: LowbitView, q: torch.Tensor, start: torch.Tensor | None, s
     if variant == "general":
         return Launch(jit._lowbit_kernel, (batch * heads, splits), args, constants, (m, l, acc))
     kind, l0, l1 = view.level_kind or level_kind(view.v_levels.tolist())
-    return Launch(jit._lowbit_fast_kernel, (batch * heads, splits), (*args, l0, l1), {**constants, "LEVELS": kind}, (m, l, acc))
+    kernel = jit._lowbit_wide_kernel if variant == "wide" else jit._lowbit_fast_kernel
+    return Launch(kernel, (batch * heads, splits), (*args, l0, l1), {**constants, "LEVELS": kind}, (m, l, acc))
 
 
 def lowbit_decode(view: LowbitView, q: torch.Tensor, start: torch.Tensor | None, scaling: float,
-                  block: int = 16, num_warps: int = 4, variant: str = "auto", programs: int = 264) -> torch.Tensor:
+                  block: int = 16, num_warps: int = 4, variant: str = "auto", programs: int = 528) -> torch.Tensor:
     """The Triton path of :func:`torch_lowbit_decode`: [B, Hq, D] float32. On a GPU the two products of
     each tile take bfloat16 operands (float32 sums), as sdpa over the reference path's bfloat16 keys does;
     under ``TRITON_INTERPRET=1`` they stay float32, so the tests compare it with the twin closely.

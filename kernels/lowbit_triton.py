@@ -80,22 +80,30 @@ if triton is not None:
         return tl.where(hidden, -1, pos)
 
     @triton.jit
-    def _cos_sin(pos, freq, rope_scale):
+    def _cos_sin(pos, freq, rope_scale, APPROX: tl.constexpr):
         """cos and sin [BLOCK, len(freq)] of the rotary angles ``pos * freq``, times ``rope_scale``; each angle reduced
         into [-pi, pi] first (their large-argument path is slow): Cody-Waite with 2 pi = 6.28125 + 0.00193530717958647
-        (k * 6.28125 exact in float32 for k < 2**15, 200K positions)."""
+        (k * 6.28125 exact in float32 for k < 2**15, 200K positions). ``APPROX`` (a GPU with bfloat16 tile operands):
+        the hardware's approximations (``cos.approx``, ``sin.approx``: absolute error about 1e-6 on [-pi, pi], far
+        below a bfloat16 operand's rounding) instead of the libm-accurate functions, a few instructions instead of
+        dozens per angle."""
         angle = pos.to(tl.float32)[:, None] * freq[None, :]
         turns = tl.floor(angle * 0.15915494309189535 + 0.5)
         angle = (angle - turns * 6.28125) - turns * 0.0019353071795864769
+        if APPROX:
+            cos = tl.inline_asm_elementwise("cos.approx.ftz.f32 $0, $1;", "=f,f", [angle], dtype=tl.float32, is_pure=True, pack=1)
+            sin = tl.inline_asm_elementwise("sin.approx.ftz.f32 $0, $1;", "=f,f", [angle], dtype=tl.float32, is_pure=True, pack=1)
+            return cos * rope_scale, sin * rope_scale
         return tl.cos(angle) * rope_scale, tl.sin(angle) * rope_scale
 
     @triton.jit
     def _value_scale(vs_row, vmax_row, t_idx, t_ok, group, VGROUPS: tl.constexpr, VLOG: tl.constexpr, VST: tl.constexpr):
-        """The value scales [tokens, channels] of tokens ``t_idx`` (from the row's first token) and channel groups
-        ``group`` [1, channels]: float16 as stored, or log8 steps ``k`` below each ``VST`` tokens' float16 maximum."""
-        stored = tl.load(vs_row + t_idx[:, None] * VGROUPS + group, mask=t_ok[:, None], other=0).to(tl.float32)
+        """The value scales of tokens ``t_idx`` (from the row's first token; ``t_ok``: loaded) and channel groups
+        ``group``, broadcast together: float16 as stored, or log8 steps ``k`` below each ``VST`` tokens' float16
+        maximum."""
+        stored = tl.load(vs_row + t_idx * VGROUPS + group, mask=t_ok, other=0).to(tl.float32)
         if VLOG:
-            top = tl.load(vmax_row + (t_idx // VST)[:, None] * VGROUPS + group, mask=t_ok[:, None], other=0.0).to(tl.float32)
+            top = tl.load(vmax_row + (t_idx // VST) * VGROUPS + group, mask=t_ok, other=0.0).to(tl.float32)
             return top * tl.exp2(stored * -0.0625)
         return stored
 
@@ -141,7 +149,7 @@ if triton is not None:
                 pos = first + t_idx
             if ROPE:
                 other = _dequant(kc_ptr, kz_ptr, ks_ptr, koi_ptr, kov_ptr, kw_ptr, row_off, t_idx, t_ok, partner, D, KBITS, KGROUP, KO, KWIDTH, VARW, KWW)
-                cos, sin = _cos_sin(pos, freq, rope_scale)
+                cos, sin = _cos_sin(pos, freq, rope_scale, LOWP)
                 keys = keys * cos + sign[None, :] * other * sin
             if LOWP:  # tensor cores: bfloat16 operands (what sdpa over bfloat16 keys computes), float32 sums
                 s = tl.dot(q.to(tl.bfloat16), tl.trans(keys.to(tl.bfloat16)))  # [G, BLOCK]
@@ -152,7 +160,7 @@ if triton is not None:
             p, alpha, m_new = _online_step(s, t_ok, pos, start, m_i, HAS_START)
             code = _codes(vc_ptr + row_off * v_width, t_idx, t_ok, chan, VBITS, v_width)
             level = tl.load(vlev_ptr + code)
-            vscale = _value_scale(vs_ptr + row_off * v_groups, vmax_ptr + row_off // VST * v_groups, t_idx, t_ok,
+            vscale = _value_scale(vs_ptr + row_off * v_groups, vmax_ptr + row_off // VST * v_groups, t_idx[:, None], t_ok[:, None],
                                   (chan // VGROUP)[None, :], v_groups, VLOG, VST)
             values = level * vscale
             if LOWP:
@@ -200,7 +208,7 @@ if triton is not None:
         byte = tl.load(vc_row + t_loc[:, None] * VWIDTH + j[None, :], mask=t_ok[:, None], other=0)
         code = (byte.to(tl.int32) >> (R * VBITS)) & ((1 << VBITS) - 1)
         level = _level(code, vlev_ptr, VBITS, LEVELS, l0, l1)
-        scale = _value_scale(vs_row, vmax_row, t0 + t_loc, t_ok, ((j * per + R) // VGROUP)[None, :], VGROUPS, VLOG, VST)
+        scale = _value_scale(vs_row, vmax_row, (t0 + t_loc)[:, None], t_ok[:, None], ((j * per + R) // VGROUP)[None, :], VGROUPS, VLOG, VST)
         return level * scale
 
     @triton.jit
@@ -260,7 +268,7 @@ if triton is not None:
                 k_hi = _key_sub(kc_row, kz_row, ks_row, koi_row, kov_row, t_loc, t_ok, jb + NB, chan_hi, r, KBITS, KWIDTH, D, KO)
                 if ROPE:
                     freq = tl.load(freq_ptr + chan_lo)
-                    cos, sin = _cos_sin(pos, freq, rope_scale)
+                    cos, sin = _cos_sin(pos, freq, rope_scale, LOWP)
                     k_lo, k_hi = k_lo * cos - k_hi * sin, k_hi * cos + k_lo * sin
                 q_lo = tl.load(q_row + gi[:, None] * D + chan_lo[None, :]) * scaling
                 q_hi = tl.load(q_row + gi[:, None] * D + chan_hi[None, :]) * scaling
@@ -304,6 +312,137 @@ if triton is not None:
             tl.store(base + (jv * VP + 3)[None, :], acc3)
 
 
+
+    @triton.jit
+    def _unpack(byte, BITS: tl.constexpr):
+        """[N, W] packed bytes -> [N, W * 8 // BITS] int32 codes in stream order (code ``c`` at bits ``(c % per) *
+        BITS`` of byte ``c // per``), interleaved in registers."""
+        b = byte.to(tl.int32)
+        if BITS == 4:
+            return tl.interleave(b & 15, (b >> 4) & 15)
+        else:  # 2 bits: codes 4j, 4j + 1, 4j + 2, 4j + 3 at shifts 0, 2, 4, 6
+            return tl.interleave(tl.interleave(b & 3, (b >> 4) & 3), tl.interleave((b >> 2) & 3, (b >> 6) & 3))
+
+    @triton.jit
+    def _wide_bytes(kc_row, pos_row, t_loc, t_ok, jb, first, NB: tl.constexpr, KWIDTH: tl.constexpr, HAS_POS: tl.constexpr):
+        """The packed key bytes of one step (each half of the head [BLOCK, NB]) and the slots' positions."""
+        kb_lo = tl.load(kc_row + t_loc[:, None] * KWIDTH + jb[None, :], mask=t_ok[:, None], other=0)
+        kb_hi = tl.load(kc_row + t_loc[:, None] * KWIDTH + NB + jb[None, :], mask=t_ok[:, None], other=0)
+        if HAS_POS:
+            pos = tl.load(pos_row + t_loc, mask=t_ok, other=-1).to(tl.int32)
+        else:
+            pos = first + t_loc
+        return kb_lo, kb_hi, pos
+
+    @triton.jit
+    def _lowbit_wide_kernel(
+        q_ptr, kc_ptr, kz_ptr, ks_ptr, koi_ptr, kov_ptr, kw_ptr, vc_ptr, vs_ptr, vmax_ptr, vlev_ptr, freq_ptr, start_ptr,
+        pos_ptr, hid_ptr, m_ptr, l_ptr, acc_ptr,
+        tokens, heads, splits, split_len, first, rope_scale, scaling, l0, l1,
+        D: tl.constexpr, G: tl.constexpr, KBITS: tl.constexpr, KGROUP: tl.constexpr, KO: tl.constexpr,
+        VBITS: tl.constexpr, VGROUP: tl.constexpr, ROPE: tl.constexpr, HAS_START: tl.constexpr, BLOCK: tl.constexpr,
+        LOWP: tl.constexpr, LEVELS: tl.constexpr, KWIDTH: tl.constexpr, VARW: tl.constexpr, VLOG: tl.constexpr, VST: tl.constexpr,
+        HAS_POS: tl.constexpr, KWW: tl.constexpr, HID: tl.constexpr,
+    ):
+        """The sub-tile kernel's storage read as whole tiles: each half of the head's keys unpacked from its bytes by
+        interleaving in registers (one product per half a step; the query loaded once, the next step's key bytes
+        loaded before this step's arithmetic), and the values one product per channel group (at most 4) whose scale
+        multiplies the probabilities (a number per token) instead of every value."""
+        bh = tl.program_id(0)
+        split = tl.program_id(1)
+        batch = bh // heads
+        KP: tl.constexpr = 8 // KBITS
+        VP: tl.constexpr = 8 // VBITS
+        HALF: tl.constexpr = D // 2
+        NB: tl.constexpr = HALF // KP  # bytes of a half-head of keys
+        NV: tl.constexpr = D // VP  # bytes of a value
+        VGROUPS: tl.constexpr = D // VGROUP
+        gi = tl.arange(0, G)
+        jb = tl.arange(0, NB)
+        NVG: tl.constexpr = VGROUP // VP  # bytes of one channel group of a value
+        jg = tl.arange(0, NVG)
+        ch = tl.arange(0, HALF)
+        cg = tl.arange(0, VGROUP)
+        start = 0
+        if HAS_START:
+            start = tl.load(start_ptr + batch)
+        row = bh.to(tl.int64) * tokens
+        q_row = q_ptr + bh.to(tl.int64) * G * D
+        q_lo = tl.load(q_row + gi[:, None] * D + ch[None, :]) * scaling
+        q_hi = tl.load(q_row + gi[:, None] * D + HALF + ch[None, :]) * scaling
+        if LOWP:
+            q_lo = q_lo.to(tl.bfloat16)
+            q_hi = q_hi.to(tl.bfloat16)
+        t_loc = tl.arange(0, BLOCK)
+        if ROPE:
+            freq = tl.load(freq_ptr + ch)
+        lo = split * split_len
+        hi = tl.minimum(lo + split_len, tokens)
+        m_i = tl.full([G], float("-inf"), tl.float32)
+        l_i = tl.zeros([G], tl.float32)
+        acc0 = tl.zeros([G, VGROUP], tl.float32)  # one accumulator per channel group (at most 4)
+        acc1 = tl.zeros([G, VGROUP], tl.float32)
+        acc2 = tl.zeros([G, VGROUP], tl.float32)
+        acc3 = tl.zeros([G, VGROUP], tl.float32)
+        kb_lo, kb_hi, pos = _wide_bytes(kc_ptr + (row + lo) * KWIDTH, pos_ptr + row + lo, t_loc, lo + t_loc < hi, jb, first + lo,
+                                        NB, KWIDTH, HAS_POS)
+        for t0 in range(lo, hi, BLOCK):
+            t_ok = t0 + t_loc < hi
+            nxt = t0 + BLOCK  # the next step's bytes, in flight while this step computes
+            n_lo, n_hi, n_pos = _wide_bytes(kc_ptr + (row + nxt) * KWIDTH, pos_ptr + row + nxt, t_loc, nxt + t_loc < hi, jb,
+                                            first + nxt, NB, KWIDTH, HAS_POS)
+            vc_row = vc_ptr + (row + t0) * NV
+            meta = (row + t0) // KGROUP * D  # a tile lies within one token group
+            k_lo = tl.load(kz_ptr + meta + ch).to(tl.float32)[None, :] + \
+                _unpack(kb_lo, KBITS).to(tl.float32) * tl.load(ks_ptr + meta + ch).to(tl.float32)[None, :]
+            k_hi = tl.load(kz_ptr + meta + HALF + ch).to(tl.float32)[None, :] + \
+                _unpack(kb_hi, KBITS).to(tl.float32) * tl.load(ks_ptr + meta + HALF + ch).to(tl.float32)[None, :]
+            for o in tl.static_range(KO):
+                index = tl.load(koi_ptr + (row + t0 + t_loc) * KO + o, mask=t_ok, other=0).to(tl.int32)
+                value = tl.load(kov_ptr + (row + t0 + t_loc) * KO + o, mask=t_ok, other=0.0).to(tl.float32)
+                k_lo = tl.where(index[:, None] == ch[None, :], value[:, None], k_lo)
+                k_hi = tl.where(index[:, None] == (ch + HALF)[None, :], value[:, None], k_hi)
+            if ROPE:
+                cos, sin = _cos_sin(pos, freq, rope_scale, LOWP)
+                k_lo, k_hi = k_lo * cos - k_hi * sin, k_hi * cos + k_lo * sin
+            if LOWP:
+                s = tl.dot(q_lo, tl.trans(k_lo.to(tl.bfloat16))) + tl.dot(q_hi, tl.trans(k_hi.to(tl.bfloat16)))
+            else:
+                s = tl.dot(q_lo, tl.trans(k_lo), input_precision="ieee") + tl.dot(q_hi, tl.trans(k_hi), input_precision="ieee")
+            if HID > 0:  # slots whose tokens are attended exactly (restored by residuals)
+                pos = _hide(pos, t0 + t_loc, hid_ptr + bh * HID, HID)
+            p, alpha, m_new = _online_step(s, t_ok, pos, start, m_i, HAS_START)
+            l_i = l_i * alpha + tl.sum(p, 1)
+            m_i = m_new
+            vs_row = vs_ptr + row * VGROUPS  # scales indexed from the row's first token (log8 maxima by t // VST)
+            vmax_row = vmax_ptr + row // VST * VGROUPS
+            for g in tl.static_range(VGROUPS):  # each channel group's scale folded into the probabilities
+                vb = tl.load(vc_row + t_loc[:, None] * NV + g * NVG + jg[None, :], mask=t_ok[:, None], other=0)
+                level = _level(_unpack(vb, VBITS), vlev_ptr, VBITS, LEVELS, l0, l1)  # [BLOCK, VGROUP]
+                pg = p * _value_scale(vs_row, vmax_row, t0 + t_loc, t_ok, g, VGROUPS, VLOG, VST)[None, :]
+                if LOWP:
+                    part = tl.dot(pg.to(tl.bfloat16), level.to(tl.bfloat16))
+                else:
+                    part = tl.dot(pg, level, input_precision="ieee")
+                if g == 0:
+                    acc0 = acc0 * alpha[:, None] + part
+                elif g == 1:
+                    acc1 = acc1 * alpha[:, None] + part
+                elif g == 2:
+                    acc2 = acc2 * alpha[:, None] + part
+                else:
+                    acc3 = acc3 * alpha[:, None] + part
+            kb_lo, kb_hi, pos = n_lo, n_hi, n_pos
+        out = (bh * splits + split) * G
+        tl.store(m_ptr + out + gi, m_i)
+        tl.store(l_ptr + out + gi, l_i)
+        base = acc_ptr + out.to(tl.int64) * D + gi[:, None] * D + cg[None, :]
+        tl.store(base, acc0)
+        if VGROUPS > 1:
+            tl.store(base + VGROUP, acc1)
+        if VGROUPS > 2:
+            tl.store(base + 2 * VGROUP, acc2)
+            tl.store(base + 3 * VGROUP, acc3)
 
     @triton.jit
     def _merge_tokens(k_ptr, v_ptr, slot, ok, chan, q, m, total, out, D: tl.constexpr):

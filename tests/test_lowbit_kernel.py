@@ -205,8 +205,25 @@ def test_the_triton_kernel_matches_its_torch_twin(model, registry, name):
     for first in (start, None):
         twin = torch_lowbit_decode(view, q, first, 0.125)
         for variant in KERNELS:  # auto: the sub-tile kernel where 16 channels fill a sub-tile, else the general one
-            kernel = lowbit_decode(view, q, first, 0.125, block=16, variant=variant) if variant != "subtile" or fast_path(view) else twin
+            kernel = lowbit_decode(view, q, first, 0.125, block=32 if variant == "wide" else 16, variant=variant) if variant not in ("subtile", "wide") or fast_path(view) else twin
             assert torch.allclose(kernel, twin, atol=1e-5), (variant, (kernel - twin).abs().max())
+
+
+def test_the_wide_kernel_refuses_what_it_cannot_read(model, registry):
+    """Steps under 32 tokens (the sm_90 build disagreed with the twin there) and values in more than four channel
+    groups are refused with the reason, before any launch."""
+    ids = torch.randint(1, 128, (2, 230), generator=torch.Generator().manual_seed(2))
+    cache = build_cache(registry.resolve("prerope-k4v2-lowbit"), model)
+    with torch.no_grad():
+        model(input_ids=ids, use_cache=True, **cache_kwargs(model, cache))
+    view = cache.engine.kernel.lowbit_view(cache.engine.view(1), torch.device("cpu"))
+    q = torch.randn(2, 4, 64)
+    with pytest.raises(ValueError, match="at least 32 tokens, got block=16"):
+        plan_launch(view, q, None, 0.125, block=16, variant="wide")
+    assert plan_launch(view, q, None, 0.125, block=32, variant="wide").kernel is not None
+    narrow = attrs.evolve(view, v_group=8)  # eight groups of 8 channels at head_dim 64
+    with pytest.raises(ValueError, match="at most 4 channel groups of at least 16"):
+        plan_launch(narrow, q, None, 0.125, block=32, variant="wide")
 
 
 def test_two_bit_keys_at_head_dim_128_take_the_subtile_kernel(registry):
@@ -251,7 +268,7 @@ def test_a_cache_that_dropped_tokens_decodes_as_the_reference_path(model, regist
     q = torch.randn(2, 4, 64, generator=torch.Generator().manual_seed(5))
     twin = torch_lowbit_decode(view, q, None, 0.125)
     for variant in KERNELS:
-        kernel = lowbit_decode(view, q, None, 0.125, block=16, variant=variant) if variant != "subtile" or fast_path(view) else twin
+        kernel = lowbit_decode(view, q, None, 0.125, block=32 if variant == "wide" else 16, variant=variant) if variant not in ("subtile", "wide") or fast_path(view) else twin
         assert torch.allclose(kernel, twin, atol=1e-5), (variant, (kernel - twin).abs().max())
     moved = attrs.evolve(view, positions=positions + 7)  # the rotation follows the slots' positions
     assert not torch.allclose(torch_lowbit_decode(moved, q, None, 0.125), twin, atol=1e-3)
@@ -302,8 +319,8 @@ def _nvidia_backend() -> bool:
 
 @pytest.mark.skipif(not _nvidia_backend(), reason="Triton without its CUDA backend cannot compile for a GPU here")
 @pytest.mark.parametrize("name, variants, hidden", [
-    ("prerope-k4v2-lowbit", ("subtile", "general"), 64),  # 4-bit keys with an outlier, 2-bit values
-    ("t-lowbit-k2v4", ("subtile",), 512),  # 2-bit keys at head_dim 128: four query sub-tiles
+    ("prerope-k4v2-lowbit", ("subtile", "wide", "general"), 64),  # 4-bit keys with an outlier, 2-bit values
+    ("t-lowbit-k2v4", ("subtile", "wide"), 512),  # 2-bit keys at head_dim 128: four query sub-tiles
     ("t-lowbit-alloc", ("general",), 64),  # channel-alloc widths
     ("t-lowbit-log8", ("general",), 64),  # one-byte value scales
     ("t-lowbit-kvzip", ("auto",), 64),  # slots at their cache indices
@@ -323,7 +340,7 @@ def test_each_kernel_compiles_for_the_gpu_with_the_arguments_the_plugin_passes(m
     q = torch.randn(rows, 4, view.exact_k.shape[-1])
     for variant in variants:
         start = torch.tensor([40, 0][:rows], dtype=torch.int32)
-        launch = plan_launch(view, q, start, 0.125, variant=variant, lowp=True)
+        launch = plan_launch(view, q, start, 0.125, block=32 if variant == "wide" else 16, variant=variant, lowp=True)
         for planned in (launch, plan_combine(view, q, start, 0.125, launch)):  # the packed pass, then the combine
             stats = compile_for_gpu(planned)
             assert stats["cubin"] > 0 and stats["ptx"] > 100, (variant, stats)

@@ -1,0 +1,56 @@
+"""The ``lowbit`` Triton kernels as the GPU compiles them, against their torch twin, on every storage of
+tests/test_lowbit_kernel.py. CI has no GPU and runs the kernels in Triton's interpreter, which accepts code the
+GPU build computes differently (the ``wide`` kernel's 16-token steps did, on an H200 with Triton 3.6): on a GPU
+machine run ``python -m pytest tests/test_lowbit_gpu.py``. Skipped without CUDA."""
+
+from __future__ import annotations
+
+import attrs
+import pytest
+import torch
+
+from kvweave.engine import build_cache, importance
+from kvweave.kernels.lowbit_decode import fast_path, lowbit_decode, torch_lowbit_decode
+
+from conftest import CharTokenizer, tiny_llama
+from test_lowbit_kernel import model, registry  # noqa: F401 - the same storages and model
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="compiles the kernels for a CUDA GPU")
+
+STORAGES = ["prerope-k4v2-lowbit", "t-lowbit-post", "t-lowbit-k2v4", "t-lowbit-v4", "t-lowbit-k3v3", "t-lowbit-alloc",
+            "t-lowbit-qa35v3", "t-lowbit-alloc-post", "t-lowbit-log8", "t-lowbit-k4log8", "t-lowbit-sinks", "t-lowbit-sinks-cg",
+            "t-lowbit-kvzip", "t-lowbit-kvzip-cg", "t-lowbit-sinks-kvzip"]
+
+#: (variant, tokens a step) pairs each storage is read with, where the variant reads it
+CONFIGS = [("subtile", 16), ("subtile", 32), ("wide", 32), ("wide", 64), ("general", 16), ("general", 32), ("auto", 16)]
+
+
+@pytest.mark.parametrize("name", STORAGES)
+def test_each_compiled_kernel_matches_its_twin_on_the_gpu(model, registry, name):  # noqa: F811 - fixtures imported
+    """Over ~1,000 packed tokens (several programs a row, several steps a program), batch 2 where the pipeline
+    scores whole rows one at a time otherwise 1; the GPU build takes bfloat16 tile operands, so the bound is a
+    share of the output's scale (a wrong tile is off by the scale itself)."""
+    big = name == "t-lowbit-k2v4"  # 2-bit keys fill a sub-tile at head_dim 128
+    net = tiny_llama(layers=2, hidden=512) if big else model
+    cache = build_cache(registry.resolve(name), net, tokenizer=CharTokenizer())
+    rows = 1 if importance.needs_importance(cache) else 2
+    ids = torch.randint(1, 128, (rows, 1100), generator=torch.Generator().manual_seed(7))
+    with torch.no_grad():
+        importance.prefill(net, cache, ids)
+    view = cache.engine.kernel.lowbit_view(cache.engine.view(1), torch.device("cpu"))
+    view = attrs.evolve(view, **{f.name: getattr(view, f.name).cuda() for f in attrs.fields(type(view))
+                                 if isinstance(getattr(view, f.name), torch.Tensor)})
+    dim = view.exact_k.shape[-1]
+    q = torch.randn(rows, 4, dim, generator=torch.Generator().manual_seed(8)).cuda()
+    start = torch.tensor([300, 0][:rows], dtype=torch.int32, device="cuda")
+    for first in (start, None):
+        twin = torch_lowbit_decode(view, q, first, dim ** -0.5)
+        scale = float(twin.abs().max())
+        for variant, block in CONFIGS:
+            if variant in ("subtile", "wide") and not fast_path(view):
+                continue
+            if variant == "wide" and not (16 <= view.v_group and dim // view.v_group <= 4):
+                continue
+            out = lowbit_decode(view, q, first, dim ** -0.5, block=block, variant=variant)
+            worst = float((out - twin).abs().max())
+            assert worst < 0.03 * scale, (name, variant, block, worst, scale)
