@@ -234,8 +234,8 @@ def choose_splits(tokens: int, programs: int, target: int = 528) -> int:
 #: the Triton kernels :func:`lowbit_decode` can run: "subtile" (tensor-core tiles of 16 channels taken straight
 #: from the packed bytes; 2- and 4-bit ``channel-group`` keys, 2- and 4-bit values), "wide" (the same storage,
 #: whole half-head key tiles unpacked in registers and the value scales applied to the probabilities; steps of
-#: at least :data:`WIDE_MIN_BLOCK` tokens), "general" (tensor-core tiles, any storage); "auto": "subtile" where it
-#: applies, else "general"
+#: at least :data:`WIDE_MIN_BLOCK` tokens), "general" (tensor-core tiles, any storage); "auto": "wide" where it
+#: applies, else "subtile", else "general"
 VARIANTS = ("auto", "subtile", "wide", "general")
 
 #: the "wide" kernel's smallest step: with 16-token steps its sm_90 build (Triton 3.x) disagreed with the torch twin by
@@ -243,21 +243,31 @@ VARIANTS = ("auto", "subtile", "wide", "general")
 WIDE_MIN_BLOCK = 32
 
 
-def resolve_variant(view: LowbitView, variant: str) -> str:
-    """The kernel ``variant`` (:data:`VARIANTS`) names for ``view``: "auto" resolved; a variant that cannot read
-    ``view`` refused."""
+def wide_groups(view: LowbitView) -> bool:
+    """Whether the "wide" kernel's value products fit ``view``: at most 4 channel groups of at least 16 channels."""
+    return 16 <= view.v_group and view.exact_k.shape[-1] // view.v_group <= 4
+
+
+def resolve_variant(view: LowbitView, variant: str, block: int | None = None) -> tuple[str, int]:
+    """The kernel ``variant`` (:data:`VARIANTS`) and tokens a step (``block``; None: the variant's own) for ``view``:
+    "auto" resolved ("wide" where it reads ``view`` with the steps asked for, else "subtile", else "general"); a
+    variant that cannot read ``view`` with those steps refused."""
     if variant not in VARIANTS:
         raise ValueError(f"lowbit kernel variant {variant!r}: expected one of {', '.join(VARIANTS)}")
     if variant in ("subtile", "wide") and not fast_path(view):
         raise ValueError(f"the lowbit {variant!r} kernel takes 2- or 4-bit channel-group keys and 2- or 4-bit values with 16 "
                          "channels a sub-tile; use variant 'general'")
-    dim = view.exact_k.shape[-1]
-    if variant == "wide" and not (16 <= view.v_group and dim // view.v_group <= 4):
+    if variant == "wide" and not wide_groups(view):
         raise ValueError(f"the lowbit 'wide' kernel takes values in at most 4 channel groups of at least 16 (got groups of "
-                         f"{view.v_group} channels at head_dim {dim}); use variant 'subtile' or 'general'")
+                         f"{view.v_group} channels at head_dim {view.exact_k.shape[-1]}); use variant 'subtile' or 'general'")
     if variant == "auto":
-        return "subtile" if fast_path(view) else "general"
-    return variant
+        wide = fast_path(view) and wide_groups(view) and view.k_group % WIDE_MIN_BLOCK == 0
+        variant = "wide" if wide and (block is None or block >= WIDE_MIN_BLOCK) else "subtile" if fast_path(view) else "general"
+    if block is None:
+        block = WIDE_MIN_BLOCK if variant == "wide" else 16
+    if variant == "wide" and block < WIDE_MIN_BLOCK:
+        raise ValueError(f"the lowbit 'wide' kernel takes steps of at least {WIDE_MIN_BLOCK} tokens, got block={block}")
+    return variant, block
 
 
 @attrs.frozen
@@ -277,13 +287,11 @@ class Launch:
         return self.outputs
 
 
-def plan_launch(view: LowbitView, q: torch.Tensor, start: torch.Tensor | None, scaling: float, block: int = 16,
+def plan_launch(view: LowbitView, q: torch.Tensor, start: torch.Tensor | None, scaling: float, block: int | None = None,
                 num_warps: int = 4, variant: str = "auto", programs: int = 528, lowp: bool | None = None) -> Launch:
     """The launch :func:`lowbit_decode` makes for ``view`` (``view.tokens`` > 0); ``lowp``: bfloat16 tile operands
     (None: where ``q`` is on a GPU)."""
-    variant = resolve_variant(view, variant)
-    if variant == "wide" and block < WIDE_MIN_BLOCK:
-        raise ValueError(f"the lowbit 'wide' kernel takes steps of at least {WIDE_MIN_BLOCK} tokens, got block={block}")
+    variant, block = resolve_variant(view, variant, block)
     batch, q_heads, dim = q.shape
     heads = view.exact_k.shape[1]
     group = q_heads // heads
@@ -327,7 +335,7 @@ def plan_launch(view: LowbitView, q: torch.Tensor, start: torch.Tensor | None, s
 
 
 def lowbit_decode(view: LowbitView, q: torch.Tensor, start: torch.Tensor | None, scaling: float,
-                  block: int = 16, num_warps: int = 4, variant: str = "auto", programs: int = 528) -> torch.Tensor:
+                  block: int | None = None, num_warps: int = 4, variant: str = "auto", programs: int = 528) -> torch.Tensor:
     """The Triton path of :func:`torch_lowbit_decode`: [B, Hq, D] float32. On a GPU the two products of
     each tile take bfloat16 operands (float32 sums), as sdpa over the reference path's bfloat16 keys does;
     under ``TRITON_INTERPRET=1`` they stay float32, so the tests compare it with the twin closely.

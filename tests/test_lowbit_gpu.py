@@ -22,7 +22,7 @@ STORAGES = ["prerope-k4v2-lowbit", "t-lowbit-post", "t-lowbit-k2v4", "t-lowbit-v
             "t-lowbit-kvzip", "t-lowbit-kvzip-cg", "t-lowbit-sinks-kvzip"]
 
 #: (variant, tokens a step) pairs each storage is read with, where the variant reads it
-CONFIGS = [("subtile", 16), ("subtile", 32), ("wide", 32), ("wide", 64), ("general", 16), ("general", 32), ("auto", 16)]
+CONFIGS = [("subtile", 16), ("subtile", 32), ("wide", 32), ("wide", 64), ("general", 16), ("general", 32), ("auto", 16), ("auto", None)]
 
 
 @pytest.mark.parametrize("name", STORAGES)

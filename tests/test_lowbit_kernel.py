@@ -19,7 +19,9 @@ from kvweave.core.registry import load_pipeline, load_registry
 from kvweave.engine import build_cache, cache_kwargs
 from kvweave.engine import importance
 from kvweave.engine.generation import generate
-from kvweave.kernels.lowbit_decode import VARIANTS as KERNELS, fast_path, lowbit_decode, plan_combine, plan_launch, torch_keys, torch_lowbit_decode
+from kvweave.kernels.lowbit_decode import (
+    VARIANTS as KERNELS, fast_path, lowbit_decode, plan_combine, plan_launch, resolve_variant, torch_keys, torch_lowbit_decode,
+)
 
 from conftest import CharTokenizer, tiny_llama, write_registry
 
@@ -205,7 +207,7 @@ def test_the_triton_kernel_matches_its_torch_twin(model, registry, name):
     for first in (start, None):
         twin = torch_lowbit_decode(view, q, first, 0.125)
         for variant in KERNELS:  # auto: the sub-tile kernel where 16 channels fill a sub-tile, else the general one
-            kernel = lowbit_decode(view, q, first, 0.125, block=32 if variant == "wide" else 16, variant=variant) if variant not in ("subtile", "wide") or fast_path(view) else twin
+            kernel = lowbit_decode(view, q, first, 0.125, block=None if variant in ("auto", "wide") else 16, variant=variant) if variant not in ("subtile", "wide") or fast_path(view) else twin
             assert torch.allclose(kernel, twin, atol=1e-5), (variant, (kernel - twin).abs().max())
 
 
@@ -224,6 +226,22 @@ def test_the_wide_kernel_refuses_what_it_cannot_read(model, registry):
     narrow = attrs.evolve(view, v_group=8)  # eight groups of 8 channels at head_dim 64
     with pytest.raises(ValueError, match="at most 4 channel groups of at least 16"):
         plan_launch(narrow, q, None, 0.125, block=32, variant="wide")
+
+
+def test_auto_takes_the_wide_kernel_where_it_reads_the_storage(model, registry):
+    """The default launch reads 2/4-bit channel-group storage with the wide kernel at 32-token steps, 16-token steps
+    asked for with the sub-tile kernel, and 3-bit codes (which cross bytes) with the general kernel."""
+    ids = torch.randint(1, 128, (1, 230), generator=torch.Generator().manual_seed(2))
+    q = torch.randn(1, 4, 64)
+    picked = {}
+    for name in ("prerope-k4v2-lowbit", "t-lowbit-k3v3"):
+        cache = build_cache(registry.resolve(name), model)
+        with torch.no_grad():
+            model(input_ids=ids, use_cache=True, **cache_kwargs(model, cache))
+        view = cache.engine.kernel.lowbit_view(cache.engine.view(1), torch.device("cpu"))
+        picked[name] = (resolve_variant(view, "auto"), resolve_variant(view, "auto", 16))
+    assert picked["prerope-k4v2-lowbit"] == (("wide", 32), ("subtile", 16))
+    assert picked["t-lowbit-k3v3"] == (("general", 16), ("general", 16))
 
 
 def test_two_bit_keys_at_head_dim_128_take_the_subtile_kernel(registry):
@@ -268,7 +286,7 @@ def test_a_cache_that_dropped_tokens_decodes_as_the_reference_path(model, regist
     q = torch.randn(2, 4, 64, generator=torch.Generator().manual_seed(5))
     twin = torch_lowbit_decode(view, q, None, 0.125)
     for variant in KERNELS:
-        kernel = lowbit_decode(view, q, None, 0.125, block=32 if variant == "wide" else 16, variant=variant) if variant not in ("subtile", "wide") or fast_path(view) else twin
+        kernel = lowbit_decode(view, q, None, 0.125, block=None if variant in ("auto", "wide") else 16, variant=variant) if variant not in ("subtile", "wide") or fast_path(view) else twin
         assert torch.allclose(kernel, twin, atol=1e-5), (variant, (kernel - twin).abs().max())
     moved = attrs.evolve(view, positions=positions + 7)  # the rotation follows the slots' positions
     assert not torch.allclose(torch_lowbit_decode(moved, q, None, 0.125), twin, atol=1e-3)
@@ -340,7 +358,7 @@ def test_each_kernel_compiles_for_the_gpu_with_the_arguments_the_plugin_passes(m
     q = torch.randn(rows, 4, view.exact_k.shape[-1])
     for variant in variants:
         start = torch.tensor([40, 0][:rows], dtype=torch.int32)
-        launch = plan_launch(view, q, start, 0.125, block=32 if variant == "wide" else 16, variant=variant, lowp=True)
+        launch = plan_launch(view, q, start, 0.125, block=None if variant in ("auto", "wide") else 16, variant=variant, lowp=True)
         for planned in (launch, plan_combine(view, q, start, 0.125, launch)):  # the packed pass, then the combine
             stats = compile_for_gpu(planned)
             assert stats["cubin"] > 0 and stats["ptx"] > 100, (variant, stats)
