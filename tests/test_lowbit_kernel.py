@@ -436,6 +436,33 @@ def test_a_decode_call_dispatches_few_torch_operations(model, registry, monkeypa
     assert len(dispatched) <= 12, dispatched
 
 
+def test_the_packed_views_are_made_once_per_storage_state(model, registry):
+    """A decode step asks every layer for its view: the packed storage's views are kept until a flush changes the
+    storage (no torch operation on a repeated call), and a view after a flush equals one built from scratch."""
+    from torch.profiler import ProfilerActivity, profile
+
+    cache = build_cache(registry.resolve("t-lowbit-sinks"), model)
+    ids = torch.randint(1, 128, (2, 230), generator=torch.Generator().manual_seed(2))
+    with torch.no_grad():
+        model(input_ids=ids, use_cache=True, **cache_kwargs(model, cache))
+    kernel, cpu = cache.engine.kernel, torch.device("cpu")
+    first = kernel.lowbit_view(cache.engine.view(1), cpu)
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        again = kernel.lowbit_view(cache.engine.view(1), cpu)
+    assert not [e.name for e in prof.events() if e.name.startswith("aten::")]
+    assert again.k_codes is first.k_codes and again.restored_k is first.restored_k
+    with torch.no_grad():  # enough tokens for the next block to flush
+        model(input_ids=ids[:, :80], use_cache=True, **cache_kwargs(model, cache))
+    later = kernel.lowbit_view(cache.engine.view(1), cpu)
+    assert later.tokens > first.tokens
+    view = cache.engine.view(1)
+    view.scratch.clear()
+    fresh = kernel.lowbit_view(view, cpu)
+    for field in attrs.fields(type(fresh)):
+        a, b = getattr(later, field.name), getattr(fresh, field.name)
+        assert torch.equal(a, b) if isinstance(a, torch.Tensor) else a == b, field.name
+
+
 def test_keys_rotated_in_registers_are_the_keys_the_engine_rotates(model):
     ids = torch.randint(1, 128, (1, 150), generator=torch.Generator().manual_seed(4))
     cache = build_cache(load_pipeline("prerope-k4v2-lowbit"), model)

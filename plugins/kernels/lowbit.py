@@ -116,10 +116,31 @@ class LowbitKernel(AttentionKernel):
     # ---------------------------------------------------------------------------------- views
     def lowbit_view(self, view: LayerView, device: torch.device) -> LowbitView:
         """``view``'s packed storage as the kernel reads it (views of the stored tensors; the level table,
-        rotation and rotary angles kept in ``view.scratch``)."""
+        rotation and rotary angles kept in ``view.scratch``). The views are made once per state of the packed
+        storage (it changes only when a block is flushed: the group's ``flushes``, the token counts and the stored
+        tensors themselves) and kept in ``view.scratch``; each call adds the exact window, which every step changes."""
         exact_k, exact_v = view.keys.exact, view.values.exact
         if exact_k is None or exact_v is None:
             raise CacheStateError(f"layer {view.layer}: the cache holds nothing for this layer yet")
+        stamp = self._storage_stamp(view, exact_k)
+        cached = view.scratch.get(("lowbit-view", view.layer, device))
+        if cached is None or cached[0] != stamp:
+            cached = (stamp, self._packed_view(view, device, exact_k, exact_v))
+            view.scratch[("lowbit-view", view.layer, device)] = cached
+        return attrs.evolve(cached[1], exact_k=exact_k, exact_v=exact_v)
+
+    @staticmethod
+    def _storage_stamp(view: LayerView, exact_k: torch.Tensor) -> tuple:
+        """What identifies the packed storage's state: flushes, token counts, the residual entries, the batch shape
+        and the stored tensors (a reordered or replaced tensor has another address)."""
+        stored = [t.data_ptr() for kind_view in (view.keys, view.values) for t in kind_view.coefficients.values()
+                  if isinstance(t, torch.Tensor)]
+        entries = tuple(level.entries for kind_view in (view.keys, view.values) for level in kind_view.residuals)
+        return (view.flushes, view.packed_tokens, view.passed_tokens, tuple(exact_k.shape[:2]), entries, tuple(stored),
+                None if view.positions is None else view.positions.data_ptr())
+
+    def _packed_view(self, view: LayerView, device: torch.device, exact_k: torch.Tensor, exact_v: torch.Tensor) -> LowbitView:
+        """The packed storage's views (see :meth:`lowbit_view`), with this call's exact window."""
         for kind_view, packed in ((view.keys, (CHANNEL_GROUP, CHANNEL_ALLOC)), (view.values, (ROTATED_TOKEN, ROTATED_TOKEN_LOG8))):
             if kind_view.coefficient_format not in packed:
                 raise CacheStateError(f"layer {view.layer}: the {kind_view.kind} are packed as {kind_view.coefficient_format}; the lowbit kernel reads {' or '.join(packed)}")
