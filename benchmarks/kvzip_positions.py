@@ -2,7 +2,8 @@
 before the question"): the share of each fifth of the context kept at ``--fraction``, per chunk size and
 share, and each layer's mean rank of the needle's tokens among its scores (0 = most important).
 
-    python benchmarks/kvzip_positions.py --length 2000 --depth 0.1 --needle 0 [--pools 1,7] [--model M]
+    python benchmarks/kvzip_positions.py --length 2000 --depth 0.1 --needle 0 [--pools 1,7] [--spreads none,segments]
+        [--fraction 0.5] [--model M]
 
 Layers the scorer cannot see whole (sliding-window layers) are left out of every share and rank.
 
@@ -24,6 +25,8 @@ def main() -> int:
     parser.add_argument("--fraction", type=float, default=0.5)
     parser.add_argument("--chunks", default="2048,512,256", help="scoring chunk sizes")
     parser.add_argument("--pools", default="1", help="kvzip pool widths compared (scores max-pooled over that many positions)")
+    parser.add_argument("--spreads", default="none", help="kvzip spreads compared: none (one cut per layer and head), "
+                        "segments (each 128 positions keep the layer's share)")
     args = parser.parse_args()
     args.sinks_shown = 4  # the first positions are kept whatever their score
     import torch
@@ -49,7 +52,7 @@ def main() -> int:
             span.append(index)
         offset += len(piece)
     print(f"context {split} tokens, needle {needle.answer!r} at tokens {span[0]}-{span[-1]}\n")
-    print("| chunk | share | pool | kept of the needle's entries | kept of each fifth of the context |\n|---|---|---|---|---|")
+    print("| chunk | share | spread | pool | kept of the needle's entries | kept of each fifth of the context |\n|---|---|---|---|---|---|")
     ranks = None
     for chunk in (int(c) for c in args.chunks.split(",")):
         raw = importance.reconstruction_scores(model, tokenizer, ids, chunk=chunk)
@@ -58,10 +61,15 @@ def main() -> int:
             scores = KVzipEvictor(pool=pool).prepare_importance(raw)
             total = scores.shape[-1]
             for share in ("model", "layer"):
-                cuts = KVzipEvictor(fraction=args.fraction, share=share).cuts(scores)
-                kept = (scores[:, 0] >= cuts[:, 0, :, None])[scored]  # [L, H, T], scored layers only
-                fifths = [float(kept[..., total * f // 5 : total * (f + 1) // 5].float().mean()) for f in range(5)]
-                print(f"| {chunk} | {share} | {pool} | {float(kept[..., span].float().mean()):.2f} | {', '.join(f'{x:.2f}' for x in fifths)} |")
+                for spread in args.spreads.split(","):
+                    evictor = KVzipEvictor(fraction=args.fraction, share=share, spread=spread)
+                    if spread == "segments":  # each token's own cut [L, B, H, T]
+                        kept = (scores >= evictor.segment_cuts(scores))[:, 0][scored]
+                    else:
+                        kept = (scores[:, 0] >= evictor.cuts(scores)[:, 0, :, None])[scored]  # [L, H, T], scored layers only
+                    fifths = [float(kept[..., total * f // 5 : total * (f + 1) // 5].float().mean()) for f in range(5)]
+                    print(f"| {chunk} | {share} | {spread} | {pool} | {float(kept[..., span].float().mean()):.2f} | "
+                          f"{', '.join(f'{x:.2f}' for x in fifths)} |")
         scores = raw
         if ranks is None:
             order = scores[:, 0].argsort(-1, descending=True).argsort(-1).float() / total  # [L, H, T]
