@@ -232,10 +232,11 @@ def choose_splits(tokens: int, programs: int, target: int = 528) -> int:
 
 
 #: the Triton kernels :func:`lowbit_decode` can run: "subtile" (tensor-core tiles of 16 channels taken straight
-#: from the packed bytes; 2- and 4-bit ``channel-group`` keys, 2- and 4-bit values), "wide" (the same storage,
-#: whole half-head key tiles unpacked in registers and the value scales applied to the probabilities; steps of
-#: at least :data:`WIDE_MIN_BLOCK` tokens), "general" (tensor-core tiles, any storage); "auto": "wide" where it
-#: applies, else "subtile", else "general"
+#: from the packed bytes; 2- and 4-bit ``channel-group`` keys, 2- and 4-bit values), "wide" (any storage with at
+#: most 4 value groups: whole half-head key tiles, unpacked in registers where codes fill whole bytes, and the value
+#: scales applied to the probabilities; steps of at least :data:`WIDE_MIN_BLOCK` tokens), "general" (tensor-core
+#: tiles, any storage); "auto": "wide" where the sub-tile kernel's storage allows (the storages measured on a GPU),
+#: else "subtile", else "general"
 VARIANTS = ("auto", "subtile", "wide", "general")
 
 #: the "wide" kernel's smallest step: with 16-token steps its sm_90 build (Triton 3.x) disagreed with the torch twin by
@@ -254,12 +255,12 @@ def resolve_variant(view: LowbitView, variant: str, block: int | None = None) ->
     variant that cannot read ``view`` with those steps refused."""
     if variant not in VARIANTS:
         raise ValueError(f"lowbit kernel variant {variant!r}: expected one of {', '.join(VARIANTS)}")
-    if variant in ("subtile", "wide") and not fast_path(view):
-        raise ValueError(f"the lowbit {variant!r} kernel takes 2- or 4-bit channel-group keys and 2- or 4-bit values with 16 "
-                         "channels a sub-tile; use variant 'general'")
+    if variant == "subtile" and not fast_path(view):
+        raise ValueError("the lowbit 'subtile' kernel takes 2- or 4-bit channel-group keys and 2- or 4-bit values with 16 "
+                         "channels a sub-tile; use variant 'wide' or 'general'")
     if variant == "wide" and not wide_groups(view):
         raise ValueError(f"the lowbit 'wide' kernel takes values in at most 4 channel groups of at least 16 (got groups of "
-                         f"{view.v_group} channels at head_dim {view.exact_k.shape[-1]}); use variant 'subtile' or 'general'")
+                         f"{view.v_group} channels at head_dim {view.exact_k.shape[-1]}); use variant 'general'")
     if variant == "auto":
         wide = fast_path(view) and wide_groups(view) and view.k_group % WIDE_MIN_BLOCK == 0
         variant = "wide" if wide and (block is None or block >= WIDE_MIN_BLOCK) else "subtile" if fast_path(view) else "general"
@@ -330,8 +331,11 @@ def plan_launch(view: LowbitView, q: torch.Tensor, start: torch.Tensor | None, s
     if variant == "general":
         return Launch(jit._lowbit_kernel, (batch * heads, splits), args, constants, (m, l, acc))
     kind, l0, l1 = view.level_kind or level_kind(view.v_levels.tolist())
-    kernel = jit._lowbit_wide_kernel if variant == "wide" else jit._lowbit_fast_kernel
-    return Launch(kernel, (batch * heads, splits), (*args, l0, l1), {**constants, "LEVELS": kind}, (m, l, acc))
+    if variant == "wide":
+        fast_keys = not varw and view.k_bits in (2, 4)
+        constants = {**constants, "FASTK": fast_keys, "FASTV": view.v_bits in (2, 4)}
+        return Launch(jit._lowbit_wide_kernel, (batch * heads, splits), (*args, l0, l1), {**constants, "LEVELS": kind}, (m, l, acc))
+    return Launch(jit._lowbit_fast_kernel, (batch * heads, splits), (*args, l0, l1), {**constants, "LEVELS": kind}, (m, l, acc))
 
 
 def lowbit_decode(view: LowbitView, q: torch.Tensor, start: torch.Tensor | None, scaling: float,

@@ -342,25 +342,24 @@ if triton is not None:
         D: tl.constexpr, G: tl.constexpr, KBITS: tl.constexpr, KGROUP: tl.constexpr, KO: tl.constexpr,
         VBITS: tl.constexpr, VGROUP: tl.constexpr, ROPE: tl.constexpr, HAS_START: tl.constexpr, BLOCK: tl.constexpr,
         LOWP: tl.constexpr, LEVELS: tl.constexpr, KWIDTH: tl.constexpr, VARW: tl.constexpr, VLOG: tl.constexpr, VST: tl.constexpr,
-        HAS_POS: tl.constexpr, KWW: tl.constexpr, HID: tl.constexpr,
+        HAS_POS: tl.constexpr, KWW: tl.constexpr, HID: tl.constexpr, FASTK: tl.constexpr, FASTV: tl.constexpr,
     ):
-        """The sub-tile kernel's storage read as whole tiles: each half of the head's keys unpacked from its bytes by
-        interleaving in registers (one product per half a step; the query loaded once, the next step's key bytes
-        loaded before this step's arithmetic), and the values one product per channel group (at most 4) whose scale
-        multiplies the probabilities (a number per token) instead of every value."""
+        """Whole tiles: each half of the head's keys dequantized in one piece and rotated pairwise (one product per
+        half a step; the query loaded once), and the values one product per channel group (at most 4) whose scale
+        multiplies the probabilities (a number per token) instead of every value. ``FASTK`` (2- or 4-bit
+        ``channel-group`` keys): the codes unpacked from their bytes by interleaving in registers, the next step's
+        bytes loaded before this step's arithmetic; otherwise (3 bits, ``channel-alloc`` widths) each code read from
+        the one or two bytes it lies in. ``FASTV`` (2- or 4-bit values): likewise, else byte-read codes."""
         bh = tl.program_id(0)
         split = tl.program_id(1)
         batch = bh // heads
-        KP: tl.constexpr = 8 // KBITS
-        VP: tl.constexpr = 8 // VBITS
         HALF: tl.constexpr = D // 2
-        NB: tl.constexpr = HALF // KP  # bytes of a half-head of keys
-        NV: tl.constexpr = D // VP  # bytes of a value
+        VW: tl.constexpr = D * VBITS // 8  # bytes of a value
         VGROUPS: tl.constexpr = D // VGROUP
+        NVG: tl.constexpr = VGROUP * VBITS // 8  # bytes of one channel group of a value
         gi = tl.arange(0, G)
-        jb = tl.arange(0, NB)
-        NVG: tl.constexpr = VGROUP // VP  # bytes of one channel group of a value
-        jg = tl.arange(0, NVG)
+        if FASTV:
+            jg = tl.arange(0, NVG)
         ch = tl.arange(0, HALF)
         cg = tl.arange(0, VGROUP)
         start = 0
@@ -384,24 +383,38 @@ if triton is not None:
         acc1 = tl.zeros([G, VGROUP], tl.float32)
         acc2 = tl.zeros([G, VGROUP], tl.float32)
         acc3 = tl.zeros([G, VGROUP], tl.float32)
-        kb_lo, kb_hi, pos = _wide_bytes(kc_ptr + (row + lo) * KWIDTH, pos_ptr + row + lo, t_loc, lo + t_loc < hi, jb, first + lo,
-                                        NB, KWIDTH, HAS_POS)
+        if FASTK:
+            NB: tl.constexpr = HALF // (8 // KBITS)  # bytes of a half-head of keys
+            jb = tl.arange(0, NB)
+            kb_lo, kb_hi, pos = _wide_bytes(kc_ptr + (row + lo) * KWIDTH, pos_ptr + row + lo, t_loc, lo + t_loc < hi, jb,
+                                            first + lo, NB, KWIDTH, HAS_POS)
         for t0 in range(lo, hi, BLOCK):
             t_ok = t0 + t_loc < hi
-            nxt = t0 + BLOCK  # the next step's bytes, in flight while this step computes
-            n_lo, n_hi, n_pos = _wide_bytes(kc_ptr + (row + nxt) * KWIDTH, pos_ptr + row + nxt, t_loc, nxt + t_loc < hi, jb,
-                                            first + nxt, NB, KWIDTH, HAS_POS)
-            vc_row = vc_ptr + (row + t0) * NV
-            meta = (row + t0) // KGROUP * D  # a tile lies within one token group
-            k_lo = tl.load(kz_ptr + meta + ch).to(tl.float32)[None, :] + \
-                _unpack(kb_lo, KBITS).to(tl.float32) * tl.load(ks_ptr + meta + ch).to(tl.float32)[None, :]
-            k_hi = tl.load(kz_ptr + meta + HALF + ch).to(tl.float32)[None, :] + \
-                _unpack(kb_hi, KBITS).to(tl.float32) * tl.load(ks_ptr + meta + HALF + ch).to(tl.float32)[None, :]
-            for o in tl.static_range(KO):
-                index = tl.load(koi_ptr + (row + t0 + t_loc) * KO + o, mask=t_ok, other=0).to(tl.int32)
-                value = tl.load(kov_ptr + (row + t0 + t_loc) * KO + o, mask=t_ok, other=0.0).to(tl.float32)
-                k_lo = tl.where(index[:, None] == ch[None, :], value[:, None], k_lo)
-                k_hi = tl.where(index[:, None] == (ch + HALF)[None, :], value[:, None], k_hi)
+            if FASTK:
+                nxt = t0 + BLOCK  # the next step's bytes, in flight while this step computes
+                n_lo, n_hi, n_pos = _wide_bytes(kc_ptr + (row + nxt) * KWIDTH, pos_ptr + row + nxt, t_loc, nxt + t_loc < hi, jb,
+                                                first + nxt, NB, KWIDTH, HAS_POS)
+                vc_row = vc_ptr + (row + t0) * VW
+                meta = (row + t0) // KGROUP * D  # a tile lies within one token group
+                k_lo = tl.load(kz_ptr + meta + ch).to(tl.float32)[None, :] + \
+                    _unpack(kb_lo, KBITS).to(tl.float32) * tl.load(ks_ptr + meta + ch).to(tl.float32)[None, :]
+                k_hi = tl.load(kz_ptr + meta + HALF + ch).to(tl.float32)[None, :] + \
+                    _unpack(kb_hi, KBITS).to(tl.float32) * tl.load(ks_ptr + meta + HALF + ch).to(tl.float32)[None, :]
+                for o in tl.static_range(KO):
+                    index = tl.load(koi_ptr + (row + t0 + t_loc) * KO + o, mask=t_ok, other=0).to(tl.int32)
+                    value = tl.load(kov_ptr + (row + t0 + t_loc) * KO + o, mask=t_ok, other=0.0).to(tl.float32)
+                    k_lo = tl.where(index[:, None] == ch[None, :], value[:, None], k_lo)
+                    k_hi = tl.where(index[:, None] == (ch + HALF)[None, :], value[:, None], k_hi)
+            else:
+                vc_row = vc_ptr + (row + t0) * VW
+                k_lo = _dequant(kc_ptr, kz_ptr, ks_ptr, koi_ptr, kov_ptr, kw_ptr, row, t0 + t_loc, t_ok, ch, D, KBITS, KGROUP, KO,
+                                KWIDTH, VARW, KWW)
+                k_hi = _dequant(kc_ptr, kz_ptr, ks_ptr, koi_ptr, kov_ptr, kw_ptr, row, t0 + t_loc, t_ok, ch + HALF, D, KBITS, KGROUP,
+                                KO, KWIDTH, VARW, KWW)
+                if HAS_POS:
+                    pos = tl.load(pos_ptr + row + t0 + t_loc, mask=t_ok, other=-1).to(tl.int32)
+                else:
+                    pos = first + t0 + t_loc
             if ROPE:
                 cos, sin = _cos_sin(pos, freq, rope_scale, LOWP)
                 k_lo, k_hi = k_lo * cos - k_hi * sin, k_hi * cos + k_lo * sin
@@ -417,8 +430,12 @@ if triton is not None:
             vs_row = vs_ptr + row * VGROUPS  # scales indexed from the row's first token (log8 maxima by t // VST)
             vmax_row = vmax_ptr + row // VST * VGROUPS
             for g in tl.static_range(VGROUPS):  # each channel group's scale folded into the probabilities
-                vb = tl.load(vc_row + t_loc[:, None] * NV + g * NVG + jg[None, :], mask=t_ok[:, None], other=0)
-                level = _level(_unpack(vb, VBITS), vlev_ptr, VBITS, LEVELS, l0, l1)  # [BLOCK, VGROUP]
+                if FASTV:
+                    vb = tl.load(vc_row + t_loc[:, None] * VW + g * NVG + jg[None, :], mask=t_ok[:, None], other=0)
+                    code = _unpack(vb, VBITS)
+                else:
+                    code = _codes(vc_ptr + row * VW, t0 + t_loc, t_ok, g * VGROUP + cg, VBITS, VW)
+                level = _level(code, vlev_ptr, VBITS, LEVELS, l0, l1)  # [BLOCK, VGROUP]
                 pg = p * _value_scale(vs_row, vmax_row, t0 + t_loc, t_ok, g, VGROUPS, VLOG, VST)[None, :]
                 if LOWP:
                     part = tl.dot(pg.to(tl.bfloat16), level.to(tl.bfloat16))
@@ -432,7 +449,8 @@ if triton is not None:
                     acc2 = acc2 * alpha[:, None] + part
                 else:
                     acc3 = acc3 * alpha[:, None] + part
-            kb_lo, kb_hi, pos = n_lo, n_hi, n_pos
+            if FASTK:
+                kb_lo, kb_hi, pos = n_lo, n_hi, n_pos
         out = (bh * splits + split) * G
         tl.store(m_ptr + out + gi, m_i)
         tl.store(l_ptr + out + gi, l_i)

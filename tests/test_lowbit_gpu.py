@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from kvweave.engine import build_cache, importance
-from kvweave.kernels.lowbit_decode import fast_path, lowbit_decode, torch_lowbit_decode
+from kvweave.kernels.lowbit_decode import fast_path, lowbit_decode, torch_lowbit_decode, wide_groups
 
 from conftest import CharTokenizer, tiny_llama
 from test_lowbit_kernel import model, registry  # noqa: F401 - the same storages and model
@@ -47,9 +47,7 @@ def test_each_compiled_kernel_matches_its_twin_on_the_gpu(model, registry, name)
         twin = torch_lowbit_decode(view, q, first, dim ** -0.5)
         scale = float(twin.abs().max())
         for variant, block in CONFIGS:
-            if variant in ("subtile", "wide") and not fast_path(view):
-                continue
-            if variant == "wide" and not (16 <= view.v_group and dim // view.v_group <= 4):
+            if (variant == "subtile" and not fast_path(view)) or (variant == "wide" and not wide_groups(view)):
                 continue
             out = lowbit_decode(view, q, first, dim ** -0.5, block=block, variant=variant)
             worst = float((out - twin).abs().max())

@@ -207,7 +207,7 @@ def test_the_triton_kernel_matches_its_torch_twin(model, registry, name):
     for first in (start, None):
         twin = torch_lowbit_decode(view, q, first, 0.125)
         for variant in KERNELS:  # auto: the sub-tile kernel where 16 channels fill a sub-tile, else the general one
-            kernel = lowbit_decode(view, q, first, 0.125, block=None if variant in ("auto", "wide") else 16, variant=variant) if variant not in ("subtile", "wide") or fast_path(view) else twin
+            kernel = lowbit_decode(view, q, first, 0.125, block=None if variant in ("auto", "wide") else 16, variant=variant) if variant != "subtile" or fast_path(view) else twin
             assert torch.allclose(kernel, twin, atol=1e-5), (variant, (kernel - twin).abs().max())
 
 
@@ -286,7 +286,7 @@ def test_a_cache_that_dropped_tokens_decodes_as_the_reference_path(model, regist
     q = torch.randn(2, 4, 64, generator=torch.Generator().manual_seed(5))
     twin = torch_lowbit_decode(view, q, None, 0.125)
     for variant in KERNELS:
-        kernel = lowbit_decode(view, q, None, 0.125, block=None if variant in ("auto", "wide") else 16, variant=variant) if variant not in ("subtile", "wide") or fast_path(view) else twin
+        kernel = lowbit_decode(view, q, None, 0.125, block=None if variant in ("auto", "wide") else 16, variant=variant) if variant != "subtile" or fast_path(view) else twin
         assert torch.allclose(kernel, twin, atol=1e-5), (variant, (kernel - twin).abs().max())
     moved = attrs.evolve(view, positions=positions + 7)  # the rotation follows the slots' positions
     assert not torch.allclose(torch_lowbit_decode(moved, q, None, 0.125), twin, atol=1e-3)
@@ -339,8 +339,9 @@ def _nvidia_backend() -> bool:
 @pytest.mark.parametrize("name, variants, hidden", [
     ("prerope-k4v2-lowbit", ("subtile", "wide", "general"), 64),  # 4-bit keys with an outlier, 2-bit values
     ("t-lowbit-k2v4", ("subtile", "wide"), 512),  # 2-bit keys at head_dim 128: four query sub-tiles
-    ("t-lowbit-alloc", ("general",), 64),  # channel-alloc widths
-    ("t-lowbit-log8", ("general",), 64),  # one-byte value scales
+    ("t-lowbit-alloc", ("general", "wide"), 64),  # channel-alloc widths
+    ("t-lowbit-log8", ("general", "wide"), 64),  # one-byte value scales
+    ("t-lowbit-k3v3", ("wide",), 64),  # 3-bit keys and values, codes across bytes
     ("t-lowbit-kvzip", ("auto",), 64),  # slots at their cache indices
     ("t-lowbit-sinks", ("auto",), 64),  # tokens restored by residuals, merged by the combine
 ])
