@@ -1,5 +1,6 @@
 """Decode attention alone: the ``lowbit`` kernel (prerope-k4v2's storage: 4-bit pre-RoPE keys per channel
-with one exact outlier, 2-bit rotated values) against SDPA over a full bf16 cache.
+with one exact outlier, 2-bit rotated values; ``--storage qa35v3``: the frontier pipelines' channel-alloc keys and
+3-bit values with log8 scales) against SDPA over a full bf16 cache.
 
     python benchmarks/lowbit_kernel.py [--tokens 32768,65536,131072] [--batches 1,8,32]
         [--configs subtile:16:4,wide:16:4:528] [--out DIR]
@@ -29,16 +30,24 @@ import torch.nn.functional as F
 
 from decode_kernel import copy_bandwidth, device_us, timed  # the same timing as the fused kernel's benchmark
 from kvweave.kernels.lowbit_decode import VARIANTS, LowbitView, level_kind, lowbit_decode, torch_lowbit_decode
-from kvweave.plugins.quantizers._bitpack import normal_levels
+from kvweave.plugins.quantizers.channel_alloc import ChannelAllocQuantizer
 from kvweave.plugins.quantizers.channel_group import ChannelGroupQuantizer
 from kvweave.plugins.quantizers.rotated_token import RotatedTokenQuantizer, rotation_matrix
 
 Q_HEADS, KV_HEADS, HEAD_DIM, THETA, WINDOW = 32, 8, 128, 500000.0, 16
 
 
-def packed_view(batch: int, tokens: int, device: str = "cuda") -> LowbitView:
-    """Random keys and values packed the way prerope-k4v2 packs them, [B * 8 heads, T, 128], in chunks."""
-    kq, vq = ChannelGroupQuantizer(bits=4, group=64, outliers=1), RotatedTokenQuantizer(bits=2)
+#: the storages the benchmark packs: prerope-k4v2's (4-bit channel-group keys with one outlier, 2-bit values, float16
+#: scales) and the frontier pipelines' (l-qa35v3: channel-alloc keys at 3.5 bits a channel on average with one outlier,
+#: 3-bit values with one-byte log8 scales)
+STORAGES = ("k4v2", "qa35v3")
+
+
+def packed_view(batch: int, tokens: int, device: str = "cuda", storage: str = "k4v2") -> LowbitView:
+    """Random keys and values packed the way ``storage`` packs them (:data:`STORAGES`), [B * 8 heads, T, 128], in chunks."""
+    alloc = storage == "qa35v3"
+    kq = ChannelAllocQuantizer(mean_bits=3.5, group=64, outliers=1) if alloc else ChannelGroupQuantizer(bits=4, group=64, outliers=1)
+    vq = RotatedTokenQuantizer(bits=3, scale_format="log8") if alloc else RotatedTokenQuantizer(bits=2)
     rows = batch * KV_HEADS
     fields: dict[str, list] = {}
     gen = torch.Generator(device=device).manual_seed(0)
@@ -55,19 +64,22 @@ def packed_view(batch: int, tokens: int, device: str = "cuda") -> LowbitView:
     f = {name: torch.cat(parts) for name, parts in fields.items()}
     inv_freq = 1.0 / THETA ** (torch.arange(0, HEAD_DIM, 2, device=device, dtype=torch.float32) / HEAD_DIM)
     exact = torch.randn(batch, KV_HEADS, WINDOW, HEAD_DIM, device=device, dtype=torch.bfloat16)
+    levels = vq.level_table()
     return LowbitView(
         tokens=tokens, first=0, k_codes=f["k_codes"], k_zero=f["k_zero"], k_scale=f["k_scale"],
-        k_out_index=f["k_outlier_index"], k_out_value=f["k_outlier_value"], k_bits=4, k_group=64,
-        v_codes=f["v_codes"], v_scale=f["v_scale"], v_bits=2, v_group=64,
-        v_levels=torch.tensor(normal_levels(2), device=device, dtype=torch.float32),
+        k_out_index=f["k_outlier_index"], k_out_value=f["k_outlier_value"], k_bits=0 if alloc else 4, k_group=64,
+        v_codes=f["v_codes"], v_scale=f["v_scale_log"] if alloc else f["v_scale"], v_bits=vq.bits, v_group=64,
+        v_levels=torch.tensor(levels, device=device, dtype=torch.float32),
         rotation=rotation_matrix("hadamard", 0, HEAD_DIM, device).float().contiguous(), inv_freq=inv_freq,
-        rope_scale=1.0, exact_k=exact, exact_v=exact.clone(), level_kind=level_kind(normal_levels(2)),
+        rope_scale=1.0, exact_k=exact, exact_v=exact.clone(), level_kind=level_kind(levels),
+        k_widths=f["k_bits"] if alloc else None, v_scale_max=f["v_scale_max"] if alloc else None,
+        v_scale_tokens=vq.scale_tokens if alloc else 1,
     )
 
 
 def view_bytes(view: LowbitView) -> int:
-    tensors = [view.k_codes, view.k_zero, view.k_scale, view.k_out_index, view.k_out_value, view.v_codes, view.v_scale,
-               view.exact_k, view.exact_v]
+    tensors = [view.k_codes, view.k_zero, view.k_scale, view.k_out_index, view.k_out_value, view.k_widths, view.v_codes,
+               view.v_scale, view.v_scale_max, view.exact_k, view.exact_v]
     return sum(t.nbytes for t in tensors if t is not None)
 
 
@@ -107,6 +119,8 @@ def main() -> None:
                         help="kernels timed, each variant:block:warps[:programs] (variant: subtile, wide, general; block: "
                              "tokens per loop step, divides 64; warps per program; programs aimed for, default --programs)")
     parser.add_argument("--programs", type=int, default=528, help="kernel programs to aim for (splits of the tokens)")
+    parser.add_argument("--storage", default="k4v2", choices=STORAGES, help="what is packed: prerope-k4v2's storage or "
+                        "the frontier pipelines' (channel-alloc keys at 3.5 bits, 3-bit values with log8 scales)")
     parser.add_argument("--post-rope", action="store_true", help="keys stored after RoPE (no rotation in the kernel)")
     parser.add_argument("--out", default="results/lowbit_kernel")
     args = parser.parse_args()
@@ -116,7 +130,7 @@ def main() -> None:
     bandwidth = copy_bandwidth()
     print(f"{torch.cuda.get_device_name()}: copy bandwidth {bandwidth / 1e12:.2f} TB/s (read + write)")
     scale = HEAD_DIM ** -0.5
-    small = packed_view(1, 4096)
+    small = packed_view(1, 4096, storage=args.storage)
     q_small = torch.randn(1, Q_HEADS, HEAD_DIM, device="cuda")
     reference = torch_lowbit_decode(small, q_small, None, scale)
     twins = {}
@@ -133,7 +147,7 @@ def main() -> None:
             full_bytes = 2 * batch * KV_HEADS * (tokens + WINDOW) * HEAD_DIM * 2
             if full_bytes > 60e9:
                 continue
-            view = packed_view(batch, tokens)
+            view = packed_view(batch, tokens, storage=args.storage)
             if args.post_rope:
                 view = attrs.evolve(view, inv_freq=None)
             q = torch.randn(batch, Q_HEADS, HEAD_DIM, device="cuda", dtype=torch.bfloat16)
