@@ -3,7 +3,7 @@ with one exact outlier, 2-bit rotated values; ``--storage qa35v3``: the frontier
 3-bit values with log8 scales) against SDPA over a full bf16 cache.
 
     python benchmarks/lowbit_kernel.py [--tokens 32768,65536,131072] [--batches 1,8,32]
-        [--configs subtile:16:4,wide:16:4:528] [--out DIR]
+        [--configs wide:32:4,general:16:4:528] [--out DIR]
 
 Shape: Llama-3-8B attention (32 query heads, 8 KV heads, head_dim 128, rope theta 500000), one new query
 token per sequence. The packed storage is written by the real quantizers (``channel-group`` 4-bit, group 64,
@@ -87,7 +87,7 @@ def kernel_stats(variant: str) -> str:
     """Registers and spills of the compiled Triton kernel of ``variant`` (as far as this Triton reports them)."""
     from kvweave.kernels import lowbit_triton
 
-    name = {"subtile": "_lowbit_fast_kernel", "wide": "_lowbit_wide_kernel", "general": "_lowbit_kernel"}[variant]
+    name = {"wide": "_lowbit_wide_kernel", "general": "_lowbit_kernel", "auto": "_lowbit_wide_kernel"}[variant]
     found = []
     try:
         for per_device in getattr(getattr(lowbit_triton, name), "device_caches", {}).values():
@@ -99,7 +99,7 @@ def kernel_stats(variant: str) -> str:
 
 
 def parse_configs(text: str, programs: int) -> list[tuple[str, int, int, int]]:
-    """``variant:block:warps[:programs]`` items, comma-separated (``subtile:16:4,wide:16:4:528``); ``programs``
+    """``variant:block:warps[:programs]`` items, comma-separated (``wide:32:4,general:16:4:528``); ``programs``
     (the kernel programs aimed for, splitting the tokens) defaults to ``--programs``."""
     configs = []
     for item in text.split(","):
@@ -115,8 +115,8 @@ def main() -> None:
     parser.add_argument("--tokens", default="32768,65536,131072")
     parser.add_argument("--batches", default="1,8,32")
     parser.add_argument("--reps", type=int, default=30)
-    parser.add_argument("--configs", default="subtile:16:4",
-                        help="kernels timed, each variant:block:warps[:programs] (variant: subtile, wide, general; block: "
+    parser.add_argument("--configs", default="wide:32:4",
+                        help="kernels timed, each variant:block:warps[:programs] (variant: wide, general; block: "
                              "tokens per loop step, divides 64; warps per program; programs aimed for, default --programs)")
     parser.add_argument("--programs", type=int, default=528, help="kernel programs to aim for (splits of the tokens)")
     parser.add_argument("--storage", default="k4v2", choices=STORAGES, help="what is packed: prerope-k4v2's storage or "

@@ -65,7 +65,7 @@ class LowbitView:
     rope_scale: float
     exact_k: torch.Tensor
     exact_v: torch.Tensor
-    #: how the sub-tile kernel makes value levels (:func:`level_kind`); None: read from ``v_levels`` per call
+    #: how the wide kernel makes value levels (:func:`level_kind`); None: read from ``v_levels`` per call
     level_kind: tuple[int, float, float] | None = None
     #: ``channel-alloc.v1`` keys: the widths as stored, uint8 [BH, T / k_group, W] (channel ``c`` takes ``c % W``;
     #: None: ``channel-group.v1``, every channel ``k_bits`` wide)
@@ -205,8 +205,9 @@ def torch_lowbit_decode(view: LowbitView, q: torch.Tensor, start: torch.Tensor |
 
 
 def fast_path(view: LowbitView) -> bool:
-    """Whether the sub-tile kernel reads ``view``: whole codes in each byte (2 or 4 bits; 3-bit codes cross
-    bytes and take the general kernel), and 16 channels a sub-tile for the tile products."""
+    """Whether ``view``'s codes fill whole bytes (2- or 4-bit ``channel-group`` keys, 2- or 4-bit values; 3-bit
+    codes and ``channel-alloc`` widths cross bytes), with 16 channels or more a byte column: the storage the "wide"
+    kernel unpacks in registers, measured on a GPU, where "auto" takes it."""
     if view.k_widths is not None or 8 % view.k_bits or 8 % view.v_bits:
         return False
     dim = view.exact_k.shape[-1]
@@ -214,7 +215,7 @@ def fast_path(view: LowbitView) -> bool:
 
 
 def level_kind(levels: list[float] | tuple[float, ...]) -> tuple[int, float, float]:
-    """How the sub-tile kernel makes value ``levels`` (one per code): (1, 0, 0) the mid-rise levels ``code -
+    """How the wide kernel makes value ``levels`` (one per code): (1, 0, 0) the mid-rise levels ``code -
     (count - 1) / 2``, (2, l0, l1) four symmetric levels -l1, -l0, l0, l1, else (0, 0, 0): a table load."""
     count = len(levels)
     uniform = [code - (count - 1) / 2 for code in range(count)]
@@ -231,13 +232,13 @@ def choose_splits(tokens: int, programs: int, target: int = 528) -> int:
     return max(1, min(most, -(-target // max(1, programs))))
 
 
-#: the Triton kernels :func:`lowbit_decode` can run: "subtile" (tensor-core tiles of 16 channels taken straight
-#: from the packed bytes; 2- and 4-bit ``channel-group`` keys, 2- and 4-bit values), "wide" (any storage with at
-#: most 4 value groups: whole half-head key tiles, unpacked in registers where codes fill whole bytes, and the value
-#: scales applied to the probabilities; steps of at least :data:`WIDE_MIN_BLOCK` tokens), "general" (tensor-core
-#: tiles, any storage); "auto": "wide" where the sub-tile kernel's storage allows (the storages measured on a GPU),
-#: else "subtile", else "general"
-VARIANTS = ("auto", "subtile", "wide", "general")
+#: the Triton kernels :func:`lowbit_decode` can run: "wide" (any storage with at most 4 value groups: whole
+#: half-head key tiles, unpacked in registers where codes fill whole bytes, and the value scales applied to the
+#: probabilities; steps of at least :data:`WIDE_MIN_BLOCK` tokens), "general" (one pass per channel with gathered
+#: bytes, any storage); "auto": "wide" where codes fill whole bytes (:func:`fast_path`, the storages measured on a
+#: GPU), else "general". (A "subtile" kernel, 16-channel sub-tiles straight from the bytes, was the default before
+#: "wide" and was removed after commit 3230605; docs/kernels.md keeps its measurements.)
+VARIANTS = ("auto", "wide", "general")
 
 #: the "wide" kernel's smallest step: with 16-token steps its sm_90 build (Triton 3.x) disagreed with the torch twin by
 #: ~1.5 on the H200 (2026-12-01) while the interpreter agreed; 32-token steps agree (docs/kernels.md)
@@ -251,19 +252,16 @@ def wide_groups(view: LowbitView) -> bool:
 
 def resolve_variant(view: LowbitView, variant: str, block: int | None = None) -> tuple[str, int]:
     """The kernel ``variant`` (:data:`VARIANTS`) and tokens a step (``block``; None: the variant's own) for ``view``:
-    "auto" resolved ("wide" where it reads ``view`` with the steps asked for, else "subtile", else "general"); a
+    "auto" resolved ("wide" where :func:`fast_path` holds and the steps asked for allow it, else "general"); a
     variant that cannot read ``view`` with those steps refused."""
     if variant not in VARIANTS:
         raise ValueError(f"lowbit kernel variant {variant!r}: expected one of {', '.join(VARIANTS)}")
-    if variant == "subtile" and not fast_path(view):
-        raise ValueError("the lowbit 'subtile' kernel takes 2- or 4-bit channel-group keys and 2- or 4-bit values with 16 "
-                         "channels a sub-tile; use variant 'wide' or 'general'")
     if variant == "wide" and not wide_groups(view):
         raise ValueError(f"the lowbit 'wide' kernel takes values in at most 4 channel groups of at least 16 (got groups of "
                          f"{view.v_group} channels at head_dim {view.exact_k.shape[-1]}); use variant 'general'")
     if variant == "auto":
         wide = fast_path(view) and wide_groups(view) and view.k_group % WIDE_MIN_BLOCK == 0
-        variant = "wide" if wide and (block is None or block >= WIDE_MIN_BLOCK) else "subtile" if fast_path(view) else "general"
+        variant = "wide" if wide and (block is None or block >= WIDE_MIN_BLOCK) else "general"
     if block is None:
         block = WIDE_MIN_BLOCK if variant == "wide" else 16
     if variant == "wide" and block < WIDE_MIN_BLOCK:
@@ -331,11 +329,8 @@ def plan_launch(view: LowbitView, q: torch.Tensor, start: torch.Tensor | None, s
     if variant == "general":
         return Launch(jit._lowbit_kernel, (batch * heads, splits), args, constants, (m, l, acc))
     kind, l0, l1 = view.level_kind or level_kind(view.v_levels.tolist())
-    if variant == "wide":
-        fast_keys = not varw and view.k_bits in (2, 4)
-        constants = {**constants, "FASTK": fast_keys, "FASTV": view.v_bits in (2, 4)}
-        return Launch(jit._lowbit_wide_kernel, (batch * heads, splits), (*args, l0, l1), {**constants, "LEVELS": kind}, (m, l, acc))
-    return Launch(jit._lowbit_fast_kernel, (batch * heads, splits), (*args, l0, l1), {**constants, "LEVELS": kind}, (m, l, acc))
+    constants = {**constants, "FASTK": not varw and view.k_bits in (2, 4), "FASTV": view.v_bits in (2, 4), "LEVELS": kind}
+    return Launch(jit._lowbit_wide_kernel, (batch * heads, splits), (*args, l0, l1), constants, (m, l, acc))
 
 
 def lowbit_decode(view: LowbitView, q: torch.Tensor, start: torch.Tensor | None, scaling: float,

@@ -175,21 +175,6 @@ if triton is not None:
         tl.store(acc_ptr + out * D + gi[:, None] * D + chan[None, :], acc)
 
     @triton.jit
-    def _key_sub(kc_row, kz_row, ks_row, koi_row, kov_row, t_loc, t_ok, byte_idx, chan,
-                 R: tl.constexpr, KBITS: tl.constexpr, WIDTH: tl.constexpr, D: tl.constexpr, KO: tl.constexpr):
-        """Sub-tile ``R`` of a key tile: channels ``chan`` (= byte * per + R) from bytes ``byte_idx`` [NB]."""
-        byte = tl.load(kc_row + t_loc[:, None] * WIDTH + byte_idx[None, :], mask=t_ok[:, None], other=0)
-        code = (byte.to(tl.int32) >> (R * KBITS)) & ((1 << KBITS) - 1)
-        zero = tl.load(kz_row + chan).to(tl.float32)
-        scale = tl.load(ks_row + chan).to(tl.float32)
-        keys = zero[None, :] + code.to(tl.float32) * scale[None, :]
-        for o in tl.static_range(KO):
-            index = tl.load(koi_row + t_loc * KO + o, mask=t_ok, other=0).to(tl.int32)
-            value = tl.load(kov_row + t_loc * KO + o, mask=t_ok, other=0.0).to(tl.float32)
-            keys = tl.where(index[:, None] == chan[None, :], value[:, None], keys)
-        return keys
-
-    @triton.jit
     def _level(code, vlev_ptr, VBITS: tl.constexpr, LEVELS: tl.constexpr, l0, l1):
         """The value level of each code (:func:`kvweave.kernels.lowbit_decode.level_kind`): arithmetic where the
         levels allow it, else a load from the table."""
@@ -201,117 +186,25 @@ if triton is not None:
             return tl.load(vlev_ptr + code)
 
     @triton.jit
-    def _value_sub(vc_row, vs_row, vmax_row, vlev_ptr, t_loc, t_ok, t0, j, R: tl.constexpr, VBITS: tl.constexpr, VWIDTH: tl.constexpr,
-                   VGROUPS: tl.constexpr, VGROUP: tl.constexpr, LEVELS: tl.constexpr, l0, l1, VLOG: tl.constexpr, VST: tl.constexpr):
-        """Sub-tile ``R`` of a value tile (rotated space): channels ``j * per + R``."""
-        per: tl.constexpr = 8 // VBITS
-        byte = tl.load(vc_row + t_loc[:, None] * VWIDTH + j[None, :], mask=t_ok[:, None], other=0)
-        code = (byte.to(tl.int32) >> (R * VBITS)) & ((1 << VBITS) - 1)
-        level = _level(code, vlev_ptr, VBITS, LEVELS, l0, l1)
-        scale = _value_scale(vs_row, vmax_row, (t0 + t_loc)[:, None], t_ok[:, None], ((j * per + R) // VGROUP)[None, :], VGROUPS, VLOG, VST)
-        return level * scale
+    def _product(a, b, LOWP: tl.constexpr):
+        """``a @ b`` on the tensor cores: bfloat16 operands and float32 sums on a GPU (``LOWP``), float32 otherwise."""
+        if LOWP:
+            return tl.dot(a.to(tl.bfloat16), b.to(tl.bfloat16))
+        return tl.dot(a, b, input_precision="ieee")
 
     @triton.jit
-    def _lowbit_fast_kernel(
-        q_ptr, kc_ptr, kz_ptr, ks_ptr, koi_ptr, kov_ptr, kw_ptr, vc_ptr, vs_ptr, vmax_ptr, vlev_ptr, freq_ptr, start_ptr,
-        pos_ptr, hid_ptr, m_ptr, l_ptr, acc_ptr,
-        tokens, heads, splits, split_len, first, rope_scale, scaling, l0, l1,
-        D: tl.constexpr, G: tl.constexpr, KBITS: tl.constexpr, KGROUP: tl.constexpr, KO: tl.constexpr,
-        VBITS: tl.constexpr, VGROUP: tl.constexpr, ROPE: tl.constexpr, HAS_START: tl.constexpr, BLOCK: tl.constexpr,
-        LOWP: tl.constexpr, LEVELS: tl.constexpr, KWIDTH: tl.constexpr, VARW: tl.constexpr, VLOG: tl.constexpr, VST: tl.constexpr,
-        HAS_POS: tl.constexpr, KWW: tl.constexpr, HID: tl.constexpr,
-    ):
-        """The kernel with each tile split into sub-tiles of channels ``byte * per + r`` taken straight from the
-        packed bytes (no per-element gather), each half of the head dequantized once and rotated pairwise."""
-        bh = tl.program_id(0)
-        split = tl.program_id(1)
-        batch = bh // heads
-        KP: tl.constexpr = 8 // KBITS
-        VP: tl.constexpr = 8 // VBITS
-        HALF: tl.constexpr = D // 2
-        NB: tl.constexpr = HALF // KP  # bytes of a half-head of keys
-        NV: tl.constexpr = D // VP  # bytes of a value
-        VGROUPS: tl.constexpr = D // VGROUP
-        gi = tl.arange(0, G)
-        jb = tl.arange(0, NB)
-        jv = tl.arange(0, NV)
-        start = 0
-        if HAS_START:
-            start = tl.load(start_ptr + batch)
-        row = bh.to(tl.int64) * tokens
-        q_row = q_ptr + bh.to(tl.int64) * G * D
-        lo = split * split_len
-        hi = tl.minimum(lo + split_len, tokens)
-        m_i = tl.full([G], float("-inf"), tl.float32)
-        l_i = tl.zeros([G], tl.float32)
-        acc0 = tl.zeros([G, NV], tl.float32)
-        acc1 = tl.zeros([G, NV], tl.float32)
-        acc2 = tl.zeros([G, NV], tl.float32)
-        acc3 = tl.zeros([G, NV], tl.float32)
-        for t0 in range(lo, hi, BLOCK):
-            t_loc = tl.arange(0, BLOCK)
-            t_ok = t0 + t_loc < hi
-            kc_row = kc_ptr + (row + t0) * KWIDTH
-            kz_row = kz_ptr + (row + t0) // KGROUP * D  # a tile lies within one token group
-            ks_row = ks_ptr + (row + t0) // KGROUP * D
-            koi_row = koi_ptr + (row + t0) * KO
-            kov_row = kov_ptr + (row + t0) * KO
-            s = tl.zeros([G, BLOCK], tl.float32)
-            if HAS_POS:  # a cache that dropped tokens: each slot's cache index (-1: a filler)
-                pos = tl.load(pos_ptr + row + t0 + t_loc, mask=t_ok, other=-1).to(tl.int32)
-            else:
-                pos = first + t0 + t_loc
-            for r in tl.static_range(KP):
-                chan_lo = jb * KP + r
-                chan_hi = chan_lo + HALF
-                k_lo = _key_sub(kc_row, kz_row, ks_row, koi_row, kov_row, t_loc, t_ok, jb, chan_lo, r, KBITS, KWIDTH, D, KO)
-                k_hi = _key_sub(kc_row, kz_row, ks_row, koi_row, kov_row, t_loc, t_ok, jb + NB, chan_hi, r, KBITS, KWIDTH, D, KO)
-                if ROPE:
-                    freq = tl.load(freq_ptr + chan_lo)
-                    cos, sin = _cos_sin(pos, freq, rope_scale, LOWP)
-                    k_lo, k_hi = k_lo * cos - k_hi * sin, k_hi * cos + k_lo * sin
-                q_lo = tl.load(q_row + gi[:, None] * D + chan_lo[None, :]) * scaling
-                q_hi = tl.load(q_row + gi[:, None] * D + chan_hi[None, :]) * scaling
-                if LOWP:
-                    s += tl.dot(q_lo.to(tl.bfloat16), tl.trans(k_lo.to(tl.bfloat16)))
-                    s += tl.dot(q_hi.to(tl.bfloat16), tl.trans(k_hi.to(tl.bfloat16)))
-                else:
-                    s += tl.dot(q_lo, tl.trans(k_lo), input_precision="ieee")
-                    s += tl.dot(q_hi, tl.trans(k_hi), input_precision="ieee")
-            if HID > 0:  # slots whose tokens are attended exactly (restored by residuals)
-                pos = _hide(pos, t0 + t_loc, hid_ptr + bh * HID, HID)
-            p, alpha, m_new = _online_step(s, t_ok, pos, start, m_i, HAS_START)
-            l_i = l_i * alpha + tl.sum(p, 1)
-            m_i = m_new
-            vc_row = vc_ptr + (row + t0) * NV
-            vs_row = vs_ptr + row * VGROUPS  # scales indexed from the row's first token (log8 maxima by t // VST)
-            vmax_row = vmax_ptr + row // VST * VGROUPS
-            pl = p.to(tl.bfloat16) if LOWP else p
-            for r in tl.static_range(VP):
-                v = _value_sub(vc_row, vs_row, vmax_row, vlev_ptr, t_loc, t_ok, t0, jv, r, VBITS, NV, VGROUPS, VGROUP, LEVELS, l0, l1, VLOG, VST)
-                if LOWP:
-                    part = tl.dot(pl, v.to(tl.bfloat16))
-                else:
-                    part = tl.dot(pl, v, input_precision="ieee")
-                if r == 0:
-                    acc0 = acc0 * alpha[:, None] + part
-                elif r == 1:
-                    acc1 = acc1 * alpha[:, None] + part
-                elif r == 2:
-                    acc2 = acc2 * alpha[:, None] + part
-                else:
-                    acc3 = acc3 * alpha[:, None] + part
-        out = (bh * splits + split) * G
-        tl.store(m_ptr + out + gi, m_i)
-        tl.store(l_ptr + out + gi, l_i)
-        base = acc_ptr + out.to(tl.int64) * D + gi[:, None] * D
-        tl.store(base + (jv * VP)[None, :], acc0)
-        tl.store(base + (jv * VP + 1)[None, :], acc1)
-        if VP > 2:
-            tl.store(base + (jv * VP + 2)[None, :], acc2)
-            tl.store(base + (jv * VP + 3)[None, :], acc3)
-
-
+    def _accumulate(acc0, acc1, acc2, acc3, part, alpha, R: tl.constexpr):
+        """The running outputs with ``part`` added to accumulator ``R`` (of at most four), each rescaled by ``alpha``
+        where it takes a part."""
+        if R == 0:
+            acc0 = acc0 * alpha[:, None] + part
+        elif R == 1:
+            acc1 = acc1 * alpha[:, None] + part
+        elif R == 2:
+            acc2 = acc2 * alpha[:, None] + part
+        else:
+            acc3 = acc3 * alpha[:, None] + part
+        return acc0, acc1, acc2, acc3
 
     @triton.jit
     def _unpack(byte, BITS: tl.constexpr):
@@ -437,18 +330,7 @@ if triton is not None:
                     code = _codes(vc_ptr + row * VW, t0 + t_loc, t_ok, g * VGROUP + cg, VBITS, VW)
                 level = _level(code, vlev_ptr, VBITS, LEVELS, l0, l1)  # [BLOCK, VGROUP]
                 pg = p * _value_scale(vs_row, vmax_row, t0 + t_loc, t_ok, g, VGROUPS, VLOG, VST)[None, :]
-                if LOWP:
-                    part = tl.dot(pg.to(tl.bfloat16), level.to(tl.bfloat16))
-                else:
-                    part = tl.dot(pg, level, input_precision="ieee")
-                if g == 0:
-                    acc0 = acc0 * alpha[:, None] + part
-                elif g == 1:
-                    acc1 = acc1 * alpha[:, None] + part
-                elif g == 2:
-                    acc2 = acc2 * alpha[:, None] + part
-                else:
-                    acc3 = acc3 * alpha[:, None] + part
+                acc0, acc1, acc2, acc3 = _accumulate(acc0, acc1, acc2, acc3, _product(pg, level, LOWP), alpha, g)
             if FASTK:
                 kb_lo, kb_hi, pos = n_lo, n_hi, n_pos
         out = (bh * splits + split) * G

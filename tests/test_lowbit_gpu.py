@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from kvweave.engine import build_cache, importance
-from kvweave.kernels.lowbit_decode import fast_path, lowbit_decode, torch_lowbit_decode, wide_groups
+from kvweave.kernels.lowbit_decode import lowbit_decode, torch_lowbit_decode, wide_groups
 
 from conftest import CharTokenizer, tiny_llama
 from test_lowbit_kernel import model, registry  # noqa: F401 - the same storages and model
@@ -22,7 +22,7 @@ STORAGES = ["prerope-k4v2-lowbit", "t-lowbit-post", "t-lowbit-k2v4", "t-lowbit-v
             "t-lowbit-kvzip", "t-lowbit-kvzip-cg", "t-lowbit-sinks-kvzip"]
 
 #: (variant, tokens a step) pairs each storage is read with, where the variant reads it
-CONFIGS = [("subtile", 16), ("subtile", 32), ("wide", 32), ("wide", 64), ("general", 16), ("general", 32), ("auto", 16), ("auto", None)]
+CONFIGS = [("wide", 32), ("wide", 64), ("general", 16), ("general", 32), ("auto", 16), ("auto", None)]
 
 
 @pytest.mark.parametrize("name", STORAGES)
@@ -30,7 +30,7 @@ def test_each_compiled_kernel_matches_its_twin_on_the_gpu(model, registry, name)
     """Over ~1,000 packed tokens (several programs a row, several steps a program), batch 2 where the pipeline
     scores whole rows one at a time otherwise 1; the GPU build takes bfloat16 tile operands, so the bound is a
     share of the output's scale (a wrong tile is off by the scale itself)."""
-    big = name == "t-lowbit-k2v4"  # 2-bit keys fill a sub-tile at head_dim 128
+    big = name == "t-lowbit-k2v4"  # 2-bit keys at head_dim 128
     net = tiny_llama(layers=2, hidden=512) if big else model
     cache = build_cache(registry.resolve(name), net, tokenizer=CharTokenizer())
     rows = 1 if importance.needs_importance(cache) else 2
@@ -47,7 +47,7 @@ def test_each_compiled_kernel_matches_its_twin_on_the_gpu(model, registry, name)
         twin = torch_lowbit_decode(view, q, first, dim ** -0.5)
         scale = float(twin.abs().max())
         for variant, block in CONFIGS:
-            if (variant == "subtile" and not fast_path(view)) or (variant == "wide" and not wide_groups(view)):
+            if variant == "wide" and not wide_groups(view):
                 continue
             out = lowbit_decode(view, q, first, dim ** -0.5, block=block, variant=variant)
             worst = float((out - twin).abs().max())

@@ -206,8 +206,8 @@ def test_the_triton_kernel_matches_its_torch_twin(model, registry, name):
     start = torch.tensor([40, 0], dtype=torch.int32)
     for first in (start, None):
         twin = torch_lowbit_decode(view, q, first, 0.125)
-        for variant in KERNELS:  # auto: the sub-tile kernel where 16 channels fill a sub-tile, else the general one
-            kernel = lowbit_decode(view, q, first, 0.125, block=None if variant in ("auto", "wide") else 16, variant=variant) if variant != "subtile" or fast_path(view) else twin
+        for variant in KERNELS:  # auto: the wide kernel where codes fill whole bytes, else the general one
+            kernel = lowbit_decode(view, q, first, 0.125, block=None if variant in ("auto", "wide") else 16, variant=variant)
             assert torch.allclose(kernel, twin, atol=1e-5), (variant, (kernel - twin).abs().max())
 
 
@@ -229,8 +229,8 @@ def test_the_wide_kernel_refuses_what_it_cannot_read(model, registry):
 
 
 def test_auto_takes_the_wide_kernel_where_it_reads_the_storage(model, registry):
-    """The default launch reads 2/4-bit channel-group storage with the wide kernel at 32-token steps, 16-token steps
-    asked for with the sub-tile kernel, and 3-bit codes (which cross bytes) with the general kernel."""
+    """The default launch reads 2/4-bit channel-group storage (measured on a GPU) with the wide kernel at 32-token
+    steps, and 16-token steps asked for, or 3-bit codes (which cross bytes), with the general kernel."""
     ids = torch.randint(1, 128, (1, 230), generator=torch.Generator().manual_seed(2))
     q = torch.randn(1, 4, 64)
     picked = {}
@@ -240,12 +240,12 @@ def test_auto_takes_the_wide_kernel_where_it_reads_the_storage(model, registry):
             model(input_ids=ids, use_cache=True, **cache_kwargs(model, cache))
         view = cache.engine.kernel.lowbit_view(cache.engine.view(1), torch.device("cpu"))
         picked[name] = (resolve_variant(view, "auto"), resolve_variant(view, "auto", 16))
-    assert picked["prerope-k4v2-lowbit"] == (("wide", 32), ("subtile", 16))
+    assert picked["prerope-k4v2-lowbit"] == (("wide", 32), ("general", 16))
     assert picked["t-lowbit-k3v3"] == (("general", 16), ("general", 16))
 
 
-def test_two_bit_keys_at_head_dim_128_take_the_subtile_kernel(registry):
-    """At D = 128 a half-head of 2-bit keys fills a 16-channel sub-tile: four query sub-tiles per step."""
+def test_two_bit_keys_at_head_dim_128_take_the_wide_kernel(registry):
+    """At D = 128 a half-head of 2-bit keys is 16 bytes, unpacked by two interleaves."""
     model = tiny_llama(layers=2, hidden=512)
     ids = torch.randint(1, 128, (2, 230), generator=torch.Generator().manual_seed(2))
     cache = build_cache(registry.resolve("t-lowbit-k2v4"), model)
@@ -255,7 +255,7 @@ def test_two_bit_keys_at_head_dim_128_take_the_subtile_kernel(registry):
     assert view.k_bits == 2 and view.exact_k.shape[-1] == 128 and fast_path(view)
     q = torch.randn(2, 4, 128, generator=torch.Generator().manual_seed(3))
     twin = torch_lowbit_decode(view, q, torch.tensor([40, 0], dtype=torch.int32), 0.125)
-    kernel = lowbit_decode(view, q, torch.tensor([40, 0], dtype=torch.int32), 0.125, variant="subtile")
+    kernel = lowbit_decode(view, q, torch.tensor([40, 0], dtype=torch.int32), 0.125, variant="wide")
     assert torch.allclose(kernel, twin, atol=1e-5), (kernel - twin).abs().max()
 
 
@@ -286,7 +286,7 @@ def test_a_cache_that_dropped_tokens_decodes_as_the_reference_path(model, regist
     q = torch.randn(2, 4, 64, generator=torch.Generator().manual_seed(5))
     twin = torch_lowbit_decode(view, q, None, 0.125)
     for variant in KERNELS:
-        kernel = lowbit_decode(view, q, None, 0.125, block=None if variant in ("auto", "wide") else 16, variant=variant) if variant != "subtile" or fast_path(view) else twin
+        kernel = lowbit_decode(view, q, None, 0.125, block=None if variant in ("auto", "wide") else 16, variant=variant)
         assert torch.allclose(kernel, twin, atol=1e-5), (variant, (kernel - twin).abs().max())
     moved = attrs.evolve(view, positions=positions + 7)  # the rotation follows the slots' positions
     assert not torch.allclose(torch_lowbit_decode(moved, q, None, 0.125), twin, atol=1e-3)
@@ -337,8 +337,8 @@ def _nvidia_backend() -> bool:
 
 @pytest.mark.skipif(not _nvidia_backend(), reason="Triton without its CUDA backend cannot compile for a GPU here")
 @pytest.mark.parametrize("name, variants, hidden", [
-    ("prerope-k4v2-lowbit", ("subtile", "wide", "general"), 64),  # 4-bit keys with an outlier, 2-bit values
-    ("t-lowbit-k2v4", ("subtile", "wide"), 512),  # 2-bit keys at head_dim 128: four query sub-tiles
+    ("prerope-k4v2-lowbit", ("wide", "general"), 64),  # 4-bit keys with an outlier, 2-bit values
+    ("t-lowbit-k2v4", ("wide",), 512),  # 2-bit keys at head_dim 128
     ("t-lowbit-alloc", ("general", "wide"), 64),  # channel-alloc widths
     ("t-lowbit-log8", ("general", "wide"), 64),  # one-byte value scales
     ("t-lowbit-k3v3", ("wide",), 64),  # 3-bit keys and values, codes across bytes
@@ -347,7 +347,7 @@ def _nvidia_backend() -> bool:
 ])
 def test_each_kernel_compiles_for_the_gpu_with_the_arguments_the_plugin_passes(model, registry, name, variants, hidden):
     """Under the interpreter a kernel runs as Python, which accepts what the GPU compiler refuses (a constexpr
-    assigned twice once broke the sub-tile kernel on the GPU only): each variant is compiled for sm_90 from the
+    assigned twice once broke a kernel on the GPU only): each variant is compiled for sm_90 from the
     argument types and constants of a real launch, with the bfloat16 tile operands the GPU takes."""
     ids = torch.randint(1, 128, (2, 230), generator=torch.Generator().manual_seed(2))
     model = model if hidden == 64 else tiny_llama(layers=2, hidden=hidden)
