@@ -5,6 +5,9 @@ machine run ``python -m pytest tests/test_lowbit_gpu.py``. Skipped without CUDA.
 
 from __future__ import annotations
 
+import sys
+from pathlib import Path
+
 import attrs
 import pytest
 import torch
@@ -52,3 +55,19 @@ def test_each_compiled_kernel_matches_its_twin_on_the_gpu(model, registry, name)
             out = lowbit_decode(view, q, first, dim ** -0.5, block=block, variant=variant)
             worst = float((out - twin).abs().max())
             assert worst < 0.03 * scale, (name, variant, block, worst, scale)
+
+
+@pytest.mark.parametrize("storage", ["k4v2", "qa35v3"])
+def test_each_compiled_kernel_matches_its_twin_at_real_sizes(storage):
+    """Llama-3-8B attention shape, 32,768 packed tokens, 2 rows: the storages ``benchmarks/lowbit_kernel.py`` times
+    (prerope-k4v2's, and the frontier pipelines' channel-alloc keys with 3-bit log8 values), many programs a row."""
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+    from lowbit_kernel import HEAD_DIM, Q_HEADS, packed_view
+
+    view = packed_view(2, 32768, device="cuda", storage=storage)
+    q = torch.randn(2, Q_HEADS, HEAD_DIM, generator=torch.Generator().manual_seed(9)).cuda()
+    twin = torch_lowbit_decode(view, q, None, HEAD_DIM ** -0.5)
+    scale = float(twin.abs().max())
+    for variant, block in (("wide", 32), ("general", 16), ("auto", None)):
+        worst = float((lowbit_decode(view, q, None, HEAD_DIM ** -0.5, block=block, variant=variant) - twin).abs().max())
+        assert worst < 0.03 * scale, (storage, variant, block, worst, scale)
