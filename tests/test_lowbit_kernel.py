@@ -244,6 +244,25 @@ def test_auto_takes_the_wide_kernel_where_it_reads_the_storage(model, registry):
     assert picked["t-lowbit-k3v3"] == (("general", 16), ("general", 16))
 
 
+@pytest.mark.parametrize("name", ["prerope-k4v2-lowbit", "t-lowbit-qa35v3"])
+def test_head_dim_256_reads_four_value_groups(registry, name):
+    """Gemma-3's head_dim: 128-channel key halves and four 64-channel value groups (the most the wide kernel takes),
+    2/4-bit codes unpacked and channel-alloc / 3-bit codes read from their bytes."""
+    model = tiny_llama(layers=2, hidden=1024)  # head_dim 256
+    ids = torch.randint(1, 128, (2, 230), generator=torch.Generator().manual_seed(2))
+    cache = build_cache(registry.resolve(name), model)
+    with torch.no_grad():
+        model(input_ids=ids, use_cache=True, **cache_kwargs(model, cache))
+    view = cache.engine.kernel.lowbit_view(cache.engine.view(1), torch.device("cpu"))
+    assert view.exact_k.shape[-1] == 256 and view.exact_k.shape[-1] // view.v_group == 4
+    q = torch.randn(2, 4, 256, generator=torch.Generator().manual_seed(3))
+    start = torch.tensor([40, 0], dtype=torch.int32)
+    twin = torch_lowbit_decode(view, q, start, 0.0625)
+    for variant in ("wide", "general"):
+        kernel = lowbit_decode(view, q, start, 0.0625, variant=variant)
+        assert torch.allclose(kernel, twin, atol=1e-5), (variant, (kernel - twin).abs().max())
+
+
 def test_two_bit_keys_at_head_dim_128_take_the_wide_kernel(registry):
     """At D = 128 a half-head of 2-bit keys is 16 bytes, unpacked by two interleaves."""
     model = tiny_llama(layers=2, hidden=512)
