@@ -29,7 +29,7 @@ import torch
 import torch.nn.functional as F
 
 from decode_kernel import copy_bandwidth, device_us, timed  # the same timing as the fused kernel's benchmark
-from kvweave.kernels.lowbit_decode import VARIANTS, LowbitView, level_kind, lowbit_decode, torch_lowbit_decode
+from kvweave.kernels.lowbit_decode import VARIANTS, LowbitView, level_kind, lowbit_decode, plan_launch, torch_lowbit_decode
 from kvweave.plugins.quantizers.channel_alloc import ChannelAllocQuantizer
 from kvweave.plugins.quantizers.channel_group import ChannelGroupQuantizer
 from kvweave.plugins.quantizers.rotated_token import RotatedTokenQuantizer, rotation_matrix
@@ -83,14 +83,11 @@ def view_bytes(view: LowbitView) -> int:
     return sum(t.nbytes for t in tensors if t is not None)
 
 
-def kernel_stats(variant: str) -> str:
-    """Registers and spills of the compiled Triton kernel of ``variant`` (as far as this Triton reports them)."""
-    from kvweave.kernels import lowbit_triton
-
-    name = {"wide": "_lowbit_wide_kernel", "general": "_lowbit_kernel", "auto": "_lowbit_wide_kernel"}[variant]
+def kernel_stats(kernel) -> str:
+    """Registers and spills of each compiled build of the Triton ``kernel`` (as far as this Triton reports them)."""
     found = []
     try:
-        for per_device in getattr(getattr(lowbit_triton, name), "device_caches", {}).values():
+        for per_device in getattr(kernel, "device_caches", {}).values():
             for compiled in per_device[0].values():
                 found.append(f"{getattr(compiled, 'n_regs', '?')} registers, {getattr(compiled, 'n_spills', '?')} spills")
     except Exception as exc:  # noqa: BLE001 - Triton's cache layout differs between versions; the stats are a courtesy
@@ -138,7 +135,7 @@ def main() -> None:
         name = f"{variant}:{block}:{warps}:{programs}"
         out = lowbit_decode(small, q_small, None, scale, block, warps, variant, programs)
         twins[name] = float((out - reference).abs().max())
-        print(f"{name}: largest difference from the torch twin (T = 4096, B = 1) {twins[name]:.2e}; compiled: {kernel_stats(variant)}")
+        print(f"{name}: largest difference from the torch twin (T = 4096, B = 1) {twins[name]:.2e}; compiled: {kernel_stats(plan_launch(small, q_small, None, scale, block, warps, variant, programs).kernel)}")
     rows = []
     print("\n| T | B | kernel | SDPA us (GPU) | lowbit us (GPU) | lowbit us (wall) | speed-up (GPU) | bytes read | GB/s | % of copy bw | bytes ratio |")
     print("|---:|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|")

@@ -151,10 +151,7 @@ if triton is not None:
                 other = _dequant(kc_ptr, kz_ptr, ks_ptr, koi_ptr, kov_ptr, kw_ptr, row_off, t_idx, t_ok, partner, D, KBITS, KGROUP, KO, KWIDTH, VARW, KWW)
                 cos, sin = _cos_sin(pos, freq, rope_scale, LOWP)
                 keys = keys * cos + sign[None, :] * other * sin
-            if LOWP:  # tensor cores: bfloat16 operands (what sdpa over bfloat16 keys computes), float32 sums
-                s = tl.dot(q.to(tl.bfloat16), tl.trans(keys.to(tl.bfloat16)))  # [G, BLOCK]
-            else:
-                s = tl.dot(q, tl.trans(keys), input_precision="ieee")
+            s = _product(q, tl.trans(keys), LOWP)  # [G, BLOCK]; bfloat16 operands on a GPU, what sdpa over bfloat16 keys computes
             if HID > 0:  # slots whose tokens are attended exactly (restored by residuals)
                 pos = _hide(pos, t_idx, hid_ptr + bh * HID, HID)
             p, alpha, m_new = _online_step(s, t_ok, pos, start, m_i, HAS_START)
@@ -163,10 +160,7 @@ if triton is not None:
             vscale = _value_scale(vs_ptr + row_off * v_groups, vmax_ptr + row_off // VST * v_groups, t_idx[:, None], t_ok[:, None],
                                   (chan // VGROUP)[None, :], v_groups, VLOG, VST)
             values = level * vscale
-            if LOWP:
-                acc = acc * alpha[:, None] + tl.dot(p.to(tl.bfloat16), values.to(tl.bfloat16))
-            else:
-                acc = acc * alpha[:, None] + tl.dot(p, values, input_precision="ieee")
+            acc = acc * alpha[:, None] + _product(p, values, LOWP)
             l_i = l_i * alpha + tl.sum(p, 1)
             m_i = m_new
         out = (bh * splits + split) * G
@@ -262,9 +256,6 @@ if triton is not None:
         q_row = q_ptr + bh.to(tl.int64) * G * D
         q_lo = tl.load(q_row + gi[:, None] * D + ch[None, :]) * scaling
         q_hi = tl.load(q_row + gi[:, None] * D + HALF + ch[None, :]) * scaling
-        if LOWP:
-            q_lo = q_lo.to(tl.bfloat16)
-            q_hi = q_hi.to(tl.bfloat16)
         t_loc = tl.arange(0, BLOCK)
         if ROPE:
             freq = tl.load(freq_ptr + ch)
@@ -283,11 +274,11 @@ if triton is not None:
                                             first + lo, NB, KWIDTH, HAS_POS)
         for t0 in range(lo, hi, BLOCK):
             t_ok = t0 + t_loc < hi
+            vc_row = vc_ptr + (row + t0) * VW
             if FASTK:
                 nxt = t0 + BLOCK  # the next step's bytes, in flight while this step computes
                 n_lo, n_hi, n_pos = _wide_bytes(kc_ptr + (row + nxt) * KWIDTH, pos_ptr + row + nxt, t_loc, nxt + t_loc < hi, jb,
                                                 first + nxt, NB, KWIDTH, HAS_POS)
-                vc_row = vc_ptr + (row + t0) * VW
                 meta = (row + t0) // KGROUP * D  # a tile lies within one token group
                 k_lo = tl.load(kz_ptr + meta + ch).to(tl.float32)[None, :] + \
                     _unpack(kb_lo, KBITS).to(tl.float32) * tl.load(ks_ptr + meta + ch).to(tl.float32)[None, :]
@@ -299,7 +290,6 @@ if triton is not None:
                     k_lo = tl.where(index[:, None] == ch[None, :], value[:, None], k_lo)
                     k_hi = tl.where(index[:, None] == (ch + HALF)[None, :], value[:, None], k_hi)
             else:
-                vc_row = vc_ptr + (row + t0) * VW
                 k_lo = _dequant(kc_ptr, kz_ptr, ks_ptr, koi_ptr, kov_ptr, kw_ptr, row, t0 + t_loc, t_ok, ch, D, KBITS, KGROUP, KO,
                                 KWIDTH, VARW, KWW)
                 k_hi = _dequant(kc_ptr, kz_ptr, ks_ptr, koi_ptr, kov_ptr, kw_ptr, row, t0 + t_loc, t_ok, ch + HALF, D, KBITS, KGROUP,
@@ -311,10 +301,7 @@ if triton is not None:
             if ROPE:
                 cos, sin = _cos_sin(pos, freq, rope_scale, LOWP)
                 k_lo, k_hi = k_lo * cos - k_hi * sin, k_hi * cos + k_lo * sin
-            if LOWP:
-                s = tl.dot(q_lo, tl.trans(k_lo.to(tl.bfloat16))) + tl.dot(q_hi, tl.trans(k_hi.to(tl.bfloat16)))
-            else:
-                s = tl.dot(q_lo, tl.trans(k_lo), input_precision="ieee") + tl.dot(q_hi, tl.trans(k_hi), input_precision="ieee")
+            s = _product(q_lo, tl.trans(k_lo), LOWP) + _product(q_hi, tl.trans(k_hi), LOWP)
             if HID > 0:  # slots whose tokens are attended exactly (restored by residuals)
                 pos = _hide(pos, t0 + t_loc, hid_ptr + bh * HID, HID)
             p, alpha, m_new = _online_step(s, t_ok, pos, start, m_i, HAS_START)
