@@ -14,6 +14,11 @@ then the forward that fills the cache keeps, of the scored tokens, the ``fractio
 above one cut per layer and head: reconstruction scores favour the end of a context (docs/frontier.md), so
 one cut leaves the beginning nearly empty.
 
+``keep_layers`` (not in the paper) names layers that keep every token; ``fraction`` is then the share kept of the
+other layers' scored tokens. The layers to name are the model's copying layers, whose induction heads carry a
+needle's digits to the answer (``python benchmarks/induction_heads.py`` lists them; on SmolLM2-135M, layers 17, 18,
+20 and 23): one cut over the model drops a third to a half of a needle's digit entries in some of those heads.
+
 The first ``sinks`` tokens are always kept (and not counted against the threshold), as are tokens the
 scorer cannot see whole (the sliding-window layers of Gemma 3, whose own window bounds them) and every
 token fed after the scored forward (the question, generated tokens). Scoring costs about two extra
@@ -28,9 +33,18 @@ from typing import ClassVar
 import attrs
 
 from kvweave.core import hookimpl
+from kvweave.core.errors import ModelError
 from kvweave.core.evictor import EvictionBlock, Evictor
+from kvweave.core.interfaces import ModelShape
 from kvweave.core.lazy import torch
-from kvweave.core.params import choice, integer
+from kvweave.core.params import choice, int_tuple, integer
+
+
+def _layer_list(_instance, attribute, value) -> None:
+    if not isinstance(value, tuple) or not all(isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in value):
+        raise ValueError(f"'{attribute.name}' must be a list of layer indices (integers >= 0), got {value!r}")
+    if len(set(value)) != len(value):
+        raise ValueError(f"'{attribute.name}' names a layer twice: {list(value)}")
 
 
 def _fraction(_instance, attribute, value) -> None:
@@ -57,6 +71,8 @@ class KVzipEvictor(Evictor):
     segment: int = attrs.field(default=128, validator=integer(1, 1 << 20), metadata={"doc": "positions per segment (spread = 'segments')"})
     pool: int = attrs.field(default=1, validator=integer(1, 255),
                             metadata={"doc": "odd: each token scores the largest score within pool // 2 positions of it (1: its own)"})
+    keep_layers: tuple[int, ...] = attrs.field(default=(), converter=int_tuple, validator=_layer_list,
+                                               metadata={"doc": "layers that keep every token (fraction: of the other layers' tokens)"})
 
     def __attrs_post_init__(self) -> None:
         if self.pool % 2 == 0:
@@ -64,6 +80,12 @@ class KVzipEvictor(Evictor):
 
     def name(self) -> str:
         return "kvzip"
+
+    def check_model(self, shape: ModelShape) -> None:
+        beyond = [layer for layer in self.keep_layers if layer >= shape.num_layers]
+        if beyond:
+            raise ModelError(f"evictor 'kvzip': keep_layers names layer(s) {beyond}, and the model has {shape.num_layers} "
+                             f"layers (0 to {shape.num_layers - 1})")
 
     def prepare_importance(self, scores: torch.Tensor) -> torch.Tensor:
         """``pool`` > 1: each scored token takes the largest finite score of its ``pool`` neighbourhood in its
@@ -101,6 +123,8 @@ class KVzipEvictor(Evictor):
         finite = torch.isfinite(scores)
         if window > 0:
             finite[..., max(0, total - window):] = False
+        if self.keep_layers:  # counted nowhere, cut at -inf: every token kept
+            finite[list(self.keep_layers)] = False
         counts = finite[:, :, 0].sum(-1)  # [L, B] scored tokens per head of each layer
         if self.share == "layer":
             return finite, counts, torch.ceil(counts.double() * self.fraction).long()
