@@ -207,7 +207,7 @@ def torch_lowbit_decode(view: LowbitView, q: torch.Tensor, start: torch.Tensor |
 def fast_path(view: LowbitView) -> bool:
     """Whether ``view``'s codes fill whole bytes (2- or 4-bit ``channel-group`` keys, 2- or 4-bit values; 3-bit
     codes and ``channel-alloc`` widths cross bytes), with 16 channels or more a byte column: the storage the "wide"
-    kernel unpacks in registers, measured on a GPU, where "auto" takes it."""
+    kernel unpacks with interleaves instead of reading each code from its bytes."""
     if view.k_widths is not None or 8 % view.k_bits or 8 % view.v_bits:
         return False
     dim = view.exact_k.shape[-1]
@@ -235,8 +235,8 @@ def choose_splits(tokens: int, programs: int, target: int = 528) -> int:
 #: the Triton kernels :func:`lowbit_decode` can run: "wide" (any storage with at most 4 value groups: whole
 #: half-head key tiles, unpacked in registers where codes fill whole bytes, and the value scales applied to the
 #: probabilities; steps of at least :data:`WIDE_MIN_BLOCK` tokens), "general" (one pass per channel with gathered
-#: bytes, any storage); "auto": "wide" where codes fill whole bytes (:func:`fast_path`, the storages measured on a
-#: GPU), else "general". (A "subtile" kernel, 16-channel sub-tiles straight from the bytes, was the default before
+#: bytes, any storage); "auto": "wide" wherever it reads the storage at its steps (measured faster than "general" on
+#: every storage timed on a GPU: 2/4-bit channel-group and channel-alloc keys with 2- or 3-bit values), else "general". (A "subtile" kernel, 16-channel sub-tiles straight from the bytes, was the default before
 #: "wide" and was removed after commit 3230605; docs/kernels.md keeps its measurements.)
 VARIANTS = ("auto", "wide", "general")
 
@@ -252,15 +252,15 @@ def wide_groups(view: LowbitView) -> bool:
 
 def resolve_variant(view: LowbitView, variant: str, block: int | None = None) -> tuple[str, int]:
     """The kernel ``variant`` (:data:`VARIANTS`) and tokens a step (``block``; None: the variant's own) for ``view``:
-    "auto" resolved ("wide" where :func:`fast_path` holds and the steps asked for allow it, else "general"); a
-    variant that cannot read ``view`` with those steps refused."""
+    "auto" resolved ("wide" where its value groups fit, key groups are whole steps and the steps asked for allow it,
+    else "general"); a variant that cannot read ``view`` with those steps refused."""
     if variant not in VARIANTS:
         raise ValueError(f"lowbit kernel variant {variant!r}: expected one of {', '.join(VARIANTS)}")
     if variant == "wide" and not wide_groups(view):
         raise ValueError(f"the lowbit 'wide' kernel takes values in at most 4 channel groups of at least 16 (got groups of "
                          f"{view.v_group} channels at head_dim {view.exact_k.shape[-1]}); use variant 'general'")
     if variant == "auto":
-        wide = fast_path(view) and wide_groups(view) and view.k_group % WIDE_MIN_BLOCK == 0
+        wide = wide_groups(view) and view.k_group % WIDE_MIN_BLOCK == 0
         variant = "wide" if wide and (block is None or block >= WIDE_MIN_BLOCK) else "general"
     if block is None:
         block = WIDE_MIN_BLOCK if variant == "wide" else 16

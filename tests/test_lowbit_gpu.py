@@ -68,6 +68,11 @@ def test_each_compiled_kernel_matches_its_twin_at_real_sizes(storage):
     q = torch.randn(2, Q_HEADS, HEAD_DIM, generator=torch.Generator().manual_seed(9)).cuda()
     twin = torch_lowbit_decode(view, q, None, HEAD_DIM ** -0.5)
     scale = float(twin.abs().max())
+    # Over 32K random tokens the output is a mean of near-uniform weights, small against each value, and a logit
+    # moved by bfloat16 rounding moves it by a share of its own size: the bound is what rounding the query alone
+    # to bfloat16 does to the twin (the kernel also rounds the keys and probabilities), a wrong tile far above it.
+    noise = float((torch_lowbit_decode(view, q.bfloat16().float(), None, HEAD_DIM ** -0.5) - twin).abs().max())
+    assert noise < 0.25 * scale, (storage, noise, scale)
     for variant, block in (("wide", 32), ("general", 16), ("auto", None)):
         worst = float((lowbit_decode(view, q, None, HEAD_DIM ** -0.5, block=block, variant=variant) - twin).abs().max())
-        assert worst < 0.03 * scale, (storage, variant, block, worst, scale)
+        assert worst < 0.03 * scale + 6 * noise, (storage, variant, block, worst, scale, noise)

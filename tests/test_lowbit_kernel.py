@@ -229,19 +229,21 @@ def test_the_wide_kernel_refuses_what_it_cannot_read(model, registry):
 
 
 def test_auto_takes_the_wide_kernel_where_it_reads_the_storage(model, registry):
-    """The default launch reads 2/4-bit channel-group storage (measured on a GPU) with the wide kernel at 32-token
-    steps, and 16-token steps asked for, or 3-bit codes (which cross bytes), with the general kernel."""
+    """The default launch reads every storage whose value groups fit the wide kernel with it at 32-token steps
+    (2/4-bit codes unpacked, 3-bit and channel-alloc codes read from their bytes); 16-token steps asked for, or
+    eight value groups, take the general kernel."""
     ids = torch.randint(1, 128, (1, 230), generator=torch.Generator().manual_seed(2))
     q = torch.randn(1, 4, 64)
     picked = {}
-    for name in ("prerope-k4v2-lowbit", "t-lowbit-k3v3"):
+    for name in ("prerope-k4v2-lowbit", "t-lowbit-k3v3", "t-lowbit-qa35v3"):
         cache = build_cache(registry.resolve(name), model)
         with torch.no_grad():
             model(input_ids=ids, use_cache=True, **cache_kwargs(model, cache))
         view = cache.engine.kernel.lowbit_view(cache.engine.view(1), torch.device("cpu"))
         picked[name] = (resolve_variant(view, "auto"), resolve_variant(view, "auto", 16))
-    assert picked["prerope-k4v2-lowbit"] == (("wide", 32), ("general", 16))
-    assert picked["t-lowbit-k3v3"] == (("general", 16), ("general", 16))
+        narrow = attrs.evolve(view, v_group=8)
+        assert resolve_variant(narrow, "auto") == ("general", 16)
+    assert picked == {name: (("wide", 32), ("general", 16)) for name in picked}
 
 
 @pytest.mark.parametrize("name", ["prerope-k4v2-lowbit", "t-lowbit-qa35v3"])
