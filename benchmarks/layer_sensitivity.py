@@ -28,7 +28,12 @@ quantized: at the chosen table, at the same count of ``--high`` layers evenly sp
 same mean), at ``--low`` and ``--high`` everywhere and, when ``--mean`` is a valid width, at ``--mean``
 everywhere; a table that helps has the lower KL at its mean. The single-layer KLs add only approximately,
 so that end-to-end check is the one to trust.
-Text: the first ``--tokens`` tokens of the Paul Graham essays (``kvweave.tools.data``).
+Text: the first ``--tokens`` tokens of the Paul Graham essays (``kvweave.tools.data``); or, with ``--text
+needles``, ``--prompts`` needle prompts of about ``--tokens`` tokens (the cells ``kvweave eval needle`` builds, chat
+template included, with needles drawn from ``--seed``, 1 by default, so not the evaluation grid's seed 0), each
+followed by its needle's sentence as the answer, the KL taken only where the model predicts the answer's digits:
+which layers' codes cost the retrieval, not the next word of an essay. Used for
+``benchmarks/lean_sweep.toml``'s retrieval value table (docs/frontier.md).
 """
 
 from __future__ import annotations
@@ -39,7 +44,7 @@ import math
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 from tqdm import tqdm
@@ -115,7 +120,15 @@ def target_module(layer: Any, kind: str) -> torch.nn.Module:
 
 def round_trip(x: torch.Tensor, quantizer: Any, heads: int, head_dim: int) -> torch.Tensor:
     """``x`` (a projection output [B, T, H*D], or a norm output [B, T, H, D] / [B, H, T, D]) with each KV
-    head's [T, D] replaced by its quantized round trip; same shape and dtype."""
+    head's [T, D] replaced by its quantized round trip; same shape and dtype. Where T is not a multiple of 64 the
+    last T % 64 positions stay exact (a needle prompt's question and answer: the part a cache has not packed)."""
+    axis = 2 if x.dim() == 4 and x.shape[1] == heads and not (x.shape[2] == heads) else 1  # the token axis
+    tail = x.shape[axis] % 64
+    if tail:
+        body = x.narrow(axis, 0, x.shape[axis] - tail)
+        if body.shape[axis] == 0:
+            return x
+        return torch.cat((round_trip(body, quantizer, heads, head_dim), x.narrow(axis, x.shape[axis] - tail, tail)), axis)
     if x.dim() == 3:
         per_head = x.reshape(x.shape[0], x.shape[1], heads, head_dim).transpose(1, 2)
         restored = quantizer.dequantize(quantizer.quantize(per_head.float()), torch.float32)
@@ -148,41 +161,99 @@ def perturbed(model: Any, kind: str, bits_by_layer: dict[int, float]) -> Iterato
             handle.remove()
 
 
-def log_probs(model: Any, ids: torch.Tensor) -> torch.Tensor:
-    """float64 next-token log-probabilities [T, V] of one sequence ``ids`` [1, T] (an exact forward)."""
+class Sample(NamedTuple):
+    """One sequence ``ids`` [1, T], the positions ``rows`` whose next-token distributions count (None: all), and the
+    exact forward's float64 log-probabilities there ``exact`` [R or T, V]."""
+
+    ids: torch.Tensor
+    exact: torch.Tensor
+    rows: torch.Tensor | None = None
+
+
+def log_probs(model: Any, ids: torch.Tensor, rows: torch.Tensor | None = None) -> torch.Tensor:
+    """float64 next-token log-probabilities [T, V] of one sequence ``ids`` [1, T] (an exact forward), or at
+    ``rows`` only [R, V]."""
     with torch.inference_mode():
-        return torch.log_softmax(model(input_ids=ids, use_cache=False).logits[0].double(), dim=-1)
+        logits = model(input_ids=ids, use_cache=False).logits[0]
+        return torch.log_softmax((logits if rows is None else logits[rows]).double(), dim=-1)
 
 
-def mean_kl(model: Any, ids: torch.Tensor, exact: torch.Tensor, kind: str, table: dict[int, float]) -> float:
-    """Mean over positions of KL(p_exact || p_quantized), the layers of ``table`` quantized at its bits."""
+def mean_kl(model: Any, ids: torch.Tensor, exact: torch.Tensor, kind: str, table: dict[int, float],
+            rows: torch.Tensor | None = None) -> float:
+    """Mean over positions (``rows``: those only) of KL(p_exact || p_quantized), the layers of ``table``
+    quantized at its bits; ``exact`` as :func:`log_probs` gives it for the same ``rows``."""
     with torch.inference_mode(), perturbed(model, kind, table):
         logits = model(input_ids=ids, use_cache=False).logits[0]
+    if rows is not None:
+        logits = logits[rows]
     total = 0.0
     for start in range(0, logits.shape[0], 256):  # chunks keep the float64 copies small
         approx = torch.log_softmax(logits[start : start + 256].double(), dim=-1)
-        rows = exact[start : start + 256]
-        total += float((rows.exp() * (rows - approx)).sum())
+        part = exact[start : start + 256]
+        total += float((part.exp() * (part - approx)).sum())
     return total / logits.shape[0]
 
 
+def samples_kl(model: Any, samples: list[Sample], kind: str, table: dict[int, float]) -> float:
+    """:func:`mean_kl` averaged over ``samples``."""
+    return sum(mean_kl(model, s.ids, s.exact, kind, table, s.rows) for s in samples) / len(samples)
+
+
+def as_samples(model: Any, ids: torch.Tensor | list[Sample], exact: torch.Tensor | None) -> list[Sample]:
+    if isinstance(ids, list):
+        return ids
+    return [Sample(ids, log_probs(model, ids) if exact is None else exact)]
+
+
 def kl_per_layer(
-    model: Any, ids: torch.Tensor, kind: str, widths: list[float], exact: torch.Tensor | None = None, progress: bool = True
+    model: Any, ids: torch.Tensor | list[Sample], kind: str, widths: list[float], exact: torch.Tensor | None = None,
+    progress: bool = True,
 ) -> list[list[float]]:
-    """``[layer][width]``: mean KL with only that layer's ``kind`` quantized at each of ``widths``."""
-    exact = log_probs(model, ids) if exact is None else exact
+    """``[layer][width]``: mean KL with only that layer's ``kind`` quantized at each of ``widths``, over one
+    sequence ``ids`` (all its positions) or a list of :class:`Sample`."""
+    samples = as_samples(model, ids, exact)
     layers = range(len(decoder_layers(model)))
     return [
-        [mean_kl(model, ids, exact, kind, {layer: bits}) for bits in widths]
+        [samples_kl(model, samples, kind, {layer: bits}) for bits in widths]
         for layer in tqdm(layers, desc=f"{kind} per layer", disable=not progress)
     ]
 
 
 def whole_model_kl(
-    model: Any, ids: torch.Tensor, exact: torch.Tensor, kind: str, tables: dict[str, list[float]]
+    model: Any, ids: torch.Tensor | list[Sample], exact: torch.Tensor | None, kind: str, tables: dict[str, list[float]]
 ) -> dict[str, float]:
     """Mean KL with every layer quantized (hooks on all layers at once), per named table of bits."""
-    return {name: mean_kl(model, ids, exact, kind, dict(enumerate(table))) for name, table in tables.items()}
+    samples = as_samples(model, ids, exact)
+    return {name: samples_kl(model, samples, kind, dict(enumerate(table))) for name, table in tables.items()}
+
+
+def needle_samples(model: Any, tokenizer: Any, count: int, length: int, seed: int) -> list[Sample]:
+    """``count`` needle prompts of about ``length`` tokens (depths 0.1, 0.5, 0.9 in turn), each followed by its
+    needle's sentence; rows: the positions that predict the tokens of the answer's digits."""
+    from kvweave.core.registry import load_registry
+    from kvweave.tools import datasets
+    from kvweave.tools.data import essays_text
+    from kvweave.tools.eval_context import Evaluation
+
+    evaluation = Evaluation(model, tokenizer, load_registry(None), [], None, progress=False)
+    text, samples = essays_text(), []
+    for index, needle in enumerate(datasets.make_needles(count, seed)):
+        cell = datasets.needle_cell(tokenizer, text, needle, index, length, (0.1, 0.5, 0.9)[index % 3], seed)
+        inputs, _ = evaluation.encode_split(cell.context, cell.question)
+        prompt = inputs["input_ids"][0].tolist()
+        answer = tokenizer(needle.sentence, add_special_tokens=False)["input_ids"]
+        pieces = [tokenizer.decode([t]) for t in answer]
+        at, offset, digits = needle.sentence.find(needle.answer), 0, []
+        for position, piece in enumerate(pieces):
+            if offset + len(piece) > at and offset < at + len(needle.answer):
+                digits.append(len(prompt) + position - 1)  # the row that predicts this answer token
+            offset += len(piece)
+        if not digits:
+            raise SystemExit(f"needle {index}: the answer {needle.answer!r} is not found in the tokens of {needle.sentence!r}")
+        ids = torch.tensor([prompt + answer])
+        rows = torch.tensor(digits)
+        samples.append(Sample(ids, log_probs(model, ids, rows), rows))
+    return samples
 
 
 def compact(bits: list[float], kind: str) -> str:
@@ -199,11 +270,19 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--high", type=float, help="wide width (default 3 for values, 4 for keys)")
     parser.add_argument("--mean", type=float, required=True, help="target average bits over layers")
     parser.add_argument("--json", help="write the measurements and the table to this path")
+    parser.add_argument("--text", choices=("essays", "needles"), default="essays",
+                        help="essays: KL at every position of one text; needles: at the answer digits of needle prompts")
+    parser.add_argument("--prompts", type=int, default=6, help="needle prompts (--text needles)")
+    parser.add_argument("--seed", type=int, default=1, help="needle seed (--text needles; the evaluation grid uses 0)")
     args = parser.parse_args(argv)
+    if args.prompts < 1:
+        parser.error(f"--prompts must be >= 1, got {args.prompts}")
     args.low = args.low if args.low is not None else (2.0 if args.kind == "values" else 3.0)
     args.high = args.high if args.high is not None else (3.0 if args.kind == "values" else 4.0)
-    if args.tokens < 64 or args.tokens % 64:
+    if args.text == "essays" and (args.tokens < 64 or args.tokens % 64):
         parser.error(f"--tokens must be a positive multiple of 64, got {args.tokens}")
+    if args.text == "needles" and args.tokens < 256:
+        parser.error(f"--tokens must be at least 256 for needle prompts, got {args.tokens}")
     if not args.low < args.high:
         parser.error(f"--low ({args.low:g}) must be below --high ({args.high:g})")
     if not args.low <= args.mean <= args.high:
@@ -223,19 +302,23 @@ def main(argv: list[str] | None = None) -> int:
     from kvweave.tools.models import load_model
 
     model, tokenizer = load_model(args.model, device="cpu", progress=False)
-    ids = torch.tensor([leading_token_ids(tokenizer, essays_text(), args.tokens)])
-    if ids.shape[1] != args.tokens:
-        raise SystemExit(f"the essays gave only {ids.shape[1]} tokens, fewer than --tokens {args.tokens}")
     _, head_dim = shape_of(model)
     for bits in (args.low, args.high):
         if not valid_width(args.kind, bits, head_dim):
             raise SystemExit(f"{bits:g} bits: the {args.kind} quantizer refuses heads of width {head_dim}")
-    exact = log_probs(model, ids)
-    kl = kl_per_layer(model, ids, args.kind, [args.low, args.high], exact)
+    if args.text == "needles":
+        samples = needle_samples(model, tokenizer, args.prompts, args.tokens, args.seed)
+        what = f"{args.prompts} needle prompts of ~{args.tokens} tokens (seed {args.seed}), at the answer digits"
+    else:
+        ids = torch.tensor([leading_token_ids(tokenizer, essays_text(), args.tokens)])
+        if ids.shape[1] != args.tokens:
+            raise SystemExit(f"the essays gave only {ids.shape[1]} tokens, fewer than --tokens {args.tokens}")
+        samples, what = [Sample(ids, log_probs(model, ids))], f"{args.tokens} tokens"
+    kl = kl_per_layer(model, samples, args.kind, [args.low, args.high])
     table = allocate([low - high for low, high in kl], args.low, args.high, args.mean)
     if args.kind == "values":
         table = [int(bits) for bits in table]
-    print(f"\n{args.kind}, {args.model}, {args.tokens} tokens: mean KL(exact || one layer quantized)\n")
+    print(f"\n{args.kind}, {args.model}, {what}: mean KL(exact || one layer quantized)\n")
     print(f"| layer | KL at {args.low:g} | KL at {args.high:g} | chosen bits |\n|---:|---:|---:|---:|")
     for layer, ((low, high), bits) in enumerate(zip(kl, table)):
         print(f"| {layer} | {low:.3e} | {high:.3e} | {bits:g} |")
@@ -244,12 +327,12 @@ def main(argv: list[str] | None = None) -> int:
     tables |= {f"uniform {b:g}": [b] * len(table) for b in (args.low, args.high)}
     if valid_width(args.kind, args.mean, head_dim) and args.mean not in (args.low, args.high):
         tables[f"uniform {args.mean:g}"] = [args.mean] * len(table)
-    whole = whole_model_kl(model, ids, exact, args.kind, tables)
+    whole = whole_model_kl(model, samples, None, args.kind, tables)
     print("\nall layers quantized: mean KL(exact || quantized)")
     for name, value in whole.items():
         print(f"  {name:>14} (mean {sum(tables[name]) / len(table):g} bits): {value:.4e}")
     if args.json:
-        record = {**{k: getattr(args, k) for k in ("model", "kind", "tokens", "low", "high", "mean")},
+        record = {**{k: getattr(args, k) for k in ("model", "kind", "tokens", "low", "high", "mean", "text", "prompts", "seed")},
                   "kl_low": [k[0] for k in kl], "kl_high": [k[1] for k in kl], "layer_bits": table, "whole_model_kl": whole}
         Path(args.json).parent.mkdir(parents=True, exist_ok=True)
         Path(args.json).write_text(json.dumps(record, indent=2) + "\n")

@@ -88,6 +88,21 @@ def test_round_trip_is_per_head_in_every_layout():
     assert torch.equal(sens.round_trip(bthd.transpose(1, 2).contiguous(), quantizer, heads, dim), expected)
 
 
+def test_round_trip_leaves_the_positions_past_whole_groups_exact_in_every_layout():
+    """A needle prompt of 100 tokens: the first 64 quantized as a 64-token prompt would be, the last 36 (question and
+    answer, which a cache has not packed) untouched."""
+    torch.manual_seed(2)
+    heads, dim, tokens = 2, 16, 100
+    quantizer = sens.make_quantizer("keys", 3.0)
+    bthd = torch.randn(1, tokens, heads, dim)
+    body = sens.round_trip(bthd[:, :64].contiguous(), quantizer, heads, dim)
+    for out in (sens.round_trip(bthd, quantizer, heads, dim),
+                sens.round_trip(bthd.reshape(1, tokens, heads * dim), quantizer, heads, dim).reshape(1, tokens, heads, dim),
+                sens.round_trip(bthd.transpose(1, 2).contiguous(), quantizer, heads, dim).transpose(1, 2)):
+        assert torch.equal(out[:, 64:], bthd[:, 64:])
+        assert torch.equal(out[:, :64], body) and not torch.equal(out[:, :64], bthd[:, :64])
+
+
 def test_valid_width():
     assert sens.valid_width("values", 3, 64) and not sens.valid_width("values", 2.5, 64)
     assert sens.valid_width("keys", 3.5, 64) and sens.valid_width("keys", 3.125, 64)
@@ -109,6 +124,33 @@ def test_kl_per_layer_on_a_tiny_llama():
     assert sens.mean_kl(model, ids, exact, "values", {}) == pytest.approx(0, abs=1e-12)
     whole = sens.whole_model_kl(model, ids, exact, "values", {"2": [2, 2], "4": [4, 4]})
     assert whole["4"] < whole["2"] and whole["2"] >= max(low for low, _ in values) * 0.5
+
+
+def test_kl_at_chosen_rows_averages_those_rows_only_and_samples_average():
+    model = tiny_llama(torch.float32, layers=2)
+    ids = torch.randint(0, 128, (1, 100), generator=torch.Generator().manual_seed(4))
+    rows = torch.tensor([20, 50, 51])
+    exact_all = sens.log_probs(model, ids)
+    exact_rows = sens.log_probs(model, ids, rows)
+    assert torch.allclose(exact_rows, exact_all[rows])
+    table = {0: 2, 1: 2}
+    each = [sens.mean_kl(model, ids, exact_all[[r]], "values", table, torch.tensor([r])) for r in rows.tolist()]
+    assert sens.mean_kl(model, ids, exact_rows, "values", table, rows) == pytest.approx(sum(each) / 3, rel=1e-9)
+    assert min(each) > 0  # positions within the quantized first 64 and past them both see the perturbed values
+    whole = sens.mean_kl(model, ids, exact_all, "values", table)
+    assert whole != pytest.approx(sum(each) / 3)
+    samples = [sens.Sample(ids, exact_rows, rows), sens.Sample(ids, exact_all)]
+    assert sens.samples_kl(model, samples, "values", table) == pytest.approx((sum(each) / 3 + whole) / 2, rel=1e-9)
+    per_layer = sens.kl_per_layer(model, samples, "values", [2, 4], progress=False)
+    assert len(per_layer) == 2 and all(high < low for low, high in per_layer)
+
+
+def test_cli_refuses_short_needle_prompts_and_no_prompts(capsys):
+    for extra, message in ((["--tokens", "100"], "at least 256"), (["--prompts", "0"], "--prompts must be >= 1")):
+        with pytest.raises(SystemExit):
+            sens.parse(["--kind", "values", "--mean", "2.5", "--text", "needles", *extra])
+        assert message in capsys.readouterr().err
+    assert sens.parse(["--kind", "values", "--mean", "2.5", "--text", "needles", "--tokens", "300"]).tokens == 300
 
 
 @pytest.mark.parametrize("family", ["qwen3", "gemma3"])
