@@ -1,7 +1,7 @@
 """Which layers of a model copy from their context: induction scores per layer and KV head, and the layers to
 name in the ``kvzip`` evictor's ``keep_layers``.
 
-    python benchmarks/induction_heads.py [--model default] [--length 256] [--seeds 3] [--threshold 0.3]
+    python benchmarks/induction_heads.py [--model default] [--length 200] [--seeds 3] [--threshold 0.3]
 
 An induction head (Olsson et al., "In-context Learning and Induction Heads", 2022) completes ``A B ... A`` with
 ``B``: at the second ``A`` it attends to the token after the first one. That is how a model answers a needle
@@ -10,7 +10,8 @@ question from its context, so these are the heads whose entries an evictor shoul
 few and fixed per model; RazorAttention, arXiv:2407.15891, scores them the same way). The score: random token
 ids repeated twice after the BOS token; for each query position in the second copy, the attention it gives to
 the position after its earlier occurrence, averaged over the positions and ``--seeds`` sequences; each KV head
-takes the largest score of its query heads (the KV head is what the cache stores).
+takes the largest score of its query heads (the KV head is what the cache stores). The scores are
+``kvweave.engine.copying``'s, the ones the ``kvzip`` evictor's ``copying`` threshold reads.
 
 Prints the scores (layers as rows), the KV heads at or above ``--threshold``, and the ``keep_layers`` line
 (every layer with one). ``--json F`` writes the table. CPU, the model's own dtype from ``load_model``.
@@ -22,32 +23,11 @@ import argparse
 import json
 from pathlib import Path
 
-import torch
-
-
-def induction_scores(model, ids: torch.Tensor, bos: int | None) -> torch.Tensor:
-    """[L, Hkv] scores for one random sequence ``ids`` [n] repeated twice (after ``bos`` where given)."""
-    n = ids.numel()
-    head = [] if bos is None else [bos]
-    seq = torch.tensor([head + ids.tolist() + ids.tolist()])
-    offset = len(head)
-    with torch.no_grad():
-        out = model(seq, output_attentions=True, use_cache=False)
-    config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
-    groups = config.num_attention_heads // config.num_key_value_heads
-    queries = torch.arange(offset + n, offset + 2 * n - 1)  # second copy, each with a next token in the first
-    targets = queries - n + 1
-    rows = []
-    for attention in out.attentions:  # [1, Hq, T, T]
-        per_query_head = attention[0][:, queries, targets].float().mean(-1)  # [Hq]
-        rows.append(per_query_head.reshape(-1, groups).amax(-1))
-    return torch.stack(rows)
-
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default="default")
-    parser.add_argument("--length", type=int, default=256, help="random tokens per copy")
+    parser.add_argument("--length", type=int, default=200, help="random tokens per copy (two copies must fit the model's windows)")
     parser.add_argument("--seeds", type=int, default=3, help="random sequences averaged")
     parser.add_argument("--threshold", type=float, default=0.3, help="score at which a KV head counts as copying")
     parser.add_argument("--json", help="write the table here")
@@ -55,17 +35,12 @@ def main() -> int:
     if args.length < 8 or args.seeds < 1 or not 0.0 < args.threshold < 1.0:
         parser.error("--length must be >= 8, --seeds >= 1 and --threshold in (0, 1)")
 
+    from kvweave.engine.copying import induction_scores, random_ids
     from kvweave.tools.models import load_model
 
     model, tokenizer = load_model(args.model, device="cpu", progress=False)
-    model.set_attn_implementation("eager")  # attention probabilities are returned by the eager path only
-    vocab = len(tokenizer)
-    low = min(1000, vocab // 4)  # past the special and byte tokens of common vocabularies
-    scores = torch.stack([
-        induction_scores(model, torch.randint(low, vocab, (args.length,), generator=torch.Generator().manual_seed(seed)),
-                         tokenizer.bos_token_id)
-        for seed in range(args.seeds)
-    ]).mean(0)
+    ids = random_ids(len(tokenizer), tokenizer.bos_token_id, args.length, args.seeds)
+    scores = induction_scores(model, ids, args.length)
     layers, heads = scores.shape
     print(f"induction score per layer and KV head ({args.model}, {args.seeds} x {args.length} random tokens repeated):\n")
     print("| layer | " + " | ".join(f"head {h}" for h in range(heads)) + " |")

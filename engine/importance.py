@@ -27,6 +27,8 @@ from typing import Any
 import torch
 
 from kvweave.core.errors import CacheStateError
+from kvweave.engine.attention import attention_modules, module_queries
+from kvweave.engine.copying import copying_layers
 from kvweave.engine.observation import cache_kwargs, plain_attention
 
 #: what the model is asked before the first chunk, and before each later one (then the chunk's last tokens)
@@ -34,28 +36,6 @@ REPEAT_PROMPT = "\n\nRepeat the previous context exactly."
 REPEAT_CONTINUE = "\n\nRepeat the part of the previous context exactly, starting with"
 #: tokens of the previous chunk quoted after :data:`REPEAT_CONTINUE`
 OVERLAP_TOKENS = 8
-
-
-def attention_modules(model: Any) -> list[Any]:
-    """The model's attention modules (those with ``q_proj`` and ``layer_idx``), in layer order."""
-    modules = [m for m in model.modules() if hasattr(m, "q_proj") and hasattr(m, "layer_idx")]
-    if not modules:
-        raise CacheStateError(f"{type(model).__name__} has no attention modules with q_proj and layer_idx to score a context with")
-    return sorted(modules, key=lambda m: int(m.layer_idx))
-
-
-def module_queries(module: Any, hidden: torch.Tensor, position_embeddings: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
-    """The post-RoPE queries [B, Hq, q, D] an attention module computes from ``hidden`` [B, q, C] (its
-    ``q_norm`` too, where the model has one), with the module's own ``position_embeddings`` (cos, sin)."""
-    from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
-
-    cos, sin = position_embeddings
-    query = module.q_proj(hidden).view(*hidden.shape[:-1], -1, module.head_dim)
-    if hasattr(module, "q_norm"):
-        query = module.q_norm(query)
-    query = query.transpose(1, 2)
-    rotated, _ = apply_rotary_pos_emb(query, query, cos, sin)
-    return rotated
 
 
 def turn_suffix(tokenizer: Any) -> str:
@@ -183,8 +163,13 @@ def score_for(model: Any, cache: Any, input_ids: torch.Tensor, progress: bool = 
             f"pipeline '{cache.pipeline.name}': its evictor scores whole rows of context; this batch is padded "
             "(feed its rows one at a time)")
     evictor = cache.pipeline.component("evictor")
-    scores = reconstruction_scores(model, getattr(cache, "tokenizer", None), input_ids, chunk=getattr(evictor, "chunk", 2048),
+    tokenizer = getattr(cache, "tokenizer", None)
+    scores = reconstruction_scores(model, tokenizer, input_ids, chunk=getattr(evictor, "chunk", 2048),
                                    sinks=getattr(evictor, "sinks", 4), progress=progress)  # an evictor's own, else KVzip's
+    threshold = float(getattr(evictor, "copying", 0.0) or 0.0)
+    if threshold:  # the copying layers keep every token: +inf is kept whatever the cut and not counted
+        for layer in copying_layers(model, tokenizer, threshold):
+            scores[layer] = float("inf")
     cache.set_importance(scores)
 
 

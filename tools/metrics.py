@@ -26,7 +26,8 @@ from kvweave.core.interfaces import KINDS
 from kvweave.core.registry import Registry, ResolvedPipeline
 from kvweave.core.view import LayerView
 from kvweave.engine.generation import cache_kwargs
-from kvweave.engine.importance import module_queries, score_for
+from kvweave.engine.attention import module_queries
+from kvweave.engine.importance import score_for
 from kvweave.engine.observation import plain_attention  # noqa: F401 (tools import it from here)
 from kvweave.engine.pipeline import build_cache
 

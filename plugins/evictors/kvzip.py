@@ -18,6 +18,9 @@ one cut leaves the beginning nearly empty.
 other layers' scored tokens. The layers to name are the model's copying layers, whose induction heads carry a
 needle's digits to the answer (``python benchmarks/induction_heads.py`` lists them; on SmolLM2-135M, layers 17, 18,
 20 and 23): one cut over the model drops a third to a half of a needle's digit entries in some of those heads.
+``copying = t`` (0 < t <= 1) finds them itself: every layer with a KV head whose induction score is at least ``t``
+keeps every token (``kvweave.engine.copying``: one forward of random tokens repeated twice, once per model, when
+the first context is scored); on SmolLM2-135M ``copying = 0.3`` gives the four layers above.
 
 The first ``sinks`` tokens are always kept (and not counted against the threshold), as are tokens the
 scorer cannot see whole (the sliding-window layers of Gemma 3, whose own window bounds them) and every
@@ -47,6 +50,11 @@ def _layer_list(_instance, attribute, value) -> None:
         raise ValueError(f"'{attribute.name}' names a layer twice: {list(value)}")
 
 
+def _copying(_instance, attribute, value) -> None:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0.0 <= value <= 1.0:
+        raise ValueError(f"'{attribute.name}' must be a number in [0, 1] (an induction score; 0: off), got {value!r}")
+
+
 def _fraction(_instance, attribute, value) -> None:
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0.0 < value <= 1.0:
         raise ValueError(f"'{attribute.name}' must be a number in (0, 1], got {value!r}")
@@ -73,6 +81,8 @@ class KVzipEvictor(Evictor):
                             metadata={"doc": "odd: each token scores the largest score within pool // 2 positions of it (1: its own)"})
     keep_layers: tuple[int, ...] = attrs.field(default=(), converter=int_tuple, validator=_layer_list,
                                                metadata={"doc": "layers that keep every token (fraction: of the other layers' tokens)"})
+    copying: float = attrs.field(default=0.0, validator=_copying,
+                                 metadata={"doc": "0: off; else layers with a KV head of at least this induction score keep every token"})
 
     def __attrs_post_init__(self) -> None:
         if self.pool % 2 == 0:
