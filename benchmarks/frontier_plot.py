@@ -1,20 +1,33 @@
 """The quality-at-ratio frontier from an evaluation's needle.json and ppl.json: a markdown table and a plot.
 
-    python benchmarks/frontier_plot.py RESULTS_FOLDER [RESULTS_FOLDER ...] [--out PNG]
+    python benchmarks/frontier_plot.py RESULTS_FOLDER [RESULTS_FOLDER ...] [--out PNG] [--intervals] [--misses]
 
 RESULTS_FOLDER holds ``needle.json`` (``kvweave eval needle``) and optionally ``ppl.json`` (``kvweave eval
 ppl``). Several folders (one grid run in parts, or earlier runs of the same grid) are merged: each
 pipeline is taken from the first folder that has it, and their needle grids must be the same. Per pipeline and context length: needles found, found of what the full cache finds (the cells
 ``full`` answered), and the real stored-bytes ratio against a 16-bit cache; perplexity against the
-DynamicCache reference.
+DynamicCache reference. ``--intervals`` adds the 95% Wilson interval of each "of full" share (how far a grid of
+this size can tell two pipelines apart); ``--misses`` lists, per pipeline, the cells the full cache answers and the
+pipeline does not, as (length, depth, needle).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import math
 import sys
 from pathlib import Path
+
+
+def wilson(found: int, cases: int, z: float = 1.96) -> tuple[float, float]:
+    """The Wilson score interval of a share ``found / cases`` (95% for z = 1.96); (0, 1) without cases."""
+    if cases <= 0:
+        return 0.0, 1.0
+    share = found / cases
+    centre = (share + z * z / (2 * cases)) / (1 + z * z / cases)
+    half = z * math.sqrt(share * (1 - share) / cases + z * z / (4 * cases * cases)) / (1 + z * z / cases)
+    return max(0.0, centre - half), min(1.0, centre + half)
 
 
 def rows(needle: dict, ppl: dict | None) -> list[dict]:
@@ -33,6 +46,7 @@ def rows(needle: dict, ppl: dict | None) -> list[dict]:
             row["lengths"][length] = {
                 "hits": sum(r["hit"] for r in cells), "cases": len(cells),
                 "of_full": sum(r["hit"] for r in of_full), "full_found": len(of_full),
+                "missed": sorted((r["length"], r["depth"], r["needle"]) for r in of_full if not r["hit"]),
                 "ratio": sum(r["full_16bit_bytes"] for r in cells) / sum(r["stored_bytes"] for r in cells),
             }
         value = (ppl or {}).get("pipelines", {}).get(name, {}).get("ppl")
@@ -42,20 +56,37 @@ def rows(needle: dict, ppl: dict | None) -> list[dict]:
     return table
 
 
-def markdown(table: list[dict], lengths: list[int], ppl_tokens: int | None = None, prefill: int = 0) -> str:
+def markdown(table: list[dict], lengths: list[int], ppl_tokens: int | None = None, prefill: int = 0,
+             intervals: bool = False) -> str:
     ppl = f"ppl {ppl_tokens:,} tok" if ppl_tokens else "ppl"
     if ppl_tokens and prefill:
         ppl = f"ppl of {ppl_tokens - prefill:,} tok after a {prefill:,}-tok prefill"
-    head = "| pipeline | " + " | ".join(f"{n:,} tok: found / of full / bytes x" for n in lengths) + f" | {ppl} (change) |"
+    what = "of full [95% interval]" if intervals else "of full"
+    head = "| pipeline | " + " | ".join(f"{n:,} tok: found / {what} / bytes x" for n in lengths) + f" | {ppl} (change) |"
     lines = [head, "|---" * (len(lengths) + 2) + "|"]
     for row in table:
         cells = []
         for n in lengths:
             c = row["lengths"][n]
             share = c["of_full"] / c["full_found"] if c["full_found"] else float("nan")
-            cells.append(f"{c['hits']}/{c['cases']} / {c['of_full']}/{c['full_found']} ({share:.0%}) / {c['ratio']:.2f}x")
+            bounds = ""
+            if intervals:
+                low, high = wilson(c["of_full"], c["full_found"])
+                bounds = f" [{low:.0%}-{high:.0%}]"
+            cells.append(f"{c['hits']}/{c['cases']} / {c['of_full']}/{c['full_found']} ({share:.0%}){bounds} / {c['ratio']:.2f}x")
         ppl = "-" if row["ppl"] is None else f"{row['ppl']:.2f} ({row['ppl_change']:+.1%})"
         lines.append(f"| `{row['pipeline']}` | " + " | ".join(cells) + f" | {ppl} |")
+    return "\n".join(lines)
+
+
+def misses(table: list[dict], lengths: list[int]) -> str:
+    """Per pipeline, the cells the full cache answers and it does not."""
+    lines = []
+    for row in table:
+        if row["pipeline"] == "full":
+            continue
+        cells = [cell for n in lengths for cell in row["lengths"][n]["missed"]]
+        lines.append(f"- `{row['pipeline']}`: " + (", ".join(f"({n}, {d:g}, {k})" for n, d, k in cells) or "none"))
     return "\n".join(lines)
 
 
@@ -126,10 +157,14 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("folders", type=Path, nargs="+")
     parser.add_argument("--out", type=Path, default=None, help="plot file (default FIRST_FOLDER/frontier.png)")
+    parser.add_argument("--intervals", action="store_true", help="95%% Wilson interval of each 'of full' share")
+    parser.add_argument("--misses", action="store_true", help="the cells each pipeline misses of those the full cache finds")
     args = parser.parse_args()
     needle, ppl = merged(args.folders)
     table = rows(needle, ppl)
-    print(markdown(table, needle["lengths"], (ppl or {}).get("tokens"), (ppl or {}).get("prefill", 0)))
+    print(markdown(table, needle["lengths"], (ppl or {}).get("tokens"), (ppl or {}).get("prefill", 0), args.intervals))
+    if args.misses:
+        print("\nmissed of what the full cache finds (length, depth, needle):\n" + misses(table, needle["lengths"]))
     title = f"needles ({needle.get('protocol', 'query-aware')}) vs real bytes"
     plot(table, needle["lengths"], args.out or args.folders[0] / "frontier.png", title)
     return 0

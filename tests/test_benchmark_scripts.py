@@ -82,6 +82,29 @@ def test_frontier_plot_merges_runs_taking_each_pipeline_from_the_first_folder(tm
         frontier_plot.merged([tmp_path / "a", tmp_path / "c"])
 
 
+def test_frontier_plot_lists_misses_and_wilson_intervals(tmp_path, monkeypatch):
+    monkeypatch.syspath_prepend(str(ROOT / "benchmarks"))
+    import frontier_plot
+
+    _needle(tmp_path / "a", {"full": _answers([True, True, False], 1000), "x": _answers([True, False, True], 250)}, needles=3)
+    needle, _ = frontier_plot.merged([tmp_path / "a"])
+    table = frontier_plot.rows(needle, None)
+    assert {row["pipeline"]: row["lengths"][100]["missed"] for row in table} == {"full": [], "x": [(100, 0.5, 1)]}
+    assert frontier_plot.misses(table, [100]) == "- `x`: (100, 0.5, 1)"  # needle 2 is beyond full: not a miss
+    text = frontier_plot.markdown(table, [100], intervals=True)
+    low, high = frontier_plot.wilson(1, 2)
+    assert f"1/2 (50%) [{low:.0%}-{high:.0%}]" in text and "of full [95% interval]" in text
+    assert "[" not in frontier_plot.markdown(table, [100]).splitlines()[2]
+    # the Wilson interval: inside [0, 1], around the share, narrower with more cases, (0, 1) without any
+    for found, cases in ((0, 5), (5, 5), (39, 41), (27, 28)):
+        low, high = frontier_plot.wilson(found, cases)
+        assert 0.0 <= low <= found / cases <= high <= 1.0
+    assert frontier_plot.wilson(0, 0) == (0.0, 1.0)
+    assert frontier_plot.wilson(39, 41)[1] - frontier_plot.wilson(39, 41)[0] > frontier_plot.wilson(390, 410)[1] - frontier_plot.wilson(390, 410)[0]
+    low, high = frontier_plot.wilson(39, 41)
+    assert abs(low - 0.839) < 0.005 and abs(high - 0.986) < 0.005  # the textbook 95% Wilson bounds of 39 / 41
+
+
 def test_frontier_plot_merges_perplexities_of_one_protocol_only(tmp_path, monkeypatch, capsys):
     """ppl.json files merge when measured alike (tokens, chunk, prefill, reference); a run without a prefill
     is left out (with a note) next to one with it, and the column says what was scored."""
