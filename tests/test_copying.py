@@ -11,26 +11,17 @@ from kvweave.engine.pipeline import build_cache
 from kvweave.plugins.evictors.kvzip import KVzipEvictor
 
 from conftest import CharTokenizer, tiny_llama, write_registry
+from test_kvzip import PIPELINES as KVZIP_PIPELINES  # t-kz: kvzip keeping half of the context
 
-PIPELINES = """
-[pipelines.t-cp]
-extends = "full"
-compress = true
-recent_window = 16
-block_tokens = 16
-
-[pipelines.t-cp.evictor]
-use = "kvzip"
-fraction = 0.5
-
+PIPELINES = KVZIP_PIPELINES + """
 [pipelines.t-cp-all]
-extends = "t-cp"
+extends = "t-kz"
 
 [pipelines.t-cp-all.evictor]
 copying = 1e-9
 
 [pipelines.t-cp-none]
-extends = "t-cp"
+extends = "t-kz"
 
 [pipelines.t-cp-none.evictor]
 copying = 1.0
@@ -104,16 +95,16 @@ def test_copying_threshold_keeps_the_chosen_layers_whole(registry):
     model = tiny_llama(layers=3)
     ids = torch.randint(1, 128, (1, 200), generator=torch.Generator().manual_seed(5))
     caches = {}
-    for name in ("t-cp", "t-cp-all", "t-cp-none"):
+    for name in ("t-kz", "t-cp-all", "t-cp-none"):
         cache = build_cache(registry.resolve(name), model, tokenizer=CharTokenizer())
         importance.prefill(model, cache, ids)
         caches[name] = cache
     for layer, window in enumerate(caches["t-cp-all"].engine.windows):  # every layer copies at 1e-9: nothing dropped
         for head in range(2):
             assert window.positions[0, head].tolist() == list(range(window.passed_tokens)), (layer, head)
-        assert len(caches["t-cp"].engine.windows[layer].positions[0, 0]) < 0.7 * window.passed_tokens  # kvzip alone drops
-    assert caches["t-cp-all"].memory_bytes() > caches["t-cp"].memory_bytes()
-    assert caches["t-cp-none"].memory_bytes() == caches["t-cp"].memory_bytes()  # no layer reaches 1.0
+        assert len(caches["t-kz"].engine.windows[layer].positions[0, 0]) < 0.7 * window.passed_tokens  # kvzip alone drops
+    assert caches["t-cp-all"].memory_bytes() > caches["t-kz"].memory_bytes()
+    assert caches["t-cp-none"].memory_bytes() == caches["t-kz"].memory_bytes()  # no layer reaches 1.0
 
 
 def test_copying_is_validated():
