@@ -22,6 +22,7 @@ The cost is about two extra prefills of the context (KVzip's own figure is 2-3x 
 from __future__ import annotations
 
 import copy
+import sys
 from typing import Any
 
 import torch
@@ -168,8 +169,12 @@ def score_for(model: Any, cache: Any, input_ids: torch.Tensor, progress: bool = 
                                    sinks=getattr(evictor, "sinks", 4), progress=progress)  # an evictor's own, else KVzip's
     threshold = float(getattr(evictor, "copying", 0.0) or 0.0)
     if threshold:  # the copying layers keep every token: +inf is kept whatever the cut and not counted
-        for layer in copying_layers(model, tokenizer, threshold):
+        layers = copying_layers(model, tokenizer, threshold)
+        for layer in layers:
             scores[layer] = float("inf")
+        if progress:
+            print(f"kvweave: copying layers (induction score >= {threshold:g}) keep every token: "
+                  f"{', '.join(map(str, layers)) or 'none'}", file=sys.stderr, flush=True)
     cache.set_importance(scores)
 
 

@@ -107,6 +107,15 @@ def test_copying_threshold_keeps_the_chosen_layers_whole(registry):
     assert caches["t-cp-none"].memory_bytes() == caches["t-kz"].memory_bytes()  # no layer reaches 1.0
 
 
+def test_the_copying_layers_are_named_when_progress_is_shown(registry, capsys):
+    model = tiny_llama(layers=3)
+    ids = torch.randint(1, 128, (1, 100), generator=torch.Generator().manual_seed(6))
+    importance.score_for(model, build_cache(registry.resolve("t-cp-all"), model, tokenizer=CharTokenizer()), ids, progress=True)
+    assert "copying layers (induction score >= 1e-09) keep every token: 0, 1, 2" in capsys.readouterr().err
+    importance.score_for(model, build_cache(registry.resolve("t-cp-none"), model, tokenizer=CharTokenizer()), ids, progress=True)
+    assert "keep every token: none" in capsys.readouterr().err
+
+
 def test_copying_is_validated():
     for bad in (-0.1, 1.5, True, "0.3"):
         with pytest.raises(ValueError, match="copying"):
