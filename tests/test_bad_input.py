@@ -66,6 +66,8 @@ CASES: list[Case] = [
     Case((*GENERATE, "--prompt", "hi", "--device", "cuda"), "CUDA is not available", "--device cuda without CUDA", cuda=True),
     Case((*GENERATE, "--prompt", "hi", "--device", "tpu"), "device 'tpu' is not supported", "an unknown device"),
     # --- generate, refused once the model's context is known
+    Case(("generate", "--pipeline", "beyond", "--registry", "{BEYOND}", "--model", "{TINY}", "--prompt", "hi"),
+         "keep_layers names layer(s) [99]", "kvzip told to keep a layer the model does not have"),
     Case((*GENERATE, "--model", "{TINY}", "--prompt-file", "{LONG}", "--no-chat"),
          f"more than the context of model {{TINY}} ({TINY_CONTEXT} tokens", "a prompt longer than the model's context"),
     Case((*GENERATE, "--prompt-file", "{REPORT_X13}"), "more than the context of model default (8,192 tokens",
@@ -152,6 +154,8 @@ def materials(tmp: Path, tiny: Path) -> dict[str, str]:
     (tmp / "my-registries" / "mine.toml").write_text('[pipelines.mine]\nextends = "int4"\n')
     (tmp / "latin1.txt").write_bytes("[pipelines.caf\u00e9]\nextends = \"int4\"\n".encode("latin-1"))
     (tmp / "empty.txt").write_text("")
+    (tmp / "beyond.toml").write_text('[pipelines.beyond]\nextends = "full"\ncompress = true\n\n'
+                                     '[pipelines.beyond.evictor]\nuse = "kvzip"\nkeep_layers = [99]\n')
     (tmp / "long.txt").write_text(" ".join(["harbour"] * (2 * TINY_CONTEXT)))
     (tmp / "notes.txt").write_text("not a folder")
     (tmp / "empty-folder").mkdir()
@@ -159,7 +163,7 @@ def materials(tmp: Path, tiny: Path) -> dict[str, str]:
     cell = {"key": "needle|full|128|0.5|0", "session": 0, "task": "needle", "pipeline": "full", "length": 128, "depth": 0.5,
             "needle": 0, "answer": "7", "hit": True}
     paths = {
-        "{FOLDER}": tmp / "my-registries", "{LATIN1}": tmp / "latin1.txt", "{EMPTY}": tmp / "empty.txt", "{LONG}": tmp / "long.txt",
+        "{FOLDER}": tmp / "my-registries", "{BEYOND}": tmp / "beyond.toml", "{LATIN1}": tmp / "latin1.txt", "{EMPTY}": tmp / "empty.txt", "{LONG}": tmp / "long.txt",
         "{TINY}": tiny, "{OUT}": tmp / "results", "{FILE}": tmp / "notes.txt", "{NOTHING}": tmp / "empty-folder",
         "{SETTINGS_EMPTY}": _run_folder(tmp / "run-empty", {}),
         "{SETTINGS_LIST}": _run_folder(tmp / "run-list", ["needle"]),
