@@ -108,7 +108,7 @@ CASES: list[Case] = [
 
 #: how the doc spells each placeholder
 SHOWN = {
-    "{FOLDER}": "my-registries/", "{LATIN1}": "latin1.txt", "{EMPTY}": "empty.txt", "{LONG}": "long.txt",
+    "{FOLDER}": "my-registries/", "{BEYOND}": "beyond.toml", "{LATIN1}": "latin1.txt", "{EMPTY}": "empty.txt", "{LONG}": "long.txt",
     "{TINY}": "tiny-model/", "{REPORT_X13}": "report-x13.txt", "{OUT}": "results/", "{FILE}": "notes.txt",
     "{NOTHING}": "empty-folder/", "{SETTINGS_EMPTY}": "run/", "{SETTINGS_LIST}": "run/", "{SETTINGS_BAD_TASK}": "run/",
     "{CELL_WITHOUT_KEY}": "run/", "{RUN_A}": "run-a/", "{RUN_B}": "run-b/", "{RUN_OTHER}": "run-b/", "{RUN_CLASH}": "run-b/",
