@@ -1,10 +1,11 @@
-"""engine/copying.py (induction scores, the copying layers) and the ``kvzip`` evictor's ``copying`` threshold."""
+"""engine/copying.py (induction scores, the copying layers) and the ``kvzip`` evictor's ``keep_layers`` and ``copying``."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
+from kvweave.core.errors import ModelError
 from kvweave.core.registry import load_registry
 from kvweave.engine import copying, importance
 from kvweave.engine.pipeline import build_cache
@@ -12,8 +13,22 @@ from kvweave.plugins.evictors.kvzip import KVzipEvictor
 
 from conftest import CharTokenizer, tiny_llama, write_registry
 from test_kvzip import PIPELINES as KVZIP_PIPELINES  # t-kz: kvzip keeping half of the context
+from test_kvzip import SINKS, context_ids, kept_positions, make_cache
+from test_kvzip import model  # noqa: F401 - the sharpened tiny model fixture
 
 PIPELINES = KVZIP_PIPELINES + """
+[pipelines.t-kz-keep-layer]
+extends = "t-kz"
+
+[pipelines.t-kz-keep-layer.evictor]
+keep_layers = [1]
+
+[pipelines.t-kz-keep-beyond]
+extends = "t-kz"
+
+[pipelines.t-kz-keep-beyond.evictor]
+keep_layers = [0, 3]
+
 [pipelines.t-cp-all]
 extends = "t-kz"
 
@@ -114,6 +129,49 @@ def test_the_copying_layers_are_named_when_progress_is_shown(registry, capsys):
     assert "copying layers (induction score >= 1e-09) keep every token: 0, 1, 2" in capsys.readouterr().err
     importance.score_for(model, build_cache(registry.resolve("t-cp-none"), model, tokenizer=CharTokenizer()), ids, progress=True)
     assert "keep every token: none" in capsys.readouterr().err
+
+
+# ------------------------------------------------------------------------------ keep_layers
+def test_kept_layers_keep_everything_and_the_fraction_is_of_the_other_layers():
+    torch.manual_seed(5)
+    scores = torch.rand(4, 1, 2, 60) * torch.tensor([1.0, 8.0, 2.0, 4.0])[:, None, None, None]
+    scores[..., :SINKS] = float("inf")
+    scored = 60 - SINKS
+    for spread in ("none", "segments"):
+        for share in ("model", "layer"):
+            evictor = KVzipEvictor(fraction=0.5, share=share, spread=spread, segment=16, keep_layers=(2,))
+            cut = evictor.segment_cuts(scores) if spread == "segments" else evictor.cuts(scores)[..., None]
+            kept = (torch.isfinite(scores) & (scores >= cut)).sum(-1)[:, 0]  # [L, H]
+            assert kept[2].tolist() == [scored, scored]  # the kept layer: every scored token
+            others = int(kept[[0, 1, 3]].sum())
+            assert 0.5 * 3 * 2 * scored <= others <= 0.5 * 3 * 2 * scored + 3 * 2 * 4  # half of the rest, rounded up
+    # the same cut as if the kept layer were not there
+    alone = KVzipEvictor(fraction=0.5).cuts(scores[[0, 1, 3]])
+    assert torch.equal(KVzipEvictor(fraction=0.5, keep_layers=(2,)).cuts(scores)[[0, 1, 3]], alone)
+
+
+def test_a_kept_layer_stores_every_token_and_the_others_thin_more(registry, model):
+    ids = context_ids()
+    plain, kept = make_cache(registry, "t-kz", model), make_cache(registry, "t-kz-keep-layer", model)
+    importance.prefill(model, plain, ids)
+    importance.prefill(model, kept, ids)
+    passed = kept.engine.windows[1].passed_tokens
+    assert len(kept_positions(kept.engine.windows[1], 0)) == passed  # layer 1: nothing dropped
+    assert len(kept_positions(plain.engine.windows[1], 0)) < passed
+    for layer in (0, 2):  # half of the other layers' tokens
+        assert 0.4 * passed <= len(kept_positions(kept.engine.windows[layer], 0)) <= 0.65 * passed
+    assert kept.memory_bytes() > plain.memory_bytes()
+
+
+def test_keep_layers_beyond_the_model_is_refused_naming_the_layer(registry, model):
+    with pytest.raises(ModelError, match=r"keep_layers names layer\(s\) \[3\].*3 layers"):
+        make_cache(registry, "t-kz-keep-beyond", model)
+
+
+def test_keep_layers_are_validated():
+    for bad in ([1, 1], [-1], [1.5], [True], "1"):
+        with pytest.raises(ValueError, match="keep_layers"):
+            KVzipEvictor(keep_layers=bad)
 
 
 def test_copying_is_validated():

@@ -20,7 +20,7 @@ import pytest
 import torch
 from transformers import DynamicCache
 
-from kvweave.core.errors import CacheStateError, ComponentError, ModelError
+from kvweave.core.errors import CacheStateError, ComponentError
 from kvweave.core.registry import load_registry
 from kvweave.engine import cache_kwargs
 from kvweave.engine import importance
@@ -67,18 +67,6 @@ extends = "t-kz"
 
 [pipelines.t-kz-pool.evictor]
 pool = 5
-
-[pipelines.t-kz-keep-layer]
-extends = "t-kz"
-
-[pipelines.t-kz-keep-layer.evictor]
-keep_layers = [1]
-
-[pipelines.t-kz-keep-beyond]
-extends = "t-kz"
-
-[pipelines.t-kz-keep-beyond.evictor]
-keep_layers = [0, 3]
 
 [pipelines.t-kz-keep-all]
 extends = "t-kz"
@@ -332,24 +320,6 @@ def test_pooling_takes_each_tokens_largest_neighbour_and_leaves_infinite_scores_
     assert bool((pooled[0] >= scores[0]).all()) and not torch.equal(pooled[0], scores[0])
 
 
-def test_kept_layers_keep_everything_and_the_fraction_is_of_the_other_layers():
-    torch.manual_seed(5)
-    scores = torch.rand(4, 1, 2, 60) * torch.tensor([1.0, 8.0, 2.0, 4.0])[:, None, None, None]
-    scores[..., :SINKS] = float("inf")
-    scored = 60 - SINKS
-    for spread in ("none", "segments"):
-        for share in ("model", "layer"):
-            evictor = KVzipEvictor(fraction=0.5, share=share, spread=spread, segment=16, keep_layers=(2,))
-            cut = evictor.segment_cuts(scores) if spread == "segments" else evictor.cuts(scores)[..., None]
-            kept = (torch.isfinite(scores) & (scores >= cut)).sum(-1)[:, 0]  # [L, H]
-            assert kept[2].tolist() == [scored, scored]  # the kept layer: every scored token
-            others = int(kept[[0, 1, 3]].sum())
-            assert 0.5 * 3 * 2 * scored <= others <= 0.5 * 3 * 2 * scored + 3 * 2 * 4  # half of the rest, rounded up
-    # the same cut as if the kept layer were not there
-    alone = KVzipEvictor(fraction=0.5).cuts(scores[[0, 1, 3]])
-    assert torch.equal(KVzipEvictor(fraction=0.5, keep_layers=(2,)).cuts(scores)[[0, 1, 3]], alone)
-
-
 def test_fraction_and_share_are_validated():
     for bad in (0.0, 1.5, True, "half"):
         with pytest.raises(ValueError, match="fraction"):
@@ -359,9 +329,6 @@ def test_fraction_and_share_are_validated():
     for bad in (0, 4, 257):
         with pytest.raises(ValueError, match="pool"):
             KVzipEvictor(pool=bad)
-    for bad in ([1, 1], [-1], [1.5], [True], "1"):
-        with pytest.raises(ValueError, match="keep_layers"):
-            KVzipEvictor(keep_layers=bad)
 
 
 # ----------------------------------------------------------------------------------- end to end
@@ -390,24 +357,6 @@ def test_prefill_keeps_exactly_the_tokens_above_the_cut_and_frees_their_bytes(re
                 assert kept == expected
                 assert kept[:SINKS] == list(range(SINKS))
                 assert 0.4 * passed <= len(kept) <= 0.65 * passed  # about half of the flushed tokens
-
-
-def test_a_kept_layer_stores_every_token_and_the_others_thin_more(registry, model):
-    ids = context_ids()
-    plain, kept = make_cache(registry, "t-kz", model), make_cache(registry, "t-kz-keep-layer", model)
-    importance.prefill(model, plain, ids)
-    importance.prefill(model, kept, ids)
-    passed = kept.engine.windows[1].passed_tokens
-    assert len(kept_positions(kept.engine.windows[1], 0)) == passed  # layer 1: nothing dropped
-    assert len(kept_positions(plain.engine.windows[1], 0)) < passed
-    for layer in (0, 2):  # half of the other layers' tokens
-        assert 0.4 * passed <= len(kept_positions(kept.engine.windows[layer], 0)) <= 0.65 * passed
-    assert kept.memory_bytes() > plain.memory_bytes()
-
-
-def test_keep_layers_beyond_the_model_is_refused_naming_the_layer(registry, model):
-    with pytest.raises(ModelError, match=r"keep_layers names layer\(s\) \[3\].*3 layers"):
-        make_cache(registry, "t-kz-keep-beyond", model)
 
 
 def test_a_spread_cache_keeps_exactly_each_segments_tokens_above_its_cut(registry, model):
