@@ -46,11 +46,7 @@ def main() -> int:
     inputs, split = ev.encode_split(cell.context, cell.question)
     ids = inputs["input_ids"][:, :split]
     pieces = [tokenizer.decode([t]) for t in ids[0].tolist()]
-    at, offset, span = "".join(pieces).find(needle.answer), 0, []
-    for index, piece in enumerate(pieces):
-        if offset + len(piece) > at and offset < at + len(needle.answer):
-            span.append(index)
-        offset += len(piece)
+    span = datasets.pieces_over(pieces, "".join(pieces).find(needle.answer), len(needle.answer))
     print(f"context {split} tokens, needle {needle.answer!r} at tokens {span[0]}-{span[-1]}\n")
     print("| chunk | share | spread | pool | kept of the needle's entries | kept of each fifth of the context |\n|---|---|---|---|---|---|")
     ranks = None

@@ -122,7 +122,7 @@ def round_trip(x: torch.Tensor, quantizer: Any, heads: int, head_dim: int) -> to
     """``x`` (a projection output [B, T, H*D], or a norm output [B, T, H, D] / [B, H, T, D]) with each KV
     head's [T, D] replaced by its quantized round trip; same shape and dtype. Where T is not a multiple of 64 the
     last T % 64 positions stay exact (a needle prompt's question and answer: the part a cache has not packed)."""
-    axis = 2 if x.dim() == 4 and x.shape[1] == heads and not (x.shape[2] == heads) else 1  # the token axis
+    axis = 2 if x.dim() == 4 and x.shape[1] == heads and x.shape[2] != heads else 1  # the token axis
     tail = x.shape[axis] % 64
     if tail:
         body = x.narrow(axis, 0, x.shape[axis] - tail)
@@ -243,11 +243,8 @@ def needle_samples(model: Any, tokenizer: Any, count: int, length: int, seed: in
         prompt = inputs["input_ids"][0].tolist()
         answer = tokenizer(needle.sentence, add_special_tokens=False)["input_ids"]
         pieces = [tokenizer.decode([t]) for t in answer]
-        at, offset, digits = needle.sentence.find(needle.answer), 0, []
-        for position, piece in enumerate(pieces):
-            if offset + len(piece) > at and offset < at + len(needle.answer):
-                digits.append(len(prompt) + position - 1)  # the row that predicts this answer token
-            offset += len(piece)
+        span = datasets.pieces_over(pieces, needle.sentence.find(needle.answer), len(needle.answer))
+        digits = [len(prompt) + position - 1 for position in span]  # the rows that predict the answer's tokens
         if not digits:
             raise SystemExit(f"needle {index}: the answer {needle.answer!r} is not found in the tokens of {needle.sentence!r}")
         ids = torch.tensor([prompt + answer])

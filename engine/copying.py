@@ -62,7 +62,8 @@ def induction_scores(model: Any, ids: torch.Tensor, length: int) -> torch.Tensor
         if keys is None or keys.shape[-2] != total:
             return  # a sliding window shorter than the sequence: scores 0
         hidden = args[0] if args else kwargs["hidden_states"]
-        q = module_queries(module, hidden, kwargs["position_embeddings"]).float()[:, :, queries]  # [B, Hq, Q, D]
+        cos, sin = kwargs["position_embeddings"]
+        q = module_queries(module, hidden[:, first : total - 1], (cos[:, first : total - 1], sin[:, first : total - 1])).float()
         grouped = q.reshape(rows, heads, q.shape[1] // heads, len(queries), q.shape[-1])
         logits = grouped @ keys.float().transpose(-1, -2).unsqueeze(2) * float(getattr(module, "scaling", q.shape[-1] ** -0.5))
         future = torch.arange(total, device=logits.device)[None, :] > queries.to(logits.device)[:, None]  # [Q, T]

@@ -204,14 +204,16 @@ def torch_lowbit_decode(view: LowbitView, q: torch.Tensor, start: torch.Tensor |
     return _merge_exact(view, q, start, scaling, safe.masked_fill(torch.isinf(m), -math.inf), p.sum(-1), acc)
 
 
+def whole_byte_codes(view: LowbitView) -> tuple[bool, bool]:
+    """Whether ``view``'s key codes and its value codes fill whole bytes (2 or 4 bits; keys ``channel-group``, whose
+    widths do not vary): the codes the "wide" kernel unpacks with interleaves instead of reading each from the one or
+    two bytes it lies in (its ``FASTK`` / ``FASTV``)."""
+    return view.k_widths is None and view.k_bits in (2, 4), view.v_bits in (2, 4)
+
+
 def fast_path(view: LowbitView) -> bool:
-    """Whether ``view``'s codes fill whole bytes (2- or 4-bit ``channel-group`` keys, 2- or 4-bit values; 3-bit
-    codes and ``channel-alloc`` widths cross bytes), with 16 channels or more a byte column: the storage the "wide"
-    kernel unpacks with interleaves instead of reading each code from its bytes."""
-    if view.k_widths is not None or 8 % view.k_bits or 8 % view.v_bits:
-        return False
-    dim = view.exact_k.shape[-1]
-    return (dim // 2) // (8 // view.k_bits) >= 16 and dim // (8 // view.v_bits) >= 16
+    """Whether both keys and values take the interleave unpacking (:func:`whole_byte_codes`)."""
+    return all(whole_byte_codes(view))
 
 
 def level_kind(levels: list[float] | tuple[float, ...]) -> tuple[int, float, float]:
@@ -329,7 +331,8 @@ def plan_launch(view: LowbitView, q: torch.Tensor, start: torch.Tensor | None, s
     if variant == "general":
         return Launch(jit._lowbit_kernel, (batch * heads, splits), args, constants, (m, l, acc))
     kind, l0, l1 = view.level_kind or level_kind(view.v_levels.tolist())
-    constants = {**constants, "FASTK": not varw and view.k_bits in (2, 4), "FASTV": view.v_bits in (2, 4), "LEVELS": kind}
+    fast_k, fast_v = whole_byte_codes(view)
+    constants = {**constants, "FASTK": fast_k, "FASTV": fast_v, "LEVELS": kind}
     return Launch(jit._lowbit_wide_kernel, (batch * heads, splits), (*args, l0, l1), constants, (m, l, acc))
 
 

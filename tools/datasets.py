@@ -165,6 +165,17 @@ def haystack_start(text: str, index: int, seed: int) -> int:
     return offset + (starts[0] if starts else 0)
 
 
+def pieces_over(pieces: list[str], start: int, length: int) -> list[int]:
+    """Indices of the ``pieces`` (decoded tokens, in order) that overlap characters ``[start, start + length)`` of their
+    concatenation: the tokens that carry a needle's answer."""
+    offset, span = 0, []
+    for index, piece in enumerate(pieces):
+        if offset + len(piece) > start and offset < start + length:
+            span.append(index)
+        offset += len(piece)
+    return span
+
+
 def needle_prompt_text(tokenizer: Any, text: str, needle: Needle, index: int, length: int, depth: float, seed: int) -> str:
     """The needle prompt (plain text) of about ``length`` tokens for the ``index``-th needle at ``depth``."""
     start = haystack_start(text, index, seed)

@@ -21,8 +21,9 @@ every held token (no padding mask).
 
 Refused when the pipeline is resolved, naming the slot: ``compress = false``, a basis other than
 ``identity``, residual rank levels, an evictor that accumulates attention or re-selects, other packed formats,
-non-uniform key levels, asymmetric values. Codes that fill whole bytes (2 or 4 bits, ``channel-group`` keys) take
-the ``wide`` kernel, others the general one. Refused when the cache is built: head_dim not 64, 128 or 256, a
+non-uniform key levels, asymmetric values. The ``wide`` kernel reads every storage whose values come in at most four
+channel groups (2/4-bit codes unpacked in registers, 3-bit and ``channel-alloc`` codes read from their bytes), the
+general one the rest. Refused when the cache is built: head_dim not 64, 128 or 256, a
 rotary embedding whose angles are not ``position * inv_freq``.
 
 ``backend``: ``auto`` runs the Triton kernel on CUDA tensors and its torch twin elsewhere; ``triton`` and
