@@ -143,3 +143,16 @@ def test_quantizer_error_attention_masks_a_sliding_layer_to_its_window(monkeypat
     assert not torch.allclose(before[0], after[0])  # the full-attention layer reads token 0
     assert torch.allclose(before[1], after[1])  # the window of 3 never reaches it (queries at 7, 8, 9)
     assert torch.allclose(quantizer_error.attention(q, k, v, 0.3), quantizer_error.attention(q, k, v, 0.3, [None, None]))
+
+
+def test_lowbit_twin_error_rows_under_the_interpreter(monkeypatch):
+    """benchmarks/lowbit_twin_error.py's rows on the CPU (float32 operands): every variant equals the twin to float
+    rounding, and rounding the query to bfloat16 moves the twin by far more than that."""
+    monkeypatch.syspath_prepend(str(ROOT / "benchmarks"))
+    import lowbit_twin_error
+
+    rows = lowbit_twin_error.twin_errors("k4v2", 256, "cpu")
+    assert [(r["variant"], r["block"]) for r in rows] == list(lowbit_twin_error.CONFIGS)
+    for row in rows:
+        assert row["worst"] < 1e-5 * row["scale"] and row["mean"] <= row["worst"]
+        assert row["worst"] * 100 < row["noise"] < row["scale"]

@@ -62,17 +62,12 @@ def test_each_compiled_kernel_matches_its_twin_at_real_sizes(storage):
     """Llama-3-8B attention shape, 32,768 packed tokens, 2 rows: the storages ``benchmarks/lowbit_kernel.py`` times
     (prerope-k4v2's, and the frontier pipelines' channel-alloc keys with 3-bit log8 values), many programs a row."""
     sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
-    from lowbit_kernel import HEAD_DIM, Q_HEADS, packed_view
+    from lowbit_twin_error import twin_errors
 
-    view = packed_view(2, 32768, device="cuda", storage=storage)
-    q = torch.randn(2, Q_HEADS, HEAD_DIM, generator=torch.Generator().manual_seed(9)).cuda()
-    twin = torch_lowbit_decode(view, q, None, HEAD_DIM ** -0.5)
-    scale = float(twin.abs().max())
     # Over 32K random tokens the output is a mean of near-uniform weights, small against each value, and a logit
     # moved by bfloat16 rounding moves it by a share of its own size: the bound is what rounding the query alone
     # to bfloat16 does to the twin (the kernel also rounds the keys and probabilities), a wrong tile far above it.
-    noise = float((torch_lowbit_decode(view, q.bfloat16().float(), None, HEAD_DIM ** -0.5) - twin).abs().max())
-    assert noise < 0.25 * scale, (storage, noise, scale)
-    for variant, block in (("wide", 32), ("general", 16), ("auto", None)):
-        worst = float((lowbit_decode(view, q, None, HEAD_DIM ** -0.5, block=block, variant=variant) - twin).abs().max())
-        assert worst < 0.03 * scale + 6 * noise, (storage, variant, block, worst, scale, noise)
+    for row in twin_errors(storage, 32768):
+        worst, scale, noise = row["worst"], row["scale"], row["noise"]
+        assert noise < 0.25 * scale, (storage, noise, scale)
+        assert worst < 0.03 * scale + 6 * noise, (storage, row["variant"], row["block"], worst, scale, noise)
