@@ -99,11 +99,11 @@ CASES: list[Case] = [
          "a cells.jsonl line without \"key\""),
     # --- eval merge
     Case(("eval", "merge", "{OUT}", "{RUN_A}"), "joins two or more results folders", "one folder to merge"),
-    Case(("eval", "merge", "{OUT}", "{RUN_A}", "{RUN_OTHER}"), "was run with other settings than", "a run with another --needles"),
+    Case(("eval", "merge", "{OUT}", "{RUN_A}", "{RUN_OTHER}"), "was run with other settings than", "a run with another --seed"),
     Case(("eval", "merge", "{OUT}", "{RUN_A}", "{RUN_CLASH}"), "with different results; pass --prefer first or --prefer last",
          "the same cell with another answer"),
     Case(("eval", "merge", "{FOLDER}", "{RUN_A}", "{RUN_B}"), "exists and is not an empty folder", "an output folder that holds files"),
-    Case(("eval", "merge", "{OUT}", "{RUN_PPL}", "{RUN_A}"), "joins needle runs split by length or depth", "a perplexity run"),
+    Case(("eval", "merge", "{OUT}", "{RUN_PPL}", "{RUN_A}"), "joins needle runs split by length, depth or needles", "a perplexity run"),
 ]
 
 #: how the doc spells each placeholder
@@ -172,7 +172,7 @@ def materials(tmp: Path, tiny: Path) -> dict[str, str]:
         "{REPORT_X13}": tmp / "report-x13.txt",
         "{RUN_A}": _run_folder(tmp / "run-a", good, json.dumps(cell) + "\n"),
         "{RUN_B}": _run_folder(tmp / "run-b", {**good, "settings": {**good["settings"], "needle": {**good["settings"]["needle"], "lengths": [192]}}}),
-        "{RUN_OTHER}": _run_folder(tmp / "run-other", {**good, "settings": {**good["settings"], "needle": {**good["settings"]["needle"], "needles": 2}}}),
+        "{RUN_OTHER}": _run_folder(tmp / "run-other", {**good, "settings": {**good["settings"], "seed": 1}}),
         "{RUN_CLASH}": _run_folder(tmp / "run-clash", good, json.dumps({**cell, "answer": "42", "hit": False}) + "\n"),
         "{RUN_PPL}": _run_folder(tmp / "ppl-run", {**good, "settings": {"task": "ppl", "model": "default"}}),
     }

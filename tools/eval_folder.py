@@ -4,7 +4,9 @@
 package versions and device; ``cells.jsonl`` one line per finished cell (written, flushed and synced as it
 finishes), keyed ``task|pipeline|cell...``. Rerunning the same command resumes: finished cells are read
 back, the rest are run. A folder written with other settings is refused (``--fresh`` discards it); adding
-pipelines is allowed, since every cell is keyed by its pipeline.
+pipelines is allowed, since every cell is keyed by its pipeline, and so is another grid (:data:`GRID_AXES`: a
+needle run with more needles, other lengths or depths keeps the cells it already ran and runs only the new ones,
+each cell being seeded by its own point of the grid; the report reads the cells of the grid asked).
 
 A crash can only lose the cell in progress: a line is appended whole, flushed and synced before the cell
 counts as done, and a last line cut short (a killed process, a full disk) is cut off when the folder is
@@ -18,6 +20,7 @@ refuses the corrected command. Also the small helpers the tasks share to turn ce
 
 from __future__ import annotations
 
+import copy
 import datetime
 import json
 import os
@@ -47,6 +50,20 @@ TASK_SETTINGS: dict[str, tuple[str, ...]] = {
 }
 MIN_TOKENS = 16  # the shortest context a task measures (Evaluation.check_length's floor)
 ESSAYS_FILE = "PaulGrahamEssays.json"
+#: the axes of a task's grid that a rerun into the same folder (and ``kvweave eval merge``) may change: a cell is keyed
+#: and seeded by its own point of the grid (a needle by its index in the seed's sequence, which a larger count extends)
+GRID_AXES: dict[str, tuple[str, ...]] = {"needle": ("lengths", "depths", "needles")}
+
+
+def off_grid(settings: dict[str, Any]) -> dict[str, Any]:
+    """``settings`` without the axes of its task's grid (what must agree for two runs' cells to be one grid's)."""
+    rest = copy.deepcopy(settings)
+    task = settings.get("task")
+    entry = rest.get(task) if isinstance(task, str) else None
+    if isinstance(entry, dict):
+        for axis in GRID_AXES.get(task, ()):
+            entry.pop(axis, None)
+    return rest
 
 
 def _notice(message: str) -> None:
@@ -103,6 +120,11 @@ class RunFolder:
         record: dict[str, Any] = {"settings": settings, "pipelines": [], "sessions": []}
         if old is not None:
             record = old
+            if old["settings"] != settings:
+                task = settings.get("task")
+                changes = ", ".join(f"{axis} {old['settings'][task].get(axis)} -> {settings[task].get(axis)}"
+                                    for axis in GRID_AXES[task] if old["settings"][task].get(axis) != settings[task].get(axis))
+                _notice(f"{self.path}: the grid changed ({changes}); the cells already run are kept, the rest are run")
             record["settings"] = settings
         elif fresh and self.cells_file.exists():
             self.cells_file.unlink()
@@ -118,8 +140,9 @@ class RunFolder:
     @staticmethod
     def check(path: Path, settings: dict[str, Any], fresh: bool = False) -> dict[str, Any] | None:
         """Whether a run with ``settings`` may use folder ``path``, touching nothing: the folder's record
-        when it holds a run with the same settings (to resume), None when it holds none (or ``fresh``);
-        an :class:`EvalError` when it holds a run with other settings, or an unreadable one."""
+        when it holds a run with the same settings, or the same apart from the grid (to resume), None when it
+        holds none (or ``fresh``); an :class:`EvalError` when it holds a run with other settings, or an
+        unreadable one."""
         path = Path(path)
         settings_file = path / "settings.json"
         if path.exists() and not path.is_dir():
@@ -127,7 +150,7 @@ class RunFolder:
         if fresh or not settings_file.exists():
             return None
         old = _read_record(settings_file, "use --fresh to start this folder anew")
-        if old["settings"] != settings:
+        if old["settings"] != settings and off_grid(old["settings"]) != off_grid(settings):
             keys = sorted(set(old["settings"]) | set(settings))
             changed = [f"{k}: {old['settings'].get(k)!r} -> {settings.get(k)!r}" for k in keys
                        if old["settings"].get(k) != settings.get(k)]

@@ -1,9 +1,10 @@
 """``kvweave eval merge OUT FOLDER...``: one needle results folder from runs of the same evaluation split by
-context length or depth (several processes on one device, or several machines).
+context length, depth or needles (several processes on one device, or several machines).
 
-The folders must hold the same settings apart from the lengths and depths (model, dtype, needles, protocol,
-registry, ...); their pipelines, lengths and depths are joined, their sessions kept in order (each cell keeps
-the session that ran it), and a cell found in two folders must hold the same answer, unless ``--prefer first`` or
+The folders must hold the same settings apart from the grid (lengths, depths, needle count; model, dtype,
+protocol, registry, ... agree); their pipelines, lengths and depths are joined and the needle count is the
+largest, their sessions kept in order (each cell keeps the session that ran it; a session two folders share,
+as copies of one folder resumed with other grids do, is kept once), and a cell found in two folders must hold the same answer, unless ``--prefer first`` or
 ``--prefer last`` says which folder's cell to keep (a cell run twice on a GPU can decode differently once the needle
 is lost; each such cell is reported). ``OUT`` must be new or empty. ``kvweave eval report OUT`` then builds its
 needle.json and plots (``merge`` runs it).
@@ -16,19 +17,13 @@ import json
 from pathlib import Path
 from typing import Any
 
-from kvweave.tools.eval_folder import EvalError, RunFolder
+from kvweave.tools.eval_folder import GRID_AXES, EvalError, RunFolder, off_grid
 
-#: the settings of a needle run that may differ between the folders merged (their values are joined)
-GRID = ("lengths", "depths")
+#: the settings of a needle run that may differ between the folders merged (lengths and depths joined, the
+#: largest needle count kept)
+GRID = GRID_AXES["needle"]
 #: what a cell found in two folders may differ in
 VOLATILE = ("session", "seconds")
-
-
-def _without_grid(settings: dict[str, Any]) -> dict[str, Any]:
-    rest = copy.deepcopy(settings)
-    for axis in GRID:
-        rest.get("needle", {}).pop(axis, None)
-    return rest
 
 
 def merged_record(sources: list[Path], prefer: str | None = None) -> tuple[dict[str, Any], list[dict[str, Any]], list[str]]:
@@ -41,27 +36,31 @@ def merged_record(sources: list[Path], prefer: str | None = None) -> tuple[dict[
     runs = [RunFolder.existing(path) for path in sources]
     first = runs[0]
     if first.settings.get("task") != "needle":
-        raise EvalError(f"{first.path}: a '{first.settings.get('task')}' run; kvweave eval merge joins needle runs split by length or depth")
-    base = _without_grid(first.settings)
+        raise EvalError(f"{first.path}: a '{first.settings.get('task')}' run; kvweave eval merge joins needle runs split by length, depth or needles")
+    base = off_grid(first.settings)
     record: dict[str, Any] = {"settings": copy.deepcopy(first.settings), "pipelines": [], "sessions": []}
     cells: dict[str, dict[str, Any]] = {}
     origin: dict[str, Path] = {}
     differed: list[str] = []
     for run in runs:
-        other = _without_grid(run.settings)
+        other = off_grid(run.settings)
         if other != base:
             keys = sorted(set(base) | set(other))
             changed = [f"{k}: {base.get(k)!r} in {first.path} -> {other.get(k)!r}" for k in keys if base.get(k) != other.get(k)]
             raise EvalError(f"{run.path} was run with other settings than {first.path} ({'; '.join(changed)}); only "
-                            f"{' and '.join(GRID)} may differ")
-        offset = len(record["sessions"])
-        record["sessions"] += run.record["sessions"]
+                            f"{', '.join(GRID)} may differ")
+        number: list[int] = []  # this folder's session i is the record's session number[i]
+        for session in run.record["sessions"]:
+            if session not in record["sessions"]:
+                record["sessions"].append(session)
+            number.append(record["sessions"].index(session))
         record["pipelines"] = list(dict.fromkeys([*record["pipelines"], *run.record["pipelines"]]))
-        for axis in GRID:
-            joined = set(record["settings"]["needle"][axis]) | set(run.settings["needle"][axis])
-            record["settings"]["needle"][axis] = sorted(joined)
+        grid, theirs = record["settings"]["needle"], run.settings["needle"]
+        grid["lengths"] = sorted(set(grid["lengths"]) | set(theirs["lengths"]))
+        grid["depths"] = sorted(set(grid["depths"]) | set(theirs["depths"]))
+        grid["needles"] = max(grid["needles"], theirs["needles"])
         for key, cell in run.cells.items():
-            moved = {**cell, "session": int(cell.get("session", 0)) + offset}
+            moved = {**cell, "session": number[int(cell.get("session", 0))]}
             if key in cells:
                 same = {k: v for k, v in cells[key].items() if k not in VOLATILE} == {k: v for k, v in moved.items() if k not in VOLATILE}
                 if not same:
