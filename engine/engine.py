@@ -373,7 +373,8 @@ class CompressionEngine:
             )
         if self.pre_rope and kind == "keys":
             window = self.windows[layer]
-            positions = window.positions.long().clamp_min(0) if window.positions is not None else window.dropped_tokens + torch.arange(
+            positions = window.positions
+            positions = positions.long().clamp_min(0) if positions is not None else window.dropped_tokens + torch.arange(
                 window.compressed_tokens, device=vectors.device)
             vectors = self.rope_keys(vectors[None], (layer,), positions[None] if positions.dim() > 1 else positions, inverse=False)[0].to(dtype)
         return vectors
@@ -442,8 +443,10 @@ class CompressionEngine:
             "basis_state": tensor_bytes(t for store in stores for t in (store.state or {}).values()),
             "observation": self.observer.nbytes() + (0 if self.padding is None else tensor_bytes([self.padding]))
             + (0 if self.energy is None else self.energy.nbytes()),
-            # evicting routers: the cache index of every stored slot, and accumulated attention (H2O)
-            "eviction": tensor_bytes(t for w in self.windows for t in (w.positions, w.scores) if t is not None),
+            # evicting routers: the cache index of every stored slot (a list or bits, with the bits' flush
+            # records), and accumulated attention (H2O)
+            "eviction": tensor_bytes(t for w in self.windows for t in [*w.slot_index.stored(), w.scores] if t is not None)
+            + sum(w.slot_index.record_bytes() for w in self.windows),
         }
         if self.kept_exact:  # sliding-window layers: their last window - 1 tokens, exact, as the model's own cache keeps them
             parts["sliding_window"] = tensor_bytes(sliding)

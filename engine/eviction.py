@@ -30,11 +30,6 @@ if TYPE_CHECKING:
 TOKEN_FIELDS = ("vectors", "attention_mass", "attention_spike", "miss", "approx", "rows")
 
 
-def position_dtype(tokens: int) -> torch.dtype:
-    """The integer type stored slots' cache indices take (-1 for a filler): int16 while every index of a
-    ``tokens``-token cache fits, else int32 (stored indices are widened when a cache grows past it)."""
-    return torch.int16 if tokens <= 32767 else torch.int32
-
 
 class Eviction:
     """The engine's collaborator for a pipeline whose evictor drops tokens: builds the evictor's
@@ -165,10 +160,7 @@ class Eviction:
         positions = torch.where(kept, logical.gather(-1, index), -1)
         for member, layer in enumerate(members):
             window = self.engine.windows[layer]
-            old = window.positions
-            dtype = position_dtype(passed + count)
-            new = positions[member].to(dtype)
-            window.positions = new if old is None else torch.cat((old.to(dtype), new), dim=-1)
+            window.slot_index.append(positions[member], passed, count)
             if self.engine.accumulates:
                 stored_scores, block_scores, rest = self._score_slice(layer, count)
                 picked = block_scores.gather(-1, index[member]) * kept[member]
@@ -240,7 +232,7 @@ class Eviction:
         if index.shape[-1]:
             for kind in KINDS:
                 self.engine.encoder.encode(kind, group_index, self._gather_tokens(candidates[kind], index)[None])
-        window.positions = torch.where(kept, logical.gather(-1, index), -1).to(position_dtype(window.passed_tokens + count))
+        window.slot_index.replace(torch.where(kept, logical.gather(-1, index), -1), window.passed_tokens + count)
         if scores is not None:
             window.scores = torch.cat((scores.gather(-1, index) * kept, rest), dim=-1)
         window.compressed_tokens = index.shape[-1]
@@ -286,7 +278,8 @@ class Eviction:
         window), from the model's mask over logical tokens ``logical`` [B|1, 1, q, T] (bool; None = causal, no
         padding). Unchanged when the layer never dropped a token."""
         window = self.engine.windows[layer]
-        if window.positions is None:
+        stored = window.positions
+        if stored is None:
             return logical
         batch, heads = window.exact.shape()[:2]
         total = window.passed_tokens + window.exact_tokens
@@ -299,10 +292,10 @@ class Eviction:
         if logical.shape[-1] != total:
             raise CacheStateError(f"layer {layer}: the attention mask covers {logical.shape[-1]} tokens, the cache {total}")
         exact_index = (window.passed_tokens + torch.arange(window.exact_tokens, device=device)).expand(batch, heads, -1)
-        index = torch.cat((window.positions.long().clamp_min(0), exact_index), dim=-1)  # [B, H, T_phys]
+        index = torch.cat((stored.long().clamp_min(0), exact_index), dim=-1)  # [B, H, T_phys]
         source = logical[:, 0].expand(batch, queries, total)[:, None].expand(batch, heads, queries, total)
         mask = source.gather(-1, index[:, :, None, :].expand(batch, heads, queries, index.shape[-1]))
-        filler = torch.cat((window.positions >= 0, torch.ones_like(exact_index, dtype=torch.bool)), dim=-1)
+        filler = torch.cat((stored >= 0, torch.ones_like(exact_index, dtype=torch.bool)), dim=-1)
         mask = mask & filler[:, :, None, :]
         return mask.repeat_interleave(query_heads // heads, dim=1)
 
@@ -363,13 +356,14 @@ class Eviction:
     def key_valid(self, layer: int) -> torch.Tensor | None:
         """[B, H, T] whether each key ``update`` returns for ``layer`` is a real token (None: all are)."""
         window = self.engine.windows[layer]
-        if window.positions is None and self.engine.padding is None:
+        positions = window.positions
+        if positions is None and self.engine.padding is None:
             return None
         batch, heads = window.exact.shape()[:2]
         device = window.exact.device
-        if window.positions is None:
+        if positions is None:
             stored = torch.arange(window.compressed_tokens, device=device).expand(batch, heads, -1)
         else:
-            stored = window.positions.long()
+            stored = positions.long()
         exact_index = (window.passed_tokens + torch.arange(window.exact_tokens, device=device)).expand(batch, heads, -1)
         return self._real_positions(torch.cat((stored, exact_index), dim=-1))[1]

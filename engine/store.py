@@ -13,6 +13,7 @@ from kvweave.core.interfaces import KINDS
 from kvweave.core.registry import WINDOW_STORAGE
 from kvweave.core.storage import Segment, TensorMap, tensor_bytes
 from kvweave.engine.residuals import ResidualList
+from kvweave.engine.slot_index import SlotIndex
 
 #: int8 window: one float16 scale per (token, head) is ``absmax / 127``, so absmax may reach 127 x 65504
 _INT8_LIMIT = 127 * 65504.0
@@ -131,14 +132,21 @@ class LayerWindow:
         self.compressed_tokens = 0  # stored (packed) slots per batch row and head
         self.passed_tokens = 0  # logical tokens that left the exact window (stored or dropped)
         self.dropped_tokens = 0  # sliding-window layers: logical tokens no longer held (before the first held one)
-        # eviction: the cache index (logical position) of each stored slot, -1 for a filler slot
-        self.positions: torch.Tensor | None = None  # int16/int32 [B, H, compressed_tokens] (eviction.position_dtype)
+        # eviction: the cache index (logical position) of each stored slot, -1 for a filler slot, in the fewer
+        # bytes of a list or a bit per passed token (slot_index.SlotIndex; read decoded through ``positions``)
+        self.slot_index = SlotIndex()
         # routers that accumulate attention: what every query gave each stored slot, then each exact token
         self.scores: torch.Tensor | None = None  # float32 [B, H, compressed_tokens + exact_tokens]
 
     @property
     def exact_tokens(self) -> int:
         return self.exact.tokens()
+
+    @property
+    def positions(self) -> torch.Tensor | None:
+        """int16/int32 [B, H, compressed_tokens]: each stored slot's cache index (-1: filler), decoded for the
+        caller; None while the layer never dropped a token."""
+        return self.slot_index.positions
 
 
 class GroupStore:
@@ -165,8 +173,7 @@ def select_rows(windows: list[LayerWindow], stores: list[dict[str, GroupStore]],
                 residuals.select_batch(index, heads)
             if window.residual_basis[kind] is not None:
                 window.residual_basis[kind] = window.residual_basis[kind].index_select(0, index.to(window.residual_basis[kind].device))
-        if window.positions is not None:
-            window.positions = window.positions.index_select(0, index.to(window.positions.device))
+        window.slot_index.select_rows(index)
         if window.scores is not None:
             window.scores = window.scores.index_select(0, index.to(window.scores.device))
     for group in stores:

@@ -24,7 +24,7 @@ from kvweave.core.errors import CacheStateError, ComponentError
 from kvweave.core.registry import load_registry
 from kvweave.engine import cache_kwargs
 from kvweave.engine import importance
-from kvweave.engine.eviction import position_dtype
+from kvweave.engine.slot_index import position_dtype
 from kvweave.engine.generation import generate
 from kvweave.engine.pipeline import build_cache
 from kvweave.plugins.evictors.kvzip import KVzipEvictor
