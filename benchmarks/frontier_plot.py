@@ -73,7 +73,7 @@ def markdown(table: list[dict], lengths: list[int], ppl_tokens: int | None = Non
             if intervals:
                 low, high = wilson(c["of_full"], c["full_found"])
                 bounds = f" [{low:.0%}-{high:.0%}]"
-            cells.append(f"{c['hits']}/{c['cases']} / {c['of_full']}/{c['full_found']} ({share:.0%}){bounds} / {c['ratio']:.2f}x")
+            cells.append(f"{c['hits']}/{c['cases']} / {c['of_full']}/{c['full_found']} ({share:.1%}){bounds} / {c['ratio']:.2f}x")
         ppl = "-" if row["ppl"] is None else f"{row['ppl']:.2f} ({row['ppl_change']:+.1%})"
         lines.append(f"| `{row['pipeline']}` | " + " | ".join(cells) + f" | {ppl} |")
     return "\n".join(lines)

@@ -125,7 +125,7 @@ class CompressionEngine:
         if self.probe.selects_queries:
             self.observer.selector = self.probe.select_queries
         self.boundary_ids: torch.Tensor | None = None
-        self.windows = [LayerWindow(self.levels, self.settings.window_storage) for _ in range(shape.num_layers)]
+        self.windows = [self._new_window() for _ in range(shape.num_layers)]
         self.stores = [{kind: GroupStore() for kind in KINDS} for _ in self.groups]
         self.pending: set[int] = set()
         self.returned_keys: dict[int, torch.Tensor] = {}
@@ -476,9 +476,14 @@ class CompressionEngine:
         if self.padding is not None:
             self.padding = self.padding.index_select(0, index.to(self.padding.device))
 
+    def _new_window(self) -> LayerWindow:
+        # a kernel that reads the packed storage in place reads the slots' cache indices every step: they stay
+        # a list for it (bits would be decoded per step); the reference path reads them from the bits
+        return LayerWindow(self.levels, self.settings.window_storage, slot_bits=self.kernel.materializes)
+
     def reset(self) -> None:
         self.rows = None
-        self.windows = [LayerWindow(self.levels, self.settings.window_storage) for _ in range(self.shape.num_layers)]
+        self.windows = [self._new_window() for _ in range(self.shape.num_layers)]
         self.stores = [{kind: GroupStore() for kind in KINDS} for _ in self.groups]
         self.pending = set()
         self.returned_keys = {}

@@ -13,7 +13,8 @@ A layer that keeps more than one token in sixteen is smaller as bits (KVzip, Sna
 that keeps a few (StreamingLLM's sinks) as a list; :class:`SlotIndex` stores whichever is smaller after every
 write, the same positions either way (a write the bits cannot hold, e.g. indices out of order, stays listed).
 Readers get the positions decoded (:attr:`SlotIndex.positions`, made for the call and not kept: a few
-``cumsum``/``scatter`` over the passed tokens, no host sync).
+``cumsum``/``scatter`` over the passed tokens, no host sync). A kernel that reads the packed storage in place
+(``lowbit``, ``fused``) takes the list every decode step, so the engine keeps the list for it (``bits=False``).
 """
 
 from __future__ import annotations
@@ -47,7 +48,8 @@ def unpack_bits(packed: torch.Tensor, n: int) -> torch.Tensor:
 class SlotIndex:
     """The cache index of each stored slot of one layer, [B, H, slots] when decoded, -1 for a filler."""
 
-    def __init__(self) -> None:
+    def __init__(self, bits: bool = True) -> None:
+        self.allow_bits = bits  # False: always listed (for a reader that takes the list every step)
         self.listed: torch.Tensor | None = None  # int16/int32 [B, H, slots]
         self.bits: torch.Tensor | None = None  # uint8 [B, H, ceil(tokens / 8)] over cache indices origin ..
         self.origin = 0  # the cache index of the first token the flushes covered
@@ -114,7 +116,7 @@ class SlotIndex:
         listed_bytes = positions.numel() * positions.element_size()
         bits_bytes = batch * heads * (-(-self.tokens // 8)) + FLUSH_RECORD_BYTES * len(self.flush_tokens)
         self.listed, self.bits = positions, None
-        if bits_bytes >= listed_bytes or slots == 0:
+        if not self.allow_bits or bits_bytes >= listed_bytes or slots == 0:
             return
         real = positions >= 0
         offset = (positions.long() - self.origin).clamp(0, max(self.tokens - 1, 0))

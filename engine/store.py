@@ -125,7 +125,7 @@ class ExactTokens:
 class LayerWindow:
     """One layer's exact (uncompressed) recent tokens, its routed residuals, and its packed-token count."""
 
-    def __init__(self, levels: tuple[int, ...], window_storage: str = "input") -> None:
+    def __init__(self, levels: tuple[int, ...], window_storage: str = "input", slot_bits: bool = True) -> None:
         self.exact = ExactTokens(window_storage)
         self.residuals = {kind: {rank: ResidualList(rank) for rank in levels if rank > 0} for kind in KINDS}
         self.residual_basis: dict[str, torch.Tensor | None] = {kind: None for kind in KINDS}  # [B, H, R, D]
@@ -134,7 +134,7 @@ class LayerWindow:
         self.dropped_tokens = 0  # sliding-window layers: logical tokens no longer held (before the first held one)
         # eviction: the cache index (logical position) of each stored slot, -1 for a filler slot, in the fewer
         # bytes of a list or a bit per passed token (slot_index.SlotIndex; read decoded through ``positions``)
-        self.slot_index = SlotIndex()
+        self.slot_index = SlotIndex(bits=slot_bits)
         # routers that accumulate attention: what every query gave each stored slot, then each exact token
         self.scores: torch.Tensor | None = None  # float32 [B, H, compressed_tokens + exact_tokens]
 

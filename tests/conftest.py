@@ -32,9 +32,11 @@ def tiny_llama(
 
 
 class ToyTokenizer:
-    """Just what a delimiter-aware router asks of a tokenizer: every tenth id is a full stop."""
+    """Just what a delimiter-aware router asks of a tokenizer (every tenth id is a full stop) and what context
+    scoring asks (text to ids: each character its code point mod the vocabulary; no chat template)."""
 
     all_special_ids = [0]
+    chat_template = None
 
     def __init__(self, vocab: int = 128) -> None:
         self.vocab = vocab
@@ -44,6 +46,9 @@ class ToyTokenizer:
 
     def decode(self, ids: list[int]) -> str:
         return "." if ids[0] % 10 == 0 else "a"
+
+    def __call__(self, text: str, add_special_tokens: bool = False, return_tensors: str = "pt") -> dict:
+        return {"input_ids": torch.tensor([[ord(c) % self.vocab for c in text]])}
 
 
 class CharTokenizer:

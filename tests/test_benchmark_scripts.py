@@ -93,7 +93,7 @@ def test_frontier_plot_lists_misses_and_wilson_intervals(tmp_path, monkeypatch):
     assert frontier_plot.misses(table, [100]) == "- `x`: (100, 0.5, 1)"  # needle 2 is beyond full: not a miss
     text = frontier_plot.markdown(table, [100], intervals=True)
     low, high = frontier_plot.wilson(1, 2)
-    assert f"1/2 (50%) [{low:.0%}-{high:.0%}]" in text and "of full [95% interval]" in text
+    assert f"1/2 (50.0%) [{low:.0%}-{high:.0%}]" in text and "of full [95% interval]" in text
     assert "[" not in frontier_plot.markdown(table, [100]).splitlines()[2]
     # the Wilson interval: inside [0, 1], around the share, narrower with more cases, (0, 1) without any
     for found, cases in ((0, 5), (5, 5), (39, 41), (27, 28)):

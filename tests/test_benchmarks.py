@@ -36,6 +36,7 @@ import torch
 from kvweave.engine.cache import KVWeaveCache
 from kvweave.engine.pipeline import build_cache
 from kvweave.engine.generation import cache_kwargs
+from kvweave.engine.importance import score_for
 from kvweave.core.registry import load_registry
 
 from conftest import ToyTokenizer
@@ -90,7 +91,9 @@ def prompt() -> torch.Tensor:
 
 
 def _forward(model: Any, input_ids: torch.Tensor, cache: KVWeaveCache) -> torch.Tensor:
-    """One forward into ``cache``; positions come from ``cache.get_seq_length()``. Returns the logits."""
+    """One forward into ``cache``; positions come from ``cache.get_seq_length()``, the context scored first for an
+    evictor that needs it (KVzip: part of its prefill). Returns the logits."""
+    score_for(model, cache, input_ids)
     return model(input_ids=input_ids, use_cache=True, **cache_kwargs(model, cache)).logits
 
 

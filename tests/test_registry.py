@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import textwrap
+from pathlib import Path
+
+import attrs
 
 import pytest
 
@@ -204,3 +207,15 @@ def test_top_level_tables_other_than_pipelines_are_refused(tmp_path):
     path = write(tmp_path, "[pipeline.x]\nextends='full'\n")
     with pytest.raises(RegistryError, match="unknown top-level"):
         load_registry(path)
+
+
+def test_the_shipped_kvzip_pipeline_is_the_one_measured():
+    """registry.toml's kvzip-qa35v3 resolves to exactly the components and settings of the pipeline the
+    frontier measured (benchmarks/lean_sweep.toml's kz-qa35v3-f77-cp, docs/frontier.md): a change to either
+    leaves the shipped pipeline's figures unmeasured."""
+    registry = load_registry(Path(__file__).resolve().parents[1] / "benchmarks" / "lean_sweep.toml")
+    shipped, measured = registry.resolve("kvzip-qa35v3"), registry.resolve("kz-qa35v3-f77-cp")
+    assert shipped.source.endswith("registry.toml") and measured.source.endswith("lean_sweep.toml")
+    assert attrs.asdict(shipped)["slots"] == attrs.asdict(measured)["slots"]
+    assert shipped.settings == measured.settings
+    assert shipped.slots["evictor"].use == "kvzip"

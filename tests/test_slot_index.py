@@ -14,7 +14,7 @@ from kvweave.core.registry import load_registry
 from kvweave.engine import build_cache, cache_kwargs, importance
 from kvweave.engine.slot_index import FLUSH_RECORD_BYTES, SlotIndex, pack_bits, position_dtype, unpack_bits
 
-from conftest import write_registry
+from conftest import tiny_llama, write_registry
 from test_kvzip import PIPELINES, TOK, context_ids, sharpened
 
 
@@ -105,3 +105,15 @@ def test_a_kvzip_cache_reads_its_slots_from_bits_as_from_a_list(tmp_path, monkey
                 for a, b in zip(windows, listed_windows))
     assert saved > 0 and listed_bytes["eviction"] - bits_bytes["eviction"] == saved
     assert {k: v for k, v in bits_bytes.items() if k != "eviction"} == {k: v for k, v in listed_bytes.items() if k != "eviction"}
+
+
+def test_a_kernel_reading_the_storage_in_place_keeps_the_list():
+    """The lowbit kernel takes the slots' indices every decode step: its engine keeps them listed, the reference
+    path's engine keeps bits where they are smaller."""
+    index = SlotIndex(bits=False)
+    index.append(torch.arange(60).expand(1, 2, 60), 0, 64)
+    assert index.bits is None and index.listed is not None
+    model = tiny_llama(torch.float32, layers=2, hidden=256)
+    for name, bits in (("prerope-qa35v3-lowbit", False), ("prerope-qa35v3", True)):
+        cache = build_cache(load_registry().resolve(name), model)
+        assert all(w.slot_index.allow_bits is bits for w in cache.engine.windows), name
