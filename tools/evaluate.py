@@ -350,7 +350,8 @@ def _add_task_options(p: argparse.ArgumentParser, task: str) -> None:
     if task == "needle":
         p.add_argument("--lengths", type=_ints, default=[1024, 2048, 4096, 8000], help="context lengths in tokens")
         p.add_argument("--depths", type=_floats, default=[0.0, 0.25, 0.5, 0.75, 1.0], help="needle depths in 0..1")
-        p.add_argument("--needles", type=int, default=3, help="distinct needles per (length, depth) cell")
+        p.add_argument("--needles", type=int, default=3, help="distinct needles per (length, depth) cell (the seed's needles in a fixed order: "
+                       "rerunning into a folder with more keeps those it holds and runs the new ones)")
         p.add_argument("--keys", type=int, default=1,
                        help="facts hidden in each haystack (different keys and values, spread over depths); one is asked")
         p.add_argument("--query-aware", action="store_true",
@@ -397,8 +398,8 @@ def add_eval_command(subparsers: Any) -> argparse.ArgumentParser:
     p.add_argument("folder", help="a results folder written by kvweave eval")
     p.add_argument("--ablations", metavar="BASE", help="show the table's deltas against BASE (default: the run's own --ablations)")
     p.set_defaults(func=cmd_report)
-    p = tasks.add_parser("merge", help="join needle runs split by length or depth into one results folder",
-                         description="Join needle results folders of the same settings, split by --lengths or --depths (for "
+    p = tasks.add_parser("merge", help="join needle runs split by length, depth or needles into one results folder",
+                         description="Join needle results folders of the same settings, split by --lengths, --depths or --needles (for "
                                      "instance run as several processes), into a new folder, and build its outputs; no model is loaded.")
     p.add_argument("out", help="the new results folder (must not exist, or be empty)")
     p.add_argument("folders", nargs="+", help="results folders written by kvweave eval needle")
