@@ -320,23 +320,30 @@ def test_a_float32_run_shows_the_reduction_against_its_own_cache_beside_the_16_b
     assert "vs float32" not in eval_report.render_table(bf16, [])[0] and eval_report.ratio_note(bf16) == ""
 
 
+def _grid_args(folder: Path, out: Path, lengths: str, needles: str) -> list[str]:
+    command = _needle_args(folder, out)
+    command[command.index("--lengths") + 1] = lengths
+    command[command.index("--needles") + 1] = needles
+    return command
+
+
+def _answers(result: dict, pipeline: str) -> list:
+    return sorted((a["length"], a["depth"], a["needle"], a["answer"], a["hit"]) for a in result["pipelines"][pipeline]["answers"])
+
+
 def test_merge_joins_runs_split_by_length_into_the_run_of_both(tiny_model_folder, tmp_path, capsys):
     """Two processes each ran one length; the merged folder reports what one run of both lengths reports (the
     cells are seeded per needle, length and depth), keeps both sessions, and refuses what does not belong."""
     def args(out: Path, lengths: str, needles: str = "2") -> list[str]:
-        command = _needle_args(tiny_model_folder, out)
-        command[command.index("--lengths") + 1] = lengths
-        command[command.index("--needles") + 1] = needles
-        return command
+        return _grid_args(tiny_model_folder, out, lengths, needles)
 
     for name, lengths in (("short", "128"), ("long", "192"), ("both", "128,192")):
         assert cli.main(args(tmp_path / name, lengths)) == 0
     assert cli.main(["eval", "merge", str(tmp_path / "merged"), str(tmp_path / "short"), str(tmp_path / "long")]) == 0
     merged = json.loads((tmp_path / "merged" / "needle.json").read_text())
     once = json.loads((tmp_path / "both" / "needle.json").read_text())
-    answers = lambda r, p: sorted((a["length"], a["depth"], a["needle"], a["answer"], a["hit"]) for a in r["pipelines"][p]["answers"])  # noqa: E731
     for pipeline in ("full", "int4"):
-        assert answers(merged, pipeline) == answers(once, pipeline) and len(answers(once, pipeline)) == 8
+        assert _answers(merged, pipeline) == _answers(once, pipeline) and len(_answers(once, pipeline)) == 8
         assert merged["pipelines"][pipeline]["grid"] == once["pipelines"][pipeline]["grid"]
     record = json.loads((tmp_path / "merged" / "settings.json").read_text())
     assert record["settings"]["needle"]["lengths"] == [128, 192] and len(record["sessions"]) == 2
@@ -375,10 +382,7 @@ def test_a_grid_grown_by_resume_in_copies_split_by_length_merges_into_the_run_of
     copy's new session holds one needle per depth and pipeline), says the grid changed, and the merged copies report
     what one 3-needle run of both lengths reports, with the shared first session kept once."""
     def args(out: Path, lengths: str, needles: str) -> list[str]:
-        command = _needle_args(tiny_model_folder, out)
-        command[command.index("--lengths") + 1] = lengths
-        command[command.index("--needles") + 1] = needles
-        return command
+        return _grid_args(tiny_model_folder, out, lengths, needles)
 
     assert cli.main(args(tmp_path / "whole", "128,192", "3")) == 0
     assert cli.main(args(tmp_path / "small", "128,192", "2")) == 0
@@ -395,9 +399,8 @@ def test_a_grid_grown_by_resume_in_copies_split_by_length_merges_into_the_run_of
     assert cli.main(["eval", "merge", str(tmp_path / "merged"), str(tmp_path / "grow-a"), str(tmp_path / "grow-b")]) == 0
     merged = json.loads((tmp_path / "merged" / "needle.json").read_text())
     whole = json.loads((tmp_path / "whole" / "needle.json").read_text())
-    answers = lambda r, p: sorted((a["length"], a["depth"], a["needle"], a["answer"], a["hit"]) for a in r["pipelines"][p]["answers"])  # noqa: E731
     for pipeline in ("full", "int4"):
-        assert answers(merged, pipeline) == answers(whole, pipeline) and len(answers(whole, pipeline)) == 12
+        assert _answers(merged, pipeline) == _answers(whole, pipeline) and len(_answers(whole, pipeline)) == 12
     record = json.loads((tmp_path / "merged" / "settings.json").read_text())
     assert record["settings"]["needle"]["needles"] == 3 and record["settings"]["needle"]["lengths"] == [128, 192]
     assert len(record["sessions"]) == 3  # small's, then each copy's own
