@@ -16,6 +16,9 @@ cache): every row's bytes are really stored (copies), only the synthetic content
 step's work does not depend on. The fill time of the encoder grows with B, so this keeps a B = 100 run
 within minutes.
 ``--ttft T`` times a real prefill of T random token ids to the first generated token, B = 1.
+A pipeline whose evictor chooses by context importance (``kvzip-qa35v3``) is filled with random scores
+(:mod:`kvweave.engine.synthetic`) and, for ``--ttft``, scores its prompt inside the timed span, as
+``kvweave generate`` does.
 """
 
 from __future__ import annotations
@@ -33,14 +36,17 @@ from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM, StoppingCr
 from kvweave.engine import build_cache, cache_kwargs
 from kvweave.engine.cache import KVWeaveCache
 from kvweave.core.registry import load_pipeline
+from kvweave.engine.importance import score_for
 from kvweave.engine.synthetic import fill_cache
 
 
 class Ids:
-    """What a delimiter-aware router asks of a tokenizer, for random token ids: no id is a delimiter."""
+    """What a delimiter-aware router asks of a tokenizer, for random token ids: no id is a delimiter; and what
+    context scoring asks (text to ids: each character's code point, no chat template)."""
 
     all_special_ids: list[int] = []
     name_or_path = "random-ids"
+    chat_template = None
 
     def __init__(self, vocab: int) -> None:
         self.vocab = vocab
@@ -50,6 +56,9 @@ class Ids:
 
     def batch_decode(self, ids: list[list[int]]) -> list[str]:
         return ["a"] * len(ids)
+
+    def __call__(self, text: str, add_special_tokens: bool = False, return_tensors: str = "pt") -> dict:
+        return {"input_ids": torch.tensor([[ord(c) % self.vocab for c in text]])}
 
 
 def sync() -> None:
@@ -182,6 +191,8 @@ def ttft(method: str, model, tokens: int, device: str, reps: int = 2) -> dict:
         sync()
         start = time.perf_counter()
         with torch.no_grad():
+            if isinstance(cache, KVWeaveCache):
+                score_for(model, cache, ids)  # an evictor choosing by context importance scores the prompt first (KVzip)
             model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=1, do_sample=False, **cache_kwargs(model, cache))
         sync()
         times.append(time.perf_counter() - start)

@@ -4,9 +4,13 @@ at sizes where a real prompt's prefill would dominate (a 64K-token cache for 64 
 The vectors have the structure cross-layer factorization is built for: per batch row and KV head, a
 token factor ``z_t`` [rank] shared by every layer, mixed per layer (``x_{l,t} = z_t A_l``) plus
 per-layer noise of relative size ``noise``. Queries for the router and probe are random vectors of the
-same scale, token ids (for a cache bound to a model that taps them) random. Chunks go through the cache's
+same scale (as are those a keys quantizer weighing channels by the queries' energy reads), token ids (for a
+cache bound to a model that taps them) random. Chunks go through the cache's
 own ``update`` and flush (the same code as a prompt), so the stored bytes, basis versions and residual
-lists are what a real forward would store for such vectors.
+lists are what a real forward would store for such vectors. An evictor that chooses by context importance
+(``kvzip``) gets random scores for the whole fill, which then goes in as one chunk (the scores serve the first
+forward only): which tokens it keeps changes neither the bytes nor the speed of what is stored, though its
+``copying`` layers, which need the model, are not kept whole here.
 """
 
 from __future__ import annotations
@@ -41,6 +45,9 @@ def fill_cache(
         kind: torch.randn(shape.num_layers, heads, rank, dim, generator=gen, device=device) / rank**0.5
         for kind in ("keys", "values")
     }
+    if engine.evicts and engine.eviction.evictor.needs_importance and engine.seq_length(0) == 0:
+        cache.set_importance(torch.rand(shape.num_layers, batch, heads, tokens, generator=gen, device=device))
+        chunk = tokens
     done = 0
     while done < tokens:
         n = min(chunk, tokens - done)
@@ -55,6 +62,9 @@ def fill_cache(
                 new.append(x.to(dtype=dtype, device=layer_devices[layer] if layer_devices else device))
             engine.update(layer, new[0], new[1], materialize=False)
             if engine.own_attention:
+                if engine.energy is not None:  # keys weighed by the queries' energy: random queries of the same scale
+                    energy_queries = torch.randn(batch, shape.num_query_heads, min(n, 64), dim, generator=gen, device=device)
+                    engine.energy.record(layer, energy_queries.to(new[0].device), heads)
                 if engine.observer.active:
                     queries = torch.randn(batch, shape.num_query_heads, min(n, engine.observer.keep), dim, generator=gen, device=device)
                     queries = queries.to(dtype=dtype, device=new[0].device)

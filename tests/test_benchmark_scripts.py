@@ -31,6 +31,23 @@ def test_decode_e2e_smoke_grows_a_batch_from_filled_rows(tmp_path):
     assert "| depthweave-kv | 3 |" in (tmp_path / "decode_e2e.md").read_text()
 
 
+def test_decode_e2e_smoke_fills_times_and_scores_a_kvzip_pipeline(tmp_path):
+    """A pipeline whose evictor chooses by context importance: the synthetic fill gives it random scores (it
+    evicts: fewer bytes than the codec alone), and the time to first token includes scoring the prompt."""
+    command = [
+        sys.executable, str(ROOT / "benchmarks" / "decode_e2e.py"), "--smoke", "--layers", "2", "--context", "512",
+        "--batches", "1", "--methods", "prerope-qa35v3,kvzip-qa35v3", "--steps", "3", "--ttft", "256", "--out", str(tmp_path),
+    ]
+    done = subprocess.run(command, capture_output=True, text=True, timeout=600, cwd=ROOT / "benchmarks")
+    assert done.returncode == 0, done.stderr[-2000:]
+    rows = [json.loads(line) for line in (tmp_path / "rows.jsonl").read_text().splitlines()]
+    ttft = {r["method"]: r for r in rows if "ttft_s" in r}
+    decode = {r["method"]: r for r in rows if "median_step_ms" in r}
+    assert set(ttft) == set(decode) == {"prerope-qa35v3", "kvzip-qa35v3"}
+    assert ttft["kvzip-qa35v3"]["ratio"] > ttft["prerope-qa35v3"]["ratio"] > 1
+    assert decode["kvzip-qa35v3"]["cache_bytes"] < 0.9 * decode["prerope-qa35v3"]["cache_bytes"]
+
+
 def test_tp_capacity_smoke_finds_a_larger_batch_for_a_smaller_cache(tmp_path, monkeypatch, capsys):
     """benchmarks/tp_capacity.py's ``--smoke`` path in this process (one rank): the largest batch follows the
     cache bytes per sequence, a refused pipeline is a row saying why, and ``table`` merges the rows."""
