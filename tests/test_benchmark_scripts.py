@@ -14,14 +14,16 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def test_decode_e2e_smoke_grows_a_batch_from_filled_rows(tmp_path):
-    command = [
-        sys.executable, str(ROOT / "benchmarks" / "decode_e2e.py"), "--smoke", "--layers", "2", "--context", "256",
-        "--batches", "1,3", "--fill-rows", "2", "--methods", "depthweave-kv", "--steps", "34", "--out", str(tmp_path),
-    ]
+def decode_e2e_smoke(out: Path, *options: str) -> list[dict]:
+    """benchmarks/decode_e2e.py --smoke with ``options`` (2 layers) writing to ``out``; the rows it logged."""
+    command = [sys.executable, str(ROOT / "benchmarks" / "decode_e2e.py"), "--smoke", "--layers", "2", *options, "--out", str(out)]
     done = subprocess.run(command, capture_output=True, text=True, timeout=600, cwd=ROOT / "benchmarks")
     assert done.returncode == 0, done.stderr[-2000:]
-    rows = [json.loads(line) for line in (tmp_path / "rows.jsonl").read_text().splitlines()]
+    return [json.loads(line) for line in (out / "rows.jsonl").read_text().splitlines()]
+
+
+def test_decode_e2e_smoke_grows_a_batch_from_filled_rows(tmp_path):
+    rows = decode_e2e_smoke(tmp_path, "--context", "256", "--batches", "1,3", "--fill-rows", "2", "--methods", "depthweave-kv", "--steps", "34")
     assert [r["batch"] for r in rows] == [1, 3]
     assert "filled_rows" not in rows[0] and rows[1]["filled_rows"] == 2
     # three rows store about three times the bytes of one (the grown rows are real copies; the rows'
@@ -34,13 +36,8 @@ def test_decode_e2e_smoke_grows_a_batch_from_filled_rows(tmp_path):
 def test_decode_e2e_smoke_fills_times_and_scores_a_kvzip_pipeline(tmp_path):
     """A pipeline whose evictor chooses by context importance: the synthetic fill gives it random scores (it
     evicts: fewer bytes than the codec alone), and the time to first token includes scoring the prompt."""
-    command = [
-        sys.executable, str(ROOT / "benchmarks" / "decode_e2e.py"), "--smoke", "--layers", "2", "--context", "512",
-        "--batches", "1", "--methods", "prerope-qa35v3,kvzip-qa35v3", "--steps", "3", "--ttft", "256", "--out", str(tmp_path),
-    ]
-    done = subprocess.run(command, capture_output=True, text=True, timeout=600, cwd=ROOT / "benchmarks")
-    assert done.returncode == 0, done.stderr[-2000:]
-    rows = [json.loads(line) for line in (tmp_path / "rows.jsonl").read_text().splitlines()]
+    rows = decode_e2e_smoke(tmp_path, "--context", "512", "--batches", "1", "--methods", "prerope-qa35v3,kvzip-qa35v3", "--steps", "3",
+                            "--ttft", "256")
     ttft = {r["method"]: r for r in rows if "ttft_s" in r}
     decode = {r["method"]: r for r in rows if "median_step_ms" in r}
     assert set(ttft) == set(decode) == {"prerope-qa35v3", "kvzip-qa35v3"}
