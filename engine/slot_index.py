@@ -138,7 +138,8 @@ class SlotIndex:
         counts = torch.tensor(self.flush_tokens, device=device)
         flush = torch.repeat_interleave(torch.arange(len(self.flush_tokens), device=device), counts)  # [tokens]
         token_start = (torch.cumsum(counts, 0) - counts)[flush]
-        slot_start = torch.tensor([sum(self.flush_slots[:i]) for i in range(len(self.flush_slots))], device=device)[flush]
+        slot_counts = torch.tensor(self.flush_slots, device=device)
+        slot_start = (torch.cumsum(slot_counts, 0) - slot_counts)[flush]
         before = torch.cumsum(mask, -1, dtype=torch.int64) - mask.long()  # set bits before each token
         rank = before - before.gather(-1, token_start.expand(batch, heads, tokens))
         slot = torch.where(mask, slot_start + rank, slots)  # a clear bit goes to a spare column

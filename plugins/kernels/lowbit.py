@@ -128,9 +128,7 @@ class LowbitKernel(AttentionKernel):
         if cached is None or cached[0] != stamp:
             cached = (stamp, self._packed_view(view, device, exact_k, exact_v))
             view.scratch[("lowbit-view", view.layer, device)] = cached
-        # the slots' cache indices come decoded with each call's view (stored as bits, a kept copy would be uncounted bytes)
-        positions = None if view.positions is None else view.positions.reshape(exact_k.shape[0] * exact_k.shape[1], -1).contiguous()
-        return attrs.evolve(cached[1], exact_k=exact_k, exact_v=exact_v, positions=positions)
+        return attrs.evolve(cached[1], exact_k=exact_k, exact_v=exact_v)
 
     @staticmethod
     def _storage_stamp(view: LayerView, exact_k: torch.Tensor) -> tuple:
@@ -140,7 +138,7 @@ class LowbitKernel(AttentionKernel):
                   if isinstance(t, torch.Tensor)]
         entries = tuple(level.entries for kind_view in (view.keys, view.values) for level in kind_view.residuals)
         return (view.flushes, view.packed_tokens, view.passed_tokens, tuple(exact_k.shape[:2]), entries, tuple(stored),
-                view.positions is None)
+                None if view.positions is None else view.positions.data_ptr())
 
     def _packed_view(self, view: LayerView, device: torch.device, exact_k: torch.Tensor, exact_v: torch.Tensor) -> LowbitView:
         """The packed storage's views (see :meth:`lowbit_view`), with this call's exact window."""
