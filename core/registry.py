@@ -63,6 +63,10 @@ class StorageSettings:
         default="exact", validator=choice(("exact", "compress")),
         metadata={"doc": "sliding-window layers: keep their window exactly as the model's own cache does, or compress it like the other layers (blocks wholly out of the window are dropped)"},
     )
+    sliding_tokens: int = attrs.field(
+        default=0, validator=integer(0),
+        metadata={"doc": "sliding-window layers: 0 keeps what their window holds (window - 1 tokens); N keeps only their last N tokens, a shorter window than the model's (older blocks dropped whole when compressed)"},
+    )
     window_storage: str = attrs.field(
         default="input", validator=choice(WINDOW_STORAGE),
         metadata={"doc": "tokens held uncompressed (recent window, the block not yet full, kept sliding windows): as they arrive, or int8 per token and head with a float16 scale (D + 2 bytes a vector)"},

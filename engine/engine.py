@@ -42,7 +42,7 @@ from kvweave.engine.quantizers import group_quantizers
 from kvweave.engine.residuals import add_residuals, mix_residuals
 from kvweave.engine.rotary import RotaryInverse
 from kvweave.engine.rows import RowSplit, left_padding
-from kvweave.engine.sliding import check_compress_sliding, drop_outside_window, slide, split_sliding
+from kvweave.engine.sliding import check_compress_sliding, drop_outside_window, kept_tokens, slide, split_sliding
 from kvweave.engine.store import GroupStore, LayerWindow, select_rows
 from kvweave.engine.views import layer_view
 
@@ -74,6 +74,8 @@ class CompressionEngine:
         self.compress_sliding = bool(self.sliding) and self.settings.sliding_layers == "compress"
         #: ``{layer: window}`` of the layers kept exactly as the model's own cache keeps them (never encoded)
         self.kept_exact: dict[int, int] = {} if self.compress_sliding else self.sliding
+        #: ``{layer: tokens}`` a sliding-window layer keeps (its window - 1, or the ``sliding_tokens`` setting)
+        self.sliding_keep = kept_tokens(self.sliding, self.settings.sliding_tokens, f"pipeline '{pipeline.name}'")
         self.groups = split_sliding(self.basis.layer_groups(shape), self.sliding, together=self.compress_sliding)
         self.group_of = self._index_groups()
         #: the last group that compresses: its flush ends a forward's flushes
@@ -212,7 +214,7 @@ class CompressionEngine:
             if self.reads_in_place(keys.shape[-2]):  # so does a kernel reading the window from the layer's view
                 self.attending[layer] = full
         if layer in self.kept_exact:  # the model's own attention reads its window
-            slide(window, self.kept_exact[layer])
+            slide(window, self.sliding_keep[layer])
             return full if materialize else None  # type: ignore[return-value]
         if self.own_attention:
             self.returned_keys[layer] = full[0]  # lets the attention call tell it belongs to this cache
@@ -448,7 +450,7 @@ class CompressionEngine:
             "eviction": tensor_bytes(t for w in self.windows for t in [*w.slot_index.stored(), w.scores] if t is not None)
             + sum(w.slot_index.record_bytes() for w in self.windows),
         }
-        if self.kept_exact:  # sliding-window layers: their last window - 1 tokens, exact, as the model's own cache keeps them
+        if self.kept_exact:  # sliding-window layers: their last window - 1 (or sliding_tokens) tokens, uncompressed
             parts["sliding_window"] = tensor_bytes(sliding)
         return parts
 

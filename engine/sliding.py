@@ -53,9 +53,27 @@ def check_compress_sliding(engine: CompressionEngine, where: str) -> None:
             raise ModelError(f"{where}: layers {members} share a basis group but have sliding windows {sorted(windows)}")
 
 
-def slide(window: LayerWindow, size: int) -> None:
-    """Keep the last ``size - 1`` tokens of a sliding-window layer (what its next queries can see)."""
-    extra = window.exact_tokens - (size - 1)
+def kept_tokens(sliding: dict[int, int], tokens: int, where: str) -> dict[int, int]:
+    """Per sliding-window layer, the tokens it keeps: ``window - 1`` (what its next queries can see, as
+    the model's own cache keeps them), or the ``sliding_tokens`` setting's shorter count. A setting that
+    cannot apply (no sliding-window layer, a count past a window) is refused."""
+    if not tokens:
+        return {layer: window - 1 for layer, window in sliding.items()}
+    if not sliding:
+        raise ModelError(
+            f"{where}: setting sliding_tokens = {tokens} shortens a model's sliding-window layers, but this model has "
+            "none (every layer attends over all tokens); use sliding_tokens = 0")
+    longest = min(sliding.values()) - 1
+    if tokens > longest:
+        raise ModelError(
+            f"{where}: setting sliding_tokens = {tokens} is more than the {longest} tokens this model's sliding-window "
+            f"layers keep (window {longest + 1}); it can only shorten them")
+    return {layer: tokens for layer in sliding}
+
+
+def slide(window: LayerWindow, keep: int) -> None:
+    """Keep the last ``keep`` tokens of a sliding-window layer (what its next queries can see)."""
+    extra = window.exact_tokens - keep
     if extra > 0:
         for kind in KINDS:
             window.exact.drop_front(kind, extra)
@@ -65,12 +83,12 @@ def slide(window: LayerWindow, size: int) -> None:
 
 def drop_outside_window(engine: CompressionEngine, group_index: int) -> None:
     """sliding_layers = "compress": drop the stored blocks of a sliding-window group that no later query
-    can see (every token before the last ``window - 1``), whole blocks at a time."""
+    can see (every token before the last ``window - 1``, or ``sliding_tokens``), whole blocks at a time."""
     members = engine.groups[group_index]
     first = engine.windows[members[0]]
     total = first.passed_tokens + first.exact_tokens
     block = engine.settings.block_tokens
-    count = min(first.compressed_tokens, (total - (engine.sliding[members[0]] - 1) - first.dropped_tokens) // block * block)
+    count = min(first.compressed_tokens, (total - engine.sliding_keep[members[0]] - first.dropped_tokens) // block * block)
     if count <= 0:
         return
     for kind in KINDS:

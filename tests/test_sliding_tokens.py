@@ -1,0 +1,145 @@
+"""The ``sliding_tokens`` setting: a sliding-window layer keeping fewer tokens than its window holds
+(engine/sliding.py), kept exactly or compressed, against a toy Gemma-3 with windows of 40 tokens."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import DynamicCache, Gemma3ForCausalLM, Gemma3TextConfig
+
+from kvweave.core.errors import ModelError, RegistryError
+from kvweave.core.registry import load_pipeline, load_registry
+from kvweave.engine import build_cache, cache_kwargs
+
+WINDOW = 40
+KEEP = 12
+TYPES = ["sliding_attention", "sliding_attention", "full_attention", "sliding_attention", "sliding_attention", "full_attention"]
+SLIDING = [layer for layer, kind in enumerate(TYPES) if kind == "sliding_attention"]
+
+PIPELINES = f"""
+[pipelines.t-keep]
+extends = "full"
+sliding_tokens = {KEEP}
+
+[pipelines.t-keep-all]
+extends = "full"
+sliding_tokens = {WINDOW - 1}
+
+[pipelines.t-keep-long]
+extends = "full"
+sliding_tokens = {WINDOW}
+
+[pipelines.t-keep-int4]
+extends = "int4"
+recent_window = 8
+block_tokens = 16
+sliding_layers = "compress"
+sliding_tokens = {KEEP}
+
+[pipelines.t-window-int4]
+extends = "t-keep-int4"
+sliding_tokens = 0
+"""
+
+
+@pytest.fixture(scope="module")
+def gemma():
+    torch.manual_seed(0)
+    config = Gemma3TextConfig(
+        vocab_size=128, hidden_size=128, intermediate_size=128, num_hidden_layers=len(TYPES), num_attention_heads=4,
+        num_key_value_heads=2, head_dim=64, sliding_window=WINDOW, max_position_embeddings=2048, layer_types=TYPES,
+    )
+    return Gemma3ForCausalLM(config).eval()
+
+
+@pytest.fixture(scope="module")
+def registry(tmp_path_factory):
+    path = tmp_path_factory.mktemp("keep") / "keep.toml"
+    path.write_text(PIPELINES)
+    return load_registry(path)
+
+
+def _generate(model, cache, ids, new=10):
+    with torch.no_grad():
+        return model.generate(input_ids=ids, max_new_tokens=new, do_sample=False, output_scores=True,
+                              return_dict_in_generate=True, pad_token_id=0, **cache_kwargs(model, cache))
+
+
+def _prefill(model, cache, ids):
+    with torch.no_grad():
+        model(input_ids=ids, use_cache=True, **cache_kwargs(model, cache))
+
+
+def test_the_window_the_model_keeps_changes_nothing(gemma, registry):
+    ids = torch.randint(1, 128, (1, 120), generator=torch.Generator().manual_seed(1))
+    ours = _generate(gemma, build_cache(registry.resolve("t-keep-all"), gemma), ids)
+    theirs = _generate(gemma, build_cache(load_pipeline("full"), gemma), ids)
+    assert torch.equal(ours.sequences, theirs.sequences)
+    assert all(torch.equal(a, b) for a, b in zip(ours.scores, theirs.scores))
+
+
+def test_a_shorter_window_holds_the_last_tokens_of_the_models_own_and_counts_only_them(gemma, registry):
+    ids = torch.randint(1, 128, (2, 100), generator=torch.Generator().manual_seed(2))
+    cache = build_cache(registry.resolve("t-keep"), gemma)
+    own = DynamicCache(config=gemma.config)
+    _prefill(gemma, cache, ids)
+    _prefill(gemma, own, ids)
+    for layer, window in enumerate(cache.engine.windows):
+        if layer in SLIDING:
+            assert window.exact_tokens == KEEP and window.dropped_tokens == 100 - KEEP
+            for kind, theirs in (("keys", own.layers[layer].keys), ("values", own.layers[layer].values)):
+                assert torch.equal(window.exact[kind], theirs[..., -KEEP:, :])
+            # the next query sees the KEEP tokens held, at their positions after the dropped ones
+            assert cache.layers[layer].get_mask_sizes(1) == (KEEP + 1, 100 - KEEP)
+        else:
+            assert window.exact_tokens == 100
+    # float32 model, batch 2, 2 KV heads of 64: the sliding part holds KEEP tokens a layer, the ratio is
+    # against the model's own cache (WINDOW - 1 tokens a sliding layer)
+    per_token = 2 * 2 * 2 * 64 * 4
+    assert cache.memory_breakdown()["sliding_window"] == len(SLIDING) * KEEP * per_token
+    assert cache.full_cache_bytes_16bit() == (len(SLIDING) * (WINDOW - 1) + 2 * 100) * per_token // 2
+    assert cache.memory_bytes() == (len(SLIDING) * KEEP + 2 * 100) * per_token
+
+
+def test_a_shorter_window_is_what_the_next_tokens_attend_over(gemma, registry):
+    """Decoding reads the shortened windows: the logits move away from the full cache's, and stay finite."""
+    ids = torch.randint(1, 128, (1, 120), generator=torch.Generator().manual_seed(3))
+    ours = _generate(gemma, build_cache(registry.resolve("t-keep"), gemma), ids)
+    theirs = _generate(gemma, build_cache(load_pipeline("full"), gemma), ids)
+    assert torch.equal(ours.scores[0], theirs.scores[0])  # the prefill forward attends over its own tokens
+    assert all(torch.isfinite(score).all() for score in ours.scores)
+    assert max((a - b).abs().max().item() for a, b in zip(ours.scores[1:], theirs.scores[1:])) > 1e-3
+
+
+def test_compressed_sliding_layers_drop_blocks_down_to_the_shorter_window(gemma, registry):
+    ids = torch.randint(1, 128, (1, 200), generator=torch.Generator().manual_seed(4))
+    cache = build_cache(registry.resolve("t-keep-int4"), gemma)
+    longer = build_cache(registry.resolve("t-window-int4"), gemma)
+    _generate(gemma, cache, ids, new=20)
+    _generate(gemma, longer, ids, new=20)
+    total = cache.get_seq_length()
+    for layer in SLIDING:
+        window = cache.engine.windows[layer]
+        held = window.compressed_tokens + window.exact_tokens
+        assert window.dropped_tokens + held == total and window.dropped_tokens % 16 == 0
+        assert KEEP <= held < KEEP + 16 + 8 + 16  # whole blocks dropped: at most a block and the window more
+        assert held < longer.engine.windows[layer].compressed_tokens + longer.engine.windows[layer].exact_tokens
+    assert cache.memory_bytes() < longer.memory_bytes()
+    assert cache.full_cache_bytes_16bit() == longer.full_cache_bytes_16bit()
+
+
+def test_a_count_past_the_window_is_refused_naming_both(gemma, registry):
+    with pytest.raises(ModelError, match=rf"sliding_tokens = {WINDOW} is more than the {WINDOW - 1} tokens"):
+        build_cache(registry.resolve("t-keep-long"), gemma)
+
+
+def test_a_model_without_sliding_layers_refuses_the_setting(tiny_model, registry):
+    with pytest.raises(ModelError, match=rf"sliding_tokens = {KEEP} shortens .* but this model has none"):
+        build_cache(registry.resolve("t-keep"), tiny_model)
+
+
+def test_a_negative_count_is_refused_where_the_registry_says_it(tmp_path):
+    path = tmp_path / "bad.toml"
+    path.write_text('[pipelines.t-bad]\nextends = "full"\nsliding_tokens = -3\n')
+    with pytest.raises((RegistryError, ValueError), match="sliding_tokens"):
+        load_registry(path).resolve("t-bad")
