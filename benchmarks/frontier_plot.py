@@ -127,8 +127,15 @@ def merged(folders: list[Path]) -> tuple[dict, dict | None]:
     needle: dict | None = None
     ppl: dict | None = None
     for folder in folders:
-        part = json.loads((folder / "needle.json").read_text())
-        if needle is None:
+        if not (folder / "needle.json").is_file():
+            if not (folder / "ppl.json").is_file():
+                raise SystemExit(f"frontier_plot: {folder} holds neither needle.json nor ppl.json (kvweave eval needle / ppl results)")
+            part = None  # a perplexity run of its own: its ppl.json joins the others
+        else:
+            part = json.loads((folder / "needle.json").read_text())
+        if part is None:
+            pass
+        elif needle is None:
             needle = part
         else:
             grid = ("lengths", "depths", "needles", "protocol")
@@ -161,6 +168,8 @@ def main() -> int:
     parser.add_argument("--misses", action="store_true", help="the cells each pipeline misses of those the full cache finds")
     args = parser.parse_args()
     needle, ppl = merged(args.folders)
+    if needle is None:
+        raise SystemExit("frontier_plot: none of the folders holds a needle.json")
     table = rows(needle, ppl)
     print(markdown(table, needle["lengths"], (ppl or {}).get("tokens"), (ppl or {}).get("prefill", 0), args.intervals))
     if args.misses:

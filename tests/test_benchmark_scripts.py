@@ -170,3 +170,21 @@ def test_lowbit_twin_error_rows_under_the_interpreter(monkeypatch):
     for row in rows:
         assert row["worst"] < 1e-5 * row["scale"] and row["mean"] <= row["worst"]
         assert row["worst"] * 100 < row["noise"] < row["scale"]
+
+
+def test_frontier_plot_takes_a_perplexity_run_from_a_folder_of_its_own(tmp_path, monkeypatch):
+    """A folder with only ppl.json (a separate `kvweave eval ppl` run) adds its perplexities; a folder with
+    neither file is refused by name."""
+    monkeypatch.syspath_prepend(str(ROOT / "benchmarks"))
+    import frontier_plot
+
+    _needle(tmp_path / "a", {"full": _answers([True, True], 1000), "x": _answers([True, False], 250)}, needles=2)
+    (tmp_path / "p").mkdir()
+    (tmp_path / "p" / "ppl.json").write_text(json.dumps(
+        {"tokens": 80, "chunk": 8, "prefill": 40, "dynamic_cache_ppl": 10.0, "pipelines": {"x": {"ppl": 10.5}}}))
+    needle, ppl = frontier_plot.merged([tmp_path / "a", tmp_path / "p"])
+    row = {r["pipeline"]: r for r in frontier_plot.rows(needle, ppl)}["x"]
+    assert row["ppl"] == 10.5 and abs(row["ppl_change"] - 0.05) < 1e-12
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(SystemExit, match="empty holds neither"):
+        frontier_plot.merged([tmp_path / "a", tmp_path / "empty"])
