@@ -68,6 +68,9 @@ CASES: list[Case] = [
     # --- generate, refused once the model's context is known
     Case(("generate", "--pipeline", "beyond", "--registry", "{BEYOND}", "--model", "{TINY}", "--prompt", "hi"),
          "keep_layers names layer(s) [99]", "kvzip told to keep a layer the model does not have"),
+    Case(("generate", "--pipeline", "short", "--registry", "{BEYOND}", "--model", "{TINY}", "--prompt", "hi"),
+         "sliding_tokens = 256 shortens a model's sliding-window layers, but this model has none",
+         "a window for sliding-window layers on a model without them"),
     Case((*GENERATE, "--model", "{TINY}", "--prompt-file", "{LONG}", "--no-chat"),
          f"more than the context of model {{TINY}} ({TINY_CONTEXT} tokens", "a prompt longer than the model's context"),
     Case((*GENERATE, "--prompt-file", "{REPORT_X13}"), "more than the context of model default (8,192 tokens",
@@ -155,7 +158,8 @@ def materials(tmp: Path, tiny: Path) -> dict[str, str]:
     (tmp / "latin1.txt").write_bytes("[pipelines.caf\u00e9]\nextends = \"int4\"\n".encode("latin-1"))
     (tmp / "empty.txt").write_text("")
     (tmp / "beyond.toml").write_text('[pipelines.beyond]\nextends = "full"\ncompress = true\n\n'
-                                     '[pipelines.beyond.evictor]\nuse = "kvzip"\nkeep_layers = [99]\n')
+                                     '[pipelines.beyond.evictor]\nuse = "kvzip"\nkeep_layers = [99]\n\n'
+                                     '[pipelines.short]\nextends = "full"\nsliding_tokens = 256\n')
     (tmp / "long.txt").write_text(" ".join(["harbour"] * (2 * TINY_CONTEXT)))
     (tmp / "notes.txt").write_text("not a folder")
     (tmp / "empty-folder").mkdir()
