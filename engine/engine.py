@@ -31,15 +31,16 @@ from kvweave.core.errors import CacheStateError, ComponentError, ModelError
 from kvweave.core.evictor import Evictor
 from kvweave.core.interfaces import KINDS, AttentionKernel, BasisBuilder, ModelShape, Probe, Quantizer, Router
 from kvweave.core.registry import ResolvedPipeline
-from kvweave.core.storage import tensor_bytes
 from kvweave.core.view import LayerView
+from kvweave.engine.accounting import memory_breakdown
 from kvweave.engine.budget import BudgetPlan
+from kvweave.engine.decode import block_attention_stats, reconstruct
+from kvweave.engine.checks import check_block_groups, check_finite, check_widths
 from kvweave.engine.encoder import BlockEncoder
 from kvweave.engine.energy import QueryEnergy, weighs_by_energy
 from kvweave.engine.eviction import Eviction
 from kvweave.engine.observation import ATTENTION_NAME, Observer
 from kvweave.engine.quantizers import group_quantizers
-from kvweave.engine.residuals import add_residuals, mix_residuals
 from kvweave.engine.rotary import RotaryInverse
 from kvweave.engine.rows import RowSplit, left_padding
 from kvweave.engine.sliding import check_compress_sliding, drop_outside_window, kept_tokens, slide, split_sliding
@@ -83,21 +84,8 @@ class CompressionEngine:
         where = f"pipeline '{pipeline.name}'"
         #: per basis group and kind: the quantizer of its layers (``Quantizer.for_layer``: a per-layer table)
         self.group_quantizers = group_quantizers(pipeline, self.quantizers, self.groups, where)
-        for kind in KINDS:
-            slot = pipeline.slot_for("quantizer", kind)
-            for quantizer in {id(q[kind]): q[kind] for q in self.group_quantizers}.values():
-                quantizer.check_width(self.basis.coefficient_width(shape), f"{where}, slot '{slot}' (coefficients)")
         self.levels = tuple(self.router.levels())
-        for rank in self.levels:
-            if rank > shape.head_dim or rank < 0:
-                raise ModelError(
-                    f"{where}, slot 'router': rank level {rank} is outside 0..head_dim ({shape.head_dim}); a router "
-                    "gives residual ranks, dropping tokens is the 'evictor' slot's work"
-                )
-            for kind in KINDS:
-                if rank > 0:
-                    slot = pipeline.slot_for("residual_quantizer", kind)
-                    self.residual_quantizers[kind].check_width(rank, f"{where}, slot '{slot}' (rank level {rank})")
+        check_widths(self, where)
         #: keys stored before the rotary embedding (engine/rotary.py); the rotary inverse comes with the model
         self.pre_rope = self.settings.key_space == "pre-rope"
         self.rotary: RotaryInverse | None = None
@@ -111,14 +99,7 @@ class CompressionEngine:
             self.eviction.check(where)
         if self.compress_sliding:
             check_compress_sliding(self, where)
-        for kind, quantizer in ((k, q[k]) for q in self.group_quantizers for k in KINDS):
-            group = quantizer.tokens_per_group()
-            if self.settings.block_tokens % group:
-                slot = pipeline.slot_for("quantizer", kind)
-                raise ModelError(
-                    f"{where}, slot '{slot}' ('{pipeline.use(slot)}'): it packs groups of {group} tokens, "
-                    f"which must divide the pipeline's block_tokens ({self.settings.block_tokens})"
-                )
+        check_block_groups(self, where)
         self.budget = BudgetPlan.for_engine(self)  # raises BudgetError when the target cannot be met
         observes = self.router.needs_attention or self.probe.needs_queries or (self.evicts and self.evictor.needs_attention)
         self.observer = Observer(shape, pipeline.settings.observe_queries if observes else 0)
@@ -127,24 +108,12 @@ class CompressionEngine:
         if self.probe.selects_queries:
             self.observer.selector = self.probe.select_queries
         self.boundary_ids: torch.Tensor | None = None
-        self.windows = [self._new_window() for _ in range(shape.num_layers)]
-        self.stores = [{kind: GroupStore() for kind in KINDS} for _ in self.groups]
-        self.pending: set[int] = set()
-        self.returned_keys: dict[int, torch.Tensor] = {}
-        #: a lossy exact window as this forward attends over it (its own tokens exact), for the layer's view
-        self.attending: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
         #: the model's attention must report to this cache (queries, masks of evicted tokens, attention)
         self.own_attention = self.observer.active or self.evicts or self.accumulates or not self.kernel.materializes or self.energy is not None
-        #: what a kernel that reads the packed storage in place keeps between calls (segment tables, ...)
-        self.kernel_state: dict = {}
-        self.padding: torch.Tensor | None = None  # bool [B, T]: False for padding (from the attention mask)
         self.forward_tokens = 0  # tokens of the forward pass in progress
-        self._flush_info: dict | None = None  # the flush in progress, when it evicts
-        self._budget_warned = False  # BudgetPlan.check_met warns once per cache
-        #: the model's 2-D attention mask of the forward in progress (set by bind_model's hook), and the
-        #: engines of a left-padded batch's rows once one arrives (engine/rows.py)
+        #: the model's 2-D attention mask of the forward in progress (set by bind_model's hook)
         self.mask_tap: Any = None
-        self.rows: RowSplit | None = None
+        self.reset()
         self.kernel.check_engine(self)
 
     def quantizer(self, group_index: int, kind: str) -> Quantizer:
@@ -285,7 +254,7 @@ class CompressionEngine:
         count = (ready // self.settings.block_tokens) * self.settings.block_tokens
         if count <= 0:
             return
-        self._check_finite(members, count)
+        check_finite(self, members, count)
         # attention statistics need the keys as they are before this block is encoded (once for K and V)
         wants_stats = (self.router.needs_attention and self.residual_levels) or (self.evicts and self.evictor.needs_attention)
         stats = self._attention_stats(members, count) if wants_stats else None
@@ -316,70 +285,13 @@ class CompressionEngine:
             self.encoder.apply_probe_shares()
             self._budget_warned = self._budget_warned or self.budget.check_met(self)
 
-    def _check_finite(self, members: tuple[int, ...], count: int) -> None:
-        """Refuse a block holding NaN or infinite keys or values (one host sync per flushed block, not per
-        step): quantizing them would corrupt whole scale groups silently."""
-        blocks = [self.windows[layer].exact[kind][..., :count, :] for layer in members for kind in KINDS]
-        if bool(torch.stack([torch.isfinite(block).all() for block in blocks]).all()):
-            return
-        for index, block in enumerate(blocks):  # the first offender, named
-            bad = (~torch.isfinite(block)).nonzero()
-            if bad.numel():
-                layer, kind = members[index // len(KINDS)], KINDS[index % len(KINDS)]
-                row, head, token = bad[0, :3].tolist()
-                raise CacheStateError(
-                    f"pipeline '{self.pipeline.name}': layer {layer} sent non-finite {kind} (first at batch row {row}, "
-                    f"KV head {head}, token {self.windows[layer].passed_tokens + token}); the model's forward "
-                    "produced NaN or infinity, which a compressing cache cannot store"
-                )
-
     def _attention_stats(self, members: tuple[int, ...], count: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Attention mass and spike [G, B, H, count] of the observed queries on the block's tokens."""
-        reader = getattr(self.kernel, "packed_logsumexp", None)
-        if reader is not None and not self.evicts:  # normalized over the packed tokens read in place
-            stats = []
-            for layer in members:
-                window = self.windows[layer]
-                lse = None
-                if window.compressed_tokens:
-                    lse = reader(self.view(layer), self.observer.queries(layer), self.observer.scaling or self.shape.head_dim**-0.5)
-                stats.append(self.observer.attention_stats_exact(layer, window.exact["keys"], lse, count))
-            return torch.stack([s[0] for s in stats]), torch.stack([s[1] for s in stats])
-        stats = [
-            self.observer.attention_stats(
-                layer, self._materialize(layer, "keys"), count, self.windows[layer].compressed_tokens,
-                self.eviction.key_valid(layer) if self.evicts else None,
-            )
-            for layer in members
-        ]
-        return torch.stack([s[0] for s in stats]), torch.stack([s[1] for s in stats])
+        return block_attention_stats(self, members, count)
 
     # -------------------------------------------------------------------------- reconstruct
     def reconstruct(self, layer: int, kind: str, dtype: torch.dtype) -> torch.Tensor:
         """The stored (packed) tokens of ``layer`` decoded to [B, H, T_packed, D] in ``dtype``."""
-        group_index, member = self.group_of[layer]
-        store = self.stores[group_index][kind]
-        coefficients = self.quantizer(group_index, kind).dequantize(store.coefficients.fields, dtype)
-        vectors = self.basis.decode(store.state or {}, coefficients, member)
-        mixing = self.basis.residual_mixing(len(self.groups[group_index])) if self.residual_levels else None
-        if mixing is not None:  # residual rows of the whole group (e.g. depth frequencies)
-            members = self.groups[group_index]
-            lists = [{rank: r.fields for rank, r in self.windows[other].residuals[kind].items()} for other in members]
-            gates = [self.router.gates(other, kind) for other in members]
-            bases = [self.windows[other].residual_basis[kind] for other in members]
-            vectors = mix_residuals(vectors, member, lists, self.residual_quantizers[kind], mixing, gates, bases)
-        elif self.residual_levels:
-            lists = {rank: r.fields for rank, r in self.windows[layer].residuals[kind].items()}
-            vectors = add_residuals(
-                vectors, lists, self.residual_quantizers[kind], self.router.gates(layer, kind), self.windows[layer].residual_basis[kind]
-            )
-        if self.pre_rope and kind == "keys":
-            window = self.windows[layer]
-            positions = window.positions
-            positions = positions.long().clamp_min(0) if positions is not None else window.dropped_tokens + torch.arange(
-                window.compressed_tokens, device=vectors.device)
-            vectors = self.rope_keys(vectors[None], (layer,), positions[None] if positions.dim() > 1 else positions, inverse=False)[0].to(dtype)
-        return vectors
+        return reconstruct(self, layer, kind, dtype)
 
     def rope_keys(self, keys: torch.Tensor, members: tuple[int, ...], positions: torch.Tensor | None, inverse: bool) -> torch.Tensor:
         """Keys [G, B, H, n, D] of the group's layers ``members`` un-rotated (``inverse``) or rotated at cache
@@ -429,30 +341,8 @@ class CompressionEngine:
         return window.passed_tokens + window.exact_tokens
 
     def memory_breakdown(self) -> dict[str, int]:
-        """Stored bytes by part: exact window, coefficients, residuals (positions and indices included),
-        basis state, the observation state of the router and probe (recent queries, token flags), eviction,
-        and for a model with sliding-window layers kept exactly, their windows."""
-        if self.rows is not None:
-            return self.rows.memory_breakdown()
-        exact = [t for layer, w in enumerate(self.windows) if layer not in self.kept_exact for t in w.exact.stored()]
-        sliding = [t for layer in self.kept_exact for t in self.windows[layer].exact.stored()]
-        stores = [store for group in self.stores for store in group.values()]
-        parts = {
-            "exact_window": tensor_bytes(exact),
-            "coefficients": sum(store.coefficients.nbytes() for store in stores),
-            "residuals": sum(r.nbytes() for w in self.windows for lists in w.residuals.values() for r in lists.values())
-            + tensor_bytes(b for w in self.windows for b in w.residual_basis.values() if b is not None),
-            "basis_state": tensor_bytes(t for store in stores for t in (store.state or {}).values()),
-            "observation": self.observer.nbytes() + (0 if self.padding is None else tensor_bytes([self.padding]))
-            + (0 if self.energy is None else self.energy.nbytes()),
-            # evicting routers: the cache index of every stored slot (a list or bits, with the bits' flush
-            # records), and accumulated attention (H2O)
-            "eviction": tensor_bytes(t for w in self.windows for t in [*w.slot_index.stored(), w.scores] if t is not None)
-            + sum(w.slot_index.record_bytes() for w in self.windows),
-        }
-        if self.kept_exact:  # sliding-window layers: their last window - 1 (or sliding_tokens) tokens, uncompressed
-            parts["sliding_window"] = tensor_bytes(sliding)
-        return parts
+        """Stored bytes by part (:func:`kvweave.engine.accounting.memory_breakdown`)."""
+        return self.rows.memory_breakdown() if self.rows is not None else memory_breakdown(self)
 
     def memory_bytes(self) -> int:
         return sum(self.memory_breakdown().values())
@@ -484,16 +374,20 @@ class CompressionEngine:
         return LayerWindow(self.levels, self.settings.window_storage, slot_bits=self.kernel.materializes)
 
     def reset(self) -> None:
-        self.rows = None
+        """Drop every stored token (the state a new engine starts from)."""
         self.windows = [self._new_window() for _ in range(self.shape.num_layers)]
         self.stores = [{kind: GroupStore() for kind in KINDS} for _ in self.groups]
-        self.pending = set()
-        self.returned_keys = {}
-        self.attending = {}
-        self.padding = None
-        self._flush_info = None
-        self._budget_warned = False
-        self.kernel_state = {}
+        self.pending: set[int] = set()
+        self.returned_keys: dict[int, torch.Tensor] = {}
+        #: a lossy exact window as this forward attends over it (its own tokens exact), for the layer's view
+        self.attending: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        #: what a kernel that reads the packed storage in place keeps between calls (segment tables, ...)
+        self.kernel_state: dict = {}
+        self.padding: torch.Tensor | None = None  # bool [B, T]: False for padding (from the attention mask)
+        self._flush_info: dict | None = None  # the flush in progress, when it evicts
+        self._budget_warned = False  # BudgetPlan.check_met warns once per cache
+        #: the engines of a left-padded batch's rows once one arrives (engine/rows.py)
+        self.rows: RowSplit | None = None
         self.observer.reset()
         self.eviction.context.clear()
         if self.energy is not None:

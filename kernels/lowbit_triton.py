@@ -1,6 +1,5 @@
-"""The ``@triton.jit`` kernels of the ``lowbit`` decode attention (launched by
-:func:`kvweave.kernels.lowbit_decode.lowbit_decode`, which documents what they read). Without triton
-installed the module defines no kernel (``triton`` is None)."""
+"""The ``@triton.jit`` kernels of the ``lowbit`` decode attention, launched by :func:`kvweave.kernels.lowbit_decode.lowbit_decode`
+(which documents what they read). Without triton the module defines no kernel (``triton`` is None)."""
 
 from __future__ import annotations
 

@@ -1,0 +1,65 @@
+"""What :class:`kvweave.engine.engine.CompressionEngine` checks of a pipeline against a model before it stores
+anything (widths, rank levels, token groups), and of each block before it is encoded (finite values)."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+
+from kvweave.core.errors import CacheStateError, ModelError
+from kvweave.core.interfaces import KINDS
+
+if TYPE_CHECKING:
+    from kvweave.engine.engine import CompressionEngine
+
+
+def check_widths(engine: CompressionEngine, where: str) -> None:
+    """Every quantizer takes the basis's coefficient width; every router rank level lies in 0..head_dim and
+    its residual quantizer takes that width."""
+    pipeline, shape = engine.pipeline, engine.shape
+    for kind in KINDS:
+        slot = pipeline.slot_for("quantizer", kind)
+        for quantizer in {id(q[kind]): q[kind] for q in engine.group_quantizers}.values():
+            quantizer.check_width(engine.basis.coefficient_width(shape), f"{where}, slot '{slot}' (coefficients)")
+    for rank in engine.levels:
+        if rank > shape.head_dim or rank < 0:
+            raise ModelError(
+                f"{where}, slot 'router': rank level {rank} is outside 0..head_dim ({shape.head_dim}); a router "
+                "gives residual ranks, dropping tokens is the 'evictor' slot's work"
+            )
+        for kind in KINDS:
+            if rank > 0:
+                slot = pipeline.slot_for("residual_quantizer", kind)
+                engine.residual_quantizers[kind].check_width(rank, f"{where}, slot '{slot}' (rank level {rank})")
+
+
+def check_block_groups(engine: CompressionEngine, where: str) -> None:
+    """A quantizer packing groups of tokens needs them to divide the pipeline's block."""
+    pipeline, block = engine.pipeline, engine.settings.block_tokens
+    for kind, quantizer in ((k, q[k]) for q in engine.group_quantizers for k in KINDS):
+        group = quantizer.tokens_per_group()
+        if block % group:
+            slot = pipeline.slot_for("quantizer", kind)
+            raise ModelError(
+                f"{where}, slot '{slot}' ('{pipeline.use(slot)}'): it packs groups of {group} tokens, "
+                f"which must divide the pipeline's block_tokens ({block})"
+            )
+
+
+def check_finite(engine: CompressionEngine, members: tuple[int, ...], count: int) -> None:
+    """Refuse a block holding NaN or infinite keys or values (one host sync per flushed block, not per
+    step): quantizing them would corrupt whole scale groups silently."""
+    blocks = [engine.windows[layer].exact[kind][..., :count, :] for layer in members for kind in KINDS]
+    if bool(torch.stack([torch.isfinite(block).all() for block in blocks]).all()):
+        return
+    for index, block in enumerate(blocks):  # the first offender, named
+        bad = (~torch.isfinite(block)).nonzero()
+        if bad.numel():
+            layer, kind = members[index // len(KINDS)], KINDS[index % len(KINDS)]
+            row, head, token = bad[0, :3].tolist()
+            raise CacheStateError(
+                f"pipeline '{engine.pipeline.name}': layer {layer} sent non-finite {kind} (first at batch row {row}, "
+                f"KV head {head}, token {engine.windows[layer].passed_tokens + token}); the model's forward "
+                "produced NaN or infinity, which a compressing cache cannot store"
+            )
