@@ -31,6 +31,23 @@ def tiny_llama(
     return LlamaForCausalLM(config).to(dtype).eval()
 
 
+#: the toy Gemma-3's layers: two sliding-window layers of GEMMA_WINDOW tokens before each full-attention one
+GEMMA_WINDOW = 40
+GEMMA_TYPES = ["sliding_attention", "sliding_attention", "full_attention", "sliding_attention", "sliding_attention", "full_attention"]
+
+
+def tiny_gemma():
+    """A random Gemma-3 text model with sliding-window layers (windows of ``GEMMA_WINDOW``; 2 KV heads of 64)."""
+    from transformers import Gemma3ForCausalLM, Gemma3TextConfig
+
+    torch.manual_seed(0)
+    config = Gemma3TextConfig(
+        vocab_size=128, hidden_size=128, intermediate_size=128, num_hidden_layers=len(GEMMA_TYPES), num_attention_heads=4,
+        num_key_value_heads=2, head_dim=64, sliding_window=GEMMA_WINDOW, max_position_embeddings=2048, layer_types=GEMMA_TYPES,
+    )
+    return Gemma3ForCausalLM(config).eval()
+
+
 class ToyTokenizer:
     """Just what a delimiter-aware router asks of a tokenizer (every tenth id is a full stop) and what context
     scoring asks (text to ids: each character its code point mod the vocabulary; no chat template)."""

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from transformers import DynamicCache, Gemma3ForCausalLM, Gemma3TextConfig
+from transformers import DynamicCache, Gemma3TextConfig
 
 from kvweave.core.registry import load_pipeline
 from kvweave.engine import build_cache, cache_kwargs
@@ -14,20 +14,15 @@ from kvweave.engine.cache import model_shape
 from kvweave.engine.sliding import split_sliding
 from kvweave.core.errors import ModelError
 
-from conftest import ToyTokenizer
+from conftest import GEMMA_TYPES, GEMMA_WINDOW, ToyTokenizer, tiny_gemma
 
-WINDOW = 40
-TYPES = ["sliding_attention", "sliding_attention", "full_attention", "sliding_attention", "sliding_attention", "full_attention"]
+WINDOW = GEMMA_WINDOW
+TYPES = GEMMA_TYPES
 
 
 @pytest.fixture(scope="module")
 def gemma():
-    torch.manual_seed(0)
-    config = Gemma3TextConfig(
-        vocab_size=128, hidden_size=128, intermediate_size=128, num_hidden_layers=len(TYPES), num_attention_heads=4,
-        num_key_value_heads=2, head_dim=64, sliding_window=WINDOW, max_position_embeddings=2048, layer_types=TYPES,
-    )
-    return Gemma3ForCausalLM(config).eval()
+    return tiny_gemma()
 
 
 def _generate(model, cache, ids, mask=None, new=12):

@@ -5,15 +5,17 @@ from __future__ import annotations
 
 import pytest
 import torch
-from transformers import DynamicCache, Gemma3ForCausalLM, Gemma3TextConfig
+from transformers import DynamicCache
 
 from kvweave.core.errors import ModelError, RegistryError
 from kvweave.core.registry import load_pipeline, load_registry
 from kvweave.engine import build_cache, cache_kwargs
 
-WINDOW = 40
+from conftest import GEMMA_TYPES, GEMMA_WINDOW, tiny_gemma
+
+WINDOW = GEMMA_WINDOW
 KEEP = 12
-TYPES = ["sliding_attention", "sliding_attention", "full_attention", "sliding_attention", "sliding_attention", "full_attention"]
+TYPES = GEMMA_TYPES
 SLIDING = [layer for layer, kind in enumerate(TYPES) if kind == "sliding_attention"]
 
 PIPELINES = f"""
@@ -44,12 +46,7 @@ sliding_tokens = 0
 
 @pytest.fixture(scope="module")
 def gemma():
-    torch.manual_seed(0)
-    config = Gemma3TextConfig(
-        vocab_size=128, hidden_size=128, intermediate_size=128, num_hidden_layers=len(TYPES), num_attention_heads=4,
-        num_key_value_heads=2, head_dim=64, sliding_window=WINDOW, max_position_embeddings=2048, layer_types=TYPES,
-    )
-    return Gemma3ForCausalLM(config).eval()
+    return tiny_gemma()
 
 
 @pytest.fixture(scope="module")
