@@ -34,8 +34,8 @@ from kvweave.core.registry import ResolvedPipeline
 from kvweave.core.view import LayerView
 from kvweave.engine.accounting import memory_breakdown
 from kvweave.engine.budget import BudgetPlan
-from kvweave.engine.decode import block_attention_stats, reconstruct
 from kvweave.engine.checks import check_block_groups, check_finite, check_widths
+from kvweave.engine.decode import block_attention_stats, reconstruct
 from kvweave.engine.encoder import BlockEncoder
 from kvweave.engine.energy import QueryEnergy, weighs_by_energy
 from kvweave.engine.eviction import Eviction
