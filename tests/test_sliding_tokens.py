@@ -140,3 +140,21 @@ def test_a_negative_count_is_refused_where_the_registry_says_it(tmp_path):
     path.write_text('[pipelines.t-bad]\nextends = "full"\nsliding_tokens = -3\n')
     with pytest.raises((RegistryError, ValueError), match="sliding_tokens"):
         load_registry(path).resolve("t-bad")
+
+
+def test_a_left_padded_batch_keeps_the_shorter_window_per_row(gemma, registry):
+    """Two rows, the second left-padded: every sliding-window layer holds KEEP tokens of each row after
+    the prefill, and the unpadded row decodes as it does alone (the padded row's mask leaves it untouched)."""
+    ids = torch.randint(1, 128, (2, 90), generator=torch.Generator().manual_seed(7))
+    mask = torch.ones_like(ids)
+    mask[1, :25] = 0
+    cache = build_cache(registry.resolve("t-keep"), gemma)
+    with torch.no_grad():
+        both = gemma.generate(input_ids=ids, attention_mask=mask, max_new_tokens=8, do_sample=False, output_scores=True,
+                              return_dict_in_generate=True, pad_token_id=0, **cache_kwargs(gemma, cache))
+    for layer in SLIDING:
+        window = cache.engine.windows[layer]
+        assert window.exact_tokens == KEEP and window.exact["keys"].shape[0] == 2
+    alone = _generate(gemma, build_cache(registry.resolve("t-keep"), gemma), ids[:1], new=8)
+    assert torch.equal(both.sequences[0], alone.sequences[0])
+    assert max((a[0] - b[0]).abs().max().item() for a, b in zip(both.scores, alone.scores)) < 1e-4
