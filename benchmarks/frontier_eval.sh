@@ -9,6 +9,8 @@
 # pipelines evicting by context importance need, and perplexity of the tokens after it):
 # JOBS=3 runs the needle grid as 3 processes on the same device, each a share of the pipelines (small models
 # leave a large GPU mostly idle); the parts are merged by frontier_plot.py.
+# SPLIT=cells runs one process per (pipeline, length, depth) instead, JOBS at a time, and joins each pipeline's
+# parts with `kvweave eval merge` into OUT/PIPELINE (the 90-case grids of docs/frontier.md: NEEDLES=30).
 set -euo pipefail
 model=${1:?model (default, a .gguf file or an HF folder)}
 out=${2:?results folder}
@@ -26,19 +28,40 @@ extra=()
 IFS=, read -ra names <<< "$pipelines"
 case " ${names[*]} " in *" full "*) ;; *) echo "frontier_eval: add 'full' to the pipelines: 'of full' counts the cases it answers" >&2; exit 2;; esac
 (( jobs < 1 )) && { echo "frontier_eval: JOBS must be at least 1, got $jobs" >&2; exit 2; }
+split=${SPLIT:-pipelines}
+case $split in pipelines|cells) ;; *) echo "frontier_eval: SPLIT must be 'pipelines' or 'cells', got '$split'" >&2; exit 2;; esac
 parts=()
-for (( j = 0; j < jobs; j++ )); do
-  share=()
-  for (( i = j; i < ${#names[@]}; i += jobs )); do share+=("${names[i]}"); done
-  (( ${#share[@]} )) || continue
-  part="$out/needle-part$j"
-  parts+=("$part")
-  kvweave eval needle --model "$model" --device "$device" --dtype "$dtype" "${extra[@]}" \
-    --pipelines "$(IFS=,; echo "${share[*]}")" --lengths "$lengths" --depths 0.1,0.5,0.9 --needles "$needles" --out "$part" &
-done
-wait
+if [ "$split" = cells ]; then
+  IFS=, read -ra lens <<< "$lengths"
+  mkdir -p "$out/cells"
+  for name in "${names[@]}"; do
+    for L in "${lens[@]}"; do for D in 0.1 0.5 0.9; do
+      while (( $(jobs -rp | wc -l) >= jobs )); do wait -n; done
+      cell="$out/cells/$name-$L-$D"
+      kvweave eval needle --model "$model" --device "$device" --dtype "$dtype" "${extra[@]}" --pipelines "$name" \
+        --lengths "$L" --depths "$D" --needles "$needles" --out "$cell" > "$cell.log" 2>&1 &
+    done; done
+  done
+  for pid in $(jobs -p); do wait "$pid"; done
+  for name in "${names[@]}"; do
+    cells=()
+    for L in "${lens[@]}"; do for D in 0.1 0.5 0.9; do cells+=("$out/cells/$name-$L-$D"); done; done
+    kvweave eval merge "$out/$name" "${cells[@]}"
+    parts+=("$out/$name")
+  done
+else
+  for (( j = 0; j < jobs; j++ )); do
+    share=()
+    for (( i = j; i < ${#names[@]}; i += jobs )); do share+=("${names[i]}"); done
+    (( ${#share[@]} )) || continue
+    part="$out/needle-part$j"
+    parts+=("$part")
+    kvweave eval needle --model "$model" --device "$device" --dtype "$dtype" "${extra[@]}" \
+      --pipelines "$(IFS=,; echo "${share[*]}")" --lengths "$lengths" --depths 0.1,0.5,0.9 --needles "$needles" --out "$part" &
+  done
+  wait
+fi
 compressed=$(IFS=,; echo "${names[*]}" | sed -e 's/^full,//' -e 's/,full,/,/' -e 's/,full$//')
 kvweave eval ppl --model "$model" --device "$device" --dtype "$dtype" "${extra[@]}" --pipelines "$compressed" \
   --tokens "$tokens" --prefill "$prefill" --out "$out/ppl"
-cp "$out/ppl/ppl.json" "${parts[0]}/ppl.json"
-python "$(dirname "$0")/frontier_plot.py" "${parts[@]}" --out "$out/frontier.png" | tee "$out/frontier.md"
+python "$(dirname "$0")/frontier_plot.py" "${parts[@]}" "$out/ppl" --out "$out/frontier.png" | tee "$out/frontier.md"

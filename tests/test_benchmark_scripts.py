@@ -4,6 +4,7 @@ tiny model on the CPU, including a batch grown from fewer encoder-filled rows.""
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -188,3 +189,28 @@ def test_frontier_plot_takes_a_perplexity_run_from_a_folder_of_its_own(tmp_path,
     (tmp_path / "empty").mkdir()
     with pytest.raises(SystemExit, match="empty holds neither"):
         frontier_plot.merged([tmp_path / "a", tmp_path / "empty"])
+
+
+def test_frontier_eval_split_by_cells_joins_each_pipelines_grid(tmp_path, tiny_model_folder):
+    """benchmarks/frontier_eval.sh with SPLIT=cells: one process per (pipeline, length, depth), each pipeline's
+    parts merged into OUT/PIPELINE with every cell of the grid, perplexity run beside, and the table built from
+    both (tiny model, CPU)."""
+    out = tmp_path / "frontier"
+    env = {**os.environ, "DEVICE": "cpu", "DTYPE": "float32", "NEEDLES": "1", "LENGTHS": "64",
+           "TOKENS": "96", "JOBS": "2", "SPLIT": "cells"}
+    done = subprocess.run(["bash", str(ROOT / "benchmarks" / "frontier_eval.sh"), str(tiny_model_folder), str(out), "full,int4"],
+                          capture_output=True, text=True, timeout=600, cwd=ROOT, env=env)
+    assert done.returncode == 0, done.stderr[-3000:]
+    for name in ("full", "int4"):
+        cells = [json.loads(line) for line in (out / name / "cells.jsonl").read_text().splitlines()]
+        assert sorted((c["pipeline"], c["length"], c["depth"]) for c in cells) == [(name, 64, d) for d in (0.1, 0.5, 0.9)]
+    rows = {line.split("|")[1].strip(): line for line in (out / "frontier.md").read_text().splitlines() if line.startswith("| `")}
+    assert set(rows) == {"`full`", "`int4`"}
+    assert not rows["`int4`"].rstrip().endswith("| - |")  # its perplexity, from the ppl folder
+
+
+def test_frontier_eval_refuses_an_unknown_split(tmp_path):
+    env = {**os.environ, "SPLIT": "depths"}
+    done = subprocess.run(["bash", str(ROOT / "benchmarks" / "frontier_eval.sh"), "default", str(tmp_path), "full,int4"],
+                          capture_output=True, text=True, timeout=60, cwd=ROOT, env=env)
+    assert done.returncode == 2 and "SPLIT must be 'pipelines' or 'cells', got 'depths'" in done.stderr
