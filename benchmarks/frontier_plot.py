@@ -127,17 +127,14 @@ def merged(folders: list[Path]) -> tuple[dict, dict | None]:
     needle: dict | None = None
     ppl: dict | None = None
     for folder in folders:
-        if not (folder / "needle.json").is_file():
+        needle_file = folder / "needle.json"
+        if not needle_file.is_file():  # a perplexity run of its own: its ppl.json joins the others below
             if not (folder / "ppl.json").is_file():
                 raise SystemExit(f"frontier_plot: {folder} holds neither needle.json nor ppl.json (kvweave eval needle / ppl results)")
-            part = None  # a perplexity run of its own: its ppl.json joins the others
-        else:
-            part = json.loads((folder / "needle.json").read_text())
-        if part is None:
-            pass
         elif needle is None:
-            needle = part
+            needle = json.loads(needle_file.read_text())
         else:
+            part = json.loads(needle_file.read_text())
             grid = ("lengths", "depths", "needles", "protocol")
             if any(part.get(key) != needle.get(key) for key in grid):
                 raise SystemExit(f"{folder}/needle.json: its grid ({', '.join(f'{k}={part.get(k)}' for k in grid)}) differs from the first folder's")

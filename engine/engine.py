@@ -73,10 +73,10 @@ class CompressionEngine:
         self.sliding = shape.sliding_layers
         #: sliding_layers = "compress": sliding-window layers are compressed too and drop the blocks their window left
         self.compress_sliding = bool(self.sliding) and self.settings.sliding_layers == "compress"
-        #: ``{layer: window}`` of the layers kept exactly as the model's own cache keeps them (never encoded)
-        self.kept_exact: dict[int, int] = {} if self.compress_sliding else self.sliding
         #: ``{layer: tokens}`` a sliding-window layer keeps (its window - 1, or the ``sliding_tokens`` setting)
         self.sliding_keep = kept_tokens(self.sliding, self.settings.sliding_tokens, f"pipeline '{pipeline.name}'")
+        #: ``{layer: tokens}`` of the sliding-window layers kept uncompressed, as the model's own cache keeps them
+        self.kept_exact: dict[int, int] = {} if self.compress_sliding else self.sliding_keep
         self.groups = split_sliding(self.basis.layer_groups(shape), self.sliding, together=self.compress_sliding)
         self.group_of = self._index_groups()
         #: the last group that compresses: its flush ends a forward's flushes
@@ -183,7 +183,7 @@ class CompressionEngine:
             if self.reads_in_place(keys.shape[-2]):  # so does a kernel reading the window from the layer's view
                 self.attending[layer] = full
         if layer in self.kept_exact:  # the model's own attention reads its window
-            slide(window, self.sliding_keep[layer])
+            slide(window, self.kept_exact[layer])
             return full if materialize else None  # type: ignore[return-value]
         if self.own_attention:
             self.returned_keys[layer] = full[0]  # lets the attention call tell it belongs to this cache

@@ -7,6 +7,7 @@ import json
 import os
 import subprocess
 import sys
+import sysconfig
 from pathlib import Path
 
 import pytest
@@ -196,7 +197,9 @@ def test_frontier_eval_split_by_cells_joins_each_pipelines_grid(tmp_path, tiny_m
     parts merged into OUT/PIPELINE with every cell of the grid, perplexity run beside, and the table built from
     both (tiny model, CPU)."""
     out = tmp_path / "frontier"
-    env = {**os.environ, "DEVICE": "cpu", "DTYPE": "float32", "NEEDLES": "1", "LENGTHS": "64",
+    # the script calls the `kvweave` command: the one installed beside this interpreter comes first
+    path = os.pathsep.join([sysconfig.get_path("scripts"), os.environ.get("PATH", "")])
+    env = {**os.environ, "PATH": path, "DEVICE": "cpu", "DTYPE": "float32", "NEEDLES": "1", "LENGTHS": "64",
            "TOKENS": "96", "JOBS": "2", "SPLIT": "cells"}
     done = subprocess.run(["bash", str(ROOT / "benchmarks" / "frontier_eval.sh"), str(tiny_model_folder), str(out), "full,int4"],
                           capture_output=True, text=True, timeout=600, cwd=ROOT, env=env)
