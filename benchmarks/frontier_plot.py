@@ -1,6 +1,6 @@
 """The quality-at-ratio frontier from an evaluation's needle.json and ppl.json: a markdown table and a plot.
 
-    python benchmarks/frontier_plot.py RESULTS_FOLDER [RESULTS_FOLDER ...] [--out PNG] [--intervals] [--misses]
+    python benchmarks/frontier_plot.py RESULTS_FOLDER [RESULTS_FOLDER ...] [--out PNG] [--intervals] [--misses] [--common]
 
 RESULTS_FOLDER holds ``needle.json`` (``kvweave eval needle``) and optionally ``ppl.json`` (``kvweave eval
 ppl``). Several folders (one grid run in parts, or earlier runs of the same grid) are merged: each
@@ -8,7 +8,8 @@ pipeline is taken from the first folder that has it, and their needle grids must
 ``full`` answered), and the real stored-bytes ratio against a 16-bit cache; perplexity against the
 DynamicCache reference. ``--intervals`` adds the 95% Wilson interval of each "of full" share (how far a grid of
 this size can tell two pipelines apart); ``--misses`` lists, per pipeline, the cells the full cache answers and the
-pipeline does not, as (length, depth, needle).
+pipeline does not, as (length, depth, needle). ``--common`` counts only the cells every pipeline ran (folders grown to
+different needle counts, or a run cut short, compared on the same cases).
 """
 
 from __future__ import annotations
@@ -30,10 +31,20 @@ def wilson(found: int, cases: int, z: float = 1.96) -> tuple[float, float]:
     return max(0.0, centre - half), min(1.0, centre + half)
 
 
-def rows(needle: dict, ppl: dict | None) -> list[dict]:
-    """One row per pipeline: per length hits, cases, of-full counts and the bytes ratio; perplexity change."""
-    full = needle["pipelines"].get("full", {}).get("answers", [])
-    found = {(r["length"], r["depth"], r["needle"]) for r in full if r["hit"]}
+def cell(answer: dict) -> tuple:
+    return answer["length"], answer["depth"], answer["needle"]
+
+
+def rows(needle: dict, ppl: dict | None, common: bool = False) -> list[dict]:
+    """One row per pipeline: per length hits, cases, of-full counts and the bytes ratio; perplexity change.
+
+    ``common``: only the cells that every pipeline with answers ran."""
+    ran = [{cell(r) for r in data["answers"]} for data in needle["pipelines"].values() if "answers" in data]
+    keep = set.intersection(*ran) if common and ran else None
+    if keep is not None and not keep:
+        raise SystemExit("frontier_plot: --common: the pipelines share no cell")
+    full = [r for r in needle["pipelines"].get("full", {}).get("answers", []) if keep is None or cell(r) in keep]
+    found = {cell(r) for r in full if r["hit"]}
     reference = (ppl or {}).get("dynamic_cache_ppl")
     table = []
     for name, data in needle["pipelines"].items():
@@ -41,8 +52,8 @@ def rows(needle: dict, ppl: dict | None) -> list[dict]:
             continue
         row = {"pipeline": name, "lengths": {}}
         for length in needle["lengths"]:
-            cells = [r for r in data["answers"] if r["length"] == length]
-            of_full = [r for r in cells if (r["length"], r["depth"], r["needle"]) in found]
+            cells = [r for r in data["answers"] if r["length"] == length and (keep is None or cell(r) in keep)]
+            of_full = [r for r in cells if cell(r) in found]
             row["lengths"][length] = {
                 "hits": sum(r["hit"] for r in cells), "cases": len(cells),
                 "of_full": sum(r["hit"] for r in of_full), "full_found": len(of_full),
@@ -163,11 +174,12 @@ def main() -> int:
     parser.add_argument("--out", type=Path, default=None, help="plot file (default FIRST_FOLDER/frontier.png)")
     parser.add_argument("--intervals", action="store_true", help="95%% Wilson interval of each 'of full' share")
     parser.add_argument("--misses", action="store_true", help="the cells each pipeline misses of those the full cache finds")
+    parser.add_argument("--common", action="store_true", help="count only the cells every pipeline ran")
     args = parser.parse_args()
     needle, ppl = merged(args.folders)
     if needle is None:
         raise SystemExit("frontier_plot: none of the folders holds a needle.json")
-    table = rows(needle, ppl)
+    table = rows(needle, ppl, args.common)
     print(markdown(table, needle["lengths"], (ppl or {}).get("tokens"), (ppl or {}).get("prefill", 0), args.intervals))
     if args.misses:
         print("\nmissed of what the full cache finds (length, depth, needle):\n" + misses(table, needle["lengths"]))

@@ -121,6 +121,26 @@ def test_frontier_plot_lists_misses_and_wilson_intervals(tmp_path, monkeypatch):
     assert abs(low - 0.839) < 0.005 and abs(high - 0.986) < 0.005  # the textbook 95% Wilson bounds of 39 / 41
 
 
+def test_frontier_plot_common_counts_only_the_cells_every_pipeline_ran(tmp_path, monkeypatch):
+    """A run cut short (needles 0-1 of 4) against fuller ones: --common counts the full cache, hits, bytes and
+    misses on the shared cells only; without it each pipeline keeps all its cells."""
+    monkeypatch.syspath_prepend(str(ROOT / "benchmarks"))
+    import frontier_plot
+
+    _needle(tmp_path / "a", {"full": _answers([True, True, True, True], 1000), "x": _answers([True, False, False, False], 250),
+                             "short": _answers([False, True], 100)}, needles=4)
+    needle, _ = frontier_plot.merged([tmp_path / "a"])
+    every = {row["pipeline"]: row["lengths"][100] for row in frontier_plot.rows(needle, None)}
+    assert every["x"]["of_full"] == 1 and every["x"]["full_found"] == 4 and every["short"]["full_found"] == 2
+    shared = {row["pipeline"]: row["lengths"][100] for row in frontier_plot.rows(needle, None, common=True)}
+    assert shared["full"]["cases"] == shared["x"]["cases"] == shared["short"]["cases"] == 2
+    assert shared["x"]["of_full"] == 1 and shared["x"]["full_found"] == 2 and shared["x"]["missed"] == [(100, 0.5, 1)]
+    assert shared["short"]["missed"] == [(100, 0.5, 0)]
+    _needle(tmp_path / "b", {"full": _answers([True], 1000), "y": {"answers": [{**_answers([True, True], 500)["answers"][1]}]}})
+    with pytest.raises(SystemExit, match="share no cell"):
+        frontier_plot.rows(frontier_plot.merged([tmp_path / "b"])[0], None, common=True)
+
+
 def test_frontier_plot_merges_perplexities_of_one_protocol_only(tmp_path, monkeypatch, capsys):
     """ppl.json files merge when measured alike (tokens, chunk, prefill, reference); a run without a prefill
     is left out (with a note) next to one with it, and the column says what was scored."""
