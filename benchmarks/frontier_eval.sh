@@ -4,13 +4,15 @@
 # at 8,000 tokens against the full cache, for every pipeline named, on one model; then the table and plot.
 #   bash benchmarks/frontier_eval.sh MODEL OUT PIPELINES [REGISTRY]
 # e.g. bash benchmarks/frontier_eval.sh default results/frontier-smollm full,int4,prerope-qa35v3
+# PIPELINES `all`: every pipeline the registry defines (`kvweave pipelines`, with REGISTRY read on top).
 # Environment: NEEDLES (16), LENGTHS (2000,5000), TOKENS (8000), DTYPE (bfloat16), DEVICE (cuda), JOBS (1),
 # PREFILL (0: perplexity of every token fed in chunks; N: the first N tokens one forward, a context that
 # pipelines evicting by context importance need, and perplexity of the tokens after it):
 # JOBS=3 runs the needle grid as 3 processes on the same device, each a share of the pipelines (small models
 # leave a large GPU mostly idle); the parts are merged by frontier_plot.py.
 # SPLIT=cells runs one process per (pipeline, length, depth) instead, JOBS at a time, and joins each pipeline's
-# parts with `kvweave eval merge` into OUT/PIPELINE (the 90-case grids of docs/frontier.md: NEEDLES=30).
+# parts with `kvweave eval merge` into OUT/PIPELINE (the 90-case grids of docs/frontier.md: NEEDLES=30), and
+# measures perplexity one process per pipeline too (OUT/ppl/PIPELINE, one protocol, joined by frontier_plot.py).
 set -euo pipefail
 model=${1:?model (default, a .gguf file or an HF folder)}
 out=${2:?results folder}
@@ -25,7 +27,11 @@ dtype=${DTYPE:-bfloat16}
 prefill=${PREFILL:-0}
 extra=()
 [ -n "$registry" ] && extra=(--registry "$registry")
+if [ "$pipelines" = all ]; then
+  pipelines=$(kvweave pipelines --json "${extra[@]}" | python -c 'import json, sys; print(",".join(p["name"] for p in json.load(sys.stdin)))')
+fi
 IFS=, read -ra names <<< "$pipelines"
+echo "frontier_eval: ${#names[@]} pipelines: $pipelines" >&2
 case " ${names[*]} " in *" full "*) ;; *) echo "frontier_eval: add 'full' to the pipelines: 'of full' counts the cases it answers" >&2; exit 2;; esac
 (( jobs < 1 )) && { echo "frontier_eval: JOBS must be at least 1, got $jobs" >&2; exit 2; }
 split=${SPLIT:-pipelines}
@@ -36,13 +42,13 @@ if [ "$split" = cells ]; then
   mkdir -p "$out/cells"
   for name in "${names[@]}"; do
     for L in "${lens[@]}"; do for D in 0.1 0.5 0.9; do
-      while (( $(jobs -rp | wc -l) >= jobs )); do wait -n; done
+      while (( $(jobs -rp | wc -l) >= jobs )); do wait -n || { echo "frontier_eval: a needle process failed (logs in $out/cells)" >&2; exit 1; }; done
       cell="$out/cells/$name-$L-$D"
       kvweave eval needle --model "$model" --device "$device" --dtype "$dtype" "${extra[@]}" --pipelines "$name" \
         --lengths "$L" --depths "$D" --needles "$needles" --out "$cell" > "$cell.log" 2>&1 &
     done; done
   done
-  for pid in $(jobs -p); do wait "$pid"; done
+  for pid in $(jobs -p); do wait "$pid" || { echo "frontier_eval: a needle process failed (logs in $out/cells)" >&2; exit 1; }; done
   for name in "${names[@]}"; do
     cells=()
     for L in "${lens[@]}"; do for D in 0.1 0.5 0.9; do cells+=("$out/cells/$name-$L-$D"); done; done
@@ -59,9 +65,23 @@ else
     kvweave eval needle --model "$model" --device "$device" --dtype "$dtype" "${extra[@]}" \
       --pipelines "$(IFS=,; echo "${share[*]}")" --lengths "$lengths" --depths 0.1,0.5,0.9 --needles "$needles" --out "$part" &
   done
-  wait
+  for pid in $(jobs -p); do wait "$pid" || { echo "frontier_eval: a needle process failed (its error is above)" >&2; exit 1; }; done
 fi
 compressed=$(IFS=,; echo "${names[*]}" | sed -e 's/^full,//' -e 's/,full,/,/' -e 's/,full$//')
-kvweave eval ppl --model "$model" --device "$device" --dtype "$dtype" "${extra[@]}" --pipelines "$compressed" \
-  --tokens "$tokens" --prefill "$prefill" --out "$out/ppl"
-python "$(dirname "$0")/frontier_plot.py" "${parts[@]}" "$out/ppl" --out "$out/frontier.png" | tee "$out/frontier.md"
+ppl=("$out/ppl")
+if [ "$split" = cells ]; then
+  ppl=()
+  IFS=, read -ra each <<< "$compressed"
+  mkdir -p "$out/ppl"
+  for name in "${each[@]}"; do
+    while (( $(jobs -rp | wc -l) >= jobs )); do wait -n || { echo "frontier_eval: a perplexity process failed (logs in $out/ppl)" >&2; exit 1; }; done
+    kvweave eval ppl --model "$model" --device "$device" --dtype "$dtype" "${extra[@]}" --pipelines "$name" \
+      --tokens "$tokens" --prefill "$prefill" --out "$out/ppl/$name" > "$out/ppl/$name.log" 2>&1 &
+    ppl+=("$out/ppl/$name")
+  done
+  for pid in $(jobs -p); do wait "$pid" || { echo "frontier_eval: a perplexity process failed (logs in $out/ppl)" >&2; exit 1; }; done
+else
+  kvweave eval ppl --model "$model" --device "$device" --dtype "$dtype" "${extra[@]}" --pipelines "$compressed" \
+    --tokens "$tokens" --prefill "$prefill" --out "$out/ppl"
+fi
+python "$(dirname "$0")/frontier_plot.py" "${parts[@]}" "${ppl[@]}" --out "$out/frontier.png" | tee "$out/frontier.md"

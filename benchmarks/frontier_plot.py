@@ -101,36 +101,78 @@ def misses(table: list[dict], lengths: list[int]) -> str:
     return "\n".join(lines)
 
 
-def plot(table: list[dict], lengths: list[int], path: Path, title: str) -> None:
+def plot(table: list[dict], lengths: list[int], path: Path, title: str, ppl: dict | None = None) -> list[str]:
+    """One panel per context length (needles found, of full, against real bytes) and, where ``ppl`` holds any of
+    the pipelines, one more: the perplexity change against the perplexity run's real bytes. Returns the panels'
+    titles."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    import matplotlib.ticker
 
-    fig, axes = plt.subplots(1, len(lengths), figsize=(6 * len(lengths) + 2.5, 4.5), sharey=True)
+    measured = (ppl or {}).get("pipelines", {})
+    reference = (ppl or {}).get("dynamic_cache_ppl")
+    with_ppl = [row for row in table if row["pipeline"] in measured and reference]
+    panels = len(lengths) + (1 if with_ppl else 0)
+    columns = 1 + len(table) // 25
+    fig, axes = plt.subplots(1, panels, figsize=(5.5 * panels + 2.5 * columns, 4.5 + 0.06 * max(0, len(table) - 25)),
+                             squeeze=False)
+    axes = list(axes[0])
     markers = "osD^v<>pP*Xh"
     colors = plt.get_cmap("tab20").colors
-    for ax, n in zip(axes if len(lengths) > 1 else [axes], lengths):
-        for index, row in enumerate(table):  # one colour and marker per pipeline, named in the legend
-            c = row["lengths"][n]
-            share = c["of_full"] / c["full_found"] if c["full_found"] else 0.0
-            ax.scatter(c["ratio"], share, s=45, marker=markers[index % len(markers)], color=colors[index % len(colors)],
-                       label=row["pipeline"], alpha=0.85)
-        ax.axhline(0.95, color="grey", lw=0.8, ls="--")
+    style = {row["pipeline"]: (markers[i % len(markers)], colors[i % len(colors)]) for i, row in enumerate(table)}
+    ratios = [c["ratio"] for row in table for c in row["lengths"].values()]
+    ratios += [measured[row["pipeline"]]["full_16bit_bytes"] / measured[row["pipeline"]]["stored_bytes"] for row in with_ppl]
+    ticks = [t for t in (1, 2, 3, 4, 5, 6, 8, 10, 16, 32, 64) if t <= 1.3 * max(ratios + [10])]
+
+    def bytes_axis(ax) -> None:
         ax.axvline(5.0, color="grey", lw=0.8, ls=":")
+        ax.axvline(8.0, color="grey", lw=0.8, ls=":")
         ax.set_xscale("log")
-        ax.set_xticks([1, 2, 3, 4, 5, 6, 8, 10])
-        ax.set_xticklabels(["1", "2", "3", "4", "5", "6", "8", "10"])
+        ax.set_xticks(ticks)
+        ax.set_xticklabels([str(t) for t in ticks])
         ax.minorticks_off()
         ax.set_xlabel("real stored bytes: x less than a 16-bit cache")
+
+    for ax, n in zip(axes, lengths):
+        for row in table:  # one colour and marker per pipeline, named in the legend
+            c = row["lengths"][n]
+            share = c["of_full"] / c["full_found"] if c["full_found"] else 0.0
+            marker, color = style[row["pipeline"]]
+            ax.scatter(c["ratio"], share, s=45, marker=marker, color=color, label=row["pipeline"], alpha=0.85)
+        ax.axhline(0.95, color="grey", lw=0.8, ls="--")
+        ax.axhline(0.75, color="grey", lw=0.8, ls=":")
+        bytes_axis(ax)
         ax.set_title(f"{n:,} tokens")
-    first = axes[0] if len(lengths) > 1 else axes
-    first.set_ylabel("needles found, of what the full cache finds")
-    last = axes[-1] if len(lengths) > 1 else axes
-    last.legend(loc="upper left", bbox_to_anchor=(1.02, 1.0), fontsize=8, frameon=False)
+        ax.set_ylabel("needles found, of what the full cache finds" if ax is axes[0] else "")
+    needle_axes = axes[:len(lengths)]
+    low = min(ax.get_ylim()[0] for ax in needle_axes)
+    high = max(ax.get_ylim()[1] for ax in needle_axes)
+    for ax in needle_axes:  # one scale for every length
+        ax.set_ylim(low, high)
+    if with_ppl:
+        ax = axes[-1]
+        for row in with_ppl:
+            data = measured[row["pipeline"]]
+            marker, color = style[row["pipeline"]]
+            ax.scatter(data["full_16bit_bytes"] / data["stored_bytes"], 100 * (data["ppl"] / reference - 1), s=45,
+                       marker=marker, color=color, alpha=0.85)
+        ax.axhline(2.0, color="grey", lw=0.8, ls="--")
+        ax.axhline(0.0, color="grey", lw=0.5)
+        ax.set_yscale("symlog", linthresh=5.0)  # linear to +-5%, logarithmic past it (some pipelines lose 10x)
+        ax.yaxis.set_major_formatter(matplotlib.ticker.FuncFormatter(lambda v, _: f"{v:+g}%"))
+        bytes_axis(ax)
+        prefill = (ppl or {}).get("prefill", 0)
+        ax.set_title(f"perplexity of {ppl.get('tokens', 0) - prefill:,} tokens" + (f" after {prefill:,}" if prefill else ""))
+        ax.set_ylabel("perplexity change against the full cache")
+    handles, names = axes[0].get_legend_handles_labels()
+    fig.legend(handles, names, loc="upper left", bbox_to_anchor=(1.0, 0.92), fontsize=8, frameon=False, ncol=columns)
     fig.suptitle(title)
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    fig.savefig(path, dpi=120, bbox_inches="tight")
+    plt.close(fig)
+    return [ax.get_title() for ax in axes]
 
 
 def merged(folders: list[Path]) -> tuple[dict, dict | None]:
@@ -184,7 +226,7 @@ def main() -> int:
     if args.misses:
         print("\nmissed of what the full cache finds (length, depth, needle):\n" + misses(table, needle["lengths"]))
     title = f"needles ({needle.get('protocol', 'query-aware')}) vs real bytes"
-    plot(table, needle["lengths"], args.out or args.folders[0] / "frontier.png", title)
+    plot(table, needle["lengths"], args.out or args.folders[0] / "frontier.png", title, ppl)
     return 0
 
 

@@ -141,6 +141,22 @@ def test_frontier_plot_common_counts_only_the_cells_every_pipeline_ran(tmp_path,
         frontier_plot.rows(frontier_plot.merged([tmp_path / "b"])[0], None, common=True)
 
 
+def test_frontier_plot_draws_a_perplexity_panel_where_perplexities_were_measured(tmp_path, monkeypatch):
+    monkeypatch.syspath_prepend(str(ROOT / "benchmarks"))
+    import frontier_plot
+
+    _needle(tmp_path / "a", {"full": _answers([True, True], 1000), "x": _answers([True, False], 25)}, needles=2)
+    needle, _ = frontier_plot.merged([tmp_path / "a"])
+    table = frontier_plot.rows(needle, None)
+    ppl = {"tokens": 800, "prefill": 400, "dynamic_cache_ppl": 10.0,
+           "pipelines": {"x": {"ppl": 10.5, "stored_bytes": 30, "full_16bit_bytes": 1200}}}
+    assert frontier_plot.plot(table, [100], tmp_path / "n.png", "t") == ["100 tokens"]
+    assert frontier_plot.plot(table, [100], tmp_path / "p.png", "t", ppl) == ["100 tokens", "perplexity of 400 tokens after 400"]
+    assert (tmp_path / "p.png").stat().st_size > 0
+    many = [{"pipeline": f"p{i}", "lengths": {100: {"ratio": 1.0 + i, "of_full": 1, "full_found": 2}}} for i in range(60)]
+    assert frontier_plot.plot(many, [100], tmp_path / "many.png", "t") == ["100 tokens"]  # 60 pipelines, ratios to 60x
+
+
 def test_frontier_plot_merges_perplexities_of_one_protocol_only(tmp_path, monkeypatch, capsys):
     """ppl.json files merge when measured alike (tokens, chunk, prefill, reference); a run without a prefill
     is left out (with a note) next to one with it, and the column says what was scored."""
@@ -230,6 +246,23 @@ def test_frontier_eval_split_by_cells_joins_each_pipelines_grid(tmp_path, tiny_m
     rows = {line.split("|")[1].strip(): line for line in (out / "frontier.md").read_text().splitlines() if line.startswith("| `")}
     assert set(rows) == {"`full`", "`int4`"}
     assert not rows["`int4`"].rstrip().endswith("| - |")  # its perplexity, from the ppl folder
+
+
+def test_frontier_eval_all_names_every_registry_pipeline_and_stops_at_a_failed_process(tmp_path):
+    """PIPELINES `all`: the pipelines `kvweave pipelines` lists, this registry's on top; a needle process that fails
+    (here: no such model) stops the script with a message instead of a table built from what is missing."""
+    from kvweave.core.registry import load_registry
+
+    extra = tmp_path / "extra.toml"
+    extra.write_text('[pipelines.my-int4]\nextends = "int4"\n')
+    path = os.pathsep.join([sysconfig.get_path("scripts"), os.environ.get("PATH", "")])
+    env = {**os.environ, "PATH": path, "DEVICE": "cpu", "JOBS": "1", "SPLIT": "cells"}
+    done = subprocess.run(["bash", str(ROOT / "benchmarks" / "frontier_eval.sh"), str(tmp_path / "no-model"), str(tmp_path / "out"),
+                           "all", str(extra)], capture_output=True, text=True, timeout=300, cwd=ROOT, env=env)
+    listed = next(line for line in done.stderr.splitlines() if " pipelines: " in line).split(" pipelines: ")[1].split(",")
+    assert listed == list(load_registry(str(extra)).tables) and "my-int4" in listed and len(listed) > 40
+    assert done.returncode == 1 and "a needle process failed" in done.stderr
+    assert not (tmp_path / "out" / "frontier.md").exists()
 
 
 def test_frontier_eval_refuses_an_unknown_split(tmp_path):
