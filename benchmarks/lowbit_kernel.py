@@ -3,13 +3,13 @@ with one exact outlier, 2-bit rotated values; ``--storage qa35v3``: the frontier
 3-bit values with log8 scales) against SDPA over a full bf16 cache.
 
     python benchmarks/lowbit_kernel.py [--tokens 32768,65536,131072] [--batches 1,8,32]
-        [--configs wide:32:4,general:16:4:528] [--out DIR]
+        [--configs wide:32:4,general:16:4:528,wide:32:4:528:magic+vb16] [--out DIR]
 
 Shape: Llama-3-8B attention (32 query heads, 8 KV heads, head_dim 128, rope theta 500000), one new query
 token per sequence. The packed storage is written by the real quantizers (``channel-group`` 4-bit, group 64,
 one outlier; ``rotated-token`` 2-bit, normal levels) from random keys and values; the exact window holds
-16 tokens. Reported per (T, B) and kernel configuration (``variant:block:warps[:programs]``, the Triton kernels of
-``kvweave.kernels.lowbit_decode.VARIANTS``): SDPA and kernel GPU time (the kernels' device time from the torch
+16 tokens. Reported per (T, B) and kernel configuration (``variant:block:warps[:programs[:tricks]]``, the Triton kernels
+of ``kvweave.kernels.lowbit_decode.VARIANTS``, tricks "+"-separated names of its ``TRICKS``): SDPA and kernel GPU time (the kernels' device time from the torch
 profiler per call, combine and exact-window merge included; host time left out), the kernel's wall time per
 call (CUDA events, host included), speed-up on GPU time, the bytes the kernel reads (``nbytes`` of every packed
 tensor and the exact window), the bandwidth that implies and its share of the measured copy bandwidth, the
@@ -29,7 +29,8 @@ import torch
 import torch.nn.functional as F
 
 from decode_kernel import copy_bandwidth, device_us, timed  # the same timing as the fused kernel's benchmark
-from kvweave.kernels.lowbit_decode import VARIANTS, LowbitView, level_kind, lowbit_decode, plan_launch, torch_lowbit_decode
+from kvweave.kernels.lowbit_decode import (TRICKS, VARIANTS, LowbitView, level_kind, lowbit_decode, plan_launch,
+                                           torch_lowbit_decode)
 from kvweave.plugins.quantizers.channel_alloc import ChannelAllocQuantizer
 from kvweave.plugins.quantizers.channel_group import ChannelGroupQuantizer
 from kvweave.plugins.quantizers.rotated_token import RotatedTokenQuantizer, rotation_matrix
@@ -95,15 +96,19 @@ def kernel_stats(kernel) -> str:
     return "; ".join(found) or "(not reported)"
 
 
-def parse_configs(text: str, programs: int) -> list[tuple[str, int, int, int]]:
-    """``variant:block:warps[:programs]`` items, comma-separated (``wide:32:4,general:16:4:528``); ``programs``
-    (the kernel programs aimed for, splitting the tokens) defaults to ``--programs``."""
+def parse_configs(text: str, programs: int) -> list[tuple[str, int, int, int, str]]:
+    """``variant:block:warps[:programs[:tricks]]`` items, comma-separated (``wide:32:4,general:16:4:528,
+    wide:32:4:528:magic+vb16``); ``programs`` (the kernel programs aimed for, splitting the tokens) defaults to
+    ``--programs``, ``tricks`` ("+"-separated names of ``TRICKS``) to none."""
     configs = []
     for item in text.split(","):
         parts = item.split(":")
-        if len(parts) not in (3, 4) or parts[0] not in VARIANTS or not all(part.isdigit() for part in parts[1:]):
-            raise SystemExit(f"--configs: {item!r} is not variant:block:warps[:programs] with variant one of {', '.join(VARIANTS)}")
-        configs.append((parts[0], int(parts[1]), int(parts[2]), int(parts[3]) if len(parts) == 4 else programs))
+        tricks = parts[4] if len(parts) == 5 else ""
+        if (len(parts) not in (3, 4, 5) or parts[0] not in VARIANTS or not all(part.isdigit() for part in parts[1:4])
+                or not all(t in TRICKS for t in tricks.split("+") if t)):
+            raise SystemExit(f"--configs: {item!r} is not variant:block:warps[:programs[:tricks]] with variant one of "
+                             f"{', '.join(VARIANTS)} and tricks of {', '.join(TRICKS)}")
+        configs.append((parts[0], int(parts[1]), int(parts[2]), int(parts[3]) if len(parts) >= 4 else programs, tricks))
     return configs
 
 
@@ -131,11 +136,12 @@ def main() -> None:
     q_small = torch.randn(1, Q_HEADS, HEAD_DIM, device="cuda")
     reference = torch_lowbit_decode(small, q_small, None, scale)
     twins = {}
-    for variant, block, warps, programs in configs:
-        name = f"{variant}:{block}:{warps}:{programs}"
-        out = lowbit_decode(small, q_small, None, scale, block, warps, variant, programs)
+    for variant, block, warps, programs, tricks in configs:
+        name = f"{variant}:{block}:{warps}:{programs}" + (f":{tricks}" if tricks else "")
+        out = lowbit_decode(small, q_small, None, scale, block, warps, variant, programs, tricks)
         twins[name] = float((out - reference).abs().max())
-        print(f"{name}: largest difference from the torch twin (T = 4096, B = 1) {twins[name]:.2e}; compiled: {kernel_stats(plan_launch(small, q_small, None, scale, block, warps, variant, programs).kernel)}")
+        launch = plan_launch(small, q_small, None, scale, block, warps, variant, programs, tricks=tricks)
+        print(f"{name}: largest difference from the torch twin (T = 4096, B = 1) {twins[name]:.2e}; compiled: {kernel_stats(launch.kernel)}")
     rows = []
     print("\n| T | B | kernel | SDPA us (GPU) | lowbit us (GPU) | lowbit us (wall) | speed-up (GPU) | bytes read | GB/s | % of copy bw | bytes ratio |")
     print("|---:|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|")
@@ -153,11 +159,11 @@ def main() -> None:
             sdpa_call = lambda: F.scaled_dot_product_attention(q[:, :, None], keys, values, enable_gqa=True)  # noqa: E731
             sdpa = device_us(sdpa_call, args.reps)
             read = view_bytes(view)
-            for variant, block, warps, programs in configs:
-                call = lambda: lowbit_decode(view, q, None, scale, block, warps, variant, programs)  # noqa: E731
+            for variant, block, warps, programs, tricks in configs:
+                call = lambda: lowbit_decode(view, q, None, scale, block, warps, variant, programs, tricks)  # noqa: E731
                 kernel = device_us(call, args.reps)
                 wall = timed(call, args.reps)
-                row = {"tokens": tokens, "batch": batch, "kernel": f"{variant}:{block}:{warps}:{programs}", "sdpa_us": sdpa, "kernel_us": kernel,
+                row = {"tokens": tokens, "batch": batch, "kernel": f"{variant}:{block}:{warps}:{programs}" + (f":{tricks}" if tricks else ""), "sdpa_us": sdpa, "kernel_us": kernel,
                        "wall_us": wall, "speedup": sdpa / kernel, "bytes_read": read, "gbps": read / kernel / 1e3,
                        "of_copy": read / (kernel * 1e-6) / bandwidth, "bytes_ratio": full_bytes / read}
                 rows.append(row)

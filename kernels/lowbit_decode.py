@@ -25,7 +25,7 @@ the scale), ``rotation`` float32 [D, D] (a stored value vector is ``y @ rotation
 from __future__ import annotations
 
 import math
-
+import os
 from typing import TYPE_CHECKING, Any
 
 import attrs
@@ -271,6 +271,28 @@ def resolve_variant(view: LowbitView, variant: str, block: int | None = None) ->
     return variant, block
 
 
+#: conversions the kernels can leave out (``tricks``, "+"-separated; none by default until timed on a GPU): "magic" int
+#: codes made float32 by their bits (keys, uniform value levels; the general kernel's keys too), "vb16" the "wide"
+#: kernel's value operands made bfloat16 without converting (128 + code, bfloat16 constants or table), "ktf32" its key
+#: products on TF32 (no bfloat16 conversion of the rotated keys); the last two need a GPU's operands (``lowp``).
+TRICKS = ("magic", "vb16", "ktf32")
+
+
+def parse_tricks(tricks: str, variant: str, lowp: bool) -> dict:
+    """The kernel constants ``MAGIC``, ``VB16``, ``KTF32`` of ``tricks`` ("+"-separated :data:`TRICKS`, "" none);
+    a name not in :data:`TRICKS`, or one the launch cannot take, refused."""
+    names = [t for t in tricks.split("+") if t]
+    unknown = [t for t in names if t not in TRICKS]
+    if unknown:
+        raise ValueError(f"lowbit kernel tricks {unknown}: expected '+'-separated names of {', '.join(TRICKS)}")
+    if variant == "general" and set(names) - {"magic"}:
+        raise ValueError(f"the lowbit 'general' kernel takes only the 'magic' trick, got {tricks!r}")
+    if not lowp and set(names) & {"vb16", "ktf32"}:
+        raise ValueError(f"lowbit kernel tricks {tricks!r}: 'vb16' and 'ktf32' change the bfloat16 tile operands of a GPU "
+                         "(lowp); float32 operands have no conversion to leave out")
+    return {"MAGIC": "magic" in names, "VB16": "vb16" in names, "KTF32": "ktf32" in names}
+
+
 @attrs.frozen
 class Launch:
     """One launch of a lowbit Triton kernel: ``kernel[grid](*args, **constants)`` fills ``outputs`` (the packed
@@ -289,10 +311,13 @@ class Launch:
 
 
 def plan_launch(view: LowbitView, q: torch.Tensor, start: torch.Tensor | None, scaling: float, block: int | None = None,
-                num_warps: int = 4, variant: str = "auto", programs: int = 528, lowp: bool | None = None) -> Launch:
+                num_warps: int = 4, variant: str = "auto", programs: int = 528, lowp: bool | None = None,
+                tricks: str = "") -> Launch:
     """The launch :func:`lowbit_decode` makes for ``view`` (``view.tokens`` > 0); ``lowp``: bfloat16 tile operands
-    (None: where ``q`` is on a GPU)."""
+    (None: where ``q`` is on a GPU); ``tricks``: conversions left out (:data:`TRICKS`)."""
     variant, block = resolve_variant(view, variant, block)
+    lowp = q.is_cuda if lowp is None else lowp
+    trick = parse_tricks(tricks, variant, lowp)
     batch, q_heads, dim = q.shape
     heads = view.exact_k.shape[1]
     group = q_heads // heads
@@ -323,32 +348,36 @@ def plan_launch(view: LowbitView, q: torch.Tensor, start: torch.Tensor | None, s
     )
     constants = dict(
         D=dim, G=rows, KBITS=view.k_bits, KGROUP=view.k_group, KO=ko, VBITS=view.v_bits, VGROUP=view.v_group,
-        ROPE=view.inv_freq is not None, HAS_START=start is not None, BLOCK=block, LOWP=q.is_cuda if lowp is None else lowp,
+        ROPE=view.inv_freq is not None, HAS_START=start is not None, BLOCK=block, LOWP=lowp,
         num_warps=num_warps, KWIDTH=view.k_codes.shape[-1], VARW=varw, VLOG=view.v_scale_max is not None,
         VST=view.v_scale_tokens, HAS_POS=view.positions is not None, KWW=view.k_widths.shape[-1] if varw else 1,
         HID=0 if view.hidden_slots is None else view.hidden_slots.shape[-1],
+        APPROX=lowp and os.environ.get("TRITON_INTERPRET") != "1",  # the interpreter has no hardware cos/sin
     )
     if variant == "general":
-        return Launch(jit._lowbit_kernel, (batch * heads, splits), args, constants, (m, l, acc))
+        return Launch(jit._lowbit_kernel, (batch * heads, splits), args, {**constants, "MAGIC": trick["MAGIC"]}, (m, l, acc))
     kind, l0, l1 = view.level_kind or level_kind(view.v_levels.tolist())
     fast_k, fast_v = whole_byte_codes(view)
-    constants = {**constants, "FASTK": fast_k, "FASTV": fast_v, "LEVELS": kind}
-    return Launch(jit._lowbit_wide_kernel, (batch * heads, splits), (*args, l0, l1), constants, (m, l, acc))
+    constants = {**constants, "FASTK": fast_k, "FASTV": fast_v, "LEVELS": kind, **trick}
+    table16 = view.v_levels.to(torch.bfloat16) if trick["VB16"] and kind == 0 else view.v_levels
+    return Launch(jit._lowbit_wide_kernel, (batch * heads, splits), (*args, l0, l1, table16), constants, (m, l, acc))
 
 
 def lowbit_decode(view: LowbitView, q: torch.Tensor, start: torch.Tensor | None, scaling: float,
-                  block: int | None = None, num_warps: int = 4, variant: str = "auto", programs: int = 528) -> torch.Tensor:
+                  block: int | None = None, num_warps: int = 4, variant: str = "auto", programs: int = 528,
+                  tricks: str = "", lowp: bool | None = None) -> torch.Tensor:
     """The Triton path of :func:`torch_lowbit_decode`: [B, Hq, D] float32. On a GPU the two products of
     each tile take bfloat16 operands (float32 sums), as sdpa over the reference path's bfloat16 keys does;
     under ``TRITON_INTERPRET=1`` they stay float32, so the tests compare it with the twin closely.
-    ``variant``: which kernel (:data:`VARIANTS`)."""
+    ``variant``: which kernel (:data:`VARIANTS`); ``tricks``: conversions left out (:data:`TRICKS`); ``lowp``:
+    bfloat16 tile operands (None: on a GPU)."""
     if jit.triton is None:
         raise RuntimeError("the lowbit kernel needs Triton; use backend 'torch'")
     if variant not in VARIANTS:  # refused even where no kernel runs (plan_launch resolves it against the storage)
         raise ValueError(f"lowbit kernel variant {variant!r}: expected one of {', '.join(VARIANTS)}")
     if view.tokens == 0:
         return torch_lowbit_decode(view, q, start, scaling)
-    packed = plan_launch(view, q, start, scaling, block, num_warps, variant, programs)
+    packed = plan_launch(view, q, start, scaling, block, num_warps, variant, programs, lowp, tricks)
     packed.run()
     return plan_combine(view, q, start, scaling, packed).run()[0]
 

@@ -33,9 +33,18 @@ if triton is not None:
         return _stream_codes(row_ptr, t_idx, t_ok, chan * BITS, tl.full(chan.shape, BITS, tl.int32), WIDTH)
 
     @triton.jit
+    def _as_float(code, MAGIC: tl.constexpr):
+        """int32 codes (0 .. 2**23) as float32: a conversion instruction, or (``MAGIC``) the code's bits put into the
+        mantissa of 2**23 and 2**23 subtracted (exact: an integer op and an add instead of a conversion, which a GPU
+        issues at an eighth of an add's rate)."""
+        if MAGIC:
+            return (code | 0x4B000000).to(tl.float32, bitcast=True) - 8388608.0
+        return code.to(tl.float32)
+
+    @triton.jit
     def _dequant(codes_ptr, zero_ptr, scale_ptr, oi_ptr, ov_ptr, kw_ptr, row_off, t_idx, t_ok, chan,
                  D: tl.constexpr, KBITS: tl.constexpr, KGROUP: tl.constexpr, KO: tl.constexpr, KWIDTH: tl.constexpr,
-                 VARW: tl.constexpr, KWW: tl.constexpr):
+                 VARW: tl.constexpr, KWW: tl.constexpr, MAGIC: tl.constexpr):
         """Keys [BLOCK_T, D] (channel order ``chan``) of tokens ``t_idx``, before the rotary embedding. ``VARW``:
         each channel of the token group has its own width (channel-alloc.v1: ``KWW`` one-byte widths a group as
         stored, channel ``c`` taking width ``c % KWW``), its offset in the token's stream the sum of the widths of
@@ -51,7 +60,7 @@ if triton is not None:
             code = _codes(codes_ptr + row_off * KWIDTH, t_idx, t_ok, chan, KBITS, KWIDTH)
         zero = tl.load(zero_ptr + meta).to(tl.float32)
         scale = tl.load(scale_ptr + meta).to(tl.float32)
-        keys = zero[None, :] + code.to(tl.float32) * scale[None, :]
+        keys = zero[None, :] + _as_float(code, MAGIC) * scale[None, :]
         for o in tl.static_range(KO):
             index = tl.load(oi_ptr + row_off * KO + t_idx * KO + o, mask=t_ok, other=0).to(tl.int32)
             value = tl.load(ov_ptr + row_off * KO + t_idx * KO + o, mask=t_ok, other=0.0).to(tl.float32)
@@ -82,7 +91,7 @@ if triton is not None:
     def _cos_sin(pos, freq, rope_scale, APPROX: tl.constexpr):
         """cos and sin [BLOCK, len(freq)] of the rotary angles ``pos * freq``, times ``rope_scale``; each angle reduced
         into [-pi, pi] first (their large-argument path is slow): Cody-Waite with 2 pi = 6.28125 + 0.00193530717958647
-        (k * 6.28125 exact in float32 for k < 2**15, 200K positions). ``APPROX`` (a GPU with bfloat16 tile operands):
+        (k * 6.28125 exact in float32 for k < 2**15, 200K positions). ``APPROX`` (a GPU build with bfloat16 tile operands):
         the hardware's approximations (``cos.approx``, ``sin.approx``: absolute error about 1e-6 on [-pi, pi], far
         below a bfloat16 operand's rounding) instead of the libm-accurate functions, a few instructions instead of
         dozens per angle."""
@@ -113,8 +122,8 @@ if triton is not None:
         tokens, heads, splits, split_len, first, rope_scale, scaling,
         D: tl.constexpr, G: tl.constexpr, KBITS: tl.constexpr, KGROUP: tl.constexpr, KO: tl.constexpr,
         VBITS: tl.constexpr, VGROUP: tl.constexpr, ROPE: tl.constexpr, HAS_START: tl.constexpr, BLOCK: tl.constexpr,
-        LOWP: tl.constexpr, KWIDTH: tl.constexpr, VARW: tl.constexpr, VLOG: tl.constexpr, VST: tl.constexpr,
-        HAS_POS: tl.constexpr, KWW: tl.constexpr, HID: tl.constexpr,
+        LOWP: tl.constexpr, KWIDTH: tl.constexpr, VARW: tl.constexpr, VLOG: tl.constexpr, VST: tl.constexpr, APPROX: tl.constexpr,
+        HAS_POS: tl.constexpr, KWW: tl.constexpr, HID: tl.constexpr, MAGIC: tl.constexpr,
     ):
         bh = tl.program_id(0)
         split = tl.program_id(1)
@@ -141,14 +150,14 @@ if triton is not None:
         for t0 in range(lo, hi, BLOCK):
             t_idx = t0 + tl.arange(0, BLOCK)
             t_ok = t_idx < hi
-            keys = _dequant(kc_ptr, kz_ptr, ks_ptr, koi_ptr, kov_ptr, kw_ptr, row_off, t_idx, t_ok, chan, D, KBITS, KGROUP, KO, KWIDTH, VARW, KWW)
+            keys = _dequant(kc_ptr, kz_ptr, ks_ptr, koi_ptr, kov_ptr, kw_ptr, row_off, t_idx, t_ok, chan, D, KBITS, KGROUP, KO, KWIDTH, VARW, KWW, MAGIC)
             if HAS_POS:  # a cache that dropped tokens: each slot's cache index (-1: a filler)
                 pos = tl.load(pos_ptr + row_off + t_idx, mask=t_ok, other=-1).to(tl.int32)
             else:
                 pos = first + t_idx
             if ROPE:
-                other = _dequant(kc_ptr, kz_ptr, ks_ptr, koi_ptr, kov_ptr, kw_ptr, row_off, t_idx, t_ok, partner, D, KBITS, KGROUP, KO, KWIDTH, VARW, KWW)
-                cos, sin = _cos_sin(pos, freq, rope_scale, LOWP)
+                other = _dequant(kc_ptr, kz_ptr, ks_ptr, koi_ptr, kov_ptr, kw_ptr, row_off, t_idx, t_ok, partner, D, KBITS, KGROUP, KO, KWIDTH, VARW, KWW, MAGIC)
+                cos, sin = _cos_sin(pos, freq, rope_scale, APPROX)
                 keys = keys * cos + sign[None, :] * other * sin
             s = _product(q, tl.trans(keys), LOWP)  # [G, BLOCK]; bfloat16 operands on a GPU, what sdpa over bfloat16 keys computes
             if HID > 0:  # slots whose tokens are attended exactly (restored by residuals)
@@ -168,20 +177,38 @@ if triton is not None:
         tl.store(acc_ptr + out * D + gi[:, None] * D + chan[None, :], acc)
 
     @triton.jit
-    def _level(code, vlev_ptr, VBITS: tl.constexpr, LEVELS: tl.constexpr, l0, l1):
+    def _level(code, vlev_ptr, VBITS: tl.constexpr, LEVELS: tl.constexpr, l0, l1, MAGIC: tl.constexpr):
         """The value level of each code (:func:`kvweave.kernels.lowbit_decode.level_kind`): arithmetic where the
         levels allow it, else a load from the table."""
         if LEVELS == 1:  # uniform, symmetric: code - (2**bits - 1) / 2
-            return code.to(tl.float32) - ((1 << VBITS) - 1) / 2
+            return _as_float(code, MAGIC) - ((1 << VBITS) - 1) / 2
         elif LEVELS == 2:  # the four normal levels -l1, -l0, l0, l1
             return tl.where(code >= 2, 1.0, -1.0) * tl.where((code == 0) | (code == 3), l1, l0)
         else:
             return tl.load(vlev_ptr + code)
 
     @triton.jit
+    def _level16(code, vlev16_ptr, LEVELS: tl.constexpr, l0, l1, n0, n1):
+        """bfloat16 value operands made without a float conversion (``VB16``): the uniform levels as ``128 + code``
+        (the code's bits in the mantissa of 128; the caller takes 128 + the offset times the probabilities' sum
+        off the product), the four normal levels chosen among the bfloat16 scalars ``l0, l1`` and their negations
+        ``n0, n1``, other levels from the table's bfloat16 copy."""
+        if LEVELS == 1:
+            return (code | 0x4300).to(tl.int16).to(tl.bfloat16, bitcast=True)
+        elif LEVELS == 2:
+            positive = tl.where((code == 0) | (code == 3), l1, l0)
+            negative = tl.where((code == 0) | (code == 3), n1, n0)
+            return tl.where(code >= 2, positive, negative)
+        else:
+            return tl.load(vlev16_ptr + code)
+
+    @triton.jit
     def _product(a, b, LOWP: tl.constexpr):
-        """``a @ b`` on the tensor cores: bfloat16 operands and float32 sums on a GPU (``LOWP``), float32 otherwise."""
-        if LOWP:
+        """``a @ b`` on the tensor cores: bfloat16 operands and float32 sums on a GPU (``LOWP`` 1), float32 operands
+        on TF32 (``LOWP`` 2: no conversion, 10-bit mantissas), float32 otherwise."""
+        if LOWP == 2:
+            return tl.dot(a, b, input_precision="tf32")
+        elif LOWP:
             return tl.dot(a.to(tl.bfloat16), b.to(tl.bfloat16))
         return tl.dot(a, b, input_precision="ieee")
 
@@ -224,18 +251,22 @@ if triton is not None:
     def _lowbit_wide_kernel(
         q_ptr, kc_ptr, kz_ptr, ks_ptr, koi_ptr, kov_ptr, kw_ptr, vc_ptr, vs_ptr, vmax_ptr, vlev_ptr, freq_ptr, start_ptr,
         pos_ptr, hid_ptr, m_ptr, l_ptr, acc_ptr,
-        tokens, heads, splits, split_len, first, rope_scale, scaling, l0, l1,
+        tokens, heads, splits, split_len, first, rope_scale, scaling, l0, l1, vlev16_ptr,
         D: tl.constexpr, G: tl.constexpr, KBITS: tl.constexpr, KGROUP: tl.constexpr, KO: tl.constexpr,
         VBITS: tl.constexpr, VGROUP: tl.constexpr, ROPE: tl.constexpr, HAS_START: tl.constexpr, BLOCK: tl.constexpr,
         LOWP: tl.constexpr, LEVELS: tl.constexpr, KWIDTH: tl.constexpr, VARW: tl.constexpr, VLOG: tl.constexpr, VST: tl.constexpr,
+        APPROX: tl.constexpr,
         HAS_POS: tl.constexpr, KWW: tl.constexpr, HID: tl.constexpr, FASTK: tl.constexpr, FASTV: tl.constexpr,
+        MAGIC: tl.constexpr, VB16: tl.constexpr, KTF32: tl.constexpr,
     ):
         """Whole tiles: each half of the head's keys dequantized in one piece and rotated pairwise (one product per
         half a step; the query loaded once), and the values one product per channel group (at most 4) whose scale
         multiplies the probabilities (a number per token) instead of every value. ``FASTK`` (2- or 4-bit
         ``channel-group`` keys): the codes unpacked from their bytes by interleaving in registers, the next step's
         bytes loaded before this step's arithmetic; otherwise (3 bits, ``channel-alloc`` widths) each code read from
-        the one or two bytes it lies in. ``FASTV`` (2- or 4-bit values): likewise, else byte-read codes."""
+        the one or two bytes it lies in. ``FASTV`` (2- or 4-bit values): likewise, else byte-read codes. Conversions
+        left out (:data:`kvweave.kernels.lowbit_decode.TRICKS`): ``MAGIC`` codes made float by their bits, ``VB16``
+        value operands made bfloat16 without a conversion, ``KTF32`` the keys' products on TF32."""
         bh = tl.program_id(0)
         split = tl.program_id(1)
         batch = bh // heads
@@ -256,6 +287,11 @@ if triton is not None:
         q_lo = tl.load(q_row + gi[:, None] * D + ch[None, :]) * scaling
         q_hi = tl.load(q_row + gi[:, None] * D + HALF + ch[None, :]) * scaling
         t_loc = tl.arange(0, BLOCK)
+        if VB16:  # the normal levels and their negations as bfloat16 scalars
+            b0 = l0.to(tl.bfloat16)
+            b1 = l1.to(tl.bfloat16)
+            n0 = (-l0).to(tl.bfloat16)
+            n1 = (-l1).to(tl.bfloat16)
         if ROPE:
             freq = tl.load(freq_ptr + ch)
         lo = split * split_len
@@ -280,9 +316,9 @@ if triton is not None:
                                                 first + nxt, NB, KWIDTH, HAS_POS)
                 meta = (row + t0) // KGROUP * D  # a tile lies within one token group
                 k_lo = tl.load(kz_ptr + meta + ch).to(tl.float32)[None, :] + \
-                    _unpack(kb_lo, KBITS).to(tl.float32) * tl.load(ks_ptr + meta + ch).to(tl.float32)[None, :]
+                    _as_float(_unpack(kb_lo, KBITS), MAGIC) * tl.load(ks_ptr + meta + ch).to(tl.float32)[None, :]
                 k_hi = tl.load(kz_ptr + meta + HALF + ch).to(tl.float32)[None, :] + \
-                    _unpack(kb_hi, KBITS).to(tl.float32) * tl.load(ks_ptr + meta + HALF + ch).to(tl.float32)[None, :]
+                    _as_float(_unpack(kb_hi, KBITS), MAGIC) * tl.load(ks_ptr + meta + HALF + ch).to(tl.float32)[None, :]
                 for o in tl.static_range(KO):
                     index = tl.load(koi_ptr + (row + t0 + t_loc) * KO + o, mask=t_ok, other=0).to(tl.int32)
                     value = tl.load(kov_ptr + (row + t0 + t_loc) * KO + o, mask=t_ok, other=0.0).to(tl.float32)
@@ -290,17 +326,20 @@ if triton is not None:
                     k_hi = tl.where(index[:, None] == (ch + HALF)[None, :], value[:, None], k_hi)
             else:
                 k_lo = _dequant(kc_ptr, kz_ptr, ks_ptr, koi_ptr, kov_ptr, kw_ptr, row, t0 + t_loc, t_ok, ch, D, KBITS, KGROUP, KO,
-                                KWIDTH, VARW, KWW)
+                                KWIDTH, VARW, KWW, MAGIC)
                 k_hi = _dequant(kc_ptr, kz_ptr, ks_ptr, koi_ptr, kov_ptr, kw_ptr, row, t0 + t_loc, t_ok, ch + HALF, D, KBITS, KGROUP,
-                                KO, KWIDTH, VARW, KWW)
+                                KO, KWIDTH, VARW, KWW, MAGIC)
                 if HAS_POS:
                     pos = tl.load(pos_ptr + row + t0 + t_loc, mask=t_ok, other=-1).to(tl.int32)
                 else:
                     pos = first + t0 + t_loc
             if ROPE:
-                cos, sin = _cos_sin(pos, freq, rope_scale, LOWP)
+                cos, sin = _cos_sin(pos, freq, rope_scale, APPROX)
                 k_lo, k_hi = k_lo * cos - k_hi * sin, k_hi * cos + k_lo * sin
-            s = _product(q_lo, tl.trans(k_lo), LOWP) + _product(q_hi, tl.trans(k_hi), LOWP)
+            if KTF32:
+                s = _product(q_lo, tl.trans(k_lo), 2) + _product(q_hi, tl.trans(k_hi), 2)
+            else:
+                s = _product(q_lo, tl.trans(k_lo), LOWP) + _product(q_hi, tl.trans(k_hi), LOWP)
             if HID > 0:  # slots whose tokens are attended exactly (restored by residuals)
                 pos = _hide(pos, t0 + t_loc, hid_ptr + bh * HID, HID)
             p, alpha, m_new = _online_step(s, t_ok, pos, start, m_i, HAS_START)
@@ -314,9 +353,15 @@ if triton is not None:
                     code = _unpack(vb, VBITS)
                 else:
                     code = _codes(vc_ptr + row * VW, t0 + t_loc, t_ok, g * VGROUP + cg, VBITS, VW)
-                level = _level(code, vlev_ptr, VBITS, LEVELS, l0, l1)  # [BLOCK, VGROUP]
                 pg = p * _value_scale(vs_row, vmax_row, t0 + t_loc, t_ok, g, VGROUPS, VLOG, VST)[None, :]
-                acc0, acc1, acc2, acc3 = _accumulate(acc0, acc1, acc2, acc3, _product(pg, level, LOWP), alpha, g)
+                if VB16:  # bfloat16 operands made without converting a value
+                    pgb = pg.to(tl.bfloat16)
+                    part = tl.dot(pgb, _level16(code, vlev16_ptr, LEVELS, b0, b1, n0, n1))
+                    if LEVELS == 1:  # the operand was 128 + code
+                        part = part - (128.0 + ((1 << VBITS) - 1) / 2) * tl.sum(pgb.to(tl.float32), 1)[:, None]
+                else:
+                    part = _product(pg, _level(code, vlev_ptr, VBITS, LEVELS, l0, l1, MAGIC), LOWP)  # [G, VGROUP]
+                acc0, acc1, acc2, acc3 = _accumulate(acc0, acc1, acc2, acc3, part, alpha, g)
             if FASTK:
                 kb_lo, kb_hi, pos = n_lo, n_hi, n_pos
         out = (bh * splits + split) * G
@@ -330,71 +375,5 @@ if triton is not None:
             tl.store(base + 2 * VGROUP, acc2)
             tl.store(base + 3 * VGROUP, acc3)
 
-    @triton.jit
-    def _merge_tokens(k_ptr, v_ptr, slot, ok, chan, q, m, total, out, D: tl.constexpr):
-        """Tokens ``slot`` (rows of [.., D] keys and values; ``ok``: attended) merged into a running max, sum and
-        output by their exact attention (``q`` already scaled): the new (max, sum, output)."""
-        keys = tl.load(k_ptr + slot[:, None] * D + chan[None, :], mask=ok[:, None], other=0.0).to(tl.float32)
-        logits = tl.where(ok, tl.sum(keys * q[None, :], 1), float("-inf"))
-        m_new = tl.maximum(m, tl.max(logits, 0))
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-        alpha = tl.exp(m - m_safe)
-        p = tl.exp(logits - m_safe)
-        values = tl.load(v_ptr + slot[:, None] * D + chan[None, :], mask=ok[:, None], other=0.0).to(tl.float32)
-        return m_new, total * alpha + tl.sum(p, 0), out * alpha + tl.sum(p[:, None] * values, 0)
-
-    @triton.jit
-    def _lowbit_combine_kernel(
-        m_ptr, l_ptr, acc_ptr, rot_ptr, q_ptr, ek_ptr, ev_ptr, rk_ptr, rv_ptr, rpos_ptr, start_ptr, out_ptr,
-        splits, exact, restored, exact_first, scaling,
-        D: tl.constexpr, G: tl.constexpr, HEADS: tl.constexpr, GROUP: tl.constexpr, HAS_START: tl.constexpr,
-        HAS_REST: tl.constexpr, SB: tl.constexpr, CB: tl.constexpr, EB: tl.constexpr,
-    ):
-        """One query head of one row: the splits of the packed pass combined (``m``, ``l``, ``acc`` [BH, S, G(, D)]),
-        their output rotated back once (``rot`` [D, D]), then the exact window [B, H, n, D] (positions ``exact_first
-        ..``) and the tokens full-rank residuals restore ([B, H, r, D], positions ``rpos``, -1: none) attended
-        exactly and merged by their log-sum-exp: ``out`` [B, Hq, D] float32 (what ``_merge_exact`` computes)."""
-        row = tl.program_id(0)  # batch * query heads
-        batch = row // (HEADS * GROUP)
-        head = (row // GROUP) % HEADS
-        g = row % GROUP
-        bh = (batch * HEADS + head).to(tl.int64)
-        chan = tl.arange(0, D)
-        s_idx = tl.arange(0, SB)
-        top = tl.full([SB], float("-inf"), tl.float32)
-        for s0 in range(0, splits, SB):  # the largest running max of any split
-            ok = s0 + s_idx < splits
-            top = tl.maximum(top, tl.load(m_ptr + (bh * splits + s0 + s_idx) * G + g, mask=ok, other=float("-inf")))
-        m = tl.max(top, 0)
-        m_safe = tl.where(m == float("-inf"), 0.0, m)
-        total = tl.sum(tl.zeros([SB], tl.float32), 0)
-        out = tl.zeros([D], tl.float32)
-        c_idx = tl.arange(0, CB)
-        for c0 in tl.static_range(0, D, CB):  # the splits' outputs summed, chunk of rotated channels by chunk
-            part = tl.zeros([CB], tl.float32)
-            for s0 in range(0, splits, SB):
-                ok = s0 + s_idx < splits
-                at = (bh * splits + s0 + s_idx) * G + g
-                w = tl.exp(tl.load(m_ptr + at, mask=ok, other=float("-inf")) - m_safe)
-                if c0 == 0:
-                    total += tl.sum(w * tl.load(l_ptr + at, mask=ok, other=0.0), 0)
-                a = tl.load(acc_ptr + at[:, None] * D + c0 + c_idx[None, :], mask=ok[:, None], other=0.0)
-                part += tl.sum(w[:, None] * a, 0)
-            rot = tl.load(rot_ptr + (c0 + c_idx)[:, None] * D + chan[None, :])  # rows c0 .. of the rotation
-            out += tl.sum(part[:, None] * rot, 0)
-        q = tl.load(q_ptr + row.to(tl.int64) * D + chan).to(tl.float32) * scaling
-        start = 0
-        if HAS_START:
-            start = tl.load(start_ptr + batch)
-        e_idx = tl.arange(0, EB)
-        if HAS_REST:  # restored tokens, then the exact window: the same online merge
-            for j0 in range(0, restored, EB):
-                j = j0 + e_idx
-                pos = tl.load(rpos_ptr + bh * restored + j, mask=j < restored, other=-1)
-                ok = (j < restored) & (pos >= 0) & (pos >= start)
-                m, total, out = _merge_tokens(rk_ptr, rv_ptr, bh * restored + j, ok, chan, q, m, total, out, D)
-        for j0 in range(0, exact, EB):
-            j = j0 + e_idx
-            ok = (j < exact) & (exact_first + j >= start)
-            m, total, out = _merge_tokens(ek_ptr, ev_ptr, bh * exact + j, ok, chan, q, m, total, out, D)
-        tl.store(out_ptr + row.to(tl.int64) * D + chan, out / total)
+    # the combine pass (one program per query head) lives beside: kernels/lowbit_combine_triton.py
+    from kvweave.kernels.lowbit_combine_triton import _lowbit_combine_kernel, _merge_tokens  # noqa: E402,F401

@@ -270,3 +270,14 @@ def test_frontier_eval_refuses_an_unknown_split(tmp_path):
     done = subprocess.run(["bash", str(ROOT / "benchmarks" / "frontier_eval.sh"), "default", str(tmp_path), "full,int4"],
                           capture_output=True, text=True, timeout=60, cwd=ROOT, env=env)
     assert done.returncode == 2 and "SPLIT must be 'pipelines' or 'cells', got 'depths'" in done.stderr
+
+
+def test_lowbit_kernel_configs_name_variant_steps_warps_programs_and_tricks(monkeypatch):
+    monkeypatch.syspath_prepend(str(ROOT / "benchmarks"))
+    import lowbit_kernel
+
+    configs = lowbit_kernel.parse_configs("wide:32:4,general:16:4:264,wide:32:8:1056:magic+vb16", 528)
+    assert configs == [("wide", 32, 4, 528, ""), ("general", 16, 4, 264, ""), ("wide", 32, 8, 1056, "magic+vb16")]
+    for bad in ("wide:32", "fast:32:4", "wide:32:4:528:turbo", "wide:x:4"):
+        with pytest.raises(SystemExit, match="variant:block:warps"):
+            lowbit_kernel.parse_configs(bad, 528)

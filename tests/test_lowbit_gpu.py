@@ -24,8 +24,9 @@ STORAGES = ["prerope-k4v2-lowbit", "t-lowbit-post", "t-lowbit-k2v4", "t-lowbit-v
             "t-lowbit-qa35v3", "t-lowbit-alloc-post", "t-lowbit-log8", "t-lowbit-k4log8", "t-lowbit-sinks", "t-lowbit-sinks-cg",
             "t-lowbit-kvzip", "t-lowbit-kvzip-cg", "t-lowbit-sinks-kvzip"]
 
-#: (variant, tokens a step) pairs each storage is read with, where the variant reads it
-CONFIGS = [("wide", 32), ("wide", 64), ("general", 16), ("general", 32), ("auto", 16), ("auto", None)]
+#: (variant, tokens a step, conversion tricks) each storage is read with, where the variant reads it
+CONFIGS = [("wide", 32, ""), ("wide", 64, ""), ("general", 16, ""), ("general", 32, ""), ("auto", 16, ""), ("auto", None, ""),
+           ("wide", 32, "magic"), ("wide", 32, "magic+vb16"), ("wide", 32, "ktf32"), ("general", 16, "magic")]
 
 
 @pytest.mark.parametrize("name", STORAGES)
@@ -49,12 +50,12 @@ def test_each_compiled_kernel_matches_its_twin_on_the_gpu(model, registry, name)
     for first in (start, None):
         twin = torch_lowbit_decode(view, q, first, dim ** -0.5)
         scale = float(twin.abs().max())
-        for variant, block in CONFIGS:
+        for variant, block, tricks in CONFIGS:
             if variant == "wide" and not wide_groups(view):
                 continue
-            out = lowbit_decode(view, q, first, dim ** -0.5, block=block, variant=variant)
+            out = lowbit_decode(view, q, first, dim ** -0.5, block=block, variant=variant, tricks=tricks)
             worst = float((out - twin).abs().max())
-            assert worst < 0.03 * scale, (name, variant, block, worst, scale)
+            assert worst < 0.03 * scale, (name, variant, block, tricks, worst, scale)
 
 
 @pytest.mark.parametrize("storage", ["k4v2", "qa35v3"])

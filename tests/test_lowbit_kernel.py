@@ -211,6 +211,42 @@ def test_the_triton_kernel_matches_its_torch_twin(model, registry, name):
             assert torch.allclose(kernel, twin, atol=1e-5), (variant, (kernel - twin).abs().max())
 
 
+@pytest.mark.parametrize("name", ["prerope-k4v2-lowbit", "t-lowbit-k3v3", "t-lowbit-alloc", "t-lowbit-qa35v3", "t-lowbit-v4",
+                                  "t-lowbit-post"])
+def test_codes_made_float_by_their_bits_give_the_twins_output(model, registry, name):
+    """The 'magic' trick (codes ORed into the mantissa of 2**23, 2**23 subtracted) leaves a conversion out, not
+    arithmetic: both kernels give the twin's output to float32 rounding, on 2-, 3- and 4-bit channel-group and
+    channel-alloc keys, pre- and post-RoPE, and uniform, normal and tabled value levels. (The bfloat16 tricks need the
+    GPU's operands, which the interpreter does not compute: they are compiled below and run in test_lowbit_gpu.py.)"""
+    ids = torch.randint(1, 128, (2, 230), generator=torch.Generator().manual_seed(2))
+    cache = build_cache(registry.resolve(name), model)
+    with torch.no_grad():
+        model(input_ids=ids, use_cache=True, **cache_kwargs(model, cache))
+    view = cache.engine.kernel.lowbit_view(cache.engine.view(1), torch.device("cpu"))
+    q = torch.randn(2, 4, 64, generator=torch.Generator().manual_seed(3))
+    start = torch.tensor([40, 0], dtype=torch.int32)
+    twin = torch_lowbit_decode(view, q, start, 0.125)
+    for variant in ("wide", "general"):
+        block = 32 if variant == "wide" else 16
+        magic = lowbit_decode(view, q, start, 0.125, block=block, variant=variant, tricks="magic")
+        assert torch.allclose(magic, twin, atol=1e-5), (variant, (magic - twin).abs().max())
+
+
+def test_conversion_tricks_refuse_what_they_cannot_change(model, registry):
+    ids = torch.randint(1, 128, (1, 230), generator=torch.Generator().manual_seed(2))
+    cache = build_cache(registry.resolve("prerope-k4v2-lowbit"), model)
+    with torch.no_grad():
+        model(input_ids=ids, use_cache=True, **cache_kwargs(model, cache))
+    view = cache.engine.kernel.lowbit_view(cache.engine.view(1), torch.device("cpu"))
+    q = torch.randn(1, 4, 64)
+    with pytest.raises(ValueError, match="tricks \\['fast'\\]: expected"):
+        lowbit_decode(view, q, None, 0.125, tricks="magic+fast")
+    with pytest.raises(ValueError, match="bfloat16 tile operands of a GPU"):
+        lowbit_decode(view, q, None, 0.125, variant="wide", tricks="vb16")
+    with pytest.raises(ValueError, match="'general' kernel takes only the 'magic' trick"):
+        lowbit_decode(view, q, None, 0.125, block=16, variant="general", lowp=True, tricks="ktf32")
+
+
 def test_the_wide_kernel_refuses_what_it_cannot_read(model, registry):
     """Steps under 32 tokens (the sm_90 build disagreed with the twin there) and values in more than four channel
     groups are refused with the reason, before any launch."""
@@ -340,6 +376,8 @@ def compile_for_gpu(launch) -> dict:
     types = [TRITON_TYPES[a.dtype] if isinstance(a, torch.Tensor) else "fp32" if isinstance(a, float) else "i32" for a in launch.args]
     types = ["*" + t if isinstance(a, torch.Tensor) else t for t, a in zip(types, launch.args)]
     constants = {k: v for k, v in launch.constants.items() if k != "num_warps"}
+    if "APPROX" in constants:  # planned under the interpreter, built as the GPU builds it: hardware cos/sin with bfloat16 operands
+        constants["APPROX"] = bool(constants["LOWP"])
     job = {"kernel": getattr(launch.kernel, "fn", launch.kernel).__name__,
            "types": types, "constants": constants, "num_warps": launch.constants.get("num_warps", 4)}
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
@@ -384,6 +422,23 @@ def test_each_kernel_compiles_for_the_gpu_with_the_arguments_the_plugin_passes(m
         for planned in (launch, plan_combine(view, q, start, 0.125, launch)):  # the packed pass, then the combine
             stats = compile_for_gpu(planned)
             assert stats["cubin"] > 0 and stats["ptx"] > 100, (variant, stats)
+
+
+@pytest.mark.skipif(not _nvidia_backend(), reason="Triton without its CUDA backend cannot compile for a GPU here")
+@pytest.mark.parametrize("name", ["prerope-k4v2-lowbit", "t-lowbit-v4", "t-lowbit-qa35v3"])
+def test_the_conversion_tricks_compile_for_the_gpu(model, registry, name):
+    """Each trick of TRICKS builds for sm_90 on normal (k4v2), uniform (v4) and tabled (qa35v3) value levels."""
+    ids = torch.randint(1, 128, (1, 230), generator=torch.Generator().manual_seed(2))
+    cache = build_cache(registry.resolve(name), model)
+    with torch.no_grad():
+        model(input_ids=ids, use_cache=True, **cache_kwargs(model, cache))
+    view = cache.engine.kernel.lowbit_view(cache.engine.view(1), torch.device("cpu"))
+    q = torch.randn(1, 4, 64)
+    for variant, tricks in (("wide", "magic+vb16"), ("wide", "ktf32"), ("general", "magic")):
+        launch = plan_launch(view, q, None, 0.125, block=32 if variant == "wide" else 16, variant=variant, lowp=True, tricks=tricks)
+        assert launch.constants["MAGIC"] == ("magic" in tricks)
+        stats = compile_for_gpu(launch)
+        assert stats["cubin"] > 0 and stats["ptx"] > 100, (variant, tricks, stats)
 
 
 def _held_bytes(item) -> int:

@@ -1,0 +1,82 @@
+"""The ``@triton.jit`` kernel that combines the splits of the ``lowbit`` decode attention's packed pass, rotates their
+output back and merges the exact window and the restored tokens (:func:`kvweave.kernels.lowbit_decode.plan_combine`).
+Without triton the module defines no kernel (``triton`` is None)."""
+
+from __future__ import annotations
+
+try:  # the kernels need triton; the torch twin does not
+    import triton
+    import triton.language as tl
+except ImportError:  # pragma: no cover - exercised where triton is missing
+    triton = None
+
+if triton is not None:
+
+    @triton.jit
+    def _merge_tokens(k_ptr, v_ptr, slot, ok, chan, q, m, total, out, D: tl.constexpr):
+        """Tokens ``slot`` (rows of [.., D] keys and values; ``ok``: attended) merged into a running max, sum and
+        output by their exact attention (``q`` already scaled): the new (max, sum, output)."""
+        keys = tl.load(k_ptr + slot[:, None] * D + chan[None, :], mask=ok[:, None], other=0.0).to(tl.float32)
+        logits = tl.where(ok, tl.sum(keys * q[None, :], 1), float("-inf"))
+        m_new = tl.maximum(m, tl.max(logits, 0))
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = tl.exp(m - m_safe)
+        p = tl.exp(logits - m_safe)
+        values = tl.load(v_ptr + slot[:, None] * D + chan[None, :], mask=ok[:, None], other=0.0).to(tl.float32)
+        return m_new, total * alpha + tl.sum(p, 0), out * alpha + tl.sum(p[:, None] * values, 0)
+
+    @triton.jit
+    def _lowbit_combine_kernel(
+        m_ptr, l_ptr, acc_ptr, rot_ptr, q_ptr, ek_ptr, ev_ptr, rk_ptr, rv_ptr, rpos_ptr, start_ptr, out_ptr,
+        splits, exact, restored, exact_first, scaling,
+        D: tl.constexpr, G: tl.constexpr, HEADS: tl.constexpr, GROUP: tl.constexpr, HAS_START: tl.constexpr,
+        HAS_REST: tl.constexpr, SB: tl.constexpr, CB: tl.constexpr, EB: tl.constexpr,
+    ):
+        """One query head of one row: the splits of the packed pass combined (``m``, ``l``, ``acc`` [BH, S, G(, D)]),
+        their output rotated back once (``rot`` [D, D]), then the exact window [B, H, n, D] (positions ``exact_first
+        ..``) and the tokens full-rank residuals restore ([B, H, r, D], positions ``rpos``, -1: none) attended
+        exactly and merged by their log-sum-exp: ``out`` [B, Hq, D] float32 (what ``_merge_exact`` computes)."""
+        row = tl.program_id(0)  # batch * query heads
+        batch = row // (HEADS * GROUP)
+        head = (row // GROUP) % HEADS
+        g = row % GROUP
+        bh = (batch * HEADS + head).to(tl.int64)
+        chan = tl.arange(0, D)
+        s_idx = tl.arange(0, SB)
+        top = tl.full([SB], float("-inf"), tl.float32)
+        for s0 in range(0, splits, SB):  # the largest running max of any split
+            ok = s0 + s_idx < splits
+            top = tl.maximum(top, tl.load(m_ptr + (bh * splits + s0 + s_idx) * G + g, mask=ok, other=float("-inf")))
+        m = tl.max(top, 0)
+        m_safe = tl.where(m == float("-inf"), 0.0, m)
+        total = tl.sum(tl.zeros([SB], tl.float32), 0)
+        out = tl.zeros([D], tl.float32)
+        c_idx = tl.arange(0, CB)
+        for c0 in tl.static_range(0, D, CB):  # the splits' outputs summed, chunk of rotated channels by chunk
+            part = tl.zeros([CB], tl.float32)
+            for s0 in range(0, splits, SB):
+                ok = s0 + s_idx < splits
+                at = (bh * splits + s0 + s_idx) * G + g
+                w = tl.exp(tl.load(m_ptr + at, mask=ok, other=float("-inf")) - m_safe)
+                if c0 == 0:
+                    total += tl.sum(w * tl.load(l_ptr + at, mask=ok, other=0.0), 0)
+                a = tl.load(acc_ptr + at[:, None] * D + c0 + c_idx[None, :], mask=ok[:, None], other=0.0)
+                part += tl.sum(w[:, None] * a, 0)
+            rot = tl.load(rot_ptr + (c0 + c_idx)[:, None] * D + chan[None, :])  # rows c0 .. of the rotation
+            out += tl.sum(part[:, None] * rot, 0)
+        q = tl.load(q_ptr + row.to(tl.int64) * D + chan).to(tl.float32) * scaling
+        start = 0
+        if HAS_START:
+            start = tl.load(start_ptr + batch)
+        e_idx = tl.arange(0, EB)
+        if HAS_REST:  # restored tokens, then the exact window: the same online merge
+            for j0 in range(0, restored, EB):
+                j = j0 + e_idx
+                pos = tl.load(rpos_ptr + bh * restored + j, mask=j < restored, other=-1)
+                ok = (j < restored) & (pos >= 0) & (pos >= start)
+                m, total, out = _merge_tokens(rk_ptr, rv_ptr, bh * restored + j, ok, chan, q, m, total, out, D)
+        for j0 in range(0, exact, EB):
+            j = j0 + e_idx
+            ok = (j < exact) & (exact_first + j >= start)
+            m, total, out = _merge_tokens(ek_ptr, ev_ptr, bh * exact + j, ok, chan, q, m, total, out, D)
+        tl.store(out_ptr + row.to(tl.int64) * D + chan, out / total)
