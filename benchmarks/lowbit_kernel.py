@@ -133,6 +133,8 @@ def main() -> None:
     print(f"{torch.cuda.get_device_name()}: copy bandwidth {bandwidth / 1e12:.2f} TB/s (read + write)")
     scale = HEAD_DIM ** -0.5
     small = packed_view(1, 4096, storage=args.storage)
+    if args.post_rope:
+        small = attrs.evolve(small, inv_freq=None)
     q_small = torch.randn(1, Q_HEADS, HEAD_DIM, device="cuda")
     reference = torch_lowbit_decode(small, q_small, None, scale)
     twins = {}

@@ -32,6 +32,7 @@ import attrs
 
 from kvweave.core.lazy import lazy_module, torch
 from kvweave.kernels.formats import unpack_codes, unpack_varwidth
+from kvweave.kernels.lowbit_tricks import TRICKS, parse_tricks, whole_byte_keys  # noqa: F401 - TRICKS: the names lowbit_decode takes
 
 if TYPE_CHECKING:
     from kvweave.kernels import lowbit_triton as jit
@@ -208,7 +209,7 @@ def whole_byte_codes(view: LowbitView) -> tuple[bool, bool]:
     """Whether ``view``'s key codes and its value codes fill whole bytes (2 or 4 bits; keys ``channel-group``, whose
     widths do not vary): the codes the "wide" kernel unpacks with interleaves instead of reading each from the one or
     two bytes it lies in (its ``FASTK`` / ``FASTV``)."""
-    return view.k_widths is None and view.k_bits in (2, 4), view.v_bits in (2, 4)
+    return whole_byte_keys(view), view.v_bits in (2, 4)
 
 
 def fast_path(view: LowbitView) -> bool:
@@ -271,28 +272,6 @@ def resolve_variant(view: LowbitView, variant: str, block: int | None = None) ->
     return variant, block
 
 
-#: conversions the kernels can leave out (``tricks``, "+"-separated; none by default until timed on a GPU): "magic" int
-#: codes made float32 by their bits (keys, uniform value levels; the general kernel's keys too), "vb16" the "wide"
-#: kernel's value operands made bfloat16 without converting (128 + code, bfloat16 constants or table), "ktf32" its key
-#: products on TF32 (no bfloat16 conversion of the rotated keys); the last two need a GPU's operands (``lowp``).
-TRICKS = ("magic", "vb16", "ktf32")
-
-
-def parse_tricks(tricks: str, variant: str, lowp: bool) -> dict:
-    """The kernel constants ``MAGIC``, ``VB16``, ``KTF32`` of ``tricks`` ("+"-separated :data:`TRICKS`, "" none);
-    a name not in :data:`TRICKS`, or one the launch cannot take, refused."""
-    names = [t for t in tricks.split("+") if t]
-    unknown = [t for t in names if t not in TRICKS]
-    if unknown:
-        raise ValueError(f"lowbit kernel tricks {unknown}: expected '+'-separated names of {', '.join(TRICKS)}")
-    if variant == "general" and set(names) - {"magic"}:
-        raise ValueError(f"the lowbit 'general' kernel takes only the 'magic' trick, got {tricks!r}")
-    if not lowp and set(names) & {"vb16", "ktf32"}:
-        raise ValueError(f"lowbit kernel tricks {tricks!r}: 'vb16' and 'ktf32' change the bfloat16 tile operands of a GPU "
-                         "(lowp); float32 operands have no conversion to leave out")
-    return {"MAGIC": "magic" in names, "VB16": "vb16" in names, "KTF32": "ktf32" in names}
-
-
 @attrs.frozen
 class Launch:
     """One launch of a lowbit Triton kernel: ``kernel[grid](*args, **constants)`` fills ``outputs`` (the packed
@@ -317,7 +296,7 @@ def plan_launch(view: LowbitView, q: torch.Tensor, start: torch.Tensor | None, s
     (None: where ``q`` is on a GPU); ``tricks``: conversions left out (:data:`TRICKS`)."""
     variant, block = resolve_variant(view, variant, block)
     lowp = q.is_cuda if lowp is None else lowp
-    trick = parse_tricks(tricks, variant, lowp)
+    trick = parse_tricks(tricks, variant, lowp, view)
     batch, q_heads, dim = q.shape
     heads = view.exact_k.shape[1]
     group = q_heads // heads

@@ -10,6 +10,7 @@ except ImportError:  # pragma: no cover - exercised where triton is missing
     triton = None
 
 if triton is not None:
+    from kvweave.kernels.lowbit_codes_triton import _as_float, _folded_logits, _level16, _unpack
 
     @triton.jit
     def _stream_codes(row_ptr, t_idx, t_ok, offset, bits, WIDTH: tl.constexpr):
@@ -31,15 +32,6 @@ if triton is not None:
             byte = tl.load(row_ptr + t_idx[:, None] * WIDTH + (chan // per)[None, :], mask=t_ok[:, None], other=0)
             return (byte.to(tl.int32) >> ((chan % per) * BITS)[None, :]) & ((1 << BITS) - 1)
         return _stream_codes(row_ptr, t_idx, t_ok, chan * BITS, tl.full(chan.shape, BITS, tl.int32), WIDTH)
-
-    @triton.jit
-    def _as_float(code, MAGIC: tl.constexpr):
-        """int32 codes (0 .. 2**23) as float32: a conversion instruction, or (``MAGIC``) the code's bits put into the
-        mantissa of 2**23 and 2**23 subtracted (exact: an integer op and an add instead of a conversion, which a GPU
-        issues at an eighth of an add's rate)."""
-        if MAGIC:
-            return (code | 0x4B000000).to(tl.float32, bitcast=True) - 8388608.0
-        return code.to(tl.float32)
 
     @triton.jit
     def _dequant(codes_ptr, zero_ptr, scale_ptr, oi_ptr, ov_ptr, kw_ptr, row_off, t_idx, t_ok, chan,
@@ -188,21 +180,6 @@ if triton is not None:
             return tl.load(vlev_ptr + code)
 
     @triton.jit
-    def _level16(code, vlev16_ptr, LEVELS: tl.constexpr, l0, l1, n0, n1):
-        """bfloat16 value operands made without a float conversion (``VB16``): the uniform levels as ``128 + code``
-        (the code's bits in the mantissa of 128; the caller takes 128 + the offset times the probabilities' sum
-        off the product), the four normal levels chosen among the bfloat16 scalars ``l0, l1`` and their negations
-        ``n0, n1``, other levels from the table's bfloat16 copy."""
-        if LEVELS == 1:
-            return (code | 0x4300).to(tl.int16).to(tl.bfloat16, bitcast=True)
-        elif LEVELS == 2:
-            positive = tl.where((code == 0) | (code == 3), l1, l0)
-            negative = tl.where((code == 0) | (code == 3), n1, n0)
-            return tl.where(code >= 2, positive, negative)
-        else:
-            return tl.load(vlev16_ptr + code)
-
-    @triton.jit
     def _product(a, b, LOWP: tl.constexpr):
         """``a @ b`` on the tensor cores: bfloat16 operands and float32 sums on a GPU (``LOWP`` 1), float32 operands
         on TF32 (``LOWP`` 2: no conversion, 10-bit mantissas), float32 otherwise."""
@@ -227,16 +204,6 @@ if triton is not None:
         return acc0, acc1, acc2, acc3
 
     @triton.jit
-    def _unpack(byte, BITS: tl.constexpr):
-        """[N, W] packed bytes -> [N, W * 8 // BITS] int32 codes in stream order (code ``c`` at bits ``(c % per) *
-        BITS`` of byte ``c // per``), interleaved in registers."""
-        b = byte.to(tl.int32)
-        if BITS == 4:
-            return tl.interleave(b & 15, (b >> 4) & 15)
-        else:  # 2 bits: codes 4j, 4j + 1, 4j + 2, 4j + 3 at shifts 0, 2, 4, 6
-            return tl.interleave(tl.interleave(b & 3, (b >> 4) & 3), tl.interleave((b >> 2) & 3, (b >> 6) & 3))
-
-    @triton.jit
     def _wide_bytes(kc_row, pos_row, t_loc, t_ok, jb, first, NB: tl.constexpr, KWIDTH: tl.constexpr, HAS_POS: tl.constexpr):
         """The packed key bytes of one step (each half of the head [BLOCK, NB]) and the slots' positions."""
         kb_lo = tl.load(kc_row + t_loc[:, None] * KWIDTH + jb[None, :], mask=t_ok[:, None], other=0)
@@ -257,7 +224,7 @@ if triton is not None:
         LOWP: tl.constexpr, LEVELS: tl.constexpr, KWIDTH: tl.constexpr, VARW: tl.constexpr, VLOG: tl.constexpr, VST: tl.constexpr,
         APPROX: tl.constexpr,
         HAS_POS: tl.constexpr, KWW: tl.constexpr, HID: tl.constexpr, FASTK: tl.constexpr, FASTV: tl.constexpr,
-        MAGIC: tl.constexpr, VB16: tl.constexpr, KTF32: tl.constexpr,
+        MAGIC: tl.constexpr, VB16: tl.constexpr, KTF32: tl.constexpr, KFOLD: tl.constexpr,
     ):
         """Whole tiles: each half of the head's keys dequantized in one piece and rotated pairwise (one product per
         half a step; the query loaded once), and the values one product per channel group (at most 4) whose scale
@@ -266,7 +233,8 @@ if triton is not None:
         bytes loaded before this step's arithmetic; otherwise (3 bits, ``channel-alloc`` widths) each code read from
         the one or two bytes it lies in. ``FASTV`` (2- or 4-bit values): likewise, else byte-read codes. Conversions
         left out (:data:`kvweave.kernels.lowbit_decode.TRICKS`): ``MAGIC`` codes made float by their bits, ``VB16``
-        value operands made bfloat16 without a conversion, ``KTF32`` the keys' products on TF32."""
+        value operands made bfloat16 without a conversion, ``KTF32`` the keys' products on TF32, ``KFOLD`` (keys after
+        RoPE) each channel's scale and minimum folded into the query (:func:`_folded_logits`)."""
         bh = tl.program_id(0)
         split = tl.program_id(1)
         batch = bh // heads
@@ -315,15 +283,16 @@ if triton is not None:
                 n_lo, n_hi, n_pos = _wide_bytes(kc_ptr + (row + nxt) * KWIDTH, pos_ptr + row + nxt, t_loc, nxt + t_loc < hi, jb,
                                                 first + nxt, NB, KWIDTH, HAS_POS)
                 meta = (row + t0) // KGROUP * D  # a tile lies within one token group
-                k_lo = tl.load(kz_ptr + meta + ch).to(tl.float32)[None, :] + \
-                    _as_float(_unpack(kb_lo, KBITS), MAGIC) * tl.load(ks_ptr + meta + ch).to(tl.float32)[None, :]
-                k_hi = tl.load(kz_ptr + meta + HALF + ch).to(tl.float32)[None, :] + \
-                    _as_float(_unpack(kb_hi, KBITS), MAGIC) * tl.load(ks_ptr + meta + HALF + ch).to(tl.float32)[None, :]
-                for o in tl.static_range(KO):
-                    index = tl.load(koi_ptr + (row + t0 + t_loc) * KO + o, mask=t_ok, other=0).to(tl.int32)
-                    value = tl.load(kov_ptr + (row + t0 + t_loc) * KO + o, mask=t_ok, other=0.0).to(tl.float32)
-                    k_lo = tl.where(index[:, None] == ch[None, :], value[:, None], k_lo)
-                    k_hi = tl.where(index[:, None] == (ch + HALF)[None, :], value[:, None], k_hi)
+                if not KFOLD:
+                    k_lo = tl.load(kz_ptr + meta + ch).to(tl.float32)[None, :] + \
+                        _as_float(_unpack(kb_lo, KBITS), MAGIC) * tl.load(ks_ptr + meta + ch).to(tl.float32)[None, :]
+                    k_hi = tl.load(kz_ptr + meta + HALF + ch).to(tl.float32)[None, :] + \
+                        _as_float(_unpack(kb_hi, KBITS), MAGIC) * tl.load(ks_ptr + meta + HALF + ch).to(tl.float32)[None, :]
+                    for o in tl.static_range(KO):
+                        index = tl.load(koi_ptr + (row + t0 + t_loc) * KO + o, mask=t_ok, other=0).to(tl.int32)
+                        value = tl.load(kov_ptr + (row + t0 + t_loc) * KO + o, mask=t_ok, other=0.0).to(tl.float32)
+                        k_lo = tl.where(index[:, None] == ch[None, :], value[:, None], k_lo)
+                        k_hi = tl.where(index[:, None] == (ch + HALF)[None, :], value[:, None], k_hi)
             else:
                 k_lo = _dequant(kc_ptr, kz_ptr, ks_ptr, koi_ptr, kov_ptr, kw_ptr, row, t0 + t_loc, t_ok, ch, D, KBITS, KGROUP, KO,
                                 KWIDTH, VARW, KWW, MAGIC)
@@ -336,7 +305,10 @@ if triton is not None:
             if ROPE:
                 cos, sin = _cos_sin(pos, freq, rope_scale, APPROX)
                 k_lo, k_hi = k_lo * cos - k_hi * sin, k_hi * cos + k_lo * sin
-            if KTF32:
+            if KFOLD:
+                s = _folded_logits(q_lo, q_hi, q_row, kb_lo, kb_hi, kz_ptr, ks_ptr, koi_ptr, kov_ptr, meta, row + t0 + t_loc,
+                                   t_ok, ch, gi, scaling, HALF, D, KBITS, KO, LOWP)
+            elif KTF32:
                 s = _product(q_lo, tl.trans(k_lo), 2) + _product(q_hi, tl.trans(k_hi), 2)
             else:
                 s = _product(q_lo, tl.trans(k_lo), LOWP) + _product(q_hi, tl.trans(k_hi), LOWP)

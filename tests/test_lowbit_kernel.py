@@ -21,6 +21,7 @@ from kvweave.engine import importance
 from kvweave.engine.generation import generate
 from kvweave.kernels.lowbit_decode import (
     VARIANTS as KERNELS, fast_path, lowbit_decode, plan_combine, plan_launch, resolve_variant, torch_keys, torch_lowbit_decode,
+    whole_byte_codes,
 )
 
 from conftest import CharTokenizer, tiny_llama, write_registry
@@ -232,6 +233,31 @@ def test_codes_made_float_by_their_bits_give_the_twins_output(model, registry, n
         assert torch.allclose(magic, twin, atol=1e-5), (variant, (magic - twin).abs().max())
 
 
+@pytest.mark.parametrize("name", ["prerope-k4v2-lowbit", "t-lowbit-post", "t-lowbit-v4", "t-lowbit-k2v4"])
+def test_keys_after_rope_with_scales_folded_into_the_query_give_the_twins_output(model, registry, name):
+    """'kfold': each channel's scale and minimum folded into the query, the codes fed to the products as 128 + code,
+    exact outliers added as corrections: the twin's output (keys read as stored after RoPE: the pre-RoPE storages
+    with their rotation left out, as `benchmarks/lowbit_kernel.py --post-rope` reads them). 2- and 4-bit keys with
+    one or two outliers, head_dim 64 and 128; storages it cannot read are refused."""
+    net = tiny_llama(layers=2, hidden=512) if name == "t-lowbit-k2v4" else model
+    ids = torch.randint(1, 128, (2, 230), generator=torch.Generator().manual_seed(2))
+    cache = build_cache(registry.resolve(name), net)
+    with torch.no_grad():
+        net(input_ids=ids, use_cache=True, **cache_kwargs(net, cache))
+    view = attrs.evolve(cache.engine.kernel.lowbit_view(cache.engine.view(1), torch.device("cpu")), inv_freq=None)
+    dim = view.exact_k.shape[-1]
+    q = torch.randn(2, 4, dim, generator=torch.Generator().manual_seed(3))
+    start = torch.tensor([40, 0], dtype=torch.int32)
+    twin = torch_lowbit_decode(view, q, start, dim ** -0.5)
+    for tricks in ("kfold", "kfold+magic"):
+        out = lowbit_decode(view, q, start, dim ** -0.5, variant="wide", tricks=tricks)
+        assert torch.allclose(out, twin, atol=2e-5), (tricks, (out - twin).abs().max())
+    rotated = cache.engine.kernel.lowbit_view(cache.engine.view(1), torch.device("cpu"))
+    if rotated.inv_freq is not None:
+        with pytest.raises(ValueError, match="'kfold' trick folds channel scales"):
+            lowbit_decode(rotated, q, start, dim ** -0.5, variant="wide", tricks="kfold")
+
+
 def test_conversion_tricks_refuse_what_they_cannot_change(model, registry):
     ids = torch.randint(1, 128, (1, 230), generator=torch.Generator().manual_seed(2))
     cache = build_cache(registry.resolve("prerope-k4v2-lowbit"), model)
@@ -434,8 +460,12 @@ def test_the_conversion_tricks_compile_for_the_gpu(model, registry, name):
         model(input_ids=ids, use_cache=True, **cache_kwargs(model, cache))
     view = cache.engine.kernel.lowbit_view(cache.engine.view(1), torch.device("cpu"))
     q = torch.randn(1, 4, 64)
-    for variant, tricks in (("wide", "magic+vb16"), ("wide", "ktf32"), ("general", "magic")):
-        launch = plan_launch(view, q, None, 0.125, block=32 if variant == "wide" else 16, variant=variant, lowp=True, tricks=tricks)
+    post = attrs.evolve(view, inv_freq=None)  # read as keys stored after RoPE, for 'kfold'
+    for variant, tricks in (("wide", "magic+vb16"), ("wide", "ktf32"), ("general", "magic"), ("wide", "kfold+vb16")):
+        read = post if "kfold" in tricks else view
+        if "kfold" in tricks and not whole_byte_codes(view)[0]:
+            continue
+        launch = plan_launch(read, q, None, 0.125, block=32 if variant == "wide" else 16, variant=variant, lowp=True, tricks=tricks)
         assert launch.constants["MAGIC"] == ("magic" in tricks)
         stats = compile_for_gpu(launch)
         assert stats["cubin"] > 0 and stats["ptx"] > 100, (variant, tricks, stats)

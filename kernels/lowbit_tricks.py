@@ -1,0 +1,37 @@
+"""Which conversions the ``lowbit`` kernels leave out (``tricks`` of :func:`kvweave.kernels.lowbit_decode.lowbit_decode`):
+the names, and the check of a launch against them."""
+
+from __future__ import annotations
+
+from typing import Any
+
+
+def whole_byte_keys(view: Any) -> bool:
+    """Whether ``view``'s key codes fill whole bytes (2 or 4 bits, ``channel-group`` keys: no per-channel widths)."""
+    return view.k_widths is None and view.k_bits in (2, 4)
+
+
+#: conversions the kernels can leave out (``tricks``, "+"-separated; none by default until timed on a GPU): "magic" int
+#: codes made float32 by their bits (keys, uniform value levels; the general kernel's keys too), "vb16" the "wide"
+#: kernel's value operands made bfloat16 without converting (128 + code, bfloat16 constants or table), "ktf32" its key
+#: products on TF32 (no bfloat16 conversion of the rotated keys), "kfold" (keys stored after RoPE in whole-byte
+#: channel-group codes) each channel's scale and minimum folded into the query, the codes fed to the products as they are.
+TRICKS = ("magic", "vb16", "ktf32", "kfold")
+
+
+def parse_tricks(tricks: str, variant: str, lowp: bool, view: Any = None) -> dict:
+    """The kernel constants ``MAGIC``, ``VB16``, ``KTF32``, ``KFOLD`` of ``tricks`` ("+"-separated :data:`TRICKS`, ""
+    none); a name not in :data:`TRICKS`, or one the launch cannot take, refused."""
+    names = [t for t in tricks.split("+") if t]
+    unknown = [t for t in names if t not in TRICKS]
+    if unknown:
+        raise ValueError(f"lowbit kernel tricks {unknown}: expected '+'-separated names of {', '.join(TRICKS)}")
+    if variant == "general" and set(names) - {"magic"}:
+        raise ValueError(f"the lowbit 'general' kernel takes only the 'magic' trick, got {tricks!r}")
+    if not lowp and set(names) & {"vb16", "ktf32"}:
+        raise ValueError(f"lowbit kernel tricks {tricks!r}: 'vb16' and 'ktf32' change the bfloat16 tile operands of a GPU "
+                         "(lowp); float32 operands have no conversion to leave out")
+    if "kfold" in names and (view is None or view.inv_freq is not None or not whole_byte_keys(view) or "ktf32" in names):
+        raise ValueError("the lowbit 'kfold' trick folds channel scales into the query: it takes keys stored after RoPE "
+                         "in 2- or 4-bit channel-group codes, without 'ktf32'")
+    return {"MAGIC": "magic" in names, "VB16": "vb16" in names, "KTF32": "ktf32" in names, "KFOLD": "kfold" in names}
