@@ -21,7 +21,6 @@ from kvweave.engine import importance
 from kvweave.engine.generation import generate
 from kvweave.kernels.lowbit_decode import (
     VARIANTS as KERNELS, fast_path, lowbit_decode, plan_combine, plan_launch, resolve_variant, torch_keys, torch_lowbit_decode,
-    whole_byte_codes,
 )
 
 from conftest import CharTokenizer, tiny_llama, write_registry
@@ -212,67 +211,6 @@ def test_the_triton_kernel_matches_its_torch_twin(model, registry, name):
             assert torch.allclose(kernel, twin, atol=1e-5), (variant, (kernel - twin).abs().max())
 
 
-@pytest.mark.parametrize("name", ["prerope-k4v2-lowbit", "t-lowbit-k3v3", "t-lowbit-alloc", "t-lowbit-qa35v3", "t-lowbit-v4",
-                                  "t-lowbit-post"])
-def test_codes_made_float_by_their_bits_give_the_twins_output(model, registry, name):
-    """The 'magic' trick (codes ORed into the mantissa of 2**23, 2**23 subtracted) leaves a conversion out, not
-    arithmetic: both kernels give the twin's output to float32 rounding, on 2-, 3- and 4-bit channel-group and
-    channel-alloc keys, pre- and post-RoPE, and uniform, normal and tabled value levels. (The bfloat16 tricks need the
-    GPU's operands, which the interpreter does not compute: they are compiled below and run in test_lowbit_gpu.py.)"""
-    ids = torch.randint(1, 128, (2, 230), generator=torch.Generator().manual_seed(2))
-    cache = build_cache(registry.resolve(name), model)
-    with torch.no_grad():
-        model(input_ids=ids, use_cache=True, **cache_kwargs(model, cache))
-    view = cache.engine.kernel.lowbit_view(cache.engine.view(1), torch.device("cpu"))
-    q = torch.randn(2, 4, 64, generator=torch.Generator().manual_seed(3))
-    start = torch.tensor([40, 0], dtype=torch.int32)
-    twin = torch_lowbit_decode(view, q, start, 0.125)
-    for variant in ("wide", "general"):
-        block = 32 if variant == "wide" else 16
-        magic = lowbit_decode(view, q, start, 0.125, block=block, variant=variant, tricks="magic")
-        assert torch.allclose(magic, twin, atol=1e-5), (variant, (magic - twin).abs().max())
-
-
-@pytest.mark.parametrize("name", ["prerope-k4v2-lowbit", "t-lowbit-post", "t-lowbit-v4", "t-lowbit-k2v4"])
-def test_keys_after_rope_with_scales_folded_into_the_query_give_the_twins_output(model, registry, name):
-    """'kfold': each channel's scale and minimum folded into the query, the codes fed to the products as 128 + code,
-    exact outliers added as corrections: the twin's output (keys read as stored after RoPE: the pre-RoPE storages
-    with their rotation left out, as `benchmarks/lowbit_kernel.py --post-rope` reads them). 2- and 4-bit keys with
-    one or two outliers, head_dim 64 and 128; storages it cannot read are refused."""
-    net = tiny_llama(layers=2, hidden=512) if name == "t-lowbit-k2v4" else model
-    ids = torch.randint(1, 128, (2, 230), generator=torch.Generator().manual_seed(2))
-    cache = build_cache(registry.resolve(name), net)
-    with torch.no_grad():
-        net(input_ids=ids, use_cache=True, **cache_kwargs(net, cache))
-    view = attrs.evolve(cache.engine.kernel.lowbit_view(cache.engine.view(1), torch.device("cpu")), inv_freq=None)
-    dim = view.exact_k.shape[-1]
-    q = torch.randn(2, 4, dim, generator=torch.Generator().manual_seed(3))
-    start = torch.tensor([40, 0], dtype=torch.int32)
-    twin = torch_lowbit_decode(view, q, start, dim ** -0.5)
-    for tricks in ("kfold", "kfold+magic"):
-        out = lowbit_decode(view, q, start, dim ** -0.5, variant="wide", tricks=tricks)
-        assert torch.allclose(out, twin, atol=2e-5), (tricks, (out - twin).abs().max())
-    rotated = cache.engine.kernel.lowbit_view(cache.engine.view(1), torch.device("cpu"))
-    if rotated.inv_freq is not None:
-        with pytest.raises(ValueError, match="'kfold' trick folds channel scales"):
-            lowbit_decode(rotated, q, start, dim ** -0.5, variant="wide", tricks="kfold")
-
-
-def test_conversion_tricks_refuse_what_they_cannot_change(model, registry):
-    ids = torch.randint(1, 128, (1, 230), generator=torch.Generator().manual_seed(2))
-    cache = build_cache(registry.resolve("prerope-k4v2-lowbit"), model)
-    with torch.no_grad():
-        model(input_ids=ids, use_cache=True, **cache_kwargs(model, cache))
-    view = cache.engine.kernel.lowbit_view(cache.engine.view(1), torch.device("cpu"))
-    q = torch.randn(1, 4, 64)
-    with pytest.raises(ValueError, match="tricks \\['fast'\\]: expected"):
-        lowbit_decode(view, q, None, 0.125, tricks="magic+fast")
-    with pytest.raises(ValueError, match="bfloat16 tile operands of a GPU"):
-        lowbit_decode(view, q, None, 0.125, variant="wide", tricks="vb16")
-    with pytest.raises(ValueError, match="'general' kernel takes only the 'magic' trick"):
-        lowbit_decode(view, q, None, 0.125, block=16, variant="general", lowp=True, tricks="ktf32")
-
-
 def test_the_wide_kernel_refuses_what_it_cannot_read(model, registry):
     """Steps under 32 tokens (the sm_90 build disagreed with the twin there) and values in more than four channel
     groups are refused with the reason, before any launch."""
@@ -448,27 +386,6 @@ def test_each_kernel_compiles_for_the_gpu_with_the_arguments_the_plugin_passes(m
         for planned in (launch, plan_combine(view, q, start, 0.125, launch)):  # the packed pass, then the combine
             stats = compile_for_gpu(planned)
             assert stats["cubin"] > 0 and stats["ptx"] > 100, (variant, stats)
-
-
-@pytest.mark.skipif(not _nvidia_backend(), reason="Triton without its CUDA backend cannot compile for a GPU here")
-@pytest.mark.parametrize("name", ["prerope-k4v2-lowbit", "t-lowbit-v4", "t-lowbit-qa35v3"])
-def test_the_conversion_tricks_compile_for_the_gpu(model, registry, name):
-    """Each trick of TRICKS builds for sm_90 on normal (k4v2), uniform (v4) and tabled (qa35v3) value levels."""
-    ids = torch.randint(1, 128, (1, 230), generator=torch.Generator().manual_seed(2))
-    cache = build_cache(registry.resolve(name), model)
-    with torch.no_grad():
-        model(input_ids=ids, use_cache=True, **cache_kwargs(model, cache))
-    view = cache.engine.kernel.lowbit_view(cache.engine.view(1), torch.device("cpu"))
-    q = torch.randn(1, 4, 64)
-    post = attrs.evolve(view, inv_freq=None)  # read as keys stored after RoPE, for 'kfold'
-    for variant, tricks in (("wide", "magic+vb16"), ("wide", "ktf32"), ("general", "magic"), ("wide", "kfold+vb16")):
-        read = post if "kfold" in tricks else view
-        if "kfold" in tricks and not whole_byte_codes(view)[0]:
-            continue
-        launch = plan_launch(read, q, None, 0.125, block=32 if variant == "wide" else 16, variant=variant, lowp=True, tricks=tricks)
-        assert launch.constants["MAGIC"] == ("magic" in tricks)
-        stats = compile_for_gpu(launch)
-        assert stats["cubin"] > 0 and stats["ptx"] > 100, (variant, tricks, stats)
 
 
 def _held_bytes(item) -> int:
