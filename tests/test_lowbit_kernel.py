@@ -23,6 +23,8 @@ from kvweave.kernels.lowbit_decode import (
     VARIANTS as KERNELS, fast_path, lowbit_decode, plan_combine, plan_launch, resolve_variant, torch_keys, torch_lowbit_decode,
 )
 
+from kvweave.kernels.gpu_build import launch_job
+
 from conftest import CharTokenizer, tiny_llama, write_registry
 
 VARIANTS = textwrap.dedent("""
@@ -313,37 +315,20 @@ def test_a_cache_that_dropped_tokens_decodes_as_the_reference_path(model, regist
     assert not torch.allclose(torch_lowbit_decode(moved, q, None, 0.125), twin, atol=1e-3)
 
 
-TRITON_TYPES = {torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16", torch.uint8: "u8", torch.int8: "i8",
-                torch.int16: "i16", torch.int32: "i32", torch.int64: "i64"}
-
-# Compiles one kernel for an sm_90 target from the argument types and constants on stdin (no GPU needed: Triton
-# carries its own ptxas); run in a process of its own, since conftest.py puts this one in interpreter mode.
+# Builds one kernel for an sm_90 target from the job on stdin (no GPU needed: Triton carries its own ptxas); run in a
+# process of its own, since conftest.py puts this one in interpreter mode.
 COMPILE = """
 import json, sys
-import triton
-from triton.backends.compiler import GPUTarget
-from triton.compiler import ASTSource
 from kvweave.kernels import lowbit_triton
-job = json.load(sys.stdin)
-fn = getattr(lowbit_triton, job["kernel"])
-signature = dict(zip(fn.arg_names, job["types"]))
-signature.update({name: "constexpr" for name in job["constants"]})
-constexprs = {(fn.arg_names.index(name),): value for name, value in job["constants"].items()}
-compiled = triton.compile(ASTSource(fn, signature, constexprs=constexprs), target=GPUTarget("cuda", 90, 32),
-                          options={"num_warps": job["num_warps"]})
+from kvweave.kernels.gpu_build import build
+compiled = build(lowbit_triton, json.load(sys.stdin))
 print(json.dumps({"cubin": len(compiled.asm["cubin"]), "ptx": compiled.asm["ptx"].count("\\n")}))
 """
 
 
 def compile_for_gpu(launch) -> dict:
     """Compile ``launch``'s kernel for an H100/H200 (sm_90) as the GPU would, with its argument types and constants."""
-    types = [TRITON_TYPES[a.dtype] if isinstance(a, torch.Tensor) else "fp32" if isinstance(a, float) else "i32" for a in launch.args]
-    types = ["*" + t if isinstance(a, torch.Tensor) else t for t, a in zip(types, launch.args)]
-    constants = {k: v for k, v in launch.constants.items() if k != "num_warps"}
-    if "APPROX" in constants:  # planned under the interpreter, built as the GPU builds it: hardware cos/sin with bfloat16 operands
-        constants["APPROX"] = bool(constants["LOWP"])
-    job = {"kernel": getattr(launch.kernel, "fn", launch.kernel).__name__,
-           "types": types, "constants": constants, "num_warps": launch.constants.get("num_warps", 4)}
+    job = launch_job(launch.kernel, launch.args, launch.constants)
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     done = subprocess.run([sys.executable, "-c", COMPILE], input=json.dumps(job), capture_output=True, text=True, env=env, timeout=600)
     assert done.returncode == 0, f"{job['kernel']} does not compile for sm_90:\n{done.stderr[-3000:]}"

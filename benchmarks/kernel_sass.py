@@ -1,0 +1,82 @@
+"""The machine instructions of the ``lowbit`` decode kernels as built for an H100/H200 (sm_90), counted by class,
+without a GPU: Triton compiles the launch ``benchmarks/lowbit_kernel.py`` makes and its nvdisasm lists the code.
+
+    python benchmarks/kernel_sass.py [--storages k4v2,qa35v3,k4v2-post] [--configs wide:,wide:magic,...] [--out FILE]
+
+A configuration is ``variant:tricks`` (tricks "+"-separated names of ``kvweave.kernels.lowbit_decode.TRICKS``, empty
+for none); ``k4v2-post`` is prerope-k4v2's storage read as keys stored after RoPE. Counts are static (each
+instruction of the kernel once, the token loop's body included once): they say which instructions a change removes or
+adds, not how often they run or how fast a GPU issues them; that is ``benchmarks/lowbit_kernel.py``'s to time.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import json
+import os
+import sys
+from pathlib import Path
+
+#: opcode classes of the table (anything else counts in "other")
+CLASSES = {
+    "conversions": ("I2F", "I2FP", "F2F", "F2FP", "F2I", "I2I"),
+    "float": ("FADD", "FMUL", "FFMA", "FSEL", "FMNMX", "FSETP", "MUFU", "FRND", "HADD2", "HFMA2", "HMUL2"),
+    "integer": ("IMAD", "IADD3", "LOP3", "SHF", "PRMT", "ISETP", "SEL", "LEA", "SGXT", "VIADD", "IABS", "IMNMX", "VIMNMX"),
+    "memory": ("LDG", "LDS", "STS", "STG", "LDSM", "LDGSTS", "LDC", "ULDC"),
+    "tensor": ("HMMA", "HGMMA", "IMMA"),
+}
+
+
+def counts(storage: str, variant: str, tricks: str) -> dict:
+    os.environ.pop("TRITON_INTERPRET", None)
+    import torch
+
+    from kvweave.kernels import lowbit_triton
+    from kvweave.kernels.gpu_build import build, launch_job, sass_opcodes
+    from kvweave.kernels.lowbit_decode import plan_launch
+
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    import attrs
+    from lowbit_kernel import HEAD_DIM, Q_HEADS, packed_view
+
+    view = packed_view(1, 256, device="cpu", storage=storage.removesuffix("-post"))
+    if storage.endswith("-post"):
+        view = attrs.evolve(view, inv_freq=None)
+    q = torch.randn(1, Q_HEADS, HEAD_DIM)
+    launch = plan_launch(view, q, None, HEAD_DIM ** -0.5, variant=variant, lowp=True, tricks=tricks)
+    ops = sass_opcodes(build(lowbit_triton, launch_job(launch.kernel, launch.args, launch.constants)).asm["cubin"])
+    row: dict = {"storage": storage, "config": f"{variant}:{tricks}", "total": sum(ops.values())}
+    for name, members in CLASSES.items():
+        row[name] = sum(ops[m] for m in members)
+    row["other"] = row["total"] - sum(row[name] for name in CLASSES)
+    row["opcodes"] = dict(collections.Counter(ops).most_common())
+    return row
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--storages", default="k4v2,qa35v3,k4v2-post")
+    parser.add_argument("--configs", default="wide:,wide:magic,wide:magic+vb16,wide:ktf32,wide:magic+vb16+ktf32,wide:kfold+vb16")
+    parser.add_argument("--out", default=None, help="JSON file for the rows (each with every opcode's count)")
+    args = parser.parse_args()
+    rows = []
+    print("| storage | variant:tricks | instructions | conversions | float | integer | memory | tensor | other |")
+    print("|---|---|---:|---:|---:|---:|---:|---:|---:|")
+    for storage in args.storages.split(","):
+        for config in args.configs.split(","):
+            variant, _, tricks = config.partition(":")
+            try:
+                row = counts(storage, variant, tricks)
+            except ValueError as error:  # a trick this storage cannot take (kfold reads keys after RoPE)
+                print(f"| {storage} | `{config}` | refused: {error} | | | | | | |")
+                continue
+            rows.append(row)
+            print(f"| {storage} | `{config}` | {row['total']} | {row['conversions']} | {row['float']} | {row['integer']} | "
+                  f"{row['memory']} | {row['tensor']} | {row['other']} |", flush=True)
+    if args.out:
+        Path(args.out).write_text(json.dumps(rows, indent=1))
+
+
+if __name__ == "__main__":
+    main()

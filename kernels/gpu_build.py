@@ -1,0 +1,69 @@
+"""A Triton kernel built for an NVIDIA GPU without one: the launch's argument types and constants compiled for a
+target architecture (Triton carries its own ptxas), and the machine code's instructions counted (its nvdisasm). What
+the tests use to check that a kernel the interpreter accepts also builds for the GPU, and what
+``benchmarks/kernel_sass.py`` counts."""
+
+from __future__ import annotations
+
+import collections
+import os
+import re
+import subprocess
+import tempfile
+from typing import Any
+
+#: Triton's names of the tensor element types a launch passes
+TRITON_TYPES = {"float32": "fp32", "float16": "fp16", "bfloat16": "bf16", "uint8": "u8", "int8": "i8", "int16": "i16",
+                "int32": "i32", "int64": "i64"}
+
+
+def launch_job(kernel: Any, args: tuple, constants: dict) -> dict:
+    """What building ``kernel[grid](*args, **constants)`` needs, as plain data: the kernel's name, the arguments'
+    Triton types, the constants (``num_warps`` apart), as a GPU build takes them: the hardware cos/sin (``APPROX``)
+    wherever the tile operands are the GPU's (``LOWP``), whatever the process planning it runs in."""
+    types = []
+    for arg in args:
+        if hasattr(arg, "dtype") and hasattr(arg, "data_ptr"):
+            types.append("*" + TRITON_TYPES[str(arg.dtype).replace("torch.", "")])
+        else:
+            types.append("fp32" if isinstance(arg, float) else "i32")
+    constants = dict(constants)
+    warps = constants.pop("num_warps", 4)
+    if "APPROX" in constants:
+        constants["APPROX"] = bool(constants.get("LOWP"))
+    return {"kernel": getattr(kernel, "fn", kernel).__name__, "types": types, "constants": constants, "num_warps": warps}
+
+
+def build(module: Any, job: dict, arch: int = 90) -> Any:
+    """The compiled kernel ``job["kernel"]`` of ``module`` for ``sm_{arch}`` (Triton's CompiledKernel)."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    fn = getattr(module, job["kernel"])
+    signature = dict(zip(fn.arg_names, job["types"]))
+    signature.update({name: "constexpr" for name in job["constants"]})
+    constexprs = {(fn.arg_names.index(name),): value for name, value in job["constants"].items()}
+    return triton.compile(ASTSource(fn, signature, constexprs=constexprs), target=GPUTarget("cuda", arch, 32),
+                          options={"num_warps": job["num_warps"]})
+
+
+def sass_opcodes(cubin: bytes) -> collections.Counter:
+    """How many times each opcode (predicates and modifiers dropped) appears in ``cubin``'s machine code, as
+    Triton's own nvdisasm prints it."""
+    import triton
+
+    tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "nvdisasm")
+    if not os.path.exists(tool):
+        raise RuntimeError(f"no nvdisasm beside Triton ({tool}): it comes with Triton's CUDA backend")
+    with tempfile.TemporaryDirectory() as folder:
+        path = os.path.join(folder, "kernel.cubin")
+        with open(path, "wb") as handle:
+            handle.write(cubin)
+        text = subprocess.run([tool, "-c", path], capture_output=True, text=True, check=True).stdout
+    ops: collections.Counter = collections.Counter()
+    for line in text.splitlines():
+        match = re.match(r"\s*/\*[0-9a-f]+\*/\s+(?:@!?U?P[T0-9]+\s+)?([A-Z][A-Z0-9_]*)", line)
+        if match:
+            ops[match.group(1)] += 1
+    return ops
