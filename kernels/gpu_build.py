@@ -20,18 +20,24 @@ TRITON_TYPES = {"float32": "fp32", "float16": "fp16", "bfloat16": "bf16", "uint8
 def launch_job(kernel: Any, args: tuple, constants: dict) -> dict:
     """What building ``kernel[grid](*args, **constants)`` needs, as plain data: the kernel's name, the arguments'
     Triton types, the constants (``num_warps`` apart), as a GPU build takes them: the hardware cos/sin (``APPROX``)
-    wherever the tile operands are the GPU's (``LOWP``), whatever the process planning it runs in."""
-    types = []
-    for arg in args:
+    wherever the tile operands are the GPU's (``LOWP``), whatever the process planning it runs in; and, as a launch
+    specializes them, which arguments are multiples of 16 (pointers by their address, integers by their value)."""
+    types, aligned = [], []
+    for index, arg in enumerate(args):
         if hasattr(arg, "dtype") and hasattr(arg, "data_ptr"):
             types.append("*" + TRITON_TYPES[str(arg.dtype).replace("torch.", "")])
+            if arg.data_ptr() % 16 == 0:
+                aligned.append(index)
         else:
             types.append("fp32" if isinstance(arg, float) else "i32")
+            if isinstance(arg, int) and not isinstance(arg, bool) and arg % 16 == 0:
+                aligned.append(index)
     constants = dict(constants)
     warps = constants.pop("num_warps", 4)
     if "APPROX" in constants:
         constants["APPROX"] = bool(constants.get("LOWP"))
-    return {"kernel": getattr(kernel, "fn", kernel).__name__, "types": types, "constants": constants, "num_warps": warps}
+    return {"kernel": getattr(kernel, "fn", kernel).__name__, "types": types, "constants": constants, "num_warps": warps,
+            "aligned": aligned}
 
 
 def build(module: Any, job: dict, arch: int = 90) -> Any:
@@ -44,7 +50,8 @@ def build(module: Any, job: dict, arch: int = 90) -> Any:
     signature = dict(zip(fn.arg_names, job["types"]))
     signature.update({name: "constexpr" for name in job["constants"]})
     constexprs = {(fn.arg_names.index(name),): value for name, value in job["constants"].items()}
-    return triton.compile(ASTSource(fn, signature, constexprs=constexprs), target=GPUTarget("cuda", arch, 32),
+    attrs = {(index,): [["tt.divisibility", 16]] for index in job.get("aligned", [])}
+    return triton.compile(ASTSource(fn, signature, constexprs=constexprs, attrs=attrs), target=GPUTarget("cuda", arch, 32),
                           options={"num_warps": job["num_warps"]})
 
 
