@@ -5,7 +5,7 @@
 #   bash benchmarks/frontier_eval.sh MODEL OUT PIPELINES [REGISTRY]
 # e.g. bash benchmarks/frontier_eval.sh default results/frontier-smollm full,int4,prerope-qa35v3
 # PIPELINES `all`: every pipeline the registry defines (`kvweave pipelines`, with REGISTRY read on top).
-# Environment: NEEDLES (16), LENGTHS (2000,5000), TOKENS (8000), DTYPE (bfloat16), DEVICE (cuda), JOBS (1),
+# Environment: NEEDLES (16), LENGTHS (2000,5000), DEPTHS (0.1,0.5,0.9), TOKENS (8000), DTYPE (bfloat16), DEVICE (cuda), JOBS (1),
 # PREFILL (0: perplexity of every token fed in chunks; N: the first N tokens one forward, a context that
 # pipelines evicting by context importance need, and perplexity of the tokens after it):
 # JOBS=3 runs the needle grid as 3 processes on the same device, each a share of the pipelines (small models
@@ -22,6 +22,7 @@ device=${DEVICE:-cuda}
 needles=${NEEDLES:-16}
 jobs=${JOBS:-1}
 lengths=${LENGTHS:-2000,5000}
+depths=${DEPTHS:-0.1,0.5,0.9}
 tokens=${TOKENS:-8000}
 dtype=${DTYPE:-bfloat16}
 prefill=${PREFILL:-0}
@@ -39,9 +40,10 @@ case $split in pipelines|cells) ;; *) echo "frontier_eval: SPLIT must be 'pipeli
 parts=()
 if [ "$split" = cells ]; then
   IFS=, read -ra lens <<< "$lengths"
+  IFS=, read -ra deps <<< "$depths"
   mkdir -p "$out/cells"
   for name in "${names[@]}"; do
-    for L in "${lens[@]}"; do for D in 0.1 0.5 0.9; do
+    for L in "${lens[@]}"; do for D in "${deps[@]}"; do
       while (( $(jobs -rp | wc -l) >= jobs )); do wait -n || { echo "frontier_eval: a needle process failed (logs in $out/cells)" >&2; exit 1; }; done
       cell="$out/cells/$name-$L-$D"
       kvweave eval needle --model "$model" --device "$device" --dtype "$dtype" "${extra[@]}" --pipelines "$name" \
@@ -51,7 +53,7 @@ if [ "$split" = cells ]; then
   for pid in $(jobs -p); do wait "$pid" || { echo "frontier_eval: a needle process failed (logs in $out/cells)" >&2; exit 1; }; done
   for name in "${names[@]}"; do
     cells=()
-    for L in "${lens[@]}"; do for D in 0.1 0.5 0.9; do cells+=("$out/cells/$name-$L-$D"); done; done
+    for L in "${lens[@]}"; do for D in "${deps[@]}"; do cells+=("$out/cells/$name-$L-$D"); done; done
     kvweave eval merge "$out/$name" "${cells[@]}"
     parts+=("$out/$name")
   done
@@ -63,7 +65,7 @@ else
     part="$out/needle-part$j"
     parts+=("$part")
     kvweave eval needle --model "$model" --device "$device" --dtype "$dtype" "${extra[@]}" \
-      --pipelines "$(IFS=,; echo "${share[*]}")" --lengths "$lengths" --depths 0.1,0.5,0.9 --needles "$needles" --out "$part" &
+      --pipelines "$(IFS=,; echo "${share[*]}")" --lengths "$lengths" --depths "$depths" --needles "$needles" --out "$part" &
   done
   for pid in $(jobs -p); do wait "$pid" || { echo "frontier_eval: a needle process failed (its error is above)" >&2; exit 1; }; done
 fi
