@@ -48,12 +48,12 @@ if triton is not None:
             return tl.interleave(tl.interleave(b & 3, (b >> 4) & 3), tl.interleave((b >> 2) & 3, (b >> 6) & 3))
 
     @triton.jit
-    def _folded_logits(q_lo, q_hi, q_row, kb_lo, kb_hi, kz_ptr, ks_ptr, koi_ptr, kov_ptr, meta, tok, t_ok, ch, gi, scaling,
-                       HALF: tl.constexpr, D: tl.constexpr, KBITS: tl.constexpr, KO: tl.constexpr, LOWP: tl.constexpr):
+    def _folded_logits(q_lo, q_hi, kb_lo, kb_hi, kz_ptr, ks_ptr, meta, ch, HALF: tl.constexpr, KBITS: tl.constexpr,
+                       LOWP: tl.constexpr):
         """Logits [G, BLOCK] of keys stored after RoPE per channel (``KFOLD``): each channel's scale multiplies the
         query and its minimum becomes one number per query head, so the codes go to the products as they are, as
         128 + code (on a GPU the bits ``0x4300 | code`` read as bfloat16: no conversion; 128 times the scaled
-        query's sum taken off); an exact outlier adds the query's entry times its difference from its code's value."""
+        query's sum taken off); the exact outliers are the caller's (``_outlier_logits``)."""
         z_lo = tl.load(kz_ptr + meta + ch).to(tl.float32)
         z_hi = tl.load(kz_ptr + meta + HALF + ch).to(tl.float32)
         qs_lo = q_lo * tl.load(ks_ptr + meta + ch).to(tl.float32)[None, :]
@@ -71,12 +71,4 @@ if triton is not None:
         bias = tl.sum(q_lo * z_lo[None, :], 1) + tl.sum(q_hi * z_hi[None, :], 1) - \
             128.0 * (tl.sum(qs_lo.to(tl.float32), 1) + tl.sum(qs_hi.to(tl.float32), 1))
         s = s + bias[:, None]
-        for o in tl.static_range(KO):
-            index = tl.load(koi_ptr + tok * KO + o, mask=t_ok, other=0).to(tl.int32)
-            value = tl.load(kov_ptr + tok * KO + o, mask=t_ok, other=0.0).to(tl.float32)
-            code = tl.sum(tl.where(index[:, None] == ch[None, :], c_lo, 0), 1) + \
-                tl.sum(tl.where(index[:, None] == (ch + HALF)[None, :], c_hi, 0), 1)
-            stored = tl.load(kz_ptr + meta + index).to(tl.float32) + code.to(tl.float32) * tl.load(ks_ptr + meta + index).to(tl.float32)
-            q_at = tl.load(q_row + gi[:, None] * D + index[None, :]) * scaling
-            s = s + q_at * (value - stored)[None, :]
         return s

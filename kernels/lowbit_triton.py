@@ -97,6 +97,22 @@ if triton is not None:
         return tl.cos(angle) * rope_scale, tl.sin(angle) * rope_scale
 
     @triton.jit
+    def _outlier_logits(q_row, kz_ptr, koi_ptr, kov_ptr, meta, tok, t_ok, gi, scaling, D: tl.constexpr, KO: tl.constexpr):
+        """What the exact outliers add to the logits [G, BLOCK] of keys after RoPE read without them (``KFOLD``): an
+        outlier's code is 0, so its key held the channel's zero point; the value's difference from it meets the
+        query's entry of its channel, per token instead of per element."""
+        for o in tl.static_range(KO):
+            index = tl.load(koi_ptr + tok * KO + o, mask=t_ok, other=0).to(tl.int32)
+            delta = tl.load(kov_ptr + tok * KO + o, mask=t_ok, other=0.0).to(tl.float32) - \
+                tl.load(kz_ptr + meta + index).to(tl.float32)
+            part = tl.load(q_row + gi[:, None] * D + index[None, :]) * scaling * delta[None, :]
+            if o == 0:
+                total = part
+            else:
+                total = total + part
+        return total
+
+    @triton.jit
     def _value_scale(vs_row, vmax_row, t_idx, t_ok, group, VGROUPS: tl.constexpr, VLOG: tl.constexpr, VST: tl.constexpr):
         """The value scales of tokens ``t_idx`` (from the row's first token; ``t_ok``: loaded) and channel groups
         ``group``, broadcast together: float16 as stored, or log8 steps ``k`` below each ``VST`` tokens' float16
@@ -234,7 +250,8 @@ if triton is not None:
         the one or two bytes it lies in. ``FASTV`` (2- or 4-bit values): likewise, else byte-read codes. Conversions
         left out (:data:`kvweave.kernels.lowbit_decode.TRICKS`): ``MAGIC`` codes made float by their bits, ``VB16``
         value operands made bfloat16 without a conversion, ``KTF32`` the keys' products on TF32, ``KFOLD`` (keys after
-        RoPE) each channel's scale and minimum folded into the query (:func:`_folded_logits`)."""
+        RoPE) each channel's scale and minimum folded into the query (:func:`_folded_logits`), the exact outliers added to
+        the logits per token (:func:`_outlier_logits`)."""
         bh = tl.program_id(0)
         split = tl.program_id(1)
         batch = bh // heads
@@ -306,12 +323,13 @@ if triton is not None:
                 cos, sin = _cos_sin(pos, freq, rope_scale, APPROX)
                 k_lo, k_hi = k_lo * cos - k_hi * sin, k_hi * cos + k_lo * sin
             if KFOLD:
-                s = _folded_logits(q_lo, q_hi, q_row, kb_lo, kb_hi, kz_ptr, ks_ptr, koi_ptr, kov_ptr, meta, row + t0 + t_loc,
-                                   t_ok, ch, gi, scaling, HALF, D, KBITS, KO, LOWP)
+                s = _folded_logits(q_lo, q_hi, kb_lo, kb_hi, kz_ptr, ks_ptr, meta, ch, HALF, KBITS, LOWP)
             elif KTF32:
                 s = _product(q_lo, tl.trans(k_lo), 2) + _product(q_hi, tl.trans(k_hi), 2)
             else:
                 s = _product(q_lo, tl.trans(k_lo), LOWP) + _product(q_hi, tl.trans(k_hi), LOWP)
+            if KFOLD and KO > 0:
+                s = s + _outlier_logits(q_row, kz_ptr, koi_ptr, kov_ptr, meta, row + t0 + t_loc, t_ok, gi, scaling, D, KO)
             if HID > 0:  # slots whose tokens are attended exactly (restored by residuals)
                 pos = _hide(pos, t0 + t_loc, hid_ptr + bh * HID, HID)
             p, alpha, m_new = _online_step(s, t_ok, pos, start, m_i, HAS_START)
