@@ -37,6 +37,10 @@ case " ${names[*]} " in *" full "*) ;; *) echo "frontier_eval: add 'full' to the
 (( jobs < 1 )) && { echo "frontier_eval: JOBS must be at least 1, got $jobs" >&2; exit 2; }
 split=${SPLIT:-pipelines}
 case $split in pipelines|cells) ;; *) echo "frontier_eval: SPLIT must be 'pipelines' or 'cells', got '$split'" >&2; exit 2;; esac
+# background processes: at most JOBS at a time; one that failed stops the script, saying where its error is
+failed() { echo "frontier_eval: a $1 process failed ($2)" >&2; exit 1; }
+throttle() { while (( $(jobs -rp | wc -l) >= jobs )); do wait -n || failed "$@"; done; }
+drain() { for pid in $(jobs -p); do wait "$pid" || failed "$@"; done; }
 parts=()
 if [ "$split" = cells ]; then
   IFS=, read -ra lens <<< "$lengths"
@@ -44,13 +48,13 @@ if [ "$split" = cells ]; then
   mkdir -p "$out/cells"
   for name in "${names[@]}"; do
     for L in "${lens[@]}"; do for D in "${deps[@]}"; do
-      while (( $(jobs -rp | wc -l) >= jobs )); do wait -n || { echo "frontier_eval: a needle process failed (logs in $out/cells)" >&2; exit 1; }; done
+      throttle needle "logs in $out/cells"
       cell="$out/cells/$name-$L-$D"
       kvweave eval needle --model "$model" --device "$device" --dtype "$dtype" "${extra[@]}" --pipelines "$name" \
         --lengths "$L" --depths "$D" --needles "$needles" --out "$cell" > "$cell.log" 2>&1 &
     done; done
   done
-  for pid in $(jobs -p); do wait "$pid" || { echo "frontier_eval: a needle process failed (logs in $out/cells)" >&2; exit 1; }; done
+  drain needle "logs in $out/cells"
   for name in "${names[@]}"; do
     cells=()
     for L in "${lens[@]}"; do for D in "${deps[@]}"; do cells+=("$out/cells/$name-$L-$D"); done; done
@@ -67,7 +71,7 @@ else
     kvweave eval needle --model "$model" --device "$device" --dtype "$dtype" "${extra[@]}" \
       --pipelines "$(IFS=,; echo "${share[*]}")" --lengths "$lengths" --depths "$depths" --needles "$needles" --out "$part" &
   done
-  for pid in $(jobs -p); do wait "$pid" || { echo "frontier_eval: a needle process failed (its error is above)" >&2; exit 1; }; done
+  drain needle "its error is above"
 fi
 compressed=$(IFS=,; echo "${names[*]}" | sed -e 's/^full,//' -e 's/,full,/,/' -e 's/,full$//')
 ppl=("$out/ppl")
@@ -76,12 +80,12 @@ if [ "$split" = cells ]; then
   IFS=, read -ra each <<< "$compressed"
   mkdir -p "$out/ppl"
   for name in "${each[@]}"; do
-    while (( $(jobs -rp | wc -l) >= jobs )); do wait -n || { echo "frontier_eval: a perplexity process failed (logs in $out/ppl)" >&2; exit 1; }; done
+    throttle perplexity "logs in $out/ppl"
     kvweave eval ppl --model "$model" --device "$device" --dtype "$dtype" "${extra[@]}" --pipelines "$name" \
       --tokens "$tokens" --prefill "$prefill" --out "$out/ppl/$name" > "$out/ppl/$name.log" 2>&1 &
     ppl+=("$out/ppl/$name")
   done
-  for pid in $(jobs -p); do wait "$pid" || { echo "frontier_eval: a perplexity process failed (logs in $out/ppl)" >&2; exit 1; }; done
+  drain perplexity "logs in $out/ppl"
 else
   kvweave eval ppl --model "$model" --device "$device" --dtype "$dtype" "${extra[@]}" --pipelines "$compressed" \
     --tokens "$tokens" --prefill "$prefill" --out "$out/ppl"

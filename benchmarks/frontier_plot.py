@@ -123,7 +123,9 @@ def plot(table: list[dict], lengths: list[int], path: Path, title: str, ppl: dic
     colors = plt.get_cmap("tab20").colors
     style = {row["pipeline"]: (markers[i % len(markers)], colors[i % len(colors)]) for i, row in enumerate(table)}
     ratios = [c["ratio"] for row in table for c in row["lengths"].values()]
-    ratios += [measured[row["pipeline"]]["full_16bit_bytes"] / measured[row["pipeline"]]["stored_bytes"] for row in with_ppl]
+    ppl_ratio = {row["pipeline"]: measured[row["pipeline"]]["full_16bit_bytes"] / measured[row["pipeline"]]["stored_bytes"]
+                 for row in with_ppl}
+    ratios += list(ppl_ratio.values())
     ticks = [t for t in (1, 2, 3, 4, 5, 6, 8, 10, 16, 32, 64) if t <= 1.3 * max(ratios + [10])]
 
     def bytes_axis(ax) -> None:
@@ -154,9 +156,8 @@ def plot(table: list[dict], lengths: list[int], path: Path, title: str, ppl: dic
     if with_ppl:
         ax = axes[-1]
         for row in with_ppl:
-            data = measured[row["pipeline"]]
             marker, color = style[row["pipeline"]]
-            ax.scatter(data["full_16bit_bytes"] / data["stored_bytes"], 100 * (data["ppl"] / reference - 1), s=45,
+            ax.scatter(ppl_ratio[row["pipeline"]], 100 * (measured[row["pipeline"]]["ppl"] / reference - 1), s=45,
                        marker=marker, color=color, alpha=0.85)
         ax.axhline(2.0, color="grey", lw=0.8, ls="--")
         ax.axhline(0.0, color="grey", lw=0.5)

@@ -18,6 +18,18 @@ import os
 import sys
 from pathlib import Path
 
+os.environ.pop("TRITON_INTERPRET", None)  # built for the GPU, not run in the interpreter
+
+import attrs  # noqa: E402
+import torch  # noqa: E402
+
+from kvweave.kernels import lowbit_triton  # noqa: E402
+from kvweave.kernels.gpu_build import build, launch_job, sass_opcodes  # noqa: E402
+from kvweave.kernels.lowbit_decode import plan_launch  # noqa: E402
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from lowbit_kernel import HEAD_DIM, Q_HEADS, packed_view  # noqa: E402
+
 #: opcode classes of the table (anything else counts in "other")
 CLASSES = {
     "conversions": ("I2F", "I2FP", "F2F", "F2FP", "F2I", "I2I"),
@@ -29,17 +41,7 @@ CLASSES = {
 
 
 def counts(storage: str, variant: str, tricks: str) -> dict:
-    os.environ.pop("TRITON_INTERPRET", None)
-    import torch
-
-    from kvweave.kernels import lowbit_triton
-    from kvweave.kernels.gpu_build import build, launch_job, sass_opcodes
-    from kvweave.kernels.lowbit_decode import plan_launch
-
-    sys.path.insert(0, str(Path(__file__).resolve().parent))
-    import attrs
-    from lowbit_kernel import HEAD_DIM, Q_HEADS, packed_view
-
+    """One table row: ``storage``'s launch of ``variant`` with ``tricks``, built for sm_90, its opcodes by class."""
     view = packed_view(1, 256, device="cpu", storage=storage.removesuffix("-post"))
     if storage.endswith("-post"):
         view = attrs.evolve(view, inv_freq=None)

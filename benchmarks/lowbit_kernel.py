@@ -112,6 +112,11 @@ def parse_configs(text: str, programs: int) -> list[tuple[str, int, int, int, st
     return configs
 
 
+def config_name(variant: str, block: int, warps: int, programs: int, tricks: str) -> str:
+    """The configuration as ``--configs`` spells it."""
+    return f"{variant}:{block}:{warps}:{programs}" + (f":{tricks}" if tricks else "")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--tokens", default="32768,65536,131072")
@@ -139,7 +144,7 @@ def main() -> None:
     reference = torch_lowbit_decode(small, q_small, None, scale)
     twins = {}
     for variant, block, warps, programs, tricks in configs:
-        name = f"{variant}:{block}:{warps}:{programs}" + (f":{tricks}" if tricks else "")
+        name = config_name(variant, block, warps, programs, tricks)
         out = lowbit_decode(small, q_small, None, scale, block, warps, variant, programs, tricks)
         twins[name] = float((out - reference).abs().max())
         launch = plan_launch(small, q_small, None, scale, block, warps, variant, programs, tricks=tricks)
@@ -165,7 +170,7 @@ def main() -> None:
                 call = lambda: lowbit_decode(view, q, None, scale, block, warps, variant, programs, tricks)  # noqa: E731
                 kernel = device_us(call, args.reps)
                 wall = timed(call, args.reps)
-                row = {"tokens": tokens, "batch": batch, "kernel": f"{variant}:{block}:{warps}:{programs}" + (f":{tricks}" if tricks else ""), "sdpa_us": sdpa, "kernel_us": kernel,
+                row = {"tokens": tokens, "batch": batch, "kernel": config_name(variant, block, warps, programs, tricks), "sdpa_us": sdpa, "kernel_us": kernel,
                        "wall_us": wall, "speedup": sdpa / kernel, "bytes_read": read, "gbps": read / kernel / 1e3,
                        "of_copy": read / (kernel * 1e-6) / bandwidth, "bytes_ratio": full_bytes / read}
                 rows.append(row)

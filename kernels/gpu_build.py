@@ -55,14 +55,22 @@ def build(module: Any, job: dict, arch: int = 90) -> Any:
                           options={"num_warps": job["num_warps"]})
 
 
+def nvdisasm() -> str | None:
+    """The path of the nvdisasm that Triton's CUDA backend carries, or None (no Triton, or no CUDA backend)."""
+    try:
+        import triton
+    except ImportError:
+        return None
+    tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "nvdisasm")
+    return tool if os.path.exists(tool) else None
+
+
 def sass_opcodes(cubin: bytes) -> collections.Counter:
     """How many times each opcode (predicates and modifiers dropped) appears in ``cubin``'s machine code, as
     Triton's own nvdisasm prints it."""
-    import triton
-
-    tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "nvdisasm")
-    if not os.path.exists(tool):
-        raise RuntimeError(f"no nvdisasm beside Triton ({tool}): it comes with Triton's CUDA backend")
+    tool = nvdisasm()
+    if tool is None:
+        raise RuntimeError("no nvdisasm beside Triton: it comes with Triton's CUDA backend")
     with tempfile.TemporaryDirectory() as folder:
         path = os.path.join(folder, "kernel.cubin")
         with open(path, "wb") as handle:

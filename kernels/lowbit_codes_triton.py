@@ -16,11 +16,18 @@ if triton is not None:
     @triton.jit
     def _as_float(code, MAGIC: tl.constexpr):
         """int32 codes (0 .. 2**23) as float32: a conversion instruction, or (``MAGIC``) the code's bits put into the
-        mantissa of 2**23 and 2**23 subtracted (exact: an integer op and an add instead of a conversion, which a GPU
-        issues at an eighth of an add's rate)."""
+        mantissa of 2**23 and 2**23 subtracted (exact: an integer op and an add instead of a conversion, which CUDA's
+        throughput table gives at an eighth of an add's rate; whether Hopper's ``I2FP`` is that slow is for a GPU
+        timing to say)."""
         if MAGIC:
             return (code | 0x4B000000).to(tl.float32, bitcast=True) - 8388608.0
         return code.to(tl.float32)
+
+    @triton.jit
+    def _plus128(code):
+        """Codes 0 .. 127 as the bfloat16 numbers ``128 + code``, made from their bits (``0x4300 | code``: the code in
+        the mantissa of 128) instead of converted."""
+        return (code | 0x4300).to(tl.int16).to(tl.bfloat16, bitcast=True)
 
     @triton.jit
     def _level16(code, vlev16_ptr, LEVELS: tl.constexpr, l0, l1, n0, n1):
@@ -29,7 +36,7 @@ if triton is not None:
         off the product), the four normal levels chosen among the bfloat16 scalars ``l0, l1`` and their negations
         ``n0, n1``, other levels from the table's bfloat16 copy."""
         if LEVELS == 1:
-            return (code | 0x4300).to(tl.int16).to(tl.bfloat16, bitcast=True)
+            return _plus128(code)
         elif LEVELS == 2:
             positive = tl.where((code == 0) | (code == 3), l1, l0)
             negative = tl.where((code == 0) | (code == 3), n1, n0)
@@ -63,8 +70,7 @@ if triton is not None:
         if LOWP:
             qs_lo = qs_lo.to(tl.bfloat16)
             qs_hi = qs_hi.to(tl.bfloat16)
-            s = tl.dot(qs_lo, tl.trans((c_lo | 0x4300).to(tl.int16).to(tl.bfloat16, bitcast=True))) + \
-                tl.dot(qs_hi, tl.trans((c_hi | 0x4300).to(tl.int16).to(tl.bfloat16, bitcast=True)))
+            s = tl.dot(qs_lo, tl.trans(_plus128(c_lo))) + tl.dot(qs_hi, tl.trans(_plus128(c_hi)))
         else:
             s = tl.dot(qs_lo, tl.trans(c_lo.to(tl.float32) + 128.0), input_precision="ieee") + \
                 tl.dot(qs_hi, tl.trans(c_hi.to(tl.float32) + 128.0), input_precision="ieee")

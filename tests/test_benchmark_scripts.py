@@ -13,6 +13,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from kvweave.kernels.gpu_build import nvdisasm
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
@@ -283,15 +285,7 @@ def test_lowbit_kernel_configs_name_variant_steps_warps_programs_and_tricks(monk
             lowbit_kernel.parse_configs(bad, 528)
 
 
-def _nvdisasm() -> bool:
-    try:
-        import triton
-    except ImportError:
-        return False
-    return os.path.exists(os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "nvdisasm"))
-
-
-@pytest.mark.skipif(not _nvdisasm(), reason="needs Triton's CUDA backend (its ptxas and nvdisasm)")
+@pytest.mark.skipif(nvdisasm() is None, reason="needs Triton's CUDA backend (its ptxas and nvdisasm)")
 def test_kernel_sass_counts_the_instructions_a_trick_removes():
     """benchmarks/kernel_sass.py builds the lowbit kernel for sm_90 without a GPU (in a process of its own: this one
     runs Triton's interpreter) and counts its machine instructions by class: 'magic' removes integer-to-float
