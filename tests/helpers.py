@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from typing import Any
 
+import attrs
 import torch
 
 from kvweave.core.registry import ResolvedPipeline, load_pipeline
@@ -23,6 +24,24 @@ VOCAB = 128  # tiny_llama's vocabulary; id 0 is left for padding
 def load_test_pipeline(name: str) -> ResolvedPipeline:
     """Pipeline ``name`` from tests/pipelines.toml (built-in names resolve too)."""
     return load_pipeline(name, TEST_PIPELINES)
+
+
+def layer_tables(pipeline: ResolvedPipeline) -> dict[str, int]:
+    """The slots of ``pipeline`` whose component carries a per-layer width table (``layer_bits``), with its length."""
+    return {slot: len(config.component.layer_bits) for slot, config in pipeline.slots.items()
+            if getattr(config.component, "layer_bits", ())}
+
+
+def fit_layer_tables(pipeline: ResolvedPipeline, num_layers: int) -> ResolvedPipeline:
+    """``pipeline`` with every per-layer width table written for another model cut (or repeated) to
+    ``num_layers`` entries, so a pipeline tuned for a named model runs on a tiny test model."""
+    slots = dict(pipeline.slots)
+    for slot, length in layer_tables(pipeline).items():
+        if length != num_layers:
+            table = slots[slot].component.layer_bits
+            fitted = tuple(table[i % length] for i in range(num_layers))
+            slots[slot] = attrs.evolve(slots[slot], component=attrs.evolve(slots[slot].component, layer_bits=fitted))
+    return attrs.evolve(pipeline, slots=slots)
 
 
 def build_test_cache(name: str, model: Any, tokenizer: Any = None) -> KVWeaveCache:

@@ -40,6 +40,7 @@ from kvweave.engine.importance import score_for
 from kvweave.core.registry import load_registry
 
 from conftest import ToyTokenizer
+from helpers import fit_layer_tables
 
 pytest.importorskip("pytest_benchmark")
 transformers = pytest.importorskip("transformers")
@@ -113,7 +114,7 @@ def _check_prefilled(name: str, cache: KVWeaveCache) -> None:
 
 @pytest.mark.parametrize("pipeline", PIPELINES, ids=PIPELINES)
 def test_prefill_and_compress(benchmark: Any, model: Any, prompt: torch.Tensor, pipeline: str) -> None:
-    resolved = REGISTRY.resolve(pipeline)
+    resolved = fit_layer_tables(REGISTRY.resolve(pipeline), NUM_LAYERS)
     caches: list[KVWeaveCache] = []
 
     def setup() -> tuple[tuple[KVWeaveCache], dict[str, Any]]:
@@ -139,7 +140,7 @@ def test_prefill_and_compress(benchmark: Any, model: Any, prompt: torch.Tensor, 
 
 @pytest.mark.parametrize("pipeline", PIPELINES, ids=PIPELINES)
 def test_decode_step(benchmark: Any, model: Any, prompt: torch.Tensor, pipeline: str) -> None:
-    cache = build_cache(REGISTRY.resolve(pipeline), model, tokenizer=ToyTokenizer(VOCAB))
+    cache = build_cache(fit_layer_tables(REGISTRY.resolve(pipeline), NUM_LAYERS), model, tokenizer=ToyTokenizer(VOCAB))
     with torch.inference_mode():
         logits = _forward(model, prompt, cache)
     _check_prefilled(pipeline, cache)

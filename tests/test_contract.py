@@ -22,7 +22,7 @@ import pytest
 import torch
 
 from kvweave.core import plugins
-from kvweave.core.errors import ComponentError
+from kvweave.core.errors import ComponentError, ModelError
 from kvweave.core.evictor import EvictionBlock, Evictor
 from kvweave.core.groups import GROUP_INTERFACES, SLOT_GROUPS
 from kvweave.core.interfaces import KINDS, AttentionKernel, ModelShape, Probe, RouteBlock
@@ -32,7 +32,7 @@ from kvweave.engine import build_cache
 from kvweave.engine.generation import generate
 
 from conftest import TEST_PIPELINES, ToyTokenizer, tiny_llama
-from helpers import random_inputs
+from helpers import fit_layer_tables, layer_tables, random_inputs
 
 #: the model every component is shown: small, with grouped queries, and a head_dim every built-in takes
 SHAPE = ModelShape(num_layers=4, num_query_heads=4, num_kv_heads=2, head_dim=64)
@@ -416,6 +416,10 @@ def test_every_builtin_pipeline_generates_on_a_tiny_model(pipeline_model, name):
     if name in PIPELINE_SKIPS:
         pytest.skip(f"pipeline '{name}': {PIPELINE_SKIPS[name]}")
     pipeline = load_registry().resolve(name)
+    if any(length != 4 for length in layer_tables(pipeline).values()):  # tuned for a named model: refused here
+        with pytest.raises(ModelError, match=r"layer_bits has \d+ entries but the model has 4 layers"):
+            build_cache(pipeline, pipeline_model, tokenizer=ToyTokenizer())
+        pipeline = fit_layer_tables(pipeline, 4)
     cache = build_cache(pipeline, pipeline_model, tokenizer=ToyTokenizer())
     new, stats = generate(pipeline_model, random_inputs(1, PROMPT, seed=5), cache, max_new_tokens=NEW, do_sample=False, pad_token_id=0)
     assert new.shape == (1, NEW) and stats.cached_tokens == PROMPT + NEW - 1

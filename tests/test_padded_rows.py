@@ -15,6 +15,7 @@ from kvweave.engine import build_cache, cache_kwargs
 from kvweave.engine.importance import needs_importance, score_for
 
 from conftest import ToyTokenizer, tiny_llama
+from helpers import fit_layer_tables
 
 PIPELINES = sorted(load_registry().names())
 PAD, LENGTH, NEW = 45, 190, 10
@@ -31,7 +32,7 @@ def ids():
 
 
 def _generate(model, name, ids, mask=None, **options):
-    cache = build_cache(load_pipeline(name), model, tokenizer=ToyTokenizer())
+    cache = build_cache(fit_layer_tables(load_pipeline(name), 4), model, tokenizer=ToyTokenizer())
     with warnings.catch_warnings(), torch.no_grad():
         warnings.simplefilter("ignore")  # budget warnings of float32 windows at these tiny lengths
         out = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=NEW, do_sample=False, output_scores=True,
@@ -43,7 +44,7 @@ def _generate(model, name, ids, mask=None, **options):
 def test_a_left_padded_row_gives_what_it_gives_alone(model, ids, name):
     mask = torch.ones_like(ids)
     mask[0, :PAD] = 0
-    scored = build_cache(load_pipeline(name), model, tokenizer=ToyTokenizer())
+    scored = build_cache(fit_layer_tables(load_pipeline(name), 4), model, tokenizer=ToyTokenizer())
     if needs_importance(scored):  # an evictor scoring whole rows of context (KVzip) refuses a padded batch, saying so
         with pytest.raises(CacheStateError, match="this batch is padded"):
             score_for(model, scored, ids, attention_mask=mask)

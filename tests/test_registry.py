@@ -209,12 +209,16 @@ def test_top_level_tables_other_than_pipelines_are_refused(tmp_path):
         load_registry(path)
 
 
-def test_the_shipped_kvzip_pipeline_is_the_one_measured():
-    """registry.toml's kvzip-qa35v3 resolves to exactly the components and settings of the pipeline the
-    frontier measured (benchmarks/lean_sweep.toml's kz-qa35v3-f77-cp, docs/frontier.md): a change to either
-    leaves the shipped pipeline's figures unmeasured."""
+@pytest.mark.parametrize(
+    "shipped_name, measured_name",
+    [("kvzip-qa35v3", "kz-qa35v3-f77-cp"), ("kvzip-qa3-vl25-smollm2", "kz-qa3-vl25-f48-cp")],
+)
+def test_the_shipped_kvzip_pipelines_are_the_ones_measured(shipped_name, measured_name):
+    """registry.toml's KVzip pipelines resolve to exactly the components and settings of the pipelines the
+    frontier measured (benchmarks/lean_sweep.toml, docs/frontier.md): a change to either leaves the shipped
+    pipeline's figures unmeasured."""
     registry = load_registry(Path(__file__).resolve().parents[1] / "benchmarks" / "lean_sweep.toml")
-    shipped, measured = registry.resolve("kvzip-qa35v3"), registry.resolve("kz-qa35v3-f77-cp")
+    shipped, measured = registry.resolve(shipped_name), registry.resolve(measured_name)
     assert shipped.source.endswith("registry.toml") and measured.source.endswith("lean_sweep.toml")
     assert attrs.asdict(shipped)["slots"] == attrs.asdict(measured)["slots"]
     assert shipped.settings == measured.settings
