@@ -58,6 +58,7 @@ if [ "$split" = cells ]; then
   for name in "${names[@]}"; do
     cells=()
     for L in "${lens[@]}"; do for D in "${deps[@]}"; do cells+=("$out/cells/$name-$L-$D"); done; done
+    rm -rf "${out:?}/$name"  # joined from the cells again: a rerun into OUT keeps the cells that completed, runs the rest
     kvweave eval merge "$out/$name" "${cells[@]}"
     parts+=("$out/$name")
   done

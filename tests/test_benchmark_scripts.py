@@ -248,6 +248,13 @@ def test_frontier_eval_split_by_cells_joins_each_pipelines_grid(tmp_path, tiny_m
     rows = {line.split("|")[1].strip(): line for line in (out / "frontier.md").read_text().splitlines() if line.startswith("| `")}
     assert set(rows) == {"`full`", "`int4`"}
     assert not rows["`int4`"].rstrip().endswith("| - |")  # its perplexity, from the ppl folder
+    # a rerun into the same folder (e.g. after the machine was taken away) keeps what completed and joins again
+    before = {path: path.read_text() for path in sorted(out.glob("cells/*/cells.jsonl"))}
+    again = subprocess.run(["bash", str(ROOT / "benchmarks" / "frontier_eval.sh"), str(tiny_model_folder), str(out), "full,int4"],
+                           capture_output=True, text=True, timeout=600, cwd=ROOT, env=env)
+    assert again.returncode == 0, again.stderr[-3000:]
+    assert len(before) == 4 and {path: path.read_text() for path in before} == before  # no cell evaluated twice
+    assert (out / "int4" / "cells.jsonl").read_text().count("\n") == 2
 
 
 def test_frontier_eval_all_names_every_registry_pipeline_and_stops_at_a_failed_process(tmp_path):
