@@ -1,5 +1,5 @@
 """``channel-alloc``: the bit stream of variable-width codes, the allocation, the bytes, and the pipelines
-that use it (the bound of its round trip is a property test in test_quantizer_properties.py)."""
+that use it (the bound of its round trip is a property test in test_lowbit_quantizer_properties.py)."""
 
 from __future__ import annotations
 
