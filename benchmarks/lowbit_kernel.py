@@ -1,6 +1,7 @@
 """Decode attention alone: the ``lowbit`` kernel (prerope-k4v2's storage: 4-bit pre-RoPE keys per channel
-with one exact outlier, 2-bit rotated values; ``--storage qa35v3``: the frontier pipelines' channel-alloc keys and
-3-bit values with log8 scales) against SDPA over a full bf16 cache.
+with one exact outlier, 2-bit rotated values; ``--storage qa35v3``: channel-alloc keys and 3-bit values with log8
+scales; ``kz5`` / ``kz8``: a layer of the shipped KVzip pipelines, ``kvzip-qa35v3`` / ``kvzip-qa3-vl25-smollm2``,
+their share of the context's tokens kept) against SDPA over a full bf16 cache of every token.
 
     python benchmarks/lowbit_kernel.py [--tokens 32768,65536,131072] [--batches 1,8,32]
         [--configs wide:32:4,general:16:4:528,wide:32:4:528:magic+vb16] [--out DIR]
@@ -38,17 +39,34 @@ from kvweave.plugins.quantizers.rotated_token import RotatedTokenQuantizer, rota
 Q_HEADS, KV_HEADS, HEAD_DIM, THETA, WINDOW = 32, 8, 128, 500000.0, 16
 
 
-#: the storages the benchmark packs: prerope-k4v2's (4-bit channel-group keys with one outlier, 2-bit values, float16
-#: scales) and the frontier pipelines' (l-qa35v3: channel-alloc keys at 3.5 bits a channel on average with one outlier,
-#: 3-bit values with one-byte log8 scales)
-STORAGES = ("k4v2", "qa35v3")
+#: the storages the benchmark packs, by name: (key quantizer, value quantizer, share of the context's tokens kept).
+#: "k4v2": prerope-k4v2's (4-bit channel-group keys with one outlier, 2-bit values, float16 scales); "qa35v3":
+#: channel-alloc keys at 3.5 bits a channel on average with one outlier, 3-bit values with one-byte log8 scales;
+#: "kz5": a layer of kvzip-qa35v3 that is not kept whole (its keys without outliers, 77% of the tokens kept at
+#: random positions, each slot's position read with it); "kz8": one of kvzip-qa3-vl25-smollm2's 2-bit value layers
+#: (3.0-bit keys, 48% kept)
+STORAGES = {
+    "k4v2": (lambda: ChannelGroupQuantizer(bits=4, group=64, outliers=1), lambda: RotatedTokenQuantizer(bits=2), 1.0),
+    "qa35v3": (lambda: ChannelAllocQuantizer(mean_bits=3.5, group=64, outliers=1),
+               lambda: RotatedTokenQuantizer(bits=3, scale_format="log8"), 1.0),
+    "kz5": (lambda: ChannelAllocQuantizer(mean_bits=3.5, group=64, outliers=0), lambda: RotatedTokenQuantizer(bits=3, scale_format="log8"), 0.77),
+    "kz8": (lambda: ChannelAllocQuantizer(mean_bits=3.0, group=64, outliers=0), lambda: RotatedTokenQuantizer(bits=2, scale_format="log8"), 0.48),
+}
+
+
+def kept_positions(rows: int, tokens: int, kept: int, gen: torch.Generator, device: str) -> torch.Tensor:
+    """Each row's ``kept`` of ``tokens`` positions, drawn at random and in order: int16 where they fit, else int32."""
+    chosen = torch.rand(rows, tokens, generator=gen, device=device).argsort(dim=-1)[:, :kept].sort(dim=-1).values
+    return chosen.to(torch.int16 if tokens <= 32767 else torch.int32)
 
 
 def packed_view(batch: int, tokens: int, device: str = "cuda", storage: str = "k4v2") -> LowbitView:
-    """Random keys and values packed the way ``storage`` packs them (:data:`STORAGES`), [B * 8 heads, T, 128], in chunks."""
-    alloc = storage == "qa35v3"
-    kq = ChannelAllocQuantizer(mean_bits=3.5, group=64, outliers=1) if alloc else ChannelGroupQuantizer(bits=4, group=64, outliers=1)
-    vq = RotatedTokenQuantizer(bits=3, scale_format="log8") if alloc else RotatedTokenQuantizer(bits=2)
+    """Random keys and values packed the way ``storage`` packs them (:data:`STORAGES`), [B * 8 heads, T', 128] (T' the
+    tokens kept, a multiple of 64), in chunks."""
+    make_keys, make_values, share = STORAGES[storage]
+    kq, vq = make_keys(), make_values()
+    alloc = isinstance(kq, ChannelAllocQuantizer)
+    context, tokens = tokens, tokens if share == 1.0 else int(tokens * share) // 64 * 64
     rows = batch * KV_HEADS
     fields: dict[str, list] = {}
     gen = torch.Generator(device=device).manual_seed(0)
@@ -66,21 +84,24 @@ def packed_view(batch: int, tokens: int, device: str = "cuda", storage: str = "k
     inv_freq = 1.0 / THETA ** (torch.arange(0, HEAD_DIM, 2, device=device, dtype=torch.float32) / HEAD_DIM)
     exact = torch.randn(batch, KV_HEADS, WINDOW, HEAD_DIM, device=device, dtype=torch.bfloat16)
     levels = vq.level_table()
+    log8 = vq.scale_format == "log8"
     return LowbitView(
         tokens=tokens, first=0, k_codes=f["k_codes"], k_zero=f["k_zero"], k_scale=f["k_scale"],
-        k_out_index=f["k_outlier_index"], k_out_value=f["k_outlier_value"], k_bits=0 if alloc else 4, k_group=64,
-        v_codes=f["v_codes"], v_scale=f["v_scale_log"] if alloc else f["v_scale"], v_bits=vq.bits, v_group=64,
+        k_out_index=f.get("k_outlier_index"), k_out_value=f.get("k_outlier_value"), k_bits=0 if alloc else kq.bits, k_group=64,
+        v_codes=f["v_codes"], v_scale=f["v_scale_log"] if log8 else f["v_scale"], v_bits=vq.bits, v_group=64,
         v_levels=torch.tensor(levels, device=device, dtype=torch.float32),
         rotation=rotation_matrix("hadamard", 0, HEAD_DIM, device).float().contiguous(), inv_freq=inv_freq,
         rope_scale=1.0, exact_k=exact, exact_v=exact.clone(), level_kind=level_kind(levels),
-        k_widths=f["k_bits"] if alloc else None, v_scale_max=f["v_scale_max"] if alloc else None,
-        v_scale_tokens=vq.scale_tokens if alloc else 1,
+        k_widths=f["k_bits"] if alloc else None, v_scale_max=f["v_scale_max"] if log8 else None,
+        v_scale_tokens=vq.scale_tokens if log8 else 1,
+        positions=None if share == 1.0 else kept_positions(rows, context, tokens, gen, device),
+        exact_first=None if share == 1.0 else context,
     )
 
 
 def view_bytes(view: LowbitView) -> int:
     tensors = [view.k_codes, view.k_zero, view.k_scale, view.k_out_index, view.k_out_value, view.k_widths, view.v_codes,
-               view.v_scale, view.v_scale_max, view.exact_k, view.exact_v]
+               view.v_scale, view.v_scale_max, view.exact_k, view.exact_v, view.positions]
     return sum(t.nbytes for t in tensors if t is not None)
 
 
@@ -126,8 +147,9 @@ def main() -> None:
                         help="kernels timed, each variant:block:warps[:programs] (variant: wide, general; block: "
                              "tokens per loop step, divides 64; warps per program; programs aimed for, default --programs)")
     parser.add_argument("--programs", type=int, default=528, help="kernel programs to aim for (splits of the tokens)")
-    parser.add_argument("--storage", default="k4v2", choices=STORAGES, help="what is packed: prerope-k4v2's storage or "
-                        "the frontier pipelines' (channel-alloc keys at 3.5 bits, 3-bit values with log8 scales)")
+    parser.add_argument("--storage", default="k4v2", choices=list(STORAGES), help="what is packed: prerope-k4v2's storage, "
+                        "channel-alloc keys at 3.5 bits with 3-bit log8 values (qa35v3), or a layer of the shipped 5x / 8x "
+                        "KVzip pipelines (kz5, kz8: their tokens kept, positions read with them)")
     parser.add_argument("--post-rope", action="store_true", help="keys stored after RoPE (no rotation in the kernel)")
     parser.add_argument("--out", default="results/lowbit_kernel")
     args = parser.parse_args()

@@ -10,6 +10,7 @@ import sys
 import sysconfig
 from pathlib import Path
 
+import attrs
 import pytest
 import torch
 
@@ -279,6 +280,32 @@ def test_frontier_eval_refuses_an_unknown_split(tmp_path):
     done = subprocess.run(["bash", str(ROOT / "benchmarks" / "frontier_eval.sh"), "default", str(tmp_path), "full,int4"],
                           capture_output=True, text=True, timeout=60, cwd=ROOT, env=env)
     assert done.returncode == 2 and "SPLIT must be 'pipelines' or 'cells', got 'depths'" in done.stderr
+
+
+@pytest.mark.parametrize("storage", ["k4v2", "kz5", "kz8"])
+def test_lowbit_kernel_storages_pack_what_they_name_and_the_kernel_reads_them(monkeypatch, storage):
+    """benchmarks/lowbit_kernel.py's storages: the KVzip ones keep their share of the tokens (a multiple of 64) at
+    sorted distinct positions before the exact window, count the positions' bytes, and store the shipped pipeline's
+    widths; the lowbit kernel (interpreter) reads each as its torch twin does."""
+    monkeypatch.syspath_prepend(str(ROOT / "benchmarks"))
+    import lowbit_kernel
+    from kvweave.kernels.lowbit_decode import lowbit_decode, torch_lowbit_decode
+
+    view = lowbit_kernel.packed_view(1, 512, device="cpu", storage=storage)
+    share = lowbit_kernel.STORAGES[storage][2]
+    assert view.tokens == int(512 * share) // 64 * 64 and view.k_codes.shape[-2] == view.tokens
+    if share < 1:
+        positions = view.positions.long()
+        assert view.positions.dtype == torch.int16 and view.exact_first == 512
+        assert bool((positions.diff(dim=-1) > 0).all()) and int(positions.min()) >= 0 and int(positions.max()) < 512
+        assert view.k_out_index is None or view.k_out_index.shape[-1] == 0  # the shipped pipelines keep no outlier
+        assert lowbit_kernel.view_bytes(view) == lowbit_kernel.view_bytes(attrs.evolve(view, positions=None)) + view.positions.nbytes
+        key_bits = 8 * view.k_codes.shape[-1] / 128
+        assert key_bits == {"kz5": 3.5, "kz8": 3.0}[storage] and view.v_bits == {"kz5": 3, "kz8": 2}[storage]
+    torch.manual_seed(1)
+    q = torch.randn(1, lowbit_kernel.Q_HEADS, lowbit_kernel.HEAD_DIM)
+    twin = torch_lowbit_decode(view, q, None, 0.09)
+    assert torch.allclose(lowbit_decode(view, q, None, 0.09), twin, atol=2e-4, rtol=1e-4)
 
 
 def test_lowbit_kernel_configs_name_variant_steps_warps_programs_and_tricks(monkeypatch):
