@@ -114,6 +114,11 @@ def plot(table: list[dict], lengths: list[int], path: Path, title: str, ppl: dic
     measured = (ppl or {}).get("pipelines", {})
     reference = (ppl or {}).get("dynamic_cache_ppl")
     with_ppl = [row for row in table if row["pipeline"] in measured and reference]
+    unmeasured = [row["pipeline"] for row in with_ppl if not {"ppl", "stored_bytes"} <= set(measured[row["pipeline"]])]
+    if unmeasured:  # e.g. {"error": "not run"}: a perplexity run stopped before them
+        print(f"frontier_plot: perplexity panel without {', '.join(unmeasured)}: their ppl.json entry holds no perplexity "
+              f"and bytes ({measured[unmeasured[0]].get('error', 'no reason given')})", file=sys.stderr)
+        with_ppl = [row for row in with_ppl if row["pipeline"] not in unmeasured]
     panels = len(lengths) + (1 if with_ppl else 0)
     columns = 1 + len(table) // 25
     fig, axes = plt.subplots(1, panels, figsize=(5.5 * panels + 2.5 * columns, 4.5 + 0.06 * max(0, len(table) - 25)),

@@ -155,6 +155,8 @@ def test_frontier_plot_draws_a_perplexity_panel_where_perplexities_were_measured
            "pipelines": {"x": {"ppl": 10.5, "stored_bytes": 30, "full_16bit_bytes": 1200}}}
     assert frontier_plot.plot(table, [100], tmp_path / "n.png", "t") == ["100 tokens"]
     assert frontier_plot.plot(table, [100], tmp_path / "p.png", "t", ppl) == ["100 tokens", "perplexity of 400 tokens after 400"]
+    stopped = {**ppl, "pipelines": {"x": {"error": "not run"}}}  # a perplexity run stopped before it: no panel, no crash
+    assert frontier_plot.plot(table, [100], tmp_path / "u.png", "t", stopped) == ["100 tokens"]
     assert (tmp_path / "p.png").stat().st_size > 0
     many = [{"pipeline": f"p{i}", "lengths": {100: {"ratio": 1.0 + i, "of_full": 1, "full_found": 2}}} for i in range(60)]
     assert frontier_plot.plot(many, [100], tmp_path / "many.png", "t") == ["100 tokens"]  # 60 pipelines, ratios to 60x
