@@ -49,8 +49,10 @@ STORAGES = {
     "k4v2": (lambda: ChannelGroupQuantizer(bits=4, group=64, outliers=1), lambda: RotatedTokenQuantizer(bits=2), 1.0),
     "qa35v3": (lambda: ChannelAllocQuantizer(mean_bits=3.5, group=64, outliers=1),
                lambda: RotatedTokenQuantizer(bits=3, scale_format="log8"), 1.0),
-    "kz5": (lambda: ChannelAllocQuantizer(mean_bits=3.5, group=64, outliers=0), lambda: RotatedTokenQuantizer(bits=3, scale_format="log8"), 0.77),
-    "kz8": (lambda: ChannelAllocQuantizer(mean_bits=3.0, group=64, outliers=0), lambda: RotatedTokenQuantizer(bits=2, scale_format="log8"), 0.48),
+    "kz5": (lambda: ChannelAllocQuantizer(mean_bits=3.5, group=64, outliers=0),
+            lambda: RotatedTokenQuantizer(bits=3, scale_format="log8"), 0.77),
+    "kz8": (lambda: ChannelAllocQuantizer(mean_bits=3.0, group=64, outliers=0),
+            lambda: RotatedTokenQuantizer(bits=2, scale_format="log8"), 0.48),
 }
 
 
