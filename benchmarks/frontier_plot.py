@@ -6,7 +6,9 @@ RESULTS_FOLDER holds ``needle.json`` (``kvweave eval needle``) and optionally ``
 ppl``). Several folders (one grid run in parts, or earlier runs of the same grid) are merged: each
 pipeline is taken from the first folder that has it, and their needle grids must be the same. Per pipeline and context length: needles found, found of what the full cache finds (the cells
 ``full`` answered), and the real stored-bytes ratio against a 16-bit cache; perplexity against the
-DynamicCache reference. ``--intervals`` adds the 95% Wilson interval of each "of full" share (how far a grid of
+DynamicCache reference. Perplexity runs merge when they share the protocol (tokens, chunk, prefill); a run whose full
+cache measured another perplexity (another device or dtype) joins with each of its pipelines' changes taken against
+its own full cache, said on stderr. ``--intervals`` adds the 95% Wilson interval of each "of full" share (how far a grid of
 this size can tell two pipelines apart); ``--misses`` lists, per pipeline, the cells the full cache answers and the
 pipeline does not, as (length, depth, needle). ``--common`` counts only the cells every pipeline ran (folders grown to
 different needle counts, or a run cut short, compared on the same cases).
@@ -35,6 +37,12 @@ def cell(answer: dict) -> tuple:
     return answer["length"], answer["depth"], answer["needle"]
 
 
+def full_ppl(ppl: dict | None, name: str) -> float | None:
+    """The full cache's perplexity that ``name``'s is compared with: its own run's where runs were merged."""
+    entry = (ppl or {}).get("pipelines", {}).get(name, {})
+    return entry.get("reference", (ppl or {}).get("dynamic_cache_ppl"))
+
+
 def rows(needle: dict, ppl: dict | None, common: bool = False) -> list[dict]:
     """One row per pipeline: per length hits, cases, of-full counts and the bytes ratio; perplexity change.
 
@@ -45,7 +53,6 @@ def rows(needle: dict, ppl: dict | None, common: bool = False) -> list[dict]:
         raise SystemExit("frontier_plot: --common: the pipelines share no cell")
     full = [r for r in needle["pipelines"].get("full", {}).get("answers", []) if keep is None or cell(r) in keep]
     found = {cell(r) for r in full if r["hit"]}
-    reference = (ppl or {}).get("dynamic_cache_ppl")
     table = []
     for name, data in needle["pipelines"].items():
         if "answers" not in data:
@@ -61,6 +68,7 @@ def rows(needle: dict, ppl: dict | None, common: bool = False) -> list[dict]:
                 "ratio": sum(r["full_16bit_bytes"] for r in cells) / sum(r["stored_bytes"] for r in cells),
             }
         value = (ppl or {}).get("pipelines", {}).get(name, {}).get("ppl")
+        reference = full_ppl(ppl, name)
         row["ppl"] = value
         row["ppl_change"] = None if value is None or not reference else value / reference - 1
         table.append(row)
@@ -112,8 +120,7 @@ def plot(table: list[dict], lengths: list[int], path: Path, title: str, ppl: dic
     import matplotlib.ticker
 
     measured = (ppl or {}).get("pipelines", {})
-    reference = (ppl or {}).get("dynamic_cache_ppl")
-    with_ppl = [row for row in table if row["pipeline"] in measured and reference]
+    with_ppl = [row for row in table if row["pipeline"] in measured and full_ppl(ppl, row["pipeline"])]
     unmeasured = [row["pipeline"] for row in with_ppl if not {"ppl", "stored_bytes"} <= set(measured[row["pipeline"]])]
     if unmeasured:  # e.g. {"error": "not run"}: a perplexity run stopped before them
         print(f"frontier_plot: perplexity panel without {', '.join(unmeasured)}: their ppl.json entry holds no perplexity "
@@ -162,7 +169,7 @@ def plot(table: list[dict], lengths: list[int], path: Path, title: str, ppl: dic
         ax = axes[-1]
         for row in with_ppl:
             marker, color = style[row["pipeline"]]
-            ax.scatter(ppl_ratio[row["pipeline"]], 100 * (measured[row["pipeline"]]["ppl"] / reference - 1), s=45,
+            ax.scatter(ppl_ratio[row["pipeline"]], 100 * (measured[row["pipeline"]]["ppl"] / full_ppl(ppl, row["pipeline"]) - 1), s=45,
                        marker=marker, color=color, alpha=0.85)
         ax.axhline(2.0, color="grey", lw=0.8, ls="--")
         ax.axhline(0.0, color="grey", lw=0.5)
@@ -205,14 +212,20 @@ def merged(folders: list[Path]) -> tuple[dict, dict | None]:
             if ppl is None:
                 ppl = more
             else:
-                protocol = ("tokens", "chunk", "prefill", "dynamic_cache_ppl")
+                protocol = ("tokens", "chunk", "prefill")
                 if any(more.get(key, 0 if key == "prefill" else None) != ppl.get(key, 0 if key == "prefill" else None) for key in protocol):
                     print(f"frontier_plot: {folder}/ppl.json left out: measured with {', '.join(f'{k}={more.get(k)}' for k in protocol)}, "
                           f"the first ppl.json with {', '.join(f'{k}={ppl.get(k)}' for k in protocol)}; perplexities of "
                           "different runs do not compare", file=sys.stderr)
                     continue
+                own = more.get("dynamic_cache_ppl")
+                if own != ppl.get("dynamic_cache_ppl"):  # another device or dtype: same protocol, its own full cache
+                    print(f"frontier_plot: {folder}/ppl.json measured the full cache at {own} (the first ppl.json: "
+                          f"{ppl.get('dynamic_cache_ppl')}): its pipelines' changes are taken against its own full cache",
+                          file=sys.stderr)
                 for name, data in more.get("pipelines", {}).items():
-                    ppl["pipelines"].setdefault(name, data)
+                    if name not in ppl["pipelines"]:
+                        ppl["pipelines"][name] = data if own == ppl.get("dynamic_cache_ppl") else {**data, "reference": own}
     return needle, ppl  # type: ignore[return-value]
 
 

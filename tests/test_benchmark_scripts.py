@@ -182,6 +182,16 @@ def test_frontier_plot_merges_perplexities_of_one_protocol_only(tmp_path, monkey
     needle, merged_ppl = frontier_plot.merged([tmp_path / "a", tmp_path / "c"])  # c's perplexity is left out, said so
     assert "c" not in merged_ppl["pipelines"] and "c" in needle["pipelines"]
     assert "do not compare" in capsys.readouterr().err
+    # another device: same protocol, its own full cache (12.0): d's change is against 12.0, a's still against 10.0
+    _needle(tmp_path / "d", {"full": _answers([True], 1000), "d": _answers([True], 200)})
+    (tmp_path / "d" / "ppl.json").write_text(json.dumps({"tokens": 800, "chunk": 64, "prefill": 400, "dynamic_cache_ppl": 12.0,
+                                                        "pipelines": {"d": {"ppl": 12.6, "stored_bytes": 50, "full_16bit_bytes": 1000}}}))
+    needle, merged_ppl = frontier_plot.merged([tmp_path / "a", tmp_path / "d"])
+    rows = {row["pipeline"]: row for row in frontier_plot.rows(needle, merged_ppl)}
+    assert abs(rows["d"]["ppl_change"] - 0.05) < 1e-9 and abs(rows["a"]["ppl_change"] - 0.05) < 1e-9
+    assert "its own full cache" in capsys.readouterr().err
+    merged_ppl["pipelines"]["a"].update(stored_bytes=40, full_16bit_bytes=1000)
+    assert frontier_plot.plot(list(rows.values()), [100], tmp_path / "two.png", "t", merged_ppl)[-1].startswith("perplexity")
 
 
 def test_quantizer_error_attention_masks_a_sliding_layer_to_its_window(monkeypatch):
