@@ -294,6 +294,28 @@ def test_frontier_eval_refuses_an_unknown_split(tmp_path):
     assert done.returncode == 2 and "SPLIT must be 'pipelines' or 'cells', got 'depths'" in done.stderr
 
 
+def test_kernel_suite_runs_every_storage_it_names_and_refuses_what_it_cannot_time(tmp_path):
+    """benchmarks/kernel_suite.sh: DRY=1 lists the GPU tests and one timing per storage plus the keys-after-RoPE one,
+    with the configurations asked for; an unknown storage and a machine without CUDA are refused before anything runs."""
+    path = os.pathsep.join([str(Path(sys.executable).parent), os.environ.get("PATH", "")])
+    script = str(ROOT / "benchmarks" / "kernel_suite.sh")
+
+    def suite(**env: str) -> subprocess.CompletedProcess:
+        return subprocess.run(["bash", script, str(tmp_path / "out")], capture_output=True, text=True, timeout=120,
+                              env={**os.environ, "PATH": path, **env})
+
+    dry = suite(DRY="1", STORAGES="kz8,k4v2", CONFIGS="wide:32:4", TOKENS="4096")
+    lines = dry.stdout.splitlines()
+    assert dry.returncode == 0 and len(lines) == 4 and "test_lowbit_gpu.py" in lines[0]
+    assert ["--storage kz8" in lines[1], "--storage k4v2" in lines[2], "--post-rope" in lines[3]] == [True] * 3
+    assert all("--configs wide:32:4 " in line and "--tokens 4096 " in line for line in lines[1:3])
+    unknown = suite(DRY="1", STORAGES="kz8,kz9")
+    assert unknown.returncode == 2 and "'kz9'" in unknown.stderr and unknown.stdout == ""
+    if not torch.cuda.is_available():
+        bare = suite()
+        assert bare.returncode == 2 and "no CUDA GPU" in bare.stderr and not (tmp_path / "out").exists()
+
+
 @pytest.mark.parametrize("storage", ["k4v2", "kz5", "kz8"])
 def test_lowbit_kernel_storages_pack_what_they_name_and_the_kernel_reads_them(monkeypatch, storage):
     """benchmarks/lowbit_kernel.py's storages: the KVzip ones keep their share of the tokens (a multiple of 64) at
