@@ -12,7 +12,8 @@ from kvweave.engine import build_cache, cache_kwargs
 from kvweave.kernels.lowbit_decode import lowbit_decode, plan_launch, torch_lowbit_decode, whole_byte_codes
 
 from conftest import tiny_llama
-from test_lowbit_kernel import _nvidia_backend, compile_for_gpu, model, registry  # noqa: F401 - the same storages and model
+from test_lowbit_kernel import model, registry  # noqa: F401 - the same storages and model
+from test_lowbit_kernel_host import _nvidia_backend, compile_for_gpu
 
 
 def _packed(model, registry, name: str, rows: int = 2):

@@ -1,0 +1,178 @@
+"""The ``lowbit`` kernels as built for a GPU and as called per decode step: they compile for sm_90 with the arguments
+the plugin passes, hold no copy of the cache's storage, hide restored tokens by a short slot list, dispatch few torch
+operations per call and make their packed views once per storage state (CPU; Triton's interpreter where a kernel runs)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import attrs
+import pytest
+import torch
+
+from kvweave.engine import build_cache, cache_kwargs
+from kvweave.engine import importance
+from kvweave.engine.generation import generate
+from kvweave.kernels.gpu_build import launch_job
+from kvweave.kernels.lowbit_decode import plan_combine, plan_launch
+
+from conftest import CharTokenizer, tiny_llama
+from test_lowbit_kernel import model, registry  # noqa: F401 - the same storages and model
+
+
+COMPILE = """
+import json, sys
+from kvweave.kernels import lowbit_triton
+from kvweave.kernels.gpu_build import build
+compiled = build(lowbit_triton, json.load(sys.stdin))
+print(json.dumps({"cubin": len(compiled.asm["cubin"]), "ptx": compiled.asm["ptx"].count("\\n")}))
+"""
+
+
+def compile_for_gpu(launch) -> dict:
+    """Compile ``launch``'s kernel for an H100/H200 (sm_90) as the GPU would, with its argument types and constants."""
+    job = launch_job(launch.kernel, launch.args, launch.constants)
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    done = subprocess.run([sys.executable, "-c", COMPILE], input=json.dumps(job), capture_output=True, text=True, env=env, timeout=600)
+    assert done.returncode == 0, f"{job['kernel']} does not compile for sm_90:\n{done.stderr[-3000:]}"
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def _nvidia_backend() -> bool:
+    try:
+        from triton.backends import backends
+    except ImportError:
+        return False
+    return "nvidia" in backends
+
+
+@pytest.mark.skipif(not _nvidia_backend(), reason="Triton without its CUDA backend cannot compile for a GPU here")
+@pytest.mark.parametrize("name, variants, hidden", [
+    ("prerope-k4v2-lowbit", ("wide", "general"), 64),  # 4-bit keys with an outlier, 2-bit values
+    ("t-lowbit-k2v4", ("wide",), 512),  # 2-bit keys at head_dim 128
+    ("t-lowbit-alloc", ("general", "wide"), 64),  # channel-alloc widths
+    ("t-lowbit-log8", ("general", "wide"), 64),  # one-byte value scales
+    ("t-lowbit-k3v3", ("wide",), 64),  # 3-bit keys and values, codes across bytes
+    ("t-lowbit-kvzip", ("auto",), 64),  # slots at their cache indices
+    ("t-lowbit-sinks", ("auto",), 64),  # tokens restored by residuals, merged by the combine
+])
+def test_each_kernel_compiles_for_the_gpu_with_the_arguments_the_plugin_passes(model, registry, name, variants, hidden):
+    """Under the interpreter a kernel runs as Python, which accepts what the GPU compiler refuses (a constexpr
+    assigned twice once broke a kernel on the GPU only): each variant is compiled for sm_90 from the
+    argument types and constants of a real launch, with the bfloat16 tile operands the GPU takes."""
+    ids = torch.randint(1, 128, (2, 230), generator=torch.Generator().manual_seed(2))
+    model = model if hidden == 64 else tiny_llama(layers=2, hidden=hidden)
+    cache = build_cache(registry.resolve(name), model, tokenizer=CharTokenizer())
+    with torch.no_grad():
+        importance.prefill(model, cache, ids[:1] if importance.needs_importance(cache) else ids)  # kvzip scores whole rows
+    view = cache.engine.kernel.lowbit_view(cache.engine.view(1), torch.device("cpu"))
+    rows = view.exact_k.shape[0]
+    q = torch.randn(rows, 4, view.exact_k.shape[-1])
+    for variant in variants:
+        start = torch.tensor([40, 0][:rows], dtype=torch.int32)
+        launch = plan_launch(view, q, start, 0.125, block=None if variant in ("auto", "wide") else 16, variant=variant, lowp=True)
+        for planned in (launch, plan_combine(view, q, start, 0.125, launch)):  # the packed pass, then the combine
+            stats = compile_for_gpu(planned)
+            assert stats["cubin"] > 0 and stats["ptx"] > 100, (variant, stats)
+
+
+def _held_bytes(item) -> int:
+    if isinstance(item, torch.Tensor):
+        return item.nbytes
+    if isinstance(item, dict):
+        return sum(_held_bytes(v) for v in item.values())
+    if isinstance(item, (tuple, list)):
+        return sum(_held_bytes(v) for v in item)
+    return 0
+
+
+@pytest.mark.parametrize("name", ["t-lowbit-kvzip", "t-lowbit-sinks"])
+def test_the_kernel_holds_no_copy_of_what_the_cache_stores(model, registry, name):
+    """What the cache reports is what it holds: the kernel reads channel-alloc widths and slot positions as stored,
+    so the state it keeps between calls (constant tables, the few restored sink tokens) does not grow with the
+    context (it once kept int32 widths, offsets and positions per layer, uncounted)."""
+    held = []
+    for length in (200, 400):
+        ids = torch.randint(1, 128, (1, length), generator=torch.Generator().manual_seed(6))
+        cache = build_cache(registry.resolve(name), model, tokenizer=CharTokenizer())
+        generate(model, {"input_ids": ids}, cache, max_new_tokens=4, do_sample=False, pad_token_id=0)
+        assert cache.engine.windows[1].compressed_tokens >= length // 2 - 64  # the kernel read packed tokens
+        held.append(_held_bytes(cache.engine.kernel_state))
+    assert held[0] == held[1] > 0, held
+
+
+def test_restored_tokens_are_hidden_by_a_short_slot_list_not_a_position_per_slot(model, registry):
+    """A cache that restores its sinks but drops nothing is read in slot order: the few restored slots are listed
+    per row (a power of two wide), and no position per packed slot is built at every call (it once was: a [B x H,
+    T] tensor per layer and step)."""
+    ids = torch.randint(1, 128, (2, 230), generator=torch.Generator().manual_seed(2))
+    cache = build_cache(registry.resolve("t-lowbit-sinks"), model)
+    with torch.no_grad():
+        model(input_ids=ids, use_cache=True, **cache_kwargs(model, cache))
+    view = cache.engine.kernel.lowbit_view(cache.engine.view(1), torch.device("cpu"))
+    assert view.positions is None and view.restored_k is not None
+    hidden = view.hidden_slots
+    assert hidden.dtype == torch.int32 and hidden.shape == (4, 4)  # 2 rows x 2 KV heads, the 4 sinks
+    assert sorted(hidden[0].tolist()) == [0, 1, 2, 3]
+
+
+class _NoLaunch:
+    def __getitem__(self, grid):
+        return lambda *args, **kwargs: None
+
+
+def test_a_decode_call_dispatches_few_torch_operations(model, registry, monkeypatch):
+    """Each torch operation a decode call dispatches costs host time on a GPU (the step at B = 1 is host-bound):
+    the splits are combined, rotated back and merged with the exact window and the restored tokens by one Triton
+    program per query head, so a call is two launches and a handful of allocations (it was 58 operations)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    from kvweave.kernels import lowbit_decode as module
+
+    ids = torch.randint(1, 128, (2, 230), generator=torch.Generator().manual_seed(2))
+    cache = build_cache(registry.resolve("t-lowbit-sinks"), model)
+    with torch.no_grad():
+        model(input_ids=ids, use_cache=True, **cache_kwargs(model, cache))
+    view = cache.engine.kernel.lowbit_view(cache.engine.view(1), torch.device("cpu"))
+    assert view.restored_k is not None  # the merge has restored tokens to attend too
+    for name in ("plan_launch", "plan_combine"):  # what the host does, without running the kernels
+        real = getattr(module, name)
+        monkeypatch.setattr(module, name, lambda *a, real=real, **k: attrs.evolve(real(*a, **k), kernel=_NoLaunch()))
+    q = torch.randn(2, 4, 64)
+    start = torch.tensor([40, 0], dtype=torch.int32)
+    module.lowbit_decode(view, q, start, 0.125)
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        module.lowbit_decode(view, q, start, 0.125)
+    dispatched = [e.name for e in prof.events() if e.name.startswith("aten::")
+                  and (e.cpu_parent is None or not e.cpu_parent.name.startswith("aten::"))]
+    assert len(dispatched) <= 12, dispatched
+
+
+def test_the_packed_views_are_made_once_per_storage_state(model, registry):
+    """A decode step asks every layer for its view: the packed storage's views are kept until a flush changes the
+    storage (no torch operation on a repeated call), and a view after a flush equals one built from scratch."""
+    from torch.profiler import ProfilerActivity, profile
+
+    cache = build_cache(registry.resolve("t-lowbit-sinks"), model)
+    ids = torch.randint(1, 128, (2, 230), generator=torch.Generator().manual_seed(2))
+    with torch.no_grad():
+        model(input_ids=ids, use_cache=True, **cache_kwargs(model, cache))
+    kernel, cpu = cache.engine.kernel, torch.device("cpu")
+    first = kernel.lowbit_view(cache.engine.view(1), cpu)
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        again = kernel.lowbit_view(cache.engine.view(1), cpu)
+    assert not [e.name for e in prof.events() if e.name.startswith("aten::")]
+    assert again.k_codes is first.k_codes and again.restored_k is first.restored_k
+    with torch.no_grad():  # enough tokens for the next block to flush
+        model(input_ids=ids[:, :80], use_cache=True, **cache_kwargs(model, cache))
+    later = kernel.lowbit_view(cache.engine.view(1), cpu)
+    assert later.tokens > first.tokens
+    view = cache.engine.view(1)
+    view.scratch.clear()
+    fresh = kernel.lowbit_view(view, cpu)
+    for field in attrs.fields(type(fresh)):
+        a, b = getattr(later, field.name), getattr(fresh, field.name)
+        assert torch.equal(a, b) if isinstance(a, torch.Tensor) else a == b, field.name
