@@ -88,3 +88,59 @@ def test_the_conversion_tricks_compile_for_the_gpu(model, registry, name):
         assert launch.constants["MAGIC"] == ("magic" in tricks)
         stats = compile_for_gpu(launch)
         assert stats["cubin"] > 0 and stats["ptx"] > 100, (variant, tricks, stats)
+
+
+PIPELINE_TRICKS = """
+[pipelines.t-tricks-magic]
+extends = "prerope-k4v2-lowbit"
+[pipelines.t-tricks-magic.kernel]
+use = "lowbit"
+backend = "triton"
+tricks = "magic"
+
+[pipelines.t-tricks-vb16]
+extends = "t-tricks-magic"
+[pipelines.t-tricks-vb16.kernel]
+use = "lowbit"
+backend = "triton"
+tricks = "vb16"
+
+[pipelines.t-tricks-typo]
+extends = "prerope-k4v2-lowbit"
+[pipelines.t-tricks-typo.kernel]
+use = "lowbit"
+tricks = "magic+vb61"
+"""
+
+
+def test_a_pipeline_asks_for_tricks_and_the_kernel_launches_with_them(model, tmp_path, monkeypatch):  # noqa: F811
+    """registry.toml's ``tricks`` reaches every Triton launch of the layer and changes no token ('magic' under the
+    interpreter); a misspelt trick is refused when the pipeline is resolved, naming it; one the launch cannot take
+    ('vb16' on float32 operands) is refused when the layer first decodes, naming the layer."""
+    from kvweave.core.errors import ComponentError, RegistryError
+    from kvweave.core.registry import load_registry
+    from kvweave.plugins.kernels import lowbit as plugin
+
+    from conftest import write_registry
+
+    registry = load_registry(write_registry(tmp_path, "tricks", PIPELINE_TRICKS))
+    with pytest.raises((RegistryError, ComponentError), match=r"t-tricks-typo.*'tricks'.*'magic\+vb61'"):
+        registry.resolve("t-tricks-typo")
+    asked = []
+    real = plugin.lowbit_decode
+    monkeypatch.setattr(plugin, "lowbit_decode", lambda *a, **k: asked.append(k.get("tricks")) or real(*a, **k))
+    ids = torch.randint(1, 128, (1, 230), generator=torch.Generator().manual_seed(2))
+
+    def decode(name: str, steps: int):
+        cache = build_cache(registry.resolve(name), model)
+        with torch.no_grad():
+            return model.generate(input_ids=ids, max_new_tokens=steps, do_sample=False, output_scores=True,
+                                  return_dict_in_generate=True, pad_token_id=0, **cache_kwargs(model, cache))
+
+    runs = {name: decode(name, 3) for name in ("prerope-k4v2-lowbit", "t-tricks-magic")}
+    assert asked and set(asked) == {"magic"}  # the default pipeline runs the torch twin on a CPU: no launch
+    plain, magic = runs["prerope-k4v2-lowbit"], runs["t-tricks-magic"]
+    assert torch.equal(plain.sequences, magic.sequences)
+    assert max(float((a - b).abs().max()) for a, b in zip(plain.scores, magic.scores)) < 1e-4
+    with pytest.raises(ComponentError, match=r"layer \d+: kernel 'lowbit' with tricks 'vb16': .*bfloat16"):
+        decode("t-tricks-vb16", 2)

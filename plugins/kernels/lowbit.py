@@ -27,7 +27,11 @@ general one the rest. Refused when the cache is built: head_dim not 64, 128 or 2
 rotary embedding whose angles are not ``position * inv_freq``.
 
 ``backend``: ``auto`` runs the Triton kernel on CUDA tensors and its torch twin elsewhere; ``triton`` and
-``torch`` force one (``triton`` on a CPU needs ``TRITON_INTERPRET=1``).
+``torch`` force one (``triton`` on a CPU needs ``TRITON_INTERPRET=1``). ``tricks``: conversions the Triton kernel
+leaves out ("+"-separated names of :data:`kvweave.kernels.lowbit_tricks.TRICKS`; none by default): unknown names are
+refused when the pipeline is resolved, a trick the layer's launch cannot take (``vb16``/``ktf32`` without a GPU's
+bfloat16 operands, ``kfold`` on keys stored before RoPE, anything but ``magic`` on the general kernel) when the layer
+first decodes, naming the layer. The torch twin has no conversions to leave out and computes as without them.
 """
 
 from __future__ import annotations
@@ -44,12 +48,24 @@ from kvweave.core.params import choice
 from kvweave.core.view import LayerView
 from kvweave.kernels.formats import CHANNEL_ALLOC, CHANNEL_GROUP, ROTATED_TOKEN, ROTATED_TOKEN_LOG8
 from kvweave.kernels.lowbit_decode import (
-    LowbitView, level_kind, lowbit_decode, rope_at, slot_positions, torch_keys, torch_lowbit_decode, torch_values,
+    LowbitView, level_kind, lowbit_decode, resolve_variant, rope_at, slot_positions, torch_keys, torch_lowbit_decode, torch_values,
 )
+from kvweave.kernels.lowbit_tricks import TRICKS, parse_tricks
 
 from .fused import first_positions
 
 BACKENDS = ("auto", "triton", "torch")
+
+
+def _trick_names(_instance: Any, _attribute: Any, value: Any) -> None:
+    """``tricks``: a string of "+"-separated :data:`TRICKS`, each at most once ("" for none)."""
+    if not isinstance(value, str):
+        raise TypeError(f"'tricks' must be a string of '+'-separated names of {', '.join(TRICKS)}; got {value!r}")
+    names = [t for t in value.split("+") if t]
+    unknown = [t for t in names if t not in TRICKS]
+    if unknown or len(set(names)) != len(names) or ("kfold" in names and "ktf32" in names):
+        raise ValueError(f"'tricks' must be '+'-separated names of {', '.join(TRICKS)}, each once, not both 'kfold' and "
+                         f"'ktf32'; got {value!r}")
 HEAD_DIMS = (64, 128, 256)
 CODE_BITS = (2, 3, 4)
 
@@ -66,6 +82,9 @@ class LowbitKernel(AttentionKernel):
     reads_residual_tiles: ClassVar[bool] = False  # restored tokens are found from the entries' lists, once
 
     backend: str = attrs.field(default="auto", validator=choice(BACKENDS), metadata={"doc": "'auto' (Triton on CUDA, the torch twin elsewhere), 'triton' or 'torch'"})
+    tricks: str = attrs.field(default="", validator=_trick_names, metadata={
+        "doc": "conversions the Triton kernel leaves out, '+'-separated of magic, vb16, ktf32, kfold ('magic+vb16': 8-10% "
+               "faster on the H200, docs/kernels.md); '' none"})
 
     # ---------------------------------------------------------------------------------- checks
     def check_pipeline(self, pipeline: PipelineSlots, slot: str) -> None:
@@ -255,7 +274,15 @@ class LowbitKernel(AttentionKernel):
         start = first_positions(view.scratch, attention_mask, query.device)
         q = query[:, :, 0, :]
         use_triton = self.backend == "triton" or (self.backend == "auto" and query.is_cuda)
-        out = (lowbit_decode if use_triton else torch_lowbit_decode)(packed, q, start, scaling)
+        if not use_triton:
+            out = torch_lowbit_decode(packed, q, start, scaling)
+        else:
+            if self.tricks and packed.tokens:
+                try:  # the launch's own check, said for this layer before anything runs
+                    parse_tricks(self.tricks, resolve_variant(packed, "auto")[0], q.is_cuda, packed)
+                except ValueError as exc:
+                    raise ComponentError(f"layer {view.layer}: kernel 'lowbit' with tricks {self.tricks!r}: {exc}") from exc
+            out = lowbit_decode(packed, q, start, scaling, tricks=self.tricks)
         return out.to(query.dtype).unsqueeze(1)
 
 
