@@ -89,6 +89,8 @@ class LowbitView:
     #: packed slots the packed pass does not attend (their tokens are attended exactly, above): int32 [BH, R], R a
     #: power of two, -1 for none
     hidden_slots: torch.Tensor | None = None
+    #: ``v_levels`` as bfloat16, made once with the view for the ``vb16`` trick's tabled levels (None: made per call)
+    v_levels16: torch.Tensor | None = None
 
 
 def exact_start(view: LowbitView) -> int:
@@ -338,7 +340,9 @@ def plan_launch(view: LowbitView, q: torch.Tensor, start: torch.Tensor | None, s
     kind, l0, l1 = view.level_kind or level_kind(view.v_levels.tolist())
     fast_k, fast_v = whole_byte_codes(view)
     constants = {**constants, "FASTK": fast_k, "FASTV": fast_v, "LEVELS": kind, **trick}
-    table16 = view.v_levels.to(torch.bfloat16) if trick["VB16"] and kind == 0 else view.v_levels
+    table16 = view.v_levels
+    if trick["VB16"] and kind == 0:
+        table16 = view.v_levels16 if view.v_levels16 is not None else view.v_levels.to(torch.bfloat16)
     return Launch(jit._lowbit_wide_kernel, (batch * heads, splits), (*args, l0, l1, table16), constants, (m, l, acc))
 
 

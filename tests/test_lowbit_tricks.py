@@ -144,3 +144,16 @@ def test_a_pipeline_asks_for_tricks_and_the_kernel_launches_with_them(model, tmp
     assert max(float((a - b).abs().max()) for a, b in zip(plain.scores, magic.scores)) < 1e-4
     with pytest.raises(ComponentError, match=r"layer \d+: kernel 'lowbit' with tricks 'vb16': .*bfloat16"):
         decode("t-tricks-vb16", 2)
+
+
+def test_tabled_value_levels_are_made_bfloat16_once_with_the_view(model, registry):  # noqa: F811
+    """The 'vb16' trick reads tabled value levels (3-bit normal levels) as bfloat16: the plugin's view holds them
+    converted once per storage state, and the launch passes that tensor instead of converting per call."""
+    view = _packed(model, registry, "t-lowbit-k3v3")
+    assert view.level_kind[0] == 0 and view.v_levels16 is not None
+    assert torch.equal(view.v_levels16, view.v_levels.to(torch.bfloat16))
+    q = torch.randn(2, 4, 64, generator=torch.Generator().manual_seed(3))
+    launch = plan_launch(view, q, None, 0.125, lowp=True, tricks="vb16")
+    assert launch.args[-1] is view.v_levels16
+    again = plan_launch(attrs.evolve(view, v_levels16=None), q, None, 0.125, lowp=True, tricks="vb16")
+    assert again.args[-1].dtype == torch.bfloat16 and torch.equal(again.args[-1], view.v_levels16)
