@@ -1,6 +1,6 @@
 """Where time-to-first-token goes with a compressing cache: the prompt's forward, split by compression stage.
 
-    python benchmarks/profile_prefill.py [--tokens 32768] [--pipeline depthweave-kv] [--layers 32]
+    python benchmarks/profile_prefill.py [--tokens 32768] [--pipeline depthweave-kv] [--layers 32] [--smoke]
 
 Runs ``model.generate(max_new_tokens=1)`` on a Llama-3-8B-shaped model with random bf16 weights (the
 shape of ``decode_e2e.py``) for one prompt of random token ids, once to warm up and once measured. The
@@ -8,7 +8,10 @@ measured run times each compression stage (the engine's calls into its component
 synchronized before and after, so the stages add up to the device's time in them) and prints a table:
 stage, calls, total seconds, share of the time to first token. The rest is the model's forward
 (projections, MLPs, prefill attention) and whatever the stages do not cover. Also runs the full cache
-(DynamicCache) for the same prompt as the baseline.
+(DynamicCache) for the same prompt as the baseline. A pipeline whose evictor scores the context first (``kvzip``)
+is scored as ``kvweave generate`` scores it, before the prompt's forward, and the scoring is timed as its own stages
+(``importance.reconstruction_scores``: the repetition forwards; ``importance.copying_layers``: the induction probe).
+``--smoke``: a tiny model of the same head shape on the CPU (checks the script).
 """
 
 from __future__ import annotations
@@ -22,8 +25,11 @@ import torch
 from transformers import DynamicCache
 
 import kvweave.engine.engine as engine_module
+import kvweave.engine.importance as importance_module
 from kvweave.engine import build_cache, cache_kwargs
 from kvweave.core.registry import load_pipeline
+
+from transformers import LlamaConfig
 
 from decode_e2e import Ids, llama3_8b, random_model, sync
 
@@ -63,12 +69,16 @@ def patch_module() -> None:
     for name in ("fit_residual_basis", "encode_residuals", "add_residuals", "residual_rows"):
         if hasattr(engine_module, name):
             setattr(engine_module, name, timed(f"residuals.{name}", getattr(engine_module, name)))
+    for name in ("reconstruction_scores", "copying_layers"):  # context scoring (kvzip), called by score_for
+        setattr(importance_module, name, timed(f"importance.{name}", getattr(importance_module, name)))
 
 
 def first_token(model, cache, ids) -> float:
     sync()
     start = time.perf_counter()
     with torch.no_grad():
+        if not isinstance(cache, DynamicCache):  # an evictor that needs the context's scores gets them first
+            importance_module.score_for(model, cache, ids)
         model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=1, do_sample=False, **cache_kwargs(model, cache))
     sync()
     return time.perf_counter() - start
@@ -79,9 +89,14 @@ def main() -> None:
     parser.add_argument("--tokens", type=int, default=32768)
     parser.add_argument("--pipeline", default="depthweave-kv")
     parser.add_argument("--layers", type=int, default=32)
+    parser.add_argument("--smoke", action="store_true", help="a tiny model of the same head shape on the CPU (checks the script)")
     args = parser.parse_args()
-    device = "cuda" if torch.cuda.is_available() else "cpu"
-    model = random_model(llama3_8b(args.layers), device)
+    device = "cuda" if torch.cuda.is_available() and not args.smoke else "cpu"
+    config = llama3_8b(args.layers)
+    if args.smoke:
+        config = LlamaConfig(vocab_size=512, hidden_size=1024, intermediate_size=1024, num_hidden_layers=args.layers,
+                             num_attention_heads=8, num_key_value_heads=2, head_dim=128)
+    model = random_model(config, device)
     ids = torch.randint(0, model.config.vocab_size, (1, args.tokens), device=device)
     fresh = lambda: build_cache(load_pipeline(args.pipeline), model, tokenizer=Ids(model.config.vocab_size))  # noqa: E731
     model.set_attn_implementation("sdpa")
@@ -99,7 +114,8 @@ def main() -> None:
     print("|---|---|---|---|")
     for name, (calls, seconds) in sorted(TOTALS.items(), key=lambda item: -item[1][1]):
         print(f"| {name} | {calls} | {seconds:.3f} | {seconds / total:.0%} |")
-    print("(stages nest: engine._flush contains the others; the model's forward is TTFT minus engine._flush)")
+    print("(stages nest: engine._flush contains the others; importance.* run before the prompt's forward; the model's "
+          "forward is TTFT minus engine._flush and importance.*)")
 
 
 if __name__ == "__main__":

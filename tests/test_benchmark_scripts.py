@@ -294,6 +294,19 @@ def test_frontier_eval_refuses_an_unknown_split(tmp_path):
     assert done.returncode == 2 and "SPLIT must be 'pipelines' or 'cells', got 'depths'" in done.stderr
 
 
+def test_profile_prefill_scores_the_context_of_a_kvzip_pipeline_and_times_the_scoring():
+    """benchmarks/profile_prefill.py --smoke on a KVzip pipeline: the context is scored before the prompt's forward
+    (the cache refuses to evict without scores), and the scoring is a stage of its own in the table."""
+    command = [sys.executable, str(ROOT / "benchmarks" / "profile_prefill.py"), "--smoke", "--pipeline", "kvzip-qa35v3",
+               "--tokens", "256", "--layers", "2"]
+    done = subprocess.run(command, capture_output=True, text=True, timeout=300, cwd=ROOT / "benchmarks")
+    assert done.returncode == 0, done.stderr[-2000:]
+    head = done.stdout.splitlines()[0]
+    assert head.startswith("prompt 256 tokens, 2 layers, cpu: full cache") and "kvzip-qa35v3" in head
+    stages = {line.split(" | ")[0].strip("| ") for line in done.stdout.splitlines() if line.startswith("| ")}
+    assert {"importance.reconstruction_scores", "engine._flush", "quantizer.quantize"} <= stages
+
+
 def test_kernel_suite_runs_every_storage_it_names_and_refuses_what_it_cannot_time(tmp_path):
     """benchmarks/kernel_suite.sh: DRY=1 lists the GPU tests and one timing per storage plus the keys-after-RoPE one,
     with the configurations asked for; an unknown storage and a machine without CUDA are refused before anything runs."""
