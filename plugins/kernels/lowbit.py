@@ -146,8 +146,21 @@ class LowbitKernel(AttentionKernel):
         cached = view.scratch.get(("lowbit-view", view.layer, device))
         if cached is None or cached[0] != stamp:
             cached = (stamp, self._packed_view(view, device, exact_k, exact_v))
+            self._check_tricks(view, cached[1], device)  # once per storage state, not per decode step
             view.scratch[("lowbit-view", view.layer, device)] = cached
         return attrs.evolve(cached[1], exact_k=exact_k, exact_v=exact_v)
+
+    def _uses_triton(self, device: torch.device) -> bool:
+        return self.backend == "triton" or (self.backend == "auto" and device.type == "cuda")
+
+    def _check_tricks(self, view: LayerView, packed: LowbitView, device: torch.device) -> None:
+        """The launch's own check of ``tricks`` against this layer's storage, said for the layer before anything runs."""
+        if not (self.tricks and packed.tokens and self._uses_triton(device)):
+            return
+        try:
+            parse_tricks(self.tricks, resolve_variant(packed, "auto")[0], device.type == "cuda", packed)
+        except ValueError as exc:
+            raise ComponentError(f"layer {view.layer}: kernel 'lowbit' with tricks {self.tricks!r}: {exc}") from exc
 
     @staticmethod
     def _storage_stamp(view: LayerView, exact_k: torch.Tensor) -> tuple:
@@ -274,16 +287,10 @@ class LowbitKernel(AttentionKernel):
                                   "held token (no padding); use kernel 'reference'")
         start = first_positions(view.scratch, attention_mask, query.device)
         q = query[:, :, 0, :]
-        use_triton = self.backend == "triton" or (self.backend == "auto" and query.is_cuda)
-        if not use_triton:
-            out = torch_lowbit_decode(packed, q, start, scaling)
-        else:
-            if self.tricks and packed.tokens:
-                try:  # the launch's own check, said for this layer before anything runs
-                    parse_tricks(self.tricks, resolve_variant(packed, "auto")[0], q.is_cuda, packed)
-                except ValueError as exc:
-                    raise ComponentError(f"layer {view.layer}: kernel 'lowbit' with tricks {self.tricks!r}: {exc}") from exc
+        if self._uses_triton(query.device):
             out = lowbit_decode(packed, q, start, scaling, tricks=self.tricks)
+        else:
+            out = torch_lowbit_decode(packed, q, start, scaling)
         return out.to(query.dtype).unsqueeze(1)
 
 
