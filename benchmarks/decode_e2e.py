@@ -90,6 +90,12 @@ def llama3_8b(layers: int = 32, vocab: int = 128256) -> LlamaConfig:
     )
 
 
+def smoke_config(layers: int) -> LlamaConfig:
+    """A tiny model of the Llama-3-8B head shape (head_dim 128, GQA 4), for checking the scripts on a CPU."""
+    return LlamaConfig(vocab_size=512, hidden_size=1024, intermediate_size=1024, num_hidden_layers=layers,
+                       num_attention_heads=8, num_key_value_heads=2, head_dim=128)
+
+
 def random_model(config: LlamaConfig, device: str) -> LlamaForCausalLM:
     torch.manual_seed(0)
     default = torch.get_default_dtype()
@@ -228,11 +234,7 @@ def main() -> None:
     out.mkdir(parents=True, exist_ok=True)
     global LOG
     LOG = out / "rows.jsonl"
-    config = llama3_8b(args.layers)
-    if args.smoke:
-        config = LlamaConfig(vocab_size=512, hidden_size=1024, intermediate_size=1024, num_hidden_layers=args.layers,
-                             num_attention_heads=8, num_key_value_heads=2, head_dim=128)
-    model = random_model(config, device)
+    model = random_model(smoke_config(args.layers) if args.smoke else llama3_8b(args.layers), device)
     weights_gb = torch.cuda.memory_allocated() / 1e9 if device == "cuda" else 0.0
     total_gb = torch.cuda.get_device_properties(0).total_memory / 1e9 if device == "cuda" else 0.0
     methods = args.methods.split(",")

@@ -29,9 +29,7 @@ import kvweave.engine.importance as importance_module
 from kvweave.engine import build_cache, cache_kwargs
 from kvweave.core.registry import load_pipeline
 
-from transformers import LlamaConfig
-
-from decode_e2e import Ids, llama3_8b, random_model, sync
+from decode_e2e import Ids, llama3_8b, random_model, smoke_config, sync
 
 TOTALS: dict[str, list[float]] = defaultdict(lambda: [0, 0.0])
 
@@ -92,11 +90,7 @@ def main() -> None:
     parser.add_argument("--smoke", action="store_true", help="a tiny model of the same head shape on the CPU (checks the script)")
     args = parser.parse_args()
     device = "cuda" if torch.cuda.is_available() and not args.smoke else "cpu"
-    config = llama3_8b(args.layers)
-    if args.smoke:
-        config = LlamaConfig(vocab_size=512, hidden_size=1024, intermediate_size=1024, num_hidden_layers=args.layers,
-                             num_attention_heads=8, num_key_value_heads=2, head_dim=128)
-    model = random_model(config, device)
+    model = random_model(smoke_config(args.layers) if args.smoke else llama3_8b(args.layers), device)
     ids = torch.randint(0, model.config.vocab_size, (1, args.tokens), device=device)
     fresh = lambda: build_cache(load_pipeline(args.pipeline), model, tokenizer=Ids(model.config.vocab_size))  # noqa: E731
     model.set_attn_implementation("sdpa")
