@@ -5,7 +5,8 @@ without a GPU: Triton compiles the launch ``benchmarks/lowbit_kernel.py`` makes 
 
 A configuration is ``variant:tricks`` (tricks "+"-separated names of ``kvweave.kernels.lowbit_decode.TRICKS``, empty
 for none); ``k4v2-post`` is prerope-k4v2's storage read as keys stored after RoPE. Counts are static (each
-instruction of the kernel once, the token loop's body included once): they say which instructions a change removes or
+instruction of the kernel once, the token loop's body included once; "token loop" the body alone, and per key and value
+element a thread handles in one step): they say which instructions a change removes or
 adds, not how often they run or how fast a GPU issues them; that is ``benchmarks/lowbit_kernel.py``'s to time.
 """
 
@@ -13,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import collections
+import importlib
 import json
 import os
 import sys
@@ -23,7 +25,6 @@ os.environ.pop("TRITON_INTERPRET", None)  # built for the GPU, not run in the in
 import attrs  # noqa: E402
 import torch  # noqa: E402
 
-from kvweave.kernels import lowbit_triton  # noqa: E402
 from kvweave.kernels.gpu_build import build, launch_job, sass_opcodes  # noqa: E402
 from kvweave.kernels.lowbit_decode import plan_launch  # noqa: E402
 
@@ -47,8 +48,13 @@ def counts(storage: str, variant: str, tricks: str) -> dict:
         view = attrs.evolve(view, inv_freq=None)
     q = torch.randn(1, Q_HEADS, HEAD_DIM)
     launch = plan_launch(view, q, None, HEAD_DIM ** -0.5, variant=variant, lowp=True, tricks=tricks)
-    ops = sass_opcodes(build(lowbit_triton, launch_job(launch.kernel, launch.args, launch.constants)).asm["cubin"])
-    row: dict = {"storage": storage, "config": f"{variant}:{tricks}", "total": sum(ops.values())}
+    job = launch_job(launch.kernel, launch.args, launch.constants)
+    cubin = build(importlib.import_module(job["module"]), job).asm["cubin"]
+    ops = sass_opcodes(cubin)
+    body = sass_opcodes(cubin, loop=True)
+    elements = launch.constants["BLOCK"] * HEAD_DIM * 2 / (32 * launch.constants["num_warps"])  # keys and values a thread, a step
+    row: dict = {"storage": storage, "config": f"{variant}:{tricks}", "total": sum(ops.values()), "loop": sum(body.values()),
+                 "per_element": sum(body.values()) / elements}
     for name, members in CLASSES.items():
         row[name] = sum(ops[m] for m in members)
     row["other"] = row["total"] - sum(row[name] for name in CLASSES)
@@ -63,8 +69,9 @@ def main() -> None:
     parser.add_argument("--out", default=None, help="JSON file for the rows (each with every opcode's count)")
     args = parser.parse_args()
     rows = []
-    print("| storage | variant:tricks | instructions | conversions | float | integer | memory | tensor | other |")
-    print("|---|---|---:|---:|---:|---:|---:|---:|---:|")
+    print("| storage | variant:tricks | instructions | conversions | float | integer | memory | tensor | other | token loop | "
+          "loop per key/value element a thread |")
+    print("|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
     for storage in args.storages.split(","):
         for config in args.configs.split(","):
             variant, _, tricks = config.partition(":")
@@ -75,7 +82,7 @@ def main() -> None:
                 continue
             rows.append(row)
             print(f"| {storage} | `{config}` | {row['total']} | {row['conversions']} | {row['float']} | {row['integer']} | "
-                  f"{row['memory']} | {row['tensor']} | {row['other']} |", flush=True)
+                  f"{row['memory']} | {row['tensor']} | {row['other']} | {row['loop']} | {row['per_element']:.1f} |", flush=True)
     if args.out:
         Path(args.out).write_text(json.dumps(rows, indent=1))
 

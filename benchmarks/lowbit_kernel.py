@@ -44,7 +44,8 @@ Q_HEADS, KV_HEADS, HEAD_DIM, THETA, WINDOW = 32, 8, 128, 500000.0, 16
 #: channel-alloc keys at 3.5 bits a channel on average with one outlier, 3-bit values with one-byte log8 scales;
 #: "kz5": a layer of kvzip-qa35v3 that is not kept whole (its keys without outliers, 77% of the tokens kept at
 #: random positions, each slot's position read with it); "kz8": one of kvzip-qa3-vl25-smollm2's 2-bit value layers
-#: (3.0-bit keys, 48% kept)
+#: (3.0-bit keys, 48% kept); "k4v2e48": 4-bit channel-group keys without outliers and 2-bit log8 values, 48% kept
+#: (the whole-byte storage of the ~8x class that the "dense" kernel reads, with --post-rope)
 STORAGES = {
     "k4v2": (lambda: ChannelGroupQuantizer(bits=4, group=64, outliers=1), lambda: RotatedTokenQuantizer(bits=2), 1.0),
     "qa35v3": (lambda: ChannelAllocQuantizer(mean_bits=3.5, group=64, outliers=1),
@@ -53,6 +54,8 @@ STORAGES = {
             lambda: RotatedTokenQuantizer(bits=3, scale_format="log8"), 0.77),
     "kz8": (lambda: ChannelAllocQuantizer(mean_bits=3.0, group=64, outliers=0),
             lambda: RotatedTokenQuantizer(bits=2, scale_format="log8"), 0.48),
+    "k4v2e48": (lambda: ChannelGroupQuantizer(bits=4, group=64, outliers=0),
+                lambda: RotatedTokenQuantizer(bits=2, scale_format="log8"), 0.48),
 }
 
 

@@ -19,7 +19,7 @@ TRITON_TYPES = {"float32": "fp32", "float16": "fp16", "bfloat16": "bf16", "uint8
 
 def launch_job(kernel: Any, args: tuple, constants: dict) -> dict:
     """What building ``kernel[grid](*args, **constants)`` needs, as plain data: the kernel's name, the arguments'
-    Triton types, the constants (``num_warps`` apart), as a GPU build takes them: the hardware cos/sin (``APPROX``)
+    Triton types, the module that defines it, the constants (``num_warps`` apart), as a GPU build takes them: the hardware cos/sin (``APPROX``)
     wherever the tile operands are the GPU's (``LOWP``), whatever the process planning it runs in; and, as a launch
     specializes them, which arguments are multiples of 16 (pointers by their address, integers by their value)."""
     types, aligned = [], []
@@ -36,7 +36,8 @@ def launch_job(kernel: Any, args: tuple, constants: dict) -> dict:
     warps = constants.pop("num_warps", 4)
     if "APPROX" in constants:
         constants["APPROX"] = bool(constants.get("LOWP"))
-    return {"kernel": getattr(kernel, "fn", kernel).__name__, "types": types, "constants": constants, "num_warps": warps,
+    fn = getattr(kernel, "fn", kernel)
+    return {"kernel": fn.__name__, "module": fn.__module__, "types": types, "constants": constants, "num_warps": warps,
             "aligned": aligned}
 
 
@@ -65,9 +66,10 @@ def nvdisasm() -> str | None:
     return tool if os.path.exists(tool) else None
 
 
-def sass_opcodes(cubin: bytes) -> collections.Counter:
+def sass_opcodes(cubin: bytes, loop: bool = False) -> collections.Counter:
     """How many times each opcode (predicates and modifiers dropped) appears in ``cubin``'s machine code, as
-    Triton's own nvdisasm prints it."""
+    Triton's own nvdisasm prints it; ``loop``: only in the longest loop (from the target of the backward branch that
+    spans most code to that branch: a kernel's token loop), each instruction once."""
     tool = nvdisasm()
     if tool is None:
         raise RuntimeError("no nvdisasm beside Triton: it comes with Triton's CUDA backend")
@@ -76,9 +78,21 @@ def sass_opcodes(cubin: bytes) -> collections.Counter:
         with open(path, "wb") as handle:
             handle.write(cubin)
         text = subprocess.run([tool, "-c", path], capture_output=True, text=True, check=True).stdout
-    ops: collections.Counter = collections.Counter()
+    code, labels, pending = [], {}, []
     for line in text.splitlines():
-        match = re.match(r"\s*/\*[0-9a-f]+\*/\s+(?:@!?U?P[T0-9]+\s+)?([A-Z][A-Z0-9_]*)", line)
+        label = re.match(r"^(\.L_x_\d+):", line)
+        if label:
+            pending.append(label.group(1))
+            continue
+        match = re.match(r"\s*/\*([0-9a-f]+)\*/\s+(?:@!?U?P[T0-9]+\s+)?([A-Z][A-Z0-9_]*)(.*)", line)
         if match:
-            ops[match.group(1)] += 1
-    return ops
+            address = int(match.group(1), 16)
+            labels.update({name: address for name in pending})
+            pending = []
+            code.append((address, match.group(2), match.group(3)))
+    lo, hi = 0, float("inf")
+    if loop:
+        spans = [(labels[target.group(1)], address) for address, op, rest in code if op == "BRA"
+                 for target in [re.search(r"(\.L_x_\d+)", rest)] if target and labels.get(target.group(1), address) < address]
+        lo, hi = max(spans, key=lambda span: span[1] - span[0]) if spans else (0, -1)
+    return collections.Counter(op for address, op, _ in code if lo <= address <= hi)

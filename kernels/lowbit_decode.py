@@ -35,9 +35,11 @@ from kvweave.kernels.formats import unpack_codes, unpack_varwidth
 from kvweave.kernels.lowbit_tricks import TRICKS, parse_tricks, whole_byte_keys  # noqa: F401 - TRICKS: the names lowbit_decode takes
 
 if TYPE_CHECKING:
+    from kvweave.kernels import lowbit_dense_triton as jit_dense
     from kvweave.kernels import lowbit_triton as jit
 else:
     jit: Any = lazy_module("kvweave.kernels.lowbit_triton")
+    jit_dense: Any = lazy_module("kvweave.kernels.lowbit_dense_triton")
 
 #: packed tokens per loop step of a program
 BLOCK_T = 32
@@ -243,7 +245,10 @@ def choose_splits(tokens: int, programs: int, target: int = 528) -> int:
 #: bytes, any storage); "auto": "wide" wherever it reads the storage at its steps (measured faster than "general" on
 #: every storage timed on a GPU: 2/4-bit channel-group and channel-alloc keys with 2- or 3-bit values), else "general". (A "subtile" kernel, 16-channel sub-tiles straight from the bytes, was the default before
 #: "wide" and was removed after commit 3230605; docs/kernels.md keeps its measurements.)
-VARIANTS = ("auto", "wide", "general")
+#: "dense" (keys after RoPE in 2- or 4-bit ``channel-group`` codes, 2- or 4-bit values, whole steps: the codes read as
+#: 32-bit words, :mod:`kvweave.kernels.lowbit_dense_triton`; "auto" takes it wherever it reads the storage, measured
+#: 1.04-1.19x faster than "wide" on prerope-k4v2's storage read after RoPE, H200, 2026-12-02, docs/kernels.md).
+VARIANTS = ("auto", "wide", "general", "dense")
 
 #: the "wide" kernel's smallest step: with 16-token steps its sm_90 build (Triton 3.x) disagreed with the torch twin by
 #: ~1.5 on the H200 (2026-12-01) while the interpreter agreed; 32-token steps agree (docs/kernels.md)
@@ -255,15 +260,47 @@ def wide_groups(view: LowbitView) -> bool:
     return 16 <= view.v_group and view.exact_k.shape[-1] // view.v_group <= 4
 
 
+#: the "dense" kernel's step when none is asked for (tokens; it must divide the keys' token group)
+DENSE_BLOCK = 64
+
+
+def dense_refusal(view: LowbitView, block: int | None = None) -> str | None:
+    """Why the "dense" kernel cannot read ``view`` in steps of ``block`` tokens (None: :data:`DENSE_BLOCK`), or None
+    where it can."""
+    block = DENSE_BLOCK if block is None else block
+    dim = view.exact_k.shape[-1]
+    if view.inv_freq is not None:
+        return "it reads keys stored after RoPE (these are rotated at each token's position)"
+    if not whole_byte_keys(view):
+        return "it reads 2- or 4-bit channel-group keys (not channel-alloc widths or 3-bit codes)"
+    if view.v_bits not in (2, 4):
+        return f"it reads 2- or 4-bit values, got {view.v_bits}-bit"
+    if not wide_groups(view) or (view.v_group * view.v_bits) % 32 or (dim * view.k_bits) % 32:
+        return (f"it reads values in at most 4 channel groups of at least 16 channels in whole 32-bit words (groups of "
+                f"{view.v_group} channels at head_dim {dim})")
+    if block < 16 or block & (block - 1) or view.k_group % block or view.tokens % block:
+        return (f"its steps ({block} tokens) must be a power of two of at least 16 that divides the keys' token group "
+                f"({view.k_group}) and the packed tokens ({view.tokens})")
+    return None
+
+
 def resolve_variant(view: LowbitView, variant: str, block: int | None = None) -> tuple[str, int]:
     """The kernel ``variant`` (:data:`VARIANTS`) and tokens a step (``block``; None: the variant's own) for ``view``:
-    "auto" resolved ("wide" where its value groups fit, key groups are whole steps and the steps asked for allow it,
-    else "general"); a variant that cannot read ``view`` with those steps refused."""
+    "auto" resolved ("dense" where it reads the storage and no step is asked for, else "wide" where its value groups fit,
+    key groups are whole steps and the steps asked for allow it, else "general"); a variant that cannot read ``view``
+    with those steps refused."""
     if variant not in VARIANTS:
         raise ValueError(f"lowbit kernel variant {variant!r}: expected one of {', '.join(VARIANTS)}")
     if variant == "wide" and not wide_groups(view):
         raise ValueError(f"the lowbit 'wide' kernel takes values in at most 4 channel groups of at least 16 (got groups of "
                          f"{view.v_group} channels at head_dim {view.exact_k.shape[-1]}); use variant 'general'")
+    if variant == "dense":
+        why = dense_refusal(view, block)
+        if why is not None:
+            raise ValueError(f"the lowbit 'dense' kernel cannot read this storage: {why}; use variant 'wide' or 'general'")
+        return variant, DENSE_BLOCK if block is None else block
+    if variant == "auto" and block is None and dense_refusal(view) is None:  # measured faster than "wide" there
+        return "dense", DENSE_BLOCK
     if variant == "auto":
         wide = wide_groups(view) and view.k_group % WIDE_MIN_BLOCK == 0
         variant = "wide" if wide and (block is None or block >= WIDE_MIN_BLOCK) else "general"
@@ -338,12 +375,29 @@ def plan_launch(view: LowbitView, q: torch.Tensor, start: torch.Tensor | None, s
     if variant == "general":
         return Launch(jit._lowbit_kernel, (batch * heads, splits), args, {**constants, "MAGIC": trick["MAGIC"]}, (m, l, acc))
     kind, l0, l1 = view.level_kind or level_kind(view.v_levels.tolist())
+    if variant == "dense":
+        return _dense_launch(view, args, constants, kind, l0, l1, (m, l, acc))
     fast_k, fast_v = whole_byte_codes(view)
     constants = {**constants, "FASTK": fast_k, "FASTV": fast_v, "LEVELS": kind, **trick}
     table16 = view.v_levels
     if trick["VB16"] and kind == 0:
         table16 = view.v_levels16 if view.v_levels16 is not None else view.v_levels.to(torch.bfloat16)
     return Launch(jit._lowbit_wide_kernel, (batch * heads, splits), (*args, l0, l1, table16), constants, (m, l, acc))
+
+
+def _dense_launch(view: LowbitView, args: tuple, constants: dict, kind: int, l0: float, l1: float, outputs: tuple) -> Launch:
+    """The "dense" kernel's launch from the arguments and constants :func:`plan_launch` made for the others: the codes
+    as 32-bit words (the same bytes), no rotary or channel-width arguments."""
+    (padded, _, k_zero, k_scale, k_oi, k_ov, _, _, v_scale, v_max, v_levels, _, start, positions, hidden, m, l, acc,
+     tokens, heads, splits, split_len, first, _, scaling) = args
+    table16 = view.v_levels16 if view.v_levels16 is not None else view.v_levels.to(torch.bfloat16)
+    words = (view.k_codes.contiguous().view(torch.int32), view.v_codes.contiguous().view(torch.int32))
+    dense_args = (padded, words[0], k_zero, k_scale, k_oi, k_ov, words[1], v_scale, v_max, v_levels, table16, start,
+                  positions, hidden, m, l, acc, tokens, heads, splits, split_len, first, scaling, l0, l1)
+    keep = ("D", "G", "KBITS", "KGROUP", "KO", "VBITS", "VGROUP", "HAS_START", "BLOCK", "LOWP", "VLOG", "VST", "HAS_POS",
+            "HID", "num_warps")
+    dense_constants = {name: constants[name] for name in keep} | {"LEVELS": kind}
+    return Launch(jit_dense._lowbit_dense_kernel, (padded.shape[0], splits), dense_args, dense_constants, outputs)
 
 
 def lowbit_decode(view: LowbitView, q: torch.Tensor, start: torch.Tensor | None, scaling: float,

@@ -28,6 +28,8 @@ def parse_tricks(tricks: str, variant: str, lowp: bool, view: Any = None) -> dic
         raise ValueError(f"lowbit kernel tricks {unknown}: expected '+'-separated names of {', '.join(TRICKS)}")
     if variant == "general" and set(names) - {"magic"}:
         raise ValueError(f"the lowbit 'general' kernel takes only the 'magic' trick, got {tricks!r}")
+    if variant == "dense" and "ktf32" in names:
+        raise ValueError("the lowbit 'dense' kernel's key products take the codes as bfloat16 (128 + code), not 'ktf32'")
     if not lowp and set(names) & {"vb16", "ktf32"}:
         raise ValueError(f"lowbit kernel tricks {tricks!r}: 'vb16' and 'ktf32' change the bfloat16 tile operands of a GPU "
                          "(lowp); float32 operands have no conversion to leave out")

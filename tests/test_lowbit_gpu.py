@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from kvweave.engine import build_cache, importance
-from kvweave.kernels.lowbit_decode import lowbit_decode, torch_lowbit_decode, whole_byte_codes, wide_groups
+from kvweave.kernels.lowbit_decode import dense_refusal, lowbit_decode, torch_lowbit_decode, whole_byte_codes, wide_groups
 
 from conftest import CharTokenizer, tiny_llama
 from test_lowbit_kernel import model, registry  # noqa: F401 - the same storages and model
@@ -27,7 +27,7 @@ STORAGES = ["prerope-k4v2-lowbit", "t-lowbit-post", "t-lowbit-k2v4", "t-lowbit-v
 #: (variant, tokens a step, conversion tricks) each storage is read with, where the variant reads it
 CONFIGS = [("wide", 32, ""), ("wide", 64, ""), ("general", 16, ""), ("general", 32, ""), ("auto", 16, ""), ("auto", None, ""),
            ("wide", 32, "magic"), ("wide", 32, "magic+vb16"), ("wide", 32, "ktf32"), ("general", 16, "magic"),
-           ("wide", 32, "kfold+vb16")]
+           ("wide", 32, "kfold+vb16"), ("dense", 64, ""), ("dense", 32, "")]
 
 
 @pytest.mark.parametrize("name", STORAGES)
@@ -48,17 +48,20 @@ def test_each_compiled_kernel_matches_its_twin_on_the_gpu(model, registry, name)
     dim = view.exact_k.shape[-1]
     q = torch.randn(rows, 4, dim, generator=torch.Generator().manual_seed(8)).cuda()
     start = torch.tensor([300, 0][:rows], dtype=torch.int32, device="cuda")
-    for first in (start, None):
-        twin = torch_lowbit_decode(view, q, first, dim ** -0.5)
+    # keys before RoPE are also read as if stored after it (the twin alike): what the dense kernel and kfold read
+    for stored, first in ((view, start), (view, None), (attrs.evolve(view, inv_freq=None), start)):
+        twin = torch_lowbit_decode(stored, q, first, dim ** -0.5)
         scale = float(twin.abs().max())
         for variant, block, tricks in CONFIGS:
-            if variant == "wide" and not wide_groups(view):
+            if variant == "wide" and not wide_groups(stored):
                 continue
-            if "kfold" in tricks and (view.inv_freq is not None or not whole_byte_codes(view)[0]):
+            if "kfold" in tricks and (stored.inv_freq is not None or not whole_byte_codes(stored)[0]):
                 continue  # keys stored after RoPE in whole-byte codes only
-            out = lowbit_decode(view, q, first, dim ** -0.5, block=block, variant=variant, tricks=tricks)
+            if variant == "dense" and dense_refusal(stored, block) is not None:
+                continue
+            out = lowbit_decode(stored, q, first, dim ** -0.5, block=block, variant=variant, tricks=tricks)
             worst = float((out - twin).abs().max())
-            assert worst < 0.03 * scale, (name, variant, block, tricks, worst, scale)
+            assert worst < 0.03 * scale, (name, variant, block, tricks, worst, scale, stored.inv_freq is None)
 
 
 @pytest.mark.parametrize("storage", ["k4v2", "qa35v3"])

@@ -24,10 +24,10 @@ from test_lowbit_kernel import model, registry  # noqa: F401 - the same storages
 
 
 COMPILE = """
-import json, sys
-from kvweave.kernels import lowbit_triton
+import importlib, json, sys
 from kvweave.kernels.gpu_build import build
-compiled = build(lowbit_triton, json.load(sys.stdin))
+job = json.load(sys.stdin)
+compiled = build(importlib.import_module(job["module"]), job)
 print(json.dumps({"cubin": len(compiled.asm["cubin"]), "ptx": compiled.asm["ptx"].count("\\n")}))
 """
 
@@ -58,6 +58,7 @@ def _nvidia_backend() -> bool:
     ("t-lowbit-k3v3", ("wide",), 64),  # 3-bit keys and values, codes across bytes
     ("t-lowbit-kvzip", ("auto",), 64),  # slots at their cache indices
     ("t-lowbit-sinks", ("auto",), 64),  # tokens restored by residuals, merged by the combine
+    ("t-lowbit-post", ("dense",), 64),  # keys stored after RoPE read as 32-bit words
 ])
 def test_each_kernel_compiles_for_the_gpu_with_the_arguments_the_plugin_passes(model, registry, name, variants, hidden):
     """Under the interpreter a kernel runs as Python, which accepts what the GPU compiler refuses (a constexpr
@@ -73,7 +74,7 @@ def test_each_kernel_compiles_for_the_gpu_with_the_arguments_the_plugin_passes(m
     q = torch.randn(rows, 4, view.exact_k.shape[-1])
     for variant in variants:
         start = torch.tensor([40, 0][:rows], dtype=torch.int32)
-        launch = plan_launch(view, q, start, 0.125, block=None if variant in ("auto", "wide") else 16, variant=variant, lowp=True)
+        launch = plan_launch(view, q, start, 0.125, block=16 if variant == "general" else None, variant=variant, lowp=True)
         for planned in (launch, plan_combine(view, q, start, 0.125, launch)):  # the packed pass, then the combine
             stats = compile_for_gpu(planned)
             assert stats["cubin"] > 0 and stats["ptx"] > 100, (variant, stats)

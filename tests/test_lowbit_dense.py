@@ -1,0 +1,81 @@
+"""The ``lowbit`` kernel's ``dense`` variant (keys stored after RoPE in 2- or 4-bit channel-group codes, 2- or 4-bit
+values, the codes read as 32-bit words): against the torch twin under Triton's interpreter on every whole-byte storage
+of tests/test_lowbit_kernel.py (keys stored before RoPE read as if stored after it, the twin alike), and what it
+refuses. On a GPU machine tests/test_lowbit_gpu.py runs it as compiled."""
+
+from __future__ import annotations
+
+import attrs
+import pytest
+import torch
+
+from kvweave.engine import build_cache, importance
+from kvweave.kernels.lowbit_decode import dense_refusal, lowbit_decode, plan_launch, resolve_variant, torch_lowbit_decode
+
+from conftest import CharTokenizer, tiny_llama
+from test_lowbit_kernel import model, registry  # noqa: F401 - the same storages and model
+
+
+def _post_rope_view(model, registry, name, hidden=64):
+    net = model if hidden == 64 else tiny_llama(layers=2, hidden=hidden)
+    cache = build_cache(registry.resolve(name), net, tokenizer=CharTokenizer())
+    rows = 1 if importance.needs_importance(cache) else 2  # kvzip scores whole rows one at a time
+    ids = torch.randint(1, 128, (rows, 230), generator=torch.Generator().manual_seed(2))
+    with torch.no_grad():
+        importance.prefill(net, cache, ids)
+    view = cache.engine.kernel.lowbit_view(cache.engine.view(1), torch.device("cpu"))
+    return attrs.evolve(view, inv_freq=None), rows
+
+
+@pytest.mark.parametrize("name, hidden", [
+    ("prerope-k4v2-lowbit", 64),  # 4-bit keys with an outlier, 2-bit normal levels
+    ("t-lowbit-post", 64),  # stored after RoPE by the pipeline itself
+    ("t-lowbit-k2v4", 512),  # 2-bit keys with two outliers at head_dim 128, 4-bit uniform values
+    ("t-lowbit-v4", 64),  # 4-bit uniform values
+    ("t-lowbit-k4log8", 64),  # one-byte log8 value scales
+    ("t-lowbit-kvzip-cg", 64),  # slots at their cache indices, fillers never attended
+    ("t-lowbit-sinks-cg", 64),  # slots hidden: their tokens restored and attended with the exact window
+])
+def test_the_dense_kernel_matches_its_twin(model, registry, name, hidden):
+    view, rows = _post_rope_view(model, registry, name, hidden)
+    assert dense_refusal(view) is None, dense_refusal(view)
+    dim = view.exact_k.shape[-1]
+    q = torch.randn(rows, 4, dim, generator=torch.Generator().manual_seed(3))
+    start = torch.tensor([40, 0][:rows], dtype=torch.int32)
+    for first in (start, None):
+        twin = torch_lowbit_decode(view, q, first, dim ** -0.5)
+        for block in (64, 32, 16):
+            out = lowbit_decode(view, q, first, dim ** -0.5, block=block, variant="dense")
+            assert torch.allclose(out, twin, atol=1e-5), (name, block, (out - twin).abs().max())
+    # a wrong code order, scale or mask moves the output by its own size: the twin is not matched by chance
+    assert float(twin.abs().max()) > 0.05
+
+
+def test_the_dense_kernel_refuses_what_it_cannot_read(model, registry):
+    """Keys before RoPE, channel-alloc widths, 3-bit codes, steps that do not divide the token group, and the TF32 key
+    products are refused, each saying why; the wide kernel reads them all."""
+    q = torch.randn(2, 4, 64)
+    cache = build_cache(registry.resolve("prerope-k4v2-lowbit"), model)
+    with torch.no_grad():
+        importance.prefill(model, cache, torch.randint(1, 128, (2, 230), generator=torch.Generator().manual_seed(2)))
+    pre = cache.engine.kernel.lowbit_view(cache.engine.view(1), torch.device("cpu"))
+    with pytest.raises(ValueError, match="after RoPE"):
+        resolve_variant(pre, "dense")
+    post = attrs.evolve(pre, inv_freq=None)
+    assert resolve_variant(post, "dense") == ("dense", 64)
+    # the default launch takes it wherever it reads the storage; steps asked for keep the other kernels' choice
+    assert resolve_variant(post, "auto") == ("dense", 64) and resolve_variant(pre, "auto") == ("wide", 32)
+    assert resolve_variant(post, "auto", 32) == ("wide", 32)
+    for block, match in ((48, "power of two"), (128, "divides the keys' token group"), (8, "at least 16")):
+        with pytest.raises(ValueError, match=match):
+            resolve_variant(post, "dense", block)
+    with pytest.raises(ValueError, match="not 'ktf32'"):
+        plan_launch(post, q, None, 0.125, variant="dense", lowp=True, tricks="ktf32")
+    for name, match in (("t-lowbit-alloc-post", "channel-group keys"), ("t-lowbit-k3v3", "channel-group keys")):
+        view, _ = _post_rope_view(model, registry, name)
+        with pytest.raises(ValueError, match=match):
+            lowbit_decode(view, q[:view.exact_k.shape[0] // 2 or 1], None, 0.125, variant="dense")
+        assert plan_launch(view, q[:1], None, 0.125, variant="wide").kernel is not None
+    three_bit_values = attrs.evolve(post, v_bits=3)
+    with pytest.raises(ValueError, match="2- or 4-bit values"):
+        resolve_variant(three_bit_values, "dense")
