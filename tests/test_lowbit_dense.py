@@ -79,3 +79,23 @@ def test_the_dense_kernel_refuses_what_it_cannot_read(model, registry):
     three_bit_values = attrs.evolve(post, v_bits=3)
     with pytest.raises(ValueError, match="2- or 4-bit values"):
         resolve_variant(three_bit_values, "dense")
+
+
+@pytest.mark.parametrize("name", ["kzd-k4v2-f48", "kzd-k4v4-f77"])
+def test_the_dense_sweep_pipelines_decode_through_the_dense_kernel(model, name):
+    """benchmarks/dense_sweep.toml's pipelines are the ones whose needles docs/eval/h200-2026-12-02-dense measured as
+    read by the dense kernel: their storage is what the default launch gives to it, and it decodes as the twin."""
+    from pathlib import Path
+
+    from kvweave.core.registry import load_registry
+
+    registry = load_registry(Path(__file__).resolve().parents[1] / "benchmarks" / "dense_sweep.toml")
+    cache = build_cache(registry.resolve(name), model, tokenizer=CharTokenizer())
+    with torch.no_grad():
+        importance.prefill(model, cache, torch.randint(1, 128, (1, 230), generator=torch.Generator().manual_seed(4)))
+    view = cache.engine.kernel.lowbit_view(cache.engine.view(1), torch.device("cpu"))
+    assert view.inv_freq is None and view.positions is not None and view.restored_k is not None
+    assert resolve_variant(view, "auto") == ("dense", 64)
+    q = torch.randn(1, 4, 64, generator=torch.Generator().manual_seed(5))
+    twin = torch_lowbit_decode(view, q, None, 0.125)
+    assert torch.allclose(lowbit_decode(view, q, None, 0.125), twin, atol=1e-5)
