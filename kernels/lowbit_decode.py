@@ -392,13 +392,8 @@ def _dense_launch(view: LowbitView, args: tuple, constants: dict, kind: int, l0:
      tokens, heads, splits, split_len, first, _, scaling) = args
     table16 = view.v_levels16 if view.v_levels16 is not None else view.v_levels.to(torch.bfloat16)
     words = (view.k_codes.contiguous().view(torch.int32), view.v_codes.contiguous().view(torch.int32))
-    lut = 0  # 2-bit values: the four levels' bfloat16 bits in one 64-bit word, code 0's lowest (as the int64 the kernel takes)
-    if view.v_bits == 2:
-        bits = view.v_levels.detach().cpu().to(torch.bfloat16).view(torch.int16).long() & 0xFFFF
-        lut = sum(int(b) << (16 * k) for k, b in enumerate(bits.tolist()))
-        lut = lut - (1 << 64) if lut >= 1 << 63 else lut
     dense_args = (padded, words[0], k_zero, k_scale, k_oi, k_ov, words[1], v_scale, v_max, v_levels, table16, start,
-                  positions, hidden, m, l, acc, tokens, heads, splits, split_len, first, scaling, l0, l1, lut)
+                  positions, hidden, m, l, acc, tokens, heads, splits, split_len, first, scaling, l0, l1)
     keep = ("D", "G", "KBITS", "KGROUP", "KO", "VBITS", "VGROUP", "HAS_START", "BLOCK", "LOWP", "VLOG", "VST", "HAS_POS",
             "HID", "num_warps")
     dense_constants = {name: constants[name] for name in keep} | {"LEVELS": kind}
