@@ -32,14 +32,13 @@ import attrs
 
 from kvweave.core.lazy import lazy_module, torch
 from kvweave.kernels.formats import unpack_codes, unpack_varwidth
+from kvweave.kernels.lowbit_dense import DENSE_BLOCK, dense_launch, dense_refusal  # noqa: F401 - dense_refusal: what callers check
 from kvweave.kernels.lowbit_tricks import TRICKS, parse_tricks, whole_byte_keys  # noqa: F401 - TRICKS: the names lowbit_decode takes
 
 if TYPE_CHECKING:
-    from kvweave.kernels import lowbit_dense_triton as jit_dense
     from kvweave.kernels import lowbit_triton as jit
 else:
     jit: Any = lazy_module("kvweave.kernels.lowbit_triton")
-    jit_dense: Any = lazy_module("kvweave.kernels.lowbit_dense_triton")
 
 #: packed tokens per loop step of a program
 BLOCK_T = 32
@@ -260,30 +259,6 @@ def wide_groups(view: LowbitView) -> bool:
     return 16 <= view.v_group and view.exact_k.shape[-1] // view.v_group <= 4
 
 
-#: the "dense" kernel's step when none is asked for (tokens; it must divide the keys' token group)
-DENSE_BLOCK = 64
-
-
-def dense_refusal(view: LowbitView, block: int | None = None) -> str | None:
-    """Why the "dense" kernel cannot read ``view`` in steps of ``block`` tokens (None: :data:`DENSE_BLOCK`), or None
-    where it can."""
-    block = DENSE_BLOCK if block is None else block
-    dim = view.exact_k.shape[-1]
-    if view.inv_freq is not None:
-        return "it reads keys stored after RoPE (these are rotated at each token's position)"
-    if not whole_byte_keys(view):
-        return "it reads 2- or 4-bit channel-group keys (not channel-alloc widths or 3-bit codes)"
-    if view.v_bits not in (2, 4):
-        return f"it reads 2- or 4-bit values, got {view.v_bits}-bit"
-    if not wide_groups(view) or (view.v_group * view.v_bits) % 32 or (dim * view.k_bits) % 32:
-        return (f"it reads values in at most 4 channel groups of at least 16 channels in whole 32-bit words (groups of "
-                f"{view.v_group} channels at head_dim {dim})")
-    if block < 16 or block & (block - 1) or view.k_group % block or view.tokens % block:
-        return (f"its steps ({block} tokens) must be a power of two of at least 16 that divides the keys' token group "
-                f"({view.k_group}) and the packed tokens ({view.tokens})")
-    return None
-
-
 def resolve_variant(view: LowbitView, variant: str, block: int | None = None) -> tuple[str, int]:
     """The kernel ``variant`` (:data:`VARIANTS`) and tokens a step (``block``; None: the variant's own) for ``view``:
     "auto" resolved ("dense" where it reads the storage and no step is asked for, else "wide" where its value groups fit,
@@ -376,28 +351,13 @@ def plan_launch(view: LowbitView, q: torch.Tensor, start: torch.Tensor | None, s
         return Launch(jit._lowbit_kernel, (batch * heads, splits), args, {**constants, "MAGIC": trick["MAGIC"]}, (m, l, acc))
     kind, l0, l1 = view.level_kind or level_kind(view.v_levels.tolist())
     if variant == "dense":
-        return _dense_launch(view, args, constants, kind, l0, l1, (m, l, acc))
+        return Launch(*dense_launch(view, args, constants, kind, l0, l1), (m, l, acc))
     fast_k, fast_v = whole_byte_codes(view)
     constants = {**constants, "FASTK": fast_k, "FASTV": fast_v, "LEVELS": kind, **trick}
     table16 = view.v_levels
     if trick["VB16"] and kind == 0:
         table16 = view.v_levels16 if view.v_levels16 is not None else view.v_levels.to(torch.bfloat16)
     return Launch(jit._lowbit_wide_kernel, (batch * heads, splits), (*args, l0, l1, table16), constants, (m, l, acc))
-
-
-def _dense_launch(view: LowbitView, args: tuple, constants: dict, kind: int, l0: float, l1: float, outputs: tuple) -> Launch:
-    """The "dense" kernel's launch from the arguments and constants :func:`plan_launch` made for the others: the codes
-    as 32-bit words (the same bytes), no rotary or channel-width arguments."""
-    (padded, _, k_zero, k_scale, k_oi, k_ov, _, _, v_scale, v_max, v_levels, _, start, positions, hidden, m, l, acc,
-     tokens, heads, splits, split_len, first, _, scaling) = args
-    table16 = view.v_levels16 if view.v_levels16 is not None else view.v_levels.to(torch.bfloat16)
-    words = (view.k_codes.contiguous().view(torch.int32), view.v_codes.contiguous().view(torch.int32))
-    dense_args = (padded, words[0], k_zero, k_scale, k_oi, k_ov, words[1], v_scale, v_max, v_levels, table16, start,
-                  positions, hidden, m, l, acc, tokens, heads, splits, split_len, first, scaling, l0, l1)
-    keep = ("D", "G", "KBITS", "KGROUP", "KO", "VBITS", "VGROUP", "HAS_START", "BLOCK", "LOWP", "VLOG", "VST", "HAS_POS",
-            "HID", "num_warps")
-    dense_constants = {name: constants[name] for name in keep} | {"LEVELS": kind}
-    return Launch(jit_dense._lowbit_dense_kernel, (padded.shape[0], splits), dense_args, dense_constants, outputs)
 
 
 def lowbit_decode(view: LowbitView, q: torch.Tensor, start: torch.Tensor | None, scaling: float,

@@ -124,7 +124,8 @@ if triton is not None:
         for t0 in range(lo, hi, BLOCK):
             tok = row + t0 + t_loc
             meta = (row + t0) // KGROUP * D  # a step lies within one token group
-            codes = _words_codes(tl.load(kc_ptr + (row + t0) * KW + t_loc[:, None] * KW + jk[None, :]).to(tl.uint32, bitcast=True), KBITS)  # [BLOCK, D]
+            words = tl.load(kc_ptr + (row + t0) * KW + t_loc[:, None] * KW + jk[None, :]).to(tl.uint32, bitcast=True)
+            codes = _words_codes(words, KBITS)  # [BLOCK, D]
             zero = tl.load(kz_ptr + meta + ch).to(tl.float32)
             qs = q * tl.load(ks_ptr + meta + ch).to(tl.float32)[None, :]
             bias = tl.sum(q * zero[None, :], 1)
@@ -147,7 +148,8 @@ if triton is not None:
             l_i = l_i * alpha + tl.sum(p, 1)
             m_i = m_new
             for g in tl.static_range(VGROUPS):  # each channel group's scale folded into the probabilities
-                vcodes = _words_codes(tl.load(vc_ptr + (row + t0) * VW + t_loc[:, None] * VW + g * GW + jv[None, :]).to(tl.uint32, bitcast=True), VBITS)
+                vwords = tl.load(vc_ptr + (row + t0) * VW + t_loc[:, None] * VW + g * GW + jv[None, :]).to(tl.uint32, bitcast=True)
+                vcodes = _words_codes(vwords, VBITS)  # [BLOCK, VGROUP]
                 pg = p * _value_scale(vs_row, vmax_row, t0 + t_loc, t_ok, g, VGROUPS, VLOG, VST)[None, :]
                 if g == 0:
                     acc0, c0 = _value_step(acc0, c0, pg, alpha, vcodes, vlev_ptr, vlev16_ptr, l0, l1, VBITS, LEVELS, LOWP)

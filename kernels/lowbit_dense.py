@@ -1,0 +1,55 @@
+"""What the ``lowbit`` kernel's ``dense`` variant reads and how it is launched (:mod:`kvweave.kernels.lowbit_dense_triton`
+is the kernel; :func:`kvweave.kernels.lowbit_decode.plan_launch` calls these): keys stored after RoPE in 2- or 4-bit
+``channel-group`` codes and 2- or 4-bit values, read as 32-bit words in whole steps."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+from kvweave.core.lazy import lazy_module, torch
+from kvweave.kernels.lowbit_tricks import whole_byte_keys
+
+if TYPE_CHECKING:
+    from kvweave.kernels import lowbit_dense_triton as jit_dense
+else:
+    jit_dense: Any = lazy_module("kvweave.kernels.lowbit_dense_triton")
+
+#: the "dense" kernel's step when none is asked for (tokens; it must divide the keys' token group)
+DENSE_BLOCK = 64
+
+
+def dense_refusal(view: Any, block: int | None = None) -> str | None:
+    """Why the "dense" kernel cannot read ``view`` (a :class:`kvweave.kernels.lowbit_decode.LowbitView`) in steps of
+    ``block`` tokens (None: :data:`DENSE_BLOCK`), or None where it can."""
+    block = DENSE_BLOCK if block is None else block
+    dim = view.exact_k.shape[-1]
+    if view.inv_freq is not None:
+        return "it reads keys stored after RoPE (these are rotated at each token's position)"
+    if not whole_byte_keys(view):
+        return "it reads 2- or 4-bit channel-group keys (not channel-alloc widths or 3-bit codes)"
+    if view.v_bits not in (2, 4):
+        return f"it reads 2- or 4-bit values, got {view.v_bits}-bit"
+    groups_fit = 16 <= view.v_group and dim // view.v_group <= 4
+    if not groups_fit or (view.v_group * view.v_bits) % 32 or (dim * view.k_bits) % 32:
+        return (f"it reads values in at most 4 channel groups of at least 16 channels in whole 32-bit words (groups of "
+                f"{view.v_group} channels at head_dim {dim})")
+    if block < 16 or block & (block - 1) or view.k_group % block or view.tokens % block:
+        return (f"its steps ({block} tokens) must be a power of two of at least 16 that divides the keys' token group "
+                f"({view.k_group}) and the packed tokens ({view.tokens})")
+    return None
+
+
+def dense_launch(view: Any, args: tuple, constants: dict, kind: int, l0: float, l1: float) -> tuple:
+    """The "dense" kernel's launch (kernel, grid, arguments, constants) from the arguments and constants
+    :func:`kvweave.kernels.lowbit_decode.plan_launch` made for the others: the codes as 32-bit words (the same bytes),
+    no rotary or channel-width arguments."""
+    (padded, _, k_zero, k_scale, k_oi, k_ov, _, _, v_scale, v_max, v_levels, _, start, positions, hidden, m, l, acc,
+     tokens, heads, splits, split_len, first, _, scaling) = args
+    table16 = view.v_levels16 if view.v_levels16 is not None else view.v_levels.to(torch.bfloat16)
+    words = (view.k_codes.contiguous().view(torch.int32), view.v_codes.contiguous().view(torch.int32))
+    dense_args = (padded, words[0], k_zero, k_scale, k_oi, k_ov, words[1], v_scale, v_max, v_levels, table16, start,
+                  positions, hidden, m, l, acc, tokens, heads, splits, split_len, first, scaling, l0, l1)
+    keep = ("D", "G", "KBITS", "KGROUP", "KO", "VBITS", "VGROUP", "HAS_START", "BLOCK", "LOWP", "VLOG", "VST", "HAS_POS",
+            "HID", "num_warps")
+    dense_constants = {name: constants[name] for name in keep} | {"LEVELS": kind}
+    return jit_dense._lowbit_dense_kernel, (padded.shape[0], splits), dense_args, dense_constants
