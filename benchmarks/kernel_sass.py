@@ -4,7 +4,8 @@ without a GPU: Triton compiles the launch ``benchmarks/lowbit_kernel.py`` makes 
     python benchmarks/kernel_sass.py [--storages k4v2,qa35v3,k4v2-post] [--configs wide:,wide:magic,...] [--out FILE]
 
 A configuration is ``variant:tricks`` (tricks "+"-separated names of ``kvweave.kernels.lowbit_decode.TRICKS``, empty
-for none); ``k4v2-post`` is prerope-k4v2's storage read as keys stored after RoPE. Counts are static (each
+for none); ``k4v2-post`` is prerope-k4v2's storage read as keys stored after RoPE, a ``-uniform`` suffix puts its
+values on uniform levels. Counts are static (each
 instruction of the kernel once, the token loop's body included once; "token loop" the body alone, and per key and value
 element a thread handles in one step): they say which instructions a change removes or
 adds, not how often they run or how fast a GPU issues them; that is ``benchmarks/lowbit_kernel.py``'s to time.
@@ -43,9 +44,13 @@ CLASSES = {
 
 def counts(storage: str, variant: str, tricks: str) -> dict:
     """One table row: ``storage``'s launch of ``variant`` with ``tricks``, built for sm_90, its opcodes by class."""
-    view = packed_view(1, 256, device="cpu", storage=storage.removesuffix("-post"))
-    if storage.endswith("-post"):
+    base = storage.removesuffix("-uniform")
+    view = packed_view(1, 256, device="cpu", storage=base.removesuffix("-post"))
+    if base.endswith("-post"):
         view = attrs.evolve(view, inv_freq=None)
+    if storage.endswith("-uniform"):  # the values on uniform levels (code - (2**bits - 1) / 2) instead of the storage's
+        count = 1 << view.v_bits
+        view = attrs.evolve(view, v_levels=torch.arange(count, dtype=torch.float32) - (count - 1) / 2, level_kind=(1, 0.0, 0.0))
     q = torch.randn(1, Q_HEADS, HEAD_DIM)
     launch = plan_launch(view, q, None, HEAD_DIM ** -0.5, variant=variant, lowp=True, tricks=tricks)
     job = launch_job(launch.kernel, launch.args, launch.constants)
