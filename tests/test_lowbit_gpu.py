@@ -1,10 +1,12 @@
 """The ``lowbit`` Triton kernels as the GPU compiles them, against their torch twin, on every storage of
 tests/test_lowbit_kernel.py. CI has no GPU and runs the kernels in Triton's interpreter, which accepts code the
 GPU build computes differently (the ``wide`` kernel's 16-token steps did, on an H200 with Triton 3.6): on a GPU
-machine run ``python -m pytest tests/test_lowbit_gpu.py``. Skipped without CUDA."""
+machine run ``python -m pytest tests/test_lowbit_gpu.py`` (``KVWEAVE_GPU_VARIANTS=dense`` for one variant's
+configurations only). Skipped without CUDA."""
 
 from __future__ import annotations
 
+import os
 import sys
 from pathlib import Path
 
@@ -28,6 +30,8 @@ STORAGES = ["prerope-k4v2-lowbit", "t-lowbit-post", "t-lowbit-k2v4", "t-lowbit-v
 CONFIGS = [("wide", 32, ""), ("wide", 64, ""), ("general", 16, ""), ("general", 32, ""), ("auto", 16, ""), ("auto", None, ""),
            ("wide", 32, "magic"), ("wide", 32, "magic+vb16"), ("wide", 32, "ktf32"), ("general", 16, "magic"),
            ("wide", 32, "kfold+vb16"), ("dense", 64, ""), ("dense", 32, "")]
+if os.environ.get("KVWEAVE_GPU_VARIANTS"):  # e.g. "dense": only those variants (a kernel change checked in a short lease)
+    CONFIGS = [c for c in CONFIGS if c[0] in os.environ["KVWEAVE_GPU_VARIANTS"].split(",")]
 
 
 @pytest.mark.parametrize("name", STORAGES)
