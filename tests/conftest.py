@@ -149,3 +149,15 @@ def tiny_model_folder(tmp_path_factory, tokenizer):
     LlamaForCausalLM(config).save_pretrained(folder)
     tokenizer.save_pretrained(folder)
     return folder
+
+
+def pytest_collection_modifyitems(config, items):
+    """Tests marked ``interpreter`` pass CPU tensors to Triton kernels, which only the interpreter takes: skipped where
+    it is off (on a CUDA machine conftest leaves it off so that tests/test_lowbit_gpu.py runs the compiled kernels)."""
+    if os.environ.get("TRITON_INTERPRET") == "1":
+        return
+    skip = pytest.mark.skip(reason="runs a Triton kernel on CPU tensors in Triton's interpreter, which is off here "
+                                   "(tests/test_lowbit_gpu.py checks the compiled kernels on a GPU)")
+    for item in items:
+        if "interpreter" in item.keywords:
+            item.add_marker(skip)

@@ -27,6 +27,7 @@ def _post_rope_view(model, registry, name, hidden=64):
     return attrs.evolve(view, inv_freq=None), rows
 
 
+@pytest.mark.interpreter
 @pytest.mark.parametrize("name, hidden", [
     ("prerope-k4v2-lowbit", 64),  # 4-bit keys with an outlier, 2-bit normal levels
     ("t-lowbit-post", 64),  # stored after RoPE by the pipeline itself
@@ -81,6 +82,7 @@ def test_the_dense_kernel_refuses_what_it_cannot_read(model, registry):
         resolve_variant(three_bit_values, "dense")
 
 
+@pytest.mark.interpreter
 @pytest.mark.parametrize("name", ["kzd-k4v2-f48", "kzd-k4v4-f77"])
 def test_the_dense_sweep_pipelines_decode_through_the_dense_kernel(model, name):
     """benchmarks/dense_sweep.toml's pipelines are the ones whose needles docs/eval/h200-2026-12-02-dense measured as
@@ -101,6 +103,7 @@ def test_the_dense_sweep_pipelines_decode_through_the_dense_kernel(model, name):
     assert torch.allclose(lowbit_decode(view, q, None, 0.125), twin, atol=1e-5)
 
 
+@pytest.mark.interpreter
 def test_head_dim_256_reads_four_value_groups_and_is_not_taken_by_default(registry):
     """At head_dim 256 (Gemma-3's) the dense kernel reads four value groups as the twin does; the default launch leaves
     it to the wide kernel there, since no GPU has checked that build (tests/test_lowbit_gpu.py's storages are 64 and 128

@@ -190,6 +190,7 @@ def test_the_kernel_decodes_what_the_reference_path_decodes(model, registry, nam
     assert max((a - b).abs().max().item() for a, b in zip(ours.scores, theirs.scores)) < 1e-4
 
 
+@pytest.mark.interpreter
 @pytest.mark.parametrize("name", ["prerope-k4v2-lowbit", "t-lowbit-post", "t-lowbit-k2v4", "t-lowbit-v4", "t-lowbit-k3v3",
                                   "t-lowbit-alloc", "t-lowbit-qa35v3", "t-lowbit-alloc-post", "t-lowbit-log8", "t-lowbit-k4log8",
                                   "t-lowbit-sinks", "t-lowbit-sinks-cg"])
@@ -243,6 +244,7 @@ def test_auto_takes_the_wide_kernel_where_it_reads_the_storage(model, registry):
     assert picked == {name: (("wide", 32), ("general", 16)) for name in picked}
 
 
+@pytest.mark.interpreter
 @pytest.mark.parametrize("name", ["prerope-k4v2-lowbit", "t-lowbit-qa35v3"])
 def test_head_dim_256_reads_four_value_groups(registry, name):
     """Gemma-3's head_dim: 128-channel key halves and four 64-channel value groups (the most the wide kernel takes),
@@ -262,6 +264,7 @@ def test_head_dim_256_reads_four_value_groups(registry, name):
         assert torch.allclose(kernel, twin, atol=1e-5), (variant, (kernel - twin).abs().max())
 
 
+@pytest.mark.interpreter
 def test_two_bit_keys_at_head_dim_128_take_the_wide_kernel(registry):
     """At D = 128 a half-head of 2-bit keys is 16 bytes, unpacked by two interleaves."""
     model = tiny_llama(layers=2, hidden=512)
@@ -277,6 +280,7 @@ def test_two_bit_keys_at_head_dim_128_take_the_wide_kernel(registry):
     assert torch.allclose(kernel, twin, atol=1e-5), (kernel - twin).abs().max()
 
 
+@pytest.mark.interpreter
 @pytest.mark.parametrize("name", ["t-lowbit-kvzip", "t-lowbit-kvzip-cg", "t-lowbit-sinks-kvzip"])
 def test_a_cache_that_dropped_tokens_decodes_as_the_reference_path(model, registry, name):
     """KVzip keeps about half of the context: the kernel reads each slot at its cache index (keys rotated there)

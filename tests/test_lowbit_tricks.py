@@ -25,6 +25,7 @@ def _packed(model, registry, name: str, rows: int = 2):
     return cache.engine.kernel.lowbit_view(cache.engine.view(1), torch.device("cpu"))
 
 
+@pytest.mark.interpreter
 @pytest.mark.parametrize("name", ["prerope-k4v2-lowbit", "t-lowbit-k3v3", "t-lowbit-qa35v3", "t-lowbit-v4"])
 def test_codes_made_float_by_their_bits_give_the_twins_output(model, registry, name):
     """The 'magic' trick (codes ORed into the mantissa of 2**23, 2**23 subtracted) leaves a conversion out, not
@@ -42,6 +43,7 @@ def test_codes_made_float_by_their_bits_give_the_twins_output(model, registry, n
         assert torch.allclose(magic, twin, atol=1e-5), (variant, (magic - twin).abs().max())
 
 
+@pytest.mark.interpreter
 @pytest.mark.parametrize("name", ["t-lowbit-post", "t-lowbit-v4", "t-lowbit-k2v4"])
 def test_keys_after_rope_with_scales_folded_into_the_query_give_the_twins_output(model, registry, name):
     """'kfold': each channel's scale and minimum folded into the query, the codes fed to the products as 128 + code,
@@ -113,6 +115,7 @@ tricks = "magic+vb61"
 """
 
 
+@pytest.mark.interpreter
 def test_a_pipeline_asks_for_tricks_and_the_kernel_launches_with_them(model, tmp_path, monkeypatch):  # noqa: F811
     """registry.toml's ``tricks`` reaches every Triton launch of the layer and changes no token ('magic' under the
     interpreter); a misspelt trick is refused when the pipeline is resolved, naming it; one the launch cannot take
