@@ -307,6 +307,12 @@ class CompressionEngine:
         turn = self.rotary.unrotate if inverse else self.rotary.rotate
         return torch.stack([turn(keys[m] if keys.dtype == torch.float64 else keys[m].float(), layer, positions[m]) for m, layer in enumerate(members)])
 
+    def note_padding(self, mask: torch.Tensor | None, batch: int) -> None:
+        """Called by the observing attention where the kernel reads in place (no :meth:`prepare_attention`): the
+        padding of this forward, for an evictor (see :meth:`kvweave.engine.eviction.Eviction.note_padding`)."""
+        if self.evicts or self.accumulates:
+            self.eviction.note_padding(mask, batch)
+
     def prepare_attention(
         self, layer: int, query: torch.Tensor, key: torch.Tensor, mask: torch.Tensor | None, scaling: float | None
     ) -> torch.Tensor | None:

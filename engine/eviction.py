@@ -299,6 +299,16 @@ class Eviction:
         mask = mask & filler[:, :, None, :]
         return mask.repeat_interleave(query_heads // heads, dim=1)
 
+    def note_padding(self, mask: torch.Tensor | None, batch: int) -> None:
+        """Note which cache indices of this forward are real tokens (the engine's ``padding``, which eviction reads),
+        from the model's mask over logical tokens (4-D; None: causal, no padding). Every forward that may flush notes
+        it, the decode steps a kernel reads in place included: a block flushed while decoding holds decoded tokens."""
+        if mask is not None and mask.dim() == 4:
+            allowed = mask if mask.dtype == torch.bool else mask == 0
+            self.engine.padding = allowed[:, 0, -1, :].expand(batch, -1).clone()  # the last query sees every real token
+        elif mask is None:
+            self.engine.padding = None
+
     def prepare_attention(
         self, layer: int, query: torch.Tensor, key: torch.Tensor, mask: torch.Tensor | None, scaling: float | None
     ) -> torch.Tensor | None:
@@ -307,11 +317,7 @@ class Eviction:
         returned (evicted tokens are not there)."""
         if not (self.engine.evicts or self.engine.accumulates):
             return mask
-        if mask is not None and mask.dim() == 4:
-            allowed = mask if mask.dtype == torch.bool else mask == 0
-            self.engine.padding = allowed[:, 0, -1, :].expand(query.shape[0], -1).clone()  # the last query sees every real token
-        elif mask is None:
-            self.engine.padding = None
+        self.note_padding(mask, query.shape[0])
         physical = self.physical_mask(layer, mask, query.shape[-2], query.shape[1])
         if self.engine.accumulates:
             self._accumulate(layer, query, key, physical, scaling)

@@ -63,6 +63,7 @@ def _engine_attention(engine, module, query, key, value, attention_mask, **kwarg
             engine.observer.record(layer, query, scaling, keys_seen=engine.seq_length(layer))
         if engine.energy is not None:
             engine.energy.record(layer, query, key.shape[1])
+        engine.note_padding(attention_mask, query.shape[0])  # a flush after it may evict the tokens decoded here
         output = engine.kernel.attend(engine.view(layer), query, attention_mask, scaling or query.shape[-1] ** -0.5)
         engine.after_attention(layer)
         return output, None

@@ -177,3 +177,20 @@ def test_the_packed_views_are_made_once_per_storage_state(model, registry):
     for field in attrs.fields(type(fresh)):
         a, b = getattr(later, field.name), getattr(fresh, field.name)
         assert torch.equal(a, b) if isinstance(a, torch.Tensor) else a == b, field.name
+
+
+@pytest.mark.parametrize("name", ["t-lowbit-kvzip-cg", "t-lowbit-kvzip"])
+def test_a_block_flushed_while_the_kernel_decodes_is_evicted_with_the_masks_of_the_decoded_tokens(model, registry, name):
+    """The context prefilled apart, the question fed with the model's mask over the prompt, then decoded by the kernel
+    (which reads the packed storage in place, past the mask-building attention path): a block that holds decoded
+    tokens is flushed and evicted during decoding. The evictor's record of which tokens are real must cover them
+    (it was left at the prompt's mask, and the flush failed with 'the attention mask covers 100 tokens, but the cache
+    holds token 127', as a 30-needle grid found on SmolLM2 with a prompt of 1,849 tokens)."""
+    ids = torch.randint(1, 128, (1, 100), generator=torch.Generator().manual_seed(9))
+    cache = build_cache(registry.resolve(name), model, tokenizer=CharTokenizer())
+    with torch.no_grad():
+        importance.prefill(model, cache, ids[:, :90])  # the context, scored and compressed before the question
+    new, _ = generate(model, {"input_ids": ids, "attention_mask": torch.ones_like(ids)}, cache, max_new_tokens=60,
+                      min_new_tokens=60, do_sample=False, pad_token_id=0)
+    assert new.shape[-1] == 60 and cache.get_seq_length() == 100 + 60 - 1
+    assert cache.engine.windows[1].passed_tokens >= 128  # the block of tokens 64..127 (28 of them decoded) was flushed
