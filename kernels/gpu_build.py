@@ -18,10 +18,10 @@ TRITON_TYPES = {"float32": "fp32", "float16": "fp16", "bfloat16": "bf16", "uint8
 
 
 def launch_job(kernel: Any, args: tuple, constants: dict) -> dict:
-    """What building ``kernel[grid](*args, **constants)`` needs, as plain data: the kernel's name, the arguments'
-    Triton types, the module that defines it, the constants (``num_warps`` apart), as a GPU build takes them: the hardware cos/sin (``APPROX``)
-    wherever the tile operands are the GPU's (``LOWP``), whatever the process planning it runs in; and, as a launch
-    specializes them, which arguments are multiples of 16 (pointers by their address, integers by their value)."""
+    """What building ``kernel[grid](*args, **constants)`` needs, as plain data: the kernel's name and module, the
+    arguments' Triton types, the constants (``num_warps`` apart), as a GPU build takes them: the hardware cos/sin
+    (``APPROX``) wherever the tile operands are the GPU's (``LOWP``), whatever the process planning it runs in; and, as a
+    launch specializes them, which arguments are multiples of 16 (pointers by their address, integers by their value)."""
     types, aligned = [], []
     for index, arg in enumerate(args):
         if hasattr(arg, "dtype") and hasattr(arg, "data_ptr"):

@@ -32,8 +32,8 @@ import attrs
 
 from kvweave.core.lazy import lazy_module, torch
 from kvweave.kernels.formats import unpack_codes, unpack_varwidth
-from kvweave.kernels.lowbit_dense import GPU_CHECKED_DIMS, dense_block, dense_launch, dense_refusal
-from kvweave.kernels.lowbit_tricks import TRICKS, parse_tricks, whole_byte_keys  # noqa: F401 - TRICKS: the names lowbit_decode takes
+from kvweave.kernels.lowbit_dense import DENSE_BLOCK, GPU_CHECKED_DIMS, dense_launch, dense_refusal
+from kvweave.kernels.lowbit_tricks import TRICKS, parse_tricks, whole_byte_keys, wide_groups  # noqa: F401 - TRICKS: the names lowbit_decode takes
 
 if TYPE_CHECKING:
     from kvweave.kernels import lowbit_triton as jit
@@ -245,18 +245,14 @@ def choose_splits(tokens: int, programs: int, target: int = 528) -> int:
 #: every storage timed on a GPU: 2/4-bit channel-group and channel-alloc keys with 2- or 3-bit values), else "general". (A "subtile" kernel, 16-channel sub-tiles straight from the bytes, was the default before
 #: "wide" and was removed after commit 3230605; docs/kernels.md keeps its measurements.)
 #: "dense" (keys after RoPE in 2- or 4-bit ``channel-group`` codes, 2- or 4-bit values, whole steps: the codes read as
-#: 32-bit words, :mod:`kvweave.kernels.lowbit_dense_triton`; "auto" takes it wherever it reads the storage, measured
-#: 1.04-1.19x faster than "wide" on prerope-k4v2's storage read after RoPE, H200, 2026-12-02, docs/kernels.md).
+#: 32-bit words, :mod:`kvweave.kernels.lowbit_dense_triton`; "auto" takes it wherever it reads the storage at the
+#: GPU-checked head_dims, measured 1.04-1.19x faster than "wide" on prerope-k4v2's storage read after RoPE, H200,
+#: 2026-12-02, docs/kernels.md).
 VARIANTS = ("auto", "wide", "general", "dense")
 
 #: the "wide" kernel's smallest step: with 16-token steps its sm_90 build (Triton 3.x) disagreed with the torch twin by
 #: ~1.5 on the H200 (2026-12-01) while the interpreter agreed; 32-token steps agree (docs/kernels.md)
 WIDE_MIN_BLOCK = 32
-
-
-def wide_groups(view: LowbitView) -> bool:
-    """Whether the "wide" kernel's value products fit ``view``: at most 4 channel groups of at least 16 channels."""
-    return 16 <= view.v_group and view.exact_k.shape[-1] // view.v_group <= 4
 
 
 def resolve_variant(view: LowbitView, variant: str, block: int | None = None) -> tuple[str, int]:
@@ -273,9 +269,9 @@ def resolve_variant(view: LowbitView, variant: str, block: int | None = None) ->
         why = dense_refusal(view, block)
         if why is not None:
             raise ValueError(f"the lowbit 'dense' kernel cannot read this storage: {why}; use variant 'wide' or 'general'")
-        return variant, dense_block(view) if block is None else block
+        return variant, DENSE_BLOCK if block is None else block
     if variant == "auto" and block is None and dense_refusal(view) is None and view.exact_k.shape[-1] in GPU_CHECKED_DIMS:
-        return "dense", dense_block(view)  # measured faster than "wide" there
+        return "dense", DENSE_BLOCK  # measured faster than "wide" there
     if variant == "auto":
         wide = wide_groups(view) and view.k_group % WIDE_MIN_BLOCK == 0
         variant = "wide" if wide and (block is None or block >= WIDE_MIN_BLOCK) else "general"

@@ -7,7 +7,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 from kvweave.core.lazy import lazy_module, torch
-from kvweave.kernels.lowbit_tricks import whole_byte_keys
+from kvweave.kernels.lowbit_tricks import whole_byte_keys, wide_groups
 
 if TYPE_CHECKING:
     from kvweave.kernels import lowbit_dense_triton as jit_dense
@@ -21,15 +21,10 @@ DENSE_BLOCK = 64
 GPU_CHECKED_DIMS = (64, 128)
 
 
-def dense_block(view: Any) -> int:
-    """The dense kernel's step for ``view`` when none is asked for."""
-    return DENSE_BLOCK
-
-
 def dense_refusal(view: Any, block: int | None = None) -> str | None:
     """Why the "dense" kernel cannot read ``view`` (a :class:`kvweave.kernels.lowbit_decode.LowbitView`) in steps of
-    ``block`` tokens (None: :func:`dense_block`), or None where it can."""
-    block = dense_block(view) if block is None else block
+    ``block`` tokens (None: :data:`DENSE_BLOCK`), or None where it can."""
+    block = DENSE_BLOCK if block is None else block
     dim = view.exact_k.shape[-1]
     if view.inv_freq is not None:
         return "it reads keys stored after RoPE (these are rotated at each token's position)"
@@ -37,8 +32,7 @@ def dense_refusal(view: Any, block: int | None = None) -> str | None:
         return "it reads 2- or 4-bit channel-group keys (not channel-alloc widths or 3-bit codes)"
     if view.v_bits not in (2, 4):
         return f"it reads 2- or 4-bit values, got {view.v_bits}-bit"
-    groups_fit = 16 <= view.v_group and dim // view.v_group <= 4
-    if not groups_fit or (view.v_group * view.v_bits) % 32 or (dim * view.k_bits) % 32:
+    if not wide_groups(view) or (view.v_group * view.v_bits) % 32 or (dim * view.k_bits) % 32:
         return (f"it reads values in at most 4 channel groups of at least 16 channels in whole 32-bit words (groups of "
                 f"{view.v_group} channels at head_dim {dim})")
     if block < 16 or block & (block - 1) or view.k_group % block or view.tokens % block:

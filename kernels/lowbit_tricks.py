@@ -6,6 +6,11 @@ from __future__ import annotations
 from typing import Any
 
 
+def wide_groups(view: Any) -> bool:
+    """Whether ``view``'s values fit the "wide" and "dense" kernels' products: at most 4 channel groups of at least 16."""
+    return 16 <= view.v_group and view.exact_k.shape[-1] // view.v_group <= 4
+
+
 def whole_byte_keys(view: Any) -> bool:
     """Whether ``view``'s key codes fill whole bytes (2 or 4 bits, ``channel-group`` keys: no per-channel widths)."""
     return view.k_widths is None and view.k_bits in (2, 4)

@@ -14,7 +14,6 @@ import attrs
 import pytest
 import torch
 
-from kvweave.kernels.gpu_build import nvdisasm
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -364,38 +363,3 @@ def test_lowbit_kernel_configs_name_variant_steps_warps_programs_and_tricks(monk
     for bad in ("wide:32", "fast:32:4", "wide:32:4:528:turbo", "wide:x:4"):
         with pytest.raises(SystemExit, match="variant:block:warps"):
             lowbit_kernel.parse_configs(bad, 528)
-
-
-@pytest.mark.skipif(nvdisasm() is None, reason="needs Triton's CUDA backend (its ptxas and nvdisasm)")
-def test_kernel_sass_counts_the_instructions_a_trick_removes():
-    """benchmarks/kernel_sass.py builds the lowbit kernel for sm_90 without a GPU (in a process of its own: this one
-    runs Triton's interpreter) and counts its machine instructions by class: 'magic' removes integer-to-float
-    conversions, so the conversion count falls while the build still holds tensor-core products; a storage a trick
-    cannot read is reported as refused."""
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    done = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "kernel_sass.py"), "--storages", "k4v2",
-                           "--configs", "wide:,wide:magic,wide:kfold"], capture_output=True, text=True, timeout=600, cwd=ROOT, env=env)
-    assert done.returncode == 0, done.stderr[-3000:]
-    rows = {line.split("|")[2].strip(): line.split("|")[3:] for line in done.stdout.splitlines() if line.startswith("| k4v2")}
-    plain, magic = rows["`wide:`"], rows["`wide:magic`"]
-    assert int(magic[1]) < int(plain[1]) and int(plain[0]) > 500  # conversions; instructions
-    assert int(plain[5]) > 0 and int(magic[5]) > 0  # tensor-core products
-    assert "refused" in rows["`wide:kfold`"][0]
-
-
-@pytest.mark.skipif(nvdisasm() is None, reason="needs Triton's CUDA backend (its ptxas and nvdisasm)")
-def test_kernel_sass_counts_the_token_loop_and_the_dense_kernel_builds_to_less_per_element():
-    """The token loop's count is a part of the whole build; the dense kernel (codes read as 32-bit words) builds to
-    fewer loop instructions per key/value element than the wide kernel on the same keys stored after RoPE, the reason
-    it is the default there; on keys before RoPE it is refused."""
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    done = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "kernel_sass.py"), "--storages", "k4v2,k4v2-post",
-                           "--configs", "wide:,dense:"], capture_output=True, text=True, timeout=600, cwd=ROOT, env=env)
-    assert done.returncode == 0, done.stderr[-3000:]
-    rows = {tuple(cell.strip() for cell in line.split("|")[1:3]): [cell.strip() for cell in line.split("|")[3:]]
-            for line in done.stdout.splitlines() if line.startswith("| k4v2")}
-    assert "refused" in rows[("k4v2", "`dense:`")][0]
-    wide, dense = rows[("k4v2-post", "`wide:`")], rows[("k4v2-post", "`dense:`")]
-    for row in (wide, dense):
-        assert 0 < int(row[7]) < int(row[0])  # the loop within the build
-    assert float(dense[8]) < float(wide[8])
