@@ -124,11 +124,14 @@ def cache_bytes(cache) -> int:
     return sum(t.nbytes for layer in cache.layers for t in (layer.keys, layer.values) if t is not None)
 
 
+REGISTRY: str | None = None  # a user registry read on top of the built-in one (--registry)
+
+
 def make_cache(method: str, model, batch: int, tokens: int, device: str, fill_rows: int = 8):
     if method == "full":
         model.set_attn_implementation("sdpa")
         return full_cache(model, batch, tokens, device)
-    cache = build_cache(load_pipeline(method), model, tokenizer=Ids(model.config.vocab_size))
+    cache = build_cache(load_pipeline(method, REGISTRY), model, tokenizer=Ids(model.config.vocab_size))
     rows = min(batch, fill_rows)
     fill_cache(cache, rows, tokens, chunk=4096, device=device, seed=rows)
     if rows < batch:  # grow to B rows: each stored tensor is gathered to B real rows
@@ -193,7 +196,7 @@ def ttft(method: str, model, tokens: int, device: str, reps: int = 2) -> dict:
             model.set_attn_implementation("sdpa")
             cache = DynamicCache(config=model.config)
         else:
-            cache = build_cache(load_pipeline(method), model, tokenizer=Ids(model.config.vocab_size))
+            cache = build_cache(load_pipeline(method, REGISTRY), model, tokenizer=Ids(model.config.vocab_size))
         sync()
         start = time.perf_counter()
         with torch.no_grad():
@@ -227,13 +230,15 @@ def main() -> None:
     parser.add_argument("--layers", type=int, default=32)
     parser.add_argument("--fill-rows", type=int, default=8, help="rows filled through the encoder; larger batches repeat them")
     parser.add_argument("--smoke", action="store_true", help="a tiny model of the same head shape on the CPU (checks the script)")
+    parser.add_argument("--registry", help="a user registry file read on top of the built-in one (e.g. benchmarks/dense_sweep.toml)")
     parser.add_argument("--out", default="results/decode_e2e")
     args = parser.parse_args()
     device = "cuda" if torch.cuda.is_available() and not args.smoke else "cpu"
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    global LOG
+    global LOG, REGISTRY
     LOG = out / "rows.jsonl"
+    REGISTRY = args.registry
     model = random_model(smoke_config(args.layers) if args.smoke else llama3_8b(args.layers), device)
     weights_gb = torch.cuda.memory_allocated() / 1e9 if device == "cuda" else 0.0
     total_gb = torch.cuda.get_device_properties(0).total_memory / 1e9 if device == "cuda" else 0.0

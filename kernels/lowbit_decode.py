@@ -32,7 +32,7 @@ import attrs
 
 from kvweave.core.lazy import lazy_module, torch
 from kvweave.kernels.formats import unpack_codes, unpack_varwidth
-from kvweave.kernels.lowbit_dense import DENSE_BLOCK, GPU_CHECKED_DIMS, dense_launch, dense_refusal
+from kvweave.kernels.lowbit_dense import GPU_CHECKED_DIMS, dense_block, dense_launch, dense_refusal
 from kvweave.kernels.lowbit_tricks import TRICKS, parse_tricks, whole_byte_keys, wide_groups  # noqa: F401 - TRICKS: the names lowbit_decode takes
 
 if TYPE_CHECKING:
@@ -269,9 +269,9 @@ def resolve_variant(view: LowbitView, variant: str, block: int | None = None) ->
         why = dense_refusal(view, block)
         if why is not None:
             raise ValueError(f"the lowbit 'dense' kernel cannot read this storage: {why}; use variant 'wide' or 'general'")
-        return variant, DENSE_BLOCK if block is None else block
+        return variant, dense_block(view) if block is None else block
     if variant == "auto" and block is None and dense_refusal(view) is None and view.exact_k.shape[-1] in GPU_CHECKED_DIMS:
-        return "dense", DENSE_BLOCK  # measured faster than "wide" there
+        return "dense", dense_block(view)  # measured faster than "wide" there
     if variant == "auto":
         wide = wide_groups(view) and view.k_group % WIDE_MIN_BLOCK == 0
         variant = "wide" if wide and (block is None or block >= WIDE_MIN_BLOCK) else "general"

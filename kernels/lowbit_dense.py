@@ -14,17 +14,28 @@ if TYPE_CHECKING:
 else:
     jit_dense: Any = lazy_module("kvweave.kernels.lowbit_dense_triton")
 
-#: the "dense" kernel's step when none is asked for (tokens; it must divide the keys' token group)
+#: the "dense" kernel's step when none is asked for (tokens; it must divide the keys' token group): 64, or 32 at head_dim
+#: 64, whose 64-token steps the sm_90 build computes wrong (:data:`NARROW_MAX_BLOCK`)
 DENSE_BLOCK = 64
+
+#: the longest step at head_dims under 128: with 64-token steps at head_dim 64 the sm_90 build (Triton 3.x on an H200,
+#: 2026-12-02) returned NaN where the interpreter agreed with the twin within 1e-5, while 32-token steps agreed on the
+#: GPU too (docs/kernels.md "Codes read as 32-bit words")
+NARROW_MAX_BLOCK = 32
 
 #: the head_dims whose build tests/test_lowbit_gpu.py checks on a GPU: the only ones "auto" gives the dense kernel
 GPU_CHECKED_DIMS = (64, 128)
 
 
+def dense_block(view: Any) -> int:
+    """The dense kernel's step for ``view`` when none is asked for."""
+    return DENSE_BLOCK if view.exact_k.shape[-1] >= 128 else NARROW_MAX_BLOCK
+
+
 def dense_refusal(view: Any, block: int | None = None) -> str | None:
     """Why the "dense" kernel cannot read ``view`` (a :class:`kvweave.kernels.lowbit_decode.LowbitView`) in steps of
-    ``block`` tokens (None: :data:`DENSE_BLOCK`), or None where it can."""
-    block = DENSE_BLOCK if block is None else block
+    ``block`` tokens (None: :func:`dense_block`), or None where it can."""
+    block = dense_block(view) if block is None else block
     dim = view.exact_k.shape[-1]
     if view.inv_freq is not None:
         return "it reads keys stored after RoPE (these are rotated at each token's position)"
@@ -38,6 +49,9 @@ def dense_refusal(view: Any, block: int | None = None) -> str | None:
     if block < 16 or block & (block - 1) or view.k_group % block or view.tokens % block:
         return (f"its steps ({block} tokens) must be a power of two of at least 16 that divides the keys' token group "
                 f"({view.k_group}) and the packed tokens ({view.tokens})")
+    if dim < 128 and block > NARROW_MAX_BLOCK:
+        return (f"at head_dim {dim} its steps must be at most {NARROW_MAX_BLOCK} tokens (the GPU build of longer ones "
+                f"computes wrong), got {block}")
     return None
 
 
@@ -49,8 +63,13 @@ def dense_launch(view: Any, args: tuple, constants: dict, kind: int, l0: float, 
      tokens, heads, splits, split_len, first, _, scaling) = args
     table16 = view.v_levels16 if view.v_levels16 is not None else view.v_levels.to(torch.bfloat16)
     words = (view.k_codes.contiguous().view(torch.int32), view.v_codes.contiguous().view(torch.int32))
+    lut = 0  # 2-bit values: the four levels' bfloat16 bits in one 64-bit word, code 0's lowest, as an int64
+    if view.v_bits == 2:
+        bits = view.v_levels.detach().cpu().to(torch.bfloat16).view(torch.int16).long() & 0xFFFF
+        lut = sum(int(b) << (16 * k) for k, b in enumerate(bits.tolist()))
+        lut = lut - (1 << 64) if lut >= 1 << 63 else lut
     dense_args = (padded, words[0], k_zero, k_scale, k_oi, k_ov, words[1], v_scale, v_max, v_levels, table16, start,
-                  positions, hidden, m, l, acc, tokens, heads, splits, split_len, first, scaling, l0, l1)
+                  positions, hidden, m, l, acc, tokens, heads, splits, split_len, first, scaling, l0, l1, lut)
     keep = ("D", "G", "KBITS", "KGROUP", "KO", "VBITS", "VGROUP", "HAS_START", "BLOCK", "LOWP", "VLOG", "VST", "HAS_POS",
             "HID", "num_warps")
     dense_constants = {name: constants[name] for name in keep} | {"LEVELS": kind}

@@ -43,9 +43,11 @@ def test_the_dense_kernel_matches_its_twin(model, registry, name, hidden):
     dim = view.exact_k.shape[-1]
     q = torch.randn(rows, 4, dim, generator=torch.Generator().manual_seed(3))
     start = torch.tensor([40, 0][:rows], dtype=torch.int32)
+    blocks = [block for block in (64, 32, 16) if dense_refusal(view, block) is None]  # 64 only at head_dim 128
+    assert blocks == ([64, 32, 16] if dim >= 128 else [32, 16])
     for first in (start, None):
         twin = torch_lowbit_decode(view, q, first, dim ** -0.5)
-        for block in (64, 32, 16):
+        for block in blocks:
             out = lowbit_decode(view, q, first, dim ** -0.5, block=block, variant="dense")
             assert torch.allclose(out, twin, atol=1e-5), (name, block, (out - twin).abs().max())
     # a wrong code order, scale or mask moves the output by its own size: the twin is not matched by chance
@@ -63,11 +65,12 @@ def test_the_dense_kernel_refuses_what_it_cannot_read(model, registry):
     with pytest.raises(ValueError, match="after RoPE"):
         resolve_variant(pre, "dense")
     post = attrs.evolve(pre, inv_freq=None)
-    assert resolve_variant(post, "dense") == ("dense", 64)
+    assert resolve_variant(post, "dense") == ("dense", 32)  # head_dim 64: 32-token steps
     # the default launch takes it wherever it reads the storage; steps asked for keep the other kernels' choice
-    assert resolve_variant(post, "auto") == ("dense", 64) and resolve_variant(pre, "auto") == ("wide", 32)
+    assert resolve_variant(post, "auto") == ("dense", 32) and resolve_variant(pre, "auto") == ("wide", 32)
     assert resolve_variant(post, "auto", 32) == ("wide", 32)
-    for block, match in ((48, "power of two"), (128, "divides the keys' token group"), (8, "at least 16")):
+    for block, match in ((48, "power of two"), (128, "divides the keys' token group"), (8, "at least 16"),
+                         (64, "at head_dim 64 its steps must be at most 32")):
         with pytest.raises(ValueError, match=match):
             resolve_variant(post, "dense", block)
     with pytest.raises(ValueError, match="not 'ktf32'"):
@@ -97,7 +100,7 @@ def test_the_dense_sweep_pipelines_decode_through_the_dense_kernel(model, name):
         importance.prefill(model, cache, torch.randint(1, 128, (1, 230), generator=torch.Generator().manual_seed(4)))
     view = cache.engine.kernel.lowbit_view(cache.engine.view(1), torch.device("cpu"))
     assert view.inv_freq is None and view.positions is not None and view.restored_k is not None
-    assert resolve_variant(view, "auto") == ("dense", 64)
+    assert resolve_variant(view, "auto") == ("dense", 32)
     q = torch.randn(1, 4, 64, generator=torch.Generator().manual_seed(5))
     twin = torch_lowbit_decode(view, q, None, 0.125)
     assert torch.allclose(lowbit_decode(view, q, None, 0.125), twin, atol=1e-5)
