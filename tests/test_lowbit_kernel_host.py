@@ -194,3 +194,32 @@ def test_a_block_flushed_while_the_kernel_decodes_is_evicted_with_the_masks_of_t
                       min_new_tokens=60, do_sample=False, pad_token_id=0)
     assert new.shape[-1] == 60 and cache.get_seq_length() == 100 + 60 - 1
     assert cache.engine.windows[1].passed_tokens >= 128  # the block of tokens 64..127 (28 of them decoded) was flushed
+
+
+@pytest.mark.parametrize("name", ["t-lowbit-sinks-kvzip", "t-lowbit-sinks-cg"])
+def test_restored_vectors_are_dequantized_span_by_span(model, registry, name, monkeypatch):
+    """The vectors of the tokens that residuals restore are dequantized from the spans that hold them, not from the
+    whole layer (that temporary once took ~0.9 GB per 64K-token row on Llama-3-8B's shape and capped the batch), and
+    equal the whole layer's dequantization at those slots: channel-alloc widths, outliers, one-byte value scales and
+    slot positions sliced alike."""
+    from kvweave.kernels import lowbit_decode
+    from kvweave.plugins.kernels import lowbit
+
+    cache = build_cache(registry.resolve(name), model, tokenizer=CharTokenizer())
+    ids = torch.randint(1, 128, (2, 600), generator=torch.Generator().manual_seed(9))
+    with torch.no_grad():
+        importance.prefill(model, cache, ids)
+    packed = cache.engine.kernel.lowbit_view(cache.engine.view(1), torch.device("cpu"))
+    rows = packed.k_codes.shape[0]
+    assert packed.tokens >= 256 and packed.restored_k is not None
+    flat = torch.unique(torch.randint(0, rows * packed.tokens, (40,), generator=torch.Generator().manual_seed(1)))
+    dim = packed.exact_k.shape[-1]
+    want_k = lowbit_decode.torch_keys(packed).reshape(-1, dim)[flat]
+    want_v = (lowbit_decode.torch_values(packed) @ packed.rotation).reshape(-1, dim)[flat]
+    seen = []
+    whole = lowbit.torch_keys
+    monkeypatch.setattr(lowbit, "torch_keys", lambda view: seen.append(view.tokens) or whole(view))
+    monkeypatch.setattr(lowbit, "RESTORE_SPAN", 64)
+    keys, values = lowbit._dequantized_at(packed, flat)
+    assert seen and max(seen) <= 64 < packed.tokens
+    assert torch.allclose(keys, want_k, atol=1e-5) and torch.allclose(values, want_v, atol=1e-5)

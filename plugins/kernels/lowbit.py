@@ -36,6 +36,7 @@ first decodes, naming the layer. The torch twin has no conversions to leave out 
 
 from __future__ import annotations
 
+import math
 from typing import Any, ClassVar
 
 import attrs
@@ -235,10 +236,9 @@ class LowbitKernel(AttentionKernel):
             for old in [name for name in view.scratch if name[:3] == key[:3]]:
                 del view.scratch[old]
             ids = torch.unique(torch.cat([level.fields["row"].long() * tokens + level.fields["token"].long() for _, level in levels]))
-            keys = torch_keys(packed).reshape(-1, packed.exact_k.shape[-1])[ids]
-            values = (torch_values(packed) @ packed.rotation).reshape(-1, keys.shape[-1])[ids]
+            keys, values = _dequantized_at(packed, ids)
             positions = slot_positions(packed, device)
-            positions = (positions.expand(batch * heads, tokens) if positions.dim() == 1 else positions).reshape(-1)[ids]
+            positions = positions[ids % tokens] if positions.dim() == 1 else positions.reshape(-1)[ids]
             for kind_view, level in levels:
                 at = torch.searchsorted(ids, level.fields["row"].long() * tokens + level.fields["token"].long())
                 delta = level.fields["q_values"].float().to(device)
@@ -292,6 +292,45 @@ class LowbitKernel(AttentionKernel):
         else:
             out = torch_lowbit_decode(packed, q, start, scaling)
         return out.to(query.dtype).unsqueeze(1)
+
+
+#: packed tokens dequantized at a time to find restored tokens' vectors (a bound on that temporary: B x H x this x D
+#: float32 a few times over; the whole layer once made ~0.9 GB a 64K-token row on Llama-3-8B's shape)
+RESTORE_SPAN = 1024
+
+
+def _token_span(packed: LowbitView, lo: int, hi: int) -> LowbitView:
+    """``packed``'s slots ``lo .. hi`` (whole key groups and value-scale spans) as a view of their own, without
+    exact window, restored or hidden tokens."""
+    kg, vs = packed.k_group, packed.v_scale_tokens
+    by_group = lambda t: None if t is None else t[:, lo // kg : -(-hi // kg)]  # noqa: E731
+    by_token = lambda t: None if t is None else t[:, lo:hi]  # noqa: E731
+    return attrs.evolve(
+        packed, tokens=hi - lo, first=packed.first + lo, k_codes=by_token(packed.k_codes), k_zero=by_group(packed.k_zero),
+        k_scale=by_group(packed.k_scale), k_out_index=by_token(packed.k_out_index), k_out_value=by_token(packed.k_out_value),
+        k_widths=by_group(packed.k_widths), v_codes=by_token(packed.v_codes), v_scale=by_token(packed.v_scale),
+        v_scale_max=None if packed.v_scale_max is None else packed.v_scale_max[:, lo // vs : -(-hi // vs)],
+        positions=by_token(packed.positions), restored_k=None, restored_v=None, restored_pos=None, hidden_slots=None,
+    )
+
+
+def _dequantized_at(packed: LowbitView, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The keys (rotated at their positions) and values (rotated back) of the packed slots ``ids`` (flat indices
+    ``row * tokens + slot``, sorted), float32 [N, D] each, dequantizing only spans of :data:`RESTORE_SPAN` slots
+    that hold one of them, so the temporary does not grow with the context."""
+    dim = packed.exact_k.shape[-1]
+    span = math.lcm(packed.k_group, packed.v_scale_tokens)
+    span *= max(1, RESTORE_SPAN // span)
+    rows, slots = ids // packed.tokens, ids % packed.tokens
+    keys = torch.empty(ids.numel(), dim, device=ids.device)
+    values = torch.empty_like(keys)
+    for chunk in torch.unique(slots // span).tolist():
+        lo = chunk * span
+        part = _token_span(packed, lo, min(lo + span, packed.tokens))
+        sel = (slots // span == chunk).nonzero().squeeze(-1)
+        keys[sel] = torch_keys(part)[rows[sel], slots[sel] - lo]
+        values[sel] = torch_values(part)[rows[sel], slots[sel] - lo] @ packed.rotation
+    return keys, values
 
 
 @hookimpl
