@@ -354,6 +354,11 @@ class AttentionKernel(Component):
         of ``engine``'s pipeline on its model (called once, when the cache is built; what needs no model is
         checked by :meth:`check_pipeline` already)."""
 
+    def storage_changed(self, scratch: dict, layers: tuple[int, ...]) -> None:
+        """Called after a flush stored ``layers``' packed tokens anew: drop what this kernel keeps in ``scratch`` (the
+        views' ``scratch``) that holds their previous storage, which would otherwise stay alive, a second copy of those
+        layers, until each one's next decode step. Nothing by default."""
+
     def attend(self, view: LayerView, query: torch.Tensor, attention_mask: Any, scaling: float) -> torch.Tensor:
         """Decode attention of ``query`` [B, Hq, 1, D] over one layer's stored cache ``view``, read in place:
         [B, 1, Hq, D]. Called instead of the model's attention for one-token forwards when

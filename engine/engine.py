@@ -228,8 +228,7 @@ class CompressionEngine:
             self._flush(group_index)
 
     def replace_router(self, router: Router) -> Router:
-        """Route with ``router`` from the next flush on (same levels; training swaps in routers that record
-        what they see); returns the router it replaced."""
+        """Route with ``router`` from the next flush on (same levels; training swaps in routers that record what they see)."""
         if tuple(router.levels()) != self.levels:
             raise ComponentError(f"pipeline '{self.pipeline.name}': a replacement router must have the levels {self.levels}, not {tuple(router.levels())}")
         previous, self.router = self.router, router
@@ -277,6 +276,7 @@ class CompressionEngine:
             window.passed_tokens += count
         if self.compress_sliding and members[0] in self.sliding:
             drop_outside_window(self, group_index)
+        self.kernel.storage_changed(self.kernel_state, members)
         self.observer.forget_selection(members)
         self.observer.forget_boundaries(min(w.passed_tokens for w in self.windows))
         if self.evicts and not self.residual_levels and not self.probe.needs_queries:

@@ -151,6 +151,11 @@ class LowbitKernel(AttentionKernel):
             view.scratch[("lowbit-view", view.layer, device)] = cached
         return attrs.evolve(cached[1], exact_k=exact_k, exact_v=exact_v)
 
+    def storage_changed(self, scratch: dict, layers: tuple[int, ...]) -> None:
+        """The packed views of ``layers`` are views of their previous storage: dropped (made anew at the next step)."""
+        for key in [key for key in scratch if key[0] == "lowbit-view" and key[1] in layers]:
+            del scratch[key]
+
     def _uses_triton(self, device: torch.device) -> bool:
         return self.backend == "triton" or (self.backend == "auto" and device.type == "cuda")
 
