@@ -1,6 +1,6 @@
 """Where time-to-first-token goes with a compressing cache: the prompt's forward, split by compression stage.
 
-    python benchmarks/profile_prefill.py [--tokens 32768] [--pipeline depthweave-kv] [--layers 32] [--smoke]
+    python benchmarks/profile_prefill.py [--tokens 32768] [--pipeline depthweave-kv] [--registry FILE] [--layers 32] [--smoke]
 
 Runs ``model.generate(max_new_tokens=1)`` on a Llama-3-8B-shaped model with random bf16 weights (the
 shape of ``decode_e2e.py``) for one prompt of random token ids, once to warm up and once measured. The
@@ -88,11 +88,12 @@ def main() -> None:
     parser.add_argument("--pipeline", default="depthweave-kv")
     parser.add_argument("--layers", type=int, default=32)
     parser.add_argument("--smoke", action="store_true", help="a tiny model of the same head shape on the CPU (checks the script)")
+    parser.add_argument("--registry", help="a user registry file read on top of the built-in one (e.g. benchmarks/dense_sweep.toml)")
     args = parser.parse_args()
     device = "cuda" if torch.cuda.is_available() and not args.smoke else "cpu"
     model = random_model(smoke_config(args.layers) if args.smoke else llama3_8b(args.layers), device)
     ids = torch.randint(0, model.config.vocab_size, (1, args.tokens), device=device)
-    fresh = lambda: build_cache(load_pipeline(args.pipeline), model, tokenizer=Ids(model.config.vocab_size))  # noqa: E731
+    fresh = lambda: build_cache(load_pipeline(args.pipeline, args.registry), model, tokenizer=Ids(model.config.vocab_size))  # noqa: E731
     model.set_attn_implementation("sdpa")
     first_token(model, DynamicCache(config=model.config), ids)
     full = first_token(model, DynamicCache(config=model.config), ids)
