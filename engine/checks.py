@@ -50,6 +50,8 @@ def check_block_groups(engine: CompressionEngine, where: str) -> None:
 def check_finite(engine: CompressionEngine, members: tuple[int, ...], count: int) -> None:
     """Refuse a block holding NaN or infinite keys or values (one host sync per flushed block, not per
     step): quantizing them would corrupt whole scale groups silently."""
+    for layer in members:  # decode steps' tokens beyond an int8 window's range, named before they read back as NaN
+        engine.windows[layer].exact.settle()
     blocks = [engine.windows[layer].exact[kind][..., :count, :] for layer in members for kind in KINDS]
     if bool(torch.stack([torch.isfinite(block).all() for block in blocks]).all()):
         return

@@ -21,8 +21,10 @@ The cost is about two extra prefills of the context (KVzip's own figure is 2-3x 
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import sys
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -30,13 +32,15 @@ import torch
 from kvweave.core.errors import CacheStateError
 from kvweave.engine.attention import attention_modules, module_queries
 from kvweave.engine.copying import copying_layers
-from kvweave.engine.observation import cache_kwargs, plain_attention
+from kvweave.engine.observation import cache_kwargs
 
 #: what the model is asked before the first chunk, and before each later one (then the chunk's last tokens)
 REPEAT_PROMPT = "\n\nRepeat the previous context exactly."
 REPEAT_CONTINUE = "\n\nRepeat the part of the previous context exactly, starting with"
 #: tokens of the previous chunk quoted after :data:`REPEAT_CONTINUE`
 OVERLAP_TOKENS = 8
+#: the attention implementation the scoring forwards run with (:func:`scoring_attention`)
+SCORING_ATTENTION = "kvweave-scoring"
 
 
 def turn_suffix(tokenizer: Any) -> str:
@@ -82,12 +86,65 @@ class _Scorer:
         sinks = min(self.sinks, self.start)
         chosen = torch.cat((keys[..., :sinks, :], keys[..., self.start : self.stop, :], keys[..., self.context :, :]), dim=-2).float()
         scaling = float(getattr(module, "scaling", dim**-0.5))
-        grouped = queries.reshape(batch, heads, q_heads // heads, fed, dim)
-        logits = grouped @ chosen.transpose(-1, -2).unsqueeze(2) * scaling  # [B, H, G, fed, S]
+        grouped = queries.reshape(batch * heads, q_heads // heads * fed, dim)
+        with exact_half_products(keys):  # the scale applied by the product itself: no pass over the logits for it
+            logits = torch.baddbmm(grouped.new_zeros(1, 1, 1), grouped, chosen.reshape(batch * heads, -1, dim).transpose(-1, -2),
+                                   beta=0.0, alpha=scaling).view(batch, heads, q_heads // heads, fed, -1)  # [B, H, G, fed, S]
         own = torch.ones(fed, fed, dtype=torch.bool, device=logits.device).triu(1)  # the repetition is causal
-        logits[..., -fed:] = logits[..., -fed:].masked_fill(own, float("-inf"))
+        logits[..., -fed:].masked_fill_(own, float("-inf"))
         probs = logits.softmax(dim=-1)[..., sinks : sinks + self.stop - self.start]
         self.scores[layer, :, :, self.start : self.stop] = probs.amax(dim=(2, 3))
+
+
+@contextlib.contextmanager
+def exact_half_products(keys: torch.Tensor) -> Iterator[None]:
+    """float32 products on a GPU's TF32 units where the operands were bfloat16 or float16 values (the cache's keys and the
+    model's queries): TF32 keeps their every bit, so the logits are the float32 ones, several times faster."""
+    if keys.device.type != "cuda" or keys.dtype not in (torch.bfloat16, torch.float16):
+        yield
+        return
+    previous = torch.get_float32_matmul_precision()
+    torch.set_float32_matmul_precision("high")
+    try:
+        yield
+    finally:
+        torch.set_float32_matmul_precision(previous)
+
+
+def _scoring_attention(module: Any, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attention_mask: Any,
+                       scaling: float | None = None, dropout: float = 0.0, **kwargs: Any) -> tuple[torch.Tensor, None]:
+    """A repetition forward's attention: each query sees the whole context and the repetition up to itself (causal
+    aligned at the last key, rows never padded: :func:`score_for` refuses padded ones), so a fused kernel needs no mask
+    tensor (the model's mask made sdpa several times slower at 32K). Sliding-window or soft-capped modules, and the
+    context's own prefill, take sdpa with the model's mask."""
+    from torch.nn.attention.bias import causal_lower_right
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+    q_len, k_len = query.shape[-2], key.shape[-2]
+    config = getattr(module, "config", None)
+    if q_len == k_len or getattr(module, "sliding_window", None) or getattr(config, "attn_logit_softcapping", None):
+        return ALL_ATTENTION_FUNCTIONS["sdpa"](module, query, key, value, attention_mask, scaling=scaling, dropout=dropout, **kwargs)
+    groups = query.shape[1] // key.shape[1]
+    if groups > 1:  # the fused lower-right kernels take as many key heads as query heads
+        key, value = key.repeat_interleave(groups, dim=1), value.repeat_interleave(groups, dim=1)
+    out = torch.nn.functional.scaled_dot_product_attention(query, key, value, attn_mask=causal_lower_right(q_len, k_len), scale=scaling)
+    return out.transpose(1, 2).contiguous(), None
+
+
+@contextlib.contextmanager
+def scoring_attention(model: Any) -> Iterator[None]:
+    """The model attends with :func:`_scoring_attention` for the duration (its previous attention restored after)."""
+    from transformers import AttentionInterface
+    from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+
+    AttentionInterface.register(SCORING_ATTENTION, _scoring_attention)
+    AttentionMaskInterface.register(SCORING_ATTENTION, sdpa_mask)
+    previous = model.config._attn_implementation
+    model.set_attn_implementation(SCORING_ATTENTION)
+    try:
+        yield
+    finally:
+        model.set_attn_implementation(previous)
 
 
 def reconstruction_scores(
@@ -120,7 +177,7 @@ def reconstruction_scores(
         from tqdm.auto import tqdm
 
         bar = tqdm(total=len(starts), desc=f"scoring {total:,} tokens", unit="chunk", dynamic_ncols=True)
-    with torch.inference_mode(), plain_attention(model):
+    with torch.inference_mode(), scoring_attention(model):
         model(input_ids=ids, use_cache=True, logits_to_keep=1, **cache_kwargs(model, cache))
         saved = [copy.copy(layer) for layer in cache.layers]
         scorer = _Scorer(model, cache, scores, sinks)

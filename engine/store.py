@@ -6,6 +6,8 @@ share). Only the engine and its collaborators write them; everything else reads 
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 
 from kvweave.core.errors import ModelError
@@ -35,6 +37,7 @@ class ExactTokens:
         self.storage = storage
         self._held: dict[str, tuple[torch.Tensor, ...] | None] = {kind: None for kind in KINDS}
         self._dtype: torch.dtype | None = None
+        self._watched: list[tuple[torch.Tensor, Any]] = []  # decode steps' largest magnitudes, on their way to the host
 
     @property
     def lossy(self) -> bool:
@@ -100,6 +103,36 @@ class ExactTokens:
         held = self._held[kind]
         return 0 if held is None else sum(t[..., :1, :].numel() * t.element_size() for t in held)
 
+    def settle(self, wait: bool = True) -> None:
+        """Raise for a decode step's token beyond the int8 window's range once its largest magnitude reached the host
+        (``wait``: wait for every one; the engine does before each flush). Prompts are checked as they arrive; a host
+        read per layer and decode step would stop the GPU's stream each time, so those go to the host on their own."""
+        while self._watched:
+            host, event = self._watched[0]
+            if event is not None and not wait and not event.query():
+                return
+            if event is not None:
+                event.synchronize()
+            self._watched.pop(0)
+            self._refuse(float(host))
+
+    def _watch(self, worst: torch.Tensor) -> None:
+        self.settle(wait=False)
+        if worst.device.type != "cuda":
+            self._watched.append((worst, None))
+            return
+        host = torch.empty((), dtype=worst.dtype, pin_memory=True)
+        host.copy_(worst, non_blocking=True)
+        event = torch.cuda.Event()
+        event.record()
+        self._watched.append((host, event))
+
+    @staticmethod
+    def _refuse(worst: float) -> None:
+        if worst > _INT8_LIMIT:
+            raise ValueError(f"window_storage = 'int8': a token's largest magnitude {worst:.7g} is beyond {_INT8_LIMIT:.7g} "
+                             "(127 x the largest float16 scale); use window_storage = 'input'")
+
     def _encode(self, tensor: torch.Tensor) -> tuple[torch.Tensor, ...]:
         if self._dtype is None or self._held["keys"] is None and self._held["values"] is None:
             self._dtype = tensor.dtype
@@ -110,11 +143,11 @@ class ExactTokens:
             return (tensor,)
         absmax = tensor.detach().float().abs().amax(dim=-1, keepdim=True)
         finite = torch.isfinite(absmax)
-        if bool((finite & (absmax > _INT8_LIMIT)).any()):
-            raise ValueError(
-                f"window_storage = 'int8': a token's largest magnitude {float(absmax[finite].max()):.7g} is beyond "
-                f"{_INT8_LIMIT:.7g} (127 x the largest float16 scale); use window_storage = 'input'"
-            )
+        worst = torch.where(finite, absmax, 0.0).amax()
+        if tensor.shape[-2] == 1:  # a decode step: checked without stopping the stream (settle)
+            self._watch(worst)
+        else:
+            self._refuse(float(worst))
         # a vector holding NaN or infinity reads back as NaN, so the engine's check at the flush still names it
         scale = torch.where(finite, absmax / 127, torch.nan).to(torch.float16)
         step = torch.where(scale > 0, scale.float(), torch.ones_like(absmax))

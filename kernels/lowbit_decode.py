@@ -92,6 +92,8 @@ class LowbitView:
     hidden_slots: torch.Tensor | None = None
     #: ``v_levels`` as bfloat16, made once with the view for the ``vb16`` trick's tabled levels (None: made per call)
     v_levels16: torch.Tensor | None = None
+    #: the four 2-bit value levels' bfloat16 bits in one int64, code 0's lowest (the dense kernel's; None: made per call)
+    v_level_word: int | None = None
 
 
 def exact_start(view: LowbitView) -> int:

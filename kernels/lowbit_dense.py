@@ -55,6 +55,13 @@ def dense_refusal(view: Any, block: int | None = None) -> str | None:
     return None
 
 
+def level_word(levels: list[float]) -> int:
+    """Four value levels' bfloat16 bits in one 64-bit word, code 0's in the lowest 16 bits, as a signed int64."""
+    bits = torch.tensor(levels, dtype=torch.float32).to(torch.bfloat16).view(torch.int16).long() & 0xFFFF
+    word = sum(int(b) << (16 * k) for k, b in enumerate(bits.tolist()))
+    return word - (1 << 64) if word >= 1 << 63 else word
+
+
 def dense_launch(view: Any, args: tuple, constants: dict, kind: int, l0: float, l1: float) -> tuple:
     """The "dense" kernel's launch (kernel, grid, arguments, constants) from the arguments and constants
     :func:`kvweave.kernels.lowbit_decode.plan_launch` made for the others: the codes as 32-bit words (the same bytes),
@@ -63,11 +70,9 @@ def dense_launch(view: Any, args: tuple, constants: dict, kind: int, l0: float, 
      tokens, heads, splits, split_len, first, _, scaling) = args
     table16 = view.v_levels16 if view.v_levels16 is not None else view.v_levels.to(torch.bfloat16)
     words = (view.k_codes.contiguous().view(torch.int32), view.v_codes.contiguous().view(torch.int32))
-    lut = 0  # 2-bit values: the four levels' bfloat16 bits in one 64-bit word, code 0's lowest, as an int64
+    lut = 0  # 2-bit values: the four levels' bfloat16 bits in one 64-bit word (made with the view: no host read per call)
     if view.v_bits == 2:
-        bits = view.v_levels.detach().cpu().to(torch.bfloat16).view(torch.int16).long() & 0xFFFF
-        lut = sum(int(b) << (16 * k) for k, b in enumerate(bits.tolist()))
-        lut = lut - (1 << 64) if lut >= 1 << 63 else lut
+        lut = view.v_level_word if view.v_level_word is not None else level_word(view.v_levels.tolist())
     dense_args = (padded, words[0], k_zero, k_scale, k_oi, k_ov, words[1], v_scale, v_max, v_levels, table16, start,
                   positions, hidden, m, l, acc, tokens, heads, splits, split_len, first, scaling, l0, l1, lut)
     keep = ("D", "G", "KBITS", "KGROUP", "KO", "VBITS", "VGROUP", "HAS_START", "BLOCK", "LOWP", "VLOG", "VST", "HAS_POS",

@@ -69,8 +69,17 @@ def test_input_storage_returns_the_tensor_that_arrived():
 
 def test_a_magnitude_beyond_a_float16_scale_is_refused_and_nan_reads_back_as_nan():
     held = ExactTokens("int8")
-    with pytest.raises(ValueError, match="beyond"):
-        held["keys"] = torch.full((1, 1, 1, 8), 1e7)
+    with pytest.raises(ValueError, match="largest magnitude 1e[+]07 is beyond"):  # a prompt's tokens: at once
+        held["keys"] = torch.full((1, 1, 2, 8), 1e7)
+    # a decode step's token: its magnitude reaches the host on its own and the next append, or the engine's settle
+    # before a flush, raises (no host read in the step itself)
+    for later in (lambda: held.append("keys", torch.ones(1, 1, 1, 8)), lambda: held.settle()):
+        held = ExactTokens("int8")
+        held["keys"] = torch.ones(1, 1, 3, 8)
+        held.append("keys", torch.full((1, 1, 1, 8), 2e7))
+        with pytest.raises(ValueError, match="largest magnitude 2e[+]07 is beyond"):
+            later()
+    held = ExactTokens("int8")
     x = torch.ones(1, 1, 2, 8)
     x[0, 0, 1, 3] = float("nan")
     held["keys"] = x

@@ -51,6 +51,7 @@ from kvweave.kernels.formats import CHANNEL_ALLOC, CHANNEL_GROUP, ROTATED_TOKEN,
 from kvweave.kernels.lowbit_decode import (
     LowbitView, level_kind, lowbit_decode, resolve_variant, rope_at, slot_positions, torch_keys, torch_lowbit_decode, torch_values,
 )
+from kvweave.kernels.lowbit_dense import level_word
 from kvweave.kernels.lowbit_tricks import TRICKS, parse_tricks
 
 from .fused import first_positions
@@ -223,6 +224,7 @@ class LowbitKernel(AttentionKernel):
             rope_scale=rope_scale, exact_k=exact_k, exact_v=exact_v, level_kind=kind, k_widths=widths,
             v_scale_max=rows(v["scale_max"], vr) if log8 else None, v_scale_tokens=vq.scale_tokens if log8 else 1,
             v_levels16=levels.to(torch.bfloat16) if kind[0] == 0 else None,  # tabled levels, once per storage state
+            v_level_word=level_word(vq.level_table()) if vq.bits == 2 else None,  # from the host's table: no device read
         )
         if any(level.entries for kind_view in (view.keys, view.values) for level in kind_view.residuals):
             packed = self._restored(view, packed, device)
