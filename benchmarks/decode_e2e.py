@@ -1,6 +1,6 @@
 """End-to-end decoding with ``model.generate`` on a Llama-3-8B-shaped model with random bf16 weights.
 
-    python benchmarks/decode_e2e.py [--context 65536] [--batches 1,4,8] [--max-batch] [--ttft 32768] [--out DIR]
+    python benchmarks/decode_e2e.py [--context 65536] [--batches 1,4,8] [--max-batch] [--ttft 32768] [--registry FILE] [--out DIR]
 
 For each method (``full``: DynamicCache + sdpa; ``depthweave-kv``: the fused kernel; its reference-kernel
 ablation) and batch size: the cache is pre-filled with ``--context`` tokens per sequence (random K/V for
