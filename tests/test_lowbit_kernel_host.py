@@ -242,3 +242,20 @@ def test_a_flush_drops_the_views_of_the_storage_it_replaced(model, registry):
                 stored = cache.engine.view(key[1]).keys.coefficients["codes"]
                 assert kept.k_codes.untyped_storage().data_ptr() == stored.untyped_storage().data_ptr(), (step, key)
     assert flushes >= 1 and cache.engine.kernel_state  # blocks were flushed while views were kept
+
+
+def test_the_default_launch_splits_each_row_where_the_rows_fill_the_gpu(model, registry, monkeypatch):
+    """Few rows: the packed pass aims for 528 programs; many rows (a large batch): at least four splits a row, which
+    the dense kernel ran faster with at B = 64 and 128 (one split a row left a tail of idle SMs)."""
+    from kvweave.plugins.kernels import lowbit
+
+    assert lowbit.launch_programs(16) == 528 and lowbit.launch_programs(1024) == 4096
+    cache = build_cache(registry.resolve("t-lowbit-sinks"), model)
+    ids = torch.randint(1, 128, (2, 230), generator=torch.Generator().manual_seed(2))
+    asked = []
+    monkeypatch.setattr(lowbit, "lowbit_decode", lambda *a, **k: asked.append(k["programs"]) or lowbit.torch_lowbit_decode(*a[:4]))
+    cache.engine.kernel = attrs.evolve(cache.engine.kernel, backend="triton")
+    with torch.no_grad():
+        model(input_ids=ids, use_cache=True, **cache_kwargs(model, cache))
+        model(input_ids=ids[:, :1], use_cache=True, **cache_kwargs(model, cache))
+    assert asked and set(asked) == {528}  # 2 rows x 2 KV heads
