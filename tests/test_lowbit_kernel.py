@@ -340,5 +340,6 @@ def test_storage_the_kernel_cannot_read_is_refused_at_resolve_time(registry, nam
 
 
 def test_residuals_below_full_rank_are_refused_when_the_cache_is_built(registry, model):
-    with pytest.raises(ModelError, match=r"residual ranks \[16\] are below this model's head_dim 64"):
+    with pytest.raises(ModelError, match=r"residual ranks \[16\] are below this model's head_dim 64; set the router's rank = 64 "
+                       r"\(\[pipelines.t-lowbit-sinks-rank16.router\]"):
         build_cache(registry.resolve("t-lowbit-sinks-rank16"), model)
