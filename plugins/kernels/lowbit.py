@@ -132,8 +132,10 @@ class LowbitKernel(AttentionKernel):
             raise ComponentError(f"{where}: the pipeline accumulates attention or re-selects stored tokens; use kernel 'reference'")
         partial = [rank for rank in engine.residual_levels if rank != engine.shape.head_dim]
         if partial:
-            fix = (f"set the router's rank = {engine.shape.head_dim} ([pipelines.{engine.pipeline.name}.router] in a registry "
-                   "file extending this pipeline) or use kernel 'reference'")
+            fix = "use kernel 'reference'"
+            if engine.pipeline.use("router") == "sinks":
+                fix = (f"set the router's rank = {engine.shape.head_dim} ([pipelines.{engine.pipeline.name}.router] in a registry "
+                       "file extending this pipeline) or use kernel 'reference'")
             raise ModelError(f"{where} reads residuals only as whole restored vectors; residual ranks {partial} are below this "
                              f"model's head_dim {engine.shape.head_dim}; {fix}")
 
