@@ -139,19 +139,25 @@ def make_cache(method: str, model, batch: int, tokens: int, device: str, fill_ro
     return cache
 
 
-def decode(model, cache, batch: int, tokens: int, steps: int, device: str) -> dict:
+def generate_steps(model, cache, batch: int, tokens: int, steps: int, device: str, clock: StoppingCriteria) -> None:
+    """``model.generate`` of ``steps`` tokens over ``cache``, which holds ``tokens`` per row (random ids, the last one
+    fed), ``clock`` called after each step."""
     ids = torch.randint(0, model.config.vocab_size, (batch, tokens + 1), device=device)
+    with torch.no_grad():
+        model.generate(
+            input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=steps, min_new_tokens=steps,
+            do_sample=False, stopping_criteria=StoppingCriteriaList([clock]), **cache_kwargs(model, cache),
+        )
+
+
+def decode(model, cache, batch: int, tokens: int, steps: int, device: str) -> dict:
     clock = StepClock()
     gc.collect()
     sync()
     if torch.cuda.is_available():
         torch.cuda.reset_peak_memory_stats()
     start = time.perf_counter()
-    with torch.no_grad():
-        model.generate(
-            input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=steps, min_new_tokens=steps,
-            do_sample=False, stopping_criteria=StoppingCriteriaList([clock]), **cache_kwargs(model, cache),
-        )
+    generate_steps(model, cache, batch, tokens, steps, device, clock)
     sync()
     stamps = [start] + clock.times
     steps_s = [b - a for a, b in zip(stamps, stamps[1:])][1:]  # the first step also builds the mask: left out

@@ -19,19 +19,15 @@ import pickle
 from collections import defaultdict
 
 import torch
-from transformers import StoppingCriteriaList
 
 import decode_e2e as e2e
-from kvweave.engine import cache_kwargs
 
 
-def profiled_generate(model, cache, batch: int, context: int, steps: int, device: str):
-    ids = torch.randint(0, model.config.vocab_size, (batch, context + 1), device=device)
+def profiled_generate(model, cache, batch: int, steps: int, device: str):
     clock = e2e.StepClock()
     activities = [torch.profiler.ProfilerActivity.CPU] + ([torch.profiler.ProfilerActivity.CUDA] if device == "cuda" else [])
-    with torch.no_grad(), torch.profiler.profile(activities=activities) as prof:
-        model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=steps, min_new_tokens=steps,
-                       do_sample=False, stopping_criteria=StoppingCriteriaList([clock]), **cache_kwargs(model, cache))
+    with torch.profiler.profile(activities=activities) as prof:
+        e2e.generate_steps(model, cache, batch, cache.get_seq_length(), steps, device, clock)
         e2e.sync()
     return prof, clock.times
 
@@ -50,18 +46,15 @@ class MemoryClock(e2e.StepClock):
         return done
 
 
-def memory_steps(model, cache, batch: int, context: int, steps: int, device: str, trace: str | None) -> list[str]:
+def memory_steps(model, cache, batch: int, steps: int, device: str, trace: str | None) -> list[str]:
     """Per step: memory held after it and the peak within it (GB); ``trace``: the allocator's history over these steps
     written there (a pickle of ``torch.cuda.memory._snapshot()``, for https://pytorch.org/memory_viz) and the
     allocations live at its peak printed by source line."""
-    ids = torch.randint(0, model.config.vocab_size, (batch, context + 1), device=device)
     clock = MemoryClock()
     if trace:
         torch.cuda.memory._record_memory_history(max_entries=400_000)
     torch.cuda.reset_peak_memory_stats()
-    with torch.no_grad():
-        model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=steps, min_new_tokens=steps,
-                       do_sample=False, stopping_criteria=StoppingCriteriaList([clock]), **cache_kwargs(model, cache))
+    e2e.generate_steps(model, cache, batch, cache.get_seq_length(), steps, device, clock)
     lines = ["| step | held after (GB) | peak within (GB) |", "|---:|---:|---:|"]
     lines += [f"| {i} | {held:.2f} | {peak:.2f} |" for i, (held, peak) in enumerate(clock.memory)]
     if trace:
@@ -135,7 +128,7 @@ def main() -> None:
     model = e2e.random_model(e2e.smoke_config(args.layers) if args.smoke else e2e.llama3_8b(args.layers), device)
     cache = e2e.make_cache(args.method, model, args.batch, args.context, device, args.fill_rows)
     e2e.decode(model, cache, args.batch, args.context, args.warmup + 1, device)  # compiles; its tokens stay in the cache
-    prof, stamps = profiled_generate(model, cache, args.batch, args.context + args.warmup + 1, args.steps, device)
+    prof, stamps = profiled_generate(model, cache, args.batch, args.steps, device)
     steps = sorted(b - a for a, b in zip(stamps, stamps[1:]))  # the first step builds the mask: left out
     median_us = steps[len(steps) // 2] * 1e6
     per = len(stamps)
@@ -158,8 +151,7 @@ def main() -> None:
     if args.memory and device == "cuda":
         weights = sum(p.nbytes for p in model.parameters()) / 1e9
         print(f"\nmemory: weights {weights:.2f} GB, stored cache {e2e.cache_bytes(cache) / 1e9:.2f} GB\n")
-        done = args.context + args.warmup + 1 + args.steps  # tokens the cache holds now
-        print("\n".join(memory_steps(model, cache, args.batch, done, args.memory, device, args.memory_trace)))
+        print("\n".join(memory_steps(model, cache, args.batch, args.memory, device, args.memory_trace)))
 
 
 if __name__ == "__main__":

@@ -165,16 +165,16 @@ if triton is not None:
                 pg = p * _value_scale(vs_row, vmax_row, t0 + t_loc, t_ok, g, VGROUPS, VLOG, VST)[:, None]
                 if g == 0:
                     acc0, c0 = _value_step(acc0, c0, pg, alpha, vcodes, vlev_ptr, vlev16_ptr, l0, l1, lut, VBITS, LEVELS,
-                                               LOWP)
+                                           LOWP)
                 elif g == 1:
                     acc1, c1 = _value_step(acc1, c1, pg, alpha, vcodes, vlev_ptr, vlev16_ptr, l0, l1, lut, VBITS, LEVELS,
-                                               LOWP)
+                                           LOWP)
                 elif g == 2:
                     acc2, c2 = _value_step(acc2, c2, pg, alpha, vcodes, vlev_ptr, vlev16_ptr, l0, l1, lut, VBITS, LEVELS,
-                                               LOWP)
+                                           LOWP)
                 else:
                     acc3, c3 = _value_step(acc3, c3, pg, alpha, vcodes, vlev_ptr, vlev16_ptr, l0, l1, lut, VBITS, LEVELS,
-                                               LOWP)
+                                           LOWP)
         out = (bh * splits + split) * G
         tl.store(m_ptr + out + gi, m_i)
         tl.store(l_ptr + out + gi, l_i)

@@ -194,7 +194,7 @@ class LowbitKernel(AttentionKernel):
         if tables is None:
             tables = self._tables(view, kq, vq, dim, device)
             view.scratch[("lowbit", view.layer, device)] = tables
-        levels, rotation, inv_freq, rope_scale, kind = tables
+        levels, rotation, inv_freq, rope_scale, kind, word = tables
         tokens = view.packed_tokens
         k, v = view.keys.coefficients, view.values.coefficients
 
@@ -228,7 +228,7 @@ class LowbitKernel(AttentionKernel):
             rope_scale=rope_scale, exact_k=exact_k, exact_v=exact_v, level_kind=kind, k_widths=widths,
             v_scale_max=rows(v["scale_max"], vr) if log8 else None, v_scale_tokens=vq.scale_tokens if log8 else 1,
             v_levels16=levels.to(torch.bfloat16) if kind[0] == 0 else None,  # tabled levels, once per storage state
-            v_level_word=level_word(vq.level_table()) if vq.bits == 2 else None,  # from the host's table: no device read
+            v_level_word=word,
         )
         if any(level.entries for kind_view in (view.keys, view.values) for level in kind_view.residuals):
             packed = self._restored(view, packed, device)
@@ -280,12 +280,13 @@ class LowbitKernel(AttentionKernel):
         table = vq.level_table()
         levels = torch.tensor(table, dtype=torch.float32, device=device)
         rotation = vq.rotation_for(dim, device)
+        word = level_word(table) if len(table) == 4 else None  # 2-bit values: the dense kernel's level word, from the host
         if view.key_space != "pre-rope":
-            return levels, rotation, None, 1.0, level_kind(table)
+            return levels, rotation, None, 1.0, level_kind(table), word
         if view.rotary is None:
             raise CacheStateError(f"layer {view.layer}: keys are stored before RoPE but the cache has no rotary module; build it with build_cache(pipeline, model)")
         inv_freq, scale = view.rotary.frequencies(view.layer)
-        return levels, rotation, inv_freq.to(device).contiguous(), scale, level_kind(table)
+        return levels, rotation, inv_freq.to(device).contiguous(), scale, level_kind(table), word
 
     # ---------------------------------------------------------------------------------- attention
     def attend(self, view: LayerView, query: torch.Tensor, attention_mask: Any, scaling: float) -> torch.Tensor:
