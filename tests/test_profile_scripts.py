@@ -58,3 +58,10 @@ def test_peak_allocations_are_those_live_at_the_highest_point(monkeypatch):
     rows = [line for line in lines if line.startswith("| `")]
     assert rows[0].startswith("| `b.py:7 g` | 0.000 | 2 |") and rows[1].startswith("| `a.py:7 g`")
     assert not [row for row in rows if "c.py" in row]  # made after the peak
+
+
+def test_scoring_check_agreement_on_the_cpu_is_exact():
+    """On the CPU in float32 the scoring path's own attention (lower-right causal) and the model's sdpa with its mask
+    give the same scores: the script reports no difference and the same top half."""
+    done = run_script("scoring_check.py", "agreement", "--smoke", "--tokens", "500", "--layers", "2")
+    assert "relative difference largest 0, median 0; top half picked by both (layers 1-): 100.0%" in done.stdout
