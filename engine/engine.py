@@ -171,17 +171,20 @@ class CompressionEngine:
                 f"the model uses '{ATTENTION_NAME}' attention"
             )
         window = self.windows[layer]
-        for kind, new in zip(KINDS, (keys, values)):
-            window.exact.append(kind, new)
-        if self.reads_in_place(keys.shape[-2]) or not materialize:  # the kernel reads the packed tokens itself
-            full = (window.exact["keys"], window.exact["values"])
-        else:
-            full = tuple(self._materialize(layer, kind) for kind in KINDS)
-        if window.exact.lossy and materialize:  # this forward attends over its own tokens as they arrived
-            for tensor, new in zip(full, (keys, values)):
-                tensor[..., -new.shape[-2]:, :] = new
-            if self.reads_in_place(keys.shape[-2]):  # so does a kernel reading the window from the layer's view
+        if self.reads_in_place(keys.shape[-2]) and materialize:  # the kernel reads the packed tokens itself
+            full = tuple(window.exact.append_read(kind, new) for kind, new in zip(KINDS, (keys, values)))
+            if window.exact.lossy:  # the kernel reads the window (its own token as it arrived) from the layer's view
                 self.attending[layer] = full
+        else:
+            for kind, new in zip(KINDS, (keys, values)):
+                window.exact.append(kind, new)
+            if not materialize:
+                full = (window.exact["keys"], window.exact["values"])
+            else:
+                full = tuple(self._materialize(layer, kind) for kind in KINDS)
+                if window.exact.lossy:  # this forward attends over its own tokens as they arrived
+                    for tensor, new in zip(full, (keys, values)):
+                        tensor[..., -new.shape[-2]:, :] = new
         if layer in self.kept_exact:  # the model's own attention reads its window
             slide(window, self.kept_exact[layer])
             return full if materialize else None  # type: ignore[return-value]

@@ -16,6 +16,7 @@ from kvweave.core.registry import WINDOW_STORAGE
 from kvweave.core.storage import Segment, TensorMap, tensor_bytes
 from kvweave.engine.residuals import ResidualList
 from kvweave.engine.slot_index import SlotIndex
+from kvweave.kernels.window import append_int8
 
 #: int8 window: one float16 scale per (token, head) is ``absmax / 127``, so absmax may reach 127 x 65504
 _INT8_LIMIT = 127 * 65504.0
@@ -38,6 +39,8 @@ class ExactTokens:
         self._held: dict[str, tuple[torch.Tensor, ...] | None] = {kind: None for kind in KINDS}
         self._dtype: torch.dtype | None = None
         self._watched: list[tuple[torch.Tensor, Any]] = []  # decode steps' largest magnitudes, on their way to the host
+        self._worst: torch.Tensor | None = None  # the append kernel's running largest magnitude, on the tokens' device
+        self.fused: bool | None = None  # decode tokens of an int8 window by one kernel: None where they are on a GPU
 
     @property
     def lossy(self) -> bool:
@@ -79,6 +82,28 @@ class ExactTokens:
         encoded = self._encode(new)
         old = self._held[kind]
         self._held[kind] = encoded if old is None else tuple(torch.cat((a, b), dim=-2) for a, b in zip(old, encoded))
+
+    def append_read(self, kind: str, new: torch.Tensor) -> torch.Tensor:
+        """Append ``new`` and return ``kind`` as this forward attends over it: the held tokens as read, ``new`` as it
+        arrived at its own positions. An int8 window on a GPU takes a decode token by one kernel
+        (:func:`kvweave.kernels.window.append_int8`; ``fused`` True forces it, e.g. in Triton's interpreter, False
+        never), its largest magnitude checked as :meth:`settle` says."""
+        old = self._held[kind]
+        if self.lossy and old is not None and new.shape[-2] == 1 and (new.is_cuda if self.fused is None else self.fused):
+            self._check_dtype(new)
+            self.settle(wait=False)  # an earlier step's token beyond the range raises here, as at an append
+            if self._worst is None or self._worst.device != new.device:
+                self._worst = torch.zeros(1, dtype=torch.float32, device=new.device)
+            codes, scale, read = append_int8(old[0], old[1], new, self._worst)
+            self._held[kind] = (codes, scale)
+            if kind == KINDS[-1]:  # the running maximum goes to the host once per step, after the last kind
+                self._watch(self._worst[0])
+            return read
+        self.append(kind, new)
+        full = self[kind]
+        if self.lossy:
+            full[..., -new.shape[-2]:, :] = new  # type: ignore[index]
+        return full  # type: ignore[return-value]
 
     def drop_front(self, kind: str, count: int) -> None:
         """Forget the first ``count`` tokens (a copy: a slice would keep the old storage alive)."""
@@ -133,12 +158,15 @@ class ExactTokens:
             raise ValueError(f"window_storage = 'int8': a token's largest magnitude {worst:.7g} is beyond {_INT8_LIMIT:.7g} "
                              "(127 x the largest float16 scale); use window_storage = 'input'")
 
-    def _encode(self, tensor: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    def _check_dtype(self, tensor: torch.Tensor) -> None:
         if self._dtype is None or self._held["keys"] is None and self._held["values"] is None:
             self._dtype = tensor.dtype
         elif tensor.dtype != self._dtype:
             raise ModelError(f"the exact window holds {str(self._dtype).removeprefix('torch.')} tokens; tokens of "
                              f"{str(tensor.dtype).removeprefix('torch.')} arrived (one cache serves one dtype)")
+
+    def _encode(self, tensor: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        self._check_dtype(tensor)
         if not self.lossy:
             return (tensor,)
         absmax = tensor.detach().float().abs().amax(dim=-1, keepdim=True)

@@ -303,9 +303,11 @@ class Launch:
 
 def plan_launch(view: LowbitView, q: torch.Tensor, start: torch.Tensor | None, scaling: float, block: int | None = None,
                 num_warps: int = 4, variant: str = "auto", programs: int = 528, lowp: bool | None = None,
-                tricks: str = "") -> Launch:
+                tricks: str = "", query_rows: torch.Tensor | None = None) -> Launch:
     """The launch :func:`lowbit_decode` makes for ``view`` (``view.tokens`` > 0); ``lowp``: bfloat16 tile operands
-    (None: where ``q`` is on a GPU); ``tricks``: conversions left out (:data:`TRICKS`)."""
+    (None: where ``q`` is on a GPU); ``tricks``: conversions left out (:data:`TRICKS`); ``query_rows``: a float32
+    [B x KV heads, rows, D] buffer for the query heads padded to the tile's rows, zero beyond them (None: made here),
+    which a caller keeps from one call to the next to save the zeroing."""
     variant, block = resolve_variant(view, variant, block)
     lowp = q.is_cuda if lowp is None else lowp
     trick = parse_tricks(tricks, variant, lowp, view)
@@ -313,8 +315,10 @@ def plan_launch(view: LowbitView, q: torch.Tensor, start: torch.Tensor | None, s
     heads = view.exact_k.shape[1]
     group = q_heads // heads
     rows = max(16, 1 << (group - 1).bit_length())  # tensor-core tiles take 16 rows
-    padded = q.new_zeros(batch * heads, rows, dim, dtype=torch.float32)
-    padded[:, :group] = q.float().reshape(batch * heads, group, dim)
+    padded = query_rows if query_rows is not None else q.new_zeros(batch * heads, rows, dim, dtype=torch.float32)
+    if padded.shape != (batch * heads, rows, dim) or padded.dtype != torch.float32:
+        raise ValueError(f"the lowbit kernel's query rows must be float32 {(batch * heads, rows, dim)}, got {tuple(padded.shape)}")
+    padded[:, :group].copy_(q.reshape(batch * heads, group, dim))
     if view.k_group % block:
         raise ValueError(f"the lowbit kernel's tile of {block} tokens must divide the keys' token group {view.k_group}")
     splits = choose_splits(view.tokens, batch * heads, programs)
@@ -360,19 +364,19 @@ def plan_launch(view: LowbitView, q: torch.Tensor, start: torch.Tensor | None, s
 
 def lowbit_decode(view: LowbitView, q: torch.Tensor, start: torch.Tensor | None, scaling: float,
                   block: int | None = None, num_warps: int = 4, variant: str = "auto", programs: int = 528,
-                  tricks: str = "", lowp: bool | None = None) -> torch.Tensor:
+                  tricks: str = "", lowp: bool | None = None, query_rows: torch.Tensor | None = None) -> torch.Tensor:
     """The Triton path of :func:`torch_lowbit_decode`: [B, Hq, D] float32. On a GPU the two products of
     each tile take bfloat16 operands (float32 sums), as sdpa over the reference path's bfloat16 keys does;
     under ``TRITON_INTERPRET=1`` they stay float32, so the tests compare it with the twin closely.
     ``variant``: which kernel (:data:`VARIANTS`); ``tricks``: conversions left out (:data:`TRICKS`); ``lowp``:
-    bfloat16 tile operands (None: on a GPU)."""
+    bfloat16 tile operands (None: on a GPU); ``query_rows``: see :func:`plan_launch`."""
     if jit.triton is None:
         raise RuntimeError("the lowbit kernel needs Triton; use backend 'torch'")
     if variant not in VARIANTS:  # refused even where no kernel runs (plan_launch resolves it against the storage)
         raise ValueError(f"lowbit kernel variant {variant!r}: expected one of {', '.join(VARIANTS)}")
     if view.tokens == 0:
         return torch_lowbit_decode(view, q, start, scaling)
-    packed = plan_launch(view, q, start, scaling, block, num_warps, variant, programs, lowp, tricks)
+    packed = plan_launch(view, q, start, scaling, block, num_warps, variant, programs, lowp, tricks, query_rows)
     packed.run()
     return plan_combine(view, q, start, scaling, packed).run()[0]
 

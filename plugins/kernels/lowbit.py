@@ -300,7 +300,9 @@ class LowbitKernel(AttentionKernel):
         start = first_positions(view.scratch, attention_mask, query.device)
         q = query[:, :, 0, :]
         if self._uses_triton(query.device):
-            out = lowbit_decode(packed, q, start, scaling, tricks=self.tricks, programs=launch_programs(q.shape[0] * packed.exact_k.shape[1]))
+            rows = q.shape[0] * packed.exact_k.shape[1]
+            out = lowbit_decode(packed, q, start, scaling, tricks=self.tricks, programs=launch_programs(rows),
+                                query_rows=_query_rows(view.scratch, rows, q))
         else:
             out = torch_lowbit_decode(packed, q, start, scaling)
         return out.to(query.dtype).unsqueeze(1)
@@ -331,6 +333,19 @@ def _token_span(packed: LowbitView, lo: int, hi: int) -> LowbitView:
         v_scale_max=None if packed.v_scale_max is None else packed.v_scale_max[:, lo // vs : -(-hi // vs)],
         positions=by_token(packed.positions), restored_k=None, restored_v=None, restored_pos=None, hidden_slots=None,
     )
+
+
+def _query_rows(scratch: dict, rows: int, q: torch.Tensor) -> torch.Tensor:
+    """The kernel's zero-padded float32 query rows [rows, 16 or more, D], kept in ``scratch`` for every layer (each
+    call writes its query heads; the padding stays zero)."""
+    group = q.shape[1] * q.shape[0] // rows
+    shape = (rows, max(16, 1 << (group - 1).bit_length()), q.shape[-1])
+    key = ("lowbit-query", shape, q.device)
+    if key not in scratch:
+        for old in [name for name in scratch if isinstance(name, tuple) and name[0] == "lowbit-query"]:
+            del scratch[old]
+        scratch[key] = torch.zeros(shape, dtype=torch.float32, device=q.device)
+    return scratch[key]
 
 
 def _dequantized_at(packed: LowbitView, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

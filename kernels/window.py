@@ -1,0 +1,53 @@
+"""One decode token appended to an int8 exact window (:class:`kvweave.engine.store.ExactTokens`, ``window_storage =
+"int8"``) and the window read back for that step's attention, by one Triton kernel per kind
+(:mod:`kvweave.kernels.window_triton`) instead of the ~25 small torch operations of encoding, concatenating and
+dequantizing: on a GPU a decode step is bound by the host's launches where the batch is small (docs/kernels.md).
+
+The arithmetic is ExactTokens' own (its torch path is the twin the tests compare with): scale ``absmax / 127``
+rounded to float16, codes ``round(x / scale)`` (half to even) clamped to +-127, a vector holding NaN or infinity
+stored with a NaN scale; read back as code x scale in float32, rounded to the tokens' dtype, the new token as it
+arrived.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+from kvweave.core.lazy import lazy_module, torch
+from kvweave.kernels.lowbit_decode import Launch
+
+if TYPE_CHECKING:
+    from kvweave.kernels import window_triton as jit
+else:
+    jit: Any = lazy_module("kvweave.kernels.window_triton")
+
+#: stored tokens a program copies per loop step
+TOKEN_TILE = 16
+
+
+def append_int8(codes: torch.Tensor, scale: torch.Tensor, new: torch.Tensor,
+                worst: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``codes`` int8 [B, H, n, D] and ``scale`` float16 [B, H, n, 1] with ``new`` [B, H, 1, D] appended: the
+    window's new codes and scales (n + 1 tokens) and the window read back in ``new``'s dtype [B, H, n + 1, D]
+    (``new`` exact at its own position). ``worst`` float32 [1] on the same device is raised to the new token's
+    largest finite magnitude (a vector with NaN or infinity counts 0)."""
+    return plan_append(codes, scale, new, worst).run()  # type: ignore[return-value]
+
+
+def plan_append(codes: torch.Tensor, scale: torch.Tensor, new: torch.Tensor, worst: torch.Tensor) -> Launch:
+    """The launch :func:`append_int8` makes (one program per batch row and head)."""
+    if jit.triton is None:
+        raise RuntimeError("the int8 window's append kernel needs Triton")
+    batch, heads, held, dim = codes.shape
+    if new.shape != (batch, heads, 1, dim) or scale.shape != (batch, heads, held, 1):
+        raise ValueError(f"append_int8: a window of {tuple(codes.shape)} codes, {tuple(scale.shape)} scales takes one "
+                         f"token [B, H, 1, D] of the same B, H, D; got {tuple(new.shape)}")
+    if codes.dtype != torch.int8 or scale.dtype != torch.float16 or worst.dtype != torch.float32 or worst.numel() != 1:
+        raise ValueError("append_int8 takes int8 codes, float16 scales and a float32 [1] maximum")
+    rows = new.reshape(batch * heads, dim)
+    out_codes = codes.new_empty(batch, heads, held + 1, dim)
+    out_scale = scale.new_empty(batch, heads, held + 1, 1)
+    read = new.new_empty(batch, heads, held + 1, dim)
+    args = (codes.contiguous(), scale.contiguous(), rows, out_codes, out_scale, read, worst, held, rows.stride(0))
+    constants = dict(D=dim, BD=1 << (dim - 1).bit_length(), TB=TOKEN_TILE)
+    return Launch(jit._window_append_kernel, (batch * heads,), args, constants, (out_codes, out_scale, read))

@@ -1,0 +1,67 @@
+"""The ``@triton.jit`` kernel of :func:`kvweave.kernels.window.append_int8`: one decode token appended to an int8
+exact window and the window read back, in one pass. Without triton the module defines no kernel (``triton`` is None)."""
+
+from __future__ import annotations
+
+try:  # the kernel needs triton; the torch path of ExactTokens does not
+    import triton
+    import triton.language as tl
+except ImportError:  # pragma: no cover - exercised where triton is missing
+    triton = None
+
+if triton is not None:
+
+    @triton.jit
+    def _rounded(value, dtype: tl.constexpr):
+        """float32 ``value`` as ``dtype``, rounded to nearest even (to bfloat16 through its bits: Triton's interpreter
+        truncates that conversion, the GPU rounds)."""
+        if dtype == tl.bfloat16:
+            bits = value.to(tl.uint32, bitcast=True)
+            bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000
+            value = tl.where(value != value, value, bits.to(tl.float32, bitcast=True))  # NaN kept NaN
+        return value.to(dtype)
+
+    @triton.jit(do_not_specialize=["held"])
+    def _window_append_kernel(
+        old_codes_ptr, old_scale_ptr, new_ptr, codes_ptr, scale_ptr, read_ptr, worst_ptr,
+        held, new_stride,
+        D: tl.constexpr, BD: tl.constexpr, TB: tl.constexpr,
+    ):
+        """One (batch row, head): the ``held`` stored tokens (``old_codes`` int8 [R, held, D], ``old_scale`` float16
+        [R, held]) copied to the window one token longer (``codes``, ``scale``) and read back into ``read`` [R, held + 1,
+        D] (code x scale in float32, rounded to ``read``'s dtype); then the new token (``new`` row stride ``new_stride``)
+        encoded at ``held`` (scale ``absmax / 127`` rounded to float16, codes round-half-even of ``x / scale`` clamped
+        to +-127; a vector holding NaN or infinity gets a NaN scale and zero codes) and written to ``read`` as it
+        arrived; its absmax (0 for a non-finite vector) raised into ``worst`` [1] float32."""
+        row = tl.program_id(0).to(tl.int64)
+        chan = tl.arange(0, BD)
+        cm = chan < D
+        length = held + 1
+        for t0 in range(0, held, TB):
+            tok = t0 + tl.arange(0, TB)
+            ok = tok < held
+            both = ok[:, None] & cm[None, :]
+            codes = tl.load(old_codes_ptr + (row * held + tok)[:, None] * D + chan[None, :], mask=both, other=0)
+            scale = tl.load(old_scale_ptr + row * held + tok, mask=ok, other=0.0)
+            at = (row * length + tok)[:, None] * D + chan[None, :]
+            tl.store(codes_ptr + at, codes, mask=both)
+            tl.store(scale_ptr + row * length + tok, scale, mask=ok)
+            value = codes.to(tl.float32) * scale.to(tl.float32)[:, None]
+            tl.store(read_ptr + at, _rounded(value, read_ptr.dtype.element_ty), mask=both)
+        x = tl.load(new_ptr + row * new_stride + chan, mask=cm, other=0.0)
+        xf = x.to(tl.float32)
+        mag = tl.abs(xf)
+        finite = mag < float("inf")  # false for NaN too
+        bad = tl.max(tl.where(finite, 0, 1), 0) > 0
+        absmax = tl.max(tl.where(finite, mag, 0.0), 0)
+        scale16 = tl.div_rn(absmax, 127.0).to(tl.float16)
+        scale16 = tl.where(bad, float("nan"), scale16.to(tl.float32)).to(tl.float16)
+        step = tl.where(scale16.to(tl.float32) > 0, scale16.to(tl.float32), 1.0)
+        y = tl.minimum(tl.maximum(tl.div_rn(xf, step), -127.0), 127.0)
+        y = (y + 12582912.0) - 12582912.0  # 1.5 * 2**23: float32 addition rounds to the nearest even integer
+        y = tl.where(bad, 0.0, y)
+        at_new = (row * length + held) * D + chan
+        tl.store(codes_ptr + at_new, y.to(tl.int8), mask=cm)
+        tl.store(scale_ptr + row * length + held, scale16)
+        tl.store(read_ptr + at_new, x.to(read_ptr.dtype.element_ty), mask=cm)
+        tl.atomic_max(worst_ptr, tl.where(bad, 0.0, absmax))
