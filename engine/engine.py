@@ -178,13 +178,10 @@ class CompressionEngine:
         else:
             for kind, new in zip(KINDS, (keys, values)):
                 window.exact.append(kind, new)
-            if not materialize:
-                full = (window.exact["keys"], window.exact["values"])
-            else:
-                full = tuple(self._materialize(layer, kind) for kind in KINDS)
-                if window.exact.lossy:  # this forward attends over its own tokens as they arrived
-                    for tensor, new in zip(full, (keys, values)):
-                        tensor[..., -new.shape[-2]:, :] = new
+            full = tuple(self._materialize(layer, kind) if materialize else window.exact[kind] for kind in KINDS)
+            if window.exact.lossy and materialize:  # this forward attends over its own tokens as they arrived
+                for tensor, new in zip(full, (keys, values)):
+                    tensor[..., -new.shape[-2]:, :] = new
         if layer in self.kept_exact:  # the model's own attention reads its window
             slide(window, self.kept_exact[layer])
             return full if materialize else None  # type: ignore[return-value]
