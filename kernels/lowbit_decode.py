@@ -305,9 +305,8 @@ def plan_launch(view: LowbitView, q: torch.Tensor, start: torch.Tensor | None, s
                 num_warps: int = 4, variant: str = "auto", programs: int = 528, lowp: bool | None = None,
                 tricks: str = "", query_rows: torch.Tensor | None = None) -> Launch:
     """The launch :func:`lowbit_decode` makes for ``view`` (``view.tokens`` > 0); ``lowp``: bfloat16 tile operands
-    (None: where ``q`` is on a GPU); ``tricks``: conversions left out (:data:`TRICKS`); ``query_rows``: a float32
-    [B x KV heads, rows, D] buffer for the query heads padded to the tile's rows, zero beyond them (None: made here),
-    which a caller keeps from one call to the next to save the zeroing."""
+    (None: where ``q`` is on a GPU); ``tricks``: conversions left out (:data:`TRICKS`); ``query_rows``: the float32 [B x
+    KV heads, rows, D] query heads padded to the tile's rows, zero beyond them, that a caller keeps (None: made here)."""
     variant, block = resolve_variant(view, variant, block)
     lowp = q.is_cuda if lowp is None else lowp
     trick = parse_tricks(tricks, variant, lowp, view)
