@@ -179,6 +179,31 @@ def test_the_packed_views_are_made_once_per_storage_state(model, registry):
         assert torch.equal(a, b) if isinstance(a, torch.Tensor) else a == b, field.name
 
 
+@pytest.mark.interpreter
+def test_kept_query_rows_give_the_output_of_rows_made_per_call(model, registry):  # noqa: F811 - fixtures imported
+    """The plugin keeps the zero-padded query rows across layers and steps (one copy a call instead of a fill, a
+    conversion and a copy): a buffer reused for another query gives what fresh rows give; a buffer of another shape
+    is refused."""
+    from kvweave.kernels.lowbit_decode import lowbit_decode
+    from kvweave.plugins.kernels.lowbit import _query_rows
+
+    cache = build_cache(registry.resolve("t-lowbit-sinks"), model)
+    ids = torch.randint(1, 128, (2, 230), generator=torch.Generator().manual_seed(2))
+    with torch.no_grad():
+        model(input_ids=ids, use_cache=True, **cache_kwargs(model, cache))
+    view = cache.engine.kernel.lowbit_view(cache.engine.view(1), torch.device("cpu"))
+    scratch: dict = {}
+    rows = _query_rows(scratch, 4, torch.zeros(2, 4, 64))  # 2 rows x 2 KV heads, 2 query heads each -> 16 tile rows
+    assert rows.shape == (4, 16, 64) and _query_rows(scratch, 4, torch.ones(2, 4, 64)) is rows
+    for seed in (0, 1):
+        q = torch.randn(2, 4, 64, generator=torch.Generator().manual_seed(seed))
+        kept = lowbit_decode(view, q, None, 0.125, query_rows=rows)
+        assert torch.equal(kept, lowbit_decode(view, q, None, 0.125))
+        assert torch.equal(rows[:, 2:], torch.zeros_like(rows[:, 2:]))  # the padding stays zero
+    with pytest.raises(ValueError, match="query rows must be float32"):
+        lowbit_decode(view, q, None, 0.125, query_rows=torch.zeros(4, 8, 64))
+
+
 @pytest.mark.parametrize("name", ["t-lowbit-kvzip-cg", "t-lowbit-kvzip"])
 def test_a_block_flushed_while_the_kernel_decodes_is_evicted_with_the_masks_of_the_decoded_tokens(model, registry, name):
     """The context prefilled apart, the question fed with the model's mask over the prompt, then decoded by the kernel
