@@ -45,6 +45,8 @@ def plan_append(codes: torch.Tensor, scale: torch.Tensor, new: torch.Tensor, wor
     if codes.dtype != torch.int8 or scale.dtype != torch.float16 or worst.dtype != torch.float32 or worst.numel() != 1:
         raise ValueError("append_int8 takes int8 codes, float16 scales and a float32 [1] maximum")
     rows = new.reshape(batch * heads, dim)
+    if rows.stride(-1) != 1:  # the kernel reads a token's channels side by side
+        rows = rows.contiguous()
     out_codes = codes.new_empty(batch, heads, held + 1, dim)
     out_scale = scale.new_empty(batch, heads, held + 1, 1)
     read = new.new_empty(batch, heads, held + 1, dim)

@@ -40,6 +40,9 @@ def test_the_kernel_appends_and_reads_what_the_torch_path_does(dtype, dim):
             new[1, 2] = 0  # a zero vector: scale 0, codes 0
         if step == 3:
             new[1, 0, 0, 3] = float("inf")
+        if step == 4:  # a token whose channels are not side by side in memory
+            new = new.permute(3, 2, 0, 1).contiguous().permute(2, 3, 1, 0)
+            assert new.reshape(6, dim).stride(-1) != 1
         for kind in ("keys", "values"):
             expected, got = by_torch.append_read(kind, new), by_kernel.append_read(kind, new)
             assert got.dtype == dtype and got.shape == (2, 3, 38 + step, dim)
