@@ -90,7 +90,7 @@ class LowbitView:
     #: packed slots the packed pass does not attend (their tokens are attended exactly, above): int32 [BH, R], R a
     #: power of two, -1 for none
     hidden_slots: torch.Tensor | None = None
-    #: ``v_levels`` as bfloat16, made once with the view for the ``vb16`` trick's tabled levels (None: made per call)
+    #: ``v_levels`` as bfloat16, made once with the view (the ``dense`` kernel's and the ``vb16`` trick's; None: per call)
     v_levels16: torch.Tensor | None = None
     #: the four 2-bit value levels' bfloat16 bits in one int64, code 0's lowest (the dense kernel's; None: made per call)
     v_level_word: int | None = None

@@ -104,6 +104,8 @@ def test_the_dense_sweep_pipelines_decode_through_the_dense_kernel(model, name):
     q = torch.randn(1, 4, 64, generator=torch.Generator().manual_seed(5))
     twin = torch_lowbit_decode(view, q, None, 0.125)
     assert torch.allclose(lowbit_decode(view, q, None, 0.125), twin, atol=1e-5)
+    levels16 = plan_launch(view, q, None, 0.125).args[10]  # the bfloat16 level table: the view's own, no copy a call
+    assert levels16 is view.v_levels16 and torch.equal(levels16, view.v_levels.to(torch.bfloat16))
 
 
 @pytest.mark.interpreter

@@ -227,7 +227,7 @@ class LowbitKernel(AttentionKernel):
             v_bits=vq.bits, v_group=min(vq.group, dim), v_levels=levels, rotation=rotation, inv_freq=inv_freq,
             rope_scale=rope_scale, exact_k=exact_k, exact_v=exact_v, level_kind=kind, k_widths=widths,
             v_scale_max=rows(v["scale_max"], vr) if log8 else None, v_scale_tokens=vq.scale_tokens if log8 else 1,
-            v_levels16=levels.to(torch.bfloat16) if kind[0] == 0 else None,  # tabled levels, once per storage state
+            v_levels16=levels.to(torch.bfloat16),  # the levels the dense kernel and vb16 read, once per storage state
             v_level_word=word,
         )
         if any(level.entries for kind_view in (view.keys, view.values) for level in kind_view.residuals):
