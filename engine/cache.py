@@ -201,6 +201,15 @@ class KVWeaveCache(Cache):
             rank_bytes=tuple(rank[0] for rank in every),
         )
 
+    def settle(self) -> None:
+        """Raise now for a decode step's token beyond an int8 window's range whose check is still on its way to the host
+        (one wait; a later append or flush would raise it, but the last steps of a generation have neither):
+        :func:`kvweave.engine.generation.generate` calls it after decoding."""
+        rows = self.engine.rows
+        for engine in [self.engine, *(rows.engines if rows is not None else [])]:
+            for window in engine.windows:
+                window.exact.settle()
+
     def compression_ratio(self) -> float:
         stored = self.memory_bytes()
         return self.full_cache_bytes_16bit() / stored if stored else float("nan")

@@ -200,6 +200,7 @@ def generate(
     score_for(model, cache, inputs["input_ids"], progress is not None, inputs.get("attention_mask"))  # evictors by importance
     with torch.inference_mode(), progress or contextlib.nullcontext():
         output = model.generate(**inputs, logits_processor=processors, **cache_kwargs(model, cache), **generate_kwargs)
+    cache.settle()  # the last steps' int8 window range checks, which no later append or flush would raise
     if torch.cuda.is_available():
         torch.cuda.synchronize()
     end = time.perf_counter()

@@ -134,3 +134,33 @@ def test_non_finite_keys_are_still_named_at_the_flush(tmp_path):
         for layer in range(model.config.num_hidden_layers):
             cache.engine.update(layer, keys, torch.randn(1, 2, 100, 64), materialize=False)
             cache.engine.after_attention(layer)  # the observing attention's call, which flushes
+
+
+def test_generate_raises_for_a_last_step_token_beyond_the_range(tmp_path):
+    """A decode token's range check reaches the host on its own and raises at the next append or flush; the last step
+    of a generation has neither, so kvweave's generate settles the cache after decoding (it returned tokens read from
+    NaN before)."""
+    from kvweave.engine.generation import generate
+
+    model = tiny_llama(torch.float32, hidden=256)
+    ids = torch.randint(1, 128, (1, 40))
+    calls = []
+
+    def huge_at_the_last_step(module, args, output):
+        calls.append(1)
+        return output * 1e12 if len(calls) == 3 else output  # the prompt, then two decode steps; values: a layer's last append
+
+    for new_tokens, raises in ((3, True), (2, False)):
+        calls.clear()
+        cache = build_cache(load_pipeline("w-int8", _registry(tmp_path)), model)
+        handle = model.model.layers[0].self_attn.v_proj.register_forward_hook(huge_at_the_last_step)
+        try:
+            run = lambda: generate(model, {"input_ids": ids, "attention_mask": torch.ones_like(ids)}, cache,  # noqa: E731
+                                   max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False, pad_token_id=0)
+            if raises:
+                with pytest.raises(ValueError, match="largest magnitude .* is beyond"):
+                    run()
+            else:
+                run()
+        finally:
+            handle.remove()
