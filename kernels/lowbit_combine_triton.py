@@ -11,6 +11,7 @@ except ImportError:  # pragma: no cover - exercised where triton is missing
     triton = None
 
 if triton is not None:
+    from kvweave.kernels.window_triton import _rounded
 
     @triton.jit
     def _merge_tokens(k_ptr, v_ptr, slot, ok, chan, q, m, total, out, D: tl.constexpr):
@@ -79,4 +80,4 @@ if triton is not None:
             j = j0 + e_idx
             ok = (j < exact) & (exact_first + j >= start)
             m, total, out = _merge_tokens(ek_ptr, ev_ptr, bh * exact + j, ok, chan, q, m, total, out, D)
-        tl.store(out_ptr + row.to(tl.int64) * D + chan, out / total)
+        tl.store(out_ptr + row.to(tl.int64) * D + chan, _rounded(out / total, out_ptr.dtype.element_ty))

@@ -363,12 +363,12 @@ def plan_launch(view: LowbitView, q: torch.Tensor, start: torch.Tensor | None, s
 
 def lowbit_decode(view: LowbitView, q: torch.Tensor, start: torch.Tensor | None, scaling: float,
                   block: int | None = None, num_warps: int = 4, variant: str = "auto", programs: int = 528,
-                  tricks: str = "", lowp: bool | None = None, query_rows: torch.Tensor | None = None) -> torch.Tensor:
-    """The Triton path of :func:`torch_lowbit_decode`: [B, Hq, D] float32. On a GPU the two products of
-    each tile take bfloat16 operands (float32 sums), as sdpa over the reference path's bfloat16 keys does;
-    under ``TRITON_INTERPRET=1`` they stay float32, so the tests compare it with the twin closely.
-    ``variant``: which kernel (:data:`VARIANTS`); ``tricks``: conversions left out (:data:`TRICKS`); ``lowp``:
-    bfloat16 tile operands (None: on a GPU); ``query_rows``: see :func:`plan_launch`."""
+                  tricks: str = "", lowp: bool | None = None, query_rows: torch.Tensor | None = None, out_dtype: Any = None) -> torch.Tensor:
+    """The Triton path of :func:`torch_lowbit_decode`: [B, Hq, D] float32 (or ``out_dtype``, rounded by the kernel). On
+    a GPU the two products of each tile take bfloat16 operands (float32 sums), as sdpa over the reference path's
+    bfloat16 keys does; under ``TRITON_INTERPRET=1`` they stay float32, so the tests compare it with the twin closely.
+    ``variant``: which kernel (:data:`VARIANTS`); ``tricks``: conversions left out (:data:`TRICKS`); ``lowp``: bfloat16
+    tile operands (None: on a GPU); ``query_rows``: see :func:`plan_launch`."""
     if jit.triton is None:
         raise RuntimeError("the lowbit kernel needs Triton; use backend 'torch'")
     if variant not in VARIANTS:  # refused even where no kernel runs (plan_launch resolves it against the storage)
@@ -377,17 +377,17 @@ def lowbit_decode(view: LowbitView, q: torch.Tensor, start: torch.Tensor | None,
         return torch_lowbit_decode(view, q, start, scaling)
     packed = plan_launch(view, q, start, scaling, block, num_warps, variant, programs, lowp, tricks, query_rows)
     packed.run()
-    return plan_combine(view, q, start, scaling, packed).run()[0]
+    return plan_combine(view, q, start, scaling, packed, out_dtype).run()[0]
 
 
-def plan_combine(view: LowbitView, q: torch.Tensor, start: torch.Tensor | None, scaling: float, packed: Launch) -> Launch:
+def plan_combine(view: LowbitView, q: torch.Tensor, start: torch.Tensor | None, scaling: float, packed: Launch, out_dtype: Any = None) -> Launch:
     """The launch that combines the splits of ``packed``, rotates their output back and merges it with the exact
     window and the restored tokens, one Triton program per query head (``_merge_exact``'s arithmetic): its
-    output [B, Hq, D] float32."""
+    output [B, Hq, D] float32, or rounded to nearest even in ``out_dtype`` (the model's, saving a conversion)."""
     batch, q_heads, dim = q.shape
     heads = view.exact_k.shape[1]
     m, l, acc = packed.outputs
-    out = torch.empty(batch, q_heads, dim, device=q.device, dtype=torch.float32)
+    out = torch.empty(batch, q_heads, dim, device=q.device, dtype=out_dtype or torch.float32)
     rest = view.restored_k is not None
     args = (
         m, l, acc, view.rotation, q.contiguous(), view.exact_k.contiguous(), view.exact_v.contiguous(),

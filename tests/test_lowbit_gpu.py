@@ -66,6 +66,8 @@ def test_each_compiled_kernel_matches_its_twin_on_the_gpu(model, registry, name)
             out = lowbit_decode(stored, q, first, dim ** -0.5, block=block, variant=variant, tricks=tricks)
             worst = float((out - twin).abs().max())
             assert worst < 0.03 * scale, (name, variant, block, tricks, worst, scale, stored.inv_freq is None)
+            half = lowbit_decode(stored, q, first, dim ** -0.5, block=block, variant=variant, tricks=tricks, out_dtype=torch.bfloat16)
+            assert torch.equal(half, out.to(torch.bfloat16)), (name, variant, block, tricks)  # the combine's own rounding
 
 
 @pytest.mark.parametrize("storage", ["k4v2", "qa35v3"])

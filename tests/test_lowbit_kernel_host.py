@@ -75,7 +75,8 @@ def test_each_kernel_compiles_for_the_gpu_with_the_arguments_the_plugin_passes(m
     for variant in variants:
         start = torch.tensor([40, 0][:rows], dtype=torch.int32)
         launch = plan_launch(view, q, start, 0.125, block=16 if variant == "general" else None, variant=variant, lowp=True)
-        for planned in (launch, plan_combine(view, q, start, 0.125, launch)):  # the packed pass, then the combine
+        combines = [plan_combine(view, q, start, 0.125, launch, out_dtype) for out_dtype in (None, torch.bfloat16)]
+        for planned in (launch, *combines):  # the packed pass, then the combine (float32 out, the model's bfloat16)
             stats = compile_for_gpu(planned)
             assert stats["cubin"] > 0 and stats["ptx"] > 100, (variant, stats)
 
@@ -180,10 +181,10 @@ def test_the_packed_views_are_made_once_per_storage_state(model, registry):
 
 
 @pytest.mark.interpreter
-def test_kept_query_rows_give_the_output_of_rows_made_per_call(model, registry):  # noqa: F811 - fixtures imported
+def test_kept_query_rows_and_an_output_in_the_models_dtype_give_what_per_call_rows_and_a_conversion_give(model, registry):  # noqa: F811
     """The plugin keeps the zero-padded query rows across layers and steps (one copy a call instead of a fill, a
     conversion and a copy): a buffer reused for another query gives what fresh rows give; a buffer of another shape
-    is refused."""
+    is refused. The combine rounds to the model's dtype as ``.to`` would."""
     from kvweave.kernels.lowbit_decode import lowbit_decode
     from kvweave.plugins.kernels.lowbit import _query_rows
 
@@ -202,6 +203,10 @@ def test_kept_query_rows_give_the_output_of_rows_made_per_call(model, registry):
         assert torch.equal(rows[:, 2:], torch.zeros_like(rows[:, 2:]))  # the padding stays zero
     with pytest.raises(ValueError, match="query rows must be float32"):
         lowbit_decode(view, q, None, 0.125, query_rows=torch.zeros(4, 8, 64))
+    # the combine writes the model's dtype itself (no conversion launched a call), rounded as torch rounds
+    for dtype in (torch.bfloat16, torch.float16):
+        rounded = lowbit_decode(view, q, None, 0.125, out_dtype=dtype)
+        assert rounded.dtype == dtype and torch.equal(rounded, lowbit_decode(view, q, None, 0.125).to(dtype))
 
 
 @pytest.mark.parametrize("name", ["t-lowbit-kvzip-cg", "t-lowbit-kvzip"])

@@ -302,7 +302,7 @@ class LowbitKernel(AttentionKernel):
         if self._uses_triton(query.device):
             rows = q.shape[0] * packed.exact_k.shape[1]
             out = lowbit_decode(packed, q, start, scaling, tricks=self.tricks, programs=launch_programs(rows),
-                                query_rows=_query_rows(view.scratch, rows, q))
+                                query_rows=_query_rows(view.scratch, rows, q), out_dtype=query.dtype)
         else:
             out = torch_lowbit_decode(packed, q, start, scaling)
         return out.to(query.dtype).unsqueeze(1)
