@@ -14,7 +14,7 @@ if triton is not None:
     @triton.jit
     def _rounded(value, dtype: tl.constexpr):
         """float32 ``value`` as ``dtype``, rounded to nearest even (to bfloat16 through its bits: Triton's interpreter
-        truncates that conversion, the GPU rounds)."""
+        truncates that conversion, the GPU rounds; the lowbit combine's output takes it too)."""
         if dtype == tl.bfloat16:
             bits = value.to(tl.uint32, bitcast=True)
             bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000
