@@ -2,7 +2,7 @@
 few steps under ``torch.profiler``, the device time per kernel name and the host time per operation.
 
     python benchmarks/profile_decode.py [--method kzd-k4v2-f48-d128] [--registry benchmarks/dense_sweep.toml]
-        [--batch 64] [--context 65536] [--steps 8] [--top 25] [--memory N [--memory-trace FILE]] [--smoke]
+        [--batch 64] [--context 65536] [--steps 8] [--top 25] [--shapes] [--memory N [--memory-trace FILE]] [--smoke]
 
 The cache is filled as ``decode_e2e.py`` fills it (``--fill-rows`` rows through the encoder, grown to ``--batch``),
 ``--warmup`` steps run unprofiled (compiling the kernels), then ``--steps`` steps are profiled; none of them
@@ -23,10 +23,10 @@ import torch
 import decode_e2e as e2e
 
 
-def profiled_generate(model, cache, batch: int, steps: int, device: str):
+def profiled_generate(model, cache, batch: int, steps: int, device: str, shapes: bool = False):
     clock = e2e.StepClock()
     activities = [torch.profiler.ProfilerActivity.CPU] + ([torch.profiler.ProfilerActivity.CUDA] if device == "cuda" else [])
-    with torch.profiler.profile(activities=activities) as prof:
+    with torch.profiler.profile(activities=activities, record_shapes=shapes) as prof:
         e2e.generate_steps(model, cache, batch, cache.get_seq_length(), steps, device, clock)
         e2e.sync()
     return prof, clock.times
@@ -100,6 +100,20 @@ def peak_allocations(snapshot: dict, top: int = 15) -> list[str]:
     return lines
 
 
+def by_shapes(prof, per: float, device: str, top: int) -> list[str]:
+    """The torch operations by their input shapes, the device time of the kernels each launched (CPU: its own host
+    time) per step: which call of an operation a kernel's time belongs to (``--shapes``)."""
+    rows = []
+    for event in prof.key_averages(group_by_input_shape=True):
+        spent = event.self_device_time_total if device == "cuda" else event.self_cpu_time_total
+        if event.device_type == torch.autograd.DeviceType.CPU and event.key.startswith("aten::") and spent > 0:
+            rows.append((spent, event.count, event.key, str(event.input_shapes)[:120]))
+    what = "device" if device == "cuda" else "host (self)"
+    lines = [f"| operation | input shapes | calls per step | {what} us per step |", "|---|---|---:|---:|"]
+    lines += [f"| `{key}` | `{shapes}` | {count / per:.2f} | {spent / per:,.0f} |" for spent, count, key, shapes in sorted(rows, reverse=True)[:top]]
+    return lines
+
+
 def table(rows: list[tuple[str, float, int]], per: float, step_us: float, title: str, top: int) -> list[str]:
     lines = [f"| {title} | calls per step | us per step | share of the median step |", "|---|---:|---:|---:|"]
     for name, total_us, calls in sorted(rows, key=lambda r: -r[1])[:top]:
@@ -121,6 +135,8 @@ def main() -> None:
     parser.add_argument("--smoke", action="store_true", help="a tiny model of the same head shape on the CPU (checks the script)")
     parser.add_argument("--memory", type=int, default=0, help="CUDA: after the profile, this many more steps with the memory "
                         "held after each and its peak within it")
+    parser.add_argument("--shapes", action="store_true", help="also the torch operations by input shapes, with the device "
+                        "time of what each launched (e.g. --steps 70 takes in a flush, whose concatenations show here)")
     parser.add_argument("--memory-trace", help="with --memory: write the allocator's history over those steps here (a pickle)")
     args = parser.parse_args()
     device = "cuda" if torch.cuda.is_available() and not args.smoke else "cpu"
@@ -128,7 +144,7 @@ def main() -> None:
     model = e2e.random_model(e2e.smoke_config(args.layers) if args.smoke else e2e.llama3_8b(args.layers), device)
     cache = e2e.make_cache(args.method, model, args.batch, args.context, device, args.fill_rows)
     e2e.decode(model, cache, args.batch, args.context, args.warmup + 1, device)  # compiles; its tokens stay in the cache
-    prof, stamps = profiled_generate(model, cache, args.batch, args.steps, device)
+    prof, stamps = profiled_generate(model, cache, args.batch, args.steps, device, args.shapes)
     steps = sorted(b - a for a, b in zip(stamps, stamps[1:]))  # the first step builds the mask: left out
     median_us = steps[len(steps) // 2] * 1e6
     per = len(stamps)
@@ -148,6 +164,9 @@ def main() -> None:
         print("\n".join(table([(k, v[0], v[1]) for k, v in gpu.items()], per, median_us, "CUDA kernel", args.top)))
     print()
     print("\n".join(table([(k, v[0], v[1]) for k, v in host.items()], per, median_us, "host operation (self time)", args.top)))
+    if args.shapes:
+        print()
+        print("\n".join(by_shapes(prof, per, device, args.top)))
     if args.memory and device == "cuda":
         weights = sum(p.nbytes for p in model.parameters()) / 1e9
         print(f"\nmemory: weights {weights:.2f} GB, stored cache {e2e.cache_bytes(cache) / 1e9:.2f} GB\n")

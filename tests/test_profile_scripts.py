@@ -33,10 +33,12 @@ def test_decode_e2e_reads_pipelines_from_a_user_registry(tmp_path):
 
 def test_profile_decode_smoke_prints_the_steps_host_operations():
     done = run_script("profile_decode.py", "--smoke", "--layers", "2", "--context", "512", "--batch", "2", "--steps", "3",
-                      "--top", "8", "--method", "kzd-k4v2-f48-d128")
+                      "--top", "8", "--method", "kzd-k4v2-f48-d128", "--shapes")
     assert "# kzd-k4v2-f48-d128, B = 2, context 512, 3 profiled steps, cpu; median step" in done.stdout
-    table = done.stdout.split("| host operation (self time) |")[1].splitlines()
+    table = done.stdout.split("| host operation (self time) |")[1].split("| operation | input shapes |")[0].splitlines()
     assert len([line for line in table if line.startswith("| `aten::")]) >= 3
+    shaped = done.stdout.split("| operation | input shapes | calls per step | host (self) us per step |")[1].splitlines()
+    assert len([line for line in shaped if line.startswith("| `aten::") and "[[2, " in line]) >= 1  # B = 2's tensors
 
 
 def test_peak_allocations_are_those_live_at_the_highest_point(monkeypatch):
