@@ -41,8 +41,8 @@ def cat_tokens(old: torch.Tensor, new: torch.Tensor) -> torch.Tensor:
     """``old`` and ``new`` [..., T, k] joined along the token axis (dim -2), through 3-D views where their leading
     dimensions agree: CUDA's batched concatenation takes at most four dimensions and copied a five-dimensional
     store element by element (~0.25 s a flush for 57 GB of Llama-3-8B-shaped storage, docs/kernels.md)."""
-    if old.dim() <= 3 or old.shape[:-2] != new.shape[:-2] or old.shape[-1] != new.shape[-1]:
-        return torch.cat((old, new), dim=-2)  # torch's own checks and messages for what does not line up
+    if old.dim() <= 3 or old.shape[:-2] != new.shape[:-2] or old.shape[-1] != new.shape[-1] or not (old.numel() and new.numel()):
+        return torch.cat((old, new), dim=-2)  # torch's own checks and messages for what does not line up; empty parts
     joined = torch.cat((old.reshape(-1, *old.shape[-2:]), new.reshape(-1, *new.shape[-2:])), dim=-2)
     return joined.view(*old.shape[:-2], *joined.shape[-2:])
 

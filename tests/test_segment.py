@@ -33,6 +33,8 @@ def test_blocks_join_as_torch_cat_joins_them_through_three_dimensional_views(dty
         joined = cat_tokens(old, new)
     assert torch.equal(joined, torch.cat((old, new), dim=-2)) and joined.is_contiguous()
     assert seen.ranks == [[3, 3]]
+    emptied = old[..., 40:, :]  # every token dropped from the front (sliding layers)
+    assert torch.equal(cat_tokens(emptied, new), new) and torch.equal(cat_tokens(old, new[..., :0, :]), old)
     flat = torch.randn(5, 7, 3)
     assert torch.equal(cat_tokens(flat, flat[:, :2]), torch.cat((flat, flat[:, :2]), dim=-2))
 
