@@ -301,6 +301,10 @@ class Launch:
         return self.outputs
 
 
+def tile_rows(group: int) -> int:  # the rows a KV head's query heads take in the packed pass (tensor-core tiles: 16)
+    return max(16, 1 << (group - 1).bit_length())
+
+
 def plan_launch(view: LowbitView, q: torch.Tensor, start: torch.Tensor | None, scaling: float, block: int | None = None,
                 num_warps: int = 4, variant: str = "auto", programs: int = 528, lowp: bool | None = None,
                 tricks: str = "", query_rows: torch.Tensor | None = None) -> Launch:
@@ -310,10 +314,8 @@ def plan_launch(view: LowbitView, q: torch.Tensor, start: torch.Tensor | None, s
     variant, block = resolve_variant(view, variant, block)
     lowp = q.is_cuda if lowp is None else lowp
     trick = parse_tricks(tricks, variant, lowp, view)
-    batch, q_heads, dim = q.shape
-    heads = view.exact_k.shape[1]
-    group = q_heads // heads
-    rows = max(16, 1 << (group - 1).bit_length())  # tensor-core tiles take 16 rows
+    (batch, q_heads, dim), heads = q.shape, view.exact_k.shape[1]
+    group, rows = q_heads // heads, tile_rows(q_heads // heads)
     padded = query_rows if query_rows is not None else q.new_zeros(batch * heads, rows, dim, dtype=torch.float32)
     if padded.shape != (batch * heads, rows, dim) or padded.dtype != torch.float32:
         raise ValueError(f"the lowbit kernel's query rows must be float32 {(batch * heads, rows, dim)}, got {tuple(padded.shape)}")

@@ -49,7 +49,8 @@ from kvweave.core.params import choice
 from kvweave.core.view import LayerView
 from kvweave.kernels.formats import CHANNEL_ALLOC, CHANNEL_GROUP, ROTATED_TOKEN, ROTATED_TOKEN_LOG8
 from kvweave.kernels.lowbit_decode import (
-    LowbitView, level_kind, lowbit_decode, resolve_variant, rope_at, slot_positions, torch_keys, torch_lowbit_decode, torch_values,
+    LowbitView, level_kind, lowbit_decode, resolve_variant, rope_at, slot_positions, tile_rows, torch_keys, torch_lowbit_decode,
+    torch_values,
 )
 from kvweave.kernels.lowbit_dense import level_word
 from kvweave.kernels.lowbit_tricks import TRICKS, parse_tricks
@@ -338,8 +339,7 @@ def _token_span(packed: LowbitView, lo: int, hi: int) -> LowbitView:
 def _query_rows(scratch: dict, rows: int, q: torch.Tensor) -> torch.Tensor:
     """The kernel's zero-padded float32 query rows [rows, 16 or more, D], kept in ``scratch`` for every layer (each
     call writes its query heads; the padding stays zero)."""
-    group = q.shape[1] * q.shape[0] // rows
-    shape = (rows, max(16, 1 << (group - 1).bit_length()), q.shape[-1])
+    shape = (rows, tile_rows(q.shape[1] * q.shape[0] // rows), q.shape[-1])
     key = ("lowbit-query", shape, q.device)
     if key not in scratch:
         for old in [name for name in scratch if isinstance(name, tuple) and name[0] == "lowbit-query"]:
