@@ -45,7 +45,8 @@ Q_HEADS, KV_HEADS, HEAD_DIM, THETA, WINDOW = 32, 8, 128, 500000.0, 16
 #: "kz5": a layer of kvzip-qa35v3 that is not kept whole (its keys without outliers, 77% of the tokens kept at
 #: random positions, each slot's position read with it); "kz8": one of kvzip-qa3-vl25-smollm2's 2-bit value layers
 #: (3.0-bit keys, 48% kept); "k4v2e48": 4-bit channel-group keys without outliers and 2-bit log8 values, 48% kept
-#: (the whole-byte storage of the ~8x class that the "dense" kernel reads, with --post-rope)
+#: (the whole-byte storage of the ~8x class that the "dense" kernel reads, with --post-rope); "k4v4e77": the same keys
+#: with 4-bit uniform log8 values, 77% kept (benchmarks/dense_sweep.toml's kzd-k4v4-f77, the ~5x class)
 STORAGES = {
     "k4v2": (lambda: ChannelGroupQuantizer(bits=4, group=64, outliers=1), lambda: RotatedTokenQuantizer(bits=2), 1.0),
     "qa35v3": (lambda: ChannelAllocQuantizer(mean_bits=3.5, group=64, outliers=1),
@@ -56,6 +57,8 @@ STORAGES = {
             lambda: RotatedTokenQuantizer(bits=2, scale_format="log8"), 0.48),
     "k4v2e48": (lambda: ChannelGroupQuantizer(bits=4, group=64, outliers=0),
                 lambda: RotatedTokenQuantizer(bits=2, scale_format="log8"), 0.48),
+    "k4v4e77": (lambda: ChannelGroupQuantizer(bits=4, group=64, outliers=0),
+                lambda: RotatedTokenQuantizer(bits=4, levels="uniform", scale_format="log8"), 0.77),
 }
 
 
@@ -156,6 +159,9 @@ def main() -> None:
                         "channel-alloc keys at 3.5 bits with 3-bit log8 values (qa35v3), or a layer of the shipped 5x / 8x "
                         "KVzip pipelines (kz5, kz8: their tokens kept, positions read with them)")
     parser.add_argument("--post-rope", action="store_true", help="keys stored after RoPE (no rotation in the kernel)")
+    parser.add_argument("--as-generate", action="store_true", help="launched as model.generate launches it over a "
+                        "sinks + KVzip pipeline: each row's first visible position given (here 0) and 4 hidden slots a "
+                        "row (here none listed), so the kernel checks both")
     parser.add_argument("--out", default="results/lowbit_kernel")
     args = parser.parse_args()
     configs = parse_configs(args.configs, args.programs)
@@ -187,6 +193,10 @@ def main() -> None:
             view = packed_view(batch, tokens, storage=args.storage)
             if args.post_rope:
                 view = attrs.evolve(view, inv_freq=None)
+            start = None
+            if args.as_generate:
+                start = torch.zeros(batch, dtype=torch.int32, device="cuda")
+                view = attrs.evolve(view, hidden_slots=torch.full((batch * KV_HEADS, 4), -1, dtype=torch.int32, device="cuda"))
             q = torch.randn(batch, Q_HEADS, HEAD_DIM, device="cuda", dtype=torch.bfloat16)
             keys = torch.randn(batch, KV_HEADS, tokens + WINDOW, HEAD_DIM, device="cuda", dtype=torch.bfloat16)
             values = torch.randn_like(keys)
@@ -194,7 +204,7 @@ def main() -> None:
             sdpa = device_us(sdpa_call, args.reps)
             read = view_bytes(view)
             for variant, block, warps, programs, tricks in configs:
-                call = lambda: lowbit_decode(view, q, None, scale, block, warps, variant, programs, tricks)  # noqa: E731
+                call = lambda: lowbit_decode(view, q, start, scale, block, warps, variant, programs, tricks)  # noqa: E731
                 kernel = device_us(call, args.reps)
                 wall = timed(call, args.reps)
                 row = {"tokens": tokens, "batch": batch, "kernel": config_name(variant, block, warps, programs, tricks), "sdpa_us": sdpa, "kernel_us": kernel,

@@ -77,5 +77,5 @@ def dense_launch(view: Any, args: tuple, constants: dict, kind: int, l0: float, 
                   positions, hidden, m, l, acc, tokens, heads, splits, split_len, first, scaling, l0, l1, lut)
     keep = ("D", "G", "KBITS", "KGROUP", "KO", "VBITS", "VGROUP", "HAS_START", "BLOCK", "LOWP", "VLOG", "VST", "HAS_POS",
             "HID", "num_warps")
-    dense_constants = {name: constants[name] for name in keep} | {"LEVELS": kind}
+    dense_constants = {name: constants[name] for name in keep} | {"LEVELS": kind, "ASM": constants["APPROX"]}
     return jit_dense._lowbit_dense_kernel, (padded.shape[0], splits), dense_args, dense_constants

@@ -5,7 +5,10 @@
 shift and a mask: no byte extraction, no per-code address. Each channel's key scale multiplies the query and its
 minimum becomes one number per query head and token group, so key codes go to the products as they are (on a GPU the
 bits ``0x4300 | code``, the bfloat16 number 128 + code: no conversion); each value group's scale multiplies the
-probabilities. What it does not read (keys before RoPE, 3-bit or ``channel-alloc`` codes, a packed token count that is not
+probabilities. Value codes become the products' operands two to a 32-bit register, in the order their bits give them
+(the output's channels put back when it is stored): 2-bit codes through a byte permute whose 8 bytes are the four
+levels' bfloat16 bits, 4-bit uniform codes as ``1 + code / 16`` from their bits less a constant in one paired add
+(on a GPU: inline assembly; other 4-bit levels from the table). What it does not read (keys before RoPE, 3-bit or ``channel-alloc`` codes, a packed token count that is not
 whole steps) the plugin's other kernels read. Without triton the module defines no kernel (``triton`` is None)."""
 
 from __future__ import annotations
@@ -17,7 +20,7 @@ except ImportError:  # pragma: no cover - exercised where triton is missing
     triton = None
 
 if triton is not None:
-    from kvweave.kernels.lowbit_codes_triton import _level16, _plus128
+    from kvweave.kernels.lowbit_codes_triton import _plus128
     from kvweave.kernels.lowbit_triton import _hide, _level, _outlier_logits, _value_scale
 
     @triton.jit
@@ -51,31 +54,112 @@ if triton is not None:
             return tl.join(r0, r1).reshape(words.shape[0], words.shape[1] * 16)
 
     @triton.jit
-    def _value_step(acc, corr, pg, alpha, vcodes, vlev_ptr, vlev16_ptr, l0, l1, lut, VBITS: tl.constexpr,
-                    LEVELS: tl.constexpr, LOWP: tl.constexpr):
-        """One channel group's running output, transposed (``acc`` [VGROUP, G]), and the part of it kept per query row,
-        ``corr`` [G] (added once at the end instead of to every channel at every step), after the probabilities ``pg``
-        [BLOCK, G] (times the group's scales) meet the value codes [BLOCK, VGROUP]. On a GPU the codes go to the products
-        as bfloat16 numbers without a conversion: 2-bit codes shift their level's bfloat16 bits out of one 64-bit word
-        (``lut``: the four levels from the low bits, any table), 4-bit uniform levels are ``128 + code`` (``128 x`` the
-        operand's sum kept in ``corr``), other 4-bit levels are read from the table's bfloat16 copy. (Selecting among
-        bfloat16 constants, as the ``wide`` kernel's ``vb16`` does, and writing the normal levels as two products of
-        codes, ``-l1 + b * code + c * (code & 1)``, built to more instructions.)"""
-        acc = acc * alpha[None, :]
-        corr = corr * alpha
-        if LOWP:
-            pgb = pg.to(tl.bfloat16)
-            if VBITS == 2:  # the four levels' bfloat16 bits, 16 each in one 64-bit word, shifted out by the code
-                levels = ((lut >> (vcodes.to(tl.int64) * 16)) & 0xFFFF).to(tl.int16).to(tl.bfloat16, bitcast=True)
-                acc = tl.dot(tl.trans(levels), pgb, acc)
-            elif LEVELS == 1:  # code - (2**bits - 1) / 2, as 128 + code
-                acc = tl.dot(tl.trans(_plus128(vcodes)), pgb, acc)
-                corr = corr - (128.0 + ((1 << VBITS) - 1) / 2) * tl.sum(pgb.to(tl.float32), 0)
-            else:  # other levels from the table's bfloat16 copy
-                acc = tl.dot(tl.trans(tl.load(vlev16_ptr + vcodes)), pgb, acc)
+    def _j4(a, b, c, d):
+        """[..., 4]: ``a, b, c, d`` in that order along a new last axis (two joins, each adding an axis)."""
+        return tl.join(tl.join(a, c), tl.join(b, d))
+
+    @triton.jit
+    def _pair_channels(col):
+        """The channel each column of :func:`_uniform4_tiles`' tiles holds: within a word's 8 columns, column ``2 k + h``
+        is code ``k + 4 h`` (codes ``k`` and ``k + 4`` share a 32-bit register)."""
+        r = col % 8
+        return col - r + r // 2 + 4 * (r % 2)
+
+    @triton.jit
+    def _uniform4_tiles(words, ASM: tl.constexpr):
+        """uint32 words [N, W] of 4-bit codes -> bfloat16 [N, W * 8] (columns: :func:`_pair_channels`), each code's
+        centred level over 16, ``(code - 7.5) / 16``: the bits of ``1 + code / 16`` (codes ``k`` and ``k + 4`` at bits 3
+        and 19 of one register, a shift and a logic operation) plus -1.46875 in one paired add on a GPU (exact)."""
+        p0 = ((words << 3) & 0x00780078) | 0x3F803F80
+        p1 = ((words >> 1) & 0x00780078) | 0x3F803F80
+        p2 = ((words >> 5) & 0x00780078) | 0x3F803F80
+        p3 = ((words >> 9) & 0x00780078) | 0x3F803F80
+        bits = _j4(p0, p1, p2, p3)  # [N, W, 4]: k
+        if ASM:  # the word for each element of a pair: Triton packs two bfloat16 results of the assembly in one register
+            two = tl.join(bits, bits)
+            tiles = tl.inline_asm_elementwise(
+                "{ .reg .b32 o, c; mov.b32 o, 0x3F803F80; mov.b32 c, 0xBFBCBFBC; fma.rn.bf16x2 $0, $1, o, c; }",
+                "=r,r,r", [two], dtype=tl.bfloat16, is_pure=True, pack=2)
         else:
-            acc = tl.dot(tl.trans(_level(vcodes, vlev_ptr, VBITS, LEVELS, l0, l1, False)), pg, acc, input_precision="ieee")
-        return acc, corr
+            lo = (bits & 0xFFFF).to(tl.uint16).to(tl.bfloat16, bitcast=True).to(tl.float32) - 1.46875
+            hi = (bits >> 16).to(tl.uint16).to(tl.bfloat16, bitcast=True).to(tl.float32) - 1.46875
+            tiles = tl.join(lo, hi).to(tl.bfloat16)
+        return tiles.reshape(words.shape[0], words.shape[1] * 8)
+
+    @triton.jit
+    def _quad_channels(col):
+        """The channel each column of :func:`_lut_tiles`' tiles holds: within a word's 16 columns, column ``4 k + i``
+        is code ``k + 4 i``."""
+        r = col % 16
+        return col - r + r // 4 + 4 * (r % 4)
+
+    @triton.jit
+    def _lut_tiles(words, lut, vlev_ptr, vlev16_ptr, l0, l1, LEVELS: tl.constexpr, LOWP: tl.constexpr, ASM: tl.constexpr):
+        """uint32 words [N, W] of 2-bit value codes -> their levels [N, W * 16] (columns: :func:`_quad_channels`). On a
+        GPU a byte permute is the table: the four levels' bfloat16 bits are its 8 bytes (``lut``), and a byte per code,
+        ``0x22 x code + 0x10`` (the level's two byte numbers), picks two levels at once; four codes take a shift, a
+        mask, a multiply-add, two permutes and a shift."""
+        y0 = words & 0x03030303  # codes k, k + 4, k + 8, k + 12, a byte each
+        y1 = (words >> 2) & 0x03030303
+        y2 = (words >> 4) & 0x03030303
+        y3 = (words >> 6) & 0x03030303
+        if ASM:
+            z0 = y0 * 0x22 + 0x10101010  # a byte per code: the byte numbers of its level, 2 code and 2 code + 1
+            z1 = y1 * 0x22 + 0x10101010
+            z2 = y2 * 0x22 + 0x10101010
+            z3 = y3 * 0x22 + 0x10101010
+            sel = tl.join(_j4(z0, z1, z2, z3), _j4(z0 >> 16, z1 >> 16, z2 >> 16, z3 >> 16))  # [N, W, 2, 2, 2]
+            word = lut.to(tl.int64)  # an argument that fits 32 bits comes as int32
+            lo = tl.zeros_like(sel) + (word & 0xFFFFFFFF).to(tl.uint32)
+            hi = tl.zeros_like(sel) + ((word >> 32) & 0xFFFFFFFF).to(tl.uint32)
+            levels = tl.inline_asm_elementwise("prmt.b32 $0, $3, $5, $1;", "=r,r,r,r,r,r,r",
+                                               [tl.join(sel, sel), tl.join(lo, lo), tl.join(hi, hi)], dtype=tl.bfloat16,
+                                               is_pure=True, pack=2).reshape(words.shape[0], words.shape[1] * 16)
+        else:
+            c0 = _j4(y0 & 3, y1 & 3, y2 & 3, y3 & 3)  # [N, W, 4] per byte i: codes k + 4 i over k
+            c1 = _j4((y0 >> 8) & 3, (y1 >> 8) & 3, (y2 >> 8) & 3, (y3 >> 8) & 3)
+            c2 = _j4((y0 >> 16) & 3, (y1 >> 16) & 3, (y2 >> 16) & 3, (y3 >> 16) & 3)
+            c3 = _j4((y0 >> 24) & 3, (y1 >> 24) & 3, (y2 >> 24) & 3, (y3 >> 24) & 3)
+            codes = _j4(c0, c1, c2, c3).reshape(words.shape[0], words.shape[1] * 16).to(tl.int32)
+            if LOWP:
+                levels = tl.load(vlev16_ptr + codes)
+            else:
+                levels = _level(codes, vlev_ptr, 2, LEVELS, l0, l1, False)
+        return levels
+
+    @triton.jit
+    def _value_step(acc, pg, alpha, vwords, lut, vlev_ptr, vlev16_ptr, l0, l1, VBITS: tl.constexpr, LEVELS: tl.constexpr,
+                    LOWP: tl.constexpr, ASM: tl.constexpr):
+        """One channel group's running output, transposed (``acc`` [VGROUP, G]), after the probabilities ``pg`` [BLOCK,
+        G] (times the group's scales) meet the value words [BLOCK, GW]: 2-bit codes read through their four levels by
+        :func:`_lut_tiles`, 4-bit uniform ones as ``(code - 7.5) / 16`` by :func:`_uniform4_tiles` (the caller takes 16
+        times the output), other 4-bit levels from the table (its bfloat16 copy on a GPU). The channels of ``acc`` are
+        in its tiles' order (:func:`_value_channels`)."""
+        if VBITS == 2:
+            levels = _lut_tiles(vwords, lut, vlev_ptr, vlev16_ptr, l0, l1, LEVELS, LOWP, ASM)
+        elif LEVELS == 1:
+            levels = _uniform4_tiles(vwords, ASM)
+        elif LOWP:
+            levels = tl.load(vlev16_ptr + _words_codes(vwords, VBITS))
+        else:
+            levels = tl.load(vlev_ptr + _words_codes(vwords, VBITS))
+        acc = acc * alpha[None, :]
+        if LOWP:
+            acc = tl.dot(tl.trans(levels.to(tl.bfloat16)), pg.to(tl.bfloat16), acc)
+        else:
+            acc = tl.dot(tl.trans(levels.to(tl.float32)), pg, acc, input_precision="ieee")
+        return acc
+
+    @triton.jit
+    def _value_channels(cg, VBITS: tl.constexpr, LEVELS: tl.constexpr):
+        """The channel of each row of :func:`_value_step`'s accumulator."""
+        if VBITS == 2:
+            channels = _quad_channels(cg)
+        elif LEVELS == 1:
+            channels = _pair_channels(cg)
+        else:
+            channels = cg
+        return channels
 
     @triton.jit
     def _lowbit_dense_kernel(
@@ -85,6 +169,7 @@ if triton is not None:
         D: tl.constexpr, G: tl.constexpr, KBITS: tl.constexpr, KGROUP: tl.constexpr, KO: tl.constexpr,
         VBITS: tl.constexpr, VGROUP: tl.constexpr, HAS_START: tl.constexpr, BLOCK: tl.constexpr, LOWP: tl.constexpr,
         LEVELS: tl.constexpr, VLOG: tl.constexpr, VST: tl.constexpr, HAS_POS: tl.constexpr, HID: tl.constexpr,
+        ASM: tl.constexpr,
     ):
         """One program per (batch row x KV head, split of the packed tokens); the split is whole steps of ``BLOCK``
         tokens (``BLOCK`` divides ``KGROUP``), so nothing is masked but slots that are fillers, before the row's first
@@ -119,10 +204,6 @@ if triton is not None:
         acc1 = tl.zeros([VGROUP, G], tl.float32)
         acc2 = tl.zeros([VGROUP, G], tl.float32)
         acc3 = tl.zeros([VGROUP, G], tl.float32)
-        c0 = tl.zeros([G], tl.float32)  # what each group's output holds per row (_value_step)
-        c1 = tl.zeros([G], tl.float32)
-        c2 = tl.zeros([G], tl.float32)
-        c3 = tl.zeros([G], tl.float32)
         vs_row = vs_ptr + row * VGROUPS  # value scales indexed from the row's first token (log8 maxima by t // VST)
         vmax_row = vmax_ptr + row // VST * VGROUPS
         t_ok = t_loc < BLOCK  # every slot of a step is stored
@@ -132,13 +213,14 @@ if triton is not None:
             words = tl.load(kc_ptr + (row + t0) * KW + t_loc[:, None] * KW + jk[None, :]).to(tl.uint32, bitcast=True)
             codes = _words_codes(words, KBITS)  # [BLOCK, D]
             qs = q * tl.load(ks_ptr + meta + ch).to(tl.float32)[:, None]  # [D, G]
-            bias = tl.sum(q * tl.load(kz_ptr + meta + ch).to(tl.float32)[:, None], 0)
-            if LOWP:  # the operand is 128 + code: 128 times the scaled query's sum taken off
+            qz = q * tl.load(kz_ptr + meta + ch).to(tl.float32)[:, None]
+            if LOWP:  # the operand is 128 + code: 128 times the scaled query's sum taken off, in the same sum
                 qs = qs.to(tl.bfloat16)
                 s = tl.dot(_plus128(codes), qs)
-                bias = bias - 128.0 * tl.sum(qs.to(tl.float32), 0)
+                bias = tl.sum(qz - 128.0 * qs.to(tl.float32), 0)
             else:
                 s = tl.dot(codes.to(tl.float32), qs, input_precision="ieee")
+                bias = tl.sum(qz, 0)
             s = s + bias[None, :]  # [BLOCK, G]
             if KO > 0:  # exact outliers: their code is 0, so the key held the zero point
                 s = s + tl.trans(_outlier_logits(q_row, kz_ptr, koi_ptr, kov_ptr, meta, tok, t_ok, gi, scaling, D, KO))
@@ -161,27 +243,23 @@ if triton is not None:
             for g in tl.static_range(VGROUPS):  # each channel group's scale folded into the probabilities
                 vrow = vc_ptr + (row + t0) * VW + g * GW
                 vwords = tl.load(vrow + t_loc[:, None] * VW + jv[None, :]).to(tl.uint32, bitcast=True)
-                vcodes = _words_codes(vwords, VBITS)  # [BLOCK, VGROUP]
                 pg = p * _value_scale(vs_row, vmax_row, t0 + t_loc, t_ok, g, VGROUPS, VLOG, VST)[:, None]
                 if g == 0:
-                    acc0, c0 = _value_step(acc0, c0, pg, alpha, vcodes, vlev_ptr, vlev16_ptr, l0, l1, lut, VBITS, LEVELS,
-                                           LOWP)
+                    acc0 = _value_step(acc0, pg, alpha, vwords, lut, vlev_ptr, vlev16_ptr, l0, l1, VBITS, LEVELS, LOWP, ASM)
                 elif g == 1:
-                    acc1, c1 = _value_step(acc1, c1, pg, alpha, vcodes, vlev_ptr, vlev16_ptr, l0, l1, lut, VBITS, LEVELS,
-                                           LOWP)
+                    acc1 = _value_step(acc1, pg, alpha, vwords, lut, vlev_ptr, vlev16_ptr, l0, l1, VBITS, LEVELS, LOWP, ASM)
                 elif g == 2:
-                    acc2, c2 = _value_step(acc2, c2, pg, alpha, vcodes, vlev_ptr, vlev16_ptr, l0, l1, lut, VBITS, LEVELS,
-                                           LOWP)
+                    acc2 = _value_step(acc2, pg, alpha, vwords, lut, vlev_ptr, vlev16_ptr, l0, l1, VBITS, LEVELS, LOWP, ASM)
                 else:
-                    acc3, c3 = _value_step(acc3, c3, pg, alpha, vcodes, vlev_ptr, vlev16_ptr, l0, l1, lut, VBITS, LEVELS,
-                                           LOWP)
+                    acc3 = _value_step(acc3, pg, alpha, vwords, lut, vlev_ptr, vlev16_ptr, l0, l1, VBITS, LEVELS, LOWP, ASM)
         out = (bh * splits + split) * G
         tl.store(m_ptr + out + gi, m_i)
         tl.store(l_ptr + out + gi, l_i)
-        base = acc_ptr + out.to(tl.int64) * D + gi[None, :] * D + cg[:, None]  # [VGROUP, G]: the outputs transposed
-        tl.store(base, acc0 + c0[None, :])
+        weight = 16.0 if VBITS == 4 and LEVELS == 1 else 1.0  # _uniform4_tiles' levels are over 16
+        base = acc_ptr + out.to(tl.int64) * D + gi[None, :] * D + _value_channels(cg, VBITS, LEVELS)[:, None]
+        tl.store(base, acc0 * weight)  # [VGROUP, G]: the outputs transposed
         if VGROUPS > 1:
-            tl.store(base + VGROUP, acc1 + c1[None, :])
+            tl.store(base + VGROUP, acc1 * weight)
         if VGROUPS > 2:
-            tl.store(base + 2 * VGROUP, acc2 + c2[None, :])
-            tl.store(base + 3 * VGROUP, acc3 + c3[None, :])
+            tl.store(base + 2 * VGROUP, acc2 * weight)
+            tl.store(base + 3 * VGROUP, acc3 * weight)
