@@ -207,6 +207,10 @@ if triton is not None:
         vs_row = vs_ptr + row * VGROUPS  # value scales indexed from the row's first token (log8 maxima by t // VST)
         vmax_row = vmax_ptr + row // VST * VGROUPS
         t_ok = t_loc < BLOCK  # every slot of a step is stored
+        if HID > 0:  # the first and last hidden slot (-1: none): the steps between them check the list (19% of the
+            listed = tl.load(hid_ptr + bh * HID + tl.arange(0, HID))  # kernel's time at B = 128 when every step did)
+            hid_first = tl.min(tl.where(listed >= 0, listed, tokens), 0)
+            hid_last = tl.max(listed, 0)
         for t0 in range(lo, hi, BLOCK):
             tok = row + t0 + t_loc
             meta = (row + t0) // KGROUP * D  # a step lies within one token group
@@ -228,8 +232,9 @@ if triton is not None:
                 pos = tl.load(pos_ptr + tok).to(tl.int32)
             else:
                 pos = first + t0 + t_loc
-            if HID > 0:  # slots whose tokens are attended exactly (restored by residuals)
-                pos = _hide(pos, t0 + t_loc, hid_ptr + bh * HID, HID)
+            if HID > 0:  # slots whose tokens are attended exactly (restored by residuals), in the steps that hold them
+                if (t0 <= hid_last) & (t0 + BLOCK > hid_first):
+                    pos = _hide(pos, t0 + t_loc, hid_ptr + bh * HID, HID)
             visible = pos >= 0
             if HAS_START:
                 visible = visible & (pos >= start)

@@ -120,3 +120,23 @@ def test_head_dim_256_reads_four_value_groups_and_is_not_taken_by_default(regist
     twin = torch_lowbit_decode(view, q, start, 0.0625)
     assert torch.allclose(lowbit_decode(view, q, start, 0.0625, variant="dense"), twin, atol=1e-5)
     assert resolve_variant(view, "auto") == ("wide", 32)
+
+
+@pytest.mark.interpreter
+def test_hidden_slots_in_any_step_and_split_are_left_out(model, registry):
+    """The dense kernel checks the hidden-slot list only in the steps between a program's first and last hidden slot:
+    slots listed anywhere (two in one step, one in another split's step, one at a step's first slot, padding -1) are
+    left out as the twin leaves them out, and a list of none hides nothing."""
+    view, rows = _post_rope_view(model, registry, "t-lowbit-sinks-cg")
+    q = torch.randn(rows, 4, 64, generator=torch.Generator().manual_seed(9))
+    heads = view.exact_k.shape[1]
+    assert view.tokens >= 192
+    for listed in ([-1, 3, 130, 131], [191, -1, -1, -1], [96, -1, -1, -1], [-1, -1, -1, -1]):
+        hidden = torch.tensor(listed, dtype=torch.int32).expand(rows * heads, 4).contiguous()
+        hid = attrs.evolve(view, hidden_slots=hidden)
+        twin = torch_lowbit_decode(hid, q, None, 0.125)
+        for block in (32, 16):
+            out = lowbit_decode(hid, q, None, 0.125, block=block, variant="dense", programs=4 * rows * heads)
+            assert torch.allclose(out, twin, atol=1e-5), (listed, block, (out - twin).abs().max())
+        if listed[1] == 3:  # hiding the slots moves the output: the check is not vacuous
+            assert not torch.allclose(twin, torch_lowbit_decode(view, q, None, 0.125), atol=1e-4)
