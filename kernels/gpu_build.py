@@ -19,8 +19,9 @@ TRITON_TYPES = {"float32": "fp32", "float16": "fp16", "bfloat16": "bf16", "uint8
 
 def launch_job(kernel: Any, args: tuple, constants: dict) -> dict:
     """What building ``kernel[grid](*args, **constants)`` needs, as plain data: the kernel's name and module, the
-    arguments' Triton types, the constants (``num_warps`` apart), as a GPU build takes them: the hardware cos/sin
-    (``APPROX``) wherever the tile operands are the GPU's (``LOWP``), whatever the process planning it runs in; and, as a
+    arguments' Triton types, the constants (``num_warps`` and ``maxnreg`` apart), as a GPU build takes them: the hardware
+    cos/sin (``APPROX``) and inline assembly (``ASM``) wherever the tile operands are the GPU's (``LOWP``), whatever the
+    process planning it runs in; and, as a
     launch specializes them, which arguments are multiples of 16 (pointers by their address, integers by their value)."""
     types, aligned = [], []
     for index, arg in enumerate(args):
@@ -34,11 +35,13 @@ def launch_job(kernel: Any, args: tuple, constants: dict) -> dict:
                 aligned.append(index)
     constants = dict(constants)
     warps = constants.pop("num_warps", 4)
-    if "APPROX" in constants:
-        constants["APPROX"] = bool(constants.get("LOWP"))
+    registers = constants.pop("maxnreg", None)
+    for name in ("APPROX", "ASM"):
+        if name in constants:
+            constants[name] = bool(constants.get("LOWP"))
     fn = getattr(kernel, "fn", kernel)
     return {"kernel": fn.__name__, "module": fn.__module__, "types": types, "constants": constants, "num_warps": warps,
-            "aligned": aligned}
+            "maxnreg": registers, "aligned": aligned}
 
 
 def build(module: Any, job: dict, arch: int = 90) -> Any:
@@ -53,7 +56,7 @@ def build(module: Any, job: dict, arch: int = 90) -> Any:
     constexprs = {(fn.arg_names.index(name),): value for name, value in job["constants"].items()}
     attrs = {(index,): [["tt.divisibility", 16]] for index in job.get("aligned", [])}
     return triton.compile(ASTSource(fn, signature, constexprs=constexprs, attrs=attrs), target=GPUTarget("cuda", arch, 32),
-                          options={"num_warps": job["num_warps"]})
+                          options={"num_warps": job["num_warps"], "maxnreg": job.get("maxnreg")})
 
 
 def nvdisasm() -> str | None:

@@ -23,6 +23,10 @@ DENSE_BLOCK = 64
 #: GPU too (docs/kernels.md "Codes read as 32-bit words")
 NARROW_MAX_BLOCK = 32
 
+#: registers a thread of the dense kernel may take at head_dims up to 128 (4 programs of 4 warps an SM of an H100/H200;
+#: the sm_90 build needs 128 without hidden slots, 155 with them, 8 bytes of stack at this cap)
+DENSE_MAX_REGISTERS = 128
+
 #: the head_dims whose build tests/test_lowbit_gpu.py checks on a GPU: the only ones "auto" gives the dense kernel
 GPU_CHECKED_DIMS = (64, 128)
 
@@ -78,4 +82,6 @@ def dense_launch(view: Any, args: tuple, constants: dict, kind: int, l0: float, 
     keep = ("D", "G", "KBITS", "KGROUP", "KO", "VBITS", "VGROUP", "HAS_START", "BLOCK", "LOWP", "VLOG", "VST", "HAS_POS",
             "HID", "num_warps")
     dense_constants = {name: constants[name] for name in keep} | {"LEVELS": kind, "ASM": constants["APPROX"]}
+    if constants["D"] <= 128:  # the steps that check hidden slots would take 155 registers at head_dim 128: the whole
+        dense_constants["maxnreg"] = DENSE_MAX_REGISTERS  # kernel with them, 3 programs an SM instead of 4 (15% slower)
     return jit_dense._lowbit_dense_kernel, (padded.shape[0], splits), dense_args, dense_constants

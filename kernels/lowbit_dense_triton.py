@@ -162,24 +162,15 @@ if triton is not None:
         return channels
 
     @triton.jit
-    def _lowbit_dense_kernel(
-        q_ptr, kc_ptr, kz_ptr, ks_ptr, koi_ptr, kov_ptr, vc_ptr, vs_ptr, vmax_ptr, vlev_ptr, vlev16_ptr, start_ptr,
-        pos_ptr, hid_ptr, m_ptr, l_ptr, acc_ptr,
-        tokens, heads, splits, split_len, first, scaling, l0, l1, lut,
-        D: tl.constexpr, G: tl.constexpr, KBITS: tl.constexpr, KGROUP: tl.constexpr, KO: tl.constexpr,
-        VBITS: tl.constexpr, VGROUP: tl.constexpr, HAS_START: tl.constexpr, BLOCK: tl.constexpr, LOWP: tl.constexpr,
-        LEVELS: tl.constexpr, VLOG: tl.constexpr, VST: tl.constexpr, HAS_POS: tl.constexpr, HID: tl.constexpr,
-        ASM: tl.constexpr,
-    ):
-        """One program per (batch row x KV head, split of the packed tokens); the split is whole steps of ``BLOCK``
-        tokens (``BLOCK`` divides ``KGROUP``), so nothing is masked but slots that are fillers, before the row's first
-        visible position, or hidden. Tiles are token-major (logits [BLOCK, G], outputs [channels, G]): the unpacked codes
-        are the products' first operand, whose rows (tokens, channels) fill a Hopper warpgroup product of 64 rows, and the
-        query heads (padded to 16) the second. Writes the split's running max, sum and output in the rotated space, as
-        the ``wide`` kernel does, for the same combine."""
-        bh = tl.program_id(0)
-        split = tl.program_id(1)
-        batch = bh // heads
+    def _steps(t_lo, t_hi, m_i, l_i, acc0, acc1, acc2, acc3, q, q_row, row, bh, start, first, scaling, l0, l1, lut,
+               kc_ptr, kz_ptr, ks_ptr, koi_ptr, kov_ptr, vc_ptr, vs_row, vmax_row, vlev_ptr, vlev16_ptr, pos_ptr, hid_ptr,
+               D: tl.constexpr, G: tl.constexpr, KBITS: tl.constexpr, KGROUP: tl.constexpr, KO: tl.constexpr,
+               VBITS: tl.constexpr, VGROUP: tl.constexpr, HAS_START: tl.constexpr, BLOCK: tl.constexpr,
+               LOWP: tl.constexpr, LEVELS: tl.constexpr, VLOG: tl.constexpr, VST: tl.constexpr, HAS_POS: tl.constexpr,
+               HID: tl.constexpr, HIDE: tl.constexpr, ASM: tl.constexpr):
+        """The packed pass over steps ``t_lo .. t_hi`` of a program's tokens: its running max, sum and outputs carried
+        on; ``HIDE``: these steps hold hidden slots (the list is checked in them only, so the steps without keep the
+        code of a storage that hides none)."""
         KW: tl.constexpr = D * KBITS // 32  # key words a token
         VW: tl.constexpr = D * VBITS // 32  # value words a token
         GW: tl.constexpr = VGROUP * VBITS // 32  # value words a channel group
@@ -188,30 +179,9 @@ if triton is not None:
         ch = tl.arange(0, D)
         jk = tl.arange(0, KW)
         jv = tl.arange(0, GW)
-        cg = tl.arange(0, VGROUP)
         t_loc = tl.arange(0, BLOCK)
-        row = bh.to(tl.int64) * tokens
-        q_row = q_ptr + bh.to(tl.int64) * G * D
-        q = tl.load(q_row + gi[None, :] * D + ch[:, None]) * scaling  # [D, G]
-        start = 0
-        if HAS_START:
-            start = tl.load(start_ptr + batch)
-        lo = split * split_len
-        hi = tl.minimum(lo + split_len, tokens)
-        m_i = tl.full([G], float("-inf"), tl.float32)
-        l_i = tl.zeros([G], tl.float32)
-        acc0 = tl.zeros([VGROUP, G], tl.float32)  # one accumulator per value channel group (at most 4)
-        acc1 = tl.zeros([VGROUP, G], tl.float32)
-        acc2 = tl.zeros([VGROUP, G], tl.float32)
-        acc3 = tl.zeros([VGROUP, G], tl.float32)
-        vs_row = vs_ptr + row * VGROUPS  # value scales indexed from the row's first token (log8 maxima by t // VST)
-        vmax_row = vmax_ptr + row // VST * VGROUPS
         t_ok = t_loc < BLOCK  # every slot of a step is stored
-        if HID > 0:  # the first and last hidden slot (-1: none): the steps between them check the list (19% of the
-            listed = tl.load(hid_ptr + bh * HID + tl.arange(0, HID))  # kernel's time at B = 128 when every step did)
-            hid_first = tl.min(tl.where(listed >= 0, listed, tokens), 0)
-            hid_last = tl.max(listed, 0)
-        for t0 in range(lo, hi, BLOCK):
+        for t0 in range(t_lo, t_hi, BLOCK):
             tok = row + t0 + t_loc
             meta = (row + t0) // KGROUP * D  # a step lies within one token group
             words = tl.load(kc_ptr + (row + t0) * KW + t_loc[:, None] * KW + jk[None, :]).to(tl.uint32, bitcast=True)
@@ -232,9 +202,8 @@ if triton is not None:
                 pos = tl.load(pos_ptr + tok).to(tl.int32)
             else:
                 pos = first + t0 + t_loc
-            if HID > 0:  # slots whose tokens are attended exactly (restored by residuals), in the steps that hold them
-                if (t0 <= hid_last) & (t0 + BLOCK > hid_first):
-                    pos = _hide(pos, t0 + t_loc, hid_ptr + bh * HID, HID)
+            if HIDE:  # slots whose tokens are attended exactly (restored by residuals)
+                pos = _hide(pos, t0 + t_loc, hid_ptr + bh * HID, HID)
             visible = pos >= 0
             if HAS_START:
                 visible = visible & (pos >= start)
@@ -257,6 +226,69 @@ if triton is not None:
                     acc2 = _value_step(acc2, pg, alpha, vwords, lut, vlev_ptr, vlev16_ptr, l0, l1, VBITS, LEVELS, LOWP, ASM)
                 else:
                     acc3 = _value_step(acc3, pg, alpha, vwords, lut, vlev_ptr, vlev16_ptr, l0, l1, VBITS, LEVELS, LOWP, ASM)
+        return m_i, l_i, acc0, acc1, acc2, acc3
+
+    @triton.jit
+    def _lowbit_dense_kernel(
+        q_ptr, kc_ptr, kz_ptr, ks_ptr, koi_ptr, kov_ptr, vc_ptr, vs_ptr, vmax_ptr, vlev_ptr, vlev16_ptr, start_ptr,
+        pos_ptr, hid_ptr, m_ptr, l_ptr, acc_ptr,
+        tokens, heads, splits, split_len, first, scaling, l0, l1, lut,
+        D: tl.constexpr, G: tl.constexpr, KBITS: tl.constexpr, KGROUP: tl.constexpr, KO: tl.constexpr,
+        VBITS: tl.constexpr, VGROUP: tl.constexpr, HAS_START: tl.constexpr, BLOCK: tl.constexpr, LOWP: tl.constexpr,
+        LEVELS: tl.constexpr, VLOG: tl.constexpr, VST: tl.constexpr, HAS_POS: tl.constexpr, HID: tl.constexpr,
+        ASM: tl.constexpr,
+    ):
+        """One program per (batch row x KV head, split of the packed tokens); the split is whole steps of ``BLOCK``
+        tokens (``BLOCK`` divides ``KGROUP``), so nothing is masked but slots that are fillers, before the row's first
+        visible position, or hidden. Tiles are token-major (logits [BLOCK, G], outputs [channels, G]): the unpacked codes
+        are the products' first operand, whose rows (tokens, channels) fill a Hopper warpgroup product of 64 rows, and the
+        query heads (padded to 16) the second. Writes the split's running max, sum and output in the rotated space, as
+        the ``wide`` kernel does, for the same combine."""
+        bh = tl.program_id(0)
+        split = tl.program_id(1)
+        batch = bh // heads
+        VGROUPS: tl.constexpr = D // VGROUP
+        gi = tl.arange(0, G)
+        ch = tl.arange(0, D)
+        cg = tl.arange(0, VGROUP)
+        row = bh.to(tl.int64) * tokens
+        q_row = q_ptr + bh.to(tl.int64) * G * D
+        q = tl.load(q_row + gi[None, :] * D + ch[:, None]) * scaling  # [D, G]
+        start = 0
+        if HAS_START:
+            start = tl.load(start_ptr + batch)
+        lo = split * split_len
+        hi = tl.minimum(lo + split_len, tokens)
+        m_i = tl.full([G], float("-inf"), tl.float32)
+        l_i = tl.zeros([G], tl.float32)
+        acc0 = tl.zeros([VGROUP, G], tl.float32)  # one accumulator per value channel group (at most 4)
+        acc1 = tl.zeros([VGROUP, G], tl.float32)
+        acc2 = tl.zeros([VGROUP, G], tl.float32)
+        acc3 = tl.zeros([VGROUP, G], tl.float32)
+        vs_row = vs_ptr + row * VGROUPS  # value scales indexed from the row's first token (log8 maxima by t // VST)
+        vmax_row = vmax_ptr + row // VST * VGROUPS
+        if HID > 0:  # only the steps from the first to the last hidden slot check the list; the others run the code of a
+            # storage that hides none (checked in every step, the list took 15-19% of the kernel at B = 128, 64K)
+            listed = tl.load(hid_ptr + bh * HID + tl.arange(0, HID))  # -1: none
+            t_a = tl.maximum(lo, tl.minimum(hi, tl.min(tl.where(listed >= 0, listed, tokens), 0) // BLOCK * BLOCK))
+            t_b = tl.maximum(t_a, tl.minimum(hi, (tl.max(listed, 0) // BLOCK + 1) * BLOCK))
+            m_i, l_i, acc0, acc1, acc2, acc3 = _steps(
+                lo, t_a, m_i, l_i, acc0, acc1, acc2, acc3, q, q_row, row, bh, start, first, scaling, l0, l1, lut, kc_ptr, kz_ptr, ks_ptr,
+                koi_ptr, kov_ptr, vc_ptr, vs_row, vmax_row, vlev_ptr, vlev16_ptr, pos_ptr, hid_ptr, D, G, KBITS, KGROUP, KO, VBITS,
+                VGROUP, HAS_START, BLOCK, LOWP, LEVELS, VLOG, VST, HAS_POS, HID, False, ASM)
+            m_i, l_i, acc0, acc1, acc2, acc3 = _steps(
+                t_a, t_b, m_i, l_i, acc0, acc1, acc2, acc3, q, q_row, row, bh, start, first, scaling, l0, l1, lut, kc_ptr, kz_ptr, ks_ptr,
+                koi_ptr, kov_ptr, vc_ptr, vs_row, vmax_row, vlev_ptr, vlev16_ptr, pos_ptr, hid_ptr, D, G, KBITS, KGROUP, KO, VBITS,
+                VGROUP, HAS_START, BLOCK, LOWP, LEVELS, VLOG, VST, HAS_POS, HID, True, ASM)
+            m_i, l_i, acc0, acc1, acc2, acc3 = _steps(
+                t_b, hi, m_i, l_i, acc0, acc1, acc2, acc3, q, q_row, row, bh, start, first, scaling, l0, l1, lut, kc_ptr, kz_ptr, ks_ptr,
+                koi_ptr, kov_ptr, vc_ptr, vs_row, vmax_row, vlev_ptr, vlev16_ptr, pos_ptr, hid_ptr, D, G, KBITS, KGROUP, KO, VBITS,
+                VGROUP, HAS_START, BLOCK, LOWP, LEVELS, VLOG, VST, HAS_POS, HID, False, ASM)
+        else:
+            m_i, l_i, acc0, acc1, acc2, acc3 = _steps(
+                lo, hi, m_i, l_i, acc0, acc1, acc2, acc3, q, q_row, row, bh, start, first, scaling, l0, l1, lut, kc_ptr, kz_ptr, ks_ptr,
+                koi_ptr, kov_ptr, vc_ptr, vs_row, vmax_row, vlev_ptr, vlev16_ptr, pos_ptr, hid_ptr, D, G, KBITS, KGROUP, KO, VBITS,
+                VGROUP, HAS_START, BLOCK, LOWP, LEVELS, VLOG, VST, HAS_POS, HID, False, ASM)
         out = (bh * splits + split) * G
         tl.store(m_ptr + out + gi, m_i)
         tl.store(l_ptr + out + gi, l_i)
