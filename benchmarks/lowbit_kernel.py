@@ -4,7 +4,10 @@ scales; ``kz5`` / ``kz8``: a layer of the shipped KVzip pipelines, ``kvzip-qa35v
 their share of the context's tokens kept) against SDPA over a full bf16 cache of every token.
 
     python benchmarks/lowbit_kernel.py [--tokens 32768,65536,131072] [--batches 1,8,32]
-        [--configs wide:32:4,general:16:4:528,wide:32:4:528:magic+vb16] [--out DIR]
+        [--configs wide:32:4,general:16:4:528,wide:32:4:528:magic+vb16] [--post-rope] [--as-generate] [--out DIR]
+
+``--as-generate`` launches it as ``model.generate`` does over a sinks + KVzip pipeline (each row's first visible
+position, 4 hidden slots a row): the hidden-slot check cost the ``dense`` kernel 15-19% there (docs/kernels.md).
 
 Shape: Llama-3-8B attention (32 query heads, 8 KV heads, head_dim 128, rope theta 500000), one new query
 token per sequence. The packed storage is written by the real quantizers (``channel-group`` 4-bit, group 64,

@@ -23,6 +23,14 @@ DENSE_BLOCK = 64
 #: GPU too (docs/kernels.md "Codes read as 32-bit words")
 NARROW_MAX_BLOCK = 32
 
+#: the GPU build's operand arithmetic (kvweave.kernels.lowbit_dense_triton; tests/test_lowbit_dense.py replays it on the
+#: CPU): 2-bit value code ``c`` becomes the byte ``LEVEL_SELECT_MUL * c + LEVEL_SELECT_ADD``, whose two nibbles are the
+#: numbers of its level's two bytes among the 8 of the four levels' bfloat16 bits (a byte-permute selector); a 4-bit
+#: uniform code at bit 3 of ``UNIFORM4_BASE`` (bfloat16 1.0: ``1 + c / 16``) plus the bfloat16 ``UNIFORM4_OFFSET``
+#: (-1.46875) is ``(c - 7.5) / 16``, exactly
+LEVEL_SELECT_MUL, LEVEL_SELECT_ADD = 0x22, 0x10
+UNIFORM4_BASE, UNIFORM4_OFFSET = 0x3F80, 0xBFBC
+
 #: registers a thread of the dense kernel may take at head_dims up to 128 (4 programs of 4 warps an SM of an H100/H200;
 #: the sm_90 build needs 128 without hidden slots, 155 with them, 8 bytes of stack at this cap)
 DENSE_MAX_REGISTERS = 128

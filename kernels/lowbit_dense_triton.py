@@ -21,6 +21,7 @@ except ImportError:  # pragma: no cover - exercised where triton is missing
 
 if triton is not None:
     from kvweave.kernels.lowbit_codes_triton import _plus128
+    from kvweave.kernels.lowbit_dense import LEVEL_SELECT_ADD, LEVEL_SELECT_MUL, UNIFORM4_BASE, UNIFORM4_OFFSET
     from kvweave.kernels.lowbit_triton import _hide, _level, _outlier_logits, _value_scale
 
     @triton.jit
@@ -53,6 +54,13 @@ if triton is not None:
             r1 = tl.join(tl.join(p1, p5), tl.join(p3, p7))
             return tl.join(r0, r1).reshape(words.shape[0], words.shape[1] * 16)
 
+    _SEL_MUL = tl.constexpr(LEVEL_SELECT_MUL)
+    _SEL_ADD = tl.constexpr(LEVEL_SELECT_ADD * 0x01010101)  # a byte each
+    _U4_MASK = tl.constexpr(0x78 * 0x10001)  # a 4-bit code at bit 3 of each half
+    _U4_BASE = tl.constexpr(UNIFORM4_BASE * 0x10001)
+    _U4_ASM = tl.constexpr("{ .reg .b32 o, c; mov.b32 o, 0x3F803F80; mov.b32 c, 0x%08X; fma.rn.bf16x2 $0, $1, o, c; }"
+                           % (UNIFORM4_OFFSET * 0x10001))  # each half times 1.0 plus the offset, rounded to nearest
+
     @triton.jit
     def _j4(a, b, c, d):
         """[..., 4]: ``a, b, c, d`` in that order along a new last axis (two joins, each adding an axis)."""
@@ -70,19 +78,18 @@ if triton is not None:
         """uint32 words [N, W] of 4-bit codes -> bfloat16 [N, W * 8] (columns: :func:`_pair_channels`), each code's
         centred level over 16, ``(code - 7.5) / 16``: the bits of ``1 + code / 16`` (codes ``k`` and ``k + 4`` at bits 3
         and 19 of one register, a shift and a logic operation) plus -1.46875 in one paired add on a GPU (exact)."""
-        p0 = ((words << 3) & 0x00780078) | 0x3F803F80
-        p1 = ((words >> 1) & 0x00780078) | 0x3F803F80
-        p2 = ((words >> 5) & 0x00780078) | 0x3F803F80
-        p3 = ((words >> 9) & 0x00780078) | 0x3F803F80
+        p0 = ((words << 3) & _U4_MASK) | _U4_BASE
+        p1 = ((words >> 1) & _U4_MASK) | _U4_BASE
+        p2 = ((words >> 5) & _U4_MASK) | _U4_BASE
+        p3 = ((words >> 9) & _U4_MASK) | _U4_BASE
         bits = _j4(p0, p1, p2, p3)  # [N, W, 4]: k
         if ASM:  # the word for each element of a pair: Triton packs two bfloat16 results of the assembly in one register
             two = tl.join(bits, bits)
-            tiles = tl.inline_asm_elementwise(
-                "{ .reg .b32 o, c; mov.b32 o, 0x3F803F80; mov.b32 c, 0xBFBCBFBC; fma.rn.bf16x2 $0, $1, o, c; }",
-                "=r,r,r", [two], dtype=tl.bfloat16, is_pure=True, pack=2)
+            tiles = tl.inline_asm_elementwise(_U4_ASM, "=r,r,r", [two], dtype=tl.bfloat16, is_pure=True, pack=2)
         else:
-            lo = (bits & 0xFFFF).to(tl.uint16).to(tl.bfloat16, bitcast=True).to(tl.float32) - 1.46875
-            hi = (bits >> 16).to(tl.uint16).to(tl.bfloat16, bitcast=True).to(tl.float32) - 1.46875
+            offset = tl.full([1], UNIFORM4_OFFSET, tl.uint16).to(tl.bfloat16, bitcast=True).to(tl.float32)
+            lo = (bits & 0xFFFF).to(tl.uint16).to(tl.bfloat16, bitcast=True).to(tl.float32) + offset
+            hi = (bits >> 16).to(tl.uint16).to(tl.bfloat16, bitcast=True).to(tl.float32) + offset
             tiles = tl.join(lo, hi).to(tl.bfloat16)
         return tiles.reshape(words.shape[0], words.shape[1] * 8)
 
@@ -104,10 +111,10 @@ if triton is not None:
         y2 = (words >> 4) & 0x03030303
         y3 = (words >> 6) & 0x03030303
         if ASM:
-            z0 = y0 * 0x22 + 0x10101010  # a byte per code: the byte numbers of its level, 2 code and 2 code + 1
-            z1 = y1 * 0x22 + 0x10101010
-            z2 = y2 * 0x22 + 0x10101010
-            z3 = y3 * 0x22 + 0x10101010
+            z0 = y0 * _SEL_MUL + _SEL_ADD  # a byte per code: the byte numbers of its level, 2 code and 2 code + 1
+            z1 = y1 * _SEL_MUL + _SEL_ADD
+            z2 = y2 * _SEL_MUL + _SEL_ADD
+            z3 = y3 * _SEL_MUL + _SEL_ADD
             sel = tl.join(_j4(z0, z1, z2, z3), _j4(z0 >> 16, z1 >> 16, z2 >> 16, z3 >> 16))  # [N, W, 2, 2, 2]
             word = lut.to(tl.int64)  # an argument that fits 32 bits comes as int32
             lo = tl.zeros_like(sel) + (word & 0xFFFFFFFF).to(tl.uint32)

@@ -140,3 +140,52 @@ def test_hidden_slots_in_any_step_and_split_are_left_out(model, registry):
             assert torch.allclose(out, twin, atol=1e-5), (listed, block, (out - twin).abs().max())
         if listed[1] == 3:  # hiding the slots moves the output: the check is not vacuous
             assert not torch.allclose(twin, torch_lowbit_decode(view, q, None, 0.125), atol=1e-4)
+
+
+def _prmt(low: int, high: int, selector: int) -> int:
+    """PTX ``prmt.b32 d, low, high, selector`` (default mode): byte j of d is byte ``selector`` nibble j (low 3 bits) of
+    the 8 bytes ``high:low``; a nibble's bit 3 would replicate a sign, which the selectors here must not set."""
+    pool = low | (high << 32)
+    out = 0
+    for j in range(4):
+        nibble = (selector >> (4 * j)) & 0xF
+        assert nibble < 8, "a selector nibble with its sign bit set"
+        out |= ((pool >> (8 * (nibble & 7))) & 0xFF) << (8 * j)
+    return out
+
+
+def _bf16(bits: int) -> float:
+    return float(torch.tensor([bits], dtype=torch.int32).to(torch.int16).view(torch.bfloat16).float())
+
+
+def test_the_gpu_builds_operand_arithmetic_gives_each_codes_level():
+    """The GPU build's 2-bit value table (a byte permute of the four levels' bfloat16 bits, selectors made from four
+    codes at once) and its 4-bit uniform operands (the code in 1.0's bits plus an offset), replayed on the CPU with the
+    constants the kernel is built from: every code of every byte position gives its own level, exactly. (The
+    interpreter runs the kernel without this arithmetic; tests/test_lowbit_gpu.py runs it compiled.)"""
+    from kvweave.kernels.lowbit_dense import (LEVEL_SELECT_ADD, LEVEL_SELECT_MUL, UNIFORM4_BASE, UNIFORM4_OFFSET,
+                                              level_word)
+
+    levels = [-1.51, -0.4528, 0.4528, 1.51]
+    word = level_word(levels) & (2**64 - 1)
+    low, high = word & 0xFFFFFFFF, word >> 32
+    expect = [float(torch.tensor(x).to(torch.bfloat16).float()) for x in levels]
+    gen = torch.Generator().manual_seed(11)
+    words = [int(w) & 0xFFFFFFFF for w in torch.randint(-2**31, 2**31 - 1, (64,), generator=gen, dtype=torch.int64)]
+    words += [0, 0xFFFFFFFF, 0x1B1B1B1B, 0xE4E4E4E4]  # every code in every place
+    for w in words:
+        for k in range(4):  # codes k, k + 4, k + 8, k + 12 a byte each, made selectors together
+            z = (((w >> (2 * k)) & 0x03030303) * LEVEL_SELECT_MUL + LEVEL_SELECT_ADD * 0x01010101) & 0xFFFFFFFF
+            for half in range(2):  # bytes 0-1 of the selectors, then 2-3
+                pair = _prmt(low, high, (z >> (16 * half)) & 0xFFFF)
+                for h in range(2):
+                    code = (w >> (2 * (k + 4 * (2 * half + h)))) & 3
+                    assert _bf16((pair >> (16 * h)) & 0xFFFF) == expect[code], (hex(w), k, half, h)
+    offset = _bf16(UNIFORM4_OFFSET)
+    for w in words:
+        for k, shift in enumerate((-3, 1, 5, 9)):  # code k to bit 3 of the low half, k + 4 of the high half
+            moved = (w << -shift if shift < 0 else w >> shift) & 0xFFFFFFFF
+            bits = (moved & (0x78 * 0x10001)) | (UNIFORM4_BASE * 0x10001)
+            for h, code in enumerate(((w >> (4 * k)) & 15, (w >> (4 * (k + 4))) & 15)):
+                total = torch.tensor(_bf16((bits >> (16 * h)) & 0xFFFF) + offset).to(torch.bfloat16).float()
+                assert float(total) == (code - 7.5) / 16, (hex(w), k, h)
