@@ -90,6 +90,9 @@ class LowbitView:
     #: packed slots the packed pass does not attend (their tokens are attended exactly, above): int32 [BH, R], R a
     #: power of two, -1 for none
     hidden_slots: torch.Tensor | None = None
+    #: int32 [B]: per batch row, the cache index below which every packed slot is hidden and no other is (the sinks:
+    #: the packed pass then starts at it, a first visible position, instead of checking the list); None: the list
+    hidden_below: torch.Tensor | None = None
     #: ``v_levels`` as bfloat16, made once with the view (the ``dense`` kernel's and the ``vb16`` trick's; None: per call)
     v_levels16: torch.Tensor | None = None
     #: the four 2-bit value levels' bfloat16 bits in one int64, code 0's lowest (the dense kernel's; None: made per call)
@@ -320,6 +323,9 @@ def plan_launch(view: LowbitView, q: torch.Tensor, start: torch.Tensor | None, s
     if padded.shape != (batch * heads, rows, dim) or padded.dtype != torch.float32:
         raise ValueError(f"the lowbit kernel's query rows must be float32 {(batch * heads, rows, dim)}, got {tuple(padded.shape)}")
     padded[:, :group].copy_(q.reshape(batch * heads, group, dim))
+    hidden = view.hidden_slots
+    if view.hidden_below is not None:  # the hidden slots as the first visible position of the packed pass
+        start, hidden = (view.hidden_below if start is None else torch.maximum(start, view.hidden_below)), None
     if view.k_group % block:
         raise ValueError(f"the lowbit kernel's tile of {block} tokens must divide the keys' token group {view.k_group}")
     splits = choose_splits(view.tokens, batch * heads, programs)
@@ -339,7 +345,7 @@ def plan_launch(view: LowbitView, q: torch.Tensor, start: torch.Tensor | None, s
         view.v_codes, view.v_scale, view.v_scale_max if view.v_scale_max is not None else view.v_scale, view.v_levels,
         view.inv_freq if view.inv_freq is not None else view.v_levels,
         start if start is not None else m, view.positions if view.positions is not None else m,
-        view.hidden_slots if view.hidden_slots is not None else m, m, l, acc,
+        hidden if hidden is not None else m, m, l, acc,
         view.tokens, heads, splits, split_len, view.first, float(view.rope_scale), float(scaling),
     )
     constants = dict(
@@ -347,7 +353,7 @@ def plan_launch(view: LowbitView, q: torch.Tensor, start: torch.Tensor | None, s
         ROPE=view.inv_freq is not None, HAS_START=start is not None, BLOCK=block, LOWP=lowp,
         num_warps=num_warps, KWIDTH=view.k_codes.shape[-1], VARW=varw, VLOG=view.v_scale_max is not None,
         VST=view.v_scale_tokens, HAS_POS=view.positions is not None, KWW=view.k_widths.shape[-1] if varw else 1,
-        HID=0 if view.hidden_slots is None else view.hidden_slots.shape[-1],
+        HID=0 if hidden is None else hidden.shape[-1],
         APPROX=lowp and os.environ.get("TRITON_INTERPRET") != "1",  # the interpreter has no hardware cos/sin
     )
     if variant == "general":

@@ -133,7 +133,7 @@ def test_hidden_slots_in_any_step_and_split_are_left_out(model, registry):
     assert view.tokens >= 192
     for listed in ([-1, 3, 130, 131], [191, -1, -1, -1], [96, -1, -1, -1], [-1, -1, -1, -1]):
         hidden = torch.tensor(listed, dtype=torch.int32).expand(rows * heads, 4).contiguous()
-        hid = attrs.evolve(view, hidden_slots=hidden)
+        hid = attrs.evolve(view, hidden_slots=hidden, hidden_below=None)  # a list, not the sinks' prefix
         twin = torch_lowbit_decode(hid, q, None, 0.125)
         for block in (32, 16):
             out = lowbit_decode(hid, q, None, 0.125, block=block, variant="dense", programs=4 * rows * heads)
@@ -189,3 +189,36 @@ def test_the_gpu_builds_operand_arithmetic_gives_each_codes_level():
             for h, code in enumerate(((w >> (4 * k)) & 15, (w >> (4 * (k + 4))) & 15)):
                 total = torch.tensor(_bf16((bits >> (16 * h)) & 0xFFFF) + offset).to(torch.bfloat16).float()
                 assert float(total) == (code - 7.5) / 16, (hex(w), k, h)
+
+
+@pytest.mark.interpreter
+@pytest.mark.parametrize("name, variant", [("t-lowbit-sinks-cg", "dense"), ("t-lowbit-sinks-kvzip", "wide")])
+def test_the_sinks_hidden_slots_become_the_packed_passs_first_position(model, registry, name, variant):
+    """The sinks router's restored tokens are the first positions of each row, so the view says so (``hidden_below``)
+    and the packed pass starts there instead of checking a list (no ``HID``): the same output as with the list and as
+    the twin, with and without a first visible position of the row's own (the dense kernel, and the wide one on
+    channel-alloc keys). Hidden slots that are not such a prefix keep the list."""
+    from kvweave.plugins.kernels.lowbit import hidden_prefix
+
+    cache = build_cache(registry.resolve(name), model, tokenizer=CharTokenizer())
+    rows = 1 if importance.needs_importance(cache) else 2
+    ids = torch.randint(1, 128, (rows, 230), generator=torch.Generator().manual_seed(2))
+    with torch.no_grad():
+        importance.prefill(model, cache, ids)
+    view = attrs.evolve(cache.engine.kernel.lowbit_view(cache.engine.view(1), torch.device("cpu")), inv_freq=None)
+    assert view.hidden_slots is not None and view.hidden_below is not None
+    sinks = int((view.restored_pos[0, 0] >= 0).sum())
+    assert sinks >= 1 and view.hidden_below.tolist() == [int(view.restored_pos[r].max()) + 1 for r in range(rows)]
+    q = torch.randn(rows, 4, 64, generator=torch.Generator().manual_seed(12))
+    listed = attrs.evolve(view, hidden_below=None)
+    for start in (None, torch.tensor([2, 40][:rows], dtype=torch.int32)):
+        assert plan_launch(view, q, start, 0.125, variant=variant).constants["HID"] == 0
+        assert plan_launch(listed, q, start, 0.125, variant=variant).constants["HID"] > 0
+        twin = torch_lowbit_decode(view, q, start, 0.125)
+        for packed in (view, listed):
+            out = lowbit_decode(packed, q, start, 0.125, variant=variant)
+            assert torch.allclose(out, twin, atol=1e-5), (name, start, (out - twin).abs().max())
+    # a hidden slot past a visible one is no prefix: the list stays
+    later = attrs.evolve(view, restored_pos=view.restored_pos.clone())
+    later.restored_pos[..., 0] = int(view.hidden_below.max()) + 3
+    assert hidden_prefix(later, torch.device("cpu")) is None

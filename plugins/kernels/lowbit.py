@@ -233,6 +233,7 @@ class LowbitKernel(AttentionKernel):
         )
         if any(level.entries for kind_view in (view.keys, view.values) for level in kind_view.residuals):
             packed = self._restored(view, packed, device)
+            packed = attrs.evolve(packed, hidden_below=hidden_prefix(packed, device))
         return packed
 
     @staticmethod
@@ -309,6 +310,21 @@ class LowbitKernel(AttentionKernel):
         return out.to(query.dtype).unsqueeze(1)
 
 
+def hidden_prefix(packed: LowbitView, device: torch.device) -> torch.Tensor | None:
+    """int32 [B]: per batch row, the cache index below which ``packed``'s hidden slots are every packed slot (the same in
+    each head), or None where they are not such a prefix (then the kernels check the list). Once per storage state: a
+    pass over the slots' positions and one read to the host. The sinks router's restored tokens are the first
+    positions: as a first visible position they cost the dense kernel nothing, as a list 11-19% (docs/kernels.md)."""
+    batch, heads = packed.exact_k.shape[:2]
+    held = packed.restored_pos.reshape(batch * heads, -1).to(device)
+    below = held.max(-1).values.clamp(min=-1) + 1  # [BH]: one past the last hidden position (0: none)
+    positions = slot_positions(packed, device)
+    under = ((positions >= 0) & (positions < below[:, None])).sum(-1)  # slots below it, hidden or not
+    rows = below.reshape(batch, heads)
+    prefix = (under == (held >= 0).sum(-1)).all() & (rows == rows[:, :1]).all()
+    return rows[:, 0].to(torch.int32).contiguous() if bool(prefix) else None
+
+
 def launch_programs(rows: int) -> int:
     """Programs the packed pass aims for with ``rows`` (batch rows x KV heads): 528 (4 per SM of an H200), or at least 4
     splits of each row's tokens where the rows alone fill more (the dense kernel at 64K, B = 64 / 128 on the H200:
@@ -333,6 +349,7 @@ def _token_span(packed: LowbitView, lo: int, hi: int) -> LowbitView:
         k_widths=by_group(packed.k_widths), v_codes=by_token(packed.v_codes), v_scale=by_token(packed.v_scale),
         v_scale_max=None if packed.v_scale_max is None else packed.v_scale_max[:, lo // vs : -(-hi // vs)],
         positions=by_token(packed.positions), restored_k=None, restored_v=None, restored_pos=None, hidden_slots=None,
+        hidden_below=None,
     )
 
 
