@@ -6,8 +6,9 @@ their share of the context's tokens kept) against SDPA over a full bf16 cache of
     python benchmarks/lowbit_kernel.py [--tokens 32768,65536,131072] [--batches 1,8,32]
         [--configs wide:32:4,general:16:4:528,wide:32:4:528:magic+vb16] [--post-rope] [--as-generate] [--out DIR]
 
-``--as-generate`` launches it as ``model.generate`` does over a sinks + KVzip pipeline (each row's first visible
-position, 4 hidden slots a row): the hidden-slot check cost the ``dense`` kernel 15-19% there (docs/kernels.md).
+``--as-generate`` launches it as ``model.generate`` did over a sinks + KVzip pipeline until the sinks became a first
+visible position of the packed pass (``LowbitView.hidden_below``): each row's first visible position and a list of 4
+hidden slots a row, which cost the ``dense`` kernel 11-19% (docs/kernels.md "Value codes as operand pairs").
 
 Shape: Llama-3-8B attention (32 query heads, 8 KV heads, head_dim 128, rope theta 500000), one new query
 token per sequence. The packed storage is written by the real quantizers (``channel-group`` 4-bit, group 64,
@@ -162,9 +163,9 @@ def main() -> None:
                         "channel-alloc keys at 3.5 bits with 3-bit log8 values (qa35v3), or a layer of the shipped 5x / 8x "
                         "KVzip pipelines (kz5, kz8: their tokens kept, positions read with them)")
     parser.add_argument("--post-rope", action="store_true", help="keys stored after RoPE (no rotation in the kernel)")
-    parser.add_argument("--as-generate", action="store_true", help="launched as model.generate launches it over a "
-                        "sinks + KVzip pipeline: each row's first visible position given (here 0) and 4 hidden slots a "
-                        "row (here none listed), so the kernel checks both")
+    parser.add_argument("--as-generate", action="store_true", help="launched with each row's first visible position "
+                        "(here 0) and a list of 4 hidden slots a row (here none listed), so the kernel checks both (how "
+                        "model.generate launched it over a sinks + KVzip pipeline before hidden_below)")
     parser.add_argument("--out", default="results/lowbit_kernel")
     args = parser.parse_args()
     configs = parse_configs(args.configs, args.programs)
