@@ -8,8 +8,9 @@ bits ``0x4300 | code``, the bfloat16 number 128 + code: no conversion); each val
 probabilities. Value codes become the products' operands two to a 32-bit register, in the order their bits give them
 (the output's channels put back when it is stored): 2-bit codes through a byte permute whose 8 bytes are the four
 levels' bfloat16 bits, 4-bit uniform codes as ``1 + code / 16`` from their bits less a constant in one paired add
-(on a GPU: inline assembly; other 4-bit levels from the table). What it does not read (keys before RoPE, 3-bit or ``channel-alloc`` codes, a packed token count that is not
-whole steps) the plugin's other kernels read. Without triton the module defines no kernel (``triton`` is None)."""
+(on a GPU: inline assembly; other 4-bit levels from the table). What it does not read (keys before RoPE, 3-bit or
+``channel-alloc`` codes, a packed token count that is not whole steps) the plugin's other kernels read. Without triton
+the module defines no kernel (``triton`` is None)."""
 
 from __future__ import annotations
 
