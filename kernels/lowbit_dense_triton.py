@@ -281,22 +281,26 @@ if triton is not None:
             t_a = tl.maximum(lo, tl.minimum(hi, tl.min(tl.where(listed >= 0, listed, tokens), 0) // BLOCK * BLOCK))
             t_b = tl.maximum(t_a, tl.minimum(hi, (tl.max(listed, 0) // BLOCK + 1) * BLOCK))
             m_i, l_i, acc0, acc1, acc2, acc3 = _steps(
-                lo, t_a, m_i, l_i, acc0, acc1, acc2, acc3, q, q_row, row, bh, start, first, scaling, l0, l1, lut, kc_ptr, kz_ptr, ks_ptr,
-                koi_ptr, kov_ptr, vc_ptr, vs_row, vmax_row, vlev_ptr, vlev16_ptr, pos_ptr, hid_ptr, D, G, KBITS, KGROUP, KO, VBITS,
-                VGROUP, HAS_START, BLOCK, LOWP, LEVELS, VLOG, VST, HAS_POS, HID, False, ASM)
+                lo, t_a, m_i, l_i, acc0, acc1, acc2, acc3, q, q_row, row, bh, start, first, scaling, l0, l1,
+                lut, kc_ptr, kz_ptr, ks_ptr, koi_ptr, kov_ptr, vc_ptr, vs_row, vmax_row, vlev_ptr, vlev16_ptr, pos_ptr,
+                hid_ptr, D, G, KBITS, KGROUP, KO, VBITS, VGROUP, HAS_START, BLOCK, LOWP, LEVELS, VLOG, VST, HAS_POS, HID,
+                False, ASM)
             m_i, l_i, acc0, acc1, acc2, acc3 = _steps(
-                t_a, t_b, m_i, l_i, acc0, acc1, acc2, acc3, q, q_row, row, bh, start, first, scaling, l0, l1, lut, kc_ptr, kz_ptr, ks_ptr,
-                koi_ptr, kov_ptr, vc_ptr, vs_row, vmax_row, vlev_ptr, vlev16_ptr, pos_ptr, hid_ptr, D, G, KBITS, KGROUP, KO, VBITS,
-                VGROUP, HAS_START, BLOCK, LOWP, LEVELS, VLOG, VST, HAS_POS, HID, True, ASM)
+                t_a, t_b, m_i, l_i, acc0, acc1, acc2, acc3, q, q_row, row, bh, start, first, scaling, l0, l1,
+                lut, kc_ptr, kz_ptr, ks_ptr, koi_ptr, kov_ptr, vc_ptr, vs_row, vmax_row, vlev_ptr, vlev16_ptr, pos_ptr,
+                hid_ptr, D, G, KBITS, KGROUP, KO, VBITS, VGROUP, HAS_START, BLOCK, LOWP, LEVELS, VLOG, VST, HAS_POS, HID,
+                True, ASM)
             m_i, l_i, acc0, acc1, acc2, acc3 = _steps(
-                t_b, hi, m_i, l_i, acc0, acc1, acc2, acc3, q, q_row, row, bh, start, first, scaling, l0, l1, lut, kc_ptr, kz_ptr, ks_ptr,
-                koi_ptr, kov_ptr, vc_ptr, vs_row, vmax_row, vlev_ptr, vlev16_ptr, pos_ptr, hid_ptr, D, G, KBITS, KGROUP, KO, VBITS,
-                VGROUP, HAS_START, BLOCK, LOWP, LEVELS, VLOG, VST, HAS_POS, HID, False, ASM)
+                t_b, hi, m_i, l_i, acc0, acc1, acc2, acc3, q, q_row, row, bh, start, first, scaling, l0, l1,
+                lut, kc_ptr, kz_ptr, ks_ptr, koi_ptr, kov_ptr, vc_ptr, vs_row, vmax_row, vlev_ptr, vlev16_ptr, pos_ptr,
+                hid_ptr, D, G, KBITS, KGROUP, KO, VBITS, VGROUP, HAS_START, BLOCK, LOWP, LEVELS, VLOG, VST, HAS_POS, HID,
+                False, ASM)
         else:
             m_i, l_i, acc0, acc1, acc2, acc3 = _steps(
-                lo, hi, m_i, l_i, acc0, acc1, acc2, acc3, q, q_row, row, bh, start, first, scaling, l0, l1, lut, kc_ptr, kz_ptr, ks_ptr,
-                koi_ptr, kov_ptr, vc_ptr, vs_row, vmax_row, vlev_ptr, vlev16_ptr, pos_ptr, hid_ptr, D, G, KBITS, KGROUP, KO, VBITS,
-                VGROUP, HAS_START, BLOCK, LOWP, LEVELS, VLOG, VST, HAS_POS, HID, False, ASM)
+                lo, hi, m_i, l_i, acc0, acc1, acc2, acc3, q, q_row, row, bh, start, first, scaling, l0, l1,
+                lut, kc_ptr, kz_ptr, ks_ptr, koi_ptr, kov_ptr, vc_ptr, vs_row, vmax_row, vlev_ptr, vlev16_ptr, pos_ptr,
+                hid_ptr, D, G, KBITS, KGROUP, KO, VBITS, VGROUP, HAS_START, BLOCK, LOWP, LEVELS, VLOG, VST, HAS_POS, HID,
+                False, ASM)
         out = (bh * splits + split) * G
         tl.store(m_ptr + out + gi, m_i)
         tl.store(l_ptr + out + gi, l_i)
