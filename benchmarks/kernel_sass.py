@@ -5,7 +5,8 @@ without a GPU: Triton compiles the launch ``benchmarks/lowbit_kernel.py`` makes 
 
 A configuration is ``variant:tricks`` (tricks "+"-separated names of ``kvweave.kernels.lowbit_decode.TRICKS``, empty
 for none); ``k4v2-post`` is prerope-k4v2's storage read as keys stored after RoPE, a ``-uniform`` suffix puts its
-values on uniform levels. Counts are static (each
+values on uniform levels, a ``-hidden`` suffix (last) launches it with a list of 4 hidden slots a row; the last column is
+the build's registers a thread and stack bytes (its cuobjdump). Counts are static (each
 instruction of the kernel once, the token loop's body included once; "token loop" the body alone, and per key and value
 element a thread handles in one step): they say which instructions a change removes or
 adds, not how often they run or how fast a GPU issues them; that is ``benchmarks/lowbit_kernel.py``'s to time.
@@ -26,7 +27,7 @@ os.environ.pop("TRITON_INTERPRET", None)  # built for the GPU, not run in the in
 import attrs  # noqa: E402
 import torch  # noqa: E402
 
-from kvweave.kernels.gpu_build import build, launch_job, sass_opcodes  # noqa: E402
+from kvweave.kernels.gpu_build import build, launch_job, resources, sass_opcodes  # noqa: E402
 from kvweave.kernels.lowbit_decode import plan_launch  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -44,11 +45,14 @@ CLASSES = {
 
 def counts(storage: str, variant: str, tricks: str) -> dict:
     """One table row: ``storage``'s launch of ``variant`` with ``tricks``, built for sm_90, its opcodes by class."""
-    base = storage.removesuffix("-uniform")
+    hidden = storage.endswith("-hidden")
+    base = storage.removesuffix("-hidden").removesuffix("-uniform")
     view = packed_view(1, 256, device="cpu", storage=base.removesuffix("-post"))
+    if hidden:  # a list of 4 hidden slots a row, as restored tokens that are no prefix of the positions give it
+        view = attrs.evolve(view, hidden_slots=torch.full((view.k_codes.shape[0], 4), -1, dtype=torch.int32))
     if base.endswith("-post"):
         view = attrs.evolve(view, inv_freq=None)
-    if storage.endswith("-uniform"):  # the values on uniform levels (code - (2**bits - 1) / 2) instead of the storage's
+    if storage.removesuffix("-hidden").endswith("-uniform"):  # the values on uniform levels (code - (2**bits - 1) / 2) instead of the storage's
         count = 1 << view.v_bits
         view = attrs.evolve(view, v_levels=torch.arange(count, dtype=torch.float32) - (count - 1) / 2, level_kind=(1, 0.0, 0.0))
     q = torch.randn(1, Q_HEADS, HEAD_DIM)
@@ -56,10 +60,11 @@ def counts(storage: str, variant: str, tricks: str) -> dict:
     job = launch_job(launch.kernel, launch.args, launch.constants)
     cubin = build(importlib.import_module(job["module"]), job).asm["cubin"]
     ops = sass_opcodes(cubin)
+    used = resources(cubin)
     body = sass_opcodes(cubin, loop=True)
     elements = launch.constants["BLOCK"] * HEAD_DIM * 2 / (32 * launch.constants["num_warps"])  # keys and values a thread, a step
     row: dict = {"storage": storage, "config": f"{variant}:{tricks}", "total": sum(ops.values()), "loop": sum(body.values()),
-                 "per_element": sum(body.values()) / elements}
+                 "per_element": sum(body.values()) / elements, **used}
     for name, members in CLASSES.items():
         row[name] = sum(ops[m] for m in members)
     row["other"] = row["total"] - sum(row[name] for name in CLASSES)
@@ -75,8 +80,8 @@ def main() -> None:
     args = parser.parse_args()
     rows = []
     print("| storage | variant:tricks | instructions | conversions | float | integer | memory | tensor | other | token loop | "
-          "loop per key/value element a thread |")
-    print("|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+          "loop per key/value element a thread | registers (stack bytes) |")
+    print("|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
     for storage in args.storages.split(","):
         for config in args.configs.split(","):
             variant, _, tricks = config.partition(":")
@@ -87,7 +92,8 @@ def main() -> None:
                 continue
             rows.append(row)
             print(f"| {storage} | `{config}` | {row['total']} | {row['conversions']} | {row['float']} | {row['integer']} | "
-                  f"{row['memory']} | {row['tensor']} | {row['other']} | {row['loop']} | {row['per_element']:.1f} |", flush=True)
+                  f"{row['memory']} | {row['tensor']} | {row['other']} | {row['loop']} | {row['per_element']:.1f} | "
+                  f"{row['registers']} ({row['stack']}) |", flush=True)
     if args.out:
         Path(args.out).write_text(json.dumps(rows, indent=1))
 

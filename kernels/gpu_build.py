@@ -59,14 +59,29 @@ def build(module: Any, job: dict, arch: int = 90) -> Any:
                           options={"num_warps": job["num_warps"], "maxnreg": job.get("maxnreg")})
 
 
-def nvdisasm() -> str | None:
-    """The path of the nvdisasm that Triton's CUDA backend carries, or None (no Triton, or no CUDA backend)."""
+def nvdisasm(name: str = "nvdisasm") -> str | None:
+    """The path of the nvdisasm (or another ``name`` among its tools, e.g. cuobjdump) that Triton's CUDA backend
+    carries, or None (no Triton, or no CUDA backend)."""
     try:
         import triton
     except ImportError:
         return None
-    tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "nvdisasm")
+    tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", name)
     return tool if os.path.exists(tool) else None
+
+
+def resources(cubin: bytes) -> dict:
+    """The registers a thread and the stack bytes of ``cubin``'s kernel, as Triton's own cuobjdump reports them."""
+    tool = nvdisasm("cuobjdump")
+    if tool is None:
+        raise RuntimeError("no cuobjdump beside Triton: it comes with Triton's CUDA backend")
+    with tempfile.TemporaryDirectory() as folder:
+        path = os.path.join(folder, "kernel.cubin")
+        with open(path, "wb") as handle:
+            handle.write(cubin)
+        text = subprocess.run([tool, "-res-usage", path], capture_output=True, text=True, check=True).stdout
+    found = {key: int(value) for key, value in re.findall(r"\b(REG|STACK):(\d+)", text)}
+    return {"registers": found.get("REG", 0), "stack": found.get("STACK", 0)}
 
 
 def sass_opcodes(cubin: bytes, loop: bool = False) -> collections.Counter:

@@ -33,7 +33,8 @@ import attrs
 from kvweave.core.lazy import lazy_module, torch
 from kvweave.kernels.formats import unpack_codes, unpack_varwidth
 from kvweave.kernels.lowbit_dense import GPU_CHECKED_DIMS, dense_block, dense_launch, dense_refusal
-from kvweave.kernels.lowbit_tricks import TRICKS, parse_tricks, whole_byte_keys, wide_groups  # noqa: F401 - TRICKS: the names lowbit_decode takes
+from kvweave.kernels.lowbit_tricks import (  # noqa: F401 - TRICKS: the names lowbit_decode takes; the others read here
+    TRICKS, fast_path, parse_tricks, whole_byte_codes, whole_byte_keys, wide_groups)
 
 if TYPE_CHECKING:
     from kvweave.kernels import lowbit_triton as jit
@@ -211,18 +212,6 @@ def torch_lowbit_decode(view: LowbitView, q: torch.Tensor, start: torch.Tensor |
     p = torch.exp(logits - safe[..., None])
     acc = torch.einsum("bht,bhtd->bhd", p, values) @ view.rotation
     return _merge_exact(view, q, start, scaling, safe.masked_fill(torch.isinf(m), -math.inf), p.sum(-1), acc)
-
-
-def whole_byte_codes(view: LowbitView) -> tuple[bool, bool]:
-    """Whether ``view``'s key codes and its value codes fill whole bytes (2 or 4 bits; keys ``channel-group``, whose
-    widths do not vary): the codes the "wide" kernel unpacks with interleaves instead of reading each from the one or
-    two bytes it lies in (its ``FASTK`` / ``FASTV``)."""
-    return whole_byte_keys(view), view.v_bits in (2, 4)
-
-
-def fast_path(view: LowbitView) -> bool:
-    """Whether both keys and values take the interleave unpacking (:func:`whole_byte_codes`)."""
-    return all(whole_byte_codes(view))
 
 
 def level_kind(levels: list[float] | tuple[float, ...]) -> tuple[int, float, float]:

@@ -1,5 +1,6 @@
-"""Which conversions the ``lowbit`` kernels leave out (``tricks`` of :func:`kvweave.kernels.lowbit_decode.lowbit_decode`):
-the names, and the check of a launch against them."""
+"""Which codes a ``lowbit`` storage holds that the kernels' fast paths read (whole-byte codes, value groups that fit),
+and which conversions the kernels leave out (``tricks`` of :func:`kvweave.kernels.lowbit_decode.lowbit_decode`): the
+names, and the check of a launch against them."""
 
 from __future__ import annotations
 
@@ -14,6 +15,18 @@ def wide_groups(view: Any) -> bool:
 def whole_byte_keys(view: Any) -> bool:
     """Whether ``view``'s key codes fill whole bytes (2 or 4 bits, ``channel-group`` keys: no per-channel widths)."""
     return view.k_widths is None and view.k_bits in (2, 4)
+
+
+def whole_byte_codes(view: Any) -> tuple[bool, bool]:
+    """Whether ``view``'s key codes and its value codes fill whole bytes (2 or 4 bits; keys ``channel-group``, whose
+    widths do not vary): the codes the "wide" kernel unpacks with interleaves instead of reading each from the one or
+    two bytes it lies in (its ``FASTK`` / ``FASTV``)."""
+    return whole_byte_keys(view), view.v_bits in (2, 4)
+
+
+def fast_path(view: Any) -> bool:
+    """Whether both keys and values take the interleave unpacking (:func:`whole_byte_codes`)."""
+    return all(whole_byte_codes(view))
 
 
 #: conversions the kernels can leave out (``tricks``, "+"-separated; none by default until timed on a GPU): "magic" int
