@@ -70,16 +70,21 @@ def nvdisasm(name: str = "nvdisasm") -> str | None:
     return tool if os.path.exists(tool) else None
 
 
-def resources(cubin: bytes) -> dict:
-    """The registers a thread and the stack bytes of ``cubin``'s kernel, as Triton's own cuobjdump reports them."""
-    tool = nvdisasm("cuobjdump")
+def _read_cubin(name: str, flag: str, cubin: bytes) -> str:
+    """What Triton's own tool ``name`` prints for ``cubin`` with ``flag``."""
+    tool = nvdisasm(name)
     if tool is None:
-        raise RuntimeError("no cuobjdump beside Triton: it comes with Triton's CUDA backend")
+        raise RuntimeError(f"no {name} beside Triton: it comes with Triton's CUDA backend")
     with tempfile.TemporaryDirectory() as folder:
         path = os.path.join(folder, "kernel.cubin")
         with open(path, "wb") as handle:
             handle.write(cubin)
-        text = subprocess.run([tool, "-res-usage", path], capture_output=True, text=True, check=True).stdout
+        return subprocess.run([tool, flag, path], capture_output=True, text=True, check=True).stdout
+
+
+def resources(cubin: bytes) -> dict:
+    """The registers a thread and the stack bytes of ``cubin``'s kernel, as Triton's own cuobjdump reports them."""
+    text = _read_cubin("cuobjdump", "-res-usage", cubin)
     found = {key: int(value) for key, value in re.findall(r"\b(REG|STACK):(\d+)", text)}
     return {"registers": found.get("REG", 0), "stack": found.get("STACK", 0)}
 
@@ -88,14 +93,7 @@ def sass_opcodes(cubin: bytes, loop: bool = False) -> collections.Counter:
     """How many times each opcode (predicates and modifiers dropped) appears in ``cubin``'s machine code, as
     Triton's own nvdisasm prints it; ``loop``: only in the longest loop (from the target of the backward branch that
     spans most code to that branch: a kernel's token loop), each instruction once."""
-    tool = nvdisasm()
-    if tool is None:
-        raise RuntimeError("no nvdisasm beside Triton: it comes with Triton's CUDA backend")
-    with tempfile.TemporaryDirectory() as folder:
-        path = os.path.join(folder, "kernel.cubin")
-        with open(path, "wb") as handle:
-            handle.write(cubin)
-        text = subprocess.run([tool, "-c", path], capture_output=True, text=True, check=True).stdout
+    text = _read_cubin("nvdisasm", "-c", cubin)
     code, labels, pending = [], {}, []
     for line in text.splitlines():
         label = re.match(r"^(\.L_x_\d+):", line)
