@@ -8,7 +8,7 @@ same scale (as are those a keys quantizer weighing channels by the queries' ener
 cache bound to a model that taps them) random. Chunks go through the cache's
 own ``update`` and flush (the same code as a prompt), so the stored bytes, basis versions and residual
 lists are what a real forward would store for such vectors. An evictor that chooses by context importance
-(``kvzip``) gets random scores for the whole fill, which then goes in as one chunk (the scores serve the first
+(``kvzip``) gets random scores for the whole fill (its sinks kept, as the evictor keeps them whatever scored them), which then goes in as one chunk (the scores serve the first
 forward only): which tokens it keeps changes neither the bytes nor the speed of what is stored, though its
 ``copying`` layers, which need the model, are not kept whole here.
 """

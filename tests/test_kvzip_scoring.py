@@ -208,6 +208,19 @@ def test_pooling_takes_each_tokens_largest_neighbour_and_leaves_infinite_scores_
     assert bool((pooled[0] >= scores[0]).all()) and not torch.equal(pooled[0], scores[0])
 
 
+def test_the_first_sinks_positions_are_kept_whatever_scored_them():
+    """Scores from elsewhere than KVzip's scorer (the synthetic fill's random ones, a user's own) keep the evictor's
+    sinks too: without it a benchmark filled at random evicted positions 0-3 in half the heads, which real scoring never
+    does (and the sinks router then restored other tokens than the sinks)."""
+    scores = torch.rand(2, 1, 3, 40, generator=torch.Generator().manual_seed(3))
+    for sinks in (0, 1, 4):
+        prepared = KVzipEvictor(sinks=sinks).prepare_importance(scores)
+        assert torch.isinf(prepared[..., :sinks]).all() and torch.equal(prepared[..., sinks:], scores[..., sinks:])
+    assert torch.isfinite(scores).all()  # the caller's tensor is left as it was
+    kept = KVzipEvictor(fraction=0.1).prepare_importance(scores)
+    assert torch.isinf(kept[..., :4]).all() and bool((kept[..., 4:] < 1).all())
+
+
 def test_fraction_and_share_are_validated():
     for bad in (0.0, 1.5, True, "half"):
         with pytest.raises(ValueError, match="fraction"):

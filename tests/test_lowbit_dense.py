@@ -222,3 +222,19 @@ def test_the_sinks_hidden_slots_become_the_packed_passs_first_position(model, re
     later = attrs.evolve(view, restored_pos=view.restored_pos.clone())
     later.restored_pos[..., 0] = int(view.hidden_below.max()) + 3
     assert hidden_prefix(later, torch.device("cpu")) is None
+
+
+@pytest.mark.interpreter
+def test_a_synthetic_fill_keeps_the_sinks_as_real_scoring_does(model, registry):
+    """The benchmarks fill a KVzip cache with random scores (``kvweave.engine.synthetic``): its sinks are kept as KVzip's
+    scorer keeps them, so the sinks router restores positions 0-3 in every head and the packed pass starts past them
+    (before, random scores evicted some of them and the restored tokens were a list of other positions)."""
+    from kvweave.engine.synthetic import fill_cache
+
+    cache = build_cache(registry.resolve("t-lowbit-sinks-kvzip"), model, tokenizer=CharTokenizer())
+    fill_cache(cache, 2, 300, seed=5)
+    view = cache.engine.kernel.lowbit_view(cache.engine.view(1), torch.device("cpu"))
+    sinks = cache.engine.evictor.sinks
+    assert view.positions is not None and view.tokens < 300  # tokens were dropped
+    assert view.hidden_below is not None and view.hidden_below.tolist() == [sinks, sinks]
+    assert sorted(set(view.restored_pos.flatten().tolist())) == list(range(sinks))

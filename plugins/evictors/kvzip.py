@@ -98,9 +98,13 @@ class KVzipEvictor(Evictor):
                              f"layers (0 to {shape.num_layers - 1})")
 
     def prepare_importance(self, scores: torch.Tensor) -> torch.Tensor:
-        """``pool`` > 1: each scored token takes the largest finite score of its ``pool`` neighbourhood in its
-        layer and head (SnapKV's clustering, applied to reconstruction scores), so a kept token keeps its
-        neighbours' chance; ``+inf`` entries stay as they are and lend nothing."""
+        """The first ``sinks`` positions at ``+inf`` (kept whatever scored them: KVzip's scorer does so itself, random or
+        outside scores need it too); ``pool`` > 1: each scored token takes the largest finite score of its ``pool``
+        neighbourhood in its layer and head (SnapKV's clustering, applied to reconstruction scores), so a kept token
+        keeps its neighbours' chance; ``+inf`` entries stay as they are and lend nothing."""
+        if self.sinks:
+            scores = scores.clone()
+            scores[..., : self.sinks] = math.inf
         if self.pool == 1:
             return scores
         infinite = torch.isinf(scores)
