@@ -33,6 +33,7 @@ from kvweave.core.errors import CacheStateError
 from kvweave.engine.attention import attention_modules, module_queries
 from kvweave.engine.copying import copying_layers
 from kvweave.engine.observation import cache_kwargs
+from kvweave.kernels.scoring import repetition_key_max, repetition_key_max_torch, scoring_kernels_available
 
 #: what the model is asked before the first chunk, and before each later one (then the chunk's last tokens)
 REPEAT_PROMPT = "\n\nRepeat the previous context exactly."
@@ -57,13 +58,15 @@ def turn_suffix(tokenizer: Any) -> str:
 
 
 class _Scorer:
-    """Forward hooks on the attention modules that turn one repetition forward into scores."""
+    """Forward hooks on the attention modules that turn one repetition forward into scores (``backend``: "triton",
+    the kernels of :mod:`kvweave.kernels.scoring`; "torch", their twin)."""
 
-    def __init__(self, model: Any, cache: Any, scores: torch.Tensor, sinks: int) -> None:
+    def __init__(self, model: Any, cache: Any, scores: torch.Tensor, sinks: int, backend: str = "torch") -> None:
         self.cache, self.scores, self.sinks = cache, scores, sinks
         self.modules = attention_modules(model)
         self.start = self.stop = 0
         self.context = scores.shape[-1]
+        self.score = repetition_key_max if backend == "triton" else repetition_key_max_torch
 
     def __enter__(self) -> _Scorer:
         self.handles = [m.register_forward_hook(self._hook, with_kwargs=True) for m in self.modules]
@@ -80,35 +83,10 @@ class _Scorer:
         fed = hidden.shape[-2]
         if keys is None or keys.shape[-2] != self.context + fed:
             return  # a layer whose cache holds a sliding window only: left at +inf
-        queries = module_queries(module, hidden, kwargs["position_embeddings"]).float()
-        batch, q_heads, _, dim = queries.shape
-        heads = keys.shape[1]
-        sinks = min(self.sinks, self.start)
-        chosen = torch.cat((keys[..., :sinks, :], keys[..., self.start : self.stop, :], keys[..., self.context :, :]), dim=-2).float()
-        scaling = float(getattr(module, "scaling", dim**-0.5))
-        grouped = queries.reshape(batch * heads, q_heads // heads * fed, dim)
-        with exact_half_products(keys):  # the scale applied by the product itself: no pass over the logits for it
-            logits = torch.baddbmm(grouped.new_zeros(1, 1, 1), grouped, chosen.reshape(batch * heads, -1, dim).transpose(-1, -2),
-                                   beta=0.0, alpha=scaling).view(batch, heads, q_heads // heads, fed, -1)  # [B, H, G, fed, S]
-        own = torch.ones(fed, fed, dtype=torch.bool, device=logits.device).triu(1)  # the repetition is causal
-        logits[..., -fed:].masked_fill_(own, float("-inf"))
-        probs = logits.softmax(dim=-1)[..., sinks : sinks + self.stop - self.start]
-        self.scores[layer, :, :, self.start : self.stop] = probs.amax(dim=(2, 3))
-
-
-@contextlib.contextmanager
-def exact_half_products(keys: torch.Tensor) -> Iterator[None]:
-    """float32 products on a GPU's TF32 units where the operands were bfloat16 or float16 values (the cache's keys and the
-    model's queries): TF32 keeps their every bit, so the logits are the float32 ones, several times faster."""
-    if keys.device.type != "cuda" or keys.dtype not in (torch.bfloat16, torch.float16):
-        yield
-        return
-    previous = torch.get_float32_matmul_precision()
-    torch.set_float32_matmul_precision("high")
-    try:
-        yield
-    finally:
-        torch.set_float32_matmul_precision(previous)
+        queries = module_queries(module, hidden, kwargs["position_embeddings"])
+        scaling = float(getattr(module, "scaling", queries.shape[-1] ** -0.5))
+        self.scores[layer, :, :, self.start : self.stop] = self.score(
+            queries, keys, self.context, self.start, self.stop, min(self.sinks, self.start), scaling)
 
 
 def _scoring_attention(module: Any, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attention_mask: Any,
@@ -149,10 +127,13 @@ def scoring_attention(model: Any) -> Iterator[None]:
 
 def reconstruction_scores(
     model: Any, tokenizer: Any, input_ids: torch.Tensor, *, chunk: int = 2048, sinks: int = 4, progress: bool = False,
+    backend: str = "auto",
 ) -> torch.Tensor:
     """KVzip's importance of every cached token of ``input_ids`` [B, T] (no padding): float32
     [L, B, H, T] on the model's device, the largest attention probability a repetition query gives it
-    (``+inf`` for layers that keep a sliding window only). See the module's docstring."""
+    (``+inf`` for layers that keep a sliding window only). See the module's docstring. ``backend``: how each chunk's
+    probabilities are reduced ("triton": :func:`kvweave.kernels.scoring.repetition_key_max`, never in memory; "torch":
+    its twin, formed whole; "auto": Triton on a GPU where it is installed)."""
     from transformers import DynamicCache
 
     if input_ids.dim() != 2 or input_ids.shape[-1] < 1:
@@ -161,6 +142,10 @@ def reconstruction_scores(
         raise CacheStateError(f"context scoring chunk must be >= 1 token, got {chunk}")
     if tokenizer is None:
         raise CacheStateError("context scoring builds the repeat prompt with the tokenizer: pass tokenizer= to build_cache")
+    if backend not in ("auto", "torch", "triton"):
+        raise CacheStateError(f"context scoring backend must be 'auto', 'torch' or 'triton', got {backend!r}")
+    if backend == "auto":
+        backend = "triton" if model.device.type == "cuda" and scoring_kernels_available() else "torch"
     config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
     layers = int(config.num_hidden_layers)
     heads = int(getattr(config, "num_key_value_heads", None) or config.num_attention_heads)
@@ -180,7 +165,7 @@ def reconstruction_scores(
     with torch.inference_mode(), scoring_attention(model):
         model(input_ids=ids, use_cache=True, logits_to_keep=1, **cache_kwargs(model, cache))
         saved = [copy.copy(layer) for layer in cache.layers]
-        scorer = _Scorer(model, cache, scores, sinks)
+        scorer = _Scorer(model, cache, scores, sinks, backend)
         with scorer:
             for start in starts:
                 stop = min(total, start + chunk)

@@ -106,3 +106,20 @@ def test_the_window_append_kernel_matches_the_torch_path_on_the_gpu(dtype):
         (codes_t, scale_t), (codes_k, scale_k) = windows[0]._held["keys"], windows[1]._held["keys"]
         assert torch.equal(scale_t.nan_to_num(), scale_k.nan_to_num())
         assert torch.equal(codes_t * scale_t.isfinite(), codes_k * scale_t.isfinite())
+
+
+@pytest.mark.parametrize("dtype, dim", [(torch.bfloat16, 128), (torch.float16, 64), (torch.float32, 128)])
+def test_the_repetition_score_kernels_match_their_twin_on_the_gpu(dtype, dim):
+    """KVzip's scores of one chunk at a real chunk's size (2,048 context tokens of an 8K context at 4,096, 2,070 fed
+    tokens, 8 KV heads of 4 query heads), compiled: bfloat16/float16 operands are exact in the twin's TF32 products, so
+    only the order of the sums differs; float32 keys are multiplied as float32 (``IEEE``)."""
+    from kvweave.kernels.scoring import repetition_key_max, repetition_key_max_torch
+
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    fed, context = 2070, 8192
+    queries = (2 * torch.randn(1, 32, fed, dim, generator=gen, device="cuda")).to(dtype)
+    keys = torch.randn(1, 8, context + fed, dim, generator=gen, device="cuda").to(dtype)
+    twin = repetition_key_max_torch(queries, keys, context, 4096, 6144, 4, dim ** -0.5)
+    got = repetition_key_max(queries, keys, context, 4096, 6144, 4, dim ** -0.5)
+    assert float(twin.std()) > 1e-4
+    assert torch.allclose(got, twin, rtol=1e-3, atol=1e-6), (got - twin).abs().max()
