@@ -197,7 +197,8 @@ def generate(
     if torch.cuda.is_available():
         torch.cuda.synchronize()
     start = time.perf_counter()
-    score_for(model, cache, inputs["input_ids"], progress is not None, inputs.get("attention_mask"))  # evictors by importance
+    # evictors by importance: the context scored, and stored from the scoring's own pass where the cache allows it
+    score_for(model, cache, inputs["input_ids"], progress is not None, inputs.get("attention_mask"), ingest=True)
     with torch.inference_mode(), progress or contextlib.nullcontext():
         output = model.generate(**inputs, logits_processor=processors, **cache_kwargs(model, cache), **generate_kwargs)
     cache.settle()  # the last steps' int8 window range checks, which no later append or flush would raise

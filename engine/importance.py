@@ -32,6 +32,8 @@ import torch
 from kvweave.core.errors import CacheStateError
 from kvweave.engine.attention import attention_modules, module_queries
 from kvweave.engine.copying import copying_layers
+from kvweave.engine.ingest import ingest as ingest_context
+from kvweave.engine.ingest import ingest_refusal
 from kvweave.engine.observation import cache_kwargs
 from kvweave.kernels.scoring import repetition_key_max, repetition_key_max_torch, scoring_kernels_available
 
@@ -89,6 +91,26 @@ class _Scorer:
             queries, keys, self.context, self.start, self.stop, min(self.sinks, self.start), scaling)
 
 
+class _EnergyTap:
+    """Forward hooks that record each attention module's queries into ``energy`` (a no-op where it is None)."""
+
+    def __init__(self, model: Any, energy: Any, kv_heads: int) -> None:
+        self.modules = attention_modules(model) if energy is not None else []
+        self.energy, self.kv_heads = energy, kv_heads
+
+    def __enter__(self) -> _EnergyTap:
+        self.handles = [m.register_forward_hook(self._hook, with_kwargs=True) for m in self.modules]
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        for handle in self.handles:
+            handle.remove()
+
+    def _hook(self, module: Any, args: tuple, kwargs: dict, output: Any) -> None:
+        hidden = args[0] if args else kwargs["hidden_states"]
+        self.energy.record(int(module.layer_idx), module_queries(module, hidden, kwargs["position_embeddings"]), self.kv_heads)
+
+
 def _scoring_attention(module: Any, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attention_mask: Any,
                        scaling: float | None = None, dropout: float = 0.0, **kwargs: Any) -> tuple[torch.Tensor, None]:
     """A repetition forward's attention: each query sees the whole context and the repetition up to itself (causal
@@ -127,13 +149,16 @@ def scoring_attention(model: Any) -> Iterator[None]:
 
 def reconstruction_scores(
     model: Any, tokenizer: Any, input_ids: torch.Tensor, *, chunk: int = 2048, sinks: int = 4, progress: bool = False,
-    backend: str = "auto",
+    backend: str = "auto", keep: list | None = None, energy: Any = None,
 ) -> torch.Tensor:
     """KVzip's importance of every cached token of ``input_ids`` [B, T] (no padding): float32
     [L, B, H, T] on the model's device, the largest attention probability a repetition query gives it
     (``+inf`` for layers that keep a sliding window only). See the module's docstring. ``backend``: how each chunk's
     probabilities are reduced ("triton": :func:`kvweave.kernels.scoring.repetition_key_max`, never in memory; "torch":
-    its twin, formed whole; "auto": Triton on a GPU where it is installed)."""
+    its twin, formed whole; "auto": Triton on a GPU where it is installed). ``keep``: a list that receives each layer's
+    (keys, values) of the context pass (:func:`kvweave.engine.ingest.ingest` stores them without a second forward);
+    ``energy``: a :class:`~kvweave.engine.energy.QueryEnergy` that records the context pass's queries, as a cache's
+    own forward over the context would have."""
     from transformers import DynamicCache
 
     if input_ids.dim() != 2 or input_ids.shape[-1] < 1:
@@ -163,8 +188,11 @@ def reconstruction_scores(
 
         bar = tqdm(total=len(starts), desc=f"scoring {total:,} tokens", unit="chunk", dynamic_ncols=True)
     with torch.inference_mode(), scoring_attention(model):
-        model(input_ids=ids, use_cache=True, logits_to_keep=1, **cache_kwargs(model, cache))
+        with _EnergyTap(model, energy, heads):
+            model(input_ids=ids, use_cache=True, logits_to_keep=1, **cache_kwargs(model, cache))
         saved = [copy.copy(layer) for layer in cache.layers]
+        if keep is not None:
+            keep.extend((layer.keys, layer.values) for layer in saved)
         scorer = _Scorer(model, cache, scores, sinks, backend)
         with scorer:
             for start in starts:
@@ -197,18 +225,25 @@ def needs_importance(cache_or_pipeline: Any) -> bool:
 
 
 def score_for(model: Any, cache: Any, input_ids: torch.Tensor, progress: bool = False,
-              attention_mask: torch.Tensor | None = None) -> None:
-    """Score ``input_ids`` [B, T] for ``cache`` when its evictor needs it and the cache is still empty."""
+              attention_mask: torch.Tensor | None = None, ingest: bool = False) -> int:
+    """Score ``input_ids`` [B, T] for ``cache`` when its evictor needs it and the cache is still empty. ``ingest``: where
+    the cache can take them (:func:`kvweave.engine.ingest.ingest_refusal`), the first T - 1 tokens are scored and
+    stored from the scoring's own context pass, so the caller's forward (``model.generate``, which feeds the tokens a
+    cache does not hold yet) runs over the last token only. Returns the tokens of ``input_ids`` now in the cache."""
     if not needs_importance(cache) or cache.get_seq_length() != 0:
-        return
+        return 0
     if attention_mask is not None and not bool(attention_mask.bool().all()):
         raise CacheStateError(
             f"pipeline '{cache.pipeline.name}': its evictor scores whole rows of context; this batch is padded "
             "(feed its rows one at a time)")
     evictor = cache.pipeline.component("evictor")
     tokenizer = getattr(cache, "tokenizer", None)
-    scores = reconstruction_scores(model, tokenizer, input_ids, chunk=getattr(evictor, "chunk", 2048),
-                                   sinks=getattr(evictor, "sinks", 4), progress=progress)  # an evictor's own, else KVzip's
+    ingesting = ingest and input_ids.shape[-1] >= 2 and ingest_refusal(cache) is None
+    scored = input_ids[:, :-1] if ingesting else input_ids
+    kept: list | None = [] if ingesting else None
+    scores = reconstruction_scores(model, tokenizer, scored, chunk=getattr(evictor, "chunk", 2048),
+                                   sinks=getattr(evictor, "sinks", 4), progress=progress,  # an evictor's own, else KVzip's
+                                   keep=kept, energy=cache.engine.energy if ingesting else None)
     threshold = float(getattr(evictor, "copying", 0.0) or 0.0)
     if threshold:  # the copying layers keep every token: +inf is kept whatever the cut and not counted
         layers = copying_layers(model, tokenizer, threshold)
@@ -218,10 +253,15 @@ def score_for(model: Any, cache: Any, input_ids: torch.Tensor, progress: bool = 
             print(f"kvweave: copying layers (induction score >= {threshold:g}) keep every token: "
                   f"{', '.join(map(str, layers)) or 'none'}", file=sys.stderr, flush=True)
     cache.set_importance(scores)
+    if kept is None:
+        return 0
+    ingest_context(cache, kept)
+    return int(scored.shape[-1])
 
 
-def prefill(model: Any, cache: Any, input_ids: torch.Tensor, progress: bool = False) -> None:
-    """One forward of ``input_ids`` [B, T] into ``cache``, scored first when its evictor needs importance."""
-    score_for(model, cache, input_ids, progress)
+def prefill(model: Any, cache: Any, input_ids: torch.Tensor, progress: bool = False, ingest: bool = False) -> None:
+    """``input_ids`` [B, T] into ``cache`` by one forward, scored first when its evictor needs importance (``ingest``:
+    see :func:`score_for`; the forward then feeds the last token only)."""
+    done = score_for(model, cache, input_ids, progress, ingest=ingest)
     with torch.inference_mode():
-        model(input_ids=input_ids, use_cache=True, logits_to_keep=1, **cache_kwargs(model, cache))
+        model(input_ids=input_ids[:, done:], use_cache=True, logits_to_keep=1, **cache_kwargs(model, cache))

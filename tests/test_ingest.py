@@ -1,0 +1,79 @@
+"""A scored context stored from KVzip's own context pass (``kvweave.engine.ingest``), without a second forward: the
+cache holds what a forward over the same tokens stores (bytes, tokens, next-token logits, greedy tokens), the
+keys quantizer's query energy included; generate feeds the last prompt token only; caches that need more from a
+forward are refused by name."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kvweave.core.registry import load_pipeline
+from kvweave.engine import build_cache, cache_kwargs, importance
+from kvweave.engine.ingest import ingest, ingest_refusal
+
+from conftest import CharTokenizer
+from test_lowbit_kernel import model, registry  # noqa: F401 - the same storages and model
+
+
+def _pipeline(registry, name):
+    return registry.resolve(name) if name.startswith("t-") else load_pipeline(name)
+
+
+@pytest.mark.parametrize("name", ["t-lowbit-sinks-kvzip", "kvzip-qa35v3"])
+def test_an_ingested_context_is_what_a_forward_stores(model, registry, name):  # noqa: F811
+    ids = torch.randint(1, 128, (1, 230), generator=torch.Generator().manual_seed(4))
+    by_forward = build_cache(_pipeline(registry, name), model, tokenizer=CharTokenizer())
+    by_ingest = build_cache(_pipeline(registry, name), model, tokenizer=CharTokenizer())
+    assert ingest_refusal(by_ingest) is None
+    if name == "kvzip-qa35v3":
+        assert by_ingest.engine.energy is not None  # channel-alloc keys weigh channels by the queries' energy
+    fed: list[int] = []
+    hook = model.get_input_embeddings().register_forward_pre_hook(lambda _m, args: fed.append(args[0].shape[-1]))
+    try:
+        with torch.no_grad():
+            importance.prefill(model, by_forward, ids[:, :-1])  # scored over the same 229 tokens, then a forward of them
+            model(input_ids=ids[:, -1:], **cache_kwargs(model, by_forward))
+            fed.clear()
+            importance.prefill(model, by_ingest, ids, ingest=True)
+    finally:
+        hook.remove()
+    assert fed[-1] == 1  # the prompt's forward after ingesting: the last token only
+    assert by_ingest.get_seq_length() == by_forward.get_seq_length() == 230
+    assert by_ingest.memory_bytes() == by_forward.memory_bytes()
+    question = torch.randint(1, 128, (1, 12), generator=torch.Generator().manual_seed(5))
+    with torch.no_grad():
+        a = model(input_ids=question, **cache_kwargs(model, by_forward)).logits
+        b = model(input_ids=question, **cache_kwargs(model, by_ingest)).logits
+    assert torch.allclose(a, b, atol=1e-3), (a - b).abs().max()
+
+
+def test_generate_ingests_and_gives_the_tokens_of_a_forward(model, registry):  # noqa: F811
+    from kvweave.engine.generation import generate
+
+    ids = torch.randint(1, 128, (1, 200), generator=torch.Generator().manual_seed(6))
+    inputs = {"input_ids": ids, "attention_mask": torch.ones_like(ids)}
+    cache = build_cache(registry.resolve("t-lowbit-sinks-kvzip"), model, tokenizer=CharTokenizer())
+    fed: list[int] = []
+    hook = model.get_input_embeddings().register_forward_pre_hook(lambda _m, args: fed.append(args[0].shape[-1]))
+    try:
+        tokens, stats = generate(model, dict(inputs), cache, max_new_tokens=6, do_sample=False)
+    finally:
+        hook.remove()
+    assert max(fed[-6:]) == 1  # no forward of the whole prompt after the scoring's
+    reference = build_cache(registry.resolve("t-lowbit-sinks-kvzip"), model, tokenizer=CharTokenizer())
+    with torch.no_grad():
+        importance.prefill(model, reference, ids[:, :-1])
+        out = model(input_ids=ids[:, -1:], **cache_kwargs(model, reference))
+    assert int(out.logits[0, -1].argmax()) == int(tokens[0, 0])
+    assert stats.prompt_tokens == 200 and stats.cached_tokens == 205
+
+
+@pytest.mark.parametrize("name, why", [("snapkv", "recent queries"), ("h2o", "accumulates")])
+def test_caches_that_need_a_forward_are_refused_by_name(model, name, why):  # noqa: F811
+    cache = build_cache(load_pipeline(name), model, tokenizer=CharTokenizer())
+    assert why in (ingest_refusal(cache) or "")
+    k = torch.zeros(1, cache.shape.num_kv_heads, 8, cache.shape.head_dim)
+    with pytest.raises(ValueError, match=f"'{name}' cannot take a context without a forward: .*{why}"):
+        ingest(cache, [(k, k)] * cache.shape.num_layers)
+    assert cache.get_seq_length() == 0
