@@ -17,8 +17,8 @@ step's work does not depend on. The fill time of the encoder grows with B, so th
 within minutes.
 ``--ttft T`` times a real prefill of T random token ids to the first generated token, B = 1.
 A pipeline whose evictor chooses by context importance (``kvzip-qa35v3``) is filled with random scores
-(:mod:`kvweave.engine.synthetic`) and, for ``--ttft``, scores its prompt inside the timed span, as
-``kvweave generate`` does.
+(:mod:`kvweave.engine.synthetic`) and, for ``--ttft``, scores its prompt inside the timed span and stores it from the
+scoring's own context pass (``kvweave.engine.ingest``), as ``kvweave generate`` does.
 """
 
 from __future__ import annotations
@@ -207,7 +207,7 @@ def ttft(method: str, model, tokens: int, device: str, reps: int = 2) -> dict:
         start = time.perf_counter()
         with torch.no_grad():
             if isinstance(cache, KVWeaveCache):
-                score_for(model, cache, ids)  # an evictor choosing by context importance scores the prompt first (KVzip)
+                score_for(model, cache, ids, ingest=True)  # KVzip scores the prompt first, stored from its context pass
             model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=1, do_sample=False, **cache_kwargs(model, cache))
         sync()
         times.append(time.perf_counter() - start)
@@ -254,7 +254,7 @@ def main() -> None:
         for method in methods[:2]:
             ttfts.append(ttft(method, model, args.ttft, device))
     for method in methods:
-        for batch in [int(b) for b in args.batches.split(",")]:
+        for batch in [int(b) for b in args.batches.split(",") if b]:  # --batches "": the time to first token only
             steps = args.steps if "reference" not in method else max(4, args.steps // 4)
             rows.append(run(method, model, batch, args.context, steps, device, args.fill_rows))
     if args.max_batch:

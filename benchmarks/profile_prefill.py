@@ -76,7 +76,7 @@ def first_token(model, cache, ids) -> float:
     start = time.perf_counter()
     with torch.no_grad():
         if not isinstance(cache, DynamicCache):  # an evictor that needs the context's scores gets them first
-            importance_module.score_for(model, cache, ids)
+            importance_module.score_for(model, cache, ids, ingest=True)  # stored from the scoring's context pass
         model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=1, do_sample=False, **cache_kwargs(model, cache))
     sync()
     return time.perf_counter() - start
