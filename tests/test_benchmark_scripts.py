@@ -363,3 +363,15 @@ def test_lowbit_kernel_configs_name_variant_steps_warps_programs_and_tricks(monk
     for bad in ("wide:32", "fast:32:4", "wide:32:4:528:turbo", "wide:x:4"):
         with pytest.raises(SystemExit, match="variant:block:warps"):
             lowbit_kernel.parse_configs(bad, 528)
+
+
+def test_scoring_time_times_both_read_outs_and_compares_their_scores():
+    """benchmarks/scoring_time.py --smoke: the scoring by each backend and the forwards alone, and the two backends'
+    scores nearly equal (the kernels in Triton's interpreter)."""
+    command = [sys.executable, str(ROOT / "benchmarks" / "scoring_time.py"), "--smoke", "--tokens", "160", "--reps", "1"]
+    done = subprocess.run(command, capture_output=True, text=True, timeout=300, cwd=ROOT / "benchmarks")
+    assert done.returncode == 0, done.stderr[-2000:]
+    rows = {line.split(" | ")[0].strip("| "): line for line in done.stdout.splitlines() if line.startswith("| ")}
+    assert {"scoring, read-out by torch", "scoring, read-out by the Triton kernels", "the forwards alone (context pass + repetitions)"} <= set(rows)
+    relative = float(done.stdout.strip().splitlines()[-1].split(",")[-1].split()[0])
+    assert relative < 1e-3
