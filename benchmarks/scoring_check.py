@@ -6,8 +6,8 @@ bf16 weights: where its time goes, and how its scores compare with the model's o
 
 ``profile``: the scoring timed once (after a warm-up on 4,096 tokens), then run under ``torch.profiler``: the 25
 operations with the most device time (CPU time with ``--smoke``). ``agreement``: the scores of the scoring path (its
-attention for the repetition forwards, TF32 logits on a GPU) against those of the same scoring run with the model's
-sdpa and its mask and float32 logits; queries and keys scaled by ``--sharpen`` so that attention is sharp. Printed: the
+attention for the repetition forwards, read out by the Triton kernels on a GPU) against those of the same scoring run with the model's
+sdpa and its mask and the probabilities formed whole in float32; queries and keys scaled by ``--sharpen`` so that attention is sharp. Printed: the
 largest and median relative difference, and the share of the top half of each layer's tokens (layers after the first,
 whose inputs pass through attention) that both pick.
 """
@@ -22,6 +22,7 @@ import torch
 
 import decode_e2e as e2e
 from kvweave.engine import importance
+from kvweave.kernels import scoring
 
 
 @contextlib.contextmanager
@@ -52,12 +53,12 @@ def profile(model, ids, tokenizer, device: str) -> None:
 
 def agreement(model, ids, tokenizer) -> None:
     new = importance.reconstruction_scores(model, tokenizer, ids)
-    own, half = importance.scoring_attention, importance.exact_half_products
-    importance.scoring_attention, importance.exact_half_products = model_sdpa, lambda keys: contextlib.nullcontext()
-    try:
-        old = importance.reconstruction_scores(model, tokenizer, ids)
+    own, half = importance.scoring_attention, scoring.exact_half_products
+    importance.scoring_attention, scoring.exact_half_products = model_sdpa, lambda keys: contextlib.nullcontext()
+    try:  # the model's own attention, the probabilities formed whole in float32 (no TF32)
+        old = importance.reconstruction_scores(model, tokenizer, ids, backend="torch")
     finally:
-        importance.scoring_attention, importance.exact_half_products = own, half
+        importance.scoring_attention, scoring.exact_half_products = own, half
     finite = torch.isfinite(old)
     rel = (new - old).abs()[finite] / old[finite].abs().clamp_min(1e-6)
     k = old[1:].numel() // 2
