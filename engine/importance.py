@@ -8,8 +8,9 @@ repetition (and any query head of its KV head) gives it. Tokens the model needs 
 are the ones a later question can need; those it never looks at can go.
 
 :func:`reconstruction_scores` computes the scores with the model and a plain ``DynamicCache`` (the context
-prefilled once, then each chunk of at most ``chunk`` tokens repeated over it; the cache is restored to the
-context after each chunk, so chunks never see each other). The softmax of a chunk's queries runs over the
+prefilled once, then each chunk of at most ``chunk`` tokens repeated over it; each repetition is written after the
+context in room made for it at the prefill and forgotten after its chunk, so chunks never see each other and the
+context is never copied). The softmax of a chunk's queries runs over the
 first ``sinks`` tokens, the chunk's own context tokens and the repetition itself, as in the paper, so
 scores of different chunks compare. Layers whose cache keeps only a sliding window (Gemma 3's local
 layers) cannot be scored over the whole context: their scores are ``+inf`` (never evicted by score).
@@ -28,6 +29,7 @@ from collections.abc import Iterator
 from typing import Any
 
 import torch
+from transformers.cache_utils import DynamicLayer
 
 from kvweave.core.errors import CacheStateError
 from kvweave.engine.attention import attention_modules, module_queries
@@ -89,6 +91,38 @@ class _Scorer:
         scaling = float(getattr(module, "scaling", queries.shape[-1] ** -0.5))
         self.scores[layer, :, :, self.start : self.stop] = self.score(
             queries, keys, self.context, self.start, self.stop, min(self.sinks, self.start), scaling)
+
+
+class _RepetitionLayer(DynamicLayer):
+    """A full-attention layer of the scoring cache whose context never moves: the first update (the context pass) writes
+    into a buffer with ``room`` spare tokens, and each repetition's keys and values are written after the context in
+    place (``rewind`` forgets the previous one) instead of concatenated to a copy of the whole context."""
+
+    def __init__(self, room: int) -> None:
+        super().__init__()
+        self.room, self.context = room, None
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args: Any, **kwargs: Any) -> tuple[torch.Tensor, torch.Tensor]:
+        if self.context is None:  # the context pass: the buffer made, the context written at its start
+            batch, heads, tokens, dim = key_states.shape
+            self.context = tokens
+            self._keys = key_states.new_empty(batch, heads, tokens + self.room, dim)
+            self._values = value_states.new_empty(batch, heads, tokens + self.room, value_states.shape[-1])
+            self.dtype, self.device, self.is_initialized = key_states.dtype, key_states.device, True
+            held = 0
+        else:
+            held = self.keys.shape[-2]
+        end = held + key_states.shape[-2]
+        if end > self._keys.shape[-2]:
+            raise CacheStateError(f"context scoring: a repetition of {end - self.context} tokens exceeds the {self.room} made room for")
+        self._keys[..., held:end, :] = key_states
+        self._values[..., held:end, :] = value_states
+        self.keys, self.values = self._keys[..., :end, :], self._values[..., :end, :]
+        return self.keys, self.values
+
+    def rewind(self) -> None:
+        """Back to the context alone (the next repetition overwrites the last one's room)."""
+        self.keys, self.values = self._keys[..., : self.context, :], self._values[..., : self.context, :]
 
 
 class _EnergyTap:
@@ -180,8 +214,17 @@ def reconstruction_scores(
     encode = lambda text: tokenizer(text, add_special_tokens=False, return_tensors="pt")["input_ids"].to(device)  # noqa: E731
     suffix = encode(turn_suffix(tokenizer))
     scores = torch.full((layers, batch, heads, total), float("inf"), dtype=torch.float32, device=device)
-    cache = DynamicCache(config=model.config)
     starts = list(range(0, total, chunk))
+    feeds = []
+    for start in starts:
+        if start == 0:
+            ask = encode(REPEAT_PROMPT).expand(batch, -1)
+        else:  # each row quotes the end of its own previous chunk
+            ask = torch.cat((encode(REPEAT_CONTINUE).expand(batch, -1), ids[:, max(0, start - OVERLAP_TOKENS) : start]), dim=-1)
+        feeds.append(torch.cat((ask, suffix.expand(batch, -1), ids[:, start : min(total, start + chunk)]), dim=-1))
+    cache = DynamicCache(config=model.config)
+    room = max(fed.shape[-1] for fed in feeds)
+    cache.layers = [_RepetitionLayer(room) if type(layer) is DynamicLayer else layer for layer in cache.layers]
     bar = None
     if progress:
         from tqdm.auto import tqdm
@@ -195,14 +238,12 @@ def reconstruction_scores(
             keep.extend((layer.keys, layer.values) for layer in saved)
         scorer = _Scorer(model, cache, scores, sinks, backend)
         with scorer:
-            for start in starts:
+            for start, fed in zip(starts, feeds):
                 stop = min(total, start + chunk)
-                if start == 0:
-                    ask = encode(REPEAT_PROMPT).expand(batch, -1)
-                else:  # each row quotes the end of its own previous chunk
-                    ask = torch.cat((encode(REPEAT_CONTINUE).expand(batch, -1), ids[:, max(0, start - OVERLAP_TOKENS) : start]), dim=-1)
-                fed = torch.cat((ask, suffix.expand(batch, -1), ids[:, start:stop]), dim=-1)
-                cache.layers = [copy.copy(layer) for layer in saved]
+                for layer in saved:
+                    if isinstance(layer, _RepetitionLayer):
+                        layer.rewind()
+                cache.layers = [layer if isinstance(layer, _RepetitionLayer) else copy.copy(layer) for layer in saved]
                 scorer.start, scorer.stop = start, stop
                 model(input_ids=fed, use_cache=True, logits_to_keep=1, **cache_kwargs(model, cache))
                 if bar is not None:

@@ -230,3 +230,37 @@ def test_fraction_and_share_are_validated():
     for bad in (0, 4, 257):
         with pytest.raises(ValueError, match="pool"):
             KVzipEvictor(pool=bad)
+
+
+def test_repetitions_are_written_after_the_context_in_place_and_sliding_layers_still_score_inf(monkeypatch):
+    """The scoring cache's full-attention layers keep the context where the prefill wrote it (each repetition written
+    after it, the buffer never reallocated); a model with sliding-window layers (toy Gemma 3) gets scores in its
+    full-attention layers, equal to those of concatenating each repetition to a copy of the context, and +inf in its
+    sliding ones. A repetition longer than the room made for it is refused."""
+    from conftest import GEMMA_TYPES, tiny_gemma
+
+    gemma = tiny_gemma()
+    ids = context_ids(length=90, seed=7)
+    seen: list[int] = []
+    original = importance._RepetitionLayer.update
+
+    def spy(self, keys, values, *args, **kwargs):
+        out = original(self, keys, values, *args, **kwargs)
+        seen.append(self._keys.data_ptr())
+        return out
+
+    with monkeypatch.context() as patch:
+        patch.setattr(importance._RepetitionLayer, "update", spy)
+        in_place = importance.reconstruction_scores(gemma, TOK, ids, chunk=30, sinks=SINKS)
+    full = [i for i, kind in enumerate(GEMMA_TYPES) if kind == "full_attention"]
+    assert len(seen) == 4 * len(full) and len(set(seen)) == len(full)  # 1 prefill + 3 chunks, one buffer a layer
+    sliding = [i for i in range(len(GEMMA_TYPES)) if i not in full]
+    assert bool(torch.isposinf(in_place[sliding]).all()) and bool(torch.isfinite(in_place[full][..., SINKS:]).all())
+    with monkeypatch.context() as patch:
+        patch.setattr(importance, "DynamicLayer", type("NoLayer", (), {}))  # no layer replaced: the plain copies
+        copied = importance.reconstruction_scores(gemma, TOK, ids, chunk=30, sinks=SINKS)
+    assert torch.allclose(in_place, copied, atol=1e-6)
+    layer = importance._RepetitionLayer(room=4)
+    layer.update(torch.zeros(1, 2, 10, 8), torch.zeros(1, 2, 10, 8))
+    with pytest.raises(Exception, match="exceeds the 4 made room for"):
+        layer.update(torch.zeros(1, 2, 5, 8), torch.zeros(1, 2, 5, 8))
