@@ -20,8 +20,9 @@ if TYPE_CHECKING:
 else:
     jit: Any = lazy_module("kvweave.kernels.scoring_triton")
 
-#: query rows and keys a program takes at a time (tensor-core tiles)
-ROW_TILE, KEY_TILE = 64, 64
+#: query rows and keys a program takes at a time (tensor-core tiles), and at head dims above 128 (a [64, 256] tile of
+#: each operand would not leave the registers for the logits)
+ROW_TILE, KEY_TILE, WIDE_TILE = 64, 64, 32
 LOG2E = 1.4426950408889634
 
 
@@ -97,9 +98,10 @@ def repetition_key_max(queries: torch.Tensor, keys: torch.Tensor, context: int, 
     n = stop - start
     lse = torch.empty(batch * heads, rows, dtype=torch.float32, device=keys.device)
     out = torch.empty(batch * heads, n, dtype=torch.float32, device=keys.device)
-    constants = dict(D=dim, BD=max(16, 1 << (dim - 1).bit_length()), BM=ROW_TILE, BN=KEY_TILE, IEEE=k.dtype == torch.float32)
+    row_tile, key_tile = (ROW_TILE, KEY_TILE) if dim <= 128 else (WIDE_TILE, WIDE_TILE)
+    constants = dict(D=dim, BD=max(16, 1 << (dim - 1).bit_length()), BM=row_tile, BN=key_tile, IEEE=k.dtype == torch.float32)
     scale2 = float(scaling) * LOG2E
-    jit._row_lse_kernel[(batch * heads, -(-rows // ROW_TILE))](q, k, lse, rows, fed, sinks, start, n, context, length, scale2,
+    jit._row_lse_kernel[(batch * heads, -(-rows // row_tile))](q, k, lse, rows, fed, sinks, start, n, context, length, scale2,
                                                               **constants)
-    jit._key_max_kernel[(batch * heads, -(-n // KEY_TILE))](q, k, lse, out, rows, start, n, length, scale2, **constants)
+    jit._key_max_kernel[(batch * heads, -(-n // key_tile))](q, k, lse, out, rows, start, n, length, scale2, **constants)
     return out.view(batch, heads, n)

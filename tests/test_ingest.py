@@ -20,7 +20,7 @@ def _pipeline(registry, name):
     return registry.resolve(name) if name.startswith("t-") else load_pipeline(name)
 
 
-@pytest.mark.parametrize("name", ["t-lowbit-sinks-kvzip", "kvzip-qa35v3"])
+@pytest.mark.parametrize("name", ["t-lowbit-sinks-kvzip", "kvzip-qa35v3", "t-lowbit-kvzip-cg"])  # int8 windows; a bf16 window, keys before RoPE
 def test_an_ingested_context_is_what_a_forward_stores(model, registry, name):  # noqa: F811
     ids = torch.randint(1, 128, (1, 230), generator=torch.Generator().manual_seed(4))
     by_forward = build_cache(_pipeline(registry, name), model, tokenizer=CharTokenizer())

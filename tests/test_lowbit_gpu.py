@@ -108,7 +108,7 @@ def test_the_window_append_kernel_matches_the_torch_path_on_the_gpu(dtype):
         assert torch.equal(codes_t * scale_t.isfinite(), codes_k * scale_t.isfinite())
 
 
-@pytest.mark.parametrize("dtype, dim", [(torch.bfloat16, 128), (torch.float16, 64), (torch.float32, 128)])
+@pytest.mark.parametrize("dtype, dim", [(torch.bfloat16, 128), (torch.float16, 64), (torch.float32, 128), (torch.bfloat16, 256)])
 def test_the_repetition_score_kernels_match_their_twin_on_the_gpu(dtype, dim):
     """KVzip's scores of one chunk at a real chunk's size (2,048 context tokens of an 8K context at 4,096, 2,070 fed
     tokens, 8 KV heads of 4 query heads), compiled: bfloat16/float16 operands are exact in the twin's TF32 products, so

@@ -28,6 +28,7 @@ def _case(batch, heads, group, fed, context, dim, dtype, seed, sharp=3.0):
     (2, 1, 1, 70, 90, 128, 0, 90, 0, torch.float32),  # the first chunk: no sinks, the whole context
     (1, 2, 2, 20, 200, 80, 100, 117, 3, torch.bfloat16),  # a head dim that is no power of two, half operands
     (1, 1, 8, 9, 64, 64, 9, 64, 9, torch.float16),
+    (1, 1, 2, 40, 80, 256, 20, 70, 4, torch.bfloat16),  # head dim 256: the narrower tiles
 ])
 def test_the_kernels_give_the_twins_scores(batch, heads, group, fed, context, dim, start, stop, sinks, dtype):
     queries, keys = _case(batch, heads, group, fed, context, dim, dtype, seed=dim + fed)
