@@ -30,6 +30,10 @@ import json
 import time
 from pathlib import Path
 
+from kvweave.core.allocator import prefer_expandable_segments
+
+prefer_expandable_segments()  # before torch starts CUDA: the flushes' store growth without allocator round trips
+
 import torch
 from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM, StoppingCriteria, StoppingCriteriaList
 

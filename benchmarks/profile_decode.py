@@ -18,6 +18,10 @@ import argparse
 import pickle
 from collections import defaultdict
 
+from kvweave.core.allocator import prefer_expandable_segments
+
+prefer_expandable_segments()  # before torch starts CUDA: the flushes' store growth without allocator round trips
+
 import torch
 
 import decode_e2e as e2e

@@ -17,6 +17,7 @@ import warnings
 from pathlib import Path
 from typing import Any, Sequence
 
+from kvweave.core.allocator import prefer_expandable_segments
 from kvweave.core.errors import KvweaveError
 from kvweave.tools.cli_generate import BREAKDOWN_TERMS, cmd_generate  # noqa: F401  (BREAKDOWN_TERMS: public)
 from kvweave.tools.cli_io import print_json, read_text_file
@@ -297,6 +298,7 @@ _python_show_warning = warnings.showwarning
 
 def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
+    prefer_expandable_segments()  # before any command starts CUDA (kvweave.core.allocator)
     silence_other_ranks(argv)  # under torchrun with --tp N only rank 0 prints
     previous = warnings.showwarning
     warnings.showwarning = _show_warning
