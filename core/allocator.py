@@ -8,7 +8,8 @@ median; with expandable segments (one mapping grown and shrunk in place) 0.63 s,
 (docs/kernels.md, "Value codes as operand pairs").
 
 :func:`prefer_expandable_segments` sets it where the user set no allocator configuration and CUDA has not started in
-this process (the allocator reads it once, when it starts); ``kvweave`` commands and the GPU benchmarks call it first.
+this process (the allocator reads it once, when it starts), outside torchrun's multi-rank runs (not measured with NCCL);
+``kvweave`` commands and the decode benchmarks call it first.
 """
 
 from __future__ import annotations
@@ -25,6 +26,9 @@ def prefer_expandable_segments() -> bool:
     """Ask for expandable segments unless the user configured the allocator or CUDA has already started; returns
     whether it did."""
     if any(os.environ.get(name) for name in ALLOC_VARIABLES):
+        return False
+    world = os.environ.get("WORLD_SIZE", "")
+    if world.isdigit() and int(world) > 1:  # torchrun's ranks (--tp): not measured with NCCL, left as they are
         return False
     torch = sys.modules.get("torch")
     if torch is not None and torch.cuda.is_initialized():

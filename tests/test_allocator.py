@@ -20,6 +20,7 @@ ROOT = Path(__file__).resolve().parents[1]
 def _clear(monkeypatch) -> None:
     for name in allocator.ALLOC_VARIABLES:
         monkeypatch.setenv(name, "")  # restored after the test; empty counts as unset
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
 
 
 def test_set_where_nothing_is_configured_and_left_alone_otherwise(monkeypatch):
@@ -32,6 +33,15 @@ def test_set_where_nothing_is_configured_and_left_alone_otherwise(monkeypatch):
         monkeypatch.setenv(name, "max_split_size_mb:512")
         assert allocator.prefer_expandable_segments() is False
         assert os.environ[name] == "max_split_size_mb:512" and not os.environ.get("PYTORCH_CUDA_ALLOC_CONF" if name == "PYTORCH_ALLOC_CONF" else "PYTORCH_ALLOC_CONF")
+
+
+def test_not_set_under_torchruns_ranks(monkeypatch):
+    _clear(monkeypatch)
+    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: False)
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    assert allocator.prefer_expandable_segments() is False and not os.environ.get("PYTORCH_CUDA_ALLOC_CONF")
+    monkeypatch.setenv("WORLD_SIZE", "1")
+    assert allocator.prefer_expandable_segments() is True
 
 
 def test_not_set_once_cuda_has_started(monkeypatch):
