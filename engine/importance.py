@@ -61,7 +61,24 @@ def turn_suffix(tokenizer: Any) -> str:
     return text[at + len(marker):]
 
 
-class _Scorer:
+class _AttentionHooks:
+    """A forward hook (``_hook``) on each of ``modules`` (attention modules) for the duration of a ``with`` block."""
+
+    modules: list[Any]
+
+    def __enter__(self) -> _AttentionHooks:
+        self.handles = [m.register_forward_hook(self._hook, with_kwargs=True) for m in self.modules]
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        for handle in self.handles:
+            handle.remove()
+
+    def _hook(self, module: Any, args: tuple, kwargs: dict, output: Any) -> None:
+        raise NotImplementedError
+
+
+class _Scorer(_AttentionHooks):
     """Forward hooks on the attention modules that turn one repetition forward into scores (``backend``: "triton",
     the kernels of :mod:`kvweave.kernels.scoring`; "torch", their twin)."""
 
@@ -71,14 +88,6 @@ class _Scorer:
         self.start = self.stop = 0
         self.context = scores.shape[-1]
         self.score = repetition_key_max if backend == "triton" else repetition_key_max_torch
-
-    def __enter__(self) -> _Scorer:
-        self.handles = [m.register_forward_hook(self._hook, with_kwargs=True) for m in self.modules]
-        return self
-
-    def __exit__(self, *exc: Any) -> None:
-        for handle in self.handles:
-            handle.remove()
 
     def _hook(self, module: Any, args: tuple, kwargs: dict, output: Any) -> None:
         layer = int(module.layer_idx)
@@ -125,20 +134,12 @@ class _RepetitionLayer(DynamicLayer):
         self.keys, self.values = self._keys[..., : self.context, :], self._values[..., : self.context, :]
 
 
-class _EnergyTap:
+class _EnergyTap(_AttentionHooks):
     """Forward hooks that record each attention module's queries into ``energy`` (a no-op where it is None)."""
 
     def __init__(self, model: Any, energy: Any, kv_heads: int) -> None:
         self.modules = attention_modules(model) if energy is not None else []
         self.energy, self.kv_heads = energy, kv_heads
-
-    def __enter__(self) -> _EnergyTap:
-        self.handles = [m.register_forward_hook(self._hook, with_kwargs=True) for m in self.modules]
-        return self
-
-    def __exit__(self, *exc: Any) -> None:
-        for handle in self.handles:
-            handle.remove()
 
     def _hook(self, module: Any, args: tuple, kwargs: dict, output: Any) -> None:
         hidden = args[0] if args else kwargs["hidden_states"]
