@@ -104,3 +104,36 @@ def test_the_shipped_8x_pipeline_answers_the_same_from_an_ingested_report(real_m
         assert cache.compression_ratio() > 4  # it compressed (evicted and quantized) the report
     assert stored[0] == stored[1]
     assert torch.allclose(logits[0], logits[1], atol=1e-4), (logits[0] - logits[1]).abs().max()
+
+
+def test_the_quality_harness_stores_a_scored_context_as_generate_does(model, registry):  # noqa: F811
+    """``kvweave eval`` (``Evaluation.answer`` with a prefilled context) ingests the scored context, as ``kvweave
+    generate`` does, so quality is measured on the path users run: the prompt's forward after the scoring feeds one
+    token, the question's tokens follow, and the answer is the one a scored-and-forwarded context gives."""
+    from kvweave.tools.eval_context import Evaluation
+
+    class Tok(CharTokenizer):  # what the harness reads of a tokenizer besides encoding
+        pad_token_id = 0
+
+        def decode(self, ids, skip_special_tokens=True):
+            return ",".join(str(int(i)) for i in ids)
+
+    tok = Tok()
+    evaluation = Evaluation(model, tok, registry, ["t-lowbit-sinks-kvzip"], None, max_new_tokens=5, chat=False,  # type: ignore[arg-type]
+                            progress=False)  # no run folder: answer() writes none
+    assert evaluation.pipeline("t-lowbit-sinks-kvzip") is not None
+    ids = torch.randint(1, 128, (1, 210), generator=torch.Generator().manual_seed(8))
+    inputs = {"input_ids": ids, "attention_mask": torch.ones_like(ids)}
+    fed: list[int] = []
+    hook = model.get_input_embeddings().register_forward_pre_hook(lambda _m, args: fed.append(args[0].shape[-1]))
+    try:
+        answer, _ = evaluation.answer("t-lowbit-sinks-kvzip", inputs, context_tokens=190)
+    finally:
+        hook.remove()
+    assert fed[-6:] == [1, 20, 1, 1, 1, 1]  # after the scoring: the context's last token, the question's 20, 4 steps
+    reference = build_cache(registry.resolve("t-lowbit-sinks-kvzip"), model, tokenizer=tok)
+    with torch.no_grad():
+        importance.prefill(model, reference, ids[:, :189])
+        out = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=5, do_sample=False,
+                             **cache_kwargs(model, reference))
+    assert answer == tok.decode(out[0, 210:], skip_special_tokens=True)

@@ -134,9 +134,10 @@ class Evaluation:
         return self.tokenizer.decode(new[0], skip_special_tokens=True), stats
 
     def prefill(self, cache: Any, input_ids: torch.Tensor) -> None:
-        """One forward of ``input_ids`` [1, n] into ``cache`` (which compresses what its pipeline packs),
-        the context scored first for a pipeline whose evictor chooses by context importance."""
-        importance.prefill(self.model, cache, input_ids)
+        """One forward of ``input_ids`` [1, n] into ``cache`` (which compresses what its pipeline packs), the context
+        scored first for a pipeline whose evictor chooses by context importance, and then stored from the scoring's own
+        pass as ``kvweave generate`` stores it (``kvweave.engine.ingest``: the forward feeds the last token only)."""
+        importance.prefill(self.model, cache, input_ids, ingest=True)
 
     def context_limit(self) -> int | None:
         config = self.model.config.get_text_config() if hasattr(self.model.config, "get_text_config") else self.model.config
