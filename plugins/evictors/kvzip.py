@@ -102,8 +102,8 @@ class KVzipEvictor(Evictor):
         outside scores need it too); ``pool`` > 1: each scored token takes the largest finite score of its ``pool``
         neighbourhood in its layer and head (SnapKV's clustering, applied to reconstruction scores), so a kept token
         keeps its neighbours' chance; ``+inf`` entries stay as they are and lend nothing."""
-        if self.sinks:
-            scores = scores.clone()
+        if self.sinks and not bool(torch.isposinf(scores[..., : self.sinks]).all()):  # KVzip's scorer set them already
+            scores = scores.clone()  # the caller's scores left as they were
             scores[..., : self.sinks] = math.inf
         if self.pool == 1:
             return scores
