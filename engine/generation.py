@@ -47,6 +47,9 @@ class GenerationStats:
     model_dtype: str = "bfloat16"
     #: under tensor parallelism each rank's own stored bytes, in rank order (the sum is ``stored_bytes``); () otherwise
     rank_bytes: tuple[int, ...] = ()
+    #: the part of ``prefill_seconds`` spent scoring the context and storing it from the scoring's pass (an evictor that
+    #: chooses by context importance, KVzip's; ~0 for the other pipelines)
+    scoring_seconds: float = 0.0
 
     @property
     def ratio(self) -> float:
@@ -199,6 +202,9 @@ def generate(
     start = time.perf_counter()
     # evictors by importance: the context scored, and stored from the scoring's own pass where the cache allows it
     score_for(model, cache, inputs["input_ids"], progress is not None, inputs.get("attention_mask"), ingest=True)
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+    scored = time.perf_counter()
     with torch.inference_mode(), progress or contextlib.nullcontext():
         output = model.generate(**inputs, logits_processor=processors, **cache_kwargs(model, cache), **generate_kwargs)
     cache.settle()  # the last steps' int8 window range checks, which no later append or flush would raise
@@ -222,5 +228,6 @@ def generate(
         full_model_dtype_bytes=memory.full_16bit_bytes * _element_size(model) // 2,
         model_dtype=str(getattr(model, "dtype", torch.bfloat16)).replace("torch.", ""),
         rank_bytes=memory.rank_bytes if cache.shard is not None else (),
+        scoring_seconds=scored - start,
     )
     return new_tokens, stats

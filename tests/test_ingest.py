@@ -137,3 +137,26 @@ def test_the_quality_harness_stores_a_scored_context_as_generate_does(model, reg
         out = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=5, do_sample=False,
                              **cache_kwargs(model, reference))
     assert answer == tok.decode(out[0, 210:], skip_special_tokens=True)
+
+
+def test_generate_reports_the_scorings_share_of_the_prefill(model, registry):  # noqa: F811
+    """``GenerationStats.scoring_seconds``: the part of the prefill a KVzip pipeline spends scoring (and storing) the
+    context, within the prefill's time; ~0 where nothing is scored."""
+    from kvweave.engine.generation import generate
+
+    ids = torch.randint(1, 128, (1, 160), generator=torch.Generator().manual_seed(9))
+    inputs = {"input_ids": ids, "attention_mask": torch.ones_like(ids)}
+    scored_counts: list[int] = []
+    original = importance.reconstruction_scores
+    try:
+        importance.reconstruction_scores = lambda *a, **k: (scored_counts.append(1), original(*a, **k))[1]
+        _, kvzip = generate(model, dict(inputs), build_cache(registry.resolve("t-lowbit-sinks-kvzip"), model, tokenizer=CharTokenizer()),
+                            max_new_tokens=2, do_sample=False)
+        _, plain = generate(model, dict(inputs), build_cache(registry.resolve("t-lowbit-sinks"), model, tokenizer=CharTokenizer()),
+                            max_new_tokens=2, do_sample=False)
+    finally:
+        importance.reconstruction_scores = original
+    assert scored_counts == [1]
+    assert 0 < kvzip.scoring_seconds <= kvzip.prefill_seconds
+    assert plain.scoring_seconds < 0.05 * max(plain.prefill_seconds, 1e-3) + 1e-3
+    assert kvzip.to_dict()["scoring_seconds"] == kvzip.scoring_seconds

@@ -129,7 +129,8 @@ def _generate(args: argparse.Namespace, prompt: str, model: Any, tokenizer: Any,
     if stats.model_dtype not in ("bfloat16", "float16"):
         ratio += f", {stats.ratio_model_dtype:.2f}x vs this model's {stats.model_dtype} cache"
     print(f"ratio                {ratio}")
-    print(f"prefill              {stats.prefill_seconds:.2f} s")
+    scoring = f"  (of which scoring the context {stats.scoring_seconds:.2f} s)" if stats.scoring_seconds >= 0.005 else ""
+    print(f"prefill              {stats.prefill_seconds:.2f} s{scoring}")
     print(f"decode               {stats.decode_tokens_per_second:.1f} tokens/s")
     for part, value in stats.breakdown.items():
         if value and part in BREAKDOWN_TERMS:
