@@ -11,6 +11,7 @@ kernels' twin in the tests and the path without Triton or a GPU.
 
 from __future__ import annotations
 
+import os
 from typing import TYPE_CHECKING, Any
 
 from kvweave.core.lazy import lazy_module, torch
@@ -88,6 +89,9 @@ def repetition_key_max(queries: torch.Tensor, keys: torch.Tensor, context: int, 
     if jit.triton is None:
         raise RuntimeError("the repetition scores' kernels need Triton")
     _check(queries, keys, context, start, stop, sinks)
+    if not keys.is_cuda and os.environ.get("TRITON_INTERPRET") != "1":
+        raise ValueError(f"the repetition scores' Triton kernels read {keys.device.type} tensors only in Triton's interpreter "
+                         "(TRITON_INTERPRET=1); on a CPU score with backend='torch'")
     batch, q_heads, fed, dim = queries.shape
     heads, length = keys.shape[1], keys.shape[2]
     rows = q_heads // heads * fed

@@ -53,6 +53,13 @@ def test_the_mask_and_the_softmax_set_matter():
     assert not torch.allclose(base, repetition_key_max(queries, keys, 100, 40, 80, 4, 0.25), rtol=1e-3)
 
 
+def test_cpu_tensors_outside_the_interpreter_are_refused_by_name(monkeypatch):
+    queries, keys = _case(1, 1, 2, 10, 40, 64, torch.float32, seed=3)
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    with pytest.raises(ValueError, match="only in Triton's interpreter .*backend='torch'"):
+        repetition_key_max(queries, keys, 40, 0, 10, 0, 0.125)
+
+
 def test_bad_shapes_and_ranges_are_refused():
     queries, keys = _case(1, 2, 2, 10, 50, 64, torch.float32, seed=2)
     for call in (repetition_key_max_torch, repetition_key_max):
