@@ -235,7 +235,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--methods", default="full,depthweave-kv,depthweave-kv-reference-kernel")
     parser.add_argument("--context", type=int, default=65536)
-    parser.add_argument("--batches", default="1,4,8")
+    parser.add_argument("--batches", default="1,4,8", help="batch sizes decoded (\"\": none, e.g. with --ttft for the first token only)")
     parser.add_argument("--steps", type=int, default=40, help="decode steps (a block is compressed every 32)")
     parser.add_argument("--max-batch", action="store_true")
     parser.add_argument("--full-max-batch", type=int, default=12)
