@@ -166,16 +166,14 @@ def decode(model, cache, batch: int, tokens: int, steps: int, device: str) -> di
     stamps = [start] + clock.times
     steps_s = [b - a for a, b in zip(stamps, stamps[1:])][1:]  # the first step also builds the mask: left out
     slowest = sorted(range(len(steps_s)), key=lambda i: -steps_s[i])[:3]  # step numbers from 2: where flushes land
-    steps_s_by_step = list(steps_s)
-    steps_s.sort()
-    median = steps_s[len(steps_s) // 2]
+    median = sorted(steps_s)[len(steps_s) // 2]
     mean = sum(steps_s) / len(steps_s)
     stored = cache_bytes(cache)
     return {
         "median_step_ms": round(median * 1e3, 2), "mean_step_ms": round(mean * 1e3, 2),
         "tokens_per_s_median": round(batch / median, 1), "tokens_per_s_mean": round(batch / mean, 1),
         "peak_gb": round(peak_bytes() / 1e9, 2), "cache_gb": round(stored / 1e9, 3), "cache_bytes": stored,
-        "slowest_steps_ms": {i + 2: round(steps_s_by_step[i] * 1e3, 1) for i in slowest},
+        "slowest_steps_ms": {i + 2: round(steps_s[i] * 1e3, 1) for i in slowest},
     }
 
 

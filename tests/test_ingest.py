@@ -5,6 +5,7 @@ forward are refused by name."""
 
 from __future__ import annotations
 
+import contextlib
 from pathlib import Path
 
 import pytest
@@ -16,6 +17,17 @@ from kvweave.engine.ingest import ingest, ingest_refusal
 
 from conftest import CharTokenizer
 from test_lowbit_kernel import model, registry  # noqa: F401 - the same storages and model
+
+
+@contextlib.contextmanager
+def _fed_lengths(model):
+    """The token count of each forward ``model`` runs within the block (a hook on its input embeddings)."""
+    fed: list[int] = []
+    hook = model.get_input_embeddings().register_forward_pre_hook(lambda _m, args: fed.append(args[0].shape[-1]))
+    try:
+        yield fed
+    finally:
+        hook.remove()
 
 
 def _pipeline(registry, name):
@@ -30,16 +42,12 @@ def test_an_ingested_context_is_what_a_forward_stores(model, registry, name):  #
     assert ingest_refusal(by_ingest) is None
     if name == "kvzip-qa35v3":
         assert by_ingest.engine.energy is not None  # channel-alloc keys weigh channels by the queries' energy
-    fed: list[int] = []
-    hook = model.get_input_embeddings().register_forward_pre_hook(lambda _m, args: fed.append(args[0].shape[-1]))
-    try:
+    with _fed_lengths(model) as fed:
         with torch.no_grad():
             importance.prefill(model, by_forward, ids[:, :-1])  # scored over the same 229 tokens, then a forward of them
             model(input_ids=ids[:, -1:], **cache_kwargs(model, by_forward))
             fed.clear()
             importance.prefill(model, by_ingest, ids, ingest=True)
-    finally:
-        hook.remove()
     assert fed[-1] == 1  # the prompt's forward after ingesting: the last token only
     assert by_ingest.get_seq_length() == by_forward.get_seq_length() == 230
     assert by_ingest.memory_bytes() == by_forward.memory_bytes()
@@ -56,12 +64,8 @@ def test_generate_ingests_and_gives_the_tokens_of_a_forward(model, registry):  #
     ids = torch.randint(1, 128, (1, 200), generator=torch.Generator().manual_seed(6))
     inputs = {"input_ids": ids, "attention_mask": torch.ones_like(ids)}
     cache = build_cache(registry.resolve("t-lowbit-sinks-kvzip"), model, tokenizer=CharTokenizer())
-    fed: list[int] = []
-    hook = model.get_input_embeddings().register_forward_pre_hook(lambda _m, args: fed.append(args[0].shape[-1]))
-    try:
+    with _fed_lengths(model) as fed:
         tokens, stats = generate(model, dict(inputs), cache, max_new_tokens=6, do_sample=False)
-    finally:
-        hook.remove()
     assert max(fed[-6:]) == 1  # no forward of the whole prompt after the scoring's
     reference = build_cache(registry.resolve("t-lowbit-sinks-kvzip"), model, tokenizer=CharTokenizer())
     with torch.no_grad():
@@ -124,12 +128,8 @@ def test_the_quality_harness_stores_a_scored_context_as_generate_does(model, reg
     assert evaluation.pipeline("t-lowbit-sinks-kvzip") is not None
     ids = torch.randint(1, 128, (1, 210), generator=torch.Generator().manual_seed(8))
     inputs = {"input_ids": ids, "attention_mask": torch.ones_like(ids)}
-    fed: list[int] = []
-    hook = model.get_input_embeddings().register_forward_pre_hook(lambda _m, args: fed.append(args[0].shape[-1]))
-    try:
+    with _fed_lengths(model) as fed:
         answer, _ = evaluation.answer("t-lowbit-sinks-kvzip", inputs, context_tokens=190)
-    finally:
-        hook.remove()
     assert fed[-6:] == [1, 20, 1, 1, 1, 1]  # after the scoring: the context's last token, the question's 20, 4 steps
     reference = build_cache(registry.resolve("t-lowbit-sinks-kvzip"), model, tokenizer=tok)
     with torch.no_grad():
