@@ -343,6 +343,9 @@ class AttentionKernel(Component):
     #: whether a kernel that reads in place finds residual entries by the per-tile index (the cache then
     #: builds it and counts its bytes); False for a kernel that reads the entries' lists itself
     reads_residual_tiles: ClassVar[bool] = True
+    #: whether the kernel reads a window kept for a CUDA graph (:attr:`LayerView.window_fill`: the exact tensors are
+    #: buffers of a capacity, the window's length on the device), so that :mod:`kvweave.engine.graphs` can replay steps
+    reads_window_fill: ClassVar[bool] = False
 
     @property
     def builds_residual_tiles(self) -> bool:

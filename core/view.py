@@ -16,6 +16,7 @@ from typing import Any, Mapping
 
 import attrs
 
+from kvweave.core.errors import CacheStateError
 from kvweave.core.lazy import torch
 
 
@@ -106,10 +107,17 @@ class LayerView:
     scores: torch.Tensor | None = None
     #: keys stored before RoPE: the model's rotary embedding (:class:`kvweave.engine.rotary.RotaryInverse`)
     rotary: Any = None
+    #: a window kept for a CUDA graph (:mod:`kvweave.engine.graphs`): int32 [1] on the device, the tokens it held before
+    #: this step's; ``keys.exact`` / ``values.exact`` are then buffers of its capacity, their first ``fill + 1`` rows
+    #: the window this step attends (the rest unwritten). None: the exact tensors are the window itself
+    window_fill: Any = None
 
     @property
     def exact_tokens(self) -> int:
         """Tokens held exactly after the packed ones (the recent window)."""
+        if self.window_fill is not None:
+            raise CacheStateError(f"layer {self.layer}: the window is kept for a CUDA graph; its length is on the device "
+                                  "(window_fill + 1 rows of the exact buffers)")
         exact = self.keys.exact
         return 0 if exact is None else int(exact.shape[-2])
 

@@ -10,13 +10,13 @@ from typing import Any
 
 import torch
 
-from kvweave.core.errors import ModelError
+from kvweave.core.errors import CacheStateError, ModelError
 from kvweave.core.interfaces import KINDS
 from kvweave.core.registry import WINDOW_STORAGE
 from kvweave.core.storage import Segment, TensorMap, tensor_bytes
 from kvweave.engine.residuals import ResidualList
 from kvweave.engine.slot_index import SlotIndex
-from kvweave.kernels.window import append_int8
+from kvweave.kernels.window import append_int8, put_int8
 
 #: int8 window: one float16 scale per (token, head) is ``absmax / 127``, so absmax may reach 127 x 65504
 _INT8_LIMIT = 127 * 65504.0
@@ -41,6 +41,11 @@ class ExactTokens:
         self._watched: list[tuple[torch.Tensor, Any]] = []  # decode steps' largest magnitudes, on their way to the host
         self._worst: torch.Tensor | None = None  # the append kernel's running largest magnitude, on the tokens' device
         self.fused: bool | None = None  # decode tokens of an int8 window by one kernel: None where they are on a GPU
+        # kept for a CUDA graph (make_static): each kind's codes, scales and read-back in buffers of a capacity, the
+        # device's count of the tokens held before a step, and the host's (what the views of _held show)
+        self._room: dict[str, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] | None = None
+        self._fill: torch.Tensor | None = None
+        self._count = 0
 
     @property
     def lossy(self) -> bool:
@@ -57,6 +62,7 @@ class ExactTokens:
         return (codes.float() * scale.float()).to(self._dtype)
 
     def __setitem__(self, kind: str, tensor: torch.Tensor | None) -> None:
+        self._not_static("replaced")
         self._held[kind] = None if tensor is None else self._encode(tensor)
 
     def tokens(self) -> int:
@@ -79,6 +85,7 @@ class ExactTokens:
         return None if held is None else held[0].device
 
     def append(self, kind: str, new: torch.Tensor) -> None:
+        self._not_static("appended to by concatenation")
         encoded = self._encode(new)
         old = self._held[kind]
         self._held[kind] = encoded if old is None else tuple(torch.cat((a, b), dim=-2) for a, b in zip(old, encoded))
@@ -88,6 +95,8 @@ class ExactTokens:
         arrived at its own positions. An int8 window on a GPU takes a decode token by one kernel
         (:func:`kvweave.kernels.window.append_int8`; ``fused`` True forces it, e.g. in Triton's interpreter, False
         never), its largest magnitude checked as :meth:`settle` says."""
+        if self._room is not None:
+            return self._put(kind, new)
         old = self._held[kind]
         if self.lossy and old is not None and new.shape[-2] == 1 and (new.is_cuda if self.fused is None else self.fused):
             self._check_dtype(new)
@@ -107,18 +116,112 @@ class ExactTokens:
 
     def drop_front(self, kind: str, count: int) -> None:
         """Forget the first ``count`` tokens (a copy: a slice would keep the old storage alive)."""
+        self._not_static("shortened")
         held = self._held[kind]
         if held is not None:
             self._held[kind] = tuple(t[..., count:, :].clone() for t in held)
 
     def select_rows(self, index: torch.Tensor) -> None:
+        self._not_static("reordered")
         for kind, held in self._held.items():
             if held is not None:
                 self._held[kind] = tuple(t.index_select(0, index.to(t.device)) for t in held)
 
     def stored(self) -> list[torch.Tensor]:
-        """Every tensor held (what :meth:`nbytes` counts)."""
+        """Every tensor held (what :meth:`nbytes` counts): kept for a CUDA graph, the buffers at their capacity, the
+        read-back included."""
+        if self._room is not None:
+            return [t for room in self._room.values() for t in room]
         return [t for held in self._held.values() if held is not None for t in held]
+
+    # ------------------------------------------------------------------------- kept for a CUDA graph
+    @property
+    def static(self) -> bool:
+        """Whether the window is kept in buffers of a capacity for a CUDA graph (:meth:`make_static`)."""
+        return self._room is not None
+
+    def make_static(self, capacity: int, fill: torch.Tensor) -> None:
+        """Keep the window in buffers of ``capacity`` tokens until :meth:`end_static`, so that a decode step's token
+        goes in place (:func:`kvweave.kernels.window.put_int8`) at the index ``fill`` (int32 [1] on the tokens'
+        device, set by the caller to the tokens held now) and reading it back is one buffer: every step launches the
+        same kernels on the same addresses. The caller advances ``fill`` and :meth:`advance` after each step. int8
+        windows on a GPU (or Triton's interpreter) only; nothing else changes the window meanwhile."""
+        if not self.lossy:
+            raise CacheStateError("a window is kept for a CUDA graph only with window_storage = 'int8'")
+        if self._room is not None:
+            raise CacheStateError("the window is kept for a CUDA graph already")
+        if any(held is None for held in self._held.values()):
+            raise CacheStateError("an empty window cannot be kept for a CUDA graph: feed the prompt first")
+        count = self.tokens()
+        if capacity <= count:
+            raise CacheStateError(f"a window of {count} tokens kept for a CUDA graph needs a capacity above it, not {capacity}")
+        if fill.dtype != torch.int32 or fill.shape != (1,) or fill.device != self.device:
+            raise CacheStateError(f"the window's fill must be int32 [1] on {self.device}; got {fill.dtype} {tuple(fill.shape)} on {fill.device}")
+        room = {}
+        for kind, (codes, scale) in self._held.items():  # type: ignore[misc]
+            batch, heads, _, dim = codes.shape
+            buffers = (codes.new_zeros(batch, heads, capacity, dim), scale.new_zeros(batch, heads, capacity, 1),
+                       torch.zeros(batch, heads, capacity, dim, dtype=self._dtype, device=codes.device))
+            for buffer, now in zip(buffers, (codes, scale, self[kind])):
+                buffer[..., :count, :] = now
+            room[kind] = buffers
+        if self._worst is None or self._worst.device != self.device:
+            self._worst = torch.zeros(1, dtype=torch.float32, device=self.device)
+        self._room, self._fill, self._count = room, fill, count
+        self._show()
+
+    @property
+    def fill(self) -> torch.Tensor | None:
+        """Kept for a CUDA graph: the device's count of the tokens held before a step (int32 [1]); else None."""
+        return self._fill
+
+    def read_buffer(self, kind: str) -> torch.Tensor:
+        """Kept for a CUDA graph: ``kind``'s read-back buffer [B, H, capacity, D] (its first ``fill + 1`` rows the window a
+        step attends, this step's token as it arrived)."""
+        if self._room is None:
+            raise CacheStateError("only a window kept for a CUDA graph has a read-back buffer")
+        return self._room[kind][2]
+
+    def advance(self, steps: int = 1) -> None:
+        """The host's count of a window kept for a CUDA graph moved on by ``steps`` decode tokens (the device's was,
+        by the steps themselves)."""
+        if self._room is None:
+            raise CacheStateError("only a window kept for a CUDA graph advances by count")
+        capacity = self._room["keys"][0].shape[-2]
+        if self._count + steps > capacity:
+            raise CacheStateError(f"a window kept for a CUDA graph holds at most {capacity} tokens; {self._count} + {steps} do not fit")
+        self._count += steps
+        self._show()
+
+    def end_static(self) -> None:
+        """Back to tensors of the window's own length (copies: the buffers are freed); the steps' largest magnitude goes
+        to the range check (:meth:`settle`), which a flush waits for."""
+        if self._room is None:
+            return
+        self._held = {kind: (codes[..., :self._count, :].clone(), scale[..., :self._count, :].clone())
+                      for kind, (codes, scale, _) in self._room.items()}
+        self._room = self._fill = None
+        if self._worst is not None:
+            self._watch(self._worst[0])
+
+    def _show(self) -> None:
+        """``_held`` as views of the buffers' first ``_count`` tokens."""
+        for kind, (codes, scale, _) in self._room.items():  # type: ignore[union-attr]
+            self._held[kind] = (codes[..., :self._count, :], scale[..., :self._count, :])
+
+    def _put(self, kind: str, new: torch.Tensor) -> torch.Tensor:
+        """A decode token of a window kept for a CUDA graph, in place: the read-back buffer (its first fill + 1 rows)."""
+        if new.shape[-2] != 1:
+            raise CacheStateError(f"a window kept for a CUDA graph takes one decode token a step, not {new.shape[-2]}")
+        self._check_dtype(new)
+        codes, scale, read = self._room[kind]  # type: ignore[index]
+        put_int8(codes, scale, read, new, self._fill, self._worst)  # type: ignore[arg-type]
+        return read
+
+    def _not_static(self, what: str) -> None:
+        if self._room is not None:
+            raise CacheStateError(f"the exact window is kept for a CUDA graph and cannot be {what}; end the graph's "
+                                  "steps first (end_static)")
 
     def nbytes(self) -> int:
         return tensor_bytes(self.stored())

@@ -26,7 +26,9 @@ def layer_view(engine: CompressionEngine, layer: int) -> LayerView:
     rows = 0 if exact is None else exact[0] * exact[1]
     device = window.exact.device
     attending = engine.attending.get(layer)  # a lossy window with this forward's own tokens exact
-    if attending is not None and attending[0].shape[-2] != window.exact_tokens:
+    if window.exact.static:  # kept for a CUDA graph: its read-back buffers, the length on the device
+        attending = (window.exact.read_buffer("keys"), window.exact.read_buffer("values"))
+    elif attending is not None and attending[0].shape[-2] != window.exact_tokens:
         attending = None  # the window moved since (a flush): read what it holds
     kinds = {}
     for kind in KINDS:
@@ -58,4 +60,5 @@ def layer_view(engine: CompressionEngine, layer: int) -> LayerView:
         layer=layer, group=group_index, member=member, packed_tokens=window.compressed_tokens,
         passed_tokens=window.passed_tokens, flushes=stores["keys"].flushes, keys=kinds["keys"],
         values=kinds["values"], positions=window.positions, scratch=engine.kernel_state, scores=window.scores, key_space=engine.settings.key_space, rotary=engine.rotary,
+        window_fill=window.exact.fill,
     )

@@ -28,15 +28,17 @@ if triton is not None:
 
     @triton.jit
     def _lowbit_combine_kernel(
-        m_ptr, l_ptr, acc_ptr, rot_ptr, q_ptr, ek_ptr, ev_ptr, rk_ptr, rv_ptr, rpos_ptr, start_ptr, out_ptr,
+        m_ptr, l_ptr, acc_ptr, rot_ptr, q_ptr, ek_ptr, ev_ptr, rk_ptr, rv_ptr, rpos_ptr, start_ptr, fill_ptr, out_ptr,
         splits, exact, restored, exact_first, scaling,
         D: tl.constexpr, G: tl.constexpr, HEADS: tl.constexpr, GROUP: tl.constexpr, HAS_START: tl.constexpr,
-        HAS_REST: tl.constexpr, SB: tl.constexpr, CB: tl.constexpr, EB: tl.constexpr,
+        HAS_REST: tl.constexpr, HAS_FILL: tl.constexpr, SB: tl.constexpr, CB: tl.constexpr, EB: tl.constexpr,
     ):
         """One query head of one row: the splits of the packed pass combined (``m``, ``l``, ``acc`` [BH, S, G(, D)]),
         their output rotated back once (``rot`` [D, D]), then the exact window [B, H, n, D] (positions ``exact_first
         ..``) and the tokens full-rank residuals restore ([B, H, r, D], positions ``rpos``, -1: none) attended
-        exactly and merged by their log-sum-exp: ``out`` [B, Hq, D] float32 (what ``_merge_exact`` computes)."""
+        exactly and merged by their log-sum-exp: ``out`` [B, Hq, D] float32 (what ``_merge_exact`` computes). ``HAS_FILL``:
+        the window rows are buffers of ``exact`` tokens, of which the first ``fill + 1`` (``fill_ptr``, int32 [1]) are
+        attended (a window kept for a CUDA graph)."""
         row = tl.program_id(0)  # batch * query heads
         batch = row // (HEADS * GROUP)
         head = (row // GROUP) % HEADS
@@ -76,8 +78,11 @@ if triton is not None:
                 pos = tl.load(rpos_ptr + bh * restored + j, mask=j < restored, other=-1)
                 ok = (j < restored) & (pos >= 0) & (pos >= start)
                 m, total, out = _merge_tokens(rk_ptr, rv_ptr, bh * restored + j, ok, chan, q, m, total, out, D)
-        for j0 in range(0, exact, EB):
+        held = exact
+        if HAS_FILL:
+            held = tl.load(fill_ptr) + 1
+        for j0 in range(0, held, EB):
             j = j0 + e_idx
-            ok = (j < exact) & (exact_first + j >= start)
+            ok = (j < held) & (exact_first + j >= start)
             m, total, out = _merge_tokens(ek_ptr, ev_ptr, bh * exact + j, ok, chan, q, m, total, out, D)
         tl.store(out_ptr + row.to(tl.int64) * D + chan, _rounded(out / total, out_ptr.dtype.element_ty))

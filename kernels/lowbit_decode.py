@@ -98,6 +98,9 @@ class LowbitView:
     v_levels16: torch.Tensor | None = None
     #: the four 2-bit value levels' bfloat16 bits in one int64, code 0's lowest (the dense kernel's; None: made per call)
     v_level_word: int | None = None
+    #: a window kept for a CUDA graph: int32 [1], the tokens it held before this step (``exact_k`` / ``exact_v`` are then
+    #: buffers of its capacity, their first ``exact_fill + 1`` rows attended); None: every row of ``exact_k``
+    exact_fill: torch.Tensor | None = None
 
 
 def exact_start(view: LowbitView) -> int:
@@ -166,6 +169,8 @@ def _merge_exact(view: LowbitView, q: torch.Tensor, start: torch.Tensor | None, 
     keys = view.exact_k.float().repeat_interleave(group, dim=1)  # [B, Hq, n, D]
     values = view.exact_v.float().repeat_interleave(group, dim=1)
     positions = (exact_start(view) + torch.arange(keys.shape[-2], device=q.device)).expand(batch, q_heads, -1)
+    if view.exact_fill is not None:  # rows past this step's token are not the window's
+        positions = positions.masked_fill(torch.arange(keys.shape[-2], device=q.device) > view.exact_fill.to(q.device), -1)
     if view.restored_k is not None:  # tokens restored by full-rank residuals, attended as exact ones
         keys = torch.cat((view.restored_k.to(q.device).repeat_interleave(group, dim=1), keys), dim=-2)
         values = torch.cat((view.restored_v.to(q.device).repeat_interleave(group, dim=1), values), dim=-2)
@@ -386,12 +391,13 @@ def plan_combine(view: LowbitView, q: torch.Tensor, start: torch.Tensor | None, 
     m, l, acc = packed.outputs
     out = torch.empty(batch, q_heads, dim, device=q.device, dtype=out_dtype or torch.float32)
     rest = view.restored_k is not None
+    fill = view.exact_fill
     args = (
         m, l, acc, view.rotation, q.contiguous(), view.exact_k.contiguous(), view.exact_v.contiguous(),
         view.restored_k.contiguous() if rest else m, view.restored_v.contiguous() if rest else m,
-        view.restored_pos.contiguous() if rest else m, start if start is not None else m, out,
+        view.restored_pos.contiguous() if rest else m, start if start is not None else m, fill if fill is not None else m, out,
         m.shape[1], view.exact_k.shape[-2], view.restored_k.shape[-2] if rest else 0, exact_start(view), float(scaling),
     )
     constants = dict(D=dim, G=m.shape[-1], HEADS=heads, GROUP=q_heads // heads, HAS_START=start is not None, HAS_REST=rest,
-                     SB=32, CB=min(32, dim), EB=16)
+                     HAS_FILL=fill is not None, SB=32, CB=min(32, dim), EB=16)
     return Launch(jit._lowbit_combine_kernel, (batch * q_heads,), args, constants, (out,))

@@ -53,3 +53,39 @@ def plan_append(codes: torch.Tensor, scale: torch.Tensor, new: torch.Tensor, wor
     args = (codes.contiguous(), scale.contiguous(), rows, out_codes, out_scale, read, worst, held, rows.stride(0))
     constants = dict(D=dim, BD=1 << (dim - 1).bit_length(), TB=TOKEN_TILE)
     return Launch(jit._window_append_kernel, (batch * heads,), args, constants, (out_codes, out_scale, read))
+
+
+def put_int8(codes: torch.Tensor, scale: torch.Tensor, read: torch.Tensor, new: torch.Tensor, fill: torch.Tensor,
+             worst: torch.Tensor) -> None:
+    """``new`` [B, H, 1, D] written into a window kept in buffers of capacity C (``codes`` int8 [B, H, C, D], ``scale``
+    float16 [B, H, C, 1], ``read`` [B, H, C, D] in ``new``'s dtype) at the index ``fill`` holds (int32 [1] on the same
+    device: the tokens held before it), by one kernel whose launch is the same at every step (a CUDA graph replays it):
+    its codes and scale as :func:`append_int8` makes them, itself in ``read`` as it arrived, and the token before it
+    in ``read`` replaced by that token's read-back. ``worst`` as in :func:`append_int8`. The caller keeps ``fill`` below
+    C and advances it after the step."""
+    plan_put(codes, scale, read, new, fill, worst).run()
+
+
+def plan_put(codes: torch.Tensor, scale: torch.Tensor, read: torch.Tensor, new: torch.Tensor, fill: torch.Tensor,
+             worst: torch.Tensor) -> Launch:
+    """The launch :func:`put_int8` makes (one program per batch row and head)."""
+    if jit.triton is None:
+        raise RuntimeError("the int8 window's put kernel needs Triton")
+    batch, heads, capacity, dim = codes.shape
+    if (new.shape != (batch, heads, 1, dim) or scale.shape != (batch, heads, capacity, 1) or read.shape != codes.shape
+            or fill.shape != (1,)):
+        raise ValueError(f"put_int8: buffers of {tuple(codes.shape)} codes, {tuple(scale.shape)} scales, {tuple(read.shape)} "
+                         f"read-back and a [1] fill take one token [B, H, 1, D] of the same B, H, D; got {tuple(new.shape)}, "
+                         f"fill {tuple(fill.shape)}")
+    if (codes.dtype != torch.int8 or scale.dtype != torch.float16 or fill.dtype != torch.int32 or read.dtype != new.dtype
+            or worst.dtype != torch.float32 or worst.numel() != 1):
+        raise ValueError("put_int8 takes int8 codes, float16 scales, a read-back in the token's dtype, an int32 fill and a "
+                         "float32 [1] maximum")
+    if not (codes.is_contiguous() and scale.is_contiguous() and read.is_contiguous()):
+        raise ValueError("put_int8 writes into contiguous buffers")
+    rows = new.reshape(batch * heads, dim)
+    if rows.stride(-1) != 1:  # the kernel reads a token's channels side by side
+        rows = rows.contiguous()
+    args = (codes, scale, read, rows, fill, worst, capacity, rows.stride(0))
+    constants = dict(D=dim, BD=1 << (dim - 1).bit_length())
+    return Launch(jit._window_put_kernel, (batch * heads,), args, constants, (codes, scale, read))

@@ -21,6 +21,23 @@ if triton is not None:
             value = tl.where(value != value, value, bits.to(tl.float32, bitcast=True))  # NaN kept NaN
         return value.to(dtype)
 
+    @triton.jit
+    def _encoded(x):
+        """A token's channels ``x`` as the int8 window stores them: the codes (float32 integers: round half to even of
+        ``x / scale`` clamped to +-127; 0 for a vector holding NaN or infinity), the float16 scale ``absmax / 127`` (NaN
+        for such a vector) and the largest finite magnitude the range check sees (0 for such a vector)."""
+        xf = x.to(tl.float32)
+        mag = tl.abs(xf)
+        finite = mag < float("inf")  # false for NaN too
+        bad = tl.max(tl.where(finite, 0, 1), 0) > 0
+        absmax = tl.max(tl.where(finite, mag, 0.0), 0)
+        scale16 = tl.div_rn(absmax, 127.0).to(tl.float16)
+        scale16 = tl.where(bad, float("nan"), scale16.to(tl.float32)).to(tl.float16)
+        step = tl.where(scale16.to(tl.float32) > 0, scale16.to(tl.float32), 1.0)
+        y = tl.minimum(tl.maximum(tl.div_rn(xf, step), -127.0), 127.0)
+        y = (y + 12582912.0) - 12582912.0  # 1.5 * 2**23: float32 addition rounds to the nearest even integer
+        return tl.where(bad, 0.0, y), scale16, tl.where(bad, 0.0, absmax)
+
     @triton.jit(do_not_specialize=["held"])
     def _window_append_kernel(
         old_codes_ptr, old_scale_ptr, new_ptr, codes_ptr, scale_ptr, read_ptr, worst_ptr,
@@ -49,19 +66,39 @@ if triton is not None:
             value = codes.to(tl.float32) * scale.to(tl.float32)[:, None]
             tl.store(read_ptr + at, _rounded(value, read_ptr.dtype.element_ty), mask=both)
         x = tl.load(new_ptr + row * new_stride + chan, mask=cm, other=0.0)
-        xf = x.to(tl.float32)
-        mag = tl.abs(xf)
-        finite = mag < float("inf")  # false for NaN too
-        bad = tl.max(tl.where(finite, 0, 1), 0) > 0
-        absmax = tl.max(tl.where(finite, mag, 0.0), 0)
-        scale16 = tl.div_rn(absmax, 127.0).to(tl.float16)
-        scale16 = tl.where(bad, float("nan"), scale16.to(tl.float32)).to(tl.float16)
-        step = tl.where(scale16.to(tl.float32) > 0, scale16.to(tl.float32), 1.0)
-        y = tl.minimum(tl.maximum(tl.div_rn(xf, step), -127.0), 127.0)
-        y = (y + 12582912.0) - 12582912.0  # 1.5 * 2**23: float32 addition rounds to the nearest even integer
-        y = tl.where(bad, 0.0, y)
+        y, scale16, seen = _encoded(x)
         at_new = (row * length + held) * D + chan
         tl.store(codes_ptr + at_new, y.to(tl.int8), mask=cm)
         tl.store(scale_ptr + row * length + held, scale16)
         tl.store(read_ptr + at_new, x.to(read_ptr.dtype.element_ty), mask=cm)
-        tl.atomic_max(worst_ptr, tl.where(bad, 0.0, absmax))
+        tl.atomic_max(worst_ptr, seen)
+
+    @triton.jit(do_not_specialize=["capacity"])
+    def _window_put_kernel(
+        codes_ptr, scale_ptr, read_ptr, new_ptr, fill_ptr, worst_ptr,
+        capacity, new_stride,
+        D: tl.constexpr, BD: tl.constexpr,
+    ):
+        """One (batch row, head) of a window kept in buffers of ``capacity`` tokens (``codes`` int8 [R, capacity, D],
+        ``scale`` float16 [R, capacity], ``read`` [R, capacity, D] in the tokens' dtype): the new token (``new`` row
+        stride ``new_stride``) encoded at index ``fill`` (read from ``fill_ptr``, int32 [1]: the tokens held before it),
+        as :func:`_window_append_kernel` encodes it, and written to ``read`` as it arrived; the token before it, written
+        there as it arrived by the step before, replaced by its read-back (code x scale, rounded to ``read``'s dtype). No
+        held token is copied: the step's work and addresses do not depend on how many the window holds."""
+        row = tl.program_id(0).to(tl.int64)
+        chan = tl.arange(0, BD)
+        cm = chan < D
+        fill = tl.load(fill_ptr).to(tl.int64)
+        prev = tl.maximum(fill - 1, 0)  # an index inside the buffers either way
+        written = cm & (chan * 0 + fill > 0)  # none before the first token
+        at_prev = (row * capacity + prev) * D + chan
+        old = tl.load(codes_ptr + at_prev, mask=written, other=0)
+        value = old.to(tl.float32) * tl.load(scale_ptr + row * capacity + prev).to(tl.float32)
+        tl.store(read_ptr + at_prev, _rounded(value, read_ptr.dtype.element_ty), mask=written)
+        x = tl.load(new_ptr + row * new_stride + chan, mask=cm, other=0.0)
+        y, scale16, seen = _encoded(x)
+        at_new = (row * capacity + fill) * D + chan
+        tl.store(codes_ptr + at_new, y.to(tl.int8), mask=cm)
+        tl.store(scale_ptr + row * capacity + fill, scale16)
+        tl.store(read_ptr + at_new, x.to(read_ptr.dtype.element_ty), mask=cm)
+        tl.atomic_max(worst_ptr, seen)

@@ -78,6 +78,7 @@ class LowbitKernel(AttentionKernel):
     """Attend over channel-group keys (pre- or post-RoPE) and rotated-token values without reconstructing K/V."""
 
     head_sharding: ClassVar[str] = "head-local"
+    reads_window_fill: ClassVar[bool] = True
 
     materializes: ClassVar[bool] = False
     pre_rope_keys: ClassVar[bool] = True
@@ -155,7 +156,7 @@ class LowbitKernel(AttentionKernel):
             cached = (stamp, self._packed_view(view, device, exact_k, exact_v))
             self._check_tricks(view, cached[1], device)  # once per storage state, not per decode step
             view.scratch[("lowbit-view", view.layer, device)] = cached
-        return attrs.evolve(cached[1], exact_k=exact_k, exact_v=exact_v)
+        return attrs.evolve(cached[1], exact_k=exact_k, exact_v=exact_v, exact_fill=view.window_fill)
 
     def storage_changed(self, scratch: dict, layers: tuple[int, ...]) -> None:
         """The packed views of ``layers`` are views of their previous storage: dropped (made anew at the next step)."""
