@@ -15,6 +15,9 @@ and then grown to B rows by the cache's own batch selection (``select_batch``, a
 cache): every row's bytes are really stored (copies), only the synthetic contents repeat, which the decode
 step's work does not depend on. The fill time of the encoder grows with B, so this keeps a B = 100 run
 within minutes.
+A method named ``NAME@graphs`` decodes pipeline NAME greedily with each block's steps replayed from a CUDA graph
+(:func:`kvweave.engine.graphs.graph_decode`) instead of ``model.generate``; the step after each block's first also
+captures the graph, and is timed with it.
 ``--ttft T`` times a real prefill of T random token ids to the first generated token, B = 1.
 A pipeline whose evictor chooses by context importance (``kvzip-qa35v3``) is filled with random scores
 (:mod:`kvweave.engine.synthetic`) and, for ``--ttft``, scores its prompt inside the timed span and stores it from the
@@ -39,6 +42,7 @@ from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM, StoppingCr
 
 from kvweave.engine import build_cache, cache_kwargs
 from kvweave.engine.cache import KVWeaveCache
+from kvweave.engine.graphs import graph_decode
 from kvweave.core.registry import load_pipeline
 from kvweave.engine.importance import score_for
 from kvweave.engine.synthetic import fill_cache
@@ -81,9 +85,12 @@ class StepClock(StoppingCriteria):
         self.times: list[float] = []
 
     def __call__(self, input_ids, scores, **kwargs):
+        self.tick()
+        return torch.zeros(input_ids.shape[0], dtype=torch.bool, device=input_ids.device)
+
+    def tick(self) -> None:
         sync()
         self.times.append(time.perf_counter())
-        return torch.zeros(input_ids.shape[0], dtype=torch.bool, device=input_ids.device)
 
 
 def llama3_8b(layers: int = 32, vocab: int = 128256) -> LlamaConfig:
@@ -131,7 +138,11 @@ def cache_bytes(cache) -> int:
 REGISTRY: str | None = None  # a user registry read on top of the built-in one (--registry)
 
 
+GRAPHS = "@graphs"  # a method's suffix: decoded with CUDA graphs
+
+
 def make_cache(method: str, model, batch: int, tokens: int, device: str, fill_rows: int = 8):
+    method = method.removesuffix(GRAPHS)
     if method == "full":
         model.set_attn_implementation("sdpa")
         return full_cache(model, batch, tokens, device)
@@ -154,14 +165,25 @@ def generate_steps(model, cache, batch: int, tokens: int, steps: int, device: st
         )
 
 
-def decode(model, cache, batch: int, tokens: int, steps: int, device: str) -> dict:
+def graph_steps(model, cache, batch: int, steps: int, device: str, clock: StepClock) -> None:
+    """``steps`` greedy steps over ``cache`` replayed from CUDA graphs (eagerly on a CPU), a random token fed first:
+    ``clock`` ticks once for that token's forward's start and after each step, as ``model.generate``'s does."""
+    clock.tick()
+    first = torch.randint(0, model.config.vocab_size, (batch, 1), device=device)
+    graph_decode(model, cache, first, steps, on_step=clock.tick)
+
+
+def decode(model, cache, batch: int, tokens: int, steps: int, device: str, graphs: bool = False) -> dict:
     clock = StepClock()
     gc.collect()
     sync()
     if torch.cuda.is_available():
         torch.cuda.reset_peak_memory_stats()
     start = time.perf_counter()
-    generate_steps(model, cache, batch, tokens, steps, device, clock)
+    if graphs:
+        graph_steps(model, cache, batch, steps, device, clock)
+    else:
+        generate_steps(model, cache, batch, tokens, steps, device, clock)
     sync()
     stamps = [start] + clock.times
     steps_s = [b - a for a, b in zip(stamps, stamps[1:])][1:]  # the first step also builds the mask: left out
@@ -184,7 +206,7 @@ def run(method: str, model, batch: int, tokens: int, steps: int, device: str, fi
     result = {"method": method, "batch": batch, "context": tokens, "fill_s": round(fill_s, 1)}
     if method != "full" and batch > fill_rows:
         result["filled_rows"] = fill_rows
-    result.update(decode(model, cache, batch, tokens, steps, device))
+    result.update(decode(model, cache, batch, tokens, steps, device, graphs=method.endswith(GRAPHS)))
     del cache
     gc.collect()
     if torch.cuda.is_available():
@@ -207,7 +229,7 @@ def ttft(method: str, model, tokens: int, device: str, reps: int = 2) -> dict:
             model.set_attn_implementation("sdpa")
             cache = DynamicCache(config=model.config)
         else:
-            cache = build_cache(load_pipeline(method, REGISTRY), model, tokenizer=Ids(model.config.vocab_size))
+            cache = build_cache(load_pipeline(method.removesuffix(GRAPHS), REGISTRY), model, tokenizer=Ids(model.config.vocab_size))
         sync()
         start = time.perf_counter()
         with torch.no_grad():

@@ -52,6 +52,8 @@ def _engine_attention(engine, module, query, key, value, attention_mask, **kwarg
 
     scaling = kwargs.get("scaling") or getattr(module, "scaling", None)
     layer = module.layer_idx
+    if engine.windows[layer].exact.static:  # a CUDA graph's step (engine/graphs.py refuses padded batches): transformers
+        attention_mask = None  # builds the causal mask while a graph is captured, with the length of that step frozen in
     if engine.reads_in_place(query.shape[-2]):  # decode over the packed storage, read in place by the kernel
         unsupported = [name for name in ("softcap", "s_aux", "sinks") if kwargs.get(name) is not None]
         if unsupported:
