@@ -1,0 +1,267 @@
+"""Decode steps replayed from CUDA graphs (``kvweave.engine.graphs``): the int8 window kept in buffers of a capacity
+holds and reads back what the appending window does, the ``lowbit`` combine reads the window's length from the device,
+greedy graph decoding gives ``model.generate``'s tokens and stored bytes, and what cannot be replayed is refused by
+name. On a CPU the steps run without capture (the put kernel in Triton's interpreter); the last test captures on a GPU."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import attrs
+import pytest
+import torch
+
+from kvweave.core.errors import CacheStateError
+from kvweave.core.registry import load_registry
+from kvweave.engine import build_cache, cache_kwargs, importance
+from kvweave.engine.graphs import MIN_GRAPH_STEPS, begin_static, end_static, graph_decode, graph_refusal, steps_before_flush
+from kvweave.engine.importance import score_for
+from kvweave.engine.store import ExactTokens
+from kvweave.kernels.lowbit_decode import lowbit_decode, torch_lowbit_decode
+
+from conftest import CharTokenizer, tiny_llama
+from test_lowbit_kernel import model, registry  # noqa: F401 - the same storages and model
+
+FRONTIER = Path(__file__).resolve().parent.parent / "benchmarks" / "dense_sweep.toml"
+
+
+def _finite_equal(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return torch.equal(a.isnan(), b.isnan()) and torch.equal(a.nan_to_num(), b.nan_to_num())
+
+
+@pytest.mark.interpreter
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_a_window_kept_in_place_holds_and_reads_back_what_the_appending_window_does(dtype):
+    torch.manual_seed(3)
+    prompt = (torch.randn(2, 3, 20, 64) * 4).to(dtype)
+    eager, kept = ExactTokens("int8"), ExactTokens("int8")
+    eager.fused = True
+    for held in (eager, kept):
+        held.append("keys", prompt)
+        held.append("values", -prompt)
+    fill = torch.full((1,), 20, dtype=torch.int32)
+    kept.make_static(27, fill)
+    assert kept.static and kept.tokens() == 20
+    assert kept.nbytes() == sum(t.nbytes for t in kept.stored()) > eager.nbytes()  # the capacity and read-back count
+    for step in range(7):
+        new = (torch.randn(2, 3, 1, 64) * 10.0 ** (step - 2)).to(dtype)
+        if step == 3:
+            new[1, 2, 0, 9] = float("nan")
+        if step == 4:
+            new[0, 0] = 0  # a zero vector: scale 0
+        for kind in ("keys", "values"):
+            sign = 1 if kind == "keys" else -1
+            expected = eager.append_read(kind, sign * new)
+            got = kept.append_read(kind, sign * new)
+            assert got.shape == (2, 3, 27, 64)  # the buffer, the same tensor every step
+            assert got is kept.read_buffer(kind)
+            assert _finite_equal(got[..., : 21 + step, :], expected)  # this step's token as it arrived, the rest read back
+        fill += 1
+        kept.advance()
+        assert kept.tokens() == eager.tokens() == 21 + step
+        for kind in ("keys", "values"):
+            (codes_e, scale_e), (codes_k, scale_k) = eager._held[kind], kept._held[kind]
+            assert _finite_equal(scale_e, scale_k) and torch.equal(codes_e * scale_e.isfinite(), codes_k * scale_k.isfinite())
+    assert float(kept._worst) == float(eager._worst)
+    with pytest.raises(CacheStateError, match="holds at most 27"):
+        kept.advance()
+    kept.end_static()
+    assert not kept.static and kept.nbytes() == eager.nbytes()
+    assert all(t.untyped_storage().nbytes() == t.nbytes for t in kept.stored())  # copies, not views of the buffers
+    for kind in ("keys", "values"):
+        assert _finite_equal(kept[kind], eager[kind])
+
+
+@pytest.mark.interpreter
+def test_a_window_kept_in_place_refuses_whatever_would_move_it():
+    held = ExactTokens("int8")
+    with pytest.raises(CacheStateError, match="empty window"):
+        held.make_static(8, torch.zeros(1, dtype=torch.int32))
+    for kind in ("keys", "values"):
+        held.append(kind, torch.randn(1, 2, 5, 64))
+    with pytest.raises(CacheStateError, match="capacity above it"):
+        held.make_static(5, torch.full((1,), 5, dtype=torch.int32))
+    with pytest.raises(CacheStateError, match="int32"):
+        held.make_static(9, torch.full((1,), 5, dtype=torch.int64))
+    held.make_static(9, torch.full((1,), 5, dtype=torch.int32))
+    for what, act in (("appended to", lambda: held.append("keys", torch.randn(1, 2, 1, 64))),
+                      ("shortened", lambda: held.drop_front("keys", 1)),
+                      ("reordered", lambda: held.select_rows(torch.tensor([0]))),
+                      ("one decode token", lambda: held.append_read("keys", torch.randn(1, 2, 2, 64)))):
+        with pytest.raises(CacheStateError, match=what):
+            act()
+    plain = ExactTokens("input")
+    plain.append("keys", torch.randn(1, 2, 5, 64))
+    with pytest.raises(CacheStateError, match="'int8'"):
+        plain.make_static(9, torch.full((1,), 5, dtype=torch.int32))
+
+
+@pytest.mark.interpreter
+@pytest.mark.parametrize("name", ["t-lowbit-post", "t-lowbit-sinks-kvzip"])
+def test_the_combine_reads_the_windows_length_from_the_device(model, registry, name):  # noqa: F811 - fixtures imported
+    cache = build_cache(registry.resolve(name), model, tokenizer=CharTokenizer())
+    with torch.no_grad():
+        importance.prefill(model, cache, torch.randint(1, 128, (1, 150), generator=torch.Generator().manual_seed(5)))
+    view = cache.engine.kernel.lowbit_view(cache.engine.view(1), torch.device("cpu"))
+    held = view.exact_k.shape[-2]
+    assert held > 2 and view.tokens > 0
+    q = torch.randn(1, 4, view.exact_k.shape[-1], generator=torch.Generator().manual_seed(6))
+    scaling = view.exact_k.shape[-1] ** -0.5
+
+    def kept(tensor):  # the window in a buffer of 9 more rows, what lies beyond it large enough to show if read
+        buffer = torch.randn(*tensor.shape[:2], held + 9, tensor.shape[-1], generator=torch.Generator().manual_seed(7)) * 50
+        buffer[..., :held, :] = tensor
+        return buffer
+
+    in_place = attrs.evolve(view, exact_k=kept(view.exact_k), exact_v=kept(view.exact_v),
+                            exact_fill=torch.full((1,), held - 1, dtype=torch.int32))
+    for decode in (lambda v: torch_lowbit_decode(v, q, None, scaling), lambda v: lowbit_decode(v, q, None, scaling)):
+        expected = decode(view)
+        torch.testing.assert_close(decode(in_place), expected, rtol=1e-5, atol=1e-5)
+        shorter = decode(attrs.evolve(in_place, exact_fill=torch.full((1,), held - 2, dtype=torch.int32)))
+        assert not torch.allclose(shorter, expected, atol=1e-4)  # the count decides which rows are attended
+
+
+def _frontier_cache(net, ids):
+    registry = load_registry(FRONTIER)
+    cache = build_cache(registry.resolve("kzd-k4v2-f48"), net, tokenizer=CharTokenizer())
+    score_for(net, cache, ids, False, None, ingest=True)
+    return cache
+
+
+def _stored(cache) -> list[torch.Tensor]:
+    """Every tensor the cache's packed stores and exact windows hold (codes, scales, positions), in a fixed order."""
+    out = []
+    for store in cache.engine.stores:
+        for kind in ("keys", "values"):
+            out += [t for t in store[kind].coefficients.fields.values() if isinstance(t, torch.Tensor)]
+    for window in cache.engine.windows:
+        out += window.exact.stored()
+    return out
+
+
+@pytest.mark.interpreter
+def test_graph_decoding_decodes_and_stores_what_generate_does(monkeypatch):
+    """The frontier pipeline (KVzip, sinks, 4-bit keys after RoPE, 2-bit values, int8 window) over a flush: the same
+    tokens, bit for bit the same stored tensors, the same next-token logits; the window taken in place in every step
+    between flushes that has room for a graph's block."""
+    net = tiny_llama(torch.float32, hidden=256, layers=2)  # head_dim 64 (the sinks' rank)
+    net.generation_config.eos_token_id = None
+    ids = torch.randint(1, 128, (2, 90), generator=torch.Generator().manual_seed(1))
+    new = 80  # the prompt leaves 26 exact tokens: 53 steps to the flush, one flushing, 26 more
+    reference = _frontier_cache(net, ids)
+    with torch.no_grad():
+        expected = net.generate(input_ids=ids, max_new_tokens=new, do_sample=False, **cache_kwargs(net, reference))[:, 90:]
+    cache = _frontier_cache(net, ids)
+    with torch.no_grad():
+        first = net.generate(input_ids=ids, max_new_tokens=1, do_sample=False, **cache_kwargs(net, cache))[:, 90:]
+    puts, steps = [], []
+    from kvweave.kernels import window
+
+    original = window.put_int8
+    monkeypatch.setattr("kvweave.engine.store.put_int8", lambda *a: puts.append(1) or original(*a))
+    before = steps_before_flush(cache.engine)
+    got = graph_decode(net, cache, first, new - 1, on_step=lambda: steps.append(1))
+    assert before >= MIN_GRAPH_STEPS and len(steps) == new - 1
+    assert torch.equal(torch.cat((first, got), 1), expected)
+    assert cache.engine.windows[0].compressed_tokens == reference.engine.windows[0].compressed_tokens > 0
+    assert cache.memory_breakdown() == reference.memory_breakdown()
+    assert all(torch.equal(a, b) for a, b in zip(_stored(cache), _stored(reference), strict=True))
+    layers = net.config.num_hidden_layers
+    assert len(puts) == 2 * layers * (before + 25)  # both kinds, every layer, the steps of both blocks but the flush
+    token = got[:, -1:]
+    with torch.no_grad():
+        logits = [net(input_ids=token, **cache_kwargs(net, c)).logits for c in (cache, reference)]
+    assert torch.equal(logits[0], logits[1])
+
+
+@pytest.mark.interpreter
+def test_graph_decoding_stops_after_the_block_where_every_row_ended():
+    net = tiny_llama(torch.float32, hidden=256, layers=2)
+    net.generation_config.eos_token_id = None
+    ids = torch.randint(1, 128, (1, 90), generator=torch.Generator().manual_seed(1))
+    cache = _frontier_cache(net, ids)
+    with torch.no_grad():
+        first = net.generate(input_ids=ids, max_new_tokens=1, do_sample=False, **cache_kwargs(net, cache))[:, 90:]
+    free = steps_before_flush(cache.engine)
+    full = graph_decode(net, _copy_of(net, ids, first), first, 70)
+    end = int(full[0, 3])
+    got = graph_decode(net, cache, first, 70, eos_token_id=end)
+    assert torch.equal(got, full[:, : got.shape[1]])
+    assert got.shape[1] == free  # the block of steps holding it ran to its end, nothing after it
+    assert (got == end).any()
+
+
+def _copy_of(net, ids, first):
+    cache = _frontier_cache(net, ids)
+    with torch.no_grad():
+        again = net.generate(input_ids=ids, max_new_tokens=1, do_sample=False, **cache_kwargs(net, cache))[:, 90:]
+    assert torch.equal(again, first)
+    return cache
+
+
+@pytest.mark.parametrize("name, reason", [
+    ("kvzip-qa35v3", "kernel 'reference' reads the exact window's length from its shape"),
+    ("prerope-k4v2-lowbit", "window_storage 'input'"),
+    ("t-lowbit-w8", "query energy"),
+])
+def test_what_cannot_be_replayed_is_refused_by_name(model, registry, name, reason):  # noqa: F811 - fixtures imported
+    cache = build_cache(registry.resolve(name), model, tokenizer=CharTokenizer())
+    assert reason in graph_refusal(cache)
+    with pytest.raises(CacheStateError, match=f"CUDA graph decoding: pipeline '{name}'.*{reason}"):
+        graph_decode(model, cache, torch.zeros(1, 1, dtype=torch.long), 3)
+
+
+def test_capturing_needs_a_gpu_and_the_step_count_must_be_whole():
+    net = tiny_llama(torch.float32, hidden=256, layers=2)
+    cache = build_cache(load_registry(FRONTIER).resolve("kzd-k4v2-f48"), net, tokenizer=CharTokenizer())
+    assert graph_refusal(cache) is None
+    with pytest.raises(CacheStateError, match="on the CPU"):
+        graph_decode(net, cache, torch.zeros(1, 1, dtype=torch.long), 3, capture=True)
+    with pytest.raises(ValueError, match="steps must be >= 0"):
+        graph_decode(net, cache, torch.zeros(1, 1, dtype=torch.long), -1)
+
+
+@pytest.mark.interpreter
+def test_windows_of_unequal_length_are_not_kept_in_place():
+    net = tiny_llama(torch.float32, hidden=256, layers=2)
+    ids = torch.randint(1, 128, (1, 40), generator=torch.Generator().manual_seed(1))
+    cache = _frontier_cache(net, ids)
+    cache.engine.windows[1].exact.drop_front("keys", 1)
+    cache.engine.windows[1].exact.drop_front("values", 1)
+    with pytest.raises(CacheStateError, match="one length"):
+        begin_static(cache.engine, 8)
+    assert not any(window.exact.static for window in cache.engine.windows)
+    end_static(cache.engine)  # nothing kept: nothing to undo
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="captures CUDA graphs")
+def test_graphs_captured_on_the_gpu_decode_what_generate_does(monkeypatch):
+    """bfloat16, head_dim 128 (the d128 frontier pipeline), two rows, 200 steps over three flushes: the same tokens and
+    stored tensors as ``model.generate``, most steps replayed."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=512, hidden_size=1024, intermediate_size=1024, num_hidden_layers=3,
+                         num_attention_heads=8, num_key_value_heads=2, head_dim=128)
+    net = LlamaForCausalLM(config).to(device="cuda", dtype=torch.bfloat16).eval()
+    net.generation_config.eos_token_id = None
+    ids = torch.randint(1, 512, (2, 300), generator=torch.Generator().manual_seed(0)).cuda()
+    registry = load_registry(FRONTIER)
+
+    def prepared():
+        cache = build_cache(registry.resolve("kzd-k4v2-f48-d128"), net, tokenizer=CharTokenizer())
+        score_for(net, cache, ids, False, None, ingest=True)
+        return cache
+
+    reference, cache = prepared(), prepared()
+    with torch.no_grad():
+        expected = net.generate(input_ids=ids, max_new_tokens=200, do_sample=False, **cache_kwargs(net, reference))[:, 300:]
+        first = net.generate(input_ids=ids, max_new_tokens=1, do_sample=False, **cache_kwargs(net, cache))[:, 300:]
+    replays = []
+    original = torch.cuda.CUDAGraph.replay
+    monkeypatch.setattr(torch.cuda.CUDAGraph, "replay", lambda self: replays.append(1) or original(self))
+    got = graph_decode(net, cache, first, 199)
+    assert torch.equal(torch.cat((first, got), 1), expected)
+    assert len(replays) > 150
+    assert all(torch.equal(a, b) for a, b in zip(_stored(cache), _stored(reference), strict=True))
