@@ -24,6 +24,7 @@ import attrs
 import torch
 
 from kvweave.engine.cache import KVWeaveCache
+from kvweave.engine.graphs import ended_rows_padded, graph_decode, graph_refusal
 from kvweave.engine.importance import score_for
 from kvweave.engine.observation import cache_argument_name, cache_kwargs  # noqa: F401 (tools import them from here)
 
@@ -180,14 +181,21 @@ def _element_size(model: Any) -> int:
 
 def generate(
     model: Any, inputs: dict[str, torch.Tensor], cache: KVWeaveCache, *, prefill_progress: int | None = None,
-    **generate_kwargs: Any,
+    cuda_graphs: bool = False, **generate_kwargs: Any,
 ) -> tuple[torch.Tensor, GenerationStats]:
     """``model.generate`` with ``cache``; returns the new token ids [B, new] and the stats.
 
     ``prefill_progress=N``: a prompt of at least N tokens shows a progress bar on stderr while it is
     prefilled, one step per decoder layer (default: what :func:`show_prefill_progress` set, else none).
-    The bar changes nothing the model computes."""
+    The bar changes nothing the model computes. ``cuda_graphs``: greedy decoding after the first token with each
+    block's steps replayed from a CUDA graph (:mod:`kvweave.engine.graphs`; the same tokens), refused before the
+    prefill where the cache or the options cannot have it."""
     from transformers import LogitsProcessorList
+
+    max_new = generate_kwargs.get("max_new_tokens")
+    if cuda_graphs:
+        refuse_graphs(cache, inputs, generate_kwargs)
+        generate_kwargs["max_new_tokens"] = 1  # the prompt and the first token; the steps after it from the graphs
 
     timer = _PrefillTimer()
     processors = LogitsProcessorList(generate_kwargs.pop("logits_processor", []) or [])
@@ -207,6 +215,10 @@ def generate(
     scored = time.perf_counter()
     with torch.inference_mode(), progress or contextlib.nullcontext():
         output = model.generate(**inputs, logits_processor=processors, **cache_kwargs(model, cache), **generate_kwargs)
+        if cuda_graphs:
+            config = model.generation_config
+            eos, pad = (generate_kwargs.get(name, getattr(config, name)) for name in ("eos_token_id", "pad_token_id"))
+            output = torch.cat((output, _graph_steps(model, cache, output[:, prompt_tokens:], max_new - 1, eos, pad)), dim=1)
     cache.settle()  # the last steps' int8 window range checks, which no later append or flush would raise
     if torch.cuda.is_available():
         torch.cuda.synchronize()
@@ -231,3 +243,32 @@ def generate(
         scoring_seconds=scored - start,
     )
     return new_tokens, stats
+
+
+def refuse_graphs(cache: KVWeaveCache, inputs: dict[str, torch.Tensor], options: dict[str, Any]) -> None:
+    """Raise, naming it, for what :func:`generate`'s ``cuda_graphs`` cannot decode: a cache :func:`graph_refusal`
+    refuses, sampling or beams (graphs replay greedy steps), padded rows, no ``max_new_tokens``."""
+    from kvweave.core.errors import CacheStateError
+
+    refusal = graph_refusal(cache)
+    if refusal is not None:
+        raise CacheStateError(f"CUDA graph decoding: {refusal}")
+    unsupported = [name for name, plain in (("do_sample", False), ("num_beams", 1), ("stopping_criteria", None),
+                                            ("min_new_tokens", None)) if options.get(name, plain) not in (plain, None)]
+    if unsupported:
+        raise ValueError(f"CUDA graph decoding is greedy, {', '.join(unsupported)} not taken; leave out cuda_graphs to use them")
+    if not isinstance(options.get("max_new_tokens"), int) or options["max_new_tokens"] < 1:
+        raise ValueError(f"CUDA graph decoding needs max_new_tokens >= 1, got {options.get('max_new_tokens')!r}")
+    mask = inputs.get("attention_mask")
+    if mask is not None and not bool(mask.all()):
+        raise CacheStateError("CUDA graph decoding: the batch has padding (an attention mask with zeros); feed rows without padding")
+
+
+def _graph_steps(model: Any, cache: KVWeaveCache, first: torch.Tensor, steps: int, eos: Any, pad: int | None) -> torch.Tensor:
+    """The tokens after ``first`` [B, 1] (``model.generate``'s one new token), as ``model.generate`` returns them
+    (``eos``: the end-of-sequence id or ids, ``pad`` what follows a row's end)."""
+    ends = torch.tensor([] if eos is None else eos, device=first.device).reshape(-1)
+    if steps < 1 or first.shape[1] == 0 or bool(torch.isin(first, ends).all()):
+        return first[:, :0]
+    tokens = graph_decode(model, cache, first[:, -1], steps, eos_token_id=eos)
+    return ended_rows_padded(torch.cat((first, tokens), dim=1), eos, pad)[:, 1:]

@@ -104,6 +104,7 @@ class _Step:
         self.position_ids = torch.full((batch, 1), position, dtype=torch.long, device=device)
         self.out = torch.zeros(batch, steps, dtype=torch.long, device=device)
         self.at = torch.zeros(1, dtype=torch.long, device=device)
+        self.done = 0  # steps run (the host's count of ``at``)
 
     def __call__(self, fill: torch.Tensor | None) -> None:
         logits = self.model(input_ids=self.ids, position_ids=self.position_ids, use_cache=True, logits_to_keep=1,
@@ -118,12 +119,13 @@ class _Step:
 
 
 def graph_decode(model: Any, cache: Any, first: torch.Tensor, steps: int, *, capture: bool | None = None,
-                 eos_token_id: int | None = None, on_step: Callable[[], None] | None = None) -> torch.Tensor:
+                 eos_token_id: int | list[int] | None = None, on_step: Callable[[], None] | None = None) -> torch.Tensor:
     """Greedy decoding of ``steps`` tokens after ``first`` [B] or [B, 1] (the token whose forward comes next; ``cache``
     holds every token before it): the new tokens [B, steps], the same as ``model.generate`` would decode greedily.
     ``capture``: replay each block's steps from a CUDA graph (None: where ``first`` is on a GPU); without, the same
-    steps run eagerly. ``eos_token_id``: stop after the block in which every row produced it (the tokens returned end
-    there; a row's tokens after its own end are whatever the model decoded). ``on_step``: called after each step
+    steps run eagerly. ``eos_token_id`` (one id or several): stop at the step by which every row produced one (a row's
+    tokens after its own end are whatever the model decoded: :func:`ended_rows_padded` pads them as ``model.generate``
+    does). ``on_step``: called after each step
     (e.g. to time it). Refused as :func:`graph_refusal` says."""
     refusal = graph_refusal(cache)
     if refusal is not None:
@@ -134,29 +136,50 @@ def graph_decode(model: Any, cache: Any, first: torch.Tensor, steps: int, *, cap
     if capture and not first.is_cuda:
         raise CacheStateError("CUDA graph decoding captures graphs on a GPU; the tokens are on the CPU (capture=False runs the steps eagerly)")
     engine, step = cache.engine, _Step(model, cache, first, steps)
-    done = 0
+    stop = _Ends(step, eos_token_id, on_step)
     with torch.inference_mode():
-        while done < steps:
-            free = min(steps_before_flush(engine), steps - done)
+        while step.done < steps and not stop.all_ended:
+            free = min(steps_before_flush(engine), steps - step.done)
             if free < MIN_GRAPH_STEPS:
                 step(None)
-                done += 1
-                _report(on_step)
+                stop.after_step()
             else:
-                done += _block(engine, step, free, capture, on_step)
-            if eos_token_id is not None and bool((step.out[:, :done] == eos_token_id).any(-1).all()):
-                break
-    return step.out[:, :done]
+                _block(engine, step, free, capture, stop)
+    return step.out[:, :step.done]
 
 
-def _block(engine: Any, step: _Step, free: int, capture: bool, on_step: Callable[[], None] | None) -> int:
-    """``free`` steps with the windows kept in place: one eager, the rest replayed from its graph. Returns ``free``."""
+class _Ends:
+    """After each step: ``on_step``, then whether every row has produced an end-of-sequence id (one read of the device a
+    step, only where ``eos_token_id`` is given: decoding stops at that step, as ``model.generate`` does)."""
+
+    def __init__(self, step: _Step, eos_token_id: int | list[int] | None, on_step: Callable[[], None] | None) -> None:
+        self.step, self.on_step = step, on_step
+        device = step.out.device
+        self.ends = None if eos_token_id is None else torch.tensor(eos_token_id, device=device).reshape(-1)
+        self.ended = torch.zeros(step.out.shape[0], dtype=torch.bool, device=device)
+        if self.ends is not None:  # rows whose token before the first step ended already
+            self.ended = torch.isin(step.ids[:, 0], self.ends)
+        self.all_ended = bool(self.ended.all()) if self.ends is not None else False
+
+    def after_step(self) -> bool:
+        self.step.done += 1
+        if self.on_step is not None:
+            self.on_step()
+        if self.ends is not None:
+            self.ended |= torch.isin(self.step.out[:, self.step.done - 1], self.ends)
+            self.all_ended = bool(self.ended.all())
+        return self.all_ended
+
+
+def _block(engine: Any, step: _Step, free: int, capture: bool, stop: _Ends) -> None:
+    """Up to ``free`` steps with the windows kept in place: one eager, the rest replayed from its graph."""
     fill = begin_static(engine, free)
     graph = None
     try:
         step(fill)  # builds the kernels' views and compiles what the graph will replay
         advance_static(engine)
-        _report(on_step)
+        if stop.after_step():
+            return
         if capture and free > 1:
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph):
@@ -167,13 +190,23 @@ def _block(engine: Any, step: _Step, free: int, capture: bool, on_step: Callable
             else:
                 step(fill)
             advance_static(engine)
-            _report(on_step)
+            if stop.after_step():
+                return
     finally:
         end_static(engine)
         del graph
-    return free
 
 
-def _report(on_step: Callable[[], None] | None) -> None:
-    if on_step is not None:
-        on_step()
+def ended_rows_padded(tokens: torch.Tensor, eos_token_id: int | list[int] | None, pad_token_id: int | None) -> torch.Tensor:
+    """``tokens`` [B, n] as ``model.generate`` returns them: each row's tokens after its first end-of-sequence id
+    replaced by ``pad_token_id`` (by that end id where there is none), and the columns after the last row's end left out."""
+    if eos_token_id is None or tokens.shape[1] == 0:
+        return tokens
+    ends = torch.isin(tokens, torch.tensor(eos_token_id, device=tokens.device).reshape(-1))
+    after = (ends.cumsum(-1) - ends.long()) > 0  # past the row's first end
+    if not bool(ends.any(-1).all()):
+        keep = tokens.shape[1]
+    else:
+        keep = int(ends.float().argmax(-1).max()) + 1
+    fill = pad_token_id if pad_token_id is not None else (eos_token_id if isinstance(eos_token_id, int) else eos_token_id[0])
+    return tokens.masked_fill(after, fill)[:, :keep]

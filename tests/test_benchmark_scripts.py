@@ -49,6 +49,18 @@ def test_decode_e2e_smoke_fills_times_and_scores_a_kvzip_pipeline(tmp_path):
     assert decode["kvzip-qa35v3"]["cache_bytes"] < 0.9 * decode["prerope-qa35v3"]["cache_bytes"]
 
 
+@pytest.mark.interpreter
+def test_decode_e2e_smoke_decodes_a_pipeline_with_cuda_graphs_as_generate_does(tmp_path):
+    """``NAME@graphs``: the same pipeline decoded by graph_decode (its steps eager on a CPU, the window's put kernel in
+    Triton's interpreter) over a flush: the same stored bytes as ``model.generate``'s run, every step timed."""
+    rows = decode_e2e_smoke(tmp_path, "--context", "512", "--batches", "1", "--steps", "40", "--registry", str(ROOT / "benchmarks" / "dense_sweep.toml"),
+                            "--methods", "kzd-k4v2-f48-d128,kzd-k4v2-f48-d128@graphs")
+    eager, graphs = rows
+    assert graphs["method"] == "kzd-k4v2-f48-d128@graphs" and graphs["cache_bytes"] == eager["cache_bytes"]
+    assert graphs["median_step_ms"] > 0 and len(graphs["slowest_steps_ms"]) == 3
+    assert "| kzd-k4v2-f48-d128@graphs | 1 |" in (tmp_path / "decode_e2e.md").read_text()
+
+
 def test_tp_capacity_smoke_finds_a_larger_batch_for_a_smaller_cache(tmp_path, monkeypatch, capsys):
     """benchmarks/tp_capacity.py's ``--smoke`` path in this process (one rank): the largest batch follows the
     cache bytes per sequence, a refused pipeline is a row saying why, and ``table`` merges the rows."""

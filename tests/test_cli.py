@@ -59,6 +59,7 @@ def test_resolve_human_output_names_every_slot(capsys):
         (["generate", "--pipeline", "nope", "--prompt", "hi"], "unknown pipeline 'nope'"),
         (["generate", "--pipeline", "int4", "--model", "./no/such/model", "--prompt", "hi"], "./no/such/model"),
         (["generate", "--pipeline", "int4", "--prompt-file", "/no/prompt.txt"], "/no/prompt.txt"),
+        (["generate", "--pipeline", "int4", "--prompt", "hi", "--cuda-graphs", "--sample"], "got --device cpu, --sample"),
     ],
 )
 def test_errors_exit_2_with_one_paragraph(capsys, argv, fragment):

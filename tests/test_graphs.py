@@ -176,20 +176,20 @@ def test_graph_decoding_decodes_and_stores_what_generate_does(monkeypatch):
 
 
 @pytest.mark.interpreter
-def test_graph_decoding_stops_after_the_block_where_every_row_ended():
+def test_graph_decoding_stops_at_the_step_where_every_row_ended():
     net = tiny_llama(torch.float32, hidden=256, layers=2)
     net.generation_config.eos_token_id = None
-    ids = torch.randint(1, 128, (1, 90), generator=torch.Generator().manual_seed(1))
+    ids = torch.randint(1, 128, (2, 90), generator=torch.Generator().manual_seed(1))[1:]  # a row that decodes varied tokens
     cache = _frontier_cache(net, ids)
     with torch.no_grad():
         first = net.generate(input_ids=ids, max_new_tokens=1, do_sample=False, **cache_kwargs(net, cache))[:, 90:]
     free = steps_before_flush(cache.engine)
-    full = graph_decode(net, _copy_of(net, ids, first), first, 70)
-    end = int(full[0, 3])
-    got = graph_decode(net, cache, first, 70, eos_token_id=end)
-    assert torch.equal(got, full[:, : got.shape[1]])
-    assert got.shape[1] == free  # the block of steps holding it ran to its end, nothing after it
-    assert (got == end).any()
+    full = graph_decode(net, _copy_of(net, ids, first), first, 70).tolist()[0]
+    stop = next(i + 1 for i in range(2, free) if full[i] not in full[:i] + first[0].tolist())  # a replayed step's token
+    got = graph_decode(net, cache, first, 70, eos_token_id=[500, full[stop - 1]])
+    assert got.tolist() == [full[:stop]]
+    assert cache.get_seq_length() == 90 + stop  # the last token is not fed, as with model.generate
+    assert graph_decode(net, cache, got[:, -1], 5, eos_token_id=full[stop - 1]).shape[1] == 0  # it ended before any step
 
 
 def _copy_of(net, ids, first):
@@ -265,3 +265,44 @@ def test_graphs_captured_on_the_gpu_decode_what_generate_does(monkeypatch):
     assert torch.equal(torch.cat((first, got), 1), expected)
     assert len(replays) > 150
     assert all(torch.equal(a, b) for a, b in zip(_stored(cache), _stored(reference), strict=True))
+
+
+@pytest.mark.interpreter
+@pytest.mark.parametrize("ends", [False, True])
+def test_kvweave_generate_with_cuda_graphs_returns_what_it_returns_without(ends):
+    """``kvweave.engine.generation.generate(..., cuda_graphs=True)`` (steps eager on a CPU): the same new tokens and
+    stored bytes; with the model's end-of-sequence id in play, rows that end are padded as ``model.generate`` pads."""
+    from kvweave.engine.generation import generate
+
+    net = tiny_llama(torch.float32, hidden=256, layers=2)
+    net.generation_config.eos_token_id = 114 if ends else None  # 114: both rows decode it, at steps 2 and 24
+    ids = torch.randint(1, 128, (2, 90), generator=torch.Generator().manual_seed(1))
+    runs = []
+    for graphs in (False, True):
+        cache = build_cache(load_registry(FRONTIER).resolve("kzd-k4v2-f48"), net, tokenizer=CharTokenizer())
+        runs.append(generate(net, {"input_ids": ids, "attention_mask": torch.ones_like(ids)}, cache, max_new_tokens=70,
+                             do_sample=False, pad_token_id=0, cuda_graphs=graphs))
+    (plain, plain_stats), (graphed, graphed_stats) = runs
+    assert torch.equal(plain, graphed)
+    assert plain_stats.stored_bytes == graphed_stats.stored_bytes and plain_stats.cached_tokens == graphed_stats.cached_tokens
+    assert plain.shape[1] < 70 if ends else plain.shape[1] == 70
+    if ends:
+        assert (plain == 0).any()  # a row that ended first is padded
+
+
+def test_kvweave_generate_refuses_what_cuda_graphs_cannot_decode():
+    from kvweave.engine.generation import generate
+
+    net = tiny_llama(torch.float32, hidden=256, layers=2)
+    ids = torch.randint(1, 128, (2, 20), generator=torch.Generator().manual_seed(1))
+    cache = build_cache(load_registry(FRONTIER).resolve("kzd-k4v2-f48"), net, tokenizer=CharTokenizer())
+    with pytest.raises(ValueError, match="greedy, do_sample"):
+        generate(net, {"input_ids": ids}, cache, max_new_tokens=5, do_sample=True, cuda_graphs=True)
+    mask = torch.ones_like(ids)
+    mask[1, :3] = 0
+    with pytest.raises(CacheStateError, match="padding"):
+        generate(net, {"input_ids": ids, "attention_mask": mask}, cache, max_new_tokens=5, cuda_graphs=True)
+    reference = build_cache(load_registry().resolve("kvzip-qa35v3"), net, tokenizer=CharTokenizer())
+    with pytest.raises(CacheStateError, match="kernel 'reference'"):
+        generate(net, {"input_ids": ids}, reference, max_new_tokens=5, cuda_graphs=True)
+    assert cache.get_seq_length() == reference.get_seq_length() == 0  # refused before the prefill
