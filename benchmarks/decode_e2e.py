@@ -17,7 +17,8 @@ step's work does not depend on. The fill time of the encoder grows with B, so th
 within minutes.
 A method named ``NAME@graphs`` decodes pipeline NAME greedily with each block's steps replayed from a CUDA graph
 (:func:`kvweave.engine.graphs.graph_decode`) instead of ``model.generate``; the step after each block's first also
-captures the graph, and is timed with it.
+captures the graph, and is timed with it. ``full@graphs`` is the full cache's own: transformers' StaticCache (room for
+the decoded tokens, the mask over all of it) with its steps replayed from one CUDA graph (GPU only).
 ``--ttft T`` times a real prefill of T random token ids to the first generated token, B = 1.
 A pipeline whose evictor chooses by context importance (``kvzip-qa35v3``) is filled with random scores
 (:mod:`kvweave.engine.synthetic`) and, for ``--ttft``, scores its prompt inside the timed span and stores it from the
@@ -38,7 +39,7 @@ from kvweave.core.allocator import prefer_expandable_segments
 prefer_expandable_segments()  # before torch starts CUDA: the flushes' store growth without allocator round trips
 
 import torch
-from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM, StoppingCriteria, StoppingCriteriaList
+from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM, StaticCache, StoppingCriteria, StoppingCriteriaList
 
 from kvweave.engine import build_cache, cache_kwargs
 from kvweave.engine.cache import KVWeaveCache
@@ -120,6 +121,18 @@ def random_model(config: LlamaConfig, device: str) -> LlamaForCausalLM:
     return model.eval()
 
 
+def static_full_cache(model, batch: int, tokens: int, steps: int, device: str) -> StaticCache:
+    """transformers' StaticCache (room for ``tokens + steps + 1`` a row, what ``full@graphs`` replays steps over) holding
+    ``tokens`` random bf16 K/V a row, written in chunks."""
+    config = model.config
+    cache = StaticCache(config=config, max_cache_len=tokens + steps + 1)
+    for layer in cache.layers:
+        for lo in range(0, tokens, 8192):
+            k = torch.randn(batch, config.num_key_value_heads, min(8192, tokens - lo), config.head_dim, device=device, dtype=torch.bfloat16)
+            layer.update(k, torch.randn_like(k))
+    return cache
+
+
 def full_cache(model, batch: int, tokens: int, device: str) -> DynamicCache:
     cache = DynamicCache(config=model.config)
     config = model.config
@@ -132,6 +145,8 @@ def full_cache(model, batch: int, tokens: int, device: str) -> DynamicCache:
 def cache_bytes(cache) -> int:
     if isinstance(cache, KVWeaveCache):
         return cache.memory_bytes()
+    if isinstance(cache, StaticCache):  # the tokens held, not the room left for the decoded ones
+        return sum(t[:, :, : int(layer.cumulative_length)].nbytes for layer in cache.layers for t in (layer.keys, layer.values))
     return sum(t.nbytes for layer in cache.layers for t in (layer.keys, layer.values) if t is not None)
 
 
@@ -141,7 +156,10 @@ REGISTRY: str | None = None  # a user registry read on top of the built-in one (
 GRAPHS = "@graphs"  # a method's suffix: decoded with CUDA graphs
 
 
-def make_cache(method: str, model, batch: int, tokens: int, device: str, fill_rows: int = 8):
+def make_cache(method: str, model, batch: int, tokens: int, device: str, fill_rows: int = 8, steps: int = 0):
+    if method == "full" + GRAPHS:
+        model.set_attn_implementation("sdpa")
+        return static_full_cache(model, batch, tokens, steps, device)
     method = method.removesuffix(GRAPHS)
     if method == "full":
         model.set_attn_implementation("sdpa")
@@ -166,11 +184,37 @@ def generate_steps(model, cache, batch: int, tokens: int, steps: int, device: st
 
 
 def graph_steps(model, cache, batch: int, steps: int, device: str, clock: StepClock) -> None:
-    """``steps`` greedy steps over ``cache`` replayed from CUDA graphs (eagerly on a CPU), a random token fed first:
-    ``clock`` ticks once for that token's forward's start and after each step, as ``model.generate``'s does."""
-    clock.tick()
+    """``steps`` greedy steps over ``cache`` replayed from CUDA graphs (eagerly on a CPU), a random token fed first;
+    ``clock`` ticks after each step, as ``model.generate``'s does (the first step, which builds and compiles, is left
+    out by :func:`decode` in both)."""
     first = torch.randint(0, model.config.vocab_size, (batch, 1), device=device)
-    graph_decode(model, cache, first, steps, on_step=clock.tick)
+    if isinstance(cache, StaticCache):
+        static_graph_steps(model, cache, first, steps, clock)
+    else:
+        graph_decode(model, cache, first, steps, on_step=clock.tick)
+
+
+def static_graph_steps(model, cache: StaticCache, first, steps: int, clock: StepClock) -> None:
+    """The full cache's own CUDA graph: greedy steps over a StaticCache (its writes and mask from a device counter), one
+    eager step, the capture, then replays."""
+    ids = first.clone()
+    positions = torch.full_like(ids, int(cache.layers[0].cumulative_length))
+
+    def step() -> None:
+        logits = model(input_ids=ids, position_ids=positions, use_cache=True, logits_to_keep=1, **cache_kwargs(model, cache)).logits
+        ids.copy_(logits[:, -1].argmax(-1, keepdim=True))
+        positions.add_(1)
+
+    with torch.inference_mode():
+        step()
+        clock.tick()
+        graph = torch.cuda.CUDAGraph() if first.is_cuda else None  # a CPU (--smoke) runs the same steps eagerly
+        if graph is not None:
+            with torch.cuda.graph(graph):
+                step()  # recorded, not run: the cache's counters move only in the replays
+        for _ in range(steps - 1):
+            graph.replay() if graph is not None else step()
+            clock.tick()
 
 
 def decode(model, cache, batch: int, tokens: int, steps: int, device: str, graphs: bool = False) -> dict:
@@ -201,7 +245,7 @@ def decode(model, cache, batch: int, tokens: int, steps: int, device: str, graph
 
 def run(method: str, model, batch: int, tokens: int, steps: int, device: str, fill_rows: int = 8) -> dict:
     t = time.perf_counter()
-    cache = make_cache(method, model, batch, tokens, device, fill_rows)
+    cache = make_cache(method, model, batch, tokens, device, fill_rows, steps)
     fill_s = time.perf_counter() - t
     result = {"method": method, "batch": batch, "context": tokens, "fill_s": round(fill_s, 1)}
     if method != "full" and batch > fill_rows:
@@ -222,6 +266,7 @@ LOG: Path | None = None  # rows are appended here as they are measured (a long r
 
 
 def ttft(method: str, model, tokens: int, device: str, reps: int = 2) -> dict:
+    method = method.removesuffix(GRAPHS)  # the first token comes from a prefill either way
     times = []
     for _ in range(reps):
         ids = torch.randint(0, model.config.vocab_size, (1, tokens), device=device)
@@ -229,7 +274,7 @@ def ttft(method: str, model, tokens: int, device: str, reps: int = 2) -> dict:
             model.set_attn_implementation("sdpa")
             cache = DynamicCache(config=model.config)
         else:
-            cache = build_cache(load_pipeline(method.removesuffix(GRAPHS), REGISTRY), model, tokenizer=Ids(model.config.vocab_size))
+            cache = build_cache(load_pipeline(method, REGISTRY), model, tokenizer=Ids(model.config.vocab_size))
         sync()
         start = time.perf_counter()
         with torch.no_grad():

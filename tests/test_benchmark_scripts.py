@@ -52,10 +52,12 @@ def test_decode_e2e_smoke_fills_times_and_scores_a_kvzip_pipeline(tmp_path):
 @pytest.mark.interpreter
 def test_decode_e2e_smoke_decodes_a_pipeline_with_cuda_graphs_as_generate_does(tmp_path):
     """``NAME@graphs``: the same pipeline decoded by graph_decode (its steps eager on a CPU, the window's put kernel in
-    Triton's interpreter) over a flush: the same stored bytes as ``model.generate``'s run, every step timed."""
+    Triton's interpreter) over a flush: the same stored bytes as ``model.generate``'s run, every step timed; and
+    ``full@graphs``, the full cache as a StaticCache, counts the tokens it holds, not its room."""
     rows = decode_e2e_smoke(tmp_path, "--context", "512", "--batches", "1", "--steps", "40", "--registry", str(ROOT / "benchmarks" / "dense_sweep.toml"),
-                            "--methods", "kzd-k4v2-f48-d128,kzd-k4v2-f48-d128@graphs")
-    eager, graphs = rows
+                            "--methods", "full,full@graphs,kzd-k4v2-f48-d128,kzd-k4v2-f48-d128@graphs")
+    full, full_graphs, eager, graphs = rows
+    assert full_graphs["cache_bytes"] == full["cache_bytes"] > eager["cache_bytes"]
     assert graphs["method"] == "kzd-k4v2-f48-d128@graphs" and graphs["cache_bytes"] == eager["cache_bytes"]
     assert graphs["median_step_ms"] > 0 and len(graphs["slowest_steps_ms"]) == 3
     assert "| kzd-k4v2-f48-d128@graphs | 1 |" in (tmp_path / "decode_e2e.md").read_text()
