@@ -32,6 +32,7 @@ import attrs
 
 from kvweave.core.lazy import lazy_module, torch
 from kvweave.kernels.formats import unpack_codes, unpack_varwidth
+from kvweave.kernels.launch import Launch
 from kvweave.kernels.lowbit_dense import GPU_CHECKED_DIMS, dense_block, dense_launch, dense_refusal
 from kvweave.kernels.lowbit_tricks import (  # noqa: F401 - TRICKS: the names lowbit_decode takes; the others read here
     TRICKS, fast_path, parse_tricks, whole_byte_codes, whole_byte_keys, wide_groups)
@@ -279,23 +280,6 @@ def resolve_variant(view: LowbitView, variant: str, block: int | None = None) ->
     if variant == "wide" and block < WIDE_MIN_BLOCK:
         raise ValueError(f"the lowbit 'wide' kernel takes steps of at least {WIDE_MIN_BLOCK} tokens, got block={block}")
     return variant, block
-
-
-@attrs.frozen
-class Launch:
-    """One launch of a lowbit Triton kernel: ``kernel[grid](*args, **constants)`` fills ``outputs`` (the packed
-    pass: ``m``, ``l`` [BH, splits, rows] and ``acc`` [BH, splits, rows, D], each split's running max, sum and
-    output, rows = the KV head's query heads padded; the combine: the attention output [B, Hq, D])."""
-
-    kernel: Any
-    grid: tuple[int, ...]
-    args: tuple
-    constants: dict
-    outputs: tuple
-
-    def run(self) -> tuple:
-        self.kernel[self.grid](*self.args, **self.constants)
-        return self.outputs
 
 
 def tile_rows(group: int) -> int:  # the rows a KV head's query heads take in the packed pass (tensor-core tiles: 16)

@@ -14,7 +14,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 from kvweave.core.lazy import lazy_module, torch
-from kvweave.kernels.lowbit_decode import Launch
+from kvweave.kernels.launch import Launch
 
 if TYPE_CHECKING:
     from kvweave.kernels import window_triton as jit

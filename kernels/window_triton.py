@@ -38,6 +38,17 @@ if triton is not None:
         y = (y + 12582912.0) - 12582912.0  # 1.5 * 2**23: float32 addition rounds to the nearest even integer
         return tl.where(bad, 0.0, y), scale16, tl.where(bad, 0.0, absmax)
 
+    @triton.jit
+    def _put_new(x_ptr, codes_ptr, scale_ptr, read_ptr, worst_ptr, slot, chan, cm, D: tl.constexpr):
+        """The token at ``x_ptr`` encoded (:func:`_encoded`) into token ``slot`` of the window's codes and scales, written
+        to the read-back as it arrived, its largest finite magnitude raised into ``worst``."""
+        x = tl.load(x_ptr + chan, mask=cm, other=0.0)
+        y, scale16, seen = _encoded(x)
+        tl.store(codes_ptr + slot * D + chan, y.to(tl.int8), mask=cm)
+        tl.store(scale_ptr + slot, scale16)
+        tl.store(read_ptr + slot * D + chan, x.to(read_ptr.dtype.element_ty), mask=cm)
+        tl.atomic_max(worst_ptr, seen)
+
     @triton.jit(do_not_specialize=["held"])
     def _window_append_kernel(
         old_codes_ptr, old_scale_ptr, new_ptr, codes_ptr, scale_ptr, read_ptr, worst_ptr,
@@ -65,13 +76,7 @@ if triton is not None:
             tl.store(scale_ptr + row * length + tok, scale, mask=ok)
             value = codes.to(tl.float32) * scale.to(tl.float32)[:, None]
             tl.store(read_ptr + at, _rounded(value, read_ptr.dtype.element_ty), mask=both)
-        x = tl.load(new_ptr + row * new_stride + chan, mask=cm, other=0.0)
-        y, scale16, seen = _encoded(x)
-        at_new = (row * length + held) * D + chan
-        tl.store(codes_ptr + at_new, y.to(tl.int8), mask=cm)
-        tl.store(scale_ptr + row * length + held, scale16)
-        tl.store(read_ptr + at_new, x.to(read_ptr.dtype.element_ty), mask=cm)
-        tl.atomic_max(worst_ptr, seen)
+        _put_new(new_ptr + row * new_stride, codes_ptr, scale_ptr, read_ptr, worst_ptr, row * length + held, chan, cm, D)
 
     @triton.jit(do_not_specialize=["capacity"])
     def _window_put_kernel(
@@ -95,10 +100,4 @@ if triton is not None:
         old = tl.load(codes_ptr + at_prev, mask=written, other=0)
         value = old.to(tl.float32) * tl.load(scale_ptr + row * capacity + prev).to(tl.float32)
         tl.store(read_ptr + at_prev, _rounded(value, read_ptr.dtype.element_ty), mask=written)
-        x = tl.load(new_ptr + row * new_stride + chan, mask=cm, other=0.0)
-        y, scale16, seen = _encoded(x)
-        at_new = (row * capacity + fill) * D + chan
-        tl.store(codes_ptr + at_new, y.to(tl.int8), mask=cm)
-        tl.store(scale_ptr + row * capacity + fill, scale16)
-        tl.store(read_ptr + at_new, x.to(read_ptr.dtype.element_ty), mask=cm)
-        tl.atomic_max(worst_ptr, seen)
+        _put_new(new_ptr + row * new_stride, codes_ptr, scale_ptr, read_ptr, worst_ptr, row * capacity + fill, chan, cm, D)
