@@ -37,8 +37,6 @@ def graph_refusal(cache: Any) -> str | None:
     if not getattr(engine.kernel, "reads_window_fill", False):
         return (f"{name}: kernel '{kernel}' reads the exact window's length from its shape; CUDA graphs need a kernel that "
                 "reads it from the device (kernel 'lowbit')")
-    if engine.settings.window_storage != "int8":
-        return f"{name}: window_storage '{engine.settings.window_storage}'; CUDA graphs keep an 'int8' window in place"
     if engine.sliding:
         return f"{name}: the model has sliding-window layers, whose windows slide every step"
     if engine.rows is not None:

@@ -130,8 +130,8 @@ class ExactTokens:
     def stored(self) -> list[torch.Tensor]:
         """Every tensor held (what :meth:`nbytes` counts): kept for a CUDA graph, the buffers at their capacity, the
         read-back included."""
-        if self._room is not None:
-            return [t for room in self._room.values() for t in room]
+        if self._room is not None:  # an unquantized window's read-back is its buffer: counted once
+            return [t for buffers, read in self._room.values() for t in (*buffers, *([read] if self.lossy else []))]
         return [t for held in self._held.values() if held is not None for t in held]
 
     # ------------------------------------------------------------------------- kept for a CUDA graph
@@ -142,12 +142,11 @@ class ExactTokens:
 
     def make_static(self, capacity: int, fill: torch.Tensor) -> None:
         """Keep the window in buffers of ``capacity`` tokens until :meth:`end_static`, so that a decode step's token
-        goes in place (:func:`kvweave.kernels.window.put_int8`) at the index ``fill`` (int32 [1] on the tokens'
-        device, set by the caller to the tokens held now) and reading it back is one buffer: every step launches the
-        same kernels on the same addresses. The caller advances ``fill`` and :meth:`advance` after each step. int8
-        windows on a GPU (or Triton's interpreter) only; nothing else changes the window meanwhile."""
-        if not self.lossy:
-            raise CacheStateError("a window is kept for a CUDA graph only with window_storage = 'int8'")
+        goes in place at the index ``fill`` (int32 [1] on the tokens' device, set by the caller to the tokens held now)
+        and reading it back is one buffer: every step launches the same kernels on the same addresses. An int8 window's
+        token goes in by :func:`kvweave.kernels.window.put_int8` (a GPU, or Triton's interpreter), which also keeps a
+        read-back buffer; a window of the tokens as they arrived is its own read-back. The caller advances ``fill`` and
+        :meth:`advance` after each step; nothing else changes the window meanwhile."""
         if self._room is not None:
             raise CacheStateError("the window is kept for a CUDA graph already")
         if any(held is None for held in self._held.values()):
@@ -158,14 +157,17 @@ class ExactTokens:
         if fill.dtype != torch.int32 or fill.shape != (1,) or fill.device != self.device:
             raise CacheStateError(f"the window's fill must be int32 [1] on {self.device}; got {fill.dtype} {tuple(fill.shape)} on {fill.device}")
         room = {}
-        for kind, (codes, scale) in self._held.items():  # type: ignore[misc]
-            batch, heads, _, dim = codes.shape
-            buffers = (codes.new_zeros(batch, heads, capacity, dim), scale.new_zeros(batch, heads, capacity, 1),
-                       torch.zeros(batch, heads, capacity, dim, dtype=self._dtype, device=codes.device))
-            for buffer, now in zip(buffers, (codes, scale, self[kind])):
+        for kind, held in self._held.items():
+            batch, heads, _, dim = held[0].shape  # type: ignore[index]
+            buffers = tuple(t.new_zeros(batch, heads, capacity, t.shape[-1]) for t in held)  # type: ignore[union-attr]
+            for buffer, now in zip(buffers, held):  # type: ignore[arg-type]
                 buffer[..., :count, :] = now
-            room[kind] = buffers
-        if self._worst is None or self._worst.device != self.device:
+            read = buffers[0]  # the tokens as they arrived are read as held
+            if self.lossy:
+                read = torch.zeros(batch, heads, capacity, dim, dtype=self._dtype, device=self.device)
+                read[..., :count, :] = self[kind]
+            room[kind] = (buffers, read)
+        if self.lossy and (self._worst is None or self._worst.device != self.device):
             self._worst = torch.zeros(1, dtype=torch.float32, device=self.device)
         self._room, self._fill, self._count = room, fill, count
         self._show()
@@ -180,42 +182,44 @@ class ExactTokens:
         step attends, this step's token as it arrived)."""
         if self._room is None:
             raise CacheStateError("only a window kept for a CUDA graph has a read-back buffer")
-        return self._room[kind][2]
+        return self._room[kind][1]
 
     def advance(self, steps: int = 1) -> None:
         """The host's count of a window kept for a CUDA graph moved on by ``steps`` decode tokens (the device's was,
         by the steps themselves)."""
         if self._room is None:
             raise CacheStateError("only a window kept for a CUDA graph advances by count")
-        capacity = self._room["keys"][0].shape[-2]
+        capacity = self._room["keys"][1].shape[-2]
         if self._count + steps > capacity:
             raise CacheStateError(f"a window kept for a CUDA graph holds at most {capacity} tokens; {self._count} + {steps} do not fit")
         self._count += steps
         self._show()
 
     def end_static(self) -> None:
-        """Back to tensors of the window's own length (copies: the buffers are freed); the steps' largest magnitude goes
-        to the range check (:meth:`settle`), which a flush waits for."""
+        """Back to tensors of the window's own length (copies: the buffers are freed); an int8 window's largest
+        magnitude over the steps goes to the range check (:meth:`settle`), which a flush waits for."""
         if self._room is None:
             return
-        self._held = {kind: (codes[..., :self._count, :].clone(), scale[..., :self._count, :].clone())
-                      for kind, (codes, scale, _) in self._room.items()}
+        self._held = {kind: tuple(t.clone() for t in held) for kind, held in self._held.items()}  # type: ignore[union-attr]
         self._room = self._fill = None
-        if self._worst is not None:
+        if self.lossy and self._worst is not None:
             self._watch(self._worst[0])
 
     def _show(self) -> None:
         """``_held`` as views of the buffers' first ``_count`` tokens."""
-        for kind, (codes, scale, _) in self._room.items():  # type: ignore[union-attr]
-            self._held[kind] = (codes[..., :self._count, :], scale[..., :self._count, :])
+        for kind, (buffers, _) in self._room.items():  # type: ignore[union-attr]
+            self._held[kind] = tuple(t[..., :self._count, :] for t in buffers)
 
     def _put(self, kind: str, new: torch.Tensor) -> torch.Tensor:
         """A decode token of a window kept for a CUDA graph, in place: the read-back buffer (its first fill + 1 rows)."""
         if new.shape[-2] != 1:
             raise CacheStateError(f"a window kept for a CUDA graph takes one decode token a step, not {new.shape[-2]}")
         self._check_dtype(new)
-        codes, scale, read = self._room[kind]  # type: ignore[index]
-        put_int8(codes, scale, read, new, self._fill, self._worst)  # type: ignore[arg-type]
+        buffers, read = self._room[kind]  # type: ignore[index]
+        if self.lossy:
+            put_int8(*buffers, read, new, self._fill, self._worst)  # type: ignore[arg-type]
+        else:
+            read.index_copy_(2, self._fill.long(), new)  # type: ignore[union-attr]
         return read
 
     def _not_static(self, what: str) -> None:

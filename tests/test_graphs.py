@@ -19,7 +19,7 @@ from kvweave.engine.importance import score_for
 from kvweave.engine.store import ExactTokens
 from kvweave.kernels.lowbit_decode import lowbit_decode, torch_lowbit_decode
 
-from conftest import CharTokenizer, tiny_llama
+from conftest import CharTokenizer, tiny_llama, write_registry
 from test_lowbit_kernel import model, registry  # noqa: F401 - the same storages and model
 
 FRONTIER = Path(__file__).resolve().parent.parent / "benchmarks" / "dense_sweep.toml"
@@ -72,6 +72,27 @@ def test_a_window_kept_in_place_holds_and_reads_back_what_the_appending_window_d
         assert _finite_equal(kept[kind], eager[kind])
 
 
+def test_a_window_of_the_tokens_as_they_arrived_is_kept_in_place_too():
+    torch.manual_seed(4)
+    eager, kept = ExactTokens("input"), ExactTokens("input")
+    prompt = torch.randn(1, 2, 6, 32)
+    for held in (eager, kept):
+        held.append("keys", prompt)
+        held.append("values", -prompt)
+    fill = torch.full((1,), 6, dtype=torch.int32)
+    kept.make_static(10, fill)
+    assert kept.nbytes() == 2 * 10 * 2 * 32 * 4  # each kind's buffer at its capacity, its own read-back
+    for _ in range(4):
+        new = torch.randn(1, 2, 1, 32)
+        for kind in ("keys", "values"):
+            expected, got = eager.append_read(kind, new), kept.append_read(kind, new)
+            assert got is kept.read_buffer(kind) and torch.equal(got[..., : expected.shape[-2], :], expected)
+        fill += 1
+        kept.advance()
+    kept.end_static()
+    assert kept.nbytes() == eager.nbytes() and all(torch.equal(kept[k], eager[k]) for k in ("keys", "values"))
+
+
 @pytest.mark.interpreter
 def test_a_window_kept_in_place_refuses_whatever_would_move_it():
     held = ExactTokens("int8")
@@ -90,10 +111,6 @@ def test_a_window_kept_in_place_refuses_whatever_would_move_it():
                       ("one decode token", lambda: held.append_read("keys", torch.randn(1, 2, 2, 64)))):
         with pytest.raises(CacheStateError, match=what):
             act()
-    plain = ExactTokens("input")
-    plain.append("keys", torch.randn(1, 2, 5, 64))
-    with pytest.raises(CacheStateError, match="'int8'"):
-        plain.make_static(9, torch.full((1,), 5, dtype=torch.int32))
 
 
 @pytest.mark.interpreter
@@ -176,6 +193,27 @@ def test_graph_decoding_decodes_and_stores_what_generate_does(monkeypatch):
 
 
 @pytest.mark.interpreter
+def test_graph_decoding_of_a_window_kept_as_it_arrived_decodes_what_generate_does(model, registry):  # noqa: F811
+    """``t-lowbit-post`` (4-bit keys after RoPE, 2-bit values, the window as the tokens arrived): over a flush, the
+    same tokens and packed tensors as ``model.generate``, the windows within float32's rounding (on a CPU the torch
+    twin sums over the window's buffer, zero weights past its length, in another order)."""
+    model.generation_config.eos_token_id = None
+    ids = torch.randint(1, 128, (2, 70), generator=torch.Generator().manual_seed(2))
+    caches = [build_cache(registry.resolve("t-lowbit-post"), model) for _ in range(2)]
+    with torch.no_grad():
+        expected = model.generate(input_ids=ids, max_new_tokens=60, do_sample=False, **cache_kwargs(model, caches[0]))[:, 70:]
+        first = model.generate(input_ids=ids, max_new_tokens=1, do_sample=False, **cache_kwargs(model, caches[1]))[:, 70:]
+    assert steps_before_flush(caches[1].engine) >= MIN_GRAPH_STEPS
+    got = graph_decode(model, caches[1], first, 59)
+    assert torch.equal(torch.cat((first, got), 1), expected)
+    windows = 2 * model.config.num_hidden_layers  # the last tensors of _stored: each layer's keys and values
+    stored, reference = _stored(caches[1]), _stored(caches[0])
+    assert len(stored) == len(reference) and all(torch.equal(a, b) for a, b in zip(stored[:-windows], reference[:-windows]))
+    for a, b in zip(stored[-windows:], reference[-windows:]):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.interpreter
 def test_graph_decoding_stops_at_the_step_where_every_row_ended():
     net = tiny_llama(torch.float32, hidden=256, layers=2)
     net.generation_config.eos_token_id = None
@@ -200,13 +238,23 @@ def _copy_of(net, ids, first):
     return cache
 
 
+class _Vocabulary(CharTokenizer):
+    """CharTokenizer with the vocabulary a delimiter-aware router reads (depthweave-kv's)."""
+
+    def __len__(self) -> int:
+        return 128
+
+    def batch_decode(self, ids: list[list[int]]) -> list[str]:
+        return [chr(i[0]) for i in ids]
+
+
 @pytest.mark.parametrize("name, reason", [
     ("kvzip-qa35v3", "kernel 'reference' reads the exact window's length from its shape"),
-    ("prerope-k4v2-lowbit", "window_storage 'input'"),
+    ("depthweave-kv", "kernel 'fused' reads the exact window's length from its shape"),
     ("t-lowbit-w8", "query energy"),
 ])
 def test_what_cannot_be_replayed_is_refused_by_name(model, registry, name, reason):  # noqa: F811 - fixtures imported
-    cache = build_cache(registry.resolve(name), model, tokenizer=CharTokenizer())
+    cache = build_cache(registry.resolve(name), model, tokenizer=_Vocabulary())
     assert reason in graph_refusal(cache)
     with pytest.raises(CacheStateError, match=f"CUDA graph decoding: pipeline '{name}'.*{reason}"):
         graph_decode(model, cache, torch.zeros(1, 1, dtype=torch.long), 3)
@@ -236,9 +284,10 @@ def test_windows_of_unequal_length_are_not_kept_in_place():
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="captures CUDA graphs")
-def test_graphs_captured_on_the_gpu_decode_what_generate_does(monkeypatch):
-    """bfloat16, head_dim 128 (the d128 frontier pipeline), two rows, 200 steps over three flushes: the same tokens and
-    stored tensors as ``model.generate``, most steps replayed."""
+@pytest.mark.parametrize("window", ["int8", "input"])
+def test_graphs_captured_on_the_gpu_decode_what_generate_does(monkeypatch, tmp_path, window):
+    """bfloat16, head_dim 128 (the d128 frontier pipeline, its window as int8 codes or as the tokens arrived), two rows,
+    200 steps over three flushes: the same tokens and stored tensors as ``model.generate``, most steps replayed."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(0)
@@ -248,9 +297,14 @@ def test_graphs_captured_on_the_gpu_decode_what_generate_does(monkeypatch):
     net.generation_config.eos_token_id = None
     ids = torch.randint(1, 512, (2, 300), generator=torch.Generator().manual_seed(0)).cuda()
     registry = load_registry(FRONTIER)
+    registry.add_file(write_registry(tmp_path, "window", f"""
+[pipelines.g-window]
+extends = "kzd-k4v2-f48-d128"
+window_storage = "{window}"
+"""))
 
     def prepared():
-        cache = build_cache(registry.resolve("kzd-k4v2-f48-d128"), net, tokenizer=CharTokenizer())
+        cache = build_cache(registry.resolve("g-window"), net, tokenizer=CharTokenizer())
         score_for(net, cache, ids, False, None, ingest=True)
         return cache
 

@@ -262,7 +262,7 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--cuda-graphs", action="store_true",
                    help="greedy decoding with each block's steps replayed from a CUDA graph (--device cuda; pipelines "
-                        "read by the lowbit kernel with an int8 window): the same tokens, far less host time a step")
+                        "read by the lowbit kernel): the same tokens, far less host time a step")
     p.add_argument("--json", action="store_true")
     add_tp_option(p)
     p.set_defaults(func=cmd_generate_with_progress)
