@@ -131,6 +131,9 @@ def graph_decode(model: Any, cache: Any, first: torch.Tensor, steps: int, *, cap
     if steps < 0:
         raise ValueError(f"graph_decode: steps must be >= 0, got {steps}")
     capture = first.is_cuda if capture is None else capture
+    if capture and getattr(cache.engine.kernel, "backend", None) == "torch":
+        raise CacheStateError(f"CUDA graph decoding: pipeline '{cache.engine.pipeline.name}' runs its kernel's torch twin "
+                              "(backend 'torch'), which is no capture's; use backend 'auto' or 'triton'")
     if capture and not first.is_cuda:
         raise CacheStateError("CUDA graph decoding captures graphs on a GPU; the tokens are on the CPU (capture=False runs the steps eagerly)")
     engine, step = cache.engine, _Step(model, cache, first, steps)

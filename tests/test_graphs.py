@@ -260,7 +260,7 @@ def test_what_cannot_be_replayed_is_refused_by_name(model, registry, name, reaso
         graph_decode(model, cache, torch.zeros(1, 1, dtype=torch.long), 3)
 
 
-def test_capturing_needs_a_gpu_and_the_step_count_must_be_whole():
+def test_capturing_needs_a_gpu_and_the_step_count_must_be_whole(tmp_path):
     net = tiny_llama(torch.float32, hidden=256, layers=2)
     cache = build_cache(load_registry(FRONTIER).resolve("kzd-k4v2-f48"), net, tokenizer=CharTokenizer())
     assert graph_refusal(cache) is None
@@ -268,6 +268,16 @@ def test_capturing_needs_a_gpu_and_the_step_count_must_be_whole():
         graph_decode(net, cache, torch.zeros(1, 1, dtype=torch.long), 3, capture=True)
     with pytest.raises(ValueError, match="steps must be >= 0"):
         graph_decode(net, cache, torch.zeros(1, 1, dtype=torch.long), -1)
+    registry = load_registry(FRONTIER)
+    registry.add_file(write_registry(tmp_path, "twin", """
+[pipelines.g-twin]
+extends = "kzd-k4v2-f48"
+[pipelines.g-twin.kernel]
+backend = "torch"
+"""))
+    twin = build_cache(registry.resolve("g-twin"), net, tokenizer=CharTokenizer())
+    with pytest.raises(CacheStateError, match="backend 'torch'"):
+        graph_decode(net, twin, torch.zeros(1, 1, dtype=torch.long), 3, capture=True)
 
 
 @pytest.mark.interpreter
