@@ -370,3 +370,25 @@ def test_kvweave_generate_refuses_what_cuda_graphs_cannot_decode():
     with pytest.raises(CacheStateError, match="kernel 'reference'"):
         generate(net, {"input_ids": ids}, reference, max_new_tokens=5, cuda_graphs=True)
     assert cache.get_seq_length() == reference.get_seq_length() == 0  # refused before the prefill
+
+
+@pytest.mark.model
+@pytest.mark.interpreter
+def test_the_default_model_answers_the_same_with_cuda_graph_decoding(real_model):
+    """SmolLM2-135M with ``kzd-k4v2-f48`` over the 725-token report (steps eager on a CPU): the same answer, tokens,
+    stored bytes and cached tokens, the end of sequence found as ``model.generate`` finds it."""
+    from kvweave.engine.generation import generate
+
+    model, tokenizer = real_model
+    text = (Path(__file__).resolve().parent.parent / "examples" / "prompts" / "harbour-report.txt").read_text()
+    prompt = tokenizer.apply_chat_template([{"role": "user", "content": text}], tokenize=False, add_generation_prompt=True)
+    inputs = tokenizer(prompt, return_tensors="pt", add_special_tokens=False)
+    runs = []
+    for graphs in (False, True):
+        cache = build_cache(load_registry(FRONTIER).resolve("kzd-k4v2-f48"), model, tokenizer=tokenizer)
+        runs.append(generate(model, inputs, cache, max_new_tokens=40, do_sample=False, temperature=None, top_p=None,
+                             top_k=None, pad_token_id=tokenizer.pad_token_id, cuda_graphs=graphs))
+    (plain, plain_stats), (graphed, graphed_stats) = runs
+    assert torch.equal(plain, graphed) and plain.shape[1] < 40  # it ended before the limit
+    assert "silver heron" in tokenizer.decode(graphed[0], skip_special_tokens=True)
+    assert (plain_stats.stored_bytes, plain_stats.cached_tokens) == (graphed_stats.stored_bytes, graphed_stats.cached_tokens)
