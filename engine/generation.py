@@ -23,6 +23,7 @@ from typing import Any
 import attrs
 import torch
 
+from kvweave.core.errors import CacheStateError
 from kvweave.engine.cache import KVWeaveCache
 from kvweave.engine.graphs import ended_rows_padded, graph_decode, graph_refusal
 from kvweave.engine.importance import score_for
@@ -248,8 +249,6 @@ def generate(
 def refuse_graphs(cache: KVWeaveCache, inputs: dict[str, torch.Tensor], options: dict[str, Any]) -> None:
     """Raise, naming it, for what :func:`generate`'s ``cuda_graphs`` cannot decode: a cache :func:`graph_refusal`
     refuses, sampling or beams (graphs replay greedy steps), padded rows, no ``max_new_tokens``."""
-    from kvweave.core.errors import CacheStateError
-
     refusal = graph_refusal(cache)
     if refusal is not None:
         raise CacheStateError(f"CUDA graph decoding: {refusal}")

@@ -123,8 +123,8 @@ def graph_decode(model: Any, cache: Any, first: torch.Tensor, steps: int, *, cap
     ``capture``: replay each block's steps from a CUDA graph (None: where ``first`` is on a GPU); without, the same
     steps run eagerly. ``eos_token_id`` (one id or several): stop at the step by which every row produced one (a row's
     tokens after its own end are whatever the model decoded: :func:`ended_rows_padded` pads them as ``model.generate``
-    does). ``on_step``: called after each step
-    (e.g. to time it). Refused as :func:`graph_refusal` says."""
+    does). ``on_step``: called after each step (e.g. to time it). Refused as :func:`graph_refusal` says, and a capture
+    of a kernel's torch twin or of CPU tensors."""
     refusal = graph_refusal(cache)
     if refusal is not None:
         raise CacheStateError(f"CUDA graph decoding: {refusal}")
@@ -157,16 +157,14 @@ class _Ends:
         self.step, self.on_step = step, on_step
         device = step.out.device
         self.ends = None if eos_token_id is None else torch.tensor(eos_token_id, device=device).reshape(-1)
-        self.ended = torch.zeros(step.out.shape[0], dtype=torch.bool, device=device)
-        if self.ends is not None:  # rows whose token before the first step ended already
-            self.ended = torch.isin(step.ids[:, 0], self.ends)
-        self.all_ended = bool(self.ended.all()) if self.ends is not None else False
+        self.ended = None if self.ends is None else torch.isin(step.ids[:, 0], self.ends)  # the token before the first step
+        self.all_ended = self.ended is not None and bool(self.ended.all())
 
     def after_step(self) -> bool:
         self.step.done += 1
         if self.on_step is not None:
             self.on_step()
-        if self.ends is not None:
+        if self.ended is not None:
             self.ended |= torch.isin(self.step.out[:, self.step.done - 1], self.ends)
             self.all_ended = bool(self.ended.all())
         return self.all_ended
