@@ -41,9 +41,9 @@ class ExactTokens:
         self._watched: list[tuple[torch.Tensor, Any]] = []  # decode steps' largest magnitudes, on their way to the host
         self._worst: torch.Tensor | None = None  # the append kernel's running largest magnitude, on the tokens' device
         self.fused: bool | None = None  # decode tokens of an int8 window by one kernel: None where they are on a GPU
-        # kept for a CUDA graph (make_static): each kind's codes, scales and read-back in buffers of a capacity, the
-        # device's count of the tokens held before a step, and the host's (what the views of _held show)
-        self._room: dict[str, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] | None = None
+        # kept for a CUDA graph (make_static): each kind's held tensors (int8: codes and scales) and read-back in buffers
+        # of a capacity, the device's count of the tokens held before a step, and the host's (what the views of _held show)
+        self._room: dict[str, tuple[tuple[torch.Tensor, ...], torch.Tensor]] | None = None
         self._fill: torch.Tensor | None = None
         self._count = 0
 
