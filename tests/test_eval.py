@@ -260,7 +260,7 @@ def test_eval_prints_a_table_and_the_folder_and_json_with_the_task_results(tiny_
 
 
 def test_eval_json_writes_nan_as_null_and_names_an_unbuildable_pipeline(tiny_model_folder, tmp_path, capsys, monkeypatch):
-    def speed_without_numbers(ev, tokens, new_tokens):
+    def speed_without_numbers(ev, tokens, new_tokens, cuda_graphs=False):
         ev.errors["int4"] = "BudgetError: too tight"
         return {"tokens": tokens, "new_tokens": new_tokens,
                 "pipelines": {"full": {"ttft_seconds": float("nan"), "decode_tokens_per_second": 1.5}, "int4": {"error": "BudgetError: too tight"}}}

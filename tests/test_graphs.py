@@ -392,3 +392,34 @@ def test_the_default_model_answers_the_same_with_cuda_graph_decoding(real_model)
     assert torch.equal(plain, graphed) and plain.shape[1] < 40  # it ended before the limit
     assert "silver heron" in tokenizer.decode(graphed[0], skip_special_tokens=True)
     assert (plain_stats.stored_bytes, plain_stats.cached_tokens) == (graphed_stats.stored_bytes, graphed_stats.cached_tokens)
+
+
+@pytest.mark.interpreter
+def test_eval_speed_decodes_from_graphs_where_a_pipeline_allows_it_and_says_which(tokenizer, tmp_path, capsys):
+    """``kvweave eval speed --speed-cuda-graphs`` (steps eager on a CPU): the lowbit pipeline decodes from graphs, the
+    full cache as without and says why, the table has a column for it, and a folder made without the option is refused."""
+    import json
+
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from kvweave.tools import cli
+
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=len(tokenizer), hidden_size=256, intermediate_size=256, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024,
+                         bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id)
+    folder = tmp_path / "model"
+    LlamaForCausalLM(config).save_pretrained(folder)  # head_dim 64, what the lowbit kernel reads
+    tokenizer.save_pretrained(folder)
+    out = tmp_path / "speed"
+    args = ["eval", "speed", "--model", str(folder), "--pipelines", "full,kzd-k4v2-f48", "--registry", str(FRONTIER),
+            "--speed-tokens", "128", "--speed-new-tokens", "12", "--dtype", "float32", "--out", str(out)]
+    assert cli.main([*args, "--speed-cuda-graphs"]) == 0
+    speed = json.loads((out / "speed.json").read_text())["pipelines"]
+    assert speed["kzd-k4v2-f48"]["decoded"] == "cuda graphs" and "eager_because" not in speed["kzd-k4v2-f48"]
+    assert speed["full"]["decoded"] == "eager" and "kernel 'reference'" in speed["full"]["eager_because"]
+    assert all(speed[name]["decode_tokens_per_second"] > 0 for name in speed)
+    table = capsys.readouterr().out
+    assert "| decoded |" in table and table.count("| eager |") == 1 and table.count("| cuda graphs |") == 1
+    assert cli.main(args) == 2  # the folder holds a run with CUDA graphs: another without them is refused
+    assert "other settings" in capsys.readouterr().err

@@ -112,11 +112,12 @@ class Evaluation:
         return inputs, split
 
     def answer(self, name: str, inputs: dict[str, torch.Tensor], max_new_tokens: int | None = None,
-               context_tokens: int = 0) -> tuple[str, Any]:
+               context_tokens: int = 0, cuda_graphs: bool = False) -> tuple[str, Any]:
         """Greedy answer of pipeline ``name`` to ``inputs`` (``input_ids`` [1, T], ...); returns the text and
         the generation stats (:class:`kvweave.engine.generation` ``generate``'s). With ``context_tokens``
         (query-agnostic), the first ``context_tokens`` ids are prefilled into the cache in a forward of
-        their own, then generation feeds the rest (its stats time that part only)."""
+        their own, then generation feeds the rest (its stats time that part only). ``cuda_graphs``: the decode steps from
+        CUDA graphs (:mod:`kvweave.engine.graphs`)."""
         torch.manual_seed(self.seed)
         cache = self.cache(name)
         inputs = {k: v.to(self.device) for k, v in inputs.items()}
@@ -126,7 +127,8 @@ class Evaluation:
         if context_tokens:
             self.prefill(cache, inputs["input_ids"][:, :context_tokens])
         new, stats = generate(self.model, inputs, cache, max_new_tokens=max_new_tokens or self.max_new_tokens, do_sample=False,
-                              temperature=None, top_p=None, top_k=None, pad_token_id=self.tokenizer.pad_token_id)
+                              temperature=None, top_p=None, top_k=None, pad_token_id=self.tokenizer.pad_token_id,
+                              cuda_graphs=cuda_graphs)
         fed = total + new.shape[-1] - 1  # the last new token is never fed
         if context_tokens and cache.get_seq_length() != fed:
             raise EvalError(f"generate left {cache.get_seq_length()} tokens in a cache prefilled with {context_tokens} of a "

@@ -132,6 +132,8 @@ def table_rows(pipelines: list[str], errors: dict[str, str], results: dict[str, 
             row["ttft"], row["decode_tps"] = speed["ttft_seconds"], speed["decode_tokens_per_second"]
             if "peak_extra_bytes" in speed:
                 row["peak_extra_bytes"] = speed["peak_extra_bytes"]
+            if "decoded" in speed:  # --speed-cuda-graphs
+                row["decoded"] = speed["decoded"]
         rows.append(row)
     return rows
 
@@ -148,7 +150,7 @@ def _columns(rows: list[dict[str, Any]], datasets_run: list[str], base: str | No
         columns += [(f"{dataset}_em", f"{label} EM", pct), (f"{dataset}_f1", f"{label} F1", pct)]
     columns += [("ppl", "ppl", num), ("ppl_delta", "Δppl", lambda v: f"{v:+.3f}"), ("fidelity", "attn-out err", lambda v: f"{v:.4f}"),
                 ("ttft", "TTFT s", lambda v: f"{v:.2f}"), ("decode_tps", "decode tok/s", lambda v: f"{v:.1f}"),
-                ("peak_extra_bytes", "peak extra MB", lambda v: f"{v / 1e6:,.1f}")]
+                ("peak_extra_bytes", "peak extra MB", lambda v: f"{v / 1e6:,.1f}"), ("decoded", "decoded", str)]
     if base is not None:
         columns.insert(4, ("needle_vs_base", f"Δ needle vs {base}", lambda v: f"{100 * v:+.1f}"))
         columns.insert(5 + 2 * len(datasets_run), ("qa_f1_vs_base", f"Δ QA F1 vs {base}", lambda v: f"{100 * v:+.1f}"))

@@ -86,7 +86,8 @@ def _task_settings(args: argparse.Namespace, task: str) -> dict[str, Any]:
     if task in ("ppl", "fidelity"):
         extra = {"probe": args.probe} if task == "fidelity" else ({"prefill": args.prefill} if args.prefill else {})
         return {"tokens": args.tokens, "chunk": args.chunk, **extra}
-    return {"speed_tokens": args.speed_tokens, "speed_new_tokens": args.speed_new_tokens}
+    graphs = {"cuda_graphs": True} if args.speed_cuda_graphs else {}  # absent otherwise: folders made before it still match
+    return {"speed_tokens": args.speed_tokens, "speed_new_tokens": args.speed_new_tokens, **graphs}
 
 
 def _model_label_for(spec: str) -> str:
@@ -289,7 +290,7 @@ def run_tasks(ev: Evaluation, args: argparse.Namespace, tasks: list[str]) -> dic
         elif task == "fidelity":
             results[task] = run_fidelity(ev, args.tokens, args.chunk, args.probe)
         else:
-            results[task] = run_speed(ev, args.speed_tokens, args.speed_new_tokens)
+            results[task] = run_speed(ev, args.speed_tokens, args.speed_new_tokens, args.speed_cuda_graphs)
         summary = ", ".join(f"{n}: {_summary(task, r)}" for n, r in results[task]["pipelines"].items())
         ev.say(f"{task}: {summary}")
     return results
