@@ -267,7 +267,7 @@ def _graph_steps(model: Any, cache: KVWeaveCache, first: torch.Tensor, steps: in
     """The tokens after ``first`` [B, 1] (``model.generate``'s one new token), as ``model.generate`` returns them
     (``eos``: the end-of-sequence id or ids, ``pad`` what follows a row's end)."""
     ends = torch.tensor([] if eos is None else eos, device=first.device).reshape(-1)
-    if steps < 1 or first.shape[1] == 0 or bool(torch.isin(first, ends).all()):
+    if steps < 1 or bool(torch.isin(first, ends).all()):
         return first[:, :0]
     tokens = graph_decode(model, cache, first[:, -1], steps, eos_token_id=eos)
     return ended_rows_padded(torch.cat((first, tokens), dim=1), eos, pad)[:, 1:]
