@@ -1,7 +1,9 @@
 """KVzip's context scoring timed by its parts: the whole scoring by each read-out backend (``torch``: the
 probabilities formed whole; ``triton``: the kernels of ``kvweave.kernels.scoring``), and the same forwards with the
-read-out left out (the context pass and the repetition forwards alone), on a Llama-3-8B-shaped model with random bf16
-weights; the largest difference between the two backends' scores. A table on stdout.
+read-out left out (the context pass and the repetition forwards alone), and the Triton read-out with each repetition's
+attention as one flash call instead of the split of ``kvweave.engine.split_attention`` (cuDNN over the context, merged
+with the causal part), on a Llama-3-8B-shaped model with random bf16 weights; the largest differences between the
+scores. A table on stdout.
 
     python benchmarks/scoring_time.py [--tokens 32768] [--reps 2] [--smoke]
 
@@ -64,6 +66,12 @@ def main() -> None:
         finally:
             importance._Scorer._hook = hook
         best["forwards"] = min(best.get("forwards", seconds), seconds)
+        importance.SPLIT_REPETITION = False
+        try:
+            seconds, scores["one call"] = timed(lambda: score("triton"))
+        finally:
+            importance.SPLIT_REPETITION = True
+        best["one call"] = min(best.get("one call", seconds), seconds)
     finite = torch.isfinite(scores["torch"])
     diff = (scores["torch"] - scores["triton"]).abs()[finite]
     rel = (diff / scores["torch"][finite].abs().clamp_min(1e-12)).max()
@@ -75,7 +83,22 @@ def main() -> None:
     print(f"| scoring, read-out by the Triton kernels | {best['triton']:.3f} |")
     print(f"| the forwards alone (context pass + repetitions) | {best['forwards']:.3f} |")
     print(f"| read-out by torch / by the kernels | {best['torch'] - best['forwards']:.3f} / {best['triton'] - best['forwards']:.3f} |")
+    print(f"| scoring, Triton read-out, each repetition's attention one flash call (no split) | {best['one call']:.3f} |")
     print(f"scores: largest difference {float(diff.max()):.3g} absolute, {float(rel):.3g} relative")
+    split = scores["triton"][finite]
+    gap = (split - scores["one call"][finite]).abs()
+    print(f"split against one call: largest difference {float(gap.max()):.3g} absolute, "
+          f"{float((gap / split.abs().clamp_min(1e-12)).max()):.3g} relative; same top half of each row's tokens: "
+          f"{same_top_half(scores['triton'], scores['one call']):.4f}")
+
+
+def same_top_half(a: torch.Tensor, b: torch.Tensor) -> float:
+    """The share of each [layer, row, head]'s top half of tokens by ``a`` that is in the top half by ``b`` (KVzip keeps
+    ~half of them: what a difference in the scores would change)."""
+    keep = a.shape[-1] // 2
+    top_a = torch.zeros_like(a, dtype=torch.bool).scatter_(-1, a.topk(keep, -1).indices, True)
+    top_b = torch.zeros_like(b, dtype=torch.bool).scatter_(-1, b.topk(keep, -1).indices, True)
+    return float((top_a & top_b).sum() / top_a.sum())
 
 
 if __name__ == "__main__":

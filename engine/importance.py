@@ -37,6 +37,7 @@ from kvweave.engine.copying import copying_layers
 from kvweave.engine.ingest import ingest as ingest_context
 from kvweave.engine.ingest import ingest_refusal
 from kvweave.engine.observation import cache_kwargs
+from kvweave.engine.split_attention import split_attention
 from kvweave.kernels.scoring import repetition_key_max, repetition_key_max_torch, scoring_kernels_available
 
 #: what the model is asked before the first chunk, and before each later one (then the chunk's last tokens)
@@ -44,6 +45,8 @@ REPEAT_PROMPT = "\n\nRepeat the previous context exactly."
 REPEAT_CONTINUE = "\n\nRepeat the part of the previous context exactly, starting with"
 #: tokens of the previous chunk quoted after :data:`REPEAT_CONTINUE`
 OVERLAP_TOKENS = 8
+#: a repetition's attention in two parts on a GPU (:mod:`kvweave.engine.split_attention`); False: one flash call
+SPLIT_REPETITION = True
 #: the attention implementation the scoring forwards run with (:func:`scoring_attention`)
 SCORING_ATTENTION = "kvweave-scoring"
 
@@ -159,6 +162,10 @@ def _scoring_attention(module: Any, query: torch.Tensor, key: torch.Tensor, valu
     config = getattr(module, "config", None)
     if q_len == k_len or getattr(module, "sliding_window", None) or getattr(config, "attn_logit_softcapping", None):
         return ALL_ATTENTION_FUNCTIONS["sdpa"](module, query, key, value, attention_mask, scaling=scaling, dropout=dropout, **kwargs)
+    scale = float(scaling if scaling is not None else query.shape[-1] ** -0.5)
+    out = split_attention(query, key, value, scale) if SPLIT_REPETITION else None  # cuDNN over the context (engine/split_attention.py)
+    if out is not None:
+        return out.transpose(1, 2).contiguous(), None
     # the query heads of a KV head read its keys as they are (flash attention takes grouped heads with a lower-right
     # mask: 4.55 ms against 8.62 ms with the keys repeated, a 2,070-token repetition over 32K on the H200)
     out = torch.nn.functional.scaled_dot_product_attention(query, key, value, attn_mask=causal_lower_right(q_len, k_len), scale=scaling,
