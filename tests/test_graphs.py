@@ -14,7 +14,7 @@ import torch
 from kvweave.core.errors import CacheStateError
 from kvweave.core.registry import load_registry
 from kvweave.engine import build_cache, cache_kwargs, importance
-from kvweave.engine.graphs import MIN_GRAPH_STEPS, begin_static, end_static, graph_decode, graph_refusal, steps_before_flush
+from kvweave.engine.graphs import MIN_GRAPH_STEPS, _Step, begin_static, end_static, graph_decode, graph_refusal, steps_before_flush
 from kvweave.engine.importance import score_for
 from kvweave.engine.store import ExactTokens
 from kvweave.kernels.lowbit_decode import lowbit_decode, torch_lowbit_decode
@@ -322,10 +322,19 @@ window_storage = "{window}"
     with torch.no_grad():
         expected = net.generate(input_ids=ids, max_new_tokens=200, do_sample=False, **cache_kwargs(net, reference))[:, 300:]
         first = net.generate(input_ids=ids, max_new_tokens=1, do_sample=False, **cache_kwargs(net, cache))[:, 300:]
-    replays = []
+    replays, eager = [], []
     original = torch.cuda.CUDAGraph.replay
     monkeypatch.setattr(torch.cuda.CUDAGraph, "replay", lambda self: replays.append(1) or original(self))
+    run = _Step.__call__
+
+    def counted(self, fill):
+        if fill is not None and not torch.cuda.is_current_stream_capturing():
+            eager.append(1)  # a block's eager step
+        return run(self, fill)
+
+    monkeypatch.setattr(_Step, "__call__", counted)
     got = graph_decode(net, cache, first, 199)
     assert torch.equal(torch.cat((first, got), 1), expected)
     assert len(replays) > 150
+    assert len(eager) == 1  # the blocks after a flush are captured at once
     assert all(torch.equal(a, b) for a, b in zip(_stored(cache), _stored(reference), strict=True))
