@@ -362,6 +362,10 @@ class AttentionKernel(Component):
         views' ``scratch``) that holds their previous storage, which would otherwise stay alive, a second copy of those
         layers, until each one's next decode step. Nothing by default."""
 
+    def prepare(self, view: LayerView, device: torch.device) -> None:
+        """Build now what :meth:`attend` would build on its first call over ``view``'s packed storage (what reads the
+        device to the host: a CUDA graph's capture must find it built). Nothing by default."""
+
     def attend(self, view: LayerView, query: torch.Tensor, attention_mask: Any, scaling: float) -> torch.Tensor:
         """Decode attention of ``query`` [B, Hq, 1, D] over one layer's stored cache ``view``, read in place:
         [B, 1, Hq, D]. Called instead of the model's attention for one-token forwards when

@@ -9,9 +9,9 @@ step's token goes in at a device counter (``fill``), and the kernel that reads t
 reads the window's length from that counter. So a block is decoded as: one eager step (it builds and compiles what the
 step needs), the capture of the next, then replays; the step that flushes (every ``block_tokens`` steps) runs eagerly,
 as does any step where fewer than :data:`MIN_GRAPH_STEPS` remain before a flush. After a flush the next block is
-captured at once: the flushing step's attention already built each layer's view of the new storage, and the first
-block compiled every kernel a step launches (the eager step cost as much as a capture: 74 ms at B = 1 on Llama-3-8B's
-shape).
+captured at once: the kernel builds each layer's view of the new storage without a step
+(:meth:`~kvweave.core.interfaces.AttentionKernel.prepare`), and the first block compiled every kernel a step launches
+(the eager step cost as much as a capture: 74 ms at B = 1 on Llama-3-8B's shape).
 
 The host's own count of the window moves on after each replay (:func:`advance_static`), the only host state a decode
 step changes while no block is flushed. Where no GPU is present the same static steps run without capture (what the
@@ -27,6 +27,7 @@ import torch
 
 from kvweave.core.errors import CacheStateError
 from kvweave.engine.observation import cache_kwargs
+from kvweave.engine.views import layer_view
 
 #: the least number of steps before the next flush for which a graph is captured (a capture costs about one eager step)
 MIN_GRAPH_STEPS = 4
@@ -184,12 +185,15 @@ class _Ends:
 
 def _block(engine: Any, step: _Step, free: int, capture: bool, stop: _Ends, warm: bool = False) -> None:
     """Up to ``free`` steps with the windows kept in place, replayed from one graph: the first run eagerly unless
-    ``warm`` (the step before flushed, so its attention built every layer's view of the new storage, and an earlier
-    block compiled what a step launches)."""
+    ``warm`` (the step before flushed and an earlier block compiled what a step launches: the kernel's views of the new
+    storage are built without a step, :meth:`~kvweave.core.interfaces.AttentionKernel.prepare`)."""
     fill = begin_static(engine, free)
     graph = None
     eager = not (warm and capture)
     try:
+        if not eager:  # the flush came after the flushing step's attention: the views of the new storage, built here
+            for layer in range(engine.shape.num_layers):
+                engine.kernel.prepare(layer_view(engine, layer), fill.device)
         if eager:
             step(fill)  # builds the kernels' views and compiles what the graph will replay
             advance_static(engine)

@@ -55,12 +55,13 @@ def test_the_split_on_the_gpu_matches_one_flash_call(dim):
     from torch.nn.attention.bias import causal_lower_right
 
     q, k, v = (t.cuda().to(torch.bfloat16) for t in _grouped(batch=1, q_heads=32, heads=8, fed=300, context=4000, dim=dim))
+    k[..., 4000:, :] *= 3  # the repetition's own keys carry much of each row's mass: a wrong weight shows
     assert split_ready(q)
     got = split_attention(q, k, v, dim ** -0.5)
     whole = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=causal_lower_right(300, 4300), scale=dim ** -0.5,
                                                              enable_gqa=True)
     reference = math_part(q, k, v, dim ** -0.5, causal=True)[0]
-    assert (got.float() - reference).abs().max() <= 2 * (whole.float() - reference).abs().max() + 1e-2
+    assert (got.float() - reference).abs().max() <= 2 * (whole.float() - reference).abs().max() + 1e-3
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="cuDNN and flash attention run on a GPU")

@@ -158,6 +158,10 @@ class LowbitKernel(AttentionKernel):
             view.scratch[("lowbit-view", view.layer, device)] = cached
         return attrs.evolve(cached[1], exact_k=exact_k, exact_v=exact_v, exact_fill=view.window_fill)
 
+    def prepare(self, view: LayerView, device: torch.device) -> None:
+        """The packed storage's views, made now (:meth:`lowbit_view`; they read the device once per storage state)."""
+        self.lowbit_view(view, device)
+
     def storage_changed(self, scratch: dict, layers: tuple[int, ...]) -> None:
         """The packed views of ``layers`` are views of their previous storage: dropped (made anew at the next step)."""
         for key in [key for key in scratch if key[0] == "lowbit-view" and key[1] in layers]:
