@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import functools
+import inspect
 import time
 from collections import defaultdict
 
@@ -58,12 +59,18 @@ def instrument(cache) -> None:
     quantizers = {type(engine.quantizers[kind]) for kind in ("keys", "values")}
     classes += [(f"quantizer.{m}", cls, m) for cls in quantizers for m in ("quantize", "dequantize")]
     classes += [(f"engine.{m}", type(engine), m) for m in ("_flush", "_attention_stats", "_probe", "_route_block")]
+    classes.append(("encoder.encode", type(engine.encoder), "encode"))
+    if engine.evicts:  # an evictor's flush: its choice, the slots topped up to whole groups, the kept tokens gathered
+        classes.append(("evictor.keep", type(engine.evictor), "keep"))
+        classes += [(f"eviction.{m}", type(engine.eviction), m) for m in ("evict", "_eviction_block", "_whole_groups", "_kept_index", "_gather_tokens")]
     for name, cls, method in classes:
         if hasattr(cls, method):
-            setattr(cls, method, timed(name, getattr(cls, method)))
+            wrapped = timed(name, getattr(cls, method))
+            setattr(cls, method, staticmethod(wrapped) if isinstance(inspect.getattr_static(cls, method), staticmethod) else wrapped)
 
 
 def patch_module() -> None:
+    engine_module.check_finite = timed("checks.check_finite", engine_module.check_finite)
     for name in ("fit_residual_basis", "encode_residuals", "add_residuals", "residual_rows"):
         if hasattr(engine_module, name):
             setattr(engine_module, name, timed(f"residuals.{name}", getattr(engine_module, name)))
