@@ -275,6 +275,11 @@ class Router(Component):
         """The reduction against a 16-bit cache the stored bytes must reach, or None for no budget."""
         return None
 
+    def routes_nothing(self, kind: str, first: int) -> bool:
+        """Whether :meth:`assign` gives rank 0 to every token of any ``kind`` block whose first position is ``first``
+        (known without the block: the engine then skips reconstructing it for residuals). False by default."""
+        return False
+
     def gates(self, layer: int, kind: str) -> torch.Tensor | None:
         """Residual gates in [0, 1] for ``layer`` and ``kind`` ("keys"/"values"), [H], or None (all 1)."""
         return None

@@ -54,8 +54,10 @@ class BlockEncoder:
             packed = quantizer.quantize(coefficients)
         store.coefficients.append(packed)
         store.flushes += 1
-        if not self.engine.residual_levels and not self.engine.probe.wants(store.flushes):
-            return
+        if not self.engine.probe.wants(store.flushes) and (not self.engine.residual_levels or (
+                not self.engine.kernel.builds_residual_tiles
+                and self.engine.router.routes_nothing(kind, self.engine.windows[members[0]].passed_tokens))):
+            return  # nothing reads the block's reconstruction (e.g. the sinks router past the first positions)
         decoded = quantizer.dequantize(packed, torch.float32)
         approx = torch.stack([self.engine.basis.decode(store.state, decoded, m, start=first) for m in range(len(members))])
         entries: list[dict[int, TensorMap]] = [{} for _ in members]

@@ -70,3 +70,42 @@ def test_a_rank_beyond_the_head_dim_is_refused(tmp_path):
     registry = write_registry(tmp_path, "sinks", REGISTRY + "\n[pipelines.s-wide]\nextends = \"s-sinks\"\n[pipelines.s-wide.router]\nrank = 128\n")
     with pytest.raises(ModelError, match="rank 128 exceeds the model's head_dim 64"):
         build_cache(load_pipeline("s-wide", registry), tiny_llama(torch.float32, hidden=256))
+
+
+@pytest.mark.parametrize("name", ["s-sinks", "s-sinks-values"])
+def test_blocks_past_the_sinks_are_not_reconstructed_and_store_the_same(tmp_path, monkeypatch, name):
+    """A block whose positions all lie past the sinks gets no residual: its reconstruction is skipped, and the storage
+    after a prefill and decode-time flushes is the same as when every block is reconstructed and routed."""
+    from kvweave.plugins.routers.sinks import SinkRouter
+
+    model = tiny_llama(torch.float32, hidden=256)
+    model.generation_config.eos_token_id = None
+    registry = write_registry(tmp_path, "sinks", REGISTRY)
+    ids = torch.randint(1, 128, (2, 70), generator=torch.Generator().manual_seed(3))
+
+    def run():
+        cache = build_cache(load_pipeline(name, registry), model)
+        with torch.no_grad():
+            model.generate(input_ids=ids, max_new_tokens=80, do_sample=False, **cache_kwargs(model, cache))
+        return cache
+
+    calls = []
+    assign = SinkRouter.assign
+    monkeypatch.setattr(SinkRouter, "assign", lambda self, block: calls.append(block.first) or assign(self, block))
+    skipped = run()
+    assert skipped.engine.stores[0]["keys"].flushes > 1
+    assert calls and set(calls) == {0}  # only the prompt's block, which holds the sinks, is reconstructed and routed
+    calls.clear()
+    monkeypatch.setattr(SinkRouter, "routes_nothing", lambda self, kind, first: False)
+    routed = run()
+    assert max(calls) > 0  # every block routed
+    assert skipped.memory_breakdown() == routed.memory_breakdown()
+    for a, b in zip(skipped.engine.stores, routed.engine.stores, strict=True):
+        for kind in ("keys", "values"):
+            for field, tensor in a[kind].coefficients.fields.items():
+                assert torch.equal(tensor, b[kind].coefficients.fields[field]), (kind, field)
+    for a, b in zip(skipped.engine.windows, routed.engine.windows, strict=True):
+        for kind in ("keys", "values"):
+            for rank, lists in a.residuals[kind].items():
+                for field, tensor in lists.fields.items():
+                    assert torch.equal(tensor, b.residuals[kind][rank].fields[field]), (kind, rank, field)

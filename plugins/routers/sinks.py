@@ -40,6 +40,10 @@ class SinkRouter(Router):
     def levels(self) -> tuple[int, ...]:
         return (0, self.rank)
 
+    def routes_nothing(self, kind: str, first: int) -> bool:
+        """A block past the first ``sink_tokens`` positions (every decode-time block), or of the kind not chosen."""
+        return first >= self.sink_tokens or self.kinds not in ("both", kind)
+
     def assign(self, block: RouteBlock) -> torch.Tensor:
         ranks = torch.zeros(block.vectors.shape[:-1], dtype=torch.long, device=block.vectors.device)
         if (self.kinds == "both" or block.kind == self.kinds) and block.first < self.sink_tokens:
