@@ -10,8 +10,8 @@ repeated for the query heads, ``docs/perf/h200-2026-12-03-ttft/run9-gqa.log``), 
 
     out = out_context * exp(lse_context - lse) + out_own * exp(lse_own - lse),  lse = logaddexp(lse_context, lse_own)
 
-exact up to rounding. :func:`split_attention` runs it where the GPU's kernels are present (bfloat16 or float16, a CUDA
-device, head dims up to 128) and says None otherwise, so the caller keeps its one call; :func:`math_part` is the parts'
+exact up to rounding. :func:`split_attention` runs it where the GPU's kernels are present (bfloat16 or float16, a Hopper
+or later GPU, head dims up to 128) and says None otherwise, so the caller keeps its one call; :func:`math_part` is the parts'
 plain float32 twin the tests merge on a CPU.
 """
 
@@ -21,6 +21,8 @@ import torch
 
 #: the largest head dimension the split takes (cuDNN's and flash attention's forward kernels in torch 2.11)
 MAX_HEAD_DIM = 128
+#: the least CUDA compute capability the split is taken on (Hopper, where it was measured; elsewhere one flash call)
+MIN_CAPABILITY = 9
 
 
 def merge_parts(parts: list[tuple[torch.Tensor, torch.Tensor]], dtype: torch.dtype) -> torch.Tensor:
@@ -55,6 +57,7 @@ def math_part(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scali
 def split_ready(query: torch.Tensor) -> bool:
     """Whether :func:`split_attention` runs on ``query``'s device and dtype."""
     return (query.is_cuda and query.dtype in (torch.bfloat16, torch.float16) and query.shape[-1] <= MAX_HEAD_DIM
+            and torch.cuda.get_device_capability(query.device)[0] >= MIN_CAPABILITY
             and hasattr(torch.ops.aten, "_scaled_dot_product_cudnn_attention") and torch.backends.cudnn.is_available())
 
 
