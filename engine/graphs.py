@@ -191,14 +191,14 @@ def _block(engine: Any, step: _Step, free: int, capture: bool, stop: _Ends, warm
     graph = None
     eager = not (warm and capture)
     try:
-        if not eager:  # the flush came after the flushing step's attention: the views of the new storage, built here
-            for layer in range(engine.shape.num_layers):
-                engine.kernel.prepare(layer_view(engine, layer), fill.device)
         if eager:
             step(fill)  # builds the kernels' views and compiles what the graph will replay
             advance_static(engine)
             if stop.after_step():
                 return
+        else:  # the flush came after the flushing step's attention: the views of the new storage, built here
+            for layer in range(engine.shape.num_layers):
+                engine.kernel.prepare(layer_view(engine, layer), fill.device)
         if capture and free > 1:
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph):
