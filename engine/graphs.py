@@ -94,11 +94,6 @@ def end_static(engine: Any) -> None:
     engine.attending.clear()
 
 
-def _flushes(engine: Any) -> int:
-    """How many blocks the cache's stores have taken (every group's, both kinds)."""
-    return sum(store[kind].flushes for store in engine.stores for kind in store)
-
-
 class _Step:
     """One greedy decode step on fixed tensors: the next token's forward, its argmax written where the next step reads
     it and into the output at the step's index, every position moved on by one on the device."""
@@ -147,18 +142,16 @@ def graph_decode(model: Any, cache: Any, first: torch.Tensor, steps: int, *, cap
         raise CacheStateError("CUDA graph decoding captures graphs on a GPU; the tokens are on the CPU (capture=False runs the steps eagerly)")
     engine, step = cache.engine, _Step(model, cache, first, steps)
     stop = _Ends(step, eos_token_id, on_step)
-    captured = flushed = False  # a block captured in this call; the last step run eagerly flushed
+    captured = False  # a block captured in this call: later blocks (each after a flush) are captured at once
     with torch.inference_mode():
         while step.done < steps and not stop.all_ended:
             free = min(steps_before_flush(engine), steps - step.done)
             if free < MIN_GRAPH_STEPS:
-                flushes = _flushes(engine)
                 step(None)
                 stop.after_step()
-                flushed = _flushes(engine) != flushes
             else:
-                _block(engine, step, free, capture, stop, warm=captured and flushed)
-                captured, flushed = captured or capture, False
+                _block(engine, step, free, capture, stop, warm=captured)
+                captured = captured or capture
     return step.out[:, :step.done]
 
 
@@ -185,8 +178,8 @@ class _Ends:
 
 def _block(engine: Any, step: _Step, free: int, capture: bool, stop: _Ends, warm: bool = False) -> None:
     """Up to ``free`` steps with the windows kept in place, replayed from one graph: the first run eagerly unless
-    ``warm`` (the step before flushed and an earlier block compiled what a step launches: the kernel's views of the new
-    storage are built without a step, :meth:`~kvweave.core.interfaces.AttentionKernel.prepare`)."""
+    ``warm`` (an earlier block compiled what a step launches; the kernel's views of the storage, new since a flush, are
+    built without a step: :meth:`~kvweave.core.interfaces.AttentionKernel.prepare`, which finds them built otherwise)."""
     fill = begin_static(engine, free)
     graph = None
     eager = not (warm and capture)
@@ -196,7 +189,7 @@ def _block(engine: Any, step: _Step, free: int, capture: bool, stop: _Ends, warm
             advance_static(engine)
             if stop.after_step():
                 return
-        else:  # the flush came after the flushing step's attention: the views of the new storage, built here
+        else:  # a flush comes after its step's attention: the views of the new storage, built here
             for layer in range(engine.shape.num_layers):
                 engine.kernel.prepare(layer_view(engine, layer), fill.device)
         if capture and free > 1:
