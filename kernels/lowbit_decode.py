@@ -282,8 +282,15 @@ def resolve_variant(view: LowbitView, variant: str, block: int | None = None) ->
     return variant, block
 
 
-def tile_rows(group: int) -> int:  # the rows a KV head's query heads take in the packed pass (tensor-core tiles: 16)
-    return max(16, 1 << (group - 1).bit_length())
+#: the fewest rows a KV head's query heads take in the packed pass, by variant: the "dense" kernel's query heads are
+#: its products' second operand, 8 columns at least on a Hopper warpgroup (its loop at Llama-3-8B's 4 heads a KV head:
+#: 910 -> 696 instructions from 16 rows to 8, ``benchmarks/kernel_sass.py``); the others' tensor-core tiles are 16
+MIN_TILE_ROWS = {"dense": 8}
+
+
+def tile_rows(group: int, variant: str = "wide") -> int:
+    """The rows a KV head's ``group`` query heads take in ``variant``'s packed pass (zero beyond them)."""
+    return max(MIN_TILE_ROWS.get(variant, 16), 1 << (group - 1).bit_length())
 
 
 def plan_launch(view: LowbitView, q: torch.Tensor, start: torch.Tensor | None, scaling: float, block: int | None = None,
@@ -296,7 +303,7 @@ def plan_launch(view: LowbitView, q: torch.Tensor, start: torch.Tensor | None, s
     lowp = q.is_cuda if lowp is None else lowp
     trick = parse_tricks(tricks, variant, lowp, view)
     (batch, q_heads, dim), heads = q.shape, view.exact_k.shape[1]
-    group, rows = q_heads // heads, tile_rows(q_heads // heads)
+    group, rows = q_heads // heads, tile_rows(q_heads // heads, variant)
     padded = query_rows if query_rows is not None else q.new_zeros(batch * heads, rows, dim, dtype=torch.float32)
     if padded.shape != (batch * heads, rows, dim) or padded.dtype != torch.float32:
         raise ValueError(f"the lowbit kernel's query rows must be float32 {(batch * heads, rows, dim)}, got {tuple(padded.shape)}")

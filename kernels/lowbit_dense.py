@@ -35,6 +35,16 @@ UNIFORM4_BASE, UNIFORM4_OFFSET = 0x3F80, 0xBFBC
 #: the sm_90 build needs 128 without hidden slots, 155 with them, 8 bytes of stack at this cap)
 DENSE_MAX_REGISTERS = 128
 
+#: read 4-bit keys of at least 16 words a token (head_dim >= 128) as eight products, one per code place of a word
+#: (:func:`kvweave.kernels.lowbit_dense_triton._plane_logits`): no unpacked key tile through shared memory
+DENSE_KEY_PLANES = True
+
+
+def key_planes(view: Any) -> bool:
+    """Whether the dense kernel reads ``view``'s keys by code places (4-bit keys, 16 or more words a token)."""
+    return DENSE_KEY_PLANES and view.k_bits == 4 and view.exact_k.shape[-1] * 4 // 32 >= 16
+
+
 #: the head_dims whose build tests/test_lowbit_gpu.py checks on a GPU: the only ones "auto" gives the dense kernel
 GPU_CHECKED_DIMS = (64, 128)
 
@@ -89,7 +99,8 @@ def dense_launch(view: Any, args: tuple, constants: dict, kind: int, l0: float, 
                   positions, hidden, m, l, acc, tokens, heads, splits, split_len, first, scaling, l0, l1, lut)
     keep = ("D", "G", "KBITS", "KGROUP", "KO", "VBITS", "VGROUP", "HAS_START", "BLOCK", "LOWP", "VLOG", "VST", "HAS_POS",
             "HID", "num_warps")
-    dense_constants = {name: constants[name] for name in keep} | {"LEVELS": kind, "ASM": constants["APPROX"]}
+    dense_constants = {name: constants[name] for name in keep} | {"LEVELS": kind, "ASM": constants["APPROX"],
+                                                                  "KPLANES": key_planes(view)}
     if constants["D"] <= 128:  # the steps that check hidden slots would take 155 registers at head_dim 128: the whole
         dense_constants["maxnreg"] = DENSE_MAX_REGISTERS  # kernel with them, 3 programs an SM instead of 4 (15% slower)
     return jit_dense._lowbit_dense_kernel, (padded.shape[0], splits), dense_args, dense_constants

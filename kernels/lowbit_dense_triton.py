@@ -23,7 +23,7 @@ except ImportError:  # pragma: no cover - exercised where triton is missing
 if triton is not None:
     from kvweave.kernels.lowbit_codes_triton import _plus128
     from kvweave.kernels.lowbit_dense import LEVEL_SELECT_ADD, LEVEL_SELECT_MUL, UNIFORM4_BASE, UNIFORM4_OFFSET
-    from kvweave.kernels.lowbit_triton import _hide, _level, _outlier_logits, _value_scale
+    from kvweave.kernels.lowbit_triton import _hide, _level, _outlier_logits
 
     @triton.jit
     def _code(words, k: tl.constexpr, BITS: tl.constexpr):
@@ -170,15 +170,115 @@ if triton is not None:
         return channels
 
     @triton.jit
+    def _plane_query(q_row, ks_ptr, kz_ptr, meta, scaling, jk, gi, k: tl.constexpr, D: tl.constexpr, LOWP: tl.constexpr):
+        """Code place ``k``'s scaled query rows [KW, G] (channels ``j * 8 + k``; bfloat16 with ``LOWP``) and what its
+        zero points and the operands' offset of 128 add to the logits, per row."""
+        chan = jk * 8 + k  # [KW]: the channels of code place k
+        qk = tl.load(q_row + gi[None, :] * D + chan[:, None]) * scaling  # [KW, G]
+        qs = qk * tl.load(ks_ptr + meta + chan).to(tl.float32)[:, None]
+        qz = qk * tl.load(kz_ptr + meta + chan).to(tl.float32)[:, None]
+        if LOWP:  # the operand is 128 + code: 128 times the scaled query's sum taken off, in the same sum
+            qs = qs.to(tl.bfloat16)
+            qz = qz - 128.0 * qs.to(tl.float32)
+        return qs, qz
+
+    @triton.jit
+    def _plane_dot(words, qs, s, k: tl.constexpr, LOWP: tl.constexpr):
+        """``s`` plus code place ``k`` of ``words`` times its scaled query rows."""
+        plane = (words >> (4 * k)) & 0xF
+        if LOWP:
+            s = tl.dot(_plus128(plane), qs, s)
+        else:
+            s = tl.dot(plane.to(tl.float32), qs, s, input_precision="ieee")
+        return s
+
+    @triton.jit
+    def _plane_logits(words, q_row, ks_ptr, kz_ptr, meta, scaling, jk, gi, D: tl.constexpr, LOWP: tl.constexpr):
+        """The logits [BLOCK, G] of a step's 4-bit keys (``words`` [BLOCK, KW] uint32) in eight products, one per code
+        place ``k`` of a word: its operand is the words' code ``k`` as they are (channel ``j * 8 + k`` in column ``j``),
+        met by the scaled query's rows of those channels. Each product's operand is made from the words element by
+        element, so Triton reads the words from shared memory straight into the tensor cores' operand layout: no
+        unpacked tile goes through shared memory (the store and reload of the [BLOCK, D] tile was the largest share of
+        the kernel's shared-memory traffic). The eight query tiles are made before the products."""
+        qs0, qz0 = _plane_query(q_row, ks_ptr, kz_ptr, meta, scaling, jk, gi, 0, D, LOWP)
+        qs1, qz1 = _plane_query(q_row, ks_ptr, kz_ptr, meta, scaling, jk, gi, 1, D, LOWP)
+        qs2, qz2 = _plane_query(q_row, ks_ptr, kz_ptr, meta, scaling, jk, gi, 2, D, LOWP)
+        qs3, qz3 = _plane_query(q_row, ks_ptr, kz_ptr, meta, scaling, jk, gi, 3, D, LOWP)
+        qs4, qz4 = _plane_query(q_row, ks_ptr, kz_ptr, meta, scaling, jk, gi, 4, D, LOWP)
+        qs5, qz5 = _plane_query(q_row, ks_ptr, kz_ptr, meta, scaling, jk, gi, 5, D, LOWP)
+        qs6, qz6 = _plane_query(q_row, ks_ptr, kz_ptr, meta, scaling, jk, gi, 6, D, LOWP)
+        qs7, qz7 = _plane_query(q_row, ks_ptr, kz_ptr, meta, scaling, jk, gi, 7, D, LOWP)
+        bias = tl.sum(((qz0 + qz1) + (qz2 + qz3)) + ((qz4 + qz5) + (qz6 + qz7)), 0)
+        s = tl.zeros([words.shape[0], qs0.shape[1]], tl.float32) + bias[None, :]
+        s = _plane_dot(words, qs0, s, 0, LOWP)
+        s = _plane_dot(words, qs1, s, 1, LOWP)
+        s = _plane_dot(words, qs2, s, 2, LOWP)
+        s = _plane_dot(words, qs3, s, 3, LOWP)
+        s = _plane_dot(words, qs4, s, 4, LOWP)
+        s = _plane_dot(words, qs5, s, 5, LOWP)
+        s = _plane_dot(words, qs6, s, 6, LOWP)
+        s = _plane_dot(words, qs7, s, 7, LOWP)
+        return s
+
+    @triton.jit
+    def _scale_loads(vs_row, vmax_row, t_idx, g: tl.constexpr, VGROUPS: tl.constexpr, VLOG: tl.constexpr,
+                     VST: tl.constexpr):
+        """Value group ``g``'s stored scales of tokens ``t_idx`` and, for log8 scales, their spans' maxima, as loaded
+        (:func:`_scale_of` makes the scales; the loads are a step ahead of their use)."""
+        stored = tl.load(vs_row + t_idx * VGROUPS + g)
+        top = stored
+        if VLOG:
+            top = tl.load(vmax_row + (t_idx // VST) * VGROUPS + g)
+        return stored, top
+
+    @triton.jit
+    def _scale_of(stored, top, VLOG: tl.constexpr):
+        """The scales of :func:`_scale_loads`' loads (``_value_scale``'s arithmetic)."""
+        if VLOG:
+            return top.to(tl.float32) * tl.exp2(stored.to(tl.float32) * -0.0625)
+        return stored.to(tl.float32)
+
+    @triton.jit
+    def _step_loads(t0, row, ch, t_loc, ks_ptr, kz_ptr, vs_row, vmax_row, pos_ptr, D: tl.constexpr, KGROUP: tl.constexpr,
+                    VGROUPS: tl.constexpr, VLOG: tl.constexpr, VST: tl.constexpr, HAS_POS: tl.constexpr,
+                    KPLANES: tl.constexpr):
+        """What a step reads besides its codes, as loaded: the key group's scales and zero points (not with
+        ``KPLANES``: :func:`_plane_logits` reads them), each value group's scales (groups past ``VGROUPS`` repeat the
+        first), the slots' positions (``HAS_POS``; else zeros)."""
+        meta = (row + t0) // KGROUP * D  # a step lies within one token group
+        if KPLANES:
+            ks = tl.zeros_like(ch)
+            kz = ks
+        else:
+            ks = tl.load(ks_ptr + meta + ch)
+            kz = tl.load(kz_ptr + meta + ch)
+        t_idx = t0 + t_loc
+        s0, m0 = _scale_loads(vs_row, vmax_row, t_idx, 0, VGROUPS, VLOG, VST)
+        s1, m1 = s0, m0
+        s2, m2 = s0, m0
+        s3, m3 = s0, m0
+        if VGROUPS > 1:
+            s1, m1 = _scale_loads(vs_row, vmax_row, t_idx, 1, VGROUPS, VLOG, VST)
+        if VGROUPS > 2:
+            s2, m2 = _scale_loads(vs_row, vmax_row, t_idx, 2, VGROUPS, VLOG, VST)
+            s3, m3 = _scale_loads(vs_row, vmax_row, t_idx, 3, VGROUPS, VLOG, VST)
+        pos = tl.zeros_like(t_loc)
+        if HAS_POS:
+            pos = tl.load(pos_ptr + row + t_idx).to(tl.int32)
+        return ks, kz, s0, m0, s1, m1, s2, m2, s3, m3, pos
+
+    @triton.jit
     def _steps(t_lo, t_hi, m_i, l_i, acc0, acc1, acc2, acc3, q, q_row, row, bh, start, first, scaling, l0, l1, lut,
                kc_ptr, kz_ptr, ks_ptr, koi_ptr, kov_ptr, vc_ptr, vs_row, vmax_row, vlev_ptr, vlev16_ptr, pos_ptr, hid_ptr,
                D: tl.constexpr, G: tl.constexpr, KBITS: tl.constexpr, KGROUP: tl.constexpr, KO: tl.constexpr,
                VBITS: tl.constexpr, VGROUP: tl.constexpr, HAS_START: tl.constexpr, BLOCK: tl.constexpr,
                LOWP: tl.constexpr, LEVELS: tl.constexpr, VLOG: tl.constexpr, VST: tl.constexpr, HAS_POS: tl.constexpr,
-               HID: tl.constexpr, HIDE: tl.constexpr, ASM: tl.constexpr):
+               HID: tl.constexpr, HIDE: tl.constexpr, ASM: tl.constexpr, KPLANES: tl.constexpr):
         """The packed pass over steps ``t_lo .. t_hi`` of a program's tokens: its running max, sum and outputs carried
         on; ``HIDE``: these steps hold hidden slots (the list is checked in them only, so the steps without keep the
-        code of a storage that hides none)."""
+        code of a storage that hides none). Each step's scales, zero points and positions are loaded a step ahead
+        (:func:`_step_loads`; the last step's loads re-read it): loaded where they are used, their latency stalled the
+        warps most (Nsight Compute, B = 128 at 64K: a quarter of the stall samples)."""
         KW: tl.constexpr = D * KBITS // 32  # key words a token
         VW: tl.constexpr = D * VBITS // 32  # value words a token
         GW: tl.constexpr = VGROUP * VBITS // 32  # value words a channel group
@@ -189,25 +289,34 @@ if triton is not None:
         jv = tl.arange(0, GW)
         t_loc = tl.arange(0, BLOCK)
         t_ok = t_loc < BLOCK  # every slot of a step is stored
+        ks, kz, s0, m0, s1, m1, s2, m2, s3, m3, pos_in = _step_loads(
+            tl.maximum(tl.minimum(t_lo, t_hi - BLOCK), 0), row, ch, t_loc, ks_ptr, kz_ptr, vs_row, vmax_row, pos_ptr, D,
+            KGROUP, VGROUPS, VLOG, VST, HAS_POS, KPLANES)
         for t0 in range(t_lo, t_hi, BLOCK):
+            ks_n, kz_n, s0_n, m0_n, s1_n, m1_n, s2_n, m2_n, s3_n, m3_n, pos_n = _step_loads(
+                tl.minimum(t0 + BLOCK, t_hi - BLOCK), row, ch, t_loc, ks_ptr, kz_ptr, vs_row, vmax_row, pos_ptr, D,
+                KGROUP, VGROUPS, VLOG, VST, HAS_POS, KPLANES)
             tok = row + t0 + t_loc
-            meta = (row + t0) // KGROUP * D  # a step lies within one token group
+            meta = (row + t0) // KGROUP * D
             words = tl.load(kc_ptr + (row + t0) * KW + t_loc[:, None] * KW + jk[None, :]).to(tl.uint32, bitcast=True)
-            codes = _words_codes(words, KBITS)  # [BLOCK, D]
-            qs = q * tl.load(ks_ptr + meta + ch).to(tl.float32)[:, None]  # [D, G]
-            qz = q * tl.load(kz_ptr + meta + ch).to(tl.float32)[:, None]
-            if LOWP:  # the operand is 128 + code: 128 times the scaled query's sum taken off, in the same sum
-                qs = qs.to(tl.bfloat16)
-                s = tl.dot(_plus128(codes), qs)
-                bias = tl.sum(qz - 128.0 * qs.to(tl.float32), 0)
+            if KPLANES:
+                s = _plane_logits(words, q_row, ks_ptr, kz_ptr, meta, scaling, jk, gi, D, LOWP)
             else:
-                s = tl.dot(codes.to(tl.float32), qs, input_precision="ieee")
-                bias = tl.sum(qz, 0)
-            s = s + bias[None, :]  # [BLOCK, G]
+                codes = _words_codes(words, KBITS)  # [BLOCK, D]
+                qs = q * ks.to(tl.float32)[:, None]  # [D, G]
+                qz = q * kz.to(tl.float32)[:, None]
+                if LOWP:  # the operand is 128 + code: 128 times the scaled query's sum taken off, in the same sum
+                    qs = qs.to(tl.bfloat16)
+                    s = tl.dot(_plus128(codes), qs)
+                    bias = tl.sum(qz - 128.0 * qs.to(tl.float32), 0)
+                else:
+                    s = tl.dot(codes.to(tl.float32), qs, input_precision="ieee")
+                    bias = tl.sum(qz, 0)
+                s = s + bias[None, :]  # [BLOCK, G]
             if KO > 0:  # exact outliers: their code is 0, so the key held the zero point
                 s = s + tl.trans(_outlier_logits(q_row, kz_ptr, koi_ptr, kov_ptr, meta, tok, t_ok, gi, scaling, D, KO))
             if HAS_POS:  # a cache that dropped tokens: each slot's cache index (-1: a filler)
-                pos = tl.load(pos_ptr + tok).to(tl.int32)
+                pos = pos_in
             else:
                 pos = first + t0 + t_loc
             if HIDE:  # slots whose tokens are attended exactly (restored by residuals)
@@ -225,15 +334,19 @@ if triton is not None:
             for g in tl.static_range(VGROUPS):  # each channel group's scale folded into the probabilities
                 vrow = vc_ptr + (row + t0) * VW + g * GW
                 vwords = tl.load(vrow + t_loc[:, None] * VW + jv[None, :]).to(tl.uint32, bitcast=True)
-                pg = p * _value_scale(vs_row, vmax_row, t0 + t_loc, t_ok, g, VGROUPS, VLOG, VST)[:, None]
                 if g == 0:
+                    pg = p * _scale_of(s0, m0, VLOG)[:, None]
                     acc0 = _value_step(acc0, pg, alpha, vwords, lut, vlev_ptr, vlev16_ptr, l0, l1, VBITS, LEVELS, LOWP, ASM)
                 elif g == 1:
+                    pg = p * _scale_of(s1, m1, VLOG)[:, None]
                     acc1 = _value_step(acc1, pg, alpha, vwords, lut, vlev_ptr, vlev16_ptr, l0, l1, VBITS, LEVELS, LOWP, ASM)
                 elif g == 2:
+                    pg = p * _scale_of(s2, m2, VLOG)[:, None]
                     acc2 = _value_step(acc2, pg, alpha, vwords, lut, vlev_ptr, vlev16_ptr, l0, l1, VBITS, LEVELS, LOWP, ASM)
                 else:
+                    pg = p * _scale_of(s3, m3, VLOG)[:, None]
                     acc3 = _value_step(acc3, pg, alpha, vwords, lut, vlev_ptr, vlev16_ptr, l0, l1, VBITS, LEVELS, LOWP, ASM)
+            ks, kz, s0, m0, s1, m1, s2, m2, s3, m3, pos_in = ks_n, kz_n, s0_n, m0_n, s1_n, m1_n, s2_n, m2_n, s3_n, m3_n, pos_n
         return m_i, l_i, acc0, acc1, acc2, acc3
 
     @triton.jit
@@ -244,13 +357,13 @@ if triton is not None:
         D: tl.constexpr, G: tl.constexpr, KBITS: tl.constexpr, KGROUP: tl.constexpr, KO: tl.constexpr,
         VBITS: tl.constexpr, VGROUP: tl.constexpr, HAS_START: tl.constexpr, BLOCK: tl.constexpr, LOWP: tl.constexpr,
         LEVELS: tl.constexpr, VLOG: tl.constexpr, VST: tl.constexpr, HAS_POS: tl.constexpr, HID: tl.constexpr,
-        ASM: tl.constexpr,
+        ASM: tl.constexpr, KPLANES: tl.constexpr,
     ):
         """One program per (batch row x KV head, split of the packed tokens); the split is whole steps of ``BLOCK``
         tokens (``BLOCK`` divides ``KGROUP``), so nothing is masked but slots that are fillers, before the row's first
         visible position, or hidden. Tiles are token-major (logits [BLOCK, G], outputs [channels, G]): the unpacked codes
         are the products' first operand, whose rows (tokens, channels) fill a Hopper warpgroup product of 64 rows, and the
-        query heads (padded to 16) the second. Writes the split's running max, sum and output in the rotated space, as
+        query heads (padded to 8: MIN_TILE_ROWS) the second. Writes the split's running max, sum and output in the rotated space, as
         the ``wide`` kernel does, for the same combine."""
         bh = tl.program_id(0)
         split = tl.program_id(1)
@@ -284,23 +397,23 @@ if triton is not None:
                 lo, t_a, m_i, l_i, acc0, acc1, acc2, acc3, q, q_row, row, bh, start, first, scaling, l0, l1,
                 lut, kc_ptr, kz_ptr, ks_ptr, koi_ptr, kov_ptr, vc_ptr, vs_row, vmax_row, vlev_ptr, vlev16_ptr, pos_ptr,
                 hid_ptr, D, G, KBITS, KGROUP, KO, VBITS, VGROUP, HAS_START, BLOCK, LOWP, LEVELS, VLOG, VST, HAS_POS, HID,
-                False, ASM)
+                False, ASM, KPLANES)
             m_i, l_i, acc0, acc1, acc2, acc3 = _steps(
                 t_a, t_b, m_i, l_i, acc0, acc1, acc2, acc3, q, q_row, row, bh, start, first, scaling, l0, l1,
                 lut, kc_ptr, kz_ptr, ks_ptr, koi_ptr, kov_ptr, vc_ptr, vs_row, vmax_row, vlev_ptr, vlev16_ptr, pos_ptr,
                 hid_ptr, D, G, KBITS, KGROUP, KO, VBITS, VGROUP, HAS_START, BLOCK, LOWP, LEVELS, VLOG, VST, HAS_POS, HID,
-                True, ASM)
+                True, ASM, KPLANES)
             m_i, l_i, acc0, acc1, acc2, acc3 = _steps(
                 t_b, hi, m_i, l_i, acc0, acc1, acc2, acc3, q, q_row, row, bh, start, first, scaling, l0, l1,
                 lut, kc_ptr, kz_ptr, ks_ptr, koi_ptr, kov_ptr, vc_ptr, vs_row, vmax_row, vlev_ptr, vlev16_ptr, pos_ptr,
                 hid_ptr, D, G, KBITS, KGROUP, KO, VBITS, VGROUP, HAS_START, BLOCK, LOWP, LEVELS, VLOG, VST, HAS_POS, HID,
-                False, ASM)
+                False, ASM, KPLANES)
         else:
             m_i, l_i, acc0, acc1, acc2, acc3 = _steps(
                 lo, hi, m_i, l_i, acc0, acc1, acc2, acc3, q, q_row, row, bh, start, first, scaling, l0, l1,
                 lut, kc_ptr, kz_ptr, ks_ptr, koi_ptr, kov_ptr, vc_ptr, vs_row, vmax_row, vlev_ptr, vlev16_ptr, pos_ptr,
                 hid_ptr, D, G, KBITS, KGROUP, KO, VBITS, VGROUP, HAS_START, BLOCK, LOWP, LEVELS, VLOG, VST, HAS_POS, HID,
-                False, ASM)
+                False, ASM, KPLANES)
         out = (bh * splits + split) * G
         tl.store(m_ptr + out + gi, m_i)
         tl.store(l_ptr + out + gi, l_i)

@@ -31,6 +31,7 @@ def _post_rope_view(model, registry, name, hidden=64):
 @pytest.mark.parametrize("name, hidden", [
     ("prerope-k4v2-lowbit", 64),  # 4-bit keys with an outlier, 2-bit normal levels
     ("t-lowbit-post", 64),  # stored after RoPE by the pipeline itself
+    ("t-lowbit-post", 512),  # 4-bit keys at head_dim 128: read by code places (KPLANES)
     ("t-lowbit-k2v4", 512),  # 2-bit keys with two outliers at head_dim 128, 4-bit uniform values
     ("t-lowbit-v4", 64),  # 4-bit uniform values
     ("t-lowbit-k4log8", 64),  # one-byte log8 value scales
@@ -120,6 +121,45 @@ def test_head_dim_256_reads_four_value_groups_and_is_not_taken_by_default(regist
     twin = torch_lowbit_decode(view, q, start, 0.0625)
     assert torch.allclose(lowbit_decode(view, q, start, 0.0625, variant="dense"), twin, atol=1e-5)
     assert resolve_variant(view, "auto") == ("wide", 32)
+
+
+@pytest.mark.interpreter
+def test_keys_read_by_code_places_give_the_channel_order_products(registry, monkeypatch):
+    """4-bit keys of 16 or more words a token are read as eight products, one per code place of a word; the same
+    logits as the products in channel order, for keys with outliers and a first visible position; 2-bit keys and
+    head_dim 64 keep the channel-order product."""
+    from kvweave.kernels import lowbit_dense
+
+    view, rows = _post_rope_view(tiny_llama(layers=2, hidden=512), registry, "prerope-k4v2-lowbit")
+    assert view.exact_k.shape[-1] == 128 and view.k_bits == 4 and view.k_out_index is not None
+    q = torch.randn(rows, 4, 128, generator=torch.Generator().manual_seed(7))
+    start = torch.tensor([40, 0][:rows], dtype=torch.int32)
+    assert plan_launch(view, q, start, 0.088, variant="dense").constants["KPLANES"]
+    planes = lowbit_decode(view, q, start, 0.088, variant="dense")
+    monkeypatch.setattr(lowbit_dense, "DENSE_KEY_PLANES", False)
+    assert not plan_launch(view, q, start, 0.088, variant="dense").constants["KPLANES"]
+    ordered = lowbit_decode(view, q, start, 0.088, variant="dense")
+    assert torch.allclose(planes, ordered, atol=1e-5), (planes - ordered).abs().max()
+    assert torch.allclose(planes, torch_lowbit_decode(view, q, start, 0.088), atol=1e-5)
+    monkeypatch.setattr(lowbit_dense, "DENSE_KEY_PLANES", True)
+    narrow, _ = _post_rope_view(tiny_llama(layers=2, hidden=512), registry, "t-lowbit-k2v4")
+    assert narrow.k_bits == 2 and not plan_launch(narrow, q, None, 0.088, variant="dense").constants["KPLANES"]
+
+
+def test_the_dense_kernel_pads_a_kv_heads_query_heads_to_8_rows_and_the_others_to_16(registry):
+    """The dense kernel's query heads are its products' second operand (8 columns at least on a Hopper warpgroup): 4
+    heads a KV head take 8 rows there, 16 in the kernels whose tiles are 16 rows; larger groups a power of two."""
+    from kvweave.kernels.lowbit_decode import tile_rows
+
+    view, rows = _post_rope_view(tiny_llama(layers=2, hidden=512), registry, "t-lowbit-post")
+    heads = view.exact_k.shape[1]
+    for group, dense, other in ((4, 8, 16), (2, 8, 16), (8, 8, 16), (16, 16, 16), (12, 16, 16)):
+        assert (tile_rows(group, "dense"), tile_rows(group, "wide")) == (dense, other)
+    q = torch.randn(rows, 4 * heads, 128)
+    assert plan_launch(view, q, None, 0.088, variant="dense").constants["G"] == 8
+    assert plan_launch(view, q, None, 0.088, variant="wide").constants["G"] == 16
+    with pytest.raises(ValueError, match="query rows must be float32"):  # a caller's rows of the other kernels' size
+        plan_launch(view, q, None, 0.088, variant="dense", query_rows=torch.zeros(rows * heads, 16, 128))
 
 
 @pytest.mark.interpreter

@@ -309,7 +309,8 @@ class LowbitKernel(AttentionKernel):
         if self._uses_triton(query.device):
             rows = q.shape[0] * packed.exact_k.shape[1]
             out = lowbit_decode(packed, q, start, scaling, tricks=self.tricks, programs=launch_programs(rows),
-                                query_rows=_query_rows(view.scratch, rows, q), out_dtype=query.dtype)
+                                query_rows=_query_rows(view.scratch, rows, q, resolve_variant(packed, "auto")[0]),
+                                out_dtype=query.dtype)
         else:
             out = torch_lowbit_decode(packed, q, start, scaling)
         return out.to(query.dtype).unsqueeze(1)
@@ -358,10 +359,10 @@ def _token_span(packed: LowbitView, lo: int, hi: int) -> LowbitView:
     )
 
 
-def _query_rows(scratch: dict, rows: int, q: torch.Tensor) -> torch.Tensor:
-    """The kernel's zero-padded float32 query rows [rows, 16 or more, D], kept in ``scratch`` for every layer (each
-    call writes its query heads; the padding stays zero)."""
-    shape = (rows, tile_rows(q.shape[1] * q.shape[0] // rows), q.shape[-1])
+def _query_rows(scratch: dict, rows: int, q: torch.Tensor, variant: str) -> torch.Tensor:
+    """The kernel's zero-padded float32 query rows [rows, 8 or 16 or more, D] (:func:`tile_rows` of ``variant``), kept
+    in ``scratch`` for every layer (each call writes its query heads; the padding stays zero)."""
+    shape = (rows, tile_rows(q.shape[1] * q.shape[0] // rows, variant), q.shape[-1])
     key = ("lowbit-query", shape, q.device)
     if key not in scratch:
         for old in [name for name in scratch if isinstance(name, tuple) and name[0] == "lowbit-query"]:
