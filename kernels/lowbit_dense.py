@@ -40,6 +40,11 @@ DENSE_MAX_REGISTERS = 128
 DENSE_KEY_PLANES = True
 
 
+#: with key planes, load each step's float16 key scales and zero points a step ahead as int32 words (two channels a
+#: word): loaded where they are used, their latency was the largest stall left (Nsight Compute, B = 128 at 64K)
+DENSE_PLANE_PREFETCH = True
+
+
 def key_planes(view: Any) -> bool:
     """Whether the dense kernel reads ``view``'s keys by code places (4-bit keys, 16 or more words a token)."""
     return DENSE_KEY_PLANES and view.k_bits == 4 and view.exact_k.shape[-1] * 4 // 32 >= 16
@@ -101,6 +106,8 @@ def dense_launch(view: Any, args: tuple, constants: dict, kind: int, l0: float, 
             "HID", "num_warps")
     dense_constants = {name: constants[name] for name in keep} | {"LEVELS": kind, "ASM": constants["APPROX"],
                                                                   "KPLANES": key_planes(view)}
+    dense_constants["KPF"] = (dense_constants["KPLANES"] and DENSE_PLANE_PREFETCH and k_scale.dtype == torch.float16
+                              and k_zero.dtype == torch.float16)
     if constants["D"] <= 128:  # the steps that check hidden slots would take 155 registers at head_dim 128: the whole
         dense_constants["maxnreg"] = DENSE_MAX_REGISTERS  # kernel with them, 3 programs an SM instead of 4 (15% slower)
     return jit_dense._lowbit_dense_kernel, (padded.shape[0], splits), dense_args, dense_constants

@@ -170,13 +170,26 @@ if triton is not None:
         return channels
 
     @triton.jit
-    def _plane_query(q_row, ks_ptr, kz_ptr, meta, scaling, jk, gi, k: tl.constexpr, D: tl.constexpr, LOWP: tl.constexpr):
+    def _half(words, k: tl.constexpr):
+        """The float16 number in half ``k % 2`` of each int32 word (two float16 numbers a word, little-endian), as
+        float32."""
+        return ((words >> (16 * (k % 2))) & 0xFFFF).to(tl.uint16).to(tl.float16, bitcast=True).to(tl.float32)
+
+    @triton.jit
+    def _plane_query(q_row, ks_ptr, kz_ptr, meta, kw, zw, scaling, jk, gi, k: tl.constexpr, D: tl.constexpr,
+                     LOWP: tl.constexpr, KPF: tl.constexpr):
         """Code place ``k``'s scaled query rows [KW, G] (channels ``j * 8 + k``; bfloat16 with ``LOWP``) and what its
-        zero points and the operands' offset of 128 add to the logits, per row."""
+        zero points and the operands' offset of 128 add to the logits, per row. ``KPF``: its scales and zero points
+        come loaded a step ahead as the int32 words ``kw``, ``zw`` [KW] that hold them with the next channel's;
+        else they are loaded here."""
         chan = jk * 8 + k  # [KW]: the channels of code place k
         qk = tl.load(q_row + gi[None, :] * D + chan[:, None]) * scaling  # [KW, G]
-        qs = qk * tl.load(ks_ptr + meta + chan).to(tl.float32)[:, None]
-        qz = qk * tl.load(kz_ptr + meta + chan).to(tl.float32)[:, None]
+        if KPF:
+            qs = qk * _half(kw, k)[:, None]
+            qz = qk * _half(zw, k)[:, None]
+        else:
+            qs = qk * tl.load(ks_ptr + meta + chan).to(tl.float32)[:, None]
+            qz = qk * tl.load(kz_ptr + meta + chan).to(tl.float32)[:, None]
         if LOWP:  # the operand is 128 + code: 128 times the scaled query's sum taken off, in the same sum
             qs = qs.to(tl.bfloat16)
             qz = qz - 128.0 * qs.to(tl.float32)
@@ -193,21 +206,23 @@ if triton is not None:
         return s
 
     @triton.jit
-    def _plane_logits(words, q_row, ks_ptr, kz_ptr, meta, scaling, jk, gi, D: tl.constexpr, LOWP: tl.constexpr):
+    def _plane_logits(words, q_row, ks_ptr, kz_ptr, meta, kw0, kw1, kw2, kw3, zw0, zw1, zw2, zw3, scaling, jk, gi,
+                      D: tl.constexpr, LOWP: tl.constexpr, KPF: tl.constexpr):
         """The logits [BLOCK, G] of a step's 4-bit keys (``words`` [BLOCK, KW] uint32) in eight products, one per code
         place ``k`` of a word: its operand is the words' code ``k`` as they are (channel ``j * 8 + k`` in column ``j``),
         met by the scaled query's rows of those channels. Each product's operand is made from the words element by
         element, so Triton reads the words from shared memory straight into the tensor cores' operand layout: no
         unpacked tile goes through shared memory (the store and reload of the [BLOCK, D] tile was the largest share of
-        the kernel's shared-memory traffic). The eight query tiles are made before the products."""
-        qs0, qz0 = _plane_query(q_row, ks_ptr, kz_ptr, meta, scaling, jk, gi, 0, D, LOWP)
-        qs1, qz1 = _plane_query(q_row, ks_ptr, kz_ptr, meta, scaling, jk, gi, 1, D, LOWP)
-        qs2, qz2 = _plane_query(q_row, ks_ptr, kz_ptr, meta, scaling, jk, gi, 2, D, LOWP)
-        qs3, qz3 = _plane_query(q_row, ks_ptr, kz_ptr, meta, scaling, jk, gi, 3, D, LOWP)
-        qs4, qz4 = _plane_query(q_row, ks_ptr, kz_ptr, meta, scaling, jk, gi, 4, D, LOWP)
-        qs5, qz5 = _plane_query(q_row, ks_ptr, kz_ptr, meta, scaling, jk, gi, 5, D, LOWP)
-        qs6, qz6 = _plane_query(q_row, ks_ptr, kz_ptr, meta, scaling, jk, gi, 6, D, LOWP)
-        qs7, qz7 = _plane_query(q_row, ks_ptr, kz_ptr, meta, scaling, jk, gi, 7, D, LOWP)
+        the kernel's shared-memory traffic). The eight query tiles are made before the products; ``kw0 .. kw3``,
+        ``zw0 .. zw3``: the scales and zero points of code places ``2 c, 2 c + 1`` (``KPF``)."""
+        qs0, qz0 = _plane_query(q_row, ks_ptr, kz_ptr, meta, kw0, zw0, scaling, jk, gi, 0, D, LOWP, KPF)
+        qs1, qz1 = _plane_query(q_row, ks_ptr, kz_ptr, meta, kw0, zw0, scaling, jk, gi, 1, D, LOWP, KPF)
+        qs2, qz2 = _plane_query(q_row, ks_ptr, kz_ptr, meta, kw1, zw1, scaling, jk, gi, 2, D, LOWP, KPF)
+        qs3, qz3 = _plane_query(q_row, ks_ptr, kz_ptr, meta, kw1, zw1, scaling, jk, gi, 3, D, LOWP, KPF)
+        qs4, qz4 = _plane_query(q_row, ks_ptr, kz_ptr, meta, kw2, zw2, scaling, jk, gi, 4, D, LOWP, KPF)
+        qs5, qz5 = _plane_query(q_row, ks_ptr, kz_ptr, meta, kw2, zw2, scaling, jk, gi, 5, D, LOWP, KPF)
+        qs6, qz6 = _plane_query(q_row, ks_ptr, kz_ptr, meta, kw3, zw3, scaling, jk, gi, 6, D, LOWP, KPF)
+        qs7, qz7 = _plane_query(q_row, ks_ptr, kz_ptr, meta, kw3, zw3, scaling, jk, gi, 7, D, LOWP, KPF)
         bias = tl.sum(((qz0 + qz1) + (qz2 + qz3)) + ((qz4 + qz5) + (qz6 + qz7)), 0)
         s = tl.zeros([words.shape[0], qs0.shape[1]], tl.float32) + bias[None, :]
         s = _plane_dot(words, qs0, s, 0, LOWP)
@@ -239,13 +254,21 @@ if triton is not None:
         return stored.to(tl.float32)
 
     @triton.jit
-    def _step_loads(t0, row, ch, t_loc, ks_ptr, kz_ptr, vs_row, vmax_row, pos_ptr, D: tl.constexpr, KGROUP: tl.constexpr,
-                    VGROUPS: tl.constexpr, VLOG: tl.constexpr, VST: tl.constexpr, HAS_POS: tl.constexpr,
-                    KPLANES: tl.constexpr):
+    def _step_loads(t0, row, ch, jk, t_loc, ks_ptr, kz_ptr, vs_row, vmax_row, pos_ptr, D: tl.constexpr,
+                    KGROUP: tl.constexpr, VGROUPS: tl.constexpr, VLOG: tl.constexpr, VST: tl.constexpr,
+                    HAS_POS: tl.constexpr, KPLANES: tl.constexpr, KPF: tl.constexpr):
         """What a step reads besides its codes, as loaded: the key group's scales and zero points (not with
         ``KPLANES``: :func:`_plane_logits` reads them), each value group's scales (groups past ``VGROUPS`` repeat the
-        first), the slots' positions (``HAS_POS``; else zeros)."""
+        first), the slots' positions (``HAS_POS``; else zeros); ``KPF``: the scales and zero points of each two code
+        places as int32 words (:func:`_plane_query`), else zeros."""
         meta = (row + t0) // KGROUP * D  # a step lies within one token group
+        kw0 = tl.zeros_like(jk)
+        kw1, kw2, kw3, zw0, zw1, zw2, zw3 = kw0, kw0, kw0, kw0, kw0, kw0, kw0
+        if KPF:  # float16 pairs read as int32 words: channel j * 8 + k is half k % 2 of word j * 4 + k // 2
+            ksw = ks_ptr.to(tl.pointer_type(tl.int32), bitcast=True) + meta // 2 + jk * 4
+            kzw = kz_ptr.to(tl.pointer_type(tl.int32), bitcast=True) + meta // 2 + jk * 4
+            kw0, kw1, kw2, kw3 = tl.load(ksw), tl.load(ksw + 1), tl.load(ksw + 2), tl.load(ksw + 3)
+            zw0, zw1, zw2, zw3 = tl.load(kzw), tl.load(kzw + 1), tl.load(kzw + 2), tl.load(kzw + 3)
         if KPLANES:
             ks = tl.zeros_like(ch)
             kz = ks
@@ -265,7 +288,7 @@ if triton is not None:
         pos = tl.zeros_like(t_loc)
         if HAS_POS:
             pos = tl.load(pos_ptr + row + t_idx).to(tl.int32)
-        return ks, kz, s0, m0, s1, m1, s2, m2, s3, m3, pos
+        return ks, kz, kw0, kw1, kw2, kw3, zw0, zw1, zw2, zw3, s0, m0, s1, m1, s2, m2, s3, m3, pos
 
     @triton.jit
     def _steps(t_lo, t_hi, m_i, l_i, acc0, acc1, acc2, acc3, q, q_row, row, bh, start, first, scaling, l0, l1, lut,
@@ -273,7 +296,7 @@ if triton is not None:
                D: tl.constexpr, G: tl.constexpr, KBITS: tl.constexpr, KGROUP: tl.constexpr, KO: tl.constexpr,
                VBITS: tl.constexpr, VGROUP: tl.constexpr, HAS_START: tl.constexpr, BLOCK: tl.constexpr,
                LOWP: tl.constexpr, LEVELS: tl.constexpr, VLOG: tl.constexpr, VST: tl.constexpr, HAS_POS: tl.constexpr,
-               HID: tl.constexpr, HIDE: tl.constexpr, ASM: tl.constexpr, KPLANES: tl.constexpr):
+               HID: tl.constexpr, HIDE: tl.constexpr, ASM: tl.constexpr, KPLANES: tl.constexpr, KPF: tl.constexpr):
         """The packed pass over steps ``t_lo .. t_hi`` of a program's tokens: its running max, sum and outputs carried
         on; ``HIDE``: these steps hold hidden slots (the list is checked in them only, so the steps without keep the
         code of a storage that hides none). Each step's scales, zero points and positions are loaded a step ahead
@@ -289,18 +312,19 @@ if triton is not None:
         jv = tl.arange(0, GW)
         t_loc = tl.arange(0, BLOCK)
         t_ok = t_loc < BLOCK  # every slot of a step is stored
-        ks, kz, s0, m0, s1, m1, s2, m2, s3, m3, pos_in = _step_loads(
-            tl.maximum(tl.minimum(t_lo, t_hi - BLOCK), 0), row, ch, t_loc, ks_ptr, kz_ptr, vs_row, vmax_row, pos_ptr, D,
-            KGROUP, VGROUPS, VLOG, VST, HAS_POS, KPLANES)
+        ks, kz, kw0, kw1, kw2, kw3, zw0, zw1, zw2, zw3, s0, m0, s1, m1, s2, m2, s3, m3, pos_in = _step_loads(
+            tl.maximum(tl.minimum(t_lo, t_hi - BLOCK), 0), row, ch, jk, t_loc, ks_ptr, kz_ptr, vs_row, vmax_row, pos_ptr,
+            D, KGROUP, VGROUPS, VLOG, VST, HAS_POS, KPLANES, KPF)
         for t0 in range(t_lo, t_hi, BLOCK):
-            ks_n, kz_n, s0_n, m0_n, s1_n, m1_n, s2_n, m2_n, s3_n, m3_n, pos_n = _step_loads(
-                tl.minimum(t0 + BLOCK, t_hi - BLOCK), row, ch, t_loc, ks_ptr, kz_ptr, vs_row, vmax_row, pos_ptr, D,
-                KGROUP, VGROUPS, VLOG, VST, HAS_POS, KPLANES)
+            (ks_n, kz_n, kw0_n, kw1_n, kw2_n, kw3_n, zw0_n, zw1_n, zw2_n, zw3_n, s0_n, m0_n, s1_n, m1_n, s2_n, m2_n, s3_n,
+             m3_n, pos_n) = _step_loads(tl.minimum(t0 + BLOCK, t_hi - BLOCK), row, ch, jk, t_loc, ks_ptr, kz_ptr, vs_row,
+                                        vmax_row, pos_ptr, D, KGROUP, VGROUPS, VLOG, VST, HAS_POS, KPLANES, KPF)
             tok = row + t0 + t_loc
             meta = (row + t0) // KGROUP * D
             words = tl.load(kc_ptr + (row + t0) * KW + t_loc[:, None] * KW + jk[None, :]).to(tl.uint32, bitcast=True)
             if KPLANES:
-                s = _plane_logits(words, q_row, ks_ptr, kz_ptr, meta, scaling, jk, gi, D, LOWP)
+                s = _plane_logits(words, q_row, ks_ptr, kz_ptr, meta, kw0, kw1, kw2, kw3, zw0, zw1, zw2, zw3, scaling, jk,
+                                  gi, D, LOWP, KPF)
             else:
                 codes = _words_codes(words, KBITS)  # [BLOCK, D]
                 qs = q * ks.to(tl.float32)[:, None]  # [D, G]
@@ -346,7 +370,8 @@ if triton is not None:
                 else:
                     pg = p * _scale_of(s3, m3, VLOG)[:, None]
                     acc3 = _value_step(acc3, pg, alpha, vwords, lut, vlev_ptr, vlev16_ptr, l0, l1, VBITS, LEVELS, LOWP, ASM)
-            ks, kz, s0, m0, s1, m1, s2, m2, s3, m3, pos_in = ks_n, kz_n, s0_n, m0_n, s1_n, m1_n, s2_n, m2_n, s3_n, m3_n, pos_n
+            ks, kz, kw0, kw1, kw2, kw3, zw0, zw1, zw2, zw3 = ks_n, kz_n, kw0_n, kw1_n, kw2_n, kw3_n, zw0_n, zw1_n, zw2_n, zw3_n
+            s0, m0, s1, m1, s2, m2, s3, m3, pos_in = s0_n, m0_n, s1_n, m1_n, s2_n, m2_n, s3_n, m3_n, pos_n
         return m_i, l_i, acc0, acc1, acc2, acc3
 
     @triton.jit
@@ -357,7 +382,7 @@ if triton is not None:
         D: tl.constexpr, G: tl.constexpr, KBITS: tl.constexpr, KGROUP: tl.constexpr, KO: tl.constexpr,
         VBITS: tl.constexpr, VGROUP: tl.constexpr, HAS_START: tl.constexpr, BLOCK: tl.constexpr, LOWP: tl.constexpr,
         LEVELS: tl.constexpr, VLOG: tl.constexpr, VST: tl.constexpr, HAS_POS: tl.constexpr, HID: tl.constexpr,
-        ASM: tl.constexpr, KPLANES: tl.constexpr,
+        ASM: tl.constexpr, KPLANES: tl.constexpr, KPF: tl.constexpr,
     ):
         """One program per (batch row x KV head, split of the packed tokens); the split is whole steps of ``BLOCK``
         tokens (``BLOCK`` divides ``KGROUP``), so nothing is masked but slots that are fillers, before the row's first
@@ -397,23 +422,23 @@ if triton is not None:
                 lo, t_a, m_i, l_i, acc0, acc1, acc2, acc3, q, q_row, row, bh, start, first, scaling, l0, l1,
                 lut, kc_ptr, kz_ptr, ks_ptr, koi_ptr, kov_ptr, vc_ptr, vs_row, vmax_row, vlev_ptr, vlev16_ptr, pos_ptr,
                 hid_ptr, D, G, KBITS, KGROUP, KO, VBITS, VGROUP, HAS_START, BLOCK, LOWP, LEVELS, VLOG, VST, HAS_POS, HID,
-                False, ASM, KPLANES)
+                False, ASM, KPLANES, KPF)
             m_i, l_i, acc0, acc1, acc2, acc3 = _steps(
                 t_a, t_b, m_i, l_i, acc0, acc1, acc2, acc3, q, q_row, row, bh, start, first, scaling, l0, l1,
                 lut, kc_ptr, kz_ptr, ks_ptr, koi_ptr, kov_ptr, vc_ptr, vs_row, vmax_row, vlev_ptr, vlev16_ptr, pos_ptr,
                 hid_ptr, D, G, KBITS, KGROUP, KO, VBITS, VGROUP, HAS_START, BLOCK, LOWP, LEVELS, VLOG, VST, HAS_POS, HID,
-                True, ASM, KPLANES)
+                True, ASM, KPLANES, KPF)
             m_i, l_i, acc0, acc1, acc2, acc3 = _steps(
                 t_b, hi, m_i, l_i, acc0, acc1, acc2, acc3, q, q_row, row, bh, start, first, scaling, l0, l1,
                 lut, kc_ptr, kz_ptr, ks_ptr, koi_ptr, kov_ptr, vc_ptr, vs_row, vmax_row, vlev_ptr, vlev16_ptr, pos_ptr,
                 hid_ptr, D, G, KBITS, KGROUP, KO, VBITS, VGROUP, HAS_START, BLOCK, LOWP, LEVELS, VLOG, VST, HAS_POS, HID,
-                False, ASM, KPLANES)
+                False, ASM, KPLANES, KPF)
         else:
             m_i, l_i, acc0, acc1, acc2, acc3 = _steps(
                 lo, hi, m_i, l_i, acc0, acc1, acc2, acc3, q, q_row, row, bh, start, first, scaling, l0, l1,
                 lut, kc_ptr, kz_ptr, ks_ptr, koi_ptr, kov_ptr, vc_ptr, vs_row, vmax_row, vlev_ptr, vlev16_ptr, pos_ptr,
                 hid_ptr, D, G, KBITS, KGROUP, KO, VBITS, VGROUP, HAS_START, BLOCK, LOWP, LEVELS, VLOG, VST, HAS_POS, HID,
-                False, ASM, KPLANES)
+                False, ASM, KPLANES, KPF)
         out = (bh * splits + split) * G
         tl.store(m_ptr + out + gi, m_i)
         tl.store(l_ptr + out + gi, l_i)

@@ -125,17 +125,22 @@ def test_head_dim_256_reads_four_value_groups_and_is_not_taken_by_default(regist
 
 @pytest.mark.interpreter
 def test_keys_read_by_code_places_give_the_channel_order_products(registry, monkeypatch):
-    """4-bit keys of 16 or more words a token are read as eight products, one per code place of a word; the same
-    logits as the products in channel order, for keys with outliers and a first visible position; 2-bit keys and
-    head_dim 64 keep the channel-order product."""
+    """4-bit keys of 16 or more words a token are read as eight products, one per code place of a word, their scales
+    and zero points loaded a step ahead as int32 words or where they are used; the same logits as the products in
+    channel order, for keys with outliers and a first visible position; 2-bit keys keep the channel-order product."""
     from kvweave.kernels import lowbit_dense
 
     view, rows = _post_rope_view(tiny_llama(layers=2, hidden=512), registry, "prerope-k4v2-lowbit")
     assert view.exact_k.shape[-1] == 128 and view.k_bits == 4 and view.k_out_index is not None
     q = torch.randn(rows, 4, 128, generator=torch.Generator().manual_seed(7))
     start = torch.tensor([40, 0][:rows], dtype=torch.int32)
-    assert plan_launch(view, q, start, 0.088, variant="dense").constants["KPLANES"]
+    launch = plan_launch(view, q, start, 0.088, variant="dense")
+    assert launch.constants["KPLANES"] and launch.constants["KPF"]  # float16 scales: loaded a step ahead as words
     planes = lowbit_decode(view, q, start, 0.088, variant="dense")
+    monkeypatch.setattr(lowbit_dense, "DENSE_PLANE_PREFETCH", False)
+    assert not plan_launch(view, q, start, 0.088, variant="dense").constants["KPF"]
+    in_place = lowbit_decode(view, q, start, 0.088, variant="dense")
+    assert torch.allclose(planes, in_place, atol=1e-5), (planes - in_place).abs().max()
     monkeypatch.setattr(lowbit_dense, "DENSE_KEY_PLANES", False)
     assert not plan_launch(view, q, start, 0.088, variant="dense").constants["KPLANES"]
     ordered = lowbit_decode(view, q, start, 0.088, variant="dense")
