@@ -185,7 +185,7 @@ def test_kept_query_rows_and_an_output_in_the_models_dtype_give_what_per_call_ro
     """The plugin keeps the zero-padded query rows across layers and steps (one copy a call instead of a fill, a
     conversion and a copy): a buffer reused for another query gives what fresh rows give; a buffer of another shape
     is refused. The combine rounds to the model's dtype as ``.to`` would."""
-    from kvweave.kernels.lowbit_decode import lowbit_decode
+    from kvweave.kernels.lowbit_decode import lowbit_decode, resolve_variant
     from kvweave.plugins.kernels.lowbit import _query_rows
 
     cache = build_cache(registry.resolve("t-lowbit-sinks"), model)
@@ -194,8 +194,10 @@ def test_kept_query_rows_and_an_output_in_the_models_dtype_give_what_per_call_ro
         model(input_ids=ids, use_cache=True, **cache_kwargs(model, cache))
     view = cache.engine.kernel.lowbit_view(cache.engine.view(1), torch.device("cpu"))
     scratch: dict = {}
-    rows = _query_rows(scratch, 4, torch.zeros(2, 4, 64))  # 2 rows x 2 KV heads, 2 query heads each -> 16 tile rows
-    assert rows.shape == (4, 16, 64) and _query_rows(scratch, 4, torch.ones(2, 4, 64)) is rows
+    variant = resolve_variant(view, "auto")[0]  # keys before RoPE: the wide kernel, whose tiles are 16 rows
+    rows = _query_rows(scratch, 4, torch.zeros(2, 4, 64), variant)  # 2 rows x 2 KV heads, 2 query heads each
+    assert variant == "wide" and rows.shape == (4, 16, 64) and _query_rows(scratch, 4, torch.ones(2, 4, 64), variant) is rows
+    assert _query_rows({}, 4, torch.zeros(2, 4, 64), "dense").shape == (4, 8, 64)  # the dense kernel's 8 rows
     for seed in (0, 1):
         q = torch.randn(2, 4, 64, generator=torch.Generator().manual_seed(seed))
         kept = lowbit_decode(view, q, None, 0.125, query_rows=rows)
