@@ -1,0 +1,135 @@
+"""What a step of the ``dense`` kernel (:mod:`kvweave.kernels.lowbit_dense_triton`) reads besides its codes, loaded a
+step ahead (:func:`_step_loads`), and its 4-bit keys' logits as eight products, one per code place of a word
+(:func:`_plane_logits`). Without triton the module defines nothing (``triton`` is None)."""
+
+from __future__ import annotations
+
+try:  # the kernels need triton; the torch twin does not
+    import triton
+    import triton.language as tl
+except ImportError:  # pragma: no cover - exercised where triton is missing
+    triton = None
+
+if triton is not None:
+    from kvweave.kernels.lowbit_codes_triton import _plus128
+
+    @triton.jit
+    def _half(words, k: tl.constexpr):
+        """The float16 number in half ``k % 2`` of each int32 word (two float16 numbers a word, little-endian), as
+        float32."""
+        return ((words >> (16 * (k % 2))) & 0xFFFF).to(tl.uint16).to(tl.float16, bitcast=True).to(tl.float32)
+
+    @triton.jit
+    def _plane_query(q_row, ks_ptr, kz_ptr, meta, kw, zw, scaling, jk, gi, k: tl.constexpr, D: tl.constexpr,
+                     LOWP: tl.constexpr, KPF: tl.constexpr):
+        """Code place ``k``'s scaled query rows [KW, G] (channels ``j * 8 + k``; bfloat16 with ``LOWP``) and what its
+        zero points and the operands' offset of 128 add to the logits, per row. ``KPF``: its scales and zero points
+        come loaded a step ahead as the int32 words ``kw``, ``zw`` [KW] that hold them with the next channel's;
+        else they are loaded here."""
+        chan = jk * 8 + k  # [KW]: the channels of code place k
+        qk = tl.load(q_row + gi[None, :] * D + chan[:, None]) * scaling  # [KW, G]
+        if KPF:
+            qs = qk * _half(kw, k)[:, None]
+            qz = qk * _half(zw, k)[:, None]
+        else:
+            qs = qk * tl.load(ks_ptr + meta + chan).to(tl.float32)[:, None]
+            qz = qk * tl.load(kz_ptr + meta + chan).to(tl.float32)[:, None]
+        if LOWP:  # the operand is 128 + code: 128 times the scaled query's sum taken off, in the same sum
+            qs = qs.to(tl.bfloat16)
+            qz = qz - 128.0 * qs.to(tl.float32)
+        return qs, qz
+
+    @triton.jit
+    def _plane_dot(words, qs, s, k: tl.constexpr, LOWP: tl.constexpr):
+        """``s`` plus code place ``k`` of ``words`` times its scaled query rows."""
+        plane = (words >> (4 * k)) & 0xF
+        if LOWP:
+            s = tl.dot(_plus128(plane), qs, s)
+        else:
+            s = tl.dot(plane.to(tl.float32), qs, s, input_precision="ieee")
+        return s
+
+    @triton.jit
+    def _plane_logits(words, q_row, ks_ptr, kz_ptr, meta, kw0, kw1, kw2, kw3, zw0, zw1, zw2, zw3, scaling, jk, gi,
+                      D: tl.constexpr, LOWP: tl.constexpr, KPF: tl.constexpr):
+        """The logits [BLOCK, G] of a step's 4-bit keys (``words`` [BLOCK, KW] uint32) in eight products, one per code
+        place ``k`` of a word: its operand is the words' code ``k`` as they are (channel ``j * 8 + k`` in column ``j``),
+        met by the scaled query's rows of those channels. Each product's operand is made from the words element by
+        element, so Triton reads the words from shared memory straight into the tensor cores' operand layout: no
+        unpacked tile goes through shared memory (the store and reload of the [BLOCK, D] tile was the largest share of
+        the kernel's shared-memory traffic). The eight query tiles are made before the products; ``kw0 .. kw3``,
+        ``zw0 .. zw3``: the scales and zero points of code places ``2 c, 2 c + 1`` (``KPF``)."""
+        qs0, qz0 = _plane_query(q_row, ks_ptr, kz_ptr, meta, kw0, zw0, scaling, jk, gi, 0, D, LOWP, KPF)
+        qs1, qz1 = _plane_query(q_row, ks_ptr, kz_ptr, meta, kw0, zw0, scaling, jk, gi, 1, D, LOWP, KPF)
+        qs2, qz2 = _plane_query(q_row, ks_ptr, kz_ptr, meta, kw1, zw1, scaling, jk, gi, 2, D, LOWP, KPF)
+        qs3, qz3 = _plane_query(q_row, ks_ptr, kz_ptr, meta, kw1, zw1, scaling, jk, gi, 3, D, LOWP, KPF)
+        qs4, qz4 = _plane_query(q_row, ks_ptr, kz_ptr, meta, kw2, zw2, scaling, jk, gi, 4, D, LOWP, KPF)
+        qs5, qz5 = _plane_query(q_row, ks_ptr, kz_ptr, meta, kw2, zw2, scaling, jk, gi, 5, D, LOWP, KPF)
+        qs6, qz6 = _plane_query(q_row, ks_ptr, kz_ptr, meta, kw3, zw3, scaling, jk, gi, 6, D, LOWP, KPF)
+        qs7, qz7 = _plane_query(q_row, ks_ptr, kz_ptr, meta, kw3, zw3, scaling, jk, gi, 7, D, LOWP, KPF)
+        bias = tl.sum(((qz0 + qz1) + (qz2 + qz3)) + ((qz4 + qz5) + (qz6 + qz7)), 0)
+        s = tl.zeros([words.shape[0], qs0.shape[1]], tl.float32) + bias[None, :]
+        s = _plane_dot(words, qs0, s, 0, LOWP)
+        s = _plane_dot(words, qs1, s, 1, LOWP)
+        s = _plane_dot(words, qs2, s, 2, LOWP)
+        s = _plane_dot(words, qs3, s, 3, LOWP)
+        s = _plane_dot(words, qs4, s, 4, LOWP)
+        s = _plane_dot(words, qs5, s, 5, LOWP)
+        s = _plane_dot(words, qs6, s, 6, LOWP)
+        s = _plane_dot(words, qs7, s, 7, LOWP)
+        return s
+
+    @triton.jit
+    def _scale_loads(vs_row, vmax_row, t_idx, g: tl.constexpr, VGROUPS: tl.constexpr, VLOG: tl.constexpr,
+                     VST: tl.constexpr):
+        """Value group ``g``'s stored scales of tokens ``t_idx`` and, for log8 scales, their spans' maxima, as loaded
+        (:func:`_scale_of` makes the scales; the loads are a step ahead of their use)."""
+        stored = tl.load(vs_row + t_idx * VGROUPS + g)
+        top = stored
+        if VLOG:
+            top = tl.load(vmax_row + (t_idx // VST) * VGROUPS + g)
+        return stored, top
+
+    @triton.jit
+    def _scale_of(stored, top, VLOG: tl.constexpr):
+        """The scales of :func:`_scale_loads`' loads (``_value_scale``'s arithmetic)."""
+        if VLOG:
+            return top.to(tl.float32) * tl.exp2(stored.to(tl.float32) * -0.0625)
+        return stored.to(tl.float32)
+
+    @triton.jit
+    def _step_loads(t0, row, ch, jk, t_loc, ks_ptr, kz_ptr, vs_row, vmax_row, pos_ptr, D: tl.constexpr,
+                    KGROUP: tl.constexpr, VGROUPS: tl.constexpr, VLOG: tl.constexpr, VST: tl.constexpr,
+                    HAS_POS: tl.constexpr, KPLANES: tl.constexpr, KPF: tl.constexpr):
+        """What a step reads besides its codes, as loaded: the key group's scales and zero points (not with
+        ``KPLANES``: :func:`_plane_logits` reads them), each value group's scales (groups past ``VGROUPS`` repeat the
+        first), the slots' positions (``HAS_POS``; else zeros); ``KPF``: the scales and zero points of each two code
+        places as int32 words (:func:`_plane_query`), else zeros."""
+        meta = (row + t0) // KGROUP * D  # a step lies within one token group
+        kw0 = tl.zeros_like(jk)
+        kw1, kw2, kw3, zw0, zw1, zw2, zw3 = kw0, kw0, kw0, kw0, kw0, kw0, kw0
+        if KPF:  # float16 pairs read as int32 words: channel j * 8 + k is half k % 2 of word j * 4 + k // 2
+            ksw = ks_ptr.to(tl.pointer_type(tl.int32), bitcast=True) + meta // 2 + jk * 4
+            kzw = kz_ptr.to(tl.pointer_type(tl.int32), bitcast=True) + meta // 2 + jk * 4
+            kw0, kw1, kw2, kw3 = tl.load(ksw), tl.load(ksw + 1), tl.load(ksw + 2), tl.load(ksw + 3)
+            zw0, zw1, zw2, zw3 = tl.load(kzw), tl.load(kzw + 1), tl.load(kzw + 2), tl.load(kzw + 3)
+        if KPLANES:
+            ks = tl.zeros_like(ch)
+            kz = ks
+        else:
+            ks = tl.load(ks_ptr + meta + ch)
+            kz = tl.load(kz_ptr + meta + ch)
+        t_idx = t0 + t_loc
+        s0, m0 = _scale_loads(vs_row, vmax_row, t_idx, 0, VGROUPS, VLOG, VST)
+        s1, m1 = s0, m0
+        s2, m2 = s0, m0
+        s3, m3 = s0, m0
+        if VGROUPS > 1:
+            s1, m1 = _scale_loads(vs_row, vmax_row, t_idx, 1, VGROUPS, VLOG, VST)
+        if VGROUPS > 2:
+            s2, m2 = _scale_loads(vs_row, vmax_row, t_idx, 2, VGROUPS, VLOG, VST)
+            s3, m3 = _scale_loads(vs_row, vmax_row, t_idx, 3, VGROUPS, VLOG, VST)
+        pos = tl.zeros_like(t_loc)
+        if HAS_POS:
+            pos = tl.load(pos_ptr + row + t_idx).to(tl.int32)
+        return ks, kz, kw0, kw1, kw2, kw3, zw0, zw1, zw2, zw3, s0, m0, s1, m1, s2, m2, s3, m3, pos
