@@ -50,3 +50,36 @@ def test_kernel_sass_counts_the_token_loop_and_the_dense_kernel_builds_to_less_p
         assert 0 < int(row[7]) < int(row[0])  # the loop within the build
     assert float(dense[8]) < float(wide[8])
     assert int(rows[("k4v4e77-post", "`dense:`")][5]) > 0  # built, with its tensor-core products
+
+
+_TILE_STORES = """
+import importlib, re, sys, attrs, torch
+sys.path.insert(0, "benchmarks")
+from kvweave.kernels import lowbit_dense
+from kvweave.kernels.gpu_build import build, launch_job
+from kvweave.kernels.lowbit_decode import plan_launch
+from lowbit_kernel import HEAD_DIM, Q_HEADS, packed_view
+view = attrs.evolve(packed_view(1, 256, device="cpu", storage="k4v2e48"), inv_freq=None)
+for planes in (True, False):
+    lowbit_dense.DENSE_KEY_PLANES = planes
+    launch = plan_launch(view, torch.randn(1, Q_HEADS, HEAD_DIM), None, HEAD_DIM ** -0.5, variant="dense", lowp=True)
+    job = launch_job(launch.kernel, launch.args, launch.constants)
+    ttgir = build(importlib.import_module(job["module"]), job).asm["ttgir"]
+    tiles = re.findall(r"ttg.local_alloc %\\S+ : \\(tensor<(\\d+x\\d+)xbf16", ttgir)
+    print(planes, launch.constants["G"], " ".join(tiles))
+"""
+
+
+@pytest.mark.skipif(nvdisasm() is None, reason="needs Triton's CUDA backend (its ptxas and nvdisasm)")
+def test_the_dense_kernels_key_tile_reaches_the_tensor_cores_without_shared_memory():
+    """Built for sm_90, the dense kernel reading 4-bit keys by code places stores no unpacked [64, 128] key tile in
+    shared memory (the words go from shared memory straight into the operand layout); read in channel order, it
+    stores one a step. Its query tiles are 8 columns (4 query heads a KV head)."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    done = subprocess.run([sys.executable, "-c", _TILE_STORES], capture_output=True, text=True, timeout=600, cwd=ROOT, env=env)
+    assert done.returncode == 0, done.stderr[-3000:]
+    rows = {line.split()[0]: line.split()[1:] for line in done.stdout.splitlines() if line.split()[:1] in (["True"], ["False"])}
+    planes, ordered = rows["True"], rows["False"]
+    assert planes[0] == ordered[0] == "8"
+    assert "64x128" not in planes[1:] and "64x128" in ordered[1:]
+    assert "64x64" in planes[1:]  # the value tiles still go through shared memory (docs/kernels.md says why)
