@@ -268,8 +268,9 @@ if triton is not None:
         tokens (``BLOCK`` divides ``KGROUP``), so nothing is masked but slots that are fillers, before the row's first
         visible position, or hidden. Tiles are token-major (logits [BLOCK, G], outputs [channels, G]): the unpacked codes
         are the products' first operand, whose rows (tokens, channels) fill a Hopper warpgroup product of 64 rows, and the
-        query heads (padded to 8: MIN_TILE_ROWS) the second. Writes the split's running max, sum and output in the rotated space, as
-        the ``wide`` kernel does, for the same combine."""
+        query heads (padded to 8 rows: ``MIN_TILE_ROWS``) the second. Writes the split's running max, sum and output in
+        the rotated space, as the ``wide`` kernel does, for the same combine. ``KPLANES``: 4-bit keys read by code
+        places (:func:`_plane_logits`); ``KPF``: their scales and zero points loaded a step ahead as int32 words."""
         bh = tl.program_id(0)
         split = tl.program_id(1)
         batch = bh // heads
