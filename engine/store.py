@@ -216,11 +216,33 @@ class ExactTokens:
             raise CacheStateError(f"a window kept for a CUDA graph takes one decode token a step, not {new.shape[-2]}")
         self._check_dtype(new)
         buffers, read = self._room[kind]  # type: ignore[index]
-        if self.lossy:
+        if self.lossy and (new.is_cuda if self.fused is None else self.fused):
             put_int8(*buffers, read, new, self._fill, self._worst)  # type: ignore[arg-type]
+        elif self.lossy:  # off a GPU: the kernel's arithmetic in torch (Triton runs there only in its interpreter)
+            self._put_torch(buffers, read, new)  # type: ignore[arg-type]
         else:
             read.index_copy_(2, self._fill.long(), new)  # type: ignore[union-attr]
         return read
+
+    def _put_torch(self, buffers: tuple[torch.Tensor, ...], read: torch.Tensor, new: torch.Tensor) -> None:
+        """:func:`kvweave.kernels.window.put_int8` in torch, at the index the fill holds: the token before it in
+        ``read`` replaced by its read-back, the new token encoded (a vector holding NaN or infinity: zero codes, a NaN
+        scale) and written to ``read`` as it arrived, its largest finite magnitude raised into ``_worst``."""
+        codes_buffer, scale_buffer = buffers
+        at = int(self._fill)  # type: ignore[arg-type]
+        if at > 0:
+            before = codes_buffer[..., at - 1 : at, :].float() * scale_buffer[..., at - 1 : at, :].float()
+            read[..., at - 1 : at, :] = before.to(read.dtype)
+        x = new.float()
+        finite = torch.isfinite(x).all(dim=-1, keepdim=True)
+        absmax = torch.where(torch.isfinite(x), x.abs(), 0.0).amax(dim=-1, keepdim=True)
+        scale = torch.where(finite, absmax / 127, torch.nan).to(torch.float16)
+        step = torch.where(scale.float() > 0, scale.float(), 1.0)
+        codes = torch.where(finite, torch.round((x / step).clamp(-127, 127)), 0.0)
+        codes_buffer[..., at : at + 1, :] = codes.to(torch.int8)
+        scale_buffer[..., at : at + 1, :] = scale
+        read[..., at : at + 1, :] = new
+        torch.maximum(self._worst, torch.where(finite, absmax, 0.0).amax().reshape(1), out=self._worst)  # type: ignore[arg-type]
 
     def _not_static(self, what: str) -> None:
         if self._room is not None:

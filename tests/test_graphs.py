@@ -30,12 +30,16 @@ def _finite_equal(a: torch.Tensor, b: torch.Tensor) -> bool:
 
 
 @pytest.mark.interpreter
+@pytest.mark.parametrize("by", ["kernel", "torch"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
-def test_a_window_kept_in_place_holds_and_reads_back_what_the_appending_window_does(dtype):
+def test_a_window_kept_in_place_holds_and_reads_back_what_the_appending_window_does(dtype, by):
+    """A window kept in buffers takes each decode token in place (by the put kernel, or off a GPU by its arithmetic in
+    torch) and holds and reads back what the appending window (its kernel) does, NaN, zero and large tokens included."""
     torch.manual_seed(3)
     prompt = (torch.randn(2, 3, 20, 64) * 4).to(dtype)
     eager, kept = ExactTokens("int8"), ExactTokens("int8")
     eager.fused = True
+    kept.fused = True if by == "kernel" else None  # None: the torch arithmetic, the tokens being on a CPU
     for held in (eager, kept):
         held.append("keys", prompt)
         held.append("values", -prompt)
@@ -177,6 +181,8 @@ def test_graph_decoding_decodes_and_stores_what_generate_does(monkeypatch):
 
     original = window.put_int8
     monkeypatch.setattr("kvweave.engine.store.put_int8", lambda *a: puts.append(1) or original(*a))
+    for layer in cache.engine.windows:  # the put kernel (in the interpreter), as on a GPU; off a GPU torch puts
+        layer.exact.fused = True
     before = steps_before_flush(cache.engine)
     got = graph_decode(net, cache, first, new - 1, on_step=lambda: steps.append(1))
     assert before >= MIN_GRAPH_STEPS and len(steps) == new - 1

@@ -1,6 +1,6 @@
 """CUDA graph decoding where users reach it: ``kvweave.engine.generation.generate(..., cuda_graphs=True)`` (what
 ``kvweave generate --cuda-graphs`` runs), the default model answering with it, and ``kvweave eval speed
---speed-cuda-graphs``. On a CPU the steps run without capture (the window's put kernel in Triton's interpreter);
+--speed-cuda-graphs``. On a CPU the steps run without capture (the window's put in torch);
 tests/test_graphs.py has the parts and the capture on a GPU."""
 
 from __future__ import annotations
@@ -39,6 +39,44 @@ def test_kvweave_generate_with_cuda_graphs_returns_what_it_returns_without(ends)
     assert plain.shape[1] < 70 if ends else plain.shape[1] == 70
     if ends:
         assert (plain == 0).any()  # a row that ended first is padded
+
+
+_PLAIN_CPU = """
+import os, sys
+os.environ["TRITON_INTERPRET"] = "0"  # a CPU user's process: Triton cannot launch here
+sys.path.insert(0, "tests")
+import torch
+from conftest import CharTokenizer, tiny_llama
+from test_graphs import FRONTIER
+from kvweave.core.registry import load_registry
+from kvweave.engine import build_cache
+from kvweave.engine.generation import generate
+
+net = tiny_llama(torch.float32, hidden=256, layers=2)
+net.generation_config.eos_token_id = None
+ids = torch.randint(1, 128, (1, 90), generator=torch.Generator().manual_seed(1))
+runs = []
+for graphs in (False, True):
+    cache = build_cache(load_registry(FRONTIER).resolve("kzd-k4v2-f48"), net, tokenizer=CharTokenizer())
+    runs.append(generate(net, {"input_ids": ids, "attention_mask": torch.ones_like(ids)}, cache, max_new_tokens=40,
+                         do_sample=False, pad_token_id=0, cuda_graphs=graphs))
+print(torch.equal(runs[0][0], runs[1][0]), runs[0][1].stored_bytes == runs[1][1].stored_bytes, runs[1][0].shape[1])
+"""
+
+
+def test_cuda_graph_decoding_runs_on_a_cpu_where_triton_cannot_launch():
+    """A CPU user's process (no Triton interpreter): ``generate(..., cuda_graphs=True)`` decodes what it decodes
+    without, the kept int8 window taking each token by the put kernel's arithmetic in torch (it failed there with
+    Triton's "0 active drivers" before)."""
+    import os
+    import subprocess
+    import sys
+
+    root = Path(__file__).resolve().parent.parent
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    done = subprocess.run([sys.executable, "-c", _PLAIN_CPU], capture_output=True, text=True, timeout=600, cwd=root, env=env)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stdout.split()[-3:] == ["True", "True", "40"]
 
 
 def test_kvweave_generate_refuses_what_cuda_graphs_cannot_decode():

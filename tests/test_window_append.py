@@ -90,7 +90,7 @@ extends = "prerope-qa35v3-lowbit"
 recent_window = 16
 window_storage = "int8"
 """)
-    model = tiny_llama(torch.bfloat16, hidden=256)  # head_dim 64
+    model = tiny_llama(torch.bfloat16, layers=2, hidden=256)  # head_dim 64; two layers (the append kernel runs in the interpreter)
     ids = torch.randint(1, 128, (2, 90))
     calls = []
     original = window.append_int8
