@@ -59,7 +59,11 @@ if [ "$split" = cells ]; then
     cells=()
     for L in "${lens[@]}"; do for D in "${deps[@]}"; do cells+=("$out/cells/$name-$L-$D"); done; done
     rm -rf "${out:?}/$name"  # joined from the cells again: a rerun into OUT keeps the cells that completed, runs the rest
-    kvweave eval merge "$out/$name" "${cells[@]}"
+    if (( ${#cells[@]} == 1 )); then  # one length and one depth: the cell is the pipeline's folder (merge joins two or more)
+      cp -r "${cells[0]}" "$out/$name"
+    else
+      kvweave eval merge "$out/$name" "${cells[@]}"
+    fi
     parts+=("$out/$name")
   done
 else

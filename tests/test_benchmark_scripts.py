@@ -283,6 +283,21 @@ def test_frontier_eval_split_by_cells_joins_each_pipelines_grid(tmp_path, tiny_m
     assert (out / "int4" / "cells.jsonl").read_text().count("\n") == 2
 
 
+def test_frontier_eval_split_by_cells_takes_a_grid_of_one_cell(tmp_path, tiny_model_folder):
+    """SPLIT=cells with one length and one depth: the pipeline's folder is its one cell (``kvweave eval merge`` joins
+    two or more folders and refused it, stopping the script before the table)."""
+    out = tmp_path / "frontier"
+    path = os.pathsep.join([sysconfig.get_path("scripts"), os.environ.get("PATH", "")])
+    env = {**os.environ, "PATH": path, "DEVICE": "cpu", "DTYPE": "float32", "NEEDLES": "1", "LENGTHS": "64", "DEPTHS": "0.5",
+           "TOKENS": "96", "JOBS": "1", "SPLIT": "cells"}
+    done = subprocess.run(["bash", str(ROOT / "benchmarks" / "frontier_eval.sh"), str(tiny_model_folder), str(out), "full"],
+                          capture_output=True, text=True, timeout=600, cwd=ROOT, env=env)
+    assert done.returncode == 0, done.stderr[-3000:]
+    cells = [json.loads(line) for line in (out / "full" / "cells.jsonl").read_text().splitlines()]
+    assert [(c["pipeline"], c["length"], c["depth"]) for c in cells] == [("full", 64, 0.5)]
+    assert "| `full`" in (out / "frontier.md").read_text()
+
+
 def test_frontier_eval_all_names_every_registry_pipeline_and_stops_at_a_failed_process(tmp_path):
     """PIPELINES `all`: the pipelines `kvweave pipelines` lists, this registry's on top; a needle process that fails
     (here: no such model) stops the script with a message instead of a table built from what is missing."""
