@@ -51,8 +51,8 @@ def test_decode_e2e_smoke_fills_times_and_scores_a_kvzip_pipeline(tmp_path):
 
 @pytest.mark.interpreter
 def test_decode_e2e_smoke_decodes_a_pipeline_with_cuda_graphs_as_generate_does(tmp_path):
-    """``NAME@graphs``: the same pipeline decoded by graph_decode (its steps eager on a CPU, the window's put kernel in
-    Triton's interpreter) over a flush: the same stored bytes as ``model.generate``'s run, every step timed; and
+    """``NAME@graphs``: the same pipeline decoded by graph_decode (its steps eager on a CPU, the window's put in torch)
+    over a flush: the same stored bytes as ``model.generate``'s run, every step timed; and
     ``full@graphs``, the full cache as a StaticCache, counts the tokens it holds, not its room."""
     rows = decode_e2e_smoke(tmp_path, "--context", "512", "--batches", "1", "--steps", "40", "--registry", str(ROOT / "benchmarks" / "dense_sweep.toml"),
                             "--methods", "full,full@graphs,kzd-k4v2-f48-d128,kzd-k4v2-f48-d128@graphs")

@@ -1,7 +1,8 @@
 """Decode steps replayed from CUDA graphs (``kvweave.engine.graphs``): the int8 window kept in buffers of a capacity
 holds and reads back what the appending window does, the ``lowbit`` combine reads the window's length from the device,
 greedy graph decoding gives ``model.generate``'s tokens and stored bytes, and what cannot be replayed is refused by
-name. On a CPU the steps run without capture (the put kernel in Triton's interpreter); the last test captures on a GPU."""
+name. On a CPU the steps run without capture (the window's put in torch, or its kernel in Triton's interpreter where a
+test asks for it); the last test captures on a GPU."""
 
 from __future__ import annotations
 
