@@ -256,17 +256,22 @@ def test_frontier_plot_takes_a_perplexity_run_from_a_folder_of_its_own(tmp_path,
         frontier_plot.merged([tmp_path / "a", tmp_path / "empty"])
 
 
+def _frontier_cells(model, out, pipelines: str, **grid: str) -> subprocess.CompletedProcess:
+    """benchmarks/frontier_eval.sh with SPLIT=cells on the CPU, one needle at length 64 (``grid``: DEPTHS, JOBS)."""
+    # the script calls the `kvweave` command: the one installed beside this interpreter comes first
+    path = os.pathsep.join([sysconfig.get_path("scripts"), os.environ.get("PATH", "")])
+    env = {**os.environ, "PATH": path, "DEVICE": "cpu", "DTYPE": "float32", "NEEDLES": "1", "LENGTHS": "64", "TOKENS": "96",
+           "SPLIT": "cells", **grid}
+    return subprocess.run(["bash", str(ROOT / "benchmarks" / "frontier_eval.sh"), str(model), str(out), pipelines],
+                          capture_output=True, text=True, timeout=600, cwd=ROOT, env=env)
+
+
 def test_frontier_eval_split_by_cells_joins_each_pipelines_grid(tmp_path, tiny_model_folder):
     """benchmarks/frontier_eval.sh with SPLIT=cells: one process per (pipeline, length, depth), each pipeline's
     parts merged into OUT/PIPELINE with every cell of the grid, perplexity run beside, and the table built from
     both (tiny model, CPU)."""
     out = tmp_path / "frontier"
-    # the script calls the `kvweave` command: the one installed beside this interpreter comes first
-    path = os.pathsep.join([sysconfig.get_path("scripts"), os.environ.get("PATH", "")])
-    env = {**os.environ, "PATH": path, "DEVICE": "cpu", "DTYPE": "float32", "NEEDLES": "1", "LENGTHS": "64", "DEPTHS": "0.1,0.9",
-           "TOKENS": "96", "JOBS": "2", "SPLIT": "cells"}
-    done = subprocess.run(["bash", str(ROOT / "benchmarks" / "frontier_eval.sh"), str(tiny_model_folder), str(out), "full,int4"],
-                          capture_output=True, text=True, timeout=600, cwd=ROOT, env=env)
+    done = _frontier_cells(tiny_model_folder, out, "full,int4", DEPTHS="0.1,0.9", JOBS="2")
     assert done.returncode == 0, done.stderr[-3000:]
     for name in ("full", "int4"):
         cells = [json.loads(line) for line in (out / name / "cells.jsonl").read_text().splitlines()]
@@ -276,8 +281,7 @@ def test_frontier_eval_split_by_cells_joins_each_pipelines_grid(tmp_path, tiny_m
     assert not rows["`int4`"].rstrip().endswith("| - |")  # its perplexity, from the ppl folder
     # a rerun into the same folder (e.g. after the machine was taken away) keeps what completed and joins again
     before = {path: path.read_text() for path in sorted(out.glob("cells/*/cells.jsonl"))}
-    again = subprocess.run(["bash", str(ROOT / "benchmarks" / "frontier_eval.sh"), str(tiny_model_folder), str(out), "full,int4"],
-                           capture_output=True, text=True, timeout=600, cwd=ROOT, env=env)
+    again = _frontier_cells(tiny_model_folder, out, "full,int4", DEPTHS="0.1,0.9", JOBS="2")
     assert again.returncode == 0, again.stderr[-3000:]
     assert len(before) == 4 and {path: path.read_text() for path in before} == before  # no cell evaluated twice
     assert (out / "int4" / "cells.jsonl").read_text().count("\n") == 2
@@ -287,11 +291,7 @@ def test_frontier_eval_split_by_cells_takes_a_grid_of_one_cell(tmp_path, tiny_mo
     """SPLIT=cells with one length and one depth: the pipeline's folder is its one cell (``kvweave eval merge`` joins
     two or more folders and refused it, stopping the script before the table)."""
     out = tmp_path / "frontier"
-    path = os.pathsep.join([sysconfig.get_path("scripts"), os.environ.get("PATH", "")])
-    env = {**os.environ, "PATH": path, "DEVICE": "cpu", "DTYPE": "float32", "NEEDLES": "1", "LENGTHS": "64", "DEPTHS": "0.5",
-           "TOKENS": "96", "JOBS": "1", "SPLIT": "cells"}
-    done = subprocess.run(["bash", str(ROOT / "benchmarks" / "frontier_eval.sh"), str(tiny_model_folder), str(out), "full"],
-                          capture_output=True, text=True, timeout=600, cwd=ROOT, env=env)
+    done = _frontier_cells(tiny_model_folder, out, "full", DEPTHS="0.5", JOBS="1")
     assert done.returncode == 0, done.stderr[-3000:]
     cells = [json.loads(line) for line in (out / "full" / "cells.jsonl").read_text().splitlines()]
     assert [(c["pipeline"], c["length"], c["depth"]) for c in cells] == [("full", 64, 0.5)]
