@@ -148,7 +148,7 @@ if triton is not None:
         if HAS_START:
             start = tl.load(start_ptr + batch)
         m_i = tl.full([G], float("-inf"), tl.float32)
-        l_i = tl.zeros([G], tl.float32)
+        l_i = tl.zeros([G, BLOCK], tl.float32)  # each slot's running sum of probabilities, summed after the loop
         acc = tl.zeros([G, D], tl.float32)
         row_off = bh.to(tl.int64) * tokens  # 64-bit offsets: B x H x T x width passes 2**31 at long contexts
         v_width: tl.constexpr = D * VBITS // 8
@@ -177,11 +177,11 @@ if triton is not None:
                                   (chan // VGROUP)[None, :], v_groups, VLOG, VST)
             values = level * vscale
             acc = acc * alpha[:, None] + _product(p, values, LOWP)
-            l_i = l_i * alpha + tl.sum(p, 1)
+            l_i = l_i * alpha[:, None] + p
             m_i = m_new
         out = (bh * splits + split) * G
         tl.store(m_ptr + out + gi, m_i)
-        tl.store(l_ptr + out + gi, l_i)
+        tl.store(l_ptr + out + gi, tl.sum(l_i, 1))
         tl.store(acc_ptr + out * D + gi[:, None] * D + chan[None, :], acc)
 
     @triton.jit
@@ -282,7 +282,7 @@ if triton is not None:
         lo = split * split_len
         hi = tl.minimum(lo + split_len, tokens)
         m_i = tl.full([G], float("-inf"), tl.float32)
-        l_i = tl.zeros([G], tl.float32)
+        l_i = tl.zeros([G, BLOCK], tl.float32)  # each slot's running sum of probabilities, summed after the loop
         acc0 = tl.zeros([G, VGROUP], tl.float32)  # one accumulator per channel group (at most 4)
         acc1 = tl.zeros([G, VGROUP], tl.float32)
         acc2 = tl.zeros([G, VGROUP], tl.float32)
@@ -333,7 +333,7 @@ if triton is not None:
             if HID > 0:  # slots whose tokens are attended exactly (restored by residuals)
                 pos = _hide(pos, t0 + t_loc, hid_ptr + bh * HID, HID)
             p, alpha, m_new = _online_step(s, t_ok, pos, start, m_i, HAS_START)
-            l_i = l_i * alpha + tl.sum(p, 1)
+            l_i = l_i * alpha[:, None] + p
             m_i = m_new
             vs_row = vs_ptr + row * VGROUPS  # scales indexed from the row's first token (log8 maxima by t // VST)
             vmax_row = vmax_ptr + row // VST * VGROUPS
@@ -356,7 +356,7 @@ if triton is not None:
                 kb_lo, kb_hi, pos = n_lo, n_hi, n_pos
         out = (bh * splits + split) * G
         tl.store(m_ptr + out + gi, m_i)
-        tl.store(l_ptr + out + gi, l_i)
+        tl.store(l_ptr + out + gi, tl.sum(l_i, 1))
         base = acc_ptr + out.to(tl.int64) * D + gi[:, None] * D + cg[None, :]
         tl.store(base, acc0)
         if VGROUPS > 1:
