@@ -88,9 +88,14 @@ def test_decoding_with_the_kernel_gives_the_tokens_and_scores_of_the_torch_path(
 [pipelines.w-int8-lowbit]
 extends = "prerope-qa35v3-lowbit"
 recent_window = 16
+block_tokens = 32
 window_storage = "int8"
+
+[pipelines.w-int8-lowbit.keys.quantizer]
+group = 32
 """)
-    model = tiny_llama(torch.bfloat16, layers=2, hidden=256)  # head_dim 64; two layers (the append kernel runs in the interpreter)
+    # head_dim 64; two layers and 32-token blocks (the append kernel runs in the interpreter: 23 decode steps reach a flush)
+    model = tiny_llama(torch.bfloat16, layers=2, hidden=256)
     ids = torch.randint(1, 128, (2, 90))
     calls = []
     original = window.append_int8
@@ -101,13 +106,13 @@ window_storage = "int8"
         for layer_window in cache.engine.windows:
             layer_window.exact.fused = fused
         with torch.no_grad():
-            out = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=64, min_new_tokens=64,
+            out = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=24, min_new_tokens=24,
                                  do_sample=False, output_scores=True, return_dict_in_generate=True, pad_token_id=0,
                                  **cache_kwargs(model, cache))
         runs[fused] = (out.sequences, torch.stack(out.scores), cache.engine.windows[0].compressed_tokens, cache.memory_breakdown())
     layers = model.config.num_hidden_layers
-    assert len(calls) == 2 * layers * 63  # every decode step, both kinds, every layer (64 tokens: 63 decode steps)
-    assert runs[True][2] == 128  # one 64-token block stored by the prompt, one flushed while decoding
+    assert len(calls) == 2 * layers * 23  # every decode step, both kinds, every layer (24 tokens: 23 decode steps)
+    assert runs[True][2] == 96  # two 32-token blocks stored by the prompt, one flushed while decoding
     assert torch.equal(runs[False][0], runs[True][0]) and torch.equal(runs[False][1], runs[True][1])
     assert runs[False][2:] == runs[True][2:]  # the same tokens held, the same stored bytes
 
