@@ -203,10 +203,16 @@ def test_the_triton_kernel_matches_its_torch_twin(model, registry, name):
     assert view.tokens == 192 and view.exact_k.shape[-2] == 38
     q = torch.randn(2, 4, 64, generator=torch.Generator().manual_seed(3))
     start = torch.tensor([40, 0], dtype=torch.int32)
+    auto, _ = resolve_variant(view, "auto")  # "dense" where it reads the storage, else "wide" in 32-token steps or
+    explicit = {"wide": None, "general": 16}  # "general" in 16-token steps: launched below as they are
     for first in (start, None):
         twin = torch_lowbit_decode(view, q, first, 0.125)
-        for variant in DECODERS:  # auto: the wide kernel where codes fill whole bytes, else the general one
-            kernel = lowbit_decode(view, q, first, 0.125, block=None if variant in ("auto", "wide") else 16, variant=variant)
+        for variant in DECODERS:
+            if variant == "auto" and auto in explicit:  # the same launch as the variant's own, checked without rerunning it
+                ours, theirs = (plan_launch(view, q, first, 0.125, variant=v, block=explicit.get(v)) for v in ("auto", auto))
+                assert ours.kernel is theirs.kernel and ours.constants == theirs.constants and ours.grid == theirs.grid
+                continue
+            kernel = lowbit_decode(view, q, first, 0.125, block=explicit.get(variant), variant=variant)
             assert torch.allclose(kernel, twin, atol=1e-5), (variant, (kernel - twin).abs().max())
 
 
