@@ -12,12 +12,16 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 
 
+def _script_env(**values: str) -> dict:
+    """The environment of a frontier_eval.sh run with ``values`` set: the script calls the `kvweave` command, and the
+    one installed beside this interpreter comes first."""
+    path = os.pathsep.join([sysconfig.get_path("scripts"), os.environ.get("PATH", "")])
+    return {**os.environ, "PATH": path, **values}
+
+
 def _frontier_cells(model, out, pipelines: str, **grid: str) -> subprocess.CompletedProcess:
     """benchmarks/frontier_eval.sh with SPLIT=cells on the CPU, one needle at length 64 (``grid``: DEPTHS, JOBS)."""
-    # the script calls the `kvweave` command: the one installed beside this interpreter comes first
-    path = os.pathsep.join([sysconfig.get_path("scripts"), os.environ.get("PATH", "")])
-    env = {**os.environ, "PATH": path, "DEVICE": "cpu", "DTYPE": "float32", "NEEDLES": "1", "LENGTHS": "64", "TOKENS": "96",
-           "SPLIT": "cells", **grid}
+    env = _script_env(DEVICE="cpu", DTYPE="float32", NEEDLES="1", LENGTHS="64", TOKENS="96", SPLIT="cells", **grid)
     return subprocess.run(["bash", str(ROOT / "benchmarks" / "frontier_eval.sh"), str(model), str(out), pipelines],
                           capture_output=True, text=True, timeout=600, cwd=ROOT, env=env)
 
@@ -61,8 +65,7 @@ def test_frontier_eval_all_names_every_registry_pipeline_and_stops_at_a_failed_p
 
     extra = tmp_path / "extra.toml"
     extra.write_text('[pipelines.my-int4]\nextends = "int4"\n')
-    path = os.pathsep.join([sysconfig.get_path("scripts"), os.environ.get("PATH", "")])
-    env = {**os.environ, "PATH": path, "DEVICE": "cpu", "JOBS": "1", "SPLIT": "cells"}
+    env = _script_env(DEVICE="cpu", JOBS="1", SPLIT="cells")
     done = subprocess.run(["bash", str(ROOT / "benchmarks" / "frontier_eval.sh"), str(tmp_path / "no-model"), str(tmp_path / "out"),
                            "all", str(extra)], capture_output=True, text=True, timeout=300, cwd=ROOT, env=env)
     listed = next(line for line in done.stderr.splitlines() if " pipelines: " in line).split(" pipelines: ")[1].split(",")

@@ -203,8 +203,10 @@ def test_the_triton_kernel_matches_its_torch_twin(model, registry, name):
     assert view.tokens == 192 and view.exact_k.shape[-2] == 38
     q = torch.randn(2, 4, 64, generator=torch.Generator().manual_seed(3))
     start = torch.tensor([40, 0], dtype=torch.int32)
-    auto, _ = resolve_variant(view, "auto")  # "dense" where it reads the storage, else "wide" in 32-token steps or
-    explicit = {"wide": None, "general": 16}  # "general" in 16-token steps: launched below as they are
+    # "auto" takes "dense" where it reads the storage, else "wide" in 32-token steps or "general" in 16-token steps,
+    # which are launched below as they are
+    auto, _ = resolve_variant(view, "auto")
+    explicit = {"wide": None, "general": 16}
     for first in (start, None):
         twin = torch_lowbit_decode(view, q, first, 0.125)
         for variant in DECODERS:
