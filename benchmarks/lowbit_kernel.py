@@ -49,7 +49,8 @@ Q_HEADS, KV_HEADS, HEAD_DIM, THETA, WINDOW = 32, 8, 128, 500000.0, 16
 #: "kz5": a layer of kvzip-qa35v3 that is not kept whole (its keys without outliers, 77% of the tokens kept at
 #: random positions, each slot's position read with it); "kz8": one of kvzip-qa3-vl25-smollm2's 2-bit value layers
 #: (3.0-bit keys, 48% kept); "k4v2e48": 4-bit channel-group keys without outliers and 2-bit log8 values, 48% kept
-#: (the whole-byte storage of the ~8x class that the "dense" kernel reads, with --post-rope); "k4v4e77": the same keys
+#: (the whole-byte storage of the ~8x class that the "dense" kernel reads, with --post-rope), "k4v2e48t" the same with
+#: its value codes in tiles of 64 tokens (token_tiles = 64, read by the dense kernel only); "k4v4e77": the same keys
 #: with 4-bit uniform log8 values, 77% kept (benchmarks/dense_sweep.toml's kzd-k4v4-f77, the ~5x class)
 STORAGES = {
     "k4v2": (lambda: ChannelGroupQuantizer(bits=4, group=64, outliers=1), lambda: RotatedTokenQuantizer(bits=2), 1.0),
@@ -61,6 +62,8 @@ STORAGES = {
             lambda: RotatedTokenQuantizer(bits=2, scale_format="log8"), 0.48),
     "k4v2e48": (lambda: ChannelGroupQuantizer(bits=4, group=64, outliers=0),
                 lambda: RotatedTokenQuantizer(bits=2, scale_format="log8"), 0.48),
+    "k4v2e48t": (lambda: ChannelGroupQuantizer(bits=4, group=64, outliers=0),
+                 lambda: RotatedTokenQuantizer(bits=2, scale_format="log8", token_tiles=64), 0.48),
     "k4v4e77": (lambda: ChannelGroupQuantizer(bits=4, group=64, outliers=0),
                 lambda: RotatedTokenQuantizer(bits=4, levels="uniform", scale_format="log8"), 0.77),
 }
@@ -100,7 +103,8 @@ def packed_view(batch: int, tokens: int, device: str = "cuda", storage: str = "k
     return LowbitView(
         tokens=tokens, first=0, k_codes=f["k_codes"], k_zero=f["k_zero"], k_scale=f["k_scale"],
         k_out_index=f.get("k_outlier_index"), k_out_value=f.get("k_outlier_value"), k_bits=0 if alloc else kq.bits, k_group=64,
-        v_codes=f["v_codes"], v_scale=f["v_scale_log"] if log8 else f["v_scale"], v_bits=vq.bits, v_group=64,
+        v_codes=f["v_codes"].reshape(rows, tokens, -1), v_tiled=bool(vq.token_tiles),
+        v_scale=f["v_scale_log"] if log8 else f["v_scale"], v_bits=vq.bits, v_group=64,
         v_levels=torch.tensor(levels, device=device, dtype=torch.float32),
         rotation=rotation_matrix("hadamard", 0, HEAD_DIM, device).float().contiguous(), inv_freq=inv_freq,
         rope_scale=1.0, exact_k=exact, exact_v=exact.clone(), level_kind=level_kind(levels),

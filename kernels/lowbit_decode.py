@@ -31,9 +31,9 @@ from typing import TYPE_CHECKING, Any
 import attrs
 
 from kvweave.core.lazy import lazy_module, torch
-from kvweave.kernels.formats import unpack_codes, unpack_varwidth
+from kvweave.kernels.formats import VALUE_TILE, unpack_codes, unpack_varwidth, untile_codes
 from kvweave.kernels.launch import Launch
-from kvweave.kernels.lowbit_dense import GPU_CHECKED_DIMS, dense_block, dense_launch, dense_refusal
+from kvweave.kernels.lowbit_dense import GPU_CHECKED_DIMS, dense_block, dense_launch, dense_refusal, tiles_refusal
 from kvweave.kernels.lowbit_tricks import (  # noqa: F401 - TRICKS: the names lowbit_decode takes; the others read here
     TRICKS, fast_path, parse_tricks, whole_byte_codes, whole_byte_keys, wide_groups)
 
@@ -102,6 +102,8 @@ class LowbitView:
     #: a window kept for a CUDA graph: int32 [1], the tokens it held before this step (``exact_k`` / ``exact_v`` are then
     #: buffers of its capacity, their first ``exact_fill + 1`` rows attended); None: every row of ``exact_k``
     exact_fill: torch.Tensor | None = None
+    #: ``v_codes`` hold 2-bit codes in tiles of 64 tokens (``rotated-token-tiled.v1``; read by the dense kernel and twin)
+    v_tiled: bool = False
 
 
 def exact_start(view: LowbitView) -> int:
@@ -154,6 +156,8 @@ def rope_at(view: LowbitView, keys: torch.Tensor, positions: torch.Tensor) -> to
 def torch_values(view: LowbitView) -> torch.Tensor:
     """The packed values in the rotated space (before ``rotation``): float32 [BH, T, D]."""
     codes = unpack_codes(view.v_codes, view.v_bits)
+    if view.v_tiled:  # each 64 rows of bytes are a tile's
+        codes = untile_codes(codes.reshape(codes.shape[0], -1, VALUE_TILE * codes.shape[-1]))
     bh, tokens, dim = codes.shape
     levels = view.v_levels.float()[codes]
     scale = value_scales(view).repeat_interleave(view.v_group, dim=-1)
@@ -272,6 +276,8 @@ def resolve_variant(view: LowbitView, variant: str, block: int | None = None) ->
         return variant, dense_block(view) if block is None else block
     if variant == "auto" and block is None and dense_refusal(view) is None and view.exact_k.shape[-1] in GPU_CHECKED_DIMS:
         return "dense", dense_block(view)  # measured faster than "wide" there
+    if view.v_tiled:
+        raise ValueError(tiles_refusal(view, variant, block))
     if variant == "auto":
         wide = wide_groups(view) and view.k_group % WIDE_MIN_BLOCK == 0
         variant = "wide" if wide and (block is None or block >= WIDE_MIN_BLOCK) else "general"

@@ -7,6 +7,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 from kvweave.core.lazy import lazy_module, torch
+from kvweave.kernels.formats import VALUE_TILE
 from kvweave.kernels.lowbit_tricks import whole_byte_keys, wide_groups
 
 if TYPE_CHECKING:
@@ -76,10 +77,34 @@ def dense_refusal(view: Any, block: int | None = None) -> str | None:
     if block < 16 or block & (block - 1) or view.k_group % block or view.tokens % block:
         return (f"its steps ({block} tokens) must be a power of two of at least 16 that divides the keys' token group "
                 f"({view.k_group}) and the packed tokens ({view.tokens})")
+    if view.v_tiled and (view.v_bits != 2 or view.v_group != 64 or block != 64):
+        return (f"it reads values stored in tiles of 64 tokens as 2-bit codes in groups of 64 channels in steps of 64 "
+                f"tokens, got {view.v_bits}-bit codes in groups of {view.v_group} in steps of {block}")
     if dim < 128 and block > NARROW_MAX_BLOCK:
         return (f"at head_dim {dim} its steps must be at most {NARROW_MAX_BLOCK} tokens (the GPU build of longer ones "
                 f"computes wrong), got {block}")
     return None
+
+
+def tiles_refusal(view: Any, variant: str, block: int | None) -> str:
+    """Why kernel ``variant`` (not "dense") cannot read ``view``'s values stored in tiles, and what to use instead."""
+    why = dense_refusal(view, block)
+    if why is None and view.exact_k.shape[-1] not in GPU_CHECKED_DIMS:
+        why = f"it is built and checked on a GPU at head_dims {GPU_CHECKED_DIMS}"
+    fix = f"the 'dense' kernel cannot read this storage: {why}; use" if why else "use variant 'dense' (or 'auto'),"
+    return (f"the lowbit '{variant}' kernel reads values token by token, and these are stored in tiles of {VALUE_TILE} "
+            f"tokens (token_tiles), which only the 'dense' kernel reads; {fix} backend 'torch' or values without token_tiles")
+
+
+def tiles_build_refusal(pre_rope: bool, dim: int, values_group: int, keys_group: int) -> str | None:
+    """Why a pipeline storing values in tiles cannot decode on a GPU (the dense kernel, the only one that reads them,
+    cannot take its keys, groups or head_dim), or None."""
+    if not pre_rope and dim >= 128 and min(values_group, dim) == 64 and keys_group % VALUE_TILE == 0:
+        return None
+    return (f"values stored in tiles of {VALUE_TILE} tokens (token_tiles) are read on a GPU by the 'dense' kernel only, "
+            f"which takes keys stored after RoPE in groups of a multiple of {VALUE_TILE} tokens, value groups of 64 "
+            f"channels and head_dim >= 128; here key_space '{'pre-rope' if pre_rope else 'post-rope'}', keys group "
+            f"{keys_group}, values group {min(values_group, dim)}, head_dim {dim}")
 
 
 def level_word(levels: list[float]) -> int:
@@ -105,7 +130,7 @@ def dense_launch(view: Any, args: tuple, constants: dict, kind: int, l0: float, 
     keep = ("D", "G", "KBITS", "KGROUP", "KO", "VBITS", "VGROUP", "HAS_START", "BLOCK", "LOWP", "VLOG", "VST", "HAS_POS",
             "HID", "num_warps")
     dense_constants = {name: constants[name] for name in keep} | {"LEVELS": kind, "ASM": constants["APPROX"],
-                                                                  "KPLANES": key_planes(view)}
+                                                                  "KPLANES": key_planes(view), "VTILE": view.v_tiled}
     dense_constants["KPF"] = (dense_constants["KPLANES"] and DENSE_PLANE_PREFETCH and k_scale.dtype == torch.float16
                               and k_zero.dtype == torch.float16)
     if constants["D"] <= 128:  # the steps that check hidden slots would take 155 registers at head_dim 128: the whole

@@ -24,6 +24,7 @@ if triton is not None:
     from kvweave.kernels.lowbit_codes_triton import _plus128
     from kvweave.kernels.lowbit_dense import LEVEL_SELECT_ADD, LEVEL_SELECT_MUL, UNIFORM4_BASE, UNIFORM4_OFFSET
     from kvweave.kernels.lowbit_step_triton import _plane_logits, _scale_of, _step_loads
+    from kvweave.kernels.lowbit_tile_triton import _tile_value_step
     from kvweave.kernels.lowbit_triton import _hide, _level, _outlier_logits
 
     @triton.jit
@@ -160,9 +161,11 @@ if triton is not None:
         return acc
 
     @triton.jit
-    def _value_channels(cg, VBITS: tl.constexpr, LEVELS: tl.constexpr):
-        """The channel of each row of :func:`_value_step`'s accumulator."""
-        if VBITS == 2:
+    def _value_channels(cg, VBITS: tl.constexpr, LEVELS: tl.constexpr, VTILE: tl.constexpr):
+        """The channel of each row of :func:`_value_step`'s accumulator (:func:`_tile_value_step`'s: in order)."""
+        if VTILE:
+            channels = cg
+        elif VBITS == 2:
             channels = _quad_channels(cg)
         elif LEVELS == 1:
             channels = _pair_channels(cg)
@@ -176,7 +179,8 @@ if triton is not None:
                D: tl.constexpr, G: tl.constexpr, KBITS: tl.constexpr, KGROUP: tl.constexpr, KO: tl.constexpr,
                VBITS: tl.constexpr, VGROUP: tl.constexpr, HAS_START: tl.constexpr, BLOCK: tl.constexpr,
                LOWP: tl.constexpr, LEVELS: tl.constexpr, VLOG: tl.constexpr, VST: tl.constexpr, HAS_POS: tl.constexpr,
-               HID: tl.constexpr, HIDE: tl.constexpr, ASM: tl.constexpr, KPLANES: tl.constexpr, KPF: tl.constexpr):
+               HID: tl.constexpr, HIDE: tl.constexpr, ASM: tl.constexpr, KPLANES: tl.constexpr, KPF: tl.constexpr,
+               VTILE: tl.constexpr):
         """The packed pass over steps ``t_lo .. t_hi`` of a program's tokens: its running max, sums and outputs carried
         on; ``HIDE``: these steps hold hidden slots (the list is checked in them only, so the steps without keep the
         code of a storage that hides none). Each step's scales, zero points and positions are loaded a step ahead
@@ -236,21 +240,34 @@ if triton is not None:
             l_i = l_i * alpha[None, :] + p  # per slot, summed once after the loop: a sum over the step's tokens
             # each step was a reduction across the four warps (shared memory and a barrier): 8-9% of the kernel
             m_i = m_new
-            for g in tl.static_range(VGROUPS):  # each channel group's scale folded into the probabilities
-                vrow = vc_ptr + (row + t0) * VW + g * GW
-                vwords = tl.load(vrow + t_loc[:, None] * VW + jv[None, :]).to(tl.uint32, bitcast=True)
-                if g == 0:
-                    pg = p * _scale_of(s0, m0, VLOG)[:, None]
-                    acc0 = _value_step(acc0, pg, alpha, vwords, lut, vlev_ptr, vlev16_ptr, l0, l1, VBITS, LEVELS, LOWP, ASM)
-                elif g == 1:
-                    pg = p * _scale_of(s1, m1, VLOG)[:, None]
-                    acc1 = _value_step(acc1, pg, alpha, vwords, lut, vlev_ptr, vlev16_ptr, l0, l1, VBITS, LEVELS, LOWP, ASM)
-                elif g == 2:
-                    pg = p * _scale_of(s2, m2, VLOG)[:, None]
-                    acc2 = _value_step(acc2, pg, alpha, vwords, lut, vlev_ptr, vlev16_ptr, l0, l1, VBITS, LEVELS, LOWP, ASM)
-                else:
-                    pg = p * _scale_of(s3, m3, VLOG)[:, None]
-                    acc3 = _value_step(acc3, pg, alpha, vwords, lut, vlev_ptr, vlev16_ptr, l0, l1, VBITS, LEVELS, LOWP, ASM)
+            if VTILE:  # values in tiles of 64 tokens: each group's operand made in registers
+                vtile = vc_ptr + (row + t0) * VW
+                acc0 = _tile_value_step(acc0, p * _scale_of(s0, m0, VLOG)[:, None], alpha, vtile, 0, lut, vlev_ptr,
+                                        vlev16_ptr, LOWP, ASM)
+                if VGROUPS > 1:
+                    acc1 = _tile_value_step(acc1, p * _scale_of(s1, m1, VLOG)[:, None], alpha, vtile, 1, lut, vlev_ptr,
+                                            vlev16_ptr, LOWP, ASM)
+                if VGROUPS > 2:
+                    acc2 = _tile_value_step(acc2, p * _scale_of(s2, m2, VLOG)[:, None], alpha, vtile, 2, lut, vlev_ptr,
+                                            vlev16_ptr, LOWP, ASM)
+                    acc3 = _tile_value_step(acc3, p * _scale_of(s3, m3, VLOG)[:, None], alpha, vtile, 3, lut, vlev_ptr,
+                                            vlev16_ptr, LOWP, ASM)
+            else:
+                for g in tl.static_range(VGROUPS):  # each channel group's scale folded into the probabilities
+                    vrow = vc_ptr + (row + t0) * VW + g * GW
+                    vwords = tl.load(vrow + t_loc[:, None] * VW + jv[None, :]).to(tl.uint32, bitcast=True)
+                    if g == 0:
+                        pg = p * _scale_of(s0, m0, VLOG)[:, None]
+                        acc0 = _value_step(acc0, pg, alpha, vwords, lut, vlev_ptr, vlev16_ptr, l0, l1, VBITS, LEVELS, LOWP, ASM)
+                    elif g == 1:
+                        pg = p * _scale_of(s1, m1, VLOG)[:, None]
+                        acc1 = _value_step(acc1, pg, alpha, vwords, lut, vlev_ptr, vlev16_ptr, l0, l1, VBITS, LEVELS, LOWP, ASM)
+                    elif g == 2:
+                        pg = p * _scale_of(s2, m2, VLOG)[:, None]
+                        acc2 = _value_step(acc2, pg, alpha, vwords, lut, vlev_ptr, vlev16_ptr, l0, l1, VBITS, LEVELS, LOWP, ASM)
+                    else:
+                        pg = p * _scale_of(s3, m3, VLOG)[:, None]
+                        acc3 = _value_step(acc3, pg, alpha, vwords, lut, vlev_ptr, vlev16_ptr, l0, l1, VBITS, LEVELS, LOWP, ASM)
             ks, kz, kw0, kw1, kw2, kw3, zw0, zw1, zw2, zw3 = ks_n, kz_n, kw0_n, kw1_n, kw2_n, kw3_n, zw0_n, zw1_n, zw2_n, zw3_n
             s0, m0, s1, m1, s2, m2, s3, m3, pos_in = s0_n, m0_n, s1_n, m1_n, s2_n, m2_n, s3_n, m3_n, pos_n
         return m_i, l_i, acc0, acc1, acc2, acc3
@@ -263,7 +280,7 @@ if triton is not None:
         D: tl.constexpr, G: tl.constexpr, KBITS: tl.constexpr, KGROUP: tl.constexpr, KO: tl.constexpr,
         VBITS: tl.constexpr, VGROUP: tl.constexpr, HAS_START: tl.constexpr, BLOCK: tl.constexpr, LOWP: tl.constexpr,
         LEVELS: tl.constexpr, VLOG: tl.constexpr, VST: tl.constexpr, HAS_POS: tl.constexpr, HID: tl.constexpr,
-        ASM: tl.constexpr, KPLANES: tl.constexpr, KPF: tl.constexpr,
+        ASM: tl.constexpr, KPLANES: tl.constexpr, KPF: tl.constexpr, VTILE: tl.constexpr,
     ):
         """One program per (batch row x KV head, split of the packed tokens); the split is whole steps of ``BLOCK``
         tokens (``BLOCK`` divides ``KGROUP``), so nothing is masked but slots that are fillers, before the row's first
@@ -304,28 +321,28 @@ if triton is not None:
                 lo, t_a, m_i, l_i, acc0, acc1, acc2, acc3, q, q_row, row, bh, start, first, scaling, l0, l1,
                 lut, kc_ptr, kz_ptr, ks_ptr, koi_ptr, kov_ptr, vc_ptr, vs_row, vmax_row, vlev_ptr, vlev16_ptr, pos_ptr,
                 hid_ptr, D, G, KBITS, KGROUP, KO, VBITS, VGROUP, HAS_START, BLOCK, LOWP, LEVELS, VLOG, VST, HAS_POS, HID,
-                False, ASM, KPLANES, KPF)
+                False, ASM, KPLANES, KPF, VTILE)
             m_i, l_i, acc0, acc1, acc2, acc3 = _steps(
                 t_a, t_b, m_i, l_i, acc0, acc1, acc2, acc3, q, q_row, row, bh, start, first, scaling, l0, l1,
                 lut, kc_ptr, kz_ptr, ks_ptr, koi_ptr, kov_ptr, vc_ptr, vs_row, vmax_row, vlev_ptr, vlev16_ptr, pos_ptr,
                 hid_ptr, D, G, KBITS, KGROUP, KO, VBITS, VGROUP, HAS_START, BLOCK, LOWP, LEVELS, VLOG, VST, HAS_POS, HID,
-                True, ASM, KPLANES, KPF)
+                True, ASM, KPLANES, KPF, VTILE)
             m_i, l_i, acc0, acc1, acc2, acc3 = _steps(
                 t_b, hi, m_i, l_i, acc0, acc1, acc2, acc3, q, q_row, row, bh, start, first, scaling, l0, l1,
                 lut, kc_ptr, kz_ptr, ks_ptr, koi_ptr, kov_ptr, vc_ptr, vs_row, vmax_row, vlev_ptr, vlev16_ptr, pos_ptr,
                 hid_ptr, D, G, KBITS, KGROUP, KO, VBITS, VGROUP, HAS_START, BLOCK, LOWP, LEVELS, VLOG, VST, HAS_POS, HID,
-                False, ASM, KPLANES, KPF)
+                False, ASM, KPLANES, KPF, VTILE)
         else:
             m_i, l_i, acc0, acc1, acc2, acc3 = _steps(
                 lo, hi, m_i, l_i, acc0, acc1, acc2, acc3, q, q_row, row, bh, start, first, scaling, l0, l1,
                 lut, kc_ptr, kz_ptr, ks_ptr, koi_ptr, kov_ptr, vc_ptr, vs_row, vmax_row, vlev_ptr, vlev16_ptr, pos_ptr,
                 hid_ptr, D, G, KBITS, KGROUP, KO, VBITS, VGROUP, HAS_START, BLOCK, LOWP, LEVELS, VLOG, VST, HAS_POS, HID,
-                False, ASM, KPLANES, KPF)
+                False, ASM, KPLANES, KPF, VTILE)
         out = (bh * splits + split) * G
         tl.store(m_ptr + out + gi, m_i)
         tl.store(l_ptr + out + gi, tl.sum(l_i, 0))
         weight = 16.0 if VBITS == 4 and LEVELS == 1 else 1.0  # _uniform4_tiles' levels are over 16
-        base = acc_ptr + out.to(tl.int64) * D + gi[None, :] * D + _value_channels(cg, VBITS, LEVELS)[:, None]
+        base = acc_ptr + out.to(tl.int64) * D + gi[None, :] * D + _value_channels(cg, VBITS, LEVELS, VTILE)[:, None]
         tl.store(base, acc0 * weight)  # [VGROUP, G]: the outputs transposed
         if VGROUPS > 1:
             tl.store(base + VGROUP, acc1 * weight)

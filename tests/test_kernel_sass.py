@@ -67,6 +67,12 @@ for planes in (True, False):
     ttgir = build(importlib.import_module(job["module"]), job).asm["ttgir"]
     tiles = re.findall(r"ttg.local_alloc %\\S+ : \\(tensor<(\\d+x\\d+)xbf16", ttgir)
     print(planes, launch.constants["G"], " ".join(tiles))
+lowbit_dense.DENSE_KEY_PLANES = True
+view = attrs.evolve(packed_view(1, 256, device="cpu", storage="k4v2e48t"), inv_freq=None)
+launch = plan_launch(view, torch.randn(1, Q_HEADS, HEAD_DIM), None, HEAD_DIM ** -0.5, variant="dense", lowp=True)
+job = launch_job(launch.kernel, launch.args, launch.constants)
+ttgir = build(importlib.import_module(job["module"]), job).asm["ttgir"]
+print("tiled", launch.constants["VTILE"], " ".join(re.findall(r"ttg.local_alloc %\\S+ : \\(tensor<(\\d+x\\d+)xbf16", ttgir)))
 """
 
 
@@ -74,7 +80,8 @@ for planes in (True, False):
 def test_the_dense_kernels_key_tile_reaches_the_tensor_cores_without_shared_memory():
     """Built for sm_90, the dense kernel reading 4-bit keys by code places stores no unpacked [64, 128] key tile in
     shared memory (the words go from shared memory straight into the operand layout); read in channel order, it
-    stores one a step. Its query tiles are 8 columns (4 query heads a KV head)."""
+    stores one a step. Its query tiles are 8 columns (4 query heads a KV head). With the value codes in tiles of 64
+    tokens no [64, 64] value tile goes there either."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     done = subprocess.run([sys.executable, "-c", _TILE_STORES], capture_output=True, text=True, timeout=600, cwd=ROOT, env=env)
     assert done.returncode == 0, done.stderr[-3000:]
@@ -82,4 +89,6 @@ def test_the_dense_kernels_key_tile_reaches_the_tensor_cores_without_shared_memo
     planes, ordered = rows["True"], rows["False"]
     assert planes[0] == ordered[0] == "8"
     assert "64x128" not in planes[1:] and "64x128" in ordered[1:]
-    assert "64x64" in planes[1:]  # the value tiles still go through shared memory (docs/kernels.md says why)
+    assert "64x64" in planes[1:]  # token-major value codes: their unpacked tiles still go through shared memory
+    tiled = [line.split()[1:] for line in done.stdout.splitlines() if line.startswith("tiled ")][0]
+    assert tiled[0] == "True" and "64x64" not in tiled[1:] and "64x128" not in tiled[1:]  # values in tiles: neither

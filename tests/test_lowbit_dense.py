@@ -283,3 +283,39 @@ def test_a_synthetic_fill_keeps_the_sinks_as_real_scoring_does(model, registry):
     assert view.positions is not None and view.tokens < 300  # tokens were dropped
     assert view.hidden_below is not None and view.hidden_below.tolist() == [sinks, sinks]
     assert sorted(set(view.restored_pos.flatten().tolist())) == list(range(sinks))
+
+
+@pytest.mark.interpreter
+def test_values_in_tiles_decode_as_the_token_major_ones_through_the_dense_kernel():
+    """``kzd-k4v2t-f48-d128`` (benchmarks/dense_sweep.toml) stores ``kzd-k4v2-f48-d128``'s value codes in tiles of 64
+    tokens: the same stored bytes in another order, read by the dense kernel (taken by default) as the twin reads them
+    and as the kernel reads the token-major codes; the kernels that read values token by token refuse them by name."""
+    from pathlib import Path
+
+    from kvweave.core.registry import load_registry
+
+    registry = load_registry(Path(__file__).resolve().parents[1] / "benchmarks" / "dense_sweep.toml")
+    net = tiny_llama(layers=2, hidden=512)  # head_dim 128
+    ids = torch.randint(1, 128, (1, 300), generator=torch.Generator().manual_seed(4))
+    views, stored = [], []
+    for name in ("kzd-k4v2-f48-d128", "kzd-k4v2t-f48-d128"):
+        cache = build_cache(registry.resolve(name), net, tokenizer=CharTokenizer())
+        with torch.no_grad():
+            importance.prefill(net, cache, ids)
+        views.append(cache.engine.kernel.lowbit_view(cache.engine.view(1), torch.device("cpu")))
+        stored.append(cache.engine.view(1).values.coefficients["codes"])
+    flat, tiled = views
+    assert not flat.v_tiled and tiled.v_tiled and tiled.tokens % 64 == 0 and tiled.tokens > 64
+    assert stored[1].nbytes == stored[0].nbytes and not torch.equal(tiled.v_codes, flat.v_codes)
+    assert resolve_variant(tiled, "auto") == ("dense", 64)
+    q = torch.randn(1, 4, 128, generator=torch.Generator().manual_seed(5))
+    twin = torch_lowbit_decode(tiled, q, None, 128 ** -0.5)
+    assert torch.equal(twin, torch_lowbit_decode(flat, q, None, 128 ** -0.5))
+    out = lowbit_decode(tiled, q, None, 128 ** -0.5)
+    assert torch.allclose(out, twin, atol=1e-5) and float(twin.abs().max()) > 0.05
+    assert torch.allclose(out, lowbit_decode(flat, q, None, 128 ** -0.5, variant="dense"), atol=1e-5)
+    for variant in ("wide", "general"):
+        with pytest.raises(ValueError, match="stored in tiles of 64 tokens"):
+            resolve_variant(tiled, variant)
+    with pytest.raises(ValueError, match="steps of 64"):
+        resolve_variant(tiled, "dense", 32)

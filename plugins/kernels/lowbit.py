@@ -47,12 +47,12 @@ from kvweave.core.interfaces import AttentionKernel, PipelineSlots
 from kvweave.core.lazy import torch
 from kvweave.core.params import choice
 from kvweave.core.view import LayerView
-from kvweave.kernels.formats import CHANNEL_ALLOC, CHANNEL_GROUP, ROTATED_TOKEN, ROTATED_TOKEN_LOG8
+from kvweave.kernels.formats import CHANNEL_ALLOC, CHANNEL_GROUP, LOG8_VALUE_FORMATS, TILED_VALUE_FORMATS, VALUE_FORMATS, VALUE_TILE
 from kvweave.kernels.lowbit_decode import (
     LowbitView, level_kind, lowbit_decode, resolve_variant, rope_at, slot_positions, tile_rows, torch_keys, torch_lowbit_decode,
     torch_values,
 )
-from kvweave.kernels.lowbit_dense import level_word
+from kvweave.kernels.lowbit_dense import level_word, tiles_build_refusal
 from kvweave.kernels.lowbit_tricks import TRICKS, parse_tricks
 
 from .fused import first_positions
@@ -82,7 +82,7 @@ class LowbitKernel(AttentionKernel):
 
     materializes: ClassVar[bool] = False
     pre_rope_keys: ClassVar[bool] = True
-    coefficient_formats: ClassVar[tuple[str, ...]] = (CHANNEL_GROUP, CHANNEL_ALLOC, ROTATED_TOKEN, ROTATED_TOKEN_LOG8)
+    coefficient_formats: ClassVar[tuple[str, ...]] = (CHANNEL_GROUP, CHANNEL_ALLOC, *VALUE_FORMATS)
     reads_residual_tiles: ClassVar[bool] = False  # restored tokens are found from the entries' lists, once
 
     backend: str = attrs.field(default="auto", validator=choice(BACKENDS), metadata={"doc": "'auto' (Triton on CUDA, the torch twin elsewhere), 'triton' or 'torch'"})
@@ -111,7 +111,7 @@ class LowbitKernel(AttentionKernel):
         keys = self._quantizer(pipeline, "keys", (CHANNEL_GROUP, CHANNEL_ALLOC), where)
         if keys.packed_format == CHANNEL_GROUP and (getattr(keys, "levels", "uniform") != "uniform" or keys.bits not in CODE_BITS):
             raise ComponentError(f"{where} reads keys as uniform {', '.join(map(str, CODE_BITS))}-bit codes, not {keys.bits}-bit {keys.levels}; use kernel 'reference'")
-        values = self._quantizer(pipeline, "values", (ROTATED_TOKEN, ROTATED_TOKEN_LOG8), where)
+        values = self._quantizer(pipeline, "values", VALUE_FORMATS, where)
         if values.bits not in CODE_BITS or not values.symmetric:
             raise ComponentError(f"{where} reads values as symmetric {', '.join(map(str, CODE_BITS))}-bit codes, not {values.bits}-bit "
                                  f"{'symmetric' if values.symmetric else 'asymmetric'}; use kernel 'reference'")
@@ -132,6 +132,10 @@ class LowbitKernel(AttentionKernel):
             raise ModelError(f"{where} takes head_dim {HEAD_DIMS}; this model's head_dim {engine.shape.head_dim} is not one of them; use kernel 'reference'")
         if engine.accumulates or engine.reselects:
             raise ComponentError(f"{where}: the pipeline accumulates attention or re-selects stored tokens; use kernel 'reference'")
+        values, keys = (engine.pipeline.component_for("quantizer", kind).for_kind(kind) for kind in ("values", "keys"))
+        if getattr(values, "token_tiles", 0) and self.backend == "triton":  # "auto" on a GPU: refused at the launch
+            if why := tiles_build_refusal(engine.pre_rope, engine.shape.head_dim, values.group, getattr(keys, "group", 0)):
+                raise ModelError(f"{where}: {why}; set the kernel's backend = 'torch' or drop token_tiles")
         partial = [rank for rank in engine.residual_levels if rank != engine.shape.head_dim]
         if partial:
             fix = "use kernel 'reference'"
@@ -191,7 +195,7 @@ class LowbitKernel(AttentionKernel):
 
     def _packed_view(self, view: LayerView, device: torch.device, exact_k: torch.Tensor, exact_v: torch.Tensor) -> LowbitView:
         """The packed storage's views (see :meth:`lowbit_view`), with this call's exact window."""
-        for kind_view, packed in ((view.keys, (CHANNEL_GROUP, CHANNEL_ALLOC)), (view.values, (ROTATED_TOKEN, ROTATED_TOKEN_LOG8))):
+        for kind_view, packed in ((view.keys, (CHANNEL_GROUP, CHANNEL_ALLOC)), (view.values, VALUE_FORMATS)):
             if kind_view.coefficient_format not in packed:
                 raise CacheStateError(f"layer {view.layer}: the {kind_view.kind} are packed as {kind_view.coefficient_format}; the lowbit kernel reads {' or '.join(packed)}")
         batch, heads, _, dim = exact_k.shape
@@ -215,7 +219,7 @@ class LowbitKernel(AttentionKernel):
             return LowbitView(0, view.passed_tokens, blank, half, half, None, None, key_bits, kq.group, blank, half, vq.bits,
                               min(vq.group, dim), levels, rotation, inv_freq, rope_scale, exact_k, exact_v, kind)
         kr, vr = view.keys.coefficient_row, view.values.coefficient_row
-        log8 = view.values.coefficient_format == ROTATED_TOKEN_LOG8
+        log8 = view.values.coefficient_format in LOG8_VALUE_FORMATS
         if log8 and tokens % vq.scale_tokens:
             raise CacheStateError(f"layer {view.layer}: {tokens} packed tokens are not whole spans of the values' {vq.scale_tokens}-token scale maxima")
         outliers = kq.outliers > 0
@@ -229,7 +233,8 @@ class LowbitKernel(AttentionKernel):
             k_codes=rows(k["codes"], kr), k_zero=rows(k["zero"], kr), k_scale=rows(k["scale"], kr),
             k_out_index=rows(k["outlier_index"], kr) if outliers else None,
             k_out_value=rows(k["outlier_value"], kr) if outliers else None,
-            k_bits=key_bits, k_group=kq.group, v_codes=rows(v["codes"], vr), v_scale=rows(v["scale_log" if log8 else "scale"], vr),
+            k_bits=key_bits, k_group=kq.group, v_codes=rows(v["codes"], vr).reshape(batch * heads, tokens, -1),
+            v_tiled=view.values.coefficient_format in TILED_VALUE_FORMATS, v_scale=rows(v["scale_log" if log8 else "scale"], vr),
             v_bits=vq.bits, v_group=min(vq.group, dim), v_levels=levels, rotation=rotation, inv_freq=inv_freq,
             rope_scale=rope_scale, exact_k=exact_k, exact_v=exact_v, level_kind=kind, k_widths=widths,
             v_scale_max=rows(v["scale_max"], vr) if log8 else None, v_scale_tokens=vq.scale_tokens if log8 else 1,
@@ -376,7 +381,7 @@ def _dequantized_at(packed: LowbitView, ids: torch.Tensor) -> tuple[torch.Tensor
     ``row * tokens + slot``, sorted), float32 [N, D] each, dequantizing only spans of :data:`RESTORE_SPAN` slots
     that hold one of them, so the temporary does not grow with the context."""
     dim = packed.exact_k.shape[-1]
-    span = math.lcm(packed.k_group, packed.v_scale_tokens)
+    span = math.lcm(packed.k_group, packed.v_scale_tokens, VALUE_TILE if packed.v_tiled else 1)
     span *= max(1, RESTORE_SPAN // span)
     rows, slots = ids // packed.tokens, ids % packed.tokens
     keys = torch.empty(ids.numel(), dim, device=ids.device)

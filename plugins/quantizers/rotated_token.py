@@ -63,6 +63,12 @@ each ``scale_tokens`` (64) tokens, rounded up. Normal levels take the nearest st
 be exact: relative error 0.3372 against 0.3371 at 2 bits on SmolLM2's values, ``benchmarks/quantizer_error.py``); uniform levels take the
 step at or above the wanted scale, so the range stays covered. C = 64, 2 bits: 16 + 1 bytes a vector and 2
 bytes per 64 tokens (0.129 bit per element of metadata).
+
+``token_tiles = 64`` (2-bit codes only; packed_format ``rotated-token-tiled.v1`` / ``rotated-token-log8-tiled.v1``)
+stores the same codes in another order: ``codes`` uint8 [..., n / 64, 16 C], each tile of 64 tokens channel by
+channel in four 32-bit words (:func:`kvweave.kernels.formats.tile_codes` gives the order), the order in which the
+``lowbit`` kernel's ``dense`` variant makes its value operands in registers (docs/kernels.md, "Values stored in
+tiles"). The same bytes; a block holds whole tiles (``tokens_per_group``).
 """
 
 from __future__ import annotations
@@ -79,6 +85,8 @@ from kvweave.core.interfaces import ModelShape, Quantizer
 from kvweave.core.lazy import torch
 from kvweave.core.params import choice, integer
 
+from kvweave.kernels.formats import VALUE_TILE, tile_codes, untile_codes
+
 from ._bitpack import affine_range, chunk_codes, midrise_scale, nearest_level_codes, normal_levels, pack, safe_step, unpack
 from ._layers import check_table, each_entry, layer_table
 from ._scales import FLOAT16_MAX, check_magnitude
@@ -86,6 +94,7 @@ from ._scales import FLOAT16_MAX, check_magnitude
 ROTATIONS = ("hadamard", "random", "none")
 LEVELS = ("normal", "uniform")
 SCALE_FORMATS = ("float16", "log8")
+TOKEN_TILES = (0, VALUE_TILE)
 LOG8_STEPS = 16  # log8 scales: 16 steps per octave (4.4 % apart), 256 codes span 16 octaves below the maximum
 
 
@@ -132,11 +141,12 @@ class RotatedTokenQuantizer(Quantizer):
     """Rotate each vector by a fixed orthogonal ``Q``, then ``bits``-bit codes per ``group`` channels."""
 
     head_sharding: ClassVar[str] = "head-local"
-    packed_formats: ClassVar[tuple[str, ...]] = ("rotated-token.v1", "rotated-token-log8.v1")
+    packed_formats: ClassVar[tuple[str, ...]] = ("rotated-token.v1", "rotated-token-log8.v1", "rotated-token-tiled.v1",
+                                                 "rotated-token-log8-tiled.v1")
 
     @property
     def packed_format(self) -> str:  # type: ignore[override]
-        return self.packed_formats[0] if self.scale_format == "float16" else self.packed_formats[1]
+        return self.packed_formats[(self.scale_format == "log8") + 2 * bool(self.token_tiles)]
 
     bits: int = attrs.field(default=2, validator=_bits, metadata={"doc": "bits per code (2, 3 or 4)"})
     group: int = attrs.field(
@@ -167,6 +177,16 @@ class RotatedTokenQuantizer(Quantizer):
         default=(), converter=layer_table, validator=each_entry(_bits, "bits"),
         metadata={"doc": "bits per layer, one entry per layer of the model (empty: 'bits' for every layer)"},
     )
+    token_tiles: int = attrs.field(
+        default=0, validator=choice(TOKEN_TILES),
+        metadata={"doc": "0: codes token by token; 64: 2-bit codes in tiles of 64 tokens, channel by channel (the lowbit "
+                         "kernel's dense variant reads them without a trip through shared memory)"},
+    )
+
+    def __attrs_post_init__(self) -> None:
+        if self.token_tiles and (self.bits != 2 or any(bits != 2 for bits in self.layer_bits)):
+            widths = sorted(set(self.layer_bits)) if self.layer_bits else [self.bits]
+            raise ValueError(f"rotated-token token_tiles = {self.token_tiles} stores 2-bit codes; got bits {widths}")
 
     def check_model(self, shape: ModelShape) -> None:
         check_table(self.layer_bits, shape.num_layers, "rotated-token")
@@ -224,6 +244,11 @@ class RotatedTokenQuantizer(Quantizer):
         )
         codes, fields = self._normal(grouped) if self.levels == "normal" else self._uniform(grouped)
         codes = codes.clamp_(0, (1 << self.bits) - 1).reshape(*x.shape[:-1], width)
+        if self.token_tiles:
+            if x.dim() < 2 or x.shape[-2] % self.token_tiles:
+                raise ModelError(f"rotated-token token_tiles = {self.token_tiles} stores whole tiles of tokens; got "
+                                 f"{x.shape[-2] if x.dim() > 1 else 1} tokens, not a multiple of it")
+            codes = tile_codes(codes)
         return {"codes": pack(codes, self.bits), **fields}
 
     def _normal(self, grouped: torch.Tensor) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
@@ -271,10 +296,12 @@ class RotatedTokenQuantizer(Quantizer):
         return top.float().repeat_interleave(self.scale_tokens, dim=-2) * torch.exp2(-log.float() / LOG8_STEPS)
 
     def tokens_per_group(self) -> int:
-        return self.scale_tokens if self.scale_format == "log8" else 1
+        return math.lcm(self.scale_tokens if self.scale_format == "log8" else 1, self.token_tiles or 1)
 
     def dequantize(self, packed: dict[str, torch.Tensor], dtype: torch.dtype) -> torch.Tensor:
         codes = unpack(packed["codes"], self.bits)
+        if self.token_tiles:
+            codes = untile_codes(codes)
         if "scale_log" in packed:
             scale = self._log8_scale(packed["scale_max"], packed["scale_log"]).unsqueeze(-1)
         else:

@@ -1,0 +1,89 @@
+"""The ``dense`` kernel's value operand from values stored in tiles of 64 tokens (``rotated-token-tiled.v1``,
+:func:`kvweave.kernels.formats.tile_codes`): a value product takes the levels of 64 channels at 64 tokens as its first
+operand, and a thread of a Hopper warpgroup holds, of each 16 tokens, the slots ``2 q, 2 q + 1, 2 q + 8, 2 q + 9`` of
+two channels ``8`` apart, which in the tiled order are the codes of one 32-bit word a channel (word ``q``). So the
+operand is made from two words a thread, element by element, and never goes through shared memory (token-major
+words made the unpacked [64, 64] tile go there and back every step: half of the kernel's shared-memory traffic,
+docs/kernels.md). Each word is loaded by the thread that unpacks it: the tile's rows are loaded as two halves of 32
+rows (channels whose bit 3 is 0, then 1), one word a thread each, a layout Triton carries to the product unchanged.
+Without triton the module defines nothing (``triton`` is None)."""
+
+from __future__ import annotations
+
+try:  # the kernels need triton; the torch twin does not
+    import triton
+    import triton.language as tl
+except ImportError:  # pragma: no cover - exercised where triton is missing
+    triton = None
+
+if triton is not None:
+    from kvweave.kernels.lowbit_dense import LEVEL_SELECT_ADD, LEVEL_SELECT_MUL
+
+    _SEL_MUL = tl.constexpr(LEVEL_SELECT_MUL)
+    _SEL_ADD = tl.constexpr(LEVEL_SELECT_ADD * 0x01010101)  # a byte each
+
+    @triton.jit
+    def _code(words, s: tl.constexpr, h: tl.constexpr, e: tl.constexpr):
+        """The code of slot ``16 s + 8 h + 2 q + e`` in word ``q``: bits ``2 (8 h + 4 e + s)``."""
+        return ((words >> (2 * s + 16 * h + 8 * e)) & 3).to(tl.int32)
+
+    @triton.jit
+    def _half_levels(words, lut, vlev_ptr, vlev16_ptr, LOWP: tl.constexpr, ASM: tl.constexpr):
+        """uint32 words [R, 4] (word ``q`` of R channels) -> their levels [R, 64], column ``t`` the tile's slot ``t``
+        (bfloat16 with ``LOWP``, else float32). On a GPU a byte permute is the table (as for token-major words,
+        :func:`kvweave.kernels.lowbit_dense_triton._lut_tiles`): the bytes ``2 s`` of each 16-bit half of a word give
+        the selectors of the levels of slots ``e = 0, 1`` at once, one register of the operand."""
+        R: tl.constexpr = words.shape[0]
+        if ASM:
+            z0 = (words & 0x03030303) * _SEL_MUL + _SEL_ADD  # a byte per code: s = 0, at h, e = bytes 2 h + e
+            z1 = ((words >> 2) & 0x03030303) * _SEL_MUL + _SEL_ADD
+            z2 = ((words >> 4) & 0x03030303) * _SEL_MUL + _SEL_ADD
+            z3 = ((words >> 6) & 0x03030303) * _SEL_MUL + _SEL_ADD
+            low = tl.join(tl.join(z0, z1), tl.join(z2, z3))  # [R, 4, b, a]: s = 2 a + b
+            sel = tl.join(low, low >> 16)  # [R, 4, b, a, h]
+            word = lut.to(tl.int64)  # an argument that fits 32 bits comes as int32
+            lo = tl.zeros_like(sel) + (word & 0xFFFFFFFF).to(tl.uint32)
+            hi = tl.zeros_like(sel) + ((word >> 32) & 0xFFFFFFFF).to(tl.uint32)
+            levels = tl.inline_asm_elementwise("prmt.b32 $0, $3, $5, $1;", "=r,r,r,r,r,r,r",
+                                               [tl.join(sel, sel), tl.join(lo, lo), tl.join(hi, hi)], dtype=tl.bfloat16,
+                                               is_pure=True, pack=2)  # [R, 4, b, a, h, e]
+        else:
+            c_e0h0 = tl.join(tl.join(_code(words, 0, 0, 0), _code(words, 1, 0, 0)),
+                             tl.join(_code(words, 2, 0, 0), _code(words, 3, 0, 0)))
+            c_e0h1 = tl.join(tl.join(_code(words, 0, 1, 0), _code(words, 1, 1, 0)),
+                             tl.join(_code(words, 2, 1, 0), _code(words, 3, 1, 0)))
+            c_e1h0 = tl.join(tl.join(_code(words, 0, 0, 1), _code(words, 1, 0, 1)),
+                             tl.join(_code(words, 2, 0, 1), _code(words, 3, 0, 1)))
+            c_e1h1 = tl.join(tl.join(_code(words, 0, 1, 1), _code(words, 1, 1, 1)),
+                             tl.join(_code(words, 2, 1, 1), _code(words, 3, 1, 1)))
+            codes = tl.join(tl.join(c_e0h0, c_e0h1), tl.join(c_e1h0, c_e1h1))  # [R, 4, b, a, h, e]
+            if LOWP:
+                levels = tl.load(vlev16_ptr + codes)
+            else:
+                levels = tl.load(vlev_ptr + codes)
+        return tl.permute(levels, (0, 3, 2, 4, 1, 5)).reshape(R, 64)  # [R, a, b, h, q, e]: t = 16 (2 a + b) + 8 h + 2 q + e
+
+    @triton.jit
+    def _tile_levels(vtile, g: tl.constexpr, lut, vlev_ptr, vlev16_ptr, LOWP: tl.constexpr, ASM: tl.constexpr):
+        """Channel group ``g``'s levels [64 channels, 64 slots] of the tile at int32 pointer ``vtile`` (four words a
+        channel): rows ``r`` with bit 3 clear, then set, one word a thread each."""
+        i = tl.arange(0, 32)
+        q = tl.arange(0, 4)
+        half = vtile + (g * 64 + i % 8 + 16 * (i // 8))[:, None] * 4 + q[None, :]  # rows 16 k + r, r < 8
+        la = _half_levels(tl.load(half).to(tl.uint32, bitcast=True), lut, vlev_ptr, vlev16_ptr, LOWP, ASM)
+        lb = _half_levels(tl.load(half + 32).to(tl.uint32, bitcast=True), lut, vlev_ptr, vlev16_ptr, LOWP, ASM)
+        both = tl.join(la, lb).reshape(4, 8, 64, 2)  # [k, r, t, bit 3]
+        return tl.permute(both, (0, 3, 1, 2)).reshape(64, 64)
+
+    @triton.jit
+    def _tile_value_step(acc, pg, alpha, vtile, g: tl.constexpr, lut, vlev_ptr, vlev16_ptr, LOWP: tl.constexpr,
+                         ASM: tl.constexpr):
+        """Channel group ``g``'s running output [64 channels, G] (rows in channel order) after the probabilities ``pg``
+        [64 slots, G] (times the group's scales) meet the tile's levels."""
+        levels = _tile_levels(vtile, g, lut, vlev_ptr, vlev16_ptr, LOWP, ASM)
+        acc = acc * alpha[None, :]
+        if LOWP:
+            acc = tl.dot(levels.to(tl.bfloat16), pg.to(tl.bfloat16), acc)
+        else:
+            acc = tl.dot(levels.to(tl.float32), pg, acc, input_precision="ieee")
+        return acc
