@@ -51,7 +51,8 @@ Q_HEADS, KV_HEADS, HEAD_DIM, THETA, WINDOW = 32, 8, 128, 500000.0, 16
 #: (3.0-bit keys, 48% kept); "k4v2e48": 4-bit channel-group keys without outliers and 2-bit log8 values, 48% kept
 #: (the whole-byte storage of the ~8x class that the "dense" kernel reads, with --post-rope), "k4v2e48t" the same with
 #: its value codes in tiles of 64 tokens (token_tiles = 64, read by the dense kernel only); "k4v4e77": the same keys
-#: with 4-bit uniform log8 values, 77% kept (benchmarks/dense_sweep.toml's kzd-k4v4-f77, the ~5x class)
+#: with 4-bit uniform log8 values, 77% kept (benchmarks/dense_sweep.toml's kzd-k4v4-f77, the ~5x class), "k4v4e77t" the
+#: same with its value codes in tiles
 STORAGES = {
     "k4v2": (lambda: ChannelGroupQuantizer(bits=4, group=64, outliers=1), lambda: RotatedTokenQuantizer(bits=2), 1.0),
     "qa35v3": (lambda: ChannelAllocQuantizer(mean_bits=3.5, group=64, outliers=1),
@@ -64,6 +65,8 @@ STORAGES = {
                 lambda: RotatedTokenQuantizer(bits=2, scale_format="log8"), 0.48),
     "k4v2e48t": (lambda: ChannelGroupQuantizer(bits=4, group=64, outliers=0),
                  lambda: RotatedTokenQuantizer(bits=2, scale_format="log8", token_tiles=64), 0.48),
+    "k4v4e77t": (lambda: ChannelGroupQuantizer(bits=4, group=64, outliers=0),
+                 lambda: RotatedTokenQuantizer(bits=4, levels="uniform", scale_format="log8", token_tiles=64), 0.77),
     "k4v4e77": (lambda: ChannelGroupQuantizer(bits=4, group=64, outliers=0),
                 lambda: RotatedTokenQuantizer(bits=4, levels="uniform", scale_format="log8"), 0.77),
 }

@@ -18,12 +18,14 @@ The ``lowbit`` kernel reads two more (their scales and levels are documented wit
 :mod:`kvweave.kernels.lowbit_decode`): ``channel-group.v1`` keys and ``rotated-token.v1`` values, whose
 ``codes`` are uint8 [..., C * bits / 8], code ``c`` at bits ``c * bits ..`` of a little-endian stream
 (:func:`unpack_codes` for 2, 4 and 8 bits). ``rotated-token-tiled.v1`` (and ``rotated-token-log8-tiled.v1``) values
-hold 2-bit codes in tiles of :data:`VALUE_TILE` tokens, ``codes`` uint8 [..., n / 64, 16 C]: a tile is C channels of
-four little-endian 32-bit words, word ``q`` of channel ``c`` holding the tile's 16 slots ``t`` with ``(t >> 1) & 3 ==
-q``, slot ``t = 16 s + 8 h + 2 q + e`` at bits ``2 (8 h + 4 e + s)`` (:func:`tile_codes`, :func:`untile_codes`). That
-order is the ``dense`` kernel's: a thread of a Hopper warpgroup product holds, of a [64 channels, 64 tokens] operand,
-two channels' slots ``2 q, 2 q + 1, 2 q + 8, 2 q + 9`` of each 16, that is two of these words, so the operand is made
-from the words in registers (kernels/lowbit_dense_triton.py).
+hold 2- or 4-bit codes in tiles of :data:`VALUE_TILE` tokens, ``codes`` uint8 [..., n / 64, 8 bits C]: a tile is C
+channels of four (2 bits) or eight (4 bits) little-endian 32-bit words. 2 bits: word ``q`` of channel ``c`` holds the
+tile's 16 slots ``t`` with ``(t >> 1) & 3 == q``, slot ``t = 16 s + 8 h + 2 q + e`` at bits ``2 (8 h + 4 e + s)``;
+4 bits: word ``4 w + q`` holds the 8 slots ``t = 32 w + 16 s + 8 h + 2 q + e`` at bits ``4 (4 e + 2 h + s)``
+(:func:`tile_codes`, :func:`untile_codes`). That order is the ``dense`` kernel's: a thread of a Hopper warpgroup
+product holds, of a [64 channels, 64 tokens] operand, two channels' slots ``2 q, 2 q + 1, 2 q + 8, 2 q + 9`` of each
+16, that is one or two of these words a channel, so the operand is made from the words in registers
+(kernels/lowbit_tile_triton.py).
 """
 
 from __future__ import annotations
@@ -37,7 +39,7 @@ ROTATED_TOKEN = "rotated-token.v1"
 #: ``rotated-token`` with one-byte scales: ``scale_log`` uint8 and a float16 ``scale_max`` per ``scale_tokens`` tokens
 ROTATED_TOKEN_LOG8 = "rotated-token-log8.v1"
 CHANNEL_ALLOC = "channel-alloc.v1"
-#: ``rotated-token`` values with 2-bit codes in tiles of :data:`VALUE_TILE` tokens (layout above)
+#: ``rotated-token`` values with 2- or 4-bit codes in tiles of :data:`VALUE_TILE` tokens (layout above)
 ROTATED_TOKEN_TILED = "rotated-token-tiled.v1"
 ROTATED_TOKEN_LOG8_TILED = "rotated-token-log8-tiled.v1"
 #: tokens of a tiled value layout's tile
@@ -105,24 +107,36 @@ def unpack_varwidth(packed: torch.Tensor, bits: torch.Tensor) -> torch.Tensor:
     return (word >> (offsets % 8)) & ((1 << bits) - 1)
 
 
-def tile_codes(codes: torch.Tensor) -> torch.Tensor:
-    """Integer codes [..., n, C] (``n`` a multiple of :data:`VALUE_TILE`) -> the same codes [..., n / 64, 64 C] in the
-    tiled order (channel, word ``q``, then bit place ``8 h + 4 e + s`` for slot ``16 s + 8 h + 2 q + e``): packed
-    2 bits a code, little-endian, they are the tiled layout's bytes."""
+def tile_codes(codes: torch.Tensor, bits: int = 2) -> torch.Tensor:
+    """Integer ``bits``-bit codes (2 or 4) [..., n, C] (``n`` a multiple of :data:`VALUE_TILE`) -> the same codes
+    [..., n / 64, 64 C] in the tiled order; packed ``bits`` a code, little-endian, they are the tiled layout's bytes.
+    2 bits: channel, word ``q``, then place ``8 h + 4 e + s`` for slot ``16 s + 8 h + 2 q + e``. 4 bits: channel, word
+    ``4 w + q``, then place ``4 e + 2 h + s`` for slot ``32 w + 16 s + 8 h + 2 q + e``."""
     *lead, tokens, channels = codes.shape
     if tokens % VALUE_TILE:
         raise ValueError(f"tiled values take whole tiles of {VALUE_TILE} tokens, got {tokens} tokens")
-    n = len(lead)
-    split = codes.reshape(*lead, tokens // VALUE_TILE, 4, 2, 4, 2, channels)  # tile, s, h, q, e, channel
-    order = (*range(n), n, n + 5, n + 3, n + 2, n + 4, n + 1)  # tile, channel, q, h, e, s
-    return split.permute(order).reshape(*lead, tokens // VALUE_TILE, channels * VALUE_TILE)
+    n, tiles = len(lead), tokens // VALUE_TILE
+    if bits == 2:
+        split = codes.reshape(*lead, tiles, 4, 2, 4, 2, channels)  # tile, s, h, q, e, channel
+        order = (n, n + 5, n + 3, n + 2, n + 4, n + 1)  # tile, channel, q, h, e, s
+    elif bits == 4:
+        split = codes.reshape(*lead, tiles, 2, 2, 2, 4, 2, channels)  # tile, w, s, h, q, e, channel
+        order = (n, n + 6, n + 1, n + 4, n + 5, n + 3, n + 2)  # tile, channel, w, q, e, h, s
+    else:
+        raise ValueError(f"tiled values hold 2- or 4-bit codes, got {bits}")
+    return split.permute((*range(n), *order)).reshape(*lead, tiles, channels * VALUE_TILE)
 
 
-def untile_codes(tiled: torch.Tensor) -> torch.Tensor:
+def untile_codes(tiled: torch.Tensor, bits: int = 2) -> torch.Tensor:
     """The inverse of :func:`tile_codes`: codes [..., m, 64 C] in the tiled order -> [..., 64 m, C] token by token."""
     *lead, tiles, width = tiled.shape
-    channels = width // VALUE_TILE
-    n = len(lead)
-    split = tiled.reshape(*lead, tiles, channels, 4, 2, 2, 4)  # tile, channel, q, h, e, s
-    order = (*range(n), n, n + 5, n + 3, n + 2, n + 4, n + 1)  # tile, s, h, q, e, channel
-    return split.permute(order).reshape(*lead, tiles * VALUE_TILE, channels)
+    channels, n = width // VALUE_TILE, len(lead)
+    if bits == 2:
+        split = tiled.reshape(*lead, tiles, channels, 4, 2, 2, 4)  # tile, channel, q, h, e, s
+        order = (n, n + 5, n + 3, n + 2, n + 4, n + 1)  # tile, s, h, q, e, channel
+    elif bits == 4:
+        split = tiled.reshape(*lead, tiles, channels, 2, 4, 2, 2, 2)  # tile, channel, w, q, e, h, s
+        order = (n, n + 2, n + 6, n + 5, n + 3, n + 4, n + 1)  # tile, w, s, h, q, e, channel
+    else:
+        raise ValueError(f"tiled values hold 2- or 4-bit codes, got {bits}")
+    return split.permute((*range(n), *order)).reshape(*lead, tiles * VALUE_TILE, channels)

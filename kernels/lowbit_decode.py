@@ -102,7 +102,7 @@ class LowbitView:
     #: a window kept for a CUDA graph: int32 [1], the tokens it held before this step (``exact_k`` / ``exact_v`` are then
     #: buffers of its capacity, their first ``exact_fill + 1`` rows attended); None: every row of ``exact_k``
     exact_fill: torch.Tensor | None = None
-    #: ``v_codes`` hold 2-bit codes in tiles of 64 tokens (``rotated-token-tiled.v1``; read by the dense kernel and twin)
+    #: ``v_codes`` hold 2/4-bit codes in tiles of 64 tokens (``rotated-token-tiled.v1``; read by the dense kernel, twin)
     v_tiled: bool = False
 
 
@@ -157,7 +157,7 @@ def torch_values(view: LowbitView) -> torch.Tensor:
     """The packed values in the rotated space (before ``rotation``): float32 [BH, T, D]."""
     codes = unpack_codes(view.v_codes, view.v_bits)
     if view.v_tiled:  # each 64 rows of bytes are a tile's
-        codes = untile_codes(codes.reshape(codes.shape[0], -1, VALUE_TILE * codes.shape[-1]))
+        codes = untile_codes(codes.reshape(codes.shape[0], -1, VALUE_TILE * codes.shape[-1]), view.v_bits)
     bh, tokens, dim = codes.shape
     levels = view.v_levels.float()[codes]
     scale = value_scales(view).repeat_interleave(view.v_group, dim=-1)

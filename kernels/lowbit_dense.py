@@ -77,8 +77,8 @@ def dense_refusal(view: Any, block: int | None = None) -> str | None:
     if block < 16 or block & (block - 1) or view.k_group % block or view.tokens % block:
         return (f"its steps ({block} tokens) must be a power of two of at least 16 that divides the keys' token group "
                 f"({view.k_group}) and the packed tokens ({view.tokens})")
-    if view.v_tiled and (view.v_bits != 2 or view.v_group != 64 or block != 64):
-        return (f"it reads values stored in tiles of 64 tokens as 2-bit codes in groups of 64 channels in steps of 64 "
+    if view.v_tiled and (view.v_bits not in (2, 4) or view.v_group != 64 or block != 64):
+        return (f"it reads values stored in tiles of 64 tokens as 2- or 4-bit codes in groups of 64 channels in steps of 64 "
                 f"tokens, got {view.v_bits}-bit codes in groups of {view.v_group} in steps of {block}")
     if dim < 128 and block > NARROW_MAX_BLOCK:
         return (f"at head_dim {dim} its steps must be at most {NARROW_MAX_BLOCK} tokens (the GPU build of longer ones "

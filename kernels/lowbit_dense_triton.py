@@ -243,15 +243,15 @@ if triton is not None:
             if VTILE:  # values in tiles of 64 tokens: each group's operand made in registers
                 vtile = vc_ptr + (row + t0) * VW
                 acc0 = _tile_value_step(acc0, p * _scale_of(s0, m0, VLOG)[:, None], alpha, vtile, 0, lut, vlev_ptr,
-                                        vlev16_ptr, LOWP, ASM)
+                                        vlev16_ptr, VBITS, LEVELS, LOWP, ASM)
                 if VGROUPS > 1:
                     acc1 = _tile_value_step(acc1, p * _scale_of(s1, m1, VLOG)[:, None], alpha, vtile, 1, lut, vlev_ptr,
-                                            vlev16_ptr, LOWP, ASM)
+                                            vlev16_ptr, VBITS, LEVELS, LOWP, ASM)
                 if VGROUPS > 2:
                     acc2 = _tile_value_step(acc2, p * _scale_of(s2, m2, VLOG)[:, None], alpha, vtile, 2, lut, vlev_ptr,
-                                            vlev16_ptr, LOWP, ASM)
+                                            vlev16_ptr, VBITS, LEVELS, LOWP, ASM)
                     acc3 = _tile_value_step(acc3, p * _scale_of(s3, m3, VLOG)[:, None], alpha, vtile, 3, lut, vlev_ptr,
-                                            vlev16_ptr, LOWP, ASM)
+                                            vlev16_ptr, VBITS, LEVELS, LOWP, ASM)
             else:
                 for g in tl.static_range(VGROUPS):  # each channel group's scale folded into the probabilities
                     vrow = vc_ptr + (row + t0) * VW + g * GW

@@ -1,11 +1,11 @@
 """The ``dense`` kernel's value operand from values stored in tiles of 64 tokens (``rotated-token-tiled.v1``,
 :func:`kvweave.kernels.formats.tile_codes`): a value product takes the levels of 64 channels at 64 tokens as its first
 operand, and a thread of a Hopper warpgroup holds, of each 16 tokens, the slots ``2 q, 2 q + 1, 2 q + 8, 2 q + 9`` of
-two channels ``8`` apart, which in the tiled order are the codes of one 32-bit word a channel (word ``q``). So the
-operand is made from two words a thread, element by element, and never goes through shared memory (token-major
+two channels ``8`` apart, which in the tiled order are the codes of one 32-bit word a channel (word ``q``; two words,
+``q`` and ``4 + q``, with 4-bit codes). So the operand is made from the words a thread loads, element by element, and never goes through shared memory (token-major
 words made the unpacked [64, 64] tile go there and back every step: half of the kernel's shared-memory traffic,
 docs/kernels.md). Each word is loaded by the thread that unpacks it: the tile's rows are loaded as two halves of 32
-rows (channels whose bit 3 is 0, then 1), one word a thread each, a layout Triton carries to the product unchanged.
+rows (channels whose bit 3 is 0, then 1), one word a thread a load, a layout Triton carries to the product unchanged.
 Without triton the module defines nothing (``triton`` is None)."""
 
 from __future__ import annotations
@@ -17,10 +17,14 @@ except ImportError:  # pragma: no cover - exercised where triton is missing
     triton = None
 
 if triton is not None:
-    from kvweave.kernels.lowbit_dense import LEVEL_SELECT_ADD, LEVEL_SELECT_MUL
+    from kvweave.kernels.lowbit_dense import LEVEL_SELECT_ADD, LEVEL_SELECT_MUL, UNIFORM4_BASE, UNIFORM4_OFFSET
 
     _SEL_MUL = tl.constexpr(LEVEL_SELECT_MUL)
     _SEL_ADD = tl.constexpr(LEVEL_SELECT_ADD * 0x01010101)  # a byte each
+    _U4_MASK = tl.constexpr(0x78 * 0x10001)  # a 4-bit code at bit 3 of each half
+    _U4_BASE = tl.constexpr(UNIFORM4_BASE * 0x10001)
+    _U4_ASM = tl.constexpr("{ .reg .b32 o, c; mov.b32 o, 0x3F803F80; mov.b32 c, 0x%08X; fma.rn.bf16x2 $0, $1, o, c; }"
+                           % (UNIFORM4_OFFSET * 0x10001))  # each half times 1.0 plus the offset, rounded to nearest
 
     @triton.jit
     def _code(words, s: tl.constexpr, h: tl.constexpr, e: tl.constexpr):
@@ -29,7 +33,7 @@ if triton is not None:
 
     @triton.jit
     def _half_levels(words, lut, vlev_ptr, vlev16_ptr, LOWP: tl.constexpr, ASM: tl.constexpr):
-        """uint32 words [R, 4] (word ``q`` of R channels) -> their levels [R, 64], column ``t`` the tile's slot ``t``
+        """uint32 words [R, 4] (word ``q`` of R channels) -> their 2-bit levels [R, 64], column ``t`` the tile's slot ``t``
         (bfloat16 with ``LOWP``, else float32). On a GPU a byte permute is the table (as for token-major words,
         :func:`kvweave.kernels.lowbit_dense_triton._lut_tiles`): the bytes ``2 s`` of each 16-bit half of a word give
         the selectors of the levels of slots ``e = 0, 1`` at once, one register of the operand."""
@@ -64,23 +68,72 @@ if triton is not None:
         return tl.permute(levels, (0, 3, 2, 4, 1, 5)).reshape(R, 64)  # [R, a, b, h, q, e]: t = 16 (2 a + b) + 8 h + 2 q + e
 
     @triton.jit
-    def _tile_levels(vtile, g: tl.constexpr, lut, vlev_ptr, vlev16_ptr, LOWP: tl.constexpr, ASM: tl.constexpr):
-        """Channel group ``g``'s levels [64 channels, 64 slots] of the tile at int32 pointer ``vtile`` (four words a
-        channel): rows ``r`` with bit 3 clear, then set, one word a thread each."""
+    def _code4(words, s: tl.constexpr, h: tl.constexpr, e: tl.constexpr):
+        """The 4-bit code of slot ``32 w + 16 s + 8 h + 2 q + e`` in word ``4 w + q``: bits ``4 (4 e + 2 h + s)``."""
+        return ((words >> (4 * (4 * e + 2 * h + s))) & 15).to(tl.int32)
+
+    @triton.jit
+    def _u4(words, k: tl.constexpr):
+        """Codes ``k`` and ``k + 4`` of each word at bit 3 of its halves, under bfloat16 1.0: ``1 + code / 16``."""
+        if k == 0:
+            placed = words << 3
+        else:
+            placed = words >> (4 * k - 3 if k > 0 else 0)
+        return (placed & _U4_MASK) | _U4_BASE
+
+    @triton.jit
+    def _codes4(w, e: tl.constexpr):
+        """[R, 4, s, h]: the codes of slots ``e`` of words ``w`` [R, 4]."""
+        return tl.join(tl.join(_code4(w, 0, 0, e), _code4(w, 1, 0, e)), tl.join(_code4(w, 0, 1, e), _code4(w, 1, 1, e)))
+
+    @triton.jit
+    def _half_levels4(w0, w1, vlev_ptr, vlev16_ptr, LEVELS: tl.constexpr, LOWP: tl.constexpr, ASM: tl.constexpr):
+        """uint32 words [R, 4] ``4 w + q`` of R channels (``w0``, ``w1``) -> the 4-bit levels [R, 64], column ``t`` the
+        tile's slot ``t``. Uniform levels as ``(code - 7.5) / 16`` (the kernel takes 16 times the output, as for
+        token-major 4-bit codes): on a GPU each register is one shift and mask of a word plus one paired add."""
+        R: tl.constexpr = w0.shape[0]
+        if ASM and LEVELS == 1:
+            b0 = tl.join(tl.join(_u4(w0, 0), _u4(w0, 1)), tl.join(_u4(w0, 2), _u4(w0, 3)))  # [R, 4, s, h]: k = s + 2 h
+            b1 = tl.join(tl.join(_u4(w1, 0), _u4(w1, 1)), tl.join(_u4(w1, 2), _u4(w1, 3)))
+            bits = tl.join(b0, b1)  # [R, 4, s, h, w]
+            levels = tl.inline_asm_elementwise(_U4_ASM, "=r,r,r", [tl.join(bits, bits)], dtype=tl.bfloat16, is_pure=True,
+                                               pack=2)  # [R, 4, s, h, w, e]
+        else:
+            codes = tl.join(tl.join(_codes4(w0, 0), _codes4(w1, 0)), tl.join(_codes4(w0, 1), _codes4(w1, 1)))
+            if LOWP:
+                levels = tl.load(vlev16_ptr + codes)
+            else:
+                levels = tl.load(vlev_ptr + codes)
+            if LEVELS == 1:
+                levels = levels * 0.0625
+        return tl.permute(levels, (0, 4, 2, 3, 1, 5)).reshape(R, 64)  # [R, w, s, h, q, e]: t = 32 w + 16 s + 8 h + 2 q + e
+
+    @triton.jit
+    def _tile_levels(vtile, g: tl.constexpr, lut, vlev_ptr, vlev16_ptr, VBITS: tl.constexpr, LEVELS: tl.constexpr,
+                     LOWP: tl.constexpr, ASM: tl.constexpr):
+        """Channel group ``g``'s levels [64 channels, 64 slots] of the tile at int32 pointer ``vtile`` (``2 VBITS``
+        words a channel): rows ``r`` with bit 3 clear, then set, one word a thread a load."""
         i = tl.arange(0, 32)
         q = tl.arange(0, 4)
-        half = vtile + (g * 64 + i % 8 + 16 * (i // 8))[:, None] * 4 + q[None, :]  # rows 16 k + r, r < 8
-        la = _half_levels(tl.load(half).to(tl.uint32, bitcast=True), lut, vlev_ptr, vlev16_ptr, LOWP, ASM)
-        lb = _half_levels(tl.load(half + 32).to(tl.uint32, bitcast=True), lut, vlev_ptr, vlev16_ptr, LOWP, ASM)
+        WPC: tl.constexpr = 2 * VBITS  # words a channel
+        half = vtile + (g * 64 + i % 8 + 16 * (i // 8))[:, None] * WPC + q[None, :]  # rows 16 k + r, r < 8
+        if VBITS == 2:
+            la = _half_levels(tl.load(half).to(tl.uint32, bitcast=True), lut, vlev_ptr, vlev16_ptr, LOWP, ASM)
+            lb = _half_levels(tl.load(half + 8 * WPC).to(tl.uint32, bitcast=True), lut, vlev_ptr, vlev16_ptr, LOWP, ASM)
+        else:
+            la = _half_levels4(tl.load(half).to(tl.uint32, bitcast=True), tl.load(half + 4).to(tl.uint32, bitcast=True),
+                               vlev_ptr, vlev16_ptr, LEVELS, LOWP, ASM)
+            lb = _half_levels4(tl.load(half + 8 * WPC).to(tl.uint32, bitcast=True),
+                               tl.load(half + 8 * WPC + 4).to(tl.uint32, bitcast=True), vlev_ptr, vlev16_ptr, LEVELS, LOWP, ASM)
         both = tl.join(la, lb).reshape(4, 8, 64, 2)  # [k, r, t, bit 3]
         return tl.permute(both, (0, 3, 1, 2)).reshape(64, 64)
 
     @triton.jit
-    def _tile_value_step(acc, pg, alpha, vtile, g: tl.constexpr, lut, vlev_ptr, vlev16_ptr, LOWP: tl.constexpr,
-                         ASM: tl.constexpr):
+    def _tile_value_step(acc, pg, alpha, vtile, g: tl.constexpr, lut, vlev_ptr, vlev16_ptr, VBITS: tl.constexpr,
+                         LEVELS: tl.constexpr, LOWP: tl.constexpr, ASM: tl.constexpr):
         """Channel group ``g``'s running output [64 channels, G] (rows in channel order) after the probabilities ``pg``
         [64 slots, G] (times the group's scales) meet the tile's levels."""
-        levels = _tile_levels(vtile, g, lut, vlev_ptr, vlev16_ptr, LOWP, ASM)
+        levels = _tile_levels(vtile, g, lut, vlev_ptr, vlev16_ptr, VBITS, LEVELS, LOWP, ASM)
         acc = acc * alpha[None, :]
         if LOWP:
             acc = tl.dot(levels.to(tl.bfloat16), pg.to(tl.bfloat16), acc)

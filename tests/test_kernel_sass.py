@@ -68,11 +68,12 @@ for planes in (True, False):
     tiles = re.findall(r"ttg.local_alloc %\\S+ : \\(tensor<(\\d+x\\d+)xbf16", ttgir)
     print(planes, launch.constants["G"], " ".join(tiles))
 lowbit_dense.DENSE_KEY_PLANES = True
-view = attrs.evolve(packed_view(1, 256, device="cpu", storage="k4v2e48t"), inv_freq=None)
-launch = plan_launch(view, torch.randn(1, Q_HEADS, HEAD_DIM), None, HEAD_DIM ** -0.5, variant="dense", lowp=True)
-job = launch_job(launch.kernel, launch.args, launch.constants)
-ttgir = build(importlib.import_module(job["module"]), job).asm["ttgir"]
-print("tiled", launch.constants["VTILE"], " ".join(re.findall(r"ttg.local_alloc %\\S+ : \\(tensor<(\\d+x\\d+)xbf16", ttgir)))
+for storage in ("k4v2e48t", "k4v4e77t"):
+    view = attrs.evolve(packed_view(1, 256, device="cpu", storage=storage), inv_freq=None)
+    launch = plan_launch(view, torch.randn(1, Q_HEADS, HEAD_DIM), None, HEAD_DIM ** -0.5, variant="dense", lowp=True)
+    job = launch_job(launch.kernel, launch.args, launch.constants)
+    ttgir = build(importlib.import_module(job["module"]), job).asm["ttgir"]
+    print("tiled", launch.constants["VTILE"], " ".join(re.findall(r"ttg.local_alloc %\\S+ : \\(tensor<(\\d+x\\d+)xbf16", ttgir)))
 """
 
 
@@ -90,5 +91,6 @@ def test_the_dense_kernels_key_tile_reaches_the_tensor_cores_without_shared_memo
     assert planes[0] == ordered[0] == "8"
     assert "64x128" not in planes[1:] and "64x128" in ordered[1:]
     assert "64x64" in planes[1:]  # token-major value codes: their unpacked tiles still go through shared memory
-    tiled = [line.split()[1:] for line in done.stdout.splitlines() if line.startswith("tiled ")][0]
-    assert tiled[0] == "True" and "64x64" not in tiled[1:] and "64x128" not in tiled[1:]  # values in tiles: neither
+    tiled = [line.split()[1:] for line in done.stdout.splitlines() if line.startswith("tiled ")]
+    assert len(tiled) == 2  # 2-bit and 4-bit value codes in tiles: neither tile goes through shared memory
+    assert all(row[0] == "True" and "64x64" not in row[1:] and "64x128" not in row[1:] for row in tiled)

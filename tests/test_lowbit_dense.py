@@ -286,10 +286,13 @@ def test_a_synthetic_fill_keeps_the_sinks_as_real_scoring_does(model, registry):
 
 
 @pytest.mark.interpreter
-def test_values_in_tiles_decode_as_the_token_major_ones_through_the_dense_kernel():
+@pytest.mark.parametrize("flat_name, tiled_name", [("kzd-k4v2-f48-d128", "kzd-k4v2t-f48-d128"),  # 2-bit normal levels
+                                                   ("kzd-k4v4-f77-d128", "kzd-k4v4t-f77-d128")])  # 4-bit uniform ones
+def test_values_in_tiles_decode_as_the_token_major_ones_through_the_dense_kernel(flat_name, tiled_name):
     """``kzd-k4v2t-f48-d128`` (benchmarks/dense_sweep.toml) stores ``kzd-k4v2-f48-d128``'s value codes in tiles of 64
-    tokens: the same stored bytes in another order, read by the dense kernel (taken by default) as the twin reads them
-    and as the kernel reads the token-major codes; the kernels that read values token by token refuse them by name."""
+    tokens (``kzd-k4v4t-f77-d128`` the 4-bit ones of ``kzd-k4v4-f77-d128``): the same stored bytes in another order,
+    read by the dense kernel (taken by default) as the twin reads them and as the kernel reads the token-major codes;
+    the kernels that read values token by token refuse them by name."""
     from pathlib import Path
 
     from kvweave.core.registry import load_registry
@@ -298,7 +301,7 @@ def test_values_in_tiles_decode_as_the_token_major_ones_through_the_dense_kernel
     net = tiny_llama(layers=2, hidden=512)  # head_dim 128
     ids = torch.randint(1, 128, (1, 300), generator=torch.Generator().manual_seed(4))
     views, stored = [], []
-    for name in ("kzd-k4v2-f48-d128", "kzd-k4v2t-f48-d128"):
+    for name in (flat_name, tiled_name):
         cache = build_cache(registry.resolve(name), net, tokenizer=CharTokenizer())
         with torch.no_grad():
             importance.prefill(net, cache, ids)

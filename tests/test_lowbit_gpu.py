@@ -86,16 +86,17 @@ def test_each_compiled_kernel_matches_its_twin_at_real_sizes(storage):
         assert worst < 0.03 * scale + 6 * noise, (storage, row["variant"], row["block"], worst, scale, noise)
 
 
-def test_values_in_tiles_give_the_token_major_output_at_real_sizes():
+@pytest.mark.parametrize("flat", ["k4v2e48", "k4v4e77"])
+def test_values_in_tiles_give_the_token_major_output_at_real_sizes(flat):
     """The 8x frontier storage (``k4v2e48``: 4-bit keys after RoPE, 2-bit log8 values, 48% kept at their cache
-    indices) and the same codes in tiles of 64 tokens (``k4v2e48t``), 32,768 tokens, 2 rows: the dense kernel reads
-    both within the twin's bound, and the two launches agree to the float32 sums' rounding (the same products; the
-    tiled operand only comes another way into registers)."""
+    indices; ``k4v4e77``: 4-bit uniform values, 77% kept) and the same codes in tiles of 64 tokens (``...t``), 32,768
+    tokens, 2 rows: the dense kernel reads both within the twin's bound, and the two launches agree to the float32
+    sums' rounding (the same products; the tiled operand only comes another way into registers)."""
     sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
     from lowbit_kernel import HEAD_DIM, Q_HEADS, packed_view
 
     outputs = []
-    for storage in ("k4v2e48", "k4v2e48t"):
+    for storage in (flat, flat + "t"):
         view = attrs.evolve(packed_view(2, 32768, device="cuda", storage=storage), inv_freq=None)
         assert view.v_tiled == storage.endswith("t") and dense_refusal(view) is None
         view = attrs.evolve(view, exact_k=outputs[0][1].exact_k, exact_v=outputs[0][1].exact_v) if outputs else view

@@ -1,4 +1,4 @@
-"""``rotated-token`` ``token_tiles = 64``: the same 2-bit value codes stored in tiles of 64 tokens, channel by channel
+"""``rotated-token`` ``token_tiles = 64``: the same 2- or 4-bit value codes stored in tiles of 64 tokens, channel by channel
 in 32-bit words (``kvweave.kernels.formats.tile_codes``), the order the lowbit kernel's dense variant makes its value
 operands from; a layout of its own name, the same bytes, whole tiles only."""
 
@@ -16,39 +16,44 @@ from kvweave.plugins.quantizers.rotated_token import RotatedTokenQuantizer
 from conftest import tiny_llama, write_registry
 
 
-def test_each_slot_lies_in_the_word_and_bits_the_layout_names():
-    """Slot ``t = 16 s + 8 h + 2 q + e`` of channel ``c`` is code ``8 h + 4 e + s`` of word ``q`` of that channel: the
-    32-bit words read back from the packed bytes give each slot's code where the kernel takes it."""
-    codes = torch.randint(0, 4, (2, 128, 8), generator=torch.Generator().manual_seed(0))
-    tiled = RotatedTokenQuantizer(bits=2, rotation="none", token_tiles=64)
-    packed = tiled.quantize(torch.randn(2, 128, 8))  # only for the shapes; the codes below are laid out by hand
-    assert packed["codes"].shape == (2, 2, 8 * 16) and packed["codes"].dtype == torch.uint8
+@pytest.mark.parametrize("bits", [2, 4])
+def test_each_slot_lies_in_the_word_and_bits_the_layout_names(bits):
+    """2 bits: slot ``t = 16 s + 8 h + 2 q + e`` of channel ``c`` is code ``8 h + 4 e + s`` of word ``q`` of that
+    channel; 4 bits: slot ``t = 32 w + 16 s + 8 h + 2 q + e`` is code ``4 e + 2 h + s`` of word ``4 w + q``. The 32-bit
+    words read back from the packed bytes give each slot's code where the kernel takes it."""
     from kvweave.plugins.quantizers._bitpack import pack
 
-    words = pack(tile_codes(codes), 2).view(torch.int32).reshape(2, 2, 8, 4)  # row, tile, channel, word
+    codes = torch.randint(0, 1 << bits, (2, 128, 8), generator=torch.Generator().manual_seed(0))
+    words = pack(tile_codes(codes, bits), bits).view(torch.int32).reshape(2, 2, 8, 2 * bits)  # row, tile, channel, word
     for t in range(64):
-        s, h, q, e = t // 16, (t // 8) % 2, (t // 2) % 4, t % 2
-        place = 8 * h + 4 * e + s
-        got = (words[:, 1, :, q] >> (2 * place)) & 3
+        if bits == 2:
+            word, place = (t // 2) % 4, 8 * ((t // 8) % 2) + 4 * (t % 2) + t // 16
+        else:
+            word, place = 4 * (t // 32) + (t // 2) % 4, 4 * (t % 2) + 2 * ((t // 8) % 2) + (t // 16) % 2
+        got = (words[:, 1, :, word] >> (bits * place)) & ((1 << bits) - 1)
         assert torch.equal(got.long(), codes[:, 64 + t, :]), t
-    assert torch.equal(untile_codes(tile_codes(codes)), codes)
+    assert torch.equal(untile_codes(tile_codes(codes, bits), bits), codes)
+    assert not torch.equal(untile_codes(tile_codes(codes, bits), 6 - bits), codes)  # the other width's order differs
+    tiled = RotatedTokenQuantizer(bits=bits, token_tiles=64).quantize(torch.randn(2, 128, 8))
+    assert tiled["codes"].shape == (2, 2, bits * 8 * 8) and tiled["codes"].dtype == torch.uint8
 
 
-@pytest.mark.parametrize("scale_format", ["float16", "log8"])
-def test_tiles_store_the_same_bytes_and_restore_the_same_vectors(scale_format):
+@pytest.mark.parametrize("scale_format, bits, levels", [("float16", 2, "normal"), ("log8", 2, "normal"),
+                                                        ("log8", 4, "uniform")])
+def test_tiles_store_the_same_bytes_and_restore_the_same_vectors(scale_format, bits, levels):
     x = torch.randn(2, 3, 192, 64, generator=torch.Generator().manual_seed(1))
-    flat = RotatedTokenQuantizer(bits=2, scale_format=scale_format)
-    tiled = RotatedTokenQuantizer(bits=2, scale_format=scale_format, token_tiles=64)
+    flat = RotatedTokenQuantizer(bits=bits, scale_format=scale_format, levels=levels)
+    tiled = RotatedTokenQuantizer(bits=bits, scale_format=scale_format, levels=levels, token_tiles=64)
     a, b = flat.quantize(x), tiled.quantize(x)
     assert tiled.packed_format == ("rotated-token-tiled.v1" if scale_format == "float16" else "rotated-token-log8-tiled.v1")
     assert sum(t.nbytes for t in a.values()) == sum(t.nbytes for t in b.values())
-    assert b["codes"].shape == (2, 3, 3, 1024) and not torch.equal(a["codes"].flatten(), b["codes"].flatten())
+    assert b["codes"].shape == (2, 3, 3, 512 * bits) and not torch.equal(a["codes"].flatten(), b["codes"].flatten())
     assert torch.equal(flat.dequantize(a, torch.float32), tiled.dequantize(b, torch.float32))
     assert tiled.tokens_per_group() == 64 and tiled.bytes_per_vector(64, torch.float16) == flat.bytes_per_vector(64, torch.float16)
 
 
-def test_tiles_take_two_bit_codes_and_whole_tiles():
-    with pytest.raises(ValueError, match="token_tiles = 64 stores 2-bit codes; got bits \\[3\\]"):
+def test_tiles_take_two_or_four_bit_codes_and_whole_tiles():
+    with pytest.raises(ValueError, match="token_tiles = 64 stores 2- or 4-bit codes, one width for every layer; got bits \\[3\\]"):
         RotatedTokenQuantizer(bits=3, token_tiles=64)
     with pytest.raises(ValueError, match="got bits \\[2, 4\\]"):
         RotatedTokenQuantizer(bits=2, token_tiles=64, layer_bits=(2, 4))

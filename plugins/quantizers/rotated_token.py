@@ -64,9 +64,9 @@ be exact: relative error 0.3372 against 0.3371 at 2 bits on SmolLM2's values, ``
 step at or above the wanted scale, so the range stays covered. C = 64, 2 bits: 16 + 1 bytes a vector and 2
 bytes per 64 tokens (0.129 bit per element of metadata).
 
-``token_tiles = 64`` (2-bit codes only; packed_format ``rotated-token-tiled.v1`` / ``rotated-token-log8-tiled.v1``)
-stores the same codes in another order: ``codes`` uint8 [..., n / 64, 16 C], each tile of 64 tokens channel by
-channel in four 32-bit words (:func:`kvweave.kernels.formats.tile_codes` gives the order), the order in which the
+``token_tiles = 64`` (2- or 4-bit codes; packed_format ``rotated-token-tiled.v1`` / ``rotated-token-log8-tiled.v1``)
+stores the same codes in another order: ``codes`` uint8 [..., n / 64, 8 bits C], each tile of 64 tokens channel by
+channel in four or eight 32-bit words (:func:`kvweave.kernels.formats.tile_codes` gives the order), the order in which the
 ``lowbit`` kernel's ``dense`` variant makes its value operands in registers (docs/kernels.md, "Values stored in
 tiles"). The same bytes; a block holds whole tiles (``tokens_per_group``).
 """
@@ -179,14 +179,15 @@ class RotatedTokenQuantizer(Quantizer):
     )
     token_tiles: int = attrs.field(
         default=0, validator=choice(TOKEN_TILES),
-        metadata={"doc": "0: codes token by token; 64: 2-bit codes in tiles of 64 tokens, channel by channel (the lowbit "
+        metadata={"doc": "0: codes token by token; 64: 2- or 4-bit codes in tiles of 64 tokens, channel by channel (the lowbit "
                          "kernel's dense variant reads them without a trip through shared memory)"},
     )
 
     def __attrs_post_init__(self) -> None:
-        if self.token_tiles and (self.bits != 2 or any(bits != 2 for bits in self.layer_bits)):
-            widths = sorted(set(self.layer_bits)) if self.layer_bits else [self.bits]
-            raise ValueError(f"rotated-token token_tiles = {self.token_tiles} stores 2-bit codes; got bits {widths}")
+        widths = sorted(set(self.layer_bits)) if self.layer_bits else [self.bits]
+        if self.token_tiles and (len(widths) > 1 or widths[0] == 3):
+            raise ValueError(f"rotated-token token_tiles = {self.token_tiles} stores 2- or 4-bit codes, one width for "
+                             f"every layer; got bits {widths}")
 
     def check_model(self, shape: ModelShape) -> None:
         check_table(self.layer_bits, shape.num_layers, "rotated-token")
@@ -248,7 +249,7 @@ class RotatedTokenQuantizer(Quantizer):
             if x.dim() < 2 or x.shape[-2] % self.token_tiles:
                 raise ModelError(f"rotated-token token_tiles = {self.token_tiles} stores whole tiles of tokens; got "
                                  f"{x.shape[-2] if x.dim() > 1 else 1} tokens, not a multiple of it")
-            codes = tile_codes(codes)
+            codes = tile_codes(codes, self.bits)
         return {"codes": pack(codes, self.bits), **fields}
 
     def _normal(self, grouped: torch.Tensor) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
@@ -301,7 +302,7 @@ class RotatedTokenQuantizer(Quantizer):
     def dequantize(self, packed: dict[str, torch.Tensor], dtype: torch.dtype) -> torch.Tensor:
         codes = unpack(packed["codes"], self.bits)
         if self.token_tiles:
-            codes = untile_codes(codes)
+            codes = untile_codes(codes, self.bits)
         if "scale_log" in packed:
             scale = self._log8_scale(packed["scale_max"], packed["scale_log"]).unsqueeze(-1)
         else:
