@@ -23,7 +23,7 @@ except ImportError:  # pragma: no cover - exercised where triton is missing
 if triton is not None:
     from kvweave.kernels.lowbit_codes_triton import _plus128
     from kvweave.kernels.lowbit_dense import LEVEL_SELECT_ADD, LEVEL_SELECT_MUL, UNIFORM4_BASE, UNIFORM4_OFFSET
-    from kvweave.kernels.lowbit_step_triton import _plane_logits, _scale_of, _step_loads
+    from kvweave.kernels.lowbit_step_triton import _exp2, _plane_logits, _scale_of, _step_loads
     from kvweave.kernels.lowbit_tile_triton import _tile_value_step
     from kvweave.kernels.lowbit_triton import _hide, _level, _outlier_logits
 
@@ -235,38 +235,38 @@ if triton is not None:
             s = tl.where(visible[:, None], s, float("-inf"))
             m_new = tl.maximum(m_i, tl.max(s, 0))
             m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-            p = tl.exp(s - m_safe[None, :])
-            alpha = tl.exp(m_i - m_safe)
+            p = _exp2(s - m_safe[None, :], ASM)  # logits in base 2: the query carries log2(e)
+            alpha = _exp2(m_i - m_safe, ASM)
             l_i = l_i * alpha[None, :] + p  # per slot, summed once after the loop: a sum over the step's tokens
             # each step was a reduction across the four warps (shared memory and a barrier): 8-9% of the kernel
             m_i = m_new
             if VTILE:  # values in tiles of 64 tokens: each group's operand made in registers
                 vtile = vc_ptr + (row + t0) * VW
-                acc0 = _tile_value_step(acc0, p * _scale_of(s0, m0, VLOG)[:, None], alpha, vtile, 0, lut, vlev_ptr,
+                acc0 = _tile_value_step(acc0, p * _scale_of(s0, m0, VLOG, ASM)[:, None], alpha, vtile, 0, lut, vlev_ptr,
                                         vlev16_ptr, VBITS, LEVELS, LOWP, ASM)
                 if VGROUPS > 1:
-                    acc1 = _tile_value_step(acc1, p * _scale_of(s1, m1, VLOG)[:, None], alpha, vtile, 1, lut, vlev_ptr,
+                    acc1 = _tile_value_step(acc1, p * _scale_of(s1, m1, VLOG, ASM)[:, None], alpha, vtile, 1, lut, vlev_ptr,
                                             vlev16_ptr, VBITS, LEVELS, LOWP, ASM)
                 if VGROUPS > 2:
-                    acc2 = _tile_value_step(acc2, p * _scale_of(s2, m2, VLOG)[:, None], alpha, vtile, 2, lut, vlev_ptr,
+                    acc2 = _tile_value_step(acc2, p * _scale_of(s2, m2, VLOG, ASM)[:, None], alpha, vtile, 2, lut, vlev_ptr,
                                             vlev16_ptr, VBITS, LEVELS, LOWP, ASM)
-                    acc3 = _tile_value_step(acc3, p * _scale_of(s3, m3, VLOG)[:, None], alpha, vtile, 3, lut, vlev_ptr,
+                    acc3 = _tile_value_step(acc3, p * _scale_of(s3, m3, VLOG, ASM)[:, None], alpha, vtile, 3, lut, vlev_ptr,
                                             vlev16_ptr, VBITS, LEVELS, LOWP, ASM)
             else:
                 for g in tl.static_range(VGROUPS):  # each channel group's scale folded into the probabilities
                     vrow = vc_ptr + (row + t0) * VW + g * GW
                     vwords = tl.load(vrow + t_loc[:, None] * VW + jv[None, :]).to(tl.uint32, bitcast=True)
                     if g == 0:
-                        pg = p * _scale_of(s0, m0, VLOG)[:, None]
+                        pg = p * _scale_of(s0, m0, VLOG, ASM)[:, None]
                         acc0 = _value_step(acc0, pg, alpha, vwords, lut, vlev_ptr, vlev16_ptr, l0, l1, VBITS, LEVELS, LOWP, ASM)
                     elif g == 1:
-                        pg = p * _scale_of(s1, m1, VLOG)[:, None]
+                        pg = p * _scale_of(s1, m1, VLOG, ASM)[:, None]
                         acc1 = _value_step(acc1, pg, alpha, vwords, lut, vlev_ptr, vlev16_ptr, l0, l1, VBITS, LEVELS, LOWP, ASM)
                     elif g == 2:
-                        pg = p * _scale_of(s2, m2, VLOG)[:, None]
+                        pg = p * _scale_of(s2, m2, VLOG, ASM)[:, None]
                         acc2 = _value_step(acc2, pg, alpha, vwords, lut, vlev_ptr, vlev16_ptr, l0, l1, VBITS, LEVELS, LOWP, ASM)
                     else:
-                        pg = p * _scale_of(s3, m3, VLOG)[:, None]
+                        pg = p * _scale_of(s3, m3, VLOG, ASM)[:, None]
                         acc3 = _value_step(acc3, pg, alpha, vwords, lut, vlev_ptr, vlev16_ptr, l0, l1, VBITS, LEVELS, LOWP, ASM)
             ks, kz, kw0, kw1, kw2, kw3, zw0, zw1, zw2, zw3 = ks_n, kz_n, kw0_n, kw1_n, kw2_n, kw3_n, zw0_n, zw1_n, zw2_n, zw3_n
             s0, m0, s1, m1, s2, m2, s3, m3, pos_in = s0_n, m0_n, s1_n, m1_n, s2_n, m2_n, s3_n, m3_n, pos_n
@@ -292,6 +292,7 @@ if triton is not None:
         bh = tl.program_id(0)
         split = tl.program_id(1)
         batch = bh // heads
+        scaling = scaling * 1.4426950408889634  # log2(e): the logits in base 2, each exponential one ex2 (m stored in base e)
         VGROUPS: tl.constexpr = D // VGROUP
         gi = tl.arange(0, G)
         ch = tl.arange(0, D)
@@ -339,7 +340,7 @@ if triton is not None:
                 hid_ptr, D, G, KBITS, KGROUP, KO, VBITS, VGROUP, HAS_START, BLOCK, LOWP, LEVELS, VLOG, VST, HAS_POS, HID,
                 False, ASM, KPLANES, KPF, VTILE)
         out = (bh * splits + split) * G
-        tl.store(m_ptr + out + gi, m_i)
+        tl.store(m_ptr + out + gi, m_i * 0.6931471805599453)
         tl.store(l_ptr + out + gi, tl.sum(l_i, 0))
         weight = 16.0 if VBITS == 4 and LEVELS == 1 else 1.0  # _uniform4_tiles' levels are over 16
         base = acc_ptr + out.to(tl.int64) * D + gi[None, :] * D + _value_channels(cg, VBITS, LEVELS, VTILE)[:, None]

@@ -91,10 +91,19 @@ if triton is not None:
         return stored, top
 
     @triton.jit
-    def _scale_of(stored, top, VLOG: tl.constexpr):
+    def _exp2(x, ASM: tl.constexpr):
+        """``2 ** x``; on a GPU the special function unit's approximation alone (results below float32's normal range
+        flushed to 0: no range reduction around it, 3 instructions fewer an element)."""
+        if ASM:
+            return tl.inline_asm_elementwise("ex2.approx.ftz.f32 $0, $1;", "=f,f", [x], dtype=tl.float32, is_pure=True,
+                                             pack=1)
+        return tl.exp2(x)
+
+    @triton.jit
+    def _scale_of(stored, top, VLOG: tl.constexpr, ASM: tl.constexpr):
         """The scales of :func:`_scale_loads`' loads (``_value_scale``'s arithmetic)."""
         if VLOG:
-            return top.to(tl.float32) * tl.exp2(stored.to(tl.float32) * -0.0625)
+            return top.to(tl.float32) * _exp2(stored.to(tl.float32) * -0.0625, ASM)
         return stored.to(tl.float32)
 
     @triton.jit
