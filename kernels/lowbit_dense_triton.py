@@ -208,7 +208,7 @@ if triton is not None:
             words = tl.load(kc_ptr + (row + t0) * KW + t_loc[:, None] * KW + jk[None, :]).to(tl.uint32, bitcast=True)
             if KPLANES:
                 s = _plane_logits(words, q_row, ks_ptr, kz_ptr, meta, kw0, kw1, kw2, kw3, zw0, zw1, zw2, zw3, scaling, jk,
-                                  gi, D, LOWP, KPF)
+                                  gi, D, LOWP, KPF, ASM)
             else:
                 codes = _words_codes(words, KBITS)  # [BLOCK, D]
                 qs = q * ks.to(tl.float32)[:, None]  # [D, G]
