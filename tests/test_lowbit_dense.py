@@ -236,6 +236,36 @@ def test_the_gpu_builds_operand_arithmetic_gives_each_codes_level():
                 assert float(total) == (code - 7.5) / 16, (hex(w), k, h)
 
 
+def _lop3(a: int, b: int, c: int, lut: int) -> int:
+    """PTX ``lop3.b32``: each bit of the result is bit ``(a << 2) | (b << 1) | c`` of ``lut``, per bit position."""
+    out = 0
+    for bit in range(32):
+        index = (((a >> bit) & 1) << 2) | (((b >> bit) & 1) << 1) | ((c >> bit) & 1)
+        out |= ((lut >> index) & 1) << bit
+    return out
+
+
+def test_the_gpu_builds_key_operands_by_code_place_give_128_plus_each_code():
+    """The inline assembly that makes a code place's operand register from two neighbouring words of a token (one byte
+    permute, one shift, one three-input logic operation), replayed on the CPU from the kernel's own text: the low half
+    is bfloat16 ``128 + code k`` of the first word, the high half of the second, for every code place and code."""
+    import re
+
+    from kvweave.kernels import lowbit_step_triton
+
+    gen = torch.Generator().manual_seed(12)
+    words = [int(w) & 0xFFFFFFFF for w in torch.randint(-2**31, 2**31 - 1, (48,), generator=gen, dtype=torch.int64)]
+    words += [0, 0xFFFFFFFF, 0x76543210, 0xFEDCBA98]  # every code in every place
+    for k in range(8):
+        text = lowbit_step_triton._plane_text(k)
+        sel, shift, mask, bits, lut = (int(x, 0) for x in re.search(
+            r"prmt\.b32 t, \$1, \$2, (\w+); shr\.b32 t, t, (\w+); lop3\.b32 \$0, t, (\w+), (\w+), (\w+);", text).groups())
+        for first, second in zip(words, words[::-1]):
+            out = _lop3(_prmt(first, second, sel) >> shift, mask, bits, lut)
+            for half, word in enumerate((first, second)):
+                assert _bf16((out >> (16 * half)) & 0xFFFF) == 128 + ((word >> (4 * k)) & 15), (k, hex(first), hex(second))
+
+
 @pytest.mark.interpreter
 @pytest.mark.parametrize("name, variant", [("t-lowbit-sinks-cg", "dense"), ("t-lowbit-sinks-kvzip", "wide")])
 def test_the_sinks_hidden_slots_become_the_packed_passs_first_position(model, registry, name, variant):
