@@ -22,9 +22,9 @@ except ImportError:  # pragma: no cover - exercised where triton is missing
 
 if triton is not None:
     from kvweave.kernels.lowbit_codes_triton import _plus128
-    from kvweave.kernels.lowbit_dense import LEVEL_SELECT_ADD, LEVEL_SELECT_MUL, UNIFORM4_BASE, UNIFORM4_OFFSET
+    from kvweave.kernels.lowbit_dense import UNIFORM4_OFFSET
     from kvweave.kernels.lowbit_step_triton import _exp2, _plane_logits, _scale_of, _step_loads
-    from kvweave.kernels.lowbit_tile_triton import _tile_value_step
+    from kvweave.kernels.lowbit_tile_triton import _SEL_ADD, _SEL_MUL, _U4_ASM, _U4_BASE, _U4_MASK, _tile_value_step
     from kvweave.kernels.lowbit_triton import _hide, _level, _outlier_logits
 
     @triton.jit
@@ -56,13 +56,6 @@ if triton is not None:
             r0 = tl.join(tl.join(p0, p4), tl.join(p2, p6))
             r1 = tl.join(tl.join(p1, p5), tl.join(p3, p7))
             return tl.join(r0, r1).reshape(words.shape[0], words.shape[1] * 16)
-
-    _SEL_MUL = tl.constexpr(LEVEL_SELECT_MUL)
-    _SEL_ADD = tl.constexpr(LEVEL_SELECT_ADD * 0x01010101)  # a byte each
-    _U4_MASK = tl.constexpr(0x78 * 0x10001)  # a 4-bit code at bit 3 of each half
-    _U4_BASE = tl.constexpr(UNIFORM4_BASE * 0x10001)
-    _U4_ASM = tl.constexpr("{ .reg .b32 o, c; mov.b32 o, 0x3F803F80; mov.b32 c, 0x%08X; fma.rn.bf16x2 $0, $1, o, c; }"
-                           % (UNIFORM4_OFFSET * 0x10001))  # each half times 1.0 plus the offset, rounded to nearest
 
     @triton.jit
     def _j4(a, b, c, d):

@@ -47,28 +47,12 @@ if triton is not None:
         return ("{ .reg .b32 t; prmt.b32 t, $1, $2, %d; shr.b32 t, t, %d; lop3.b32 $0, t, 0x000F000F, 0x43004300, 0xEA; }"
                 % (0x5410 if k < 4 else 0x7632, 4 * (k % 4)))
 
-    _P0, _P1, _P2, _P3 = (tl.constexpr(_plane_text(k)) for k in range(4))
-    _P4, _P5, _P6, _P7 = (tl.constexpr(_plane_text(k)) for k in range(4, 8))
+    _PLANE_TEXTS = tl.constexpr(tuple(_plane_text(k) for k in range(8)))
 
     @triton.jit
     def _plane_operand(words, k: tl.constexpr):
         """Code place ``k`` of ``words`` [BLOCK, KW] as bfloat16 ``128 + code`` in pairs of registers (on a GPU)."""
-        if k == 0:
-            text: tl.constexpr = _P0
-        elif k == 1:
-            text: tl.constexpr = _P1
-        elif k == 2:
-            text: tl.constexpr = _P2
-        elif k == 3:
-            text: tl.constexpr = _P3
-        elif k == 4:
-            text: tl.constexpr = _P4
-        elif k == 5:
-            text: tl.constexpr = _P5
-        elif k == 6:
-            text: tl.constexpr = _P6
-        else:
-            text: tl.constexpr = _P7
+        text: tl.constexpr = _PLANE_TEXTS[k]
         return tl.inline_asm_elementwise(text, "=r,r,r", [words], dtype=tl.bfloat16, is_pure=True, pack=2)
 
     @triton.jit
