@@ -24,7 +24,7 @@ if triton is not None:
     from kvweave.kernels.lowbit_codes_triton import _plus128
     from kvweave.kernels.lowbit_dense import UNIFORM4_OFFSET
     from kvweave.kernels.lowbit_step_triton import _exp2, _plane_logits, _scale_of, _step_loads
-    from kvweave.kernels.lowbit_tile_triton import _SEL_ADD, _SEL_MUL, _U4_ASM, _U4_BASE, _U4_MASK, _tile_value_step
+    from kvweave.kernels.lowbit_tile_triton import _SEL_ADD, _SEL_MUL, _U4_ASM, _tile_value_step, _u4
     from kvweave.kernels.lowbit_triton import _hide, _level, _outlier_logits
 
     @triton.jit
@@ -74,11 +74,7 @@ if triton is not None:
         """uint32 words [N, W] of 4-bit codes -> bfloat16 [N, W * 8] (columns: :func:`_pair_channels`), each code's
         centred level over 16, ``(code - 7.5) / 16``: the bits of ``1 + code / 16`` (codes ``k`` and ``k + 4`` at bits 3
         and 19 of one register, a shift and a logic operation) plus -1.46875 in one paired add on a GPU (exact)."""
-        p0 = ((words << 3) & _U4_MASK) | _U4_BASE
-        p1 = ((words >> 1) & _U4_MASK) | _U4_BASE
-        p2 = ((words >> 5) & _U4_MASK) | _U4_BASE
-        p3 = ((words >> 9) & _U4_MASK) | _U4_BASE
-        bits = _j4(p0, p1, p2, p3)  # [N, W, 4]: k
+        bits = _j4(_u4(words, 0), _u4(words, 1), _u4(words, 2), _u4(words, 3))  # [N, W, 4]: k
         if ASM:  # the word for each element of a pair: Triton packs two bfloat16 results of the assembly in one register
             two = tl.join(bits, bits)
             tiles = tl.inline_asm_elementwise(_U4_ASM, "=r,r,r", [two], dtype=tl.bfloat16, is_pure=True, pack=2)
@@ -151,6 +147,19 @@ if triton is not None:
             acc = tl.dot(tl.trans(levels.to(tl.bfloat16)), pg.to(tl.bfloat16), acc)
         else:
             acc = tl.dot(tl.trans(levels.to(tl.float32)), pg, acc, input_precision="ieee")
+        return acc
+
+    @triton.jit
+    def _group_step(acc, pg, alpha, vstep, g: tl.constexpr, t_loc, jv, lut, vlev_ptr, vlev16_ptr, l0, l1, VW: tl.constexpr,
+                    GW: tl.constexpr, VBITS: tl.constexpr, LEVELS: tl.constexpr, LOWP: tl.constexpr, ASM: tl.constexpr,
+                    VTILE: tl.constexpr):
+        """Value channel group ``g``'s running output after a step's probabilities ``pg`` (times its scales): from the
+        step's tile (``VTILE``, :func:`_tile_value_step`) or from its token-major words (:func:`_value_step`)."""
+        if VTILE:
+            acc = _tile_value_step(acc, pg, alpha, vstep, g, lut, vlev_ptr, vlev16_ptr, VBITS, LEVELS, LOWP, ASM)
+        else:
+            vwords = tl.load(vstep + g * GW + t_loc[:, None] * VW + jv[None, :]).to(tl.uint32, bitcast=True)
+            acc = _value_step(acc, pg, alpha, vwords, lut, vlev_ptr, vlev16_ptr, l0, l1, VBITS, LEVELS, LOWP, ASM)
         return acc
 
     @triton.jit
@@ -233,34 +242,20 @@ if triton is not None:
             l_i = l_i * alpha[None, :] + p  # per slot, summed once after the loop: a sum over the step's tokens
             # each step was a reduction across the four warps (shared memory and a barrier): 8-9% of the kernel
             m_i = m_new
-            if VTILE:  # values in tiles of 64 tokens: each group's operand made in registers
-                vtile = vc_ptr + (row + t0) * VW
-                acc0 = _tile_value_step(acc0, p * _scale_of(s0, m0, VLOG, ASM)[:, None], alpha, vtile, 0, lut, vlev_ptr,
-                                        vlev16_ptr, VBITS, LEVELS, LOWP, ASM)
-                if VGROUPS > 1:
-                    acc1 = _tile_value_step(acc1, p * _scale_of(s1, m1, VLOG, ASM)[:, None], alpha, vtile, 1, lut, vlev_ptr,
-                                            vlev16_ptr, VBITS, LEVELS, LOWP, ASM)
-                if VGROUPS > 2:
-                    acc2 = _tile_value_step(acc2, p * _scale_of(s2, m2, VLOG, ASM)[:, None], alpha, vtile, 2, lut, vlev_ptr,
-                                            vlev16_ptr, VBITS, LEVELS, LOWP, ASM)
-                    acc3 = _tile_value_step(acc3, p * _scale_of(s3, m3, VLOG, ASM)[:, None], alpha, vtile, 3, lut, vlev_ptr,
-                                            vlev16_ptr, VBITS, LEVELS, LOWP, ASM)
-            else:
-                for g in tl.static_range(VGROUPS):  # each channel group's scale folded into the probabilities
-                    vrow = vc_ptr + (row + t0) * VW + g * GW
-                    vwords = tl.load(vrow + t_loc[:, None] * VW + jv[None, :]).to(tl.uint32, bitcast=True)
-                    if g == 0:
-                        pg = p * _scale_of(s0, m0, VLOG, ASM)[:, None]
-                        acc0 = _value_step(acc0, pg, alpha, vwords, lut, vlev_ptr, vlev16_ptr, l0, l1, VBITS, LEVELS, LOWP, ASM)
-                    elif g == 1:
-                        pg = p * _scale_of(s1, m1, VLOG, ASM)[:, None]
-                        acc1 = _value_step(acc1, pg, alpha, vwords, lut, vlev_ptr, vlev16_ptr, l0, l1, VBITS, LEVELS, LOWP, ASM)
-                    elif g == 2:
-                        pg = p * _scale_of(s2, m2, VLOG, ASM)[:, None]
-                        acc2 = _value_step(acc2, pg, alpha, vwords, lut, vlev_ptr, vlev16_ptr, l0, l1, VBITS, LEVELS, LOWP, ASM)
-                    else:
-                        pg = p * _scale_of(s3, m3, VLOG, ASM)[:, None]
-                        acc3 = _value_step(acc3, pg, alpha, vwords, lut, vlev_ptr, vlev16_ptr, l0, l1, VBITS, LEVELS, LOWP, ASM)
+            vstep = vc_ptr + (row + t0) * VW  # the step's value words (with VTILE: its tile)
+            for g in tl.static_range(VGROUPS):  # each channel group's scale folded into the probabilities
+                if g == 0:
+                    acc0 = _group_step(acc0, p * _scale_of(s0, m0, VLOG, ASM)[:, None], alpha, vstep, g, t_loc, jv, lut,
+                                       vlev_ptr, vlev16_ptr, l0, l1, VW, GW, VBITS, LEVELS, LOWP, ASM, VTILE)
+                elif g == 1:
+                    acc1 = _group_step(acc1, p * _scale_of(s1, m1, VLOG, ASM)[:, None], alpha, vstep, g, t_loc, jv, lut,
+                                       vlev_ptr, vlev16_ptr, l0, l1, VW, GW, VBITS, LEVELS, LOWP, ASM, VTILE)
+                elif g == 2:
+                    acc2 = _group_step(acc2, p * _scale_of(s2, m2, VLOG, ASM)[:, None], alpha, vstep, g, t_loc, jv, lut,
+                                       vlev_ptr, vlev16_ptr, l0, l1, VW, GW, VBITS, LEVELS, LOWP, ASM, VTILE)
+                else:
+                    acc3 = _group_step(acc3, p * _scale_of(s3, m3, VLOG, ASM)[:, None], alpha, vstep, g, t_loc, jv, lut,
+                                       vlev_ptr, vlev16_ptr, l0, l1, VW, GW, VBITS, LEVELS, LOWP, ASM, VTILE)
             ks, kz, kw0, kw1, kw2, kw3, zw0, zw1, zw2, zw3 = ks_n, kz_n, kw0_n, kw1_n, kw2_n, kw3_n, zw0_n, zw1_n, zw2_n, zw3_n
             s0, m0, s1, m1, s2, m2, s3, m3, pos_in = s0_n, m0_n, s1_n, m1_n, s2_n, m2_n, s3_n, m3_n, pos_n
         return m_i, l_i, acc0, acc1, acc2, acc3

@@ -32,6 +32,11 @@ if triton is not None:
         return ((words >> (2 * s + 16 * h + 8 * e)) & 3).to(tl.int32)
 
     @triton.jit
+    def _codes2(words, h: tl.constexpr, e: tl.constexpr):
+        """[R, 4, b, a]: the 2-bit codes of slots ``16 (2 a + b) + 8 h + 2 q + e`` of words ``q`` [R, 4]."""
+        return tl.join(tl.join(_code(words, 0, h, e), _code(words, 1, h, e)), tl.join(_code(words, 2, h, e), _code(words, 3, h, e)))
+
+    @triton.jit
     def _half_levels(words, lut, vlev_ptr, vlev16_ptr, LOWP: tl.constexpr, ASM: tl.constexpr):
         """uint32 words [R, 4] (word ``q`` of R channels) -> their 2-bit levels [R, 64], column ``t`` the tile's slot ``t``
         (bfloat16 with ``LOWP``, else float32). On a GPU a byte permute is the table (as for token-major words,
@@ -52,15 +57,8 @@ if triton is not None:
                                                [tl.join(sel, sel), tl.join(lo, lo), tl.join(hi, hi)], dtype=tl.bfloat16,
                                                is_pure=True, pack=2)  # [R, 4, b, a, h, e]
         else:
-            c_e0h0 = tl.join(tl.join(_code(words, 0, 0, 0), _code(words, 1, 0, 0)),
-                             tl.join(_code(words, 2, 0, 0), _code(words, 3, 0, 0)))
-            c_e0h1 = tl.join(tl.join(_code(words, 0, 1, 0), _code(words, 1, 1, 0)),
-                             tl.join(_code(words, 2, 1, 0), _code(words, 3, 1, 0)))
-            c_e1h0 = tl.join(tl.join(_code(words, 0, 0, 1), _code(words, 1, 0, 1)),
-                             tl.join(_code(words, 2, 0, 1), _code(words, 3, 0, 1)))
-            c_e1h1 = tl.join(tl.join(_code(words, 0, 1, 1), _code(words, 1, 1, 1)),
-                             tl.join(_code(words, 2, 1, 1), _code(words, 3, 1, 1)))
-            codes = tl.join(tl.join(c_e0h0, c_e0h1), tl.join(c_e1h0, c_e1h1))  # [R, 4, b, a, h, e]
+            codes = tl.join(tl.join(_codes2(words, 0, 0), _codes2(words, 1, 0)),
+                            tl.join(_codes2(words, 0, 1), _codes2(words, 1, 1)))  # [R, 4, b, a, h, e]
             if LOWP:
                 levels = tl.load(vlev16_ptr + codes)
             else:
@@ -78,7 +76,7 @@ if triton is not None:
         if k == 0:
             placed = words << 3
         else:
-            placed = words >> (4 * k - 3 if k > 0 else 0)
+            placed = words >> (4 * k - 3)
         return (placed & _U4_MASK) | _U4_BASE
 
     @triton.jit
