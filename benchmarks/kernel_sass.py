@@ -69,6 +69,7 @@ def counts(storage: str, variant: str, tricks: str) -> dict:
         row[name] = sum(ops[m] for m in members)
     row["other"] = row["total"] - sum(row[name] for name in CLASSES)
     row["opcodes"] = dict(collections.Counter(ops).most_common())
+    row["loop_opcodes"] = dict(collections.Counter(body).most_common())
     return row
 
 
@@ -76,7 +77,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--storages", default="k4v2,qa35v3,k4v2-post")
     parser.add_argument("--configs", default="wide:,wide:magic,wide:magic+vb16,wide:ktf32,wide:magic+vb16+ktf32,wide:kfold+vb16")
-    parser.add_argument("--out", default=None, help="JSON file for the rows (each with every opcode's count)")
+    parser.add_argument("--out", default=None, help="JSON file for the rows (each with every opcode's count, in the build and in its token loop)")
     args = parser.parse_args()
     rows = []
     print("| storage | variant:tricks | instructions | conversions | float | integer | memory | tensor | other | token loop | "
