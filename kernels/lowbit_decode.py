@@ -351,7 +351,7 @@ def plan_launch(view: LowbitView, q: torch.Tensor, start: torch.Tensor | None, s
         return Launch(jit._lowbit_kernel, (batch * heads, splits), args, {**constants, "MAGIC": trick["MAGIC"]}, (m, l, acc))
     kind, l0, l1 = view.level_kind or level_kind(view.v_levels.tolist())
     if variant == "dense":
-        return Launch(*dense_launch(view, args, constants, kind, l0, l1), (m, l, acc))
+        return Launch(*dense_launch(view, args, constants, kind, l0, l1, group), (m, l, acc))
     fast_k, fast_v = whole_byte_codes(view)
     constants = {**constants, "FASTK": fast_k, "FASTV": fast_v, "LEVELS": kind, **trick}
     table16 = view.v_levels

@@ -114,10 +114,23 @@ def level_word(levels: list[float]) -> int:
     return word - (1 << 64) if word >= 1 << 63 else word
 
 
-def dense_launch(view: Any, args: tuple, constants: dict, kind: int, l0: float, l1: float) -> tuple:
+#: give each real query row two of the tile's columns where the tile has twice the rows (Llama-3-8B's 4 query heads a KV
+#: head in the 8 columns a Hopper warpgroup product takes at least): the softmax then works on the real rows alone and
+#: one tile of probabilities serves two value groups (kvweave.kernels.lowbit_dense_triton._steps)
+DENSE_PAIR_ROWS = True
+
+
+def query_pad(group: int, rows: int) -> int:
+    """The tile columns each real query row takes in the dense kernel: 2 where the ``rows`` of the tile are twice the
+    ``group`` query heads of a KV head rounded up to a power of two, else 1."""
+    real = 1 << (group - 1).bit_length()
+    return 2 if DENSE_PAIR_ROWS and rows == 2 * real else 1
+
+
+def dense_launch(view: Any, args: tuple, constants: dict, kind: int, l0: float, l1: float, group: int) -> tuple:
     """The "dense" kernel's launch (kernel, grid, arguments, constants) from the arguments and constants
     :func:`kvweave.kernels.lowbit_decode.plan_launch` made for the others: the codes as 32-bit words (the same bytes),
-    no rotary or channel-width arguments."""
+    no rotary or channel-width arguments; ``group``: the query heads of a KV head (``PAD``: :func:`query_pad`)."""
     (padded, _, k_zero, k_scale, k_oi, k_ov, _, _, v_scale, v_max, v_levels, _, start, positions, hidden, m, l, acc,
      tokens, heads, splits, split_len, first, _, scaling) = args
     table16 = view.v_levels16 if view.v_levels16 is not None else view.v_levels.to(torch.bfloat16)
@@ -131,6 +144,7 @@ def dense_launch(view: Any, args: tuple, constants: dict, kind: int, l0: float, 
             "HID", "num_warps")
     dense_constants = {name: constants[name] for name in keep} | {"LEVELS": kind, "ASM": constants["APPROX"],
                                                                   "KPLANES": key_planes(view), "VTILE": view.v_tiled}
+    dense_constants["PAD"] = query_pad(group, constants["G"])
     dense_constants["KPF"] = (dense_constants["KPLANES"] and DENSE_PLANE_PREFETCH and k_scale.dtype == torch.float16
                               and k_zero.dtype == torch.float16)
     if constants["D"] <= 128:  # the steps that check hidden slots would take 155 registers at head_dim 128: the whole

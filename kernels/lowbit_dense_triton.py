@@ -176,23 +176,49 @@ if triton is not None:
         return channels
 
     @triton.jit
+    def _pair(x0, x1, PAD: tl.constexpr):
+        """With ``PAD`` = 2, tiles [N, R] ``x0`` and ``x1`` side by side as one [N, 2 R], column ``2 r + i`` holding
+        column ``r`` of ``x<i>`` (a relabelling of each thread's registers); else ``x0``."""
+        if PAD == 2:
+            out = tl.join(x0, x1).reshape(x0.shape[0], 2 * x0.shape[1])
+        else:
+            out = x0
+        return out
+
+    @triton.jit
+    def _half(x, i: tl.constexpr, PAD: tl.constexpr):
+        """With ``PAD`` = 2, the columns ``2 r + i`` of ``x`` [N, 2 R] as [N, R] (:func:`_pair` undone); else ``x``."""
+        if PAD == 2:
+            even, odd = tl.split(x.reshape(x.shape[0], x.shape[1] // 2, 2))
+            if i == 0:
+                out = even
+            else:
+                out = odd
+        else:
+            out = x
+        return out
+
+    @triton.jit
     def _steps(t_lo, t_hi, m_i, l_i, acc0, acc1, acc2, acc3, q, q_row, row, bh, start, first, scaling, l0, l1, lut,
                kc_ptr, kz_ptr, ks_ptr, koi_ptr, kov_ptr, vc_ptr, vs_row, vmax_row, vlev_ptr, vlev16_ptr, pos_ptr, hid_ptr,
                D: tl.constexpr, G: tl.constexpr, KBITS: tl.constexpr, KGROUP: tl.constexpr, KO: tl.constexpr,
                VBITS: tl.constexpr, VGROUP: tl.constexpr, HAS_START: tl.constexpr, BLOCK: tl.constexpr,
                LOWP: tl.constexpr, LEVELS: tl.constexpr, VLOG: tl.constexpr, VST: tl.constexpr, HAS_POS: tl.constexpr,
                HID: tl.constexpr, HIDE: tl.constexpr, ASM: tl.constexpr, KPLANES: tl.constexpr, KPF: tl.constexpr,
-               VTILE: tl.constexpr):
+               VTILE: tl.constexpr, PAD: tl.constexpr):
         """The packed pass over steps ``t_lo .. t_hi`` of a program's tokens: its running max, sums and outputs carried
         on; ``HIDE``: these steps hold hidden slots (the list is checked in them only, so the steps without keep the
         code of a storage that hides none). Each step's scales, zero points and positions are loaded a step ahead
         (:func:`_step_loads`; the last step's loads re-read it): loaded where they are used, their latency stalled the
-        warps most (Nsight Compute, B = 128 at 64K: a quarter of the stall samples)."""
+        warps most (Nsight Compute, B = 128 at 64K: a quarter of the stall samples). ``PAD`` = 2: the tile's query
+        rows are the real ones twice (column ``2 r + i``: row ``r``), so the softmax runs on the real half alone and
+        one tile of probabilities serves two value groups (:func:`_pair`: group ``g`` meets the columns ``2 r + g %
+        2``), one shared-memory store and two barriers a step fewer."""
         KW: tl.constexpr = D * KBITS // 32  # key words a token
         VW: tl.constexpr = D * VBITS // 32  # value words a token
         GW: tl.constexpr = VGROUP * VBITS // 32  # value words a channel group
         VGROUPS: tl.constexpr = D // VGROUP
-        gi = tl.arange(0, G)
+        gi = tl.arange(0, G) // PAD  # the query row of each tile column
         ch = tl.arange(0, D)
         jk = tl.arange(0, KW)
         jv = tl.arange(0, GW)
@@ -234,7 +260,7 @@ if triton is not None:
             visible = pos >= 0
             if HAS_START:
                 visible = visible & (pos >= start)
-            s = tl.where(visible[:, None], s, float("-inf"))
+            s = _half(tl.where(visible[:, None], s, float("-inf")), 0, PAD)  # [BLOCK, G // PAD]
             m_new = tl.maximum(m_i, tl.max(s, 0))
             m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
             p = _exp2(s - m_safe[None, :], ASM)  # logits in base 2: the query carries log2(e)
@@ -243,19 +269,24 @@ if triton is not None:
             # each step was a reduction across the four warps (shared memory and a barrier): 8-9% of the kernel
             m_i = m_new
             vstep = vc_ptr + (row + t0) * VW  # the step's value words (with VTILE: its tile)
-            for g in tl.static_range(VGROUPS):  # each channel group's scale folded into the probabilities
-                if g == 0:
-                    acc0 = _group_step(acc0, p * _scale_of(s0, m0, VLOG, ASM)[:, None], alpha, vstep, g, t_loc, jv, lut,
-                                       vlev_ptr, vlev16_ptr, l0, l1, VW, GW, VBITS, LEVELS, LOWP, ASM, VTILE)
-                elif g == 1:
-                    acc1 = _group_step(acc1, p * _scale_of(s1, m1, VLOG, ASM)[:, None], alpha, vstep, g, t_loc, jv, lut,
-                                       vlev_ptr, vlev16_ptr, l0, l1, VW, GW, VBITS, LEVELS, LOWP, ASM, VTILE)
-                elif g == 2:
-                    acc2 = _group_step(acc2, p * _scale_of(s2, m2, VLOG, ASM)[:, None], alpha, vstep, g, t_loc, jv, lut,
-                                       vlev_ptr, vlev16_ptr, l0, l1, VW, GW, VBITS, LEVELS, LOWP, ASM, VTILE)
-                else:
-                    acc3 = _group_step(acc3, p * _scale_of(s3, m3, VLOG, ASM)[:, None], alpha, vstep, g, t_loc, jv, lut,
-                                       vlev_ptr, vlev16_ptr, l0, l1, VW, GW, VBITS, LEVELS, LOWP, ASM, VTILE)
+            # each channel group's scale folded into the probabilities; with PAD = 2 two groups share a tile
+            pa = _pair(p * _scale_of(s0, m0, VLOG, ASM)[:, None], p * _scale_of(s1, m1, VLOG, ASM)[:, None], PAD)
+            alpha = tl.reshape(_pair(alpha[None, :], alpha[None, :], PAD), (G,))
+            acc0 = _group_step(acc0, pa, alpha, vstep, 0, t_loc, jv, lut, vlev_ptr, vlev16_ptr, l0, l1, VW, GW, VBITS,
+                               LEVELS, LOWP, ASM, VTILE)
+            if VGROUPS > 1:
+                if PAD == 1:
+                    pa = p * _scale_of(s1, m1, VLOG, ASM)[:, None]
+                acc1 = _group_step(acc1, pa, alpha, vstep, 1, t_loc, jv, lut, vlev_ptr, vlev16_ptr, l0, l1, VW, GW, VBITS,
+                                   LEVELS, LOWP, ASM, VTILE)
+            if VGROUPS > 2:
+                pb = _pair(p * _scale_of(s2, m2, VLOG, ASM)[:, None], p * _scale_of(s3, m3, VLOG, ASM)[:, None], PAD)
+                acc2 = _group_step(acc2, pb, alpha, vstep, 2, t_loc, jv, lut, vlev_ptr, vlev16_ptr, l0, l1, VW, GW, VBITS,
+                                   LEVELS, LOWP, ASM, VTILE)
+                if PAD == 1:
+                    pb = p * _scale_of(s3, m3, VLOG, ASM)[:, None]
+                acc3 = _group_step(acc3, pb, alpha, vstep, 3, t_loc, jv, lut, vlev_ptr, vlev16_ptr, l0, l1, VW, GW, VBITS,
+                                   LEVELS, LOWP, ASM, VTILE)
             ks, kz, kw0, kw1, kw2, kw3, zw0, zw1, zw2, zw3 = ks_n, kz_n, kw0_n, kw1_n, kw2_n, kw3_n, zw0_n, zw1_n, zw2_n, zw3_n
             s0, m0, s1, m1, s2, m2, s3, m3, pos_in = s0_n, m0_n, s1_n, m1_n, s2_n, m2_n, s3_n, m3_n, pos_n
         return m_i, l_i, acc0, acc1, acc2, acc3
@@ -268,7 +299,7 @@ if triton is not None:
         D: tl.constexpr, G: tl.constexpr, KBITS: tl.constexpr, KGROUP: tl.constexpr, KO: tl.constexpr,
         VBITS: tl.constexpr, VGROUP: tl.constexpr, HAS_START: tl.constexpr, BLOCK: tl.constexpr, LOWP: tl.constexpr,
         LEVELS: tl.constexpr, VLOG: tl.constexpr, VST: tl.constexpr, HAS_POS: tl.constexpr, HID: tl.constexpr,
-        ASM: tl.constexpr, KPLANES: tl.constexpr, KPF: tl.constexpr, VTILE: tl.constexpr,
+        ASM: tl.constexpr, KPLANES: tl.constexpr, KPF: tl.constexpr, VTILE: tl.constexpr, PAD: tl.constexpr,
     ):
         """One program per (batch row x KV head, split of the packed tokens); the split is whole steps of ``BLOCK``
         tokens (``BLOCK`` divides ``KGROUP``), so nothing is masked but slots that are fillers, before the row's first
@@ -276,13 +307,16 @@ if triton is not None:
         are the products' first operand, whose rows (tokens, channels) fill a Hopper warpgroup product of 64 rows, and the
         query heads (padded to 8 rows: ``MIN_TILE_ROWS``) the second. Writes the split's running max, sum and output in
         the rotated space, as the ``wide`` kernel does, for the same combine. ``KPLANES``: 4-bit keys read by code
-        places (:func:`_plane_logits`); ``KPF``: their scales and zero points loaded a step ahead as int32 words."""
+        places (:func:`_plane_logits`); ``KPF``: their scales and zero points loaded a step ahead as int32 words;
+        ``PAD`` = 2: the ``G / 2`` real query rows each fill two columns (:func:`_steps`), and only they are written."""
         bh = tl.program_id(0)
         split = tl.program_id(1)
         batch = bh // heads
         scaling = scaling * 1.4426950408889634  # log2(e): the logits in base 2, each exponential one ex2 (m stored in base e)
         VGROUPS: tl.constexpr = D // VGROUP
-        gi = tl.arange(0, G)
+        R: tl.constexpr = G // PAD  # the rows written: the real query rows with PAD = 2
+        gi = tl.arange(0, G) // PAD
+        ri = tl.arange(0, R)
         ch = tl.arange(0, D)
         cg = tl.arange(0, VGROUP)
         row = bh.to(tl.int64) * tokens
@@ -293,8 +327,8 @@ if triton is not None:
             start = tl.load(start_ptr + batch)
         lo = split * split_len
         hi = tl.minimum(lo + split_len, tokens)
-        m_i = tl.full([G], float("-inf"), tl.float32)
-        l_i = tl.zeros([BLOCK, G], tl.float32)  # each slot's running sum of probabilities (:func:`_steps`)
+        m_i = tl.full([R], float("-inf"), tl.float32)
+        l_i = tl.zeros([BLOCK, R], tl.float32)  # each slot's running sum of probabilities (:func:`_steps`)
         acc0 = tl.zeros([VGROUP, G], tl.float32)  # one accumulator per value channel group (at most 4)
         acc1 = tl.zeros([VGROUP, G], tl.float32)
         acc2 = tl.zeros([VGROUP, G], tl.float32)
@@ -310,31 +344,31 @@ if triton is not None:
                 lo, t_a, m_i, l_i, acc0, acc1, acc2, acc3, q, q_row, row, bh, start, first, scaling, l0, l1,
                 lut, kc_ptr, kz_ptr, ks_ptr, koi_ptr, kov_ptr, vc_ptr, vs_row, vmax_row, vlev_ptr, vlev16_ptr, pos_ptr,
                 hid_ptr, D, G, KBITS, KGROUP, KO, VBITS, VGROUP, HAS_START, BLOCK, LOWP, LEVELS, VLOG, VST, HAS_POS, HID,
-                False, ASM, KPLANES, KPF, VTILE)
+                False, ASM, KPLANES, KPF, VTILE, PAD)
             m_i, l_i, acc0, acc1, acc2, acc3 = _steps(
                 t_a, t_b, m_i, l_i, acc0, acc1, acc2, acc3, q, q_row, row, bh, start, first, scaling, l0, l1,
                 lut, kc_ptr, kz_ptr, ks_ptr, koi_ptr, kov_ptr, vc_ptr, vs_row, vmax_row, vlev_ptr, vlev16_ptr, pos_ptr,
                 hid_ptr, D, G, KBITS, KGROUP, KO, VBITS, VGROUP, HAS_START, BLOCK, LOWP, LEVELS, VLOG, VST, HAS_POS, HID,
-                True, ASM, KPLANES, KPF, VTILE)
+                True, ASM, KPLANES, KPF, VTILE, PAD)
             m_i, l_i, acc0, acc1, acc2, acc3 = _steps(
                 t_b, hi, m_i, l_i, acc0, acc1, acc2, acc3, q, q_row, row, bh, start, first, scaling, l0, l1,
                 lut, kc_ptr, kz_ptr, ks_ptr, koi_ptr, kov_ptr, vc_ptr, vs_row, vmax_row, vlev_ptr, vlev16_ptr, pos_ptr,
                 hid_ptr, D, G, KBITS, KGROUP, KO, VBITS, VGROUP, HAS_START, BLOCK, LOWP, LEVELS, VLOG, VST, HAS_POS, HID,
-                False, ASM, KPLANES, KPF, VTILE)
+                False, ASM, KPLANES, KPF, VTILE, PAD)
         else:
             m_i, l_i, acc0, acc1, acc2, acc3 = _steps(
                 lo, hi, m_i, l_i, acc0, acc1, acc2, acc3, q, q_row, row, bh, start, first, scaling, l0, l1,
                 lut, kc_ptr, kz_ptr, ks_ptr, koi_ptr, kov_ptr, vc_ptr, vs_row, vmax_row, vlev_ptr, vlev16_ptr, pos_ptr,
                 hid_ptr, D, G, KBITS, KGROUP, KO, VBITS, VGROUP, HAS_START, BLOCK, LOWP, LEVELS, VLOG, VST, HAS_POS, HID,
-                False, ASM, KPLANES, KPF, VTILE)
+                False, ASM, KPLANES, KPF, VTILE, PAD)
         out = (bh * splits + split) * G
-        tl.store(m_ptr + out + gi, m_i * 0.6931471805599453)
-        tl.store(l_ptr + out + gi, tl.sum(l_i, 0))
+        tl.store(m_ptr + out + ri, m_i * 0.6931471805599453)
+        tl.store(l_ptr + out + ri, tl.sum(l_i, 0))
         weight = 16.0 if VBITS == 4 and LEVELS == 1 else 1.0  # _uniform4_tiles' levels are over 16
-        base = acc_ptr + out.to(tl.int64) * D + gi[None, :] * D + _value_channels(cg, VBITS, LEVELS, VTILE)[:, None]
-        tl.store(base, acc0 * weight)  # [VGROUP, G]: the outputs transposed
+        base = acc_ptr + out.to(tl.int64) * D + ri[None, :] * D + _value_channels(cg, VBITS, LEVELS, VTILE)[:, None]
+        tl.store(base, _half(acc0, 0, PAD) * weight)  # [VGROUP, R]: the outputs transposed
         if VGROUPS > 1:
-            tl.store(base + VGROUP, acc1 * weight)
+            tl.store(base + VGROUP, _half(acc1, 1, PAD) * weight)
         if VGROUPS > 2:
-            tl.store(base + 2 * VGROUP, acc2 * weight)
-            tl.store(base + 3 * VGROUP, acc3 * weight)
+            tl.store(base + 2 * VGROUP, _half(acc2, 0, PAD) * weight)
+            tl.store(base + 3 * VGROUP, _half(acc3, 1, PAD) * weight)

@@ -55,6 +55,32 @@ def test_the_dense_kernel_matches_its_twin(model, registry, name, hidden):
     assert float(twin.abs().max()) > 0.05
 
 
+@pytest.mark.interpreter
+@pytest.mark.parametrize("name, hidden", [
+    ("t-lowbit-post", 512),  # head_dim 128: 4-bit keys by code places, two value groups sharing a tile
+    ("t-lowbit-k2v4", 512),  # 2-bit keys with outliers, 4-bit uniform values, two value groups
+    ("t-lowbit-kvzip-cg", 64),  # one value group, slots at their cache indices
+])
+def test_query_heads_that_fill_half_the_tile_take_two_columns_each_and_match_the_twin(model, registry, name, hidden):
+    """Where the tile's rows are twice a KV head's query heads (rounded up to a power of two: 3 or 4 heads in 8 rows),
+    each head takes two columns (``PAD`` = 2): the softmax runs on the real rows and one tile of probabilities serves
+    two value groups, each meeting its own half; other groups keep one column a head. Every grouping decodes as the
+    twin does, so a group reading the other's half (its scales differ) or a row written to the wrong place fails."""
+    from kvweave.kernels.lowbit_dense import query_pad
+
+    view, rows = _post_rope_view(model, registry, name, hidden)
+    heads, dim = view.exact_k.shape[1], view.exact_k.shape[-1]
+    start = torch.tensor([40, 0][:rows], dtype=torch.int32)
+    for group, pad in ((4, 2), (3, 2), (2, 1), (8, 1)):
+        assert query_pad(group, 8) == pad
+        q = torch.randn(rows, group * heads, dim, generator=torch.Generator().manual_seed(group))
+        assert plan_launch(view, q, start, dim ** -0.5, variant="dense").constants["PAD"] == pad
+        twin = torch_lowbit_decode(view, q, start, dim ** -0.5)
+        out = lowbit_decode(view, q, start, dim ** -0.5, variant="dense")
+        assert torch.allclose(out, twin, atol=1e-5), (name, group, (out - twin).abs().max())
+        assert float(twin.abs().max()) > 0.05
+
+
 def test_the_dense_kernel_refuses_what_it_cannot_read(model, registry):
     """Keys before RoPE, channel-alloc widths, 3-bit codes, steps that do not divide the token group, and the TF32 key
     products are refused, each saying why; the wide kernel reads them all."""
@@ -341,12 +367,13 @@ def test_values_in_tiles_decode_as_the_token_major_ones_through_the_dense_kernel
     assert not flat.v_tiled and tiled.v_tiled and tiled.tokens % 64 == 0 and tiled.tokens > 64
     assert stored[1].nbytes == stored[0].nbytes and not torch.equal(tiled.v_codes, flat.v_codes)
     assert resolve_variant(tiled, "auto") == ("dense", 64)
-    q = torch.randn(1, 4, 128, generator=torch.Generator().manual_seed(5))
-    twin = torch_lowbit_decode(tiled, q, None, 128 ** -0.5)
-    assert torch.equal(twin, torch_lowbit_decode(flat, q, None, 128 ** -0.5))
-    out = lowbit_decode(tiled, q, None, 128 ** -0.5)
-    assert torch.allclose(out, twin, atol=1e-5) and float(twin.abs().max()) > 0.05
-    assert torch.allclose(out, lowbit_decode(flat, q, None, 128 ** -0.5, variant="dense"), atol=1e-5)
+    for group in (2, 4):  # one column a query head, and two (the tile's probabilities shared by both value groups)
+        q = torch.randn(1, 2 * group, 128, generator=torch.Generator().manual_seed(5))
+        twin = torch_lowbit_decode(tiled, q, None, 128 ** -0.5)
+        assert torch.equal(twin, torch_lowbit_decode(flat, q, None, 128 ** -0.5))
+        out = lowbit_decode(tiled, q, None, 128 ** -0.5)
+        assert torch.allclose(out, twin, atol=1e-5) and float(twin.abs().max()) > 0.05
+        assert torch.allclose(out, lowbit_decode(flat, q, None, 128 ** -0.5, variant="dense"), atol=1e-5)
     for variant in ("wide", "general"):
         with pytest.raises(ValueError, match="stored in tiles of 64 tokens"):
             resolve_variant(tiled, variant)
