@@ -36,9 +36,9 @@ def launch_job(kernel: Any, args: tuple, constants: dict) -> dict:
     constants = dict(constants)
     warps = constants.pop("num_warps", 4)
     registers = constants.pop("maxnreg", None)
-    for name in ("APPROX", "ASM"):
+    for name in ("APPROX", "ASM"):  # the GPU's arithmetic wherever the operands are bfloat16 (an ASM of 2 kept)
         if name in constants:
-            constants[name] = bool(constants.get("LOWP"))
+            constants[name] = (constants[name] or True) if constants.get("LOWP") else False
     fn = getattr(kernel, "fn", kernel)
     return {"kernel": fn.__name__, "module": fn.__module__, "types": types, "constants": constants, "num_warps": warps,
             "maxnreg": registers, "aligned": aligned}

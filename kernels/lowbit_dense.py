@@ -4,6 +4,7 @@ is the kernel; :func:`kvweave.kernels.lowbit_decode.plan_launch` calls these): k
 
 from __future__ import annotations
 
+import functools
 from typing import TYPE_CHECKING, Any
 
 from kvweave.core.lazy import lazy_module, torch
@@ -120,6 +121,28 @@ def level_word(levels: list[float]) -> int:
 DENSE_PAIR_ROWS = True
 
 
+#: the first Triton whose sm_90 build of the dense kernel makes warpgroup products of operands in registers (before it,
+#: Ampere ``mma.sync`` ones: Triton 3.6, what torch 2.11 installs, and 3.7)
+WARPGROUP_TRITON = (3, 8)
+
+
+@functools.lru_cache(maxsize=None)
+def _capability(index: int) -> tuple:
+    return torch.cuda.get_device_capability(index)
+
+
+def ampere_products(device: Any) -> bool:
+    """Whether the dense kernel's tensor-core products build as Ampere ``mma.sync`` ones for ``device``: a GPU before
+    Hopper, or a Triton before :data:`WARPGROUP_TRITON`; for a CPU tensor (benchmarks/kernel_sass.py builds for
+    sm_90) the Triton alone decides. There the tiled values' operands go behind an instruction the compiler does not
+    look past (``ASM`` = 2, :func:`kvweave.kernels.lowbit_tile_triton._operand`)."""
+    import triton
+
+    if tuple(int(part) for part in triton.__version__.split(".")[:2]) < WARPGROUP_TRITON:
+        return True
+    return device.type == "cuda" and _capability(device.index if device.index is not None else torch.cuda.current_device())[0] < 9
+
+
 def query_pad(group: int, rows: int) -> int:
     """The tile columns each real query row takes in the dense kernel: 2 where the ``rows`` of the tile are twice the
     ``group`` query heads of a KV head rounded up to a power of two, else 1."""
@@ -142,7 +165,8 @@ def dense_launch(view: Any, args: tuple, constants: dict, kind: int, l0: float, 
                   positions, hidden, m, l, acc, tokens, heads, splits, split_len, first, scaling, l0, l1, lut)
     keep = ("D", "G", "KBITS", "KGROUP", "KO", "VBITS", "VGROUP", "HAS_START", "BLOCK", "LOWP", "VLOG", "VST", "HAS_POS",
             "HID", "num_warps")
-    dense_constants = {name: constants[name] for name in keep} | {"LEVELS": kind, "ASM": constants["APPROX"],
+    asm = (2 if ampere_products(padded.device) else 1) if constants["APPROX"] else 0
+    dense_constants = {name: constants[name] for name in keep} | {"LEVELS": kind, "ASM": asm,
                                                                   "KPLANES": key_planes(view), "VTILE": view.v_tiled}
     dense_constants["PAD"] = query_pad(group, constants["G"])
     dense_constants["KPF"] = (dense_constants["KPLANES"] and DENSE_PLANE_PREFETCH and k_scale.dtype == torch.float16

@@ -23,8 +23,8 @@ except ImportError:  # pragma: no cover - exercised where triton is missing
 if triton is not None:
     from kvweave.kernels.lowbit_codes_triton import _plus128
     from kvweave.kernels.lowbit_dense import UNIFORM4_OFFSET
-    from kvweave.kernels.lowbit_step_triton import _exp2, _plane_logits, _scale_of, _step_loads
-    from kvweave.kernels.lowbit_tile_triton import _SEL_ADD, _SEL_MUL, _U4_ASM, _tile_value_step, _u4
+    from kvweave.kernels.lowbit_step_triton import _exp2, _plane_logits, _plane_queries, _scale_of, _step_loads
+    from kvweave.kernels.lowbit_tile_triton import _SEL_ADD, _SEL_MUL, _U4_ASM, _operand, _tile_value_step, _u4
     from kvweave.kernels.lowbit_triton import _hide, _level, _outlier_logits
 
     @triton.jit
@@ -199,6 +199,17 @@ if triton is not None:
         return out
 
     @triton.jit
+    def _probabilities(pg, LOWP: tl.constexpr, ASM: tl.constexpr, VTILE: tl.constexpr):
+        """A value product's second operand: the probabilities ``pg`` (times a group's scales), in bfloat16 with
+        ``LOWP``; for values in tiles on a GPU behind :func:`kvweave.kernels.lowbit_tile_triton._operand`, once for the
+        groups that share it."""
+        if LOWP:
+            pg = pg.to(tl.bfloat16)
+            if VTILE:
+                pg = _operand(pg, ASM)
+        return pg
+
+    @triton.jit
     def _steps(t_lo, t_hi, m_i, l_i, acc0, acc1, acc2, acc3, q, q_row, row, bh, start, first, scaling, l0, l1, lut,
                kc_ptr, kz_ptr, ks_ptr, koi_ptr, kov_ptr, vc_ptr, vs_row, vmax_row, vlev_ptr, vlev16_ptr, pos_ptr, hid_ptr,
                D: tl.constexpr, G: tl.constexpr, KBITS: tl.constexpr, KGROUP: tl.constexpr, KO: tl.constexpr,
@@ -227,6 +238,11 @@ if triton is not None:
         ks, kz, kw0, kw1, kw2, kw3, zw0, zw1, zw2, zw3, s0, m0, s1, m1, s2, m2, s3, m3, pos_in = _step_loads(
             tl.maximum(tl.minimum(t_lo, t_hi - BLOCK), 0), row, ch, jk, t_loc, ks_ptr, kz_ptr, vs_row, vmax_row, pos_ptr,
             D, KGROUP, VGROUPS, VLOG, VST, HAS_POS, KPLANES, KPF)
+        if KPLANES:  # each code place's query rows, loaded once
+            q0, q1, q2, q3, q4, q5, q6, q7 = _plane_queries(q_row, scaling, jk, gi, D)
+        else:
+            q0 = tl.zeros([KW, G], tl.float32)
+            q1, q2, q3, q4, q5, q6, q7 = q0, q0, q0, q0, q0, q0, q0
         for t0 in range(t_lo, t_hi, BLOCK):
             (ks_n, kz_n, kw0_n, kw1_n, kw2_n, kw3_n, zw0_n, zw1_n, zw2_n, zw3_n, s0_n, m0_n, s1_n, m1_n, s2_n, m2_n, s3_n,
              m3_n, pos_n) = _step_loads(tl.minimum(t0 + BLOCK, t_hi - BLOCK), row, ch, jk, t_loc, ks_ptr, kz_ptr, vs_row,
@@ -235,8 +251,8 @@ if triton is not None:
             meta = (row + t0) // KGROUP * D
             words = tl.load(kc_ptr + (row + t0) * KW + t_loc[:, None] * KW + jk[None, :]).to(tl.uint32, bitcast=True)
             if KPLANES:
-                s = _plane_logits(words, q_row, ks_ptr, kz_ptr, meta, kw0, kw1, kw2, kw3, zw0, zw1, zw2, zw3, scaling, jk,
-                                  gi, D, LOWP, KPF, ASM)
+                s = _plane_logits(words, q0, q1, q2, q3, q4, q5, q6, q7, ks_ptr, kz_ptr, meta, kw0, kw1, kw2, kw3, zw0, zw1,
+                                  zw2, zw3, jk, LOWP, KPF, ASM)
             else:
                 codes = _words_codes(words, KBITS)  # [BLOCK, D]
                 qs = q * ks.to(tl.float32)[:, None]  # [D, G]
@@ -270,21 +286,23 @@ if triton is not None:
             m_i = m_new
             vstep = vc_ptr + (row + t0) * VW  # the step's value words (with VTILE: its tile)
             # each channel group's scale folded into the probabilities; with PAD = 2 two groups share a tile
-            pa = _pair(p * _scale_of(s0, m0, VLOG, ASM)[:, None], p * _scale_of(s1, m1, VLOG, ASM)[:, None], PAD)
+            pa = _probabilities(_pair(p * _scale_of(s0, m0, VLOG, ASM)[:, None], p * _scale_of(s1, m1, VLOG, ASM)[:, None],
+                                      PAD), LOWP, ASM, VTILE)
             alpha = tl.reshape(_pair(alpha[None, :], alpha[None, :], PAD), (G,))
             acc0 = _group_step(acc0, pa, alpha, vstep, 0, t_loc, jv, lut, vlev_ptr, vlev16_ptr, l0, l1, VW, GW, VBITS,
                                LEVELS, LOWP, ASM, VTILE)
             if VGROUPS > 1:
                 if PAD == 1:
-                    pa = p * _scale_of(s1, m1, VLOG, ASM)[:, None]
+                    pa = _probabilities(p * _scale_of(s1, m1, VLOG, ASM)[:, None], LOWP, ASM, VTILE)
                 acc1 = _group_step(acc1, pa, alpha, vstep, 1, t_loc, jv, lut, vlev_ptr, vlev16_ptr, l0, l1, VW, GW, VBITS,
                                    LEVELS, LOWP, ASM, VTILE)
             if VGROUPS > 2:
-                pb = _pair(p * _scale_of(s2, m2, VLOG, ASM)[:, None], p * _scale_of(s3, m3, VLOG, ASM)[:, None], PAD)
+                pb = _probabilities(_pair(p * _scale_of(s2, m2, VLOG, ASM)[:, None],
+                                          p * _scale_of(s3, m3, VLOG, ASM)[:, None], PAD), LOWP, ASM, VTILE)
                 acc2 = _group_step(acc2, pb, alpha, vstep, 2, t_loc, jv, lut, vlev_ptr, vlev16_ptr, l0, l1, VW, GW, VBITS,
                                    LEVELS, LOWP, ASM, VTILE)
                 if PAD == 1:
-                    pb = p * _scale_of(s3, m3, VLOG, ASM)[:, None]
+                    pb = _probabilities(p * _scale_of(s3, m3, VLOG, ASM)[:, None], LOWP, ASM, VTILE)
                 acc3 = _group_step(acc3, pb, alpha, vstep, 3, t_loc, jv, lut, vlev_ptr, vlev16_ptr, l0, l1, VW, GW, VBITS,
                                    LEVELS, LOWP, ASM, VTILE)
             ks, kz, kw0, kw1, kw2, kw3, zw0, zw1, zw2, zw3 = ks_n, kz_n, kw0_n, kw1_n, kw2_n, kw3_n, zw0_n, zw1_n, zw2_n, zw3_n

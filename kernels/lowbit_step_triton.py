@@ -20,14 +20,27 @@ if triton is not None:
         return ((words >> (16 * (k % 2))) & 0xFFFF).to(tl.uint16).to(tl.float16, bitcast=True).to(tl.float32)
 
     @triton.jit
-    def _plane_query(q_row, ks_ptr, kz_ptr, meta, kw, zw, scaling, jk, gi, k: tl.constexpr, D: tl.constexpr,
-                     LOWP: tl.constexpr, KPF: tl.constexpr):
-        """Code place ``k``'s scaled query rows [KW, G] (channels ``j * 8 + k``; bfloat16 with ``LOWP``) and what its
-        zero points and the operands' offset of 128 add to the logits, per row. ``KPF``: its scales and zero points
-        come loaded a step ahead as the int32 words ``kw``, ``zw`` [KW] that hold them with the next channel's;
-        else they are loaded here."""
+    def _plane_queries(q_row, scaling, jk, gi, D: tl.constexpr):
+        """The query rows [KW, G] of each code place ``k`` (channels ``j * 8 + k``), times ``scaling``: loaded once
+        before a program's steps (left in the loop, a build whose loop holds an instruction the compiler may not move
+        loads past copied them into shared memory every step)."""
+        q0 = tl.load(q_row + gi[None, :] * D + (jk * 8)[:, None]) * scaling
+        q1 = tl.load(q_row + gi[None, :] * D + (jk * 8 + 1)[:, None]) * scaling
+        q2 = tl.load(q_row + gi[None, :] * D + (jk * 8 + 2)[:, None]) * scaling
+        q3 = tl.load(q_row + gi[None, :] * D + (jk * 8 + 3)[:, None]) * scaling
+        q4 = tl.load(q_row + gi[None, :] * D + (jk * 8 + 4)[:, None]) * scaling
+        q5 = tl.load(q_row + gi[None, :] * D + (jk * 8 + 5)[:, None]) * scaling
+        q6 = tl.load(q_row + gi[None, :] * D + (jk * 8 + 6)[:, None]) * scaling
+        q7 = tl.load(q_row + gi[None, :] * D + (jk * 8 + 7)[:, None]) * scaling
+        return q0, q1, q2, q3, q4, q5, q6, q7
+
+    @triton.jit
+    def _plane_query(qk, ks_ptr, kz_ptr, meta, kw, zw, jk, k: tl.constexpr, LOWP: tl.constexpr, KPF: tl.constexpr):
+        """Code place ``k``'s scaled query rows [KW, G] (its query rows ``qk``, :func:`_plane_queries`, times the
+        channels' scales; bfloat16 with ``LOWP``) and what its zero points and the operands' offset of 128 add to the
+        logits, per row. ``KPF``: its scales and zero points come loaded a step ahead as the int32 words ``kw``, ``zw``
+        [KW] that hold them with the next channel's; else they are loaded here."""
         chan = jk * 8 + k  # [KW]: the channels of code place k
-        qk = tl.load(q_row + gi[None, :] * D + chan[:, None]) * scaling  # [KW, G]
         if KPF:
             qs = qk * _half(kw, k)[:, None]
             qz = qk * _half(zw, k)[:, None]
@@ -67,8 +80,8 @@ if triton is not None:
         return s
 
     @triton.jit
-    def _plane_logits(words, q_row, ks_ptr, kz_ptr, meta, kw0, kw1, kw2, kw3, zw0, zw1, zw2, zw3, scaling, jk, gi,
-                      D: tl.constexpr, LOWP: tl.constexpr, KPF: tl.constexpr, ASM: tl.constexpr):
+    def _plane_logits(words, q0, q1, q2, q3, q4, q5, q6, q7, ks_ptr, kz_ptr, meta, kw0, kw1, kw2, kw3, zw0, zw1, zw2, zw3,
+                      jk, LOWP: tl.constexpr, KPF: tl.constexpr, ASM: tl.constexpr):
         """The logits [BLOCK, G] of a step's 4-bit keys (``words`` [BLOCK, KW] uint32) in eight products, one per code
         place ``k`` of a word: its operand is the words' code ``k`` as they are (channel ``j * 8 + k`` in column ``j``),
         met by the scaled query's rows of those channels. Each product's operand is made from the words element by
@@ -76,14 +89,14 @@ if triton is not None:
         unpacked tile goes through shared memory (the store and reload of the [BLOCK, D] tile was the largest share of
         the kernel's shared-memory traffic). The eight query tiles are made before the products; ``kw0 .. kw3``,
         ``zw0 .. zw3``: the scales and zero points of code places ``2 c, 2 c + 1`` (``KPF``)."""
-        qs0, qz0 = _plane_query(q_row, ks_ptr, kz_ptr, meta, kw0, zw0, scaling, jk, gi, 0, D, LOWP, KPF)
-        qs1, qz1 = _plane_query(q_row, ks_ptr, kz_ptr, meta, kw0, zw0, scaling, jk, gi, 1, D, LOWP, KPF)
-        qs2, qz2 = _plane_query(q_row, ks_ptr, kz_ptr, meta, kw1, zw1, scaling, jk, gi, 2, D, LOWP, KPF)
-        qs3, qz3 = _plane_query(q_row, ks_ptr, kz_ptr, meta, kw1, zw1, scaling, jk, gi, 3, D, LOWP, KPF)
-        qs4, qz4 = _plane_query(q_row, ks_ptr, kz_ptr, meta, kw2, zw2, scaling, jk, gi, 4, D, LOWP, KPF)
-        qs5, qz5 = _plane_query(q_row, ks_ptr, kz_ptr, meta, kw2, zw2, scaling, jk, gi, 5, D, LOWP, KPF)
-        qs6, qz6 = _plane_query(q_row, ks_ptr, kz_ptr, meta, kw3, zw3, scaling, jk, gi, 6, D, LOWP, KPF)
-        qs7, qz7 = _plane_query(q_row, ks_ptr, kz_ptr, meta, kw3, zw3, scaling, jk, gi, 7, D, LOWP, KPF)
+        qs0, qz0 = _plane_query(q0, ks_ptr, kz_ptr, meta, kw0, zw0, jk, 0, LOWP, KPF)
+        qs1, qz1 = _plane_query(q1, ks_ptr, kz_ptr, meta, kw0, zw0, jk, 1, LOWP, KPF)
+        qs2, qz2 = _plane_query(q2, ks_ptr, kz_ptr, meta, kw1, zw1, jk, 2, LOWP, KPF)
+        qs3, qz3 = _plane_query(q3, ks_ptr, kz_ptr, meta, kw1, zw1, jk, 3, LOWP, KPF)
+        qs4, qz4 = _plane_query(q4, ks_ptr, kz_ptr, meta, kw2, zw2, jk, 4, LOWP, KPF)
+        qs5, qz5 = _plane_query(q5, ks_ptr, kz_ptr, meta, kw2, zw2, jk, 5, LOWP, KPF)
+        qs6, qz6 = _plane_query(q6, ks_ptr, kz_ptr, meta, kw3, zw3, jk, 6, LOWP, KPF)
+        qs7, qz7 = _plane_query(q7, ks_ptr, kz_ptr, meta, kw3, zw3, jk, 7, LOWP, KPF)
         bias = tl.sum(((qz0 + qz1) + (qz2 + qz3)) + ((qz4 + qz5) + (qz6 + qz7)), 0)
         s = tl.zeros([words.shape[0], qs0.shape[1]], tl.float32) + bias[None, :]
         s = _plane_dot(words, qs0, s, 0, LOWP, ASM)

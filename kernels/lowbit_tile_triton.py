@@ -127,6 +127,18 @@ if triton is not None:
         return tl.permute(both, (0, 3, 1, 2)).reshape(64, 64)
 
     @triton.jit
+    def _operand(x, ASM: tl.constexpr):
+        """bfloat16 ``x`` as it is; where the products are Ampere ones (``ASM`` = 2:
+        :func:`kvweave.kernels.lowbit_dense.ampere_products`), behind an instruction the compiler may not look past. Triton picks an Ampere product's operand layout from the narrowest
+        load behind its operands, halved where a join lies on the way: the levels (made with joins) and the
+        probabilities (one-byte log8 scales) took the layout of one-byte loads, four tokens a thread where the tile's
+        words give two and two, and every step moved the levels between lanes into it (Triton 3.6, 2-bit values at
+        head_dim 128: 32 lane shuffles and 64 selects a step)."""
+        if ASM == 2:
+            x = tl.inline_asm_elementwise("mov.b32 $0, $1;", "=r,r", [x], dtype=tl.bfloat16, is_pure=False, pack=2)
+        return x
+
+    @triton.jit
     def _tile_value_step(acc, pg, alpha, vtile, g: tl.constexpr, lut, vlev_ptr, vlev16_ptr, VBITS: tl.constexpr,
                          LEVELS: tl.constexpr, LOWP: tl.constexpr, ASM: tl.constexpr):
         """Channel group ``g``'s running output [64 channels, G] (rows in channel order) after the probabilities ``pg``
@@ -134,7 +146,7 @@ if triton is not None:
         levels = _tile_levels(vtile, g, lut, vlev_ptr, vlev16_ptr, VBITS, LEVELS, LOWP, ASM)
         acc = acc * alpha[None, :]
         if LOWP:
-            acc = tl.dot(levels.to(tl.bfloat16), pg.to(tl.bfloat16), acc)
+            acc = tl.dot(_operand(levels.to(tl.bfloat16), ASM), pg.to(tl.bfloat16), acc)  # pg: _probabilities
         else:
             acc = tl.dot(levels.to(tl.float32), pg, acc, input_precision="ieee")
         return acc

@@ -81,6 +81,25 @@ def test_query_heads_that_fill_half_the_tile_take_two_columns_each_and_match_the
         assert float(twin.abs().max()) > 0.05
 
 
+def test_the_tiled_values_operands_are_fenced_only_where_the_products_are_ampere_ones(monkeypatch):
+    """``ASM`` = 2 (the tiled values' operands behind an opaque instruction) where Triton builds Ampere products: a
+    Triton before 3.8 whatever the tensor's device, a GPU before Hopper; a CPU tensor with a newer Triton (the sm_90
+    build of benchmarks/kernel_sass.py) keeps warpgroup products and plain operands (fenced, they cost instructions)."""
+    import triton
+
+    from kvweave.kernels import lowbit_dense
+
+    cpu = torch.device("cpu")
+    for version, ampere in (("3.6.0", True), ("3.7.1", True), ("3.8.0", False), ("3.10.0", False)):
+        monkeypatch.setattr(triton, "__version__", version)
+        assert lowbit_dense.ampere_products(cpu) is ampere, version
+    monkeypatch.setattr(triton, "__version__", "3.9.0")
+    monkeypatch.setattr(lowbit_dense, "_capability", lambda index: (8, 0))
+    assert lowbit_dense.ampere_products(torch.device("cuda", 0))
+    monkeypatch.setattr(lowbit_dense, "_capability", lambda index: (9, 0))
+    assert not lowbit_dense.ampere_products(torch.device("cuda", 0))
+
+
 def test_the_dense_kernel_refuses_what_it_cannot_read(model, registry):
     """Keys before RoPE, channel-alloc widths, 3-bit codes, steps that do not divide the token group, and the TF32 key
     products are refused, each saying why; the wide kernel reads them all."""
