@@ -6,7 +6,9 @@ without a GPU: Triton compiles the launch ``benchmarks/lowbit_kernel.py`` makes 
 A configuration is ``variant:tricks`` (tricks "+"-separated names of ``kvweave.kernels.lowbit_decode.TRICKS``, empty
 for none); ``k4v2-post`` is prerope-k4v2's storage read as keys stored after RoPE, a ``-uniform`` suffix puts its
 values on uniform levels, a ``-hidden`` suffix (last) launches it with a list of 4 hidden slots a row; the last column is
-the build's registers a thread and stack bytes (its cuobjdump). Counts are static (each
+the build's registers a thread and stack bytes (its cuobjdump). The build is the installed Triton's (its version printed
+first: the GPU machine's Triton 3.6 and a Triton 3.9 build different products, so count with the one that runs).
+Counts are static (each
 instruction of the kernel once, the token loop's body included once; "token loop" the body alone, and per key and value
 element a thread handles in one step): they say which instructions a change removes or
 adds, not how often they run or how fast a GPU issues them; that is ``benchmarks/lowbit_kernel.py``'s to time.
@@ -63,7 +65,8 @@ def counts(storage: str, variant: str, tricks: str) -> dict:
     used = resources(cubin)
     body = sass_opcodes(cubin, loop=True)
     elements = launch.constants["BLOCK"] * HEAD_DIM * 2 / (32 * launch.constants["num_warps"])  # keys and values a thread, a step
-    row: dict = {"storage": storage, "config": f"{variant}:{tricks}", "total": sum(ops.values()), "loop": sum(body.values()),
+    row: dict = {"storage": storage, "config": f"{variant}:{tricks}", "triton": importlib.import_module("triton").__version__,
+                 "total": sum(ops.values()), "loop": sum(body.values()),
                  "per_element": sum(body.values()) / elements, **used}
     for name, members in CLASSES.items():
         row[name] = sum(ops[m] for m in members)
@@ -79,7 +82,11 @@ def main() -> None:
     parser.add_argument("--configs", default="wide:,wide:magic,wide:magic+vb16,wide:ktf32,wide:magic+vb16+ktf32,wide:kfold+vb16")
     parser.add_argument("--out", default=None, help="JSON file for the rows (each with every opcode's count, in the build and in its token loop)")
     args = parser.parse_args()
+    import triton
+
     rows = []
+    print(f"Triton {triton.__version__}, sm_90 (a Triton before 3.8 builds Ampere mma.sync products there, later ones warpgroup "
+          "products: the counts differ)")
     print("| storage | variant:tricks | instructions | conversions | float | integer | memory | tensor | other | token loop | "
           "loop per key/value element a thread | registers (stack bytes) |")
     print("|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")

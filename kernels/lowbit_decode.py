@@ -97,8 +97,6 @@ class LowbitView:
     hidden_below: torch.Tensor | None = None
     #: ``v_levels`` as bfloat16, made once with the view (the ``dense`` kernel's and the ``vb16`` trick's; None: per call)
     v_levels16: torch.Tensor | None = None
-    #: the four 2-bit value levels' bfloat16 bits in one int64, code 0's lowest (the dense kernel's; None: made per call)
-    v_level_word: int | None = None
     #: a window kept for a CUDA graph: int32 [1], the tokens it held before this step (``exact_k`` / ``exact_v`` are then
     #: buffers of its capacity, their first ``exact_fill + 1`` rows attended); None: every row of ``exact_k``
     exact_fill: torch.Tensor | None = None

@@ -109,7 +109,8 @@ def tiles_build_refusal(pre_rope: bool, dim: int, values_group: int, keys_group:
 
 
 def level_word(levels: list[float]) -> int:
-    """Four value levels' bfloat16 bits in one 64-bit word, code 0's in the lowest 16 bits, as a signed int64."""
+    """Four value levels' bfloat16 bits in one 64-bit word, code 0's in the lowest 16 bits, as a signed int64: the
+    byte-permute table the dense kernel reads from the bfloat16 levels (``_level_table``), as the tests replay it."""
     bits = torch.tensor(levels, dtype=torch.float32).to(torch.bfloat16).view(torch.int16).long() & 0xFFFF
     word = sum(int(b) << (16 * k) for k, b in enumerate(bits.tolist()))
     return word - (1 << 64) if word >= 1 << 63 else word
@@ -157,12 +158,11 @@ def dense_launch(view: Any, args: tuple, constants: dict, kind: int, l0: float, 
     (padded, _, k_zero, k_scale, k_oi, k_ov, _, _, v_scale, v_max, v_levels, _, start, positions, hidden, m, l, acc,
      tokens, heads, splits, split_len, first, _, scaling) = args
     table16 = view.v_levels16 if view.v_levels16 is not None else view.v_levels.to(torch.bfloat16)
+    if table16.data_ptr() % 4:  # the kernel reads the 2-bit levels' table as two int32 words (_level_table)
+        table16 = table16.clone()
     words = (view.k_codes.contiguous().view(torch.int32), view.v_codes.contiguous().view(torch.int32))
-    lut = 0  # 2-bit values: the four levels' bfloat16 bits in one 64-bit word (made with the view: no host read per call)
-    if view.v_bits == 2:
-        lut = view.v_level_word if view.v_level_word is not None else level_word(view.v_levels.tolist())
     dense_args = (padded, words[0], k_zero, k_scale, k_oi, k_ov, words[1], v_scale, v_max, v_levels, table16, start,
-                  positions, hidden, m, l, acc, tokens, heads, splits, split_len, first, scaling, l0, l1, lut)
+                  positions, hidden, m, l, acc, tokens, heads, splits, split_len, first, scaling, l0, l1)
     keep = ("D", "G", "KBITS", "KGROUP", "KO", "VBITS", "VGROUP", "HAS_START", "BLOCK", "LOWP", "VLOG", "VST", "HAS_POS",
             "HID", "num_warps")
     asm = (2 if ampere_products(padded.device) else 1) if constants["APPROX"] else 0

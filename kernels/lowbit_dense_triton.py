@@ -199,10 +199,16 @@ if triton is not None:
         return out
 
     @triton.jit
+    def _level_table(vlev16_ptr):
+        """The 2-bit values' byte-permute table (:func:`_lut_tiles`, the four levels' bfloat16 bits, code 0's lowest) as
+        an int64 read from the levels: as a kernel argument, a copy into a register before every permute (32 a step)."""
+        table = vlev16_ptr.to(tl.pointer_type(tl.int32), bitcast=True)
+        return (tl.load(table + 1).to(tl.int64) << 32) | (tl.load(table).to(tl.int64) & 0xFFFFFFFF)
+
+    @triton.jit
     def _probabilities(pg, LOWP: tl.constexpr, ASM: tl.constexpr, VTILE: tl.constexpr):
-        """A value product's second operand: the probabilities ``pg`` (times a group's scales), in bfloat16 with
-        ``LOWP``; for values in tiles on a GPU behind :func:`kvweave.kernels.lowbit_tile_triton._operand`, once for the
-        groups that share it."""
+        """A value product's second operand: the probabilities ``pg`` (times a group's scales), bfloat16 with ``LOWP``;
+        with tiles behind :func:`kvweave.kernels.lowbit_tile_triton._operand`, once for the groups sharing it."""
         if LOWP:
             pg = pg.to(tl.bfloat16)
             if VTILE:
@@ -210,7 +216,7 @@ if triton is not None:
         return pg
 
     @triton.jit
-    def _steps(t_lo, t_hi, m_i, l_i, acc0, acc1, acc2, acc3, q, q_row, row, bh, start, first, scaling, l0, l1, lut,
+    def _steps(t_lo, t_hi, m_i, l_i, acc0, acc1, acc2, acc3, q, q_row, row, bh, start, first, scaling, l0, l1,
                kc_ptr, kz_ptr, ks_ptr, koi_ptr, kov_ptr, vc_ptr, vs_row, vmax_row, vlev_ptr, vlev16_ptr, pos_ptr, hid_ptr,
                D: tl.constexpr, G: tl.constexpr, KBITS: tl.constexpr, KGROUP: tl.constexpr, KO: tl.constexpr,
                VBITS: tl.constexpr, VGROUP: tl.constexpr, HAS_START: tl.constexpr, BLOCK: tl.constexpr,
@@ -238,11 +244,13 @@ if triton is not None:
         ks, kz, kw0, kw1, kw2, kw3, zw0, zw1, zw2, zw3, s0, m0, s1, m1, s2, m2, s3, m3, pos_in = _step_loads(
             tl.maximum(tl.minimum(t_lo, t_hi - BLOCK), 0), row, ch, jk, t_loc, ks_ptr, kz_ptr, vs_row, vmax_row, pos_ptr,
             D, KGROUP, VGROUPS, VLOG, VST, HAS_POS, KPLANES, KPF)
+        lut = 0
+        if ASM and VBITS == 2:
+            lut = _level_table(vlev16_ptr)
+        q0 = tl.zeros([KW, G], tl.float32)
+        q1, q2, q3, q4, q5, q6, q7 = q0, q0, q0, q0, q0, q0, q0
         if KPLANES:  # each code place's query rows, loaded once
             q0, q1, q2, q3, q4, q5, q6, q7 = _plane_queries(q_row, scaling, jk, gi, D)
-        else:
-            q0 = tl.zeros([KW, G], tl.float32)
-            q1, q2, q3, q4, q5, q6, q7 = q0, q0, q0, q0, q0, q0, q0
         for t0 in range(t_lo, t_hi, BLOCK):
             (ks_n, kz_n, kw0_n, kw1_n, kw2_n, kw3_n, zw0_n, zw1_n, zw2_n, zw3_n, s0_n, m0_n, s1_n, m1_n, s2_n, m2_n, s3_n,
              m3_n, pos_n) = _step_loads(tl.minimum(t0 + BLOCK, t_hi - BLOCK), row, ch, jk, t_loc, ks_ptr, kz_ptr, vs_row,
@@ -313,7 +321,7 @@ if triton is not None:
     def _lowbit_dense_kernel(
         q_ptr, kc_ptr, kz_ptr, ks_ptr, koi_ptr, kov_ptr, vc_ptr, vs_ptr, vmax_ptr, vlev_ptr, vlev16_ptr, start_ptr,
         pos_ptr, hid_ptr, m_ptr, l_ptr, acc_ptr,
-        tokens, heads, splits, split_len, first, scaling, l0, l1, lut,
+        tokens, heads, splits, split_len, first, scaling, l0, l1,
         D: tl.constexpr, G: tl.constexpr, KBITS: tl.constexpr, KGROUP: tl.constexpr, KO: tl.constexpr,
         VBITS: tl.constexpr, VGROUP: tl.constexpr, HAS_START: tl.constexpr, BLOCK: tl.constexpr, LOWP: tl.constexpr,
         LEVELS: tl.constexpr, VLOG: tl.constexpr, VST: tl.constexpr, HAS_POS: tl.constexpr, HID: tl.constexpr,
@@ -360,23 +368,23 @@ if triton is not None:
             t_b = tl.maximum(t_a, tl.minimum(hi, (tl.max(listed, 0) // BLOCK + 1) * BLOCK))
             m_i, l_i, acc0, acc1, acc2, acc3 = _steps(
                 lo, t_a, m_i, l_i, acc0, acc1, acc2, acc3, q, q_row, row, bh, start, first, scaling, l0, l1,
-                lut, kc_ptr, kz_ptr, ks_ptr, koi_ptr, kov_ptr, vc_ptr, vs_row, vmax_row, vlev_ptr, vlev16_ptr, pos_ptr,
+                kc_ptr, kz_ptr, ks_ptr, koi_ptr, kov_ptr, vc_ptr, vs_row, vmax_row, vlev_ptr, vlev16_ptr, pos_ptr,
                 hid_ptr, D, G, KBITS, KGROUP, KO, VBITS, VGROUP, HAS_START, BLOCK, LOWP, LEVELS, VLOG, VST, HAS_POS, HID,
                 False, ASM, KPLANES, KPF, VTILE, PAD)
             m_i, l_i, acc0, acc1, acc2, acc3 = _steps(
                 t_a, t_b, m_i, l_i, acc0, acc1, acc2, acc3, q, q_row, row, bh, start, first, scaling, l0, l1,
-                lut, kc_ptr, kz_ptr, ks_ptr, koi_ptr, kov_ptr, vc_ptr, vs_row, vmax_row, vlev_ptr, vlev16_ptr, pos_ptr,
+                kc_ptr, kz_ptr, ks_ptr, koi_ptr, kov_ptr, vc_ptr, vs_row, vmax_row, vlev_ptr, vlev16_ptr, pos_ptr,
                 hid_ptr, D, G, KBITS, KGROUP, KO, VBITS, VGROUP, HAS_START, BLOCK, LOWP, LEVELS, VLOG, VST, HAS_POS, HID,
                 True, ASM, KPLANES, KPF, VTILE, PAD)
             m_i, l_i, acc0, acc1, acc2, acc3 = _steps(
                 t_b, hi, m_i, l_i, acc0, acc1, acc2, acc3, q, q_row, row, bh, start, first, scaling, l0, l1,
-                lut, kc_ptr, kz_ptr, ks_ptr, koi_ptr, kov_ptr, vc_ptr, vs_row, vmax_row, vlev_ptr, vlev16_ptr, pos_ptr,
+                kc_ptr, kz_ptr, ks_ptr, koi_ptr, kov_ptr, vc_ptr, vs_row, vmax_row, vlev_ptr, vlev16_ptr, pos_ptr,
                 hid_ptr, D, G, KBITS, KGROUP, KO, VBITS, VGROUP, HAS_START, BLOCK, LOWP, LEVELS, VLOG, VST, HAS_POS, HID,
                 False, ASM, KPLANES, KPF, VTILE, PAD)
         else:
             m_i, l_i, acc0, acc1, acc2, acc3 = _steps(
                 lo, hi, m_i, l_i, acc0, acc1, acc2, acc3, q, q_row, row, bh, start, first, scaling, l0, l1,
-                lut, kc_ptr, kz_ptr, ks_ptr, koi_ptr, kov_ptr, vc_ptr, vs_row, vmax_row, vlev_ptr, vlev16_ptr, pos_ptr,
+                kc_ptr, kz_ptr, ks_ptr, koi_ptr, kov_ptr, vc_ptr, vs_row, vmax_row, vlev_ptr, vlev16_ptr, pos_ptr,
                 hid_ptr, D, G, KBITS, KGROUP, KO, VBITS, VGROUP, HAS_START, BLOCK, LOWP, LEVELS, VLOG, VST, HAS_POS, HID,
                 False, ASM, KPLANES, KPF, VTILE, PAD)
         out = (bh * splits + split) * G

@@ -52,7 +52,7 @@ from kvweave.kernels.lowbit_decode import (
     LowbitView, level_kind, lowbit_decode, resolve_variant, rope_at, slot_positions, tile_rows, torch_keys, torch_lowbit_decode,
     torch_values,
 )
-from kvweave.kernels.lowbit_dense import level_word, tiles_build_refusal
+from kvweave.kernels.lowbit_dense import tiles_build_refusal
 from kvweave.kernels.lowbit_tricks import TRICKS, parse_tricks
 
 from .fused import first_positions
@@ -204,7 +204,7 @@ class LowbitKernel(AttentionKernel):
         if tables is None:
             tables = self._tables(view, kq, vq, dim, device)
             view.scratch[("lowbit", view.layer, device)] = tables
-        levels, rotation, inv_freq, rope_scale, kind, word = tables
+        levels, rotation, inv_freq, rope_scale, kind = tables
         tokens = view.packed_tokens
         k, v = view.keys.coefficients, view.values.coefficients
 
@@ -239,7 +239,6 @@ class LowbitKernel(AttentionKernel):
             rope_scale=rope_scale, exact_k=exact_k, exact_v=exact_v, level_kind=kind, k_widths=widths,
             v_scale_max=rows(v["scale_max"], vr) if log8 else None, v_scale_tokens=vq.scale_tokens if log8 else 1,
             v_levels16=levels.to(torch.bfloat16),  # the levels the dense kernel and vb16 read, once per storage state
-            v_level_word=word,
         )
         if any(level.entries for kind_view in (view.keys, view.values) for level in kind_view.residuals):
             packed = self._restored(view, packed, device)
@@ -292,13 +291,12 @@ class LowbitKernel(AttentionKernel):
         table = vq.level_table()
         levels = torch.tensor(table, dtype=torch.float32, device=device)
         rotation = vq.rotation_for(dim, device)
-        word = level_word(table) if len(table) == 4 else None  # 2-bit values: the dense kernel's level word, from the host
         if view.key_space != "pre-rope":
-            return levels, rotation, None, 1.0, level_kind(table), word
+            return levels, rotation, None, 1.0, level_kind(table)
         if view.rotary is None:
             raise CacheStateError(f"layer {view.layer}: keys are stored before RoPE but the cache has no rotary module; build it with build_cache(pipeline, model)")
         inv_freq, scale = view.rotary.frequencies(view.layer)
-        return levels, rotation, inv_freq.to(device).contiguous(), scale, level_kind(table), word
+        return levels, rotation, inv_freq.to(device).contiguous(), scale, level_kind(table)
 
     # ---------------------------------------------------------------------------------- attention
     def attend(self, view: LayerView, query: torch.Tensor, attention_mask: Any, scaling: float) -> torch.Tensor:
