@@ -1,7 +1,8 @@
-"""The machine instructions of the ``lowbit`` decode kernels as built for an H100/H200 (sm_90), counted by class,
+"""The machine instructions of the ``lowbit`` decode kernels as built for an H100/H200 (sm_90; ``--arch``), counted by class,
 without a GPU: Triton compiles the launch ``benchmarks/lowbit_kernel.py`` makes and its nvdisasm lists the code.
 
-    python benchmarks/kernel_sass.py [--storages k4v2,qa35v3,k4v2-post] [--configs wide:,wide:magic,...] [--out FILE]
+    python benchmarks/kernel_sass.py [--storages k4v2,qa35v3,k4v2-post] [--configs wide:,wide:magic,...] [--arch 90] [--asm 1|2]
+        [--out FILE]
 
 A configuration is ``variant:tricks`` (tricks "+"-separated names of ``kvweave.kernels.lowbit_decode.TRICKS``, empty
 for none); ``k4v2-post`` is prerope-k4v2's storage read as keys stored after RoPE, a ``-uniform`` suffix puts its
@@ -28,6 +29,7 @@ os.environ.pop("TRITON_INTERPRET", None)  # built for the GPU, not run in the in
 
 import attrs  # noqa: E402
 import torch  # noqa: E402
+import triton  # noqa: E402
 
 from kvweave.kernels.gpu_build import build, launch_job, resources, sass_opcodes  # noqa: E402
 from kvweave.kernels.lowbit_decode import plan_launch  # noqa: E402
@@ -45,8 +47,10 @@ CLASSES = {
 }
 
 
-def counts(storage: str, variant: str, tricks: str) -> dict:
-    """One table row: ``storage``'s launch of ``variant`` with ``tricks``, built for sm_90, its opcodes by class."""
+def counts(storage: str, variant: str, tricks: str, arch: int = 90, asm: int | None = None) -> dict:
+    """One table row: ``storage``'s launch of ``variant`` with ``tricks``, built for ``sm_{arch}``, its opcodes by class;
+    ``asm``: the dense kernel's ``ASM`` (1: plain operands, 2: the tiled values' operands fenced) instead of the
+    launch's own."""
     hidden = storage.endswith("-hidden")
     base = storage.removesuffix("-hidden").removesuffix("-uniform")
     view = packed_view(1, 256, device="cpu", storage=base.removesuffix("-post"))
@@ -59,13 +63,14 @@ def counts(storage: str, variant: str, tricks: str) -> dict:
         view = attrs.evolve(view, v_levels=torch.arange(count, dtype=torch.float32) - (count - 1) / 2, level_kind=(1, 0.0, 0.0))
     q = torch.randn(1, Q_HEADS, HEAD_DIM)
     launch = plan_launch(view, q, None, HEAD_DIM ** -0.5, variant=variant, lowp=True, tricks=tricks)
-    job = launch_job(launch.kernel, launch.args, launch.constants)
-    cubin = build(importlib.import_module(job["module"]), job).asm["cubin"]
+    constants = launch.constants if asm is None or "ASM" not in launch.constants else {**launch.constants, "ASM": asm}
+    job = launch_job(launch.kernel, launch.args, constants)
+    cubin = build(importlib.import_module(job["module"]), job, arch=arch).asm["cubin"]
     ops = sass_opcodes(cubin)
     used = resources(cubin)
     body = sass_opcodes(cubin, loop=True)
     elements = launch.constants["BLOCK"] * HEAD_DIM * 2 / (32 * launch.constants["num_warps"])  # keys and values a thread, a step
-    row: dict = {"storage": storage, "config": f"{variant}:{tricks}", "triton": importlib.import_module("triton").__version__,
+    row: dict = {"storage": storage, "config": f"{variant}:{tricks}", "triton": triton.__version__, "arch": arch,
                  "total": sum(ops.values()), "loop": sum(body.values()),
                  "per_element": sum(body.values()) / elements, **used}
     for name, members in CLASSES.items():
@@ -80,13 +85,14 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--storages", default="k4v2,qa35v3,k4v2-post")
     parser.add_argument("--configs", default="wide:,wide:magic,wide:magic+vb16,wide:ktf32,wide:magic+vb16+ktf32,wide:kfold+vb16")
+    parser.add_argument("--arch", type=int, default=90, help="the GPU generation built for (90: H100/H200, 80: A100)")
+    parser.add_argument("--asm", type=int, choices=(1, 2), default=None,
+                        help="the dense kernel's ASM instead of the launch's (2: the tiled values' operands fenced, as for Ampere products)")
     parser.add_argument("--out", default=None, help="JSON file for the rows (each with every opcode's count, in the build and in its token loop)")
     args = parser.parse_args()
-    import triton
-
     rows = []
-    print(f"Triton {triton.__version__}, sm_90 (a Triton before 3.8 builds Ampere mma.sync products there, later ones warpgroup "
-          "products: the counts differ)")
+    print(f"Triton {triton.__version__}, sm_{args.arch} (for sm_90 a Triton before 3.8 builds Ampere mma.sync products, later "
+          "ones warpgroup products: the counts differ)")
     print("| storage | variant:tricks | instructions | conversions | float | integer | memory | tensor | other | token loop | "
           "loop per key/value element a thread | registers (stack bytes) |")
     print("|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
@@ -94,7 +100,7 @@ def main() -> None:
         for config in args.configs.split(","):
             variant, _, tricks = config.partition(":")
             try:
-                row = counts(storage, variant, tricks)
+                row = counts(storage, variant, tricks, args.arch, args.asm)
             except ValueError as error:  # a trick this storage cannot take (kfold reads keys after RoPE)
                 print(f"| {storage} | `{config}` | refused: {error} | | | | | | |")
                 continue

@@ -24,15 +24,10 @@ if triton is not None:
         """The query rows [KW, G] of each code place ``k`` (channels ``j * 8 + k``), times ``scaling``: loaded once
         before a program's steps (left in the loop, a build whose loop holds an instruction the compiler may not move
         loads past copied them into shared memory every step)."""
-        q0 = tl.load(q_row + gi[None, :] * D + (jk * 8)[:, None]) * scaling
-        q1 = tl.load(q_row + gi[None, :] * D + (jk * 8 + 1)[:, None]) * scaling
-        q2 = tl.load(q_row + gi[None, :] * D + (jk * 8 + 2)[:, None]) * scaling
-        q3 = tl.load(q_row + gi[None, :] * D + (jk * 8 + 3)[:, None]) * scaling
-        q4 = tl.load(q_row + gi[None, :] * D + (jk * 8 + 4)[:, None]) * scaling
-        q5 = tl.load(q_row + gi[None, :] * D + (jk * 8 + 5)[:, None]) * scaling
-        q6 = tl.load(q_row + gi[None, :] * D + (jk * 8 + 6)[:, None]) * scaling
-        q7 = tl.load(q_row + gi[None, :] * D + (jk * 8 + 7)[:, None]) * scaling
-        return q0, q1, q2, q3, q4, q5, q6, q7
+        rows = q_row + gi[None, :] * D + (jk * 8)[:, None]  # code place 0's channels; place k is k further
+        return (tl.load(rows) * scaling, tl.load(rows + 1) * scaling, tl.load(rows + 2) * scaling,
+                tl.load(rows + 3) * scaling, tl.load(rows + 4) * scaling, tl.load(rows + 5) * scaling,
+                tl.load(rows + 6) * scaling, tl.load(rows + 7) * scaling)
 
     @triton.jit
     def _plane_query(qk, ks_ptr, kz_ptr, meta, kw, zw, jk, k: tl.constexpr, LOWP: tl.constexpr, KPF: tl.constexpr):

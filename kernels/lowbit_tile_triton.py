@@ -129,8 +129,9 @@ if triton is not None:
     @triton.jit
     def _operand(x, ASM: tl.constexpr):
         """bfloat16 ``x`` as it is; where the products are Ampere ones (``ASM`` = 2:
-        :func:`kvweave.kernels.lowbit_dense.ampere_products`), behind an instruction the compiler may not look past. Triton picks an Ampere product's operand layout from the narrowest
-        load behind its operands, halved where a join lies on the way: the levels (made with joins) and the
+        :func:`kvweave.kernels.lowbit_dense.ampere_products`), behind an instruction the compiler may not look past.
+        Triton picks an Ampere product's operand layout from the narrowest load behind its operands, halved where a
+        join lies on the way: the levels (made with joins) and the
         probabilities (one-byte log8 scales) took the layout of one-byte loads, four tokens a thread where the tile's
         words give two and two, and every step moved the levels between lanes into it (Triton 3.6, 2-bit values at
         head_dim 128: 32 lane shuffles and 64 selects a step)."""

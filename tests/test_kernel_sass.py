@@ -96,35 +96,28 @@ def test_the_dense_kernels_key_tile_reaches_the_tensor_cores_without_shared_memo
     assert all(row[0] == "True" and "64x64" not in row[1:] and "64x128" not in row[1:] for row in tiled)
 
 
-_AMPERE_LANES = """
-import importlib, sys, attrs, torch
-sys.path.insert(0, "benchmarks")
-from kvweave.kernels.gpu_build import build, launch_job, sass_opcodes
-from kvweave.kernels.lowbit_decode import plan_launch
-from lowbit_kernel import HEAD_DIM, Q_HEADS, packed_view
-for storage in ("k4v2e48t", "k4v4e77t"):
-    view = attrs.evolve(packed_view(1, 256, device="cpu", storage=storage), inv_freq=None)
-    launch = plan_launch(view, torch.randn(1, Q_HEADS, HEAD_DIM), None, HEAD_DIM ** -0.5, variant="dense", lowp=True)
-    for asm in (1, 2):
-        job = launch_job(launch.kernel, launch.args, {**launch.constants, "ASM": asm})
-        ops = sass_opcodes(build(importlib.import_module(job["module"]), job, arch=80).asm["cubin"], loop=True)
-        print(storage, asm, sum(ops.values()), ops.get("SHFL", 0), ops.get("SEL", 0), ops.get("HMMA", 0))
-"""
-
-
 @pytest.mark.skipif(nvdisasm() is None, reason="needs Triton's CUDA backend (its ptxas and nvdisasm)")
-def test_ampere_products_take_the_tiled_values_as_loaded_when_their_operands_are_fenced():
+def test_ampere_products_take_the_tiled_values_as_loaded_when_their_operands_are_fenced(tmp_path):
     """Built for sm_80 (Ampere ``mma.sync`` products, as Triton before 3.8 builds the dense kernel for an H200 too),
     the tiled values' operands behind an instruction the compiler does not look past (``ASM`` = 2) reach the products
     without lane shuffles: the loop's shuffles are the softmax's and the bias's (at most 16) and it selects almost
     nothing, for 2- and 4-bit tiles, in fewer instructions than the same build with them visible (``ASM`` = 1, where
     Triton takes the layout of one-byte loads for them and moves every level between lanes)."""
+    import json
+
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    done = subprocess.run([sys.executable, "-c", _AMPERE_LANES], capture_output=True, text=True, timeout=600, cwd=ROOT, env=env)
-    assert done.returncode == 0, done.stderr[-3000:]
-    rows = {tuple(line.split()[:2]): [int(x) for x in line.split()[2:]] for line in done.stdout.splitlines() if line.startswith("k4")}
-    for storage in ("k4v2e48t", "k4v4e77t"):
-        fenced, visible = rows[(storage, "2")], rows[(storage, "1")]
+    rows = {}
+    for asm in (1, 2):
+        out = tmp_path / f"asm{asm}.json"
+        done = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "kernel_sass.py"), "--storages", "k4v2e48t-post,k4v4e77t-post",
+                               "--configs", "dense:", "--arch", "80", "--asm", str(asm), "--out", str(out)],
+                              capture_output=True, text=True, timeout=600, cwd=ROOT, env=env)
+        assert done.returncode == 0, done.stderr[-3000:]
+        for row in json.loads(out.read_text()):
+            ops = row["loop_opcodes"]
+            rows[(row["storage"], asm)] = (row["loop"], ops.get("SHFL", 0), ops.get("SEL", 0), ops.get("HMMA", 0))
+    for storage in ("k4v2e48t-post", "k4v4e77t-post"):
+        fenced, visible = rows[(storage, 2)], rows[(storage, 1)]
         assert fenced[3] > 0 and visible[3] > 0  # Ampere products in both
         assert fenced[1] <= 16 and fenced[2] <= 8, (storage, fenced)
         assert fenced[0] < visible[0], (storage, fenced, visible)
