@@ -154,7 +154,7 @@ def parse_configs(text: str, programs: int) -> list[tuple[str, int, int, int, st
 
 def config_name(variant: str, block: int, warps: int, programs: int, tricks: str) -> str:
     """The configuration as ``--configs`` spells it."""
-    return f"{variant}:{block}:{warps}:{programs}" + (f":{tricks}" if tricks else "")
+    return f"{variant}:{block}:{warps}:{programs or 'auto'}" + (f":{tricks}" if tricks else "")
 
 
 def main() -> None:
@@ -164,8 +164,9 @@ def main() -> None:
     parser.add_argument("--reps", type=int, default=30)
     parser.add_argument("--configs", default="wide:32:4",
                         help="kernels timed, each variant:block:warps[:programs] (variant: wide, general; block: "
-                             "tokens per loop step, divides 64; warps per program; programs aimed for, default --programs)")
-    parser.add_argument("--programs", type=int, default=528, help="kernel programs to aim for (splits of the tokens)")
+                             "tokens per loop step, divides 64; warps per program; programs aimed for, default --programs, 0: the launch's choice)")
+    parser.add_argument("--programs", type=int, default=0, help="kernel programs to aim for (splits of the tokens); 0: the "
+                        "launch's choice, as model.generate's (until 2026-12-04 the default was 528)")
     parser.add_argument("--storage", default="k4v2", choices=list(STORAGES), help="what is packed: prerope-k4v2's storage, "
                         "channel-alloc keys at 3.5 bits with 3-bit log8 values (qa35v3), or a layer of the shipped 5x / 8x "
                         "KVzip pipelines (kz5, kz8: their tokens kept, positions read with them)")
@@ -189,9 +190,9 @@ def main() -> None:
     twins = {}
     for variant, block, warps, programs, tricks in configs:
         name = config_name(variant, block, warps, programs, tricks)
-        out = lowbit_decode(small, q_small, None, scale, block, warps, variant, programs, tricks)
+        out = lowbit_decode(small, q_small, None, scale, block, warps, variant, programs or None, tricks)
         twins[name] = float((out - reference).abs().max())
-        launch = plan_launch(small, q_small, None, scale, block, warps, variant, programs, tricks=tricks)
+        launch = plan_launch(small, q_small, None, scale, block, warps, variant, programs or None, tricks=tricks)
         print(f"{name}: largest difference from the torch twin (T = 4096, B = 1) {twins[name]:.2e}; compiled: {kernel_stats(launch.kernel)}")
     rows = []
     print("\n| T | B | kernel | SDPA us (GPU) | lowbit us (GPU) | lowbit us (wall) | speed-up (GPU) | bytes read | GB/s | % of copy bw | bytes ratio |")
@@ -215,7 +216,7 @@ def main() -> None:
             sdpa = device_us(sdpa_call, args.reps)
             read = view_bytes(view)
             for variant, block, warps, programs, tricks in configs:
-                call = lambda: lowbit_decode(view, q, start, scale, block, warps, variant, programs, tricks)  # noqa: E731
+                call = lambda: lowbit_decode(view, q, start, scale, block, warps, variant, programs or None, tricks)  # noqa: E731
                 kernel = device_us(call, args.reps)
                 wall = timed(call, args.reps)
                 row = {"tokens": tokens, "batch": batch, "kernel": config_name(variant, block, warps, programs, tricks), "sdpa_us": sdpa, "kernel_us": kernel,

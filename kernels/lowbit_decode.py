@@ -33,7 +33,8 @@ import attrs
 from kvweave.core.lazy import lazy_module, torch
 from kvweave.kernels.formats import VALUE_TILE, unpack_codes, unpack_varwidth, untile_codes
 from kvweave.kernels.launch import Launch
-from kvweave.kernels.lowbit_dense import GPU_CHECKED_DIMS, dense_block, dense_launch, dense_refusal, tiles_refusal
+from kvweave.kernels.lowbit_dense import (GPU_CHECKED_DIMS, dense_block, dense_launch, dense_refusal, dense_splits,
+                                          multiprocessors, tiles_refusal)
 from kvweave.kernels.lowbit_tricks import (  # noqa: F401 - TRICKS: the names lowbit_decode takes; the others read here
     TRICKS, fast_path, parse_tricks, whole_byte_codes, whole_byte_keys, wide_groups)
 
@@ -234,6 +235,14 @@ def level_kind(levels: list[float] | tuple[float, ...]) -> tuple[int, float, flo
     return 0, 0.0, 0.0
 
 
+def default_programs(rows: int) -> int:
+    """Programs the packed pass of the kernels but "dense" aims for with ``rows`` (batch rows x KV heads) where the
+    launch chooses: 528 (4 per SM of an H200), or at least 4 splits of each row's tokens where the rows alone fill more
+    (the dense kernel at 64K, B = 64 / 128 on the H200: 1.34x -> 1.40x / 1.46x SDPA's speed, docs/kernels.md
+    "model.generate with the dense kernel", before :func:`kvweave.kernels.lowbit_dense.dense_splits`)."""
+    return max(528, 4 * rows)
+
+
 def choose_splits(tokens: int, programs: int, target: int = 528) -> int:
     """Splits of the packed tokens per (row, head) so that about ``target`` programs run (>= BLOCK_T tokens each)."""
     most = max(1, -(-tokens // BLOCK_T))
@@ -298,10 +307,12 @@ def tile_rows(group: int, variant: str = "wide") -> int:
 
 
 def plan_launch(view: LowbitView, q: torch.Tensor, start: torch.Tensor | None, scaling: float, block: int | None = None,
-                num_warps: int = 4, variant: str = "auto", programs: int = 528, lowp: bool | None = None,
+                num_warps: int = 4, variant: str = "auto", programs: int | None = 528, lowp: bool | None = None,
                 tricks: str = "", query_rows: torch.Tensor | None = None) -> Launch:
     """The launch :func:`lowbit_decode` makes for ``view`` (``view.tokens`` > 0); ``lowp``: bfloat16 tile operands
-    (None: where ``q`` is on a GPU); ``tricks``: conversions left out (:data:`TRICKS`); ``query_rows``: the float32 [B x
+    (None: where ``q`` is on a GPU); ``tricks``: conversions left out (:data:`TRICKS`); ``programs``: the programs aimed
+    for, splitting each row's tokens (None: the launch's choice, :func:`kvweave.kernels.lowbit_dense.dense_splits` for
+    the dense kernel, else :func:`default_programs`); ``query_rows``: the float32 [B x
     KV heads, rows, D] query heads padded to the tile's rows, zero beyond them, that a caller keeps (None: made here)."""
     variant, block = resolve_variant(view, variant, block)
     lowp = q.is_cuda if lowp is None else lowp
@@ -317,7 +328,12 @@ def plan_launch(view: LowbitView, q: torch.Tensor, start: torch.Tensor | None, s
         start, hidden = (view.hidden_below if start is None else torch.maximum(start, view.hidden_below)), None
     if view.k_group % block:
         raise ValueError(f"the lowbit kernel's tile of {block} tokens must divide the keys' token group {view.k_group}")
-    splits = choose_splits(view.tokens, batch * heads, programs)
+    if programs is None:  # the launch's choice
+        splits = (dense_splits(batch * heads, view.tokens // block, multiprocessors(q.device), dim, hidden is not None,
+                               num_warps)
+                  if variant == "dense" else choose_splits(view.tokens, batch * heads, default_programs(batch * heads)))
+    else:
+        splits = choose_splits(view.tokens, batch * heads, programs)
     split_len = -(-view.tokens // splits)
     split_len = -(-split_len // view.k_group) * view.k_group  # splits start on a token group
     splits = -(-view.tokens // split_len)
@@ -359,7 +375,7 @@ def plan_launch(view: LowbitView, q: torch.Tensor, start: torch.Tensor | None, s
 
 
 def lowbit_decode(view: LowbitView, q: torch.Tensor, start: torch.Tensor | None, scaling: float,
-                  block: int | None = None, num_warps: int = 4, variant: str = "auto", programs: int = 528,
+                  block: int | None = None, num_warps: int = 4, variant: str = "auto", programs: int | None = 528,
                   tricks: str = "", lowp: bool | None = None, query_rows: torch.Tensor | None = None, out_dtype: Any = None) -> torch.Tensor:
     """The Triton path of :func:`torch_lowbit_decode`: [B, Hq, D] float32 (or ``out_dtype``, rounded by the kernel). On
     a GPU the two products of each tile take bfloat16 operands (float32 sums), as sdpa over the reference path's

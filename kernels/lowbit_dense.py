@@ -33,9 +33,25 @@ NARROW_MAX_BLOCK = 32
 LEVEL_SELECT_MUL, LEVEL_SELECT_ADD = 0x22, 0x10
 UNIFORM4_BASE, UNIFORM4_OFFSET = 0x3F80, 0xBFBC
 
-#: registers a thread of the dense kernel may take at head_dims up to 128 (4 programs of 4 warps an SM of an H100/H200;
-#: the sm_90 build needs 128 without hidden slots, 155 with them, 8 bytes of stack at this cap)
-DENSE_MAX_REGISTERS = 128
+#: registers a thread of the dense kernel may take at head_dims up to 128: 96 lets 5 programs of 4 warps share an SM of an
+#: H100/H200 (65,536 registers; Triton 3.6's sm_90 build takes 118 unbounded, 96 with 22 more loop instructions and no
+#: stack), 4.5-15% faster than 4 programs at 128 (H200, 2026-12-04, docs/kernels.md "Five programs an SM")
+DENSE_MAX_REGISTERS = 96
+
+#: the same with a list of hidden slots (``HID`` > 0), whose checked steps take 123 registers: at 96 they spill 32-40
+#: bytes, so 4 programs an SM
+DENSE_HIDDEN_REGISTERS = 128
+
+#: where the launch chooses the dense kernel's splits (``programs=None``): a split holds at least this many steps, a row
+#: has :data:`DENSE_MIN_SPLITS` to :data:`DENSE_MAX_SPLITS` splits, about :data:`DENSE_WAVES` waves of programs in
+#: between, fewer where a row's steps run out first (H200, 2026-12-04, docs/kernels.md "Five programs an SM")
+DENSE_SPLIT_STEPS = 8
+DENSE_MIN_SPLITS = 8
+DENSE_MAX_SPLITS = 64
+DENSE_WAVES = 3
+
+#: the multiprocessors counted where no GPU is asked (an H200's)
+DEFAULT_SMS = 132
 
 #: read 4-bit keys of at least 16 words a token (head_dim >= 128) as eight products, one per code place of a word
 #: (:func:`kvweave.kernels.lowbit_dense_triton._plane_logits`): no unpacked key tile through shared memory
@@ -144,6 +160,38 @@ def ampere_products(device: Any) -> bool:
     return device.type == "cuda" and _capability(device.index if device.index is not None else torch.cuda.current_device())[0] < 9
 
 
+def dense_registers(dim: int, hidden: bool) -> int | None:
+    """The registers a thread of the dense kernel may take at head_dim ``dim`` (None: the compiler's choice)."""
+    if dim > 128:
+        return None
+    return DENSE_HIDDEN_REGISTERS if hidden else DENSE_MAX_REGISTERS
+
+
+@functools.lru_cache(maxsize=None)
+def _multiprocessors(index: int) -> int:
+    return torch.cuda.get_device_properties(index).multi_processor_count
+
+
+def multiprocessors(device: Any) -> int:
+    """The streaming multiprocessors of ``device`` (:data:`DEFAULT_SMS` for a CPU tensor's)."""
+    if device.type != "cuda":
+        return DEFAULT_SMS
+    return _multiprocessors(device.index if device.index is not None else torch.cuda.current_device())
+
+
+def dense_splits(rows: int, steps: int, sms: int, dim: int, hidden: bool, num_warps: int = 4) -> int:
+    """The splits of each of ``rows`` rows' ``steps`` steps that the dense kernel runs in where the launch chooses: about
+    :data:`DENSE_WAVES` waves of the programs ``sms`` multiprocessors hold at once (their registers:
+    :func:`dense_registers`), :data:`DENSE_MIN_SPLITS` to :data:`DENSE_MAX_SPLITS`, at most one per
+    :data:`DENSE_SPLIT_STEPS` steps. One wave of few long programs leaves SMs idle at its end; many short ones pay each
+    program's loads before its steps and a longer combine (a batch of one row took 16% longer in 165 splits than in
+    66)."""
+    registers = dense_registers(dim, hidden) or 128
+    slots = sms * max(1, 65536 // (registers * 32 * num_warps))
+    wanted = max(DENSE_MIN_SPLITS, min(DENSE_MAX_SPLITS, -(-DENSE_WAVES * slots // max(1, rows))))
+    return max(1, min(steps // DENSE_SPLIT_STEPS, wanted))
+
+
 def query_pad(group: int, rows: int) -> int:
     """The tile columns each real query row takes in the dense kernel: 2 where the ``rows`` of the tile are twice the
     ``group`` query heads of a KV head rounded up to a power of two, else 1."""
@@ -171,6 +219,7 @@ def dense_launch(view: Any, args: tuple, constants: dict, kind: int, l0: float, 
     dense_constants["PAD"] = query_pad(group, constants["G"])
     dense_constants["KPF"] = (dense_constants["KPLANES"] and DENSE_PLANE_PREFETCH and k_scale.dtype == torch.float16
                               and k_zero.dtype == torch.float16)
-    if constants["D"] <= 128:  # the steps that check hidden slots would take 155 registers at head_dim 128: the whole
-        dense_constants["maxnreg"] = DENSE_MAX_REGISTERS  # kernel with them, 3 programs an SM instead of 4 (15% slower)
+    registers = dense_registers(constants["D"], constants["HID"] > 0)
+    if registers is not None:  # unbounded, the steps that check hidden slots took 155: 3 programs an SM (15% slower)
+        dense_constants["maxnreg"] = registers
     return jit_dense._lowbit_dense_kernel, (padded.shape[0], splits), dense_args, dense_constants

@@ -311,7 +311,7 @@ class LowbitKernel(AttentionKernel):
         q = query[:, :, 0, :]
         if self._uses_triton(query.device):
             rows = q.shape[0] * packed.exact_k.shape[1]
-            out = lowbit_decode(packed, q, start, scaling, tricks=self.tricks, programs=launch_programs(rows),
+            out = lowbit_decode(packed, q, start, scaling, tricks=self.tricks, programs=None,  # the launch's splits
                                 query_rows=_query_rows(view.scratch, rows, q, resolve_variant(packed, "auto")[0]),
                                 out_dtype=query.dtype)
         else:
@@ -332,13 +332,6 @@ def hidden_prefix(packed: LowbitView, device: torch.device) -> torch.Tensor | No
     rows = below.reshape(batch, heads)
     prefix = (under == (held >= 0).sum(-1)).all() & (rows == rows[:, :1]).all()
     return rows[:, 0].to(torch.int32).contiguous() if bool(prefix) else None
-
-
-def launch_programs(rows: int) -> int:
-    """Programs the packed pass aims for with ``rows`` (batch rows x KV heads): 528 (4 per SM of an H200), or at least 4
-    splits of each row's tokens where the rows alone fill more (the dense kernel at 64K, B = 64 / 128 on the H200:
-    1.34x -> 1.40x / 1.46x SDPA's speed, docs/kernels.md "model.generate with the dense kernel")."""
-    return max(528, 4 * rows)
 
 
 #: packed tokens dequantized at a time to find restored tokens' vectors (a bound on that temporary: B x H x this x D
