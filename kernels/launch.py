@@ -1,4 +1,5 @@
-"""One Triton kernel launch as data: what the lowbit decode kernels and the window kernels plan before they run."""
+"""One Triton kernel launch as data: what the lowbit decode kernels and the window kernels plan before they run; and how
+many splits of each row's tokens a packed pass takes."""
 
 from __future__ import annotations
 
@@ -22,3 +23,17 @@ class Launch:
     def run(self) -> tuple:
         self.kernel[self.grid](*self.args, **self.constants)
         return self.outputs
+
+
+def default_programs(rows: int) -> int:
+    """Programs the packed pass of the kernels but "dense" aims for with ``rows`` (batch rows x KV heads) where the
+    launch chooses: 528 (4 per SM of an H200), or at least 4 splits of each row's tokens where the rows alone fill more
+    (the dense kernel at 64K, B = 64 / 128 on the H200: 1.34x -> 1.40x / 1.46x SDPA's speed, docs/kernels.md
+    "model.generate with the dense kernel"; the dense kernel has its own since, :func:`kvweave.kernels.lowbit_dense.dense_splits`)."""
+    return max(528, 4 * rows)
+
+
+def choose_splits(tokens: int, programs: int, target: int = 528, least: int = 32) -> int:
+    """Splits of the packed tokens per (row, head) so that about ``target`` programs run (``least`` tokens or more each)."""
+    most = max(1, -(-tokens // least))
+    return max(1, min(most, -(-target // max(1, programs))))

@@ -32,7 +32,7 @@ import attrs
 
 from kvweave.core.lazy import lazy_module, torch
 from kvweave.kernels.formats import VALUE_TILE, unpack_codes, unpack_varwidth, untile_codes
-from kvweave.kernels.launch import Launch
+from kvweave.kernels.launch import Launch, choose_splits, default_programs
 from kvweave.kernels.lowbit_dense import (GPU_CHECKED_DIMS, dense_block, dense_launch, dense_refusal, dense_splits,
                                           multiprocessors, tiles_refusal)
 from kvweave.kernels.lowbit_tricks import (  # noqa: F401 - TRICKS: the names lowbit_decode takes; the others read here
@@ -235,20 +235,6 @@ def level_kind(levels: list[float] | tuple[float, ...]) -> tuple[int, float, flo
     return 0, 0.0, 0.0
 
 
-def default_programs(rows: int) -> int:
-    """Programs the packed pass of the kernels but "dense" aims for with ``rows`` (batch rows x KV heads) where the
-    launch chooses: 528 (4 per SM of an H200), or at least 4 splits of each row's tokens where the rows alone fill more
-    (the dense kernel at 64K, B = 64 / 128 on the H200: 1.34x -> 1.40x / 1.46x SDPA's speed, docs/kernels.md
-    "model.generate with the dense kernel", before :func:`kvweave.kernels.lowbit_dense.dense_splits`)."""
-    return max(528, 4 * rows)
-
-
-def choose_splits(tokens: int, programs: int, target: int = 528) -> int:
-    """Splits of the packed tokens per (row, head) so that about ``target`` programs run (>= BLOCK_T tokens each)."""
-    most = max(1, -(-tokens // BLOCK_T))
-    return max(1, min(most, -(-target // max(1, programs))))
-
-
 #: the Triton kernels :func:`lowbit_decode` can run: "wide" (any storage with at most 4 value groups: whole
 #: half-head key tiles, unpacked in registers where codes fill whole bytes, and the value scales applied to the
 #: probabilities; steps of at least :data:`WIDE_MIN_BLOCK` tokens), "general" (one pass per channel with gathered
@@ -311,8 +297,7 @@ def plan_launch(view: LowbitView, q: torch.Tensor, start: torch.Tensor | None, s
                 tricks: str = "", query_rows: torch.Tensor | None = None) -> Launch:
     """The launch :func:`lowbit_decode` makes for ``view`` (``view.tokens`` > 0); ``lowp``: bfloat16 tile operands
     (None: where ``q`` is on a GPU); ``tricks``: conversions left out (:data:`TRICKS`); ``programs``: the programs aimed
-    for, splitting each row's tokens (None: the launch's choice, :func:`kvweave.kernels.lowbit_dense.dense_splits` for
-    the dense kernel, else :func:`default_programs`); ``query_rows``: the float32 [B x
+    for (None: the launch's, ``dense_splits`` or ``default_programs``); ``query_rows``: the float32 [B x
     KV heads, rows, D] query heads padded to the tile's rows, zero beyond them, that a caller keeps (None: made here)."""
     variant, block = resolve_variant(view, variant, block)
     lowp = q.is_cuda if lowp is None else lowp
@@ -331,9 +316,9 @@ def plan_launch(view: LowbitView, q: torch.Tensor, start: torch.Tensor | None, s
     if programs is None:  # the launch's choice
         splits = (dense_splits(batch * heads, view.tokens // block, multiprocessors(q.device), dim, hidden is not None,
                                num_warps)
-                  if variant == "dense" else choose_splits(view.tokens, batch * heads, default_programs(batch * heads)))
+                  if variant == "dense" else choose_splits(view.tokens, batch * heads, default_programs(batch * heads), BLOCK_T))
     else:
-        splits = choose_splits(view.tokens, batch * heads, programs)
+        splits = choose_splits(view.tokens, batch * heads, programs, BLOCK_T)
     split_len = -(-view.tokens // splits)
     split_len = -(-split_len // view.k_group) * view.k_group  # splits start on a token group
     splits = -(-view.tokens // split_len)

@@ -4,16 +4,10 @@ shared tiny test pipelines (tests/pipelines.toml; helpers that use them are in t
 from __future__ import annotations
 
 import os
-import sys
 from pathlib import Path
 
-# ``python -m pytest`` puts the checkout's root on sys.path, where its kernels/ folder would stand in for the Hugging Face
-# ``kernels`` package that transformers (5.25 and later, where it is installed) imports; kvweave comes from its install
-_ROOT = Path(__file__).resolve().parents[1]
-sys.path[:] = [entry for entry in sys.path if Path(entry or ".").resolve() != _ROOT]
-
-import pytest  # noqa: E402
-import torch  # noqa: E402
+import pytest
+import torch
 
 if not torch.cuda.is_available():  # Triton kernels run in its interpreter on a CPU (set before kvweave imports them)
     os.environ.setdefault("TRITON_INTERPRET", "1")

@@ -254,3 +254,26 @@ def test_routing_statistics_from_the_packed_storage_equal_the_reconstructed_ones
         assert torch.allclose(mass[i], expected[0], atol=tolerance, rtol=tolerance), (mass[i] - expected[0]).abs().max()
         assert torch.allclose(spike[i], expected[1], atol=tolerance, rtol=tolerance)
     assert float(mass.sum()) > 0
+
+
+def test_the_kernels_folder_found_as_top_level_kernels_hands_over_to_an_installed_package():
+    """Python started in the checkout's root finds kernels/ under the top-level name ``kernels``, the Hugging Face
+    package's, which transformers imports where it is installed: imported so, the folder gives way to the installed
+    package (where there is one), and transformers' models import from there."""
+    import importlib.metadata
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    probe = "import kernels, sys; print(kernels.__file__); from transformers import LlamaForCausalLM; print('models ok')"
+    done = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=300, cwd=root)
+    assert done.returncode == 0, done.stderr[-2000:]
+    found, models = done.stdout.strip().splitlines()[-2:]
+    try:
+        importlib.metadata.version("kernels")
+        installed = True
+    except importlib.metadata.PackageNotFoundError:
+        installed = False
+    assert (Path(found).resolve().parent != root / "kernels") == installed, found
+    assert models == "models ok"

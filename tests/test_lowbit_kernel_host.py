@@ -279,7 +279,7 @@ def test_a_flush_drops_the_views_of_the_storage_it_replaced(model, registry):
 def test_the_model_leaves_the_splits_to_the_launch(model, registry, monkeypatch):
     """The layer call asks for no number of programs: the launch chooses (the dense kernel by its waves,
     ``dense_splits``; the others aim for 528 programs, or at least four splits a row where the rows alone fill more)."""
-    from kvweave.kernels.lowbit_decode import default_programs
+    from kvweave.kernels.launch import default_programs
     from kvweave.plugins.kernels import lowbit
 
     assert default_programs(16) == 528 and default_programs(1024) == 4096
