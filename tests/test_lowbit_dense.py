@@ -256,6 +256,20 @@ def test_the_dense_launch_caps_registers_by_the_hidden_list_and_its_own_splits_m
 
 
 @pytest.mark.interpreter
+def test_any_number_of_query_heads_a_kv_head_gives_the_twins_output(model, registry):
+    """Groups of 1, 3, 8 and 16 query heads a KV head (the dense tile's 8 rows, then 16; one column a head, or two for
+    3), with a row's first visible position: the packed pass and the combine give the twin's output."""
+    view, rows = _post_rope_view(model, registry, "t-lowbit-sinks-cg")
+    heads, dim = view.exact_k.shape[1], view.exact_k.shape[-1]
+    start = torch.tensor([40, 0][:rows], dtype=torch.int32)
+    for group in (1, 3, 8, 16):
+        q = torch.randn(rows, heads * group, dim, generator=torch.Generator().manual_seed(group))
+        twin = torch_lowbit_decode(view, q, start, dim ** -0.5)
+        out = lowbit_decode(view, q, start, dim ** -0.5, variant="dense")
+        assert torch.allclose(out, twin, atol=1e-5), (group, (out - twin).abs().max())
+
+
+@pytest.mark.interpreter
 def test_hidden_slots_in_any_step_and_split_are_left_out(model, registry):
     """The dense kernel checks the hidden-slot list only in the steps between a program's first and last hidden slot:
     slots listed anywhere (two in one step, one in another split's step, one at a step's first slot, padding -1) are
