@@ -1,6 +1,12 @@
-"""The ``@triton.jit`` kernel that combines the splits of the ``lowbit`` decode attention's packed pass, rotates their
-output back and merges the exact window and the restored tokens (:func:`kvweave.kernels.lowbit_decode.plan_combine`).
-Without triton the module defines no kernel (``triton`` is None)."""
+"""The ``@triton.jit`` kernels that combine the splits of the ``lowbit`` decode attention's packed pass, rotate their
+output back and merge the exact window and the restored tokens (:func:`kvweave.kernels.lowbit_decode.plan_combine`):
+one program per query head (``_lowbit_combine_kernel``), or per KV head of a row with its query heads together
+(``_lowbit_combine_group_kernel``: ``QR`` rows, those past the group masked), which reads the rotation and the exact
+tokens' keys and values once for the group instead of once per query head but makes each program's chain of loads
+longer (many rows: 114 against 206 us a layer at B = 130 on the H200; few rows: slower, 36.0 against 24.0 us at B = 1,
+32K; docs/kernels.md "Five programs an SM, and splits by waves"). Every product is a float32 multiply and sum over a
+broadcast tile (float32 tile products build without tensor cores and spilled). Without triton the module defines no
+kernel (``triton`` is None)."""
 
 from __future__ import annotations
 
@@ -86,3 +92,86 @@ if triton is not None:
             ok = (j < held) & (exact_first + j >= start)
             m, total, out = _merge_tokens(ek_ptr, ev_ptr, bh * exact + j, ok, chan, q, m, total, out, D)
         tl.store(out_ptr + row.to(tl.int64) * D + chan, _rounded(out / total, out_ptr.dtype.element_ty))
+
+    @triton.jit
+    def _merge_group_tokens(k_ptr, v_ptr, slot, ok, chan, q, m, total, out, D: tl.constexpr):
+        """Tokens ``slot`` [EB] (rows of [.., D] keys and values; ``ok``: attended) merged into the running max, sum and
+        output ([QR], [QR], [QR, D]) of the query rows ``q`` [QR, D] (already scaled) by their exact attention: the new
+        (max, sum, output)."""
+        keys = tl.load(k_ptr + slot[:, None] * D + chan[None, :], mask=ok[:, None], other=0.0).to(tl.float32)
+        logits = tl.where(ok[:, None], tl.sum(keys[:, None, :] * q[None, :, :], 2), float("-inf"))  # [EB, QR]
+        m_new = tl.maximum(m, tl.max(logits, 0))
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = tl.exp(m - m_safe)
+        p = tl.exp(logits - m_safe[None, :])
+        values = tl.load(v_ptr + slot[:, None] * D + chan[None, :], mask=ok[:, None], other=0.0).to(tl.float32)
+        return (m_new, total * alpha + tl.sum(p, 0),
+                out * alpha[:, None] + tl.sum(p[:, :, None] * values[:, None, :], 0))
+
+    @triton.jit
+    def _lowbit_combine_group_kernel(
+        m_ptr, l_ptr, acc_ptr, rot_ptr, q_ptr, ek_ptr, ev_ptr, rk_ptr, rv_ptr, rpos_ptr, start_ptr, fill_ptr, out_ptr,
+        splits, exact, restored, exact_first, scaling,
+        D: tl.constexpr, G: tl.constexpr, HEADS: tl.constexpr, GROUP: tl.constexpr, HAS_START: tl.constexpr,
+        HAS_REST: tl.constexpr, HAS_FILL: tl.constexpr, SB: tl.constexpr, CB: tl.constexpr, EB: tl.constexpr,
+        QR: tl.constexpr,
+    ):
+        """The query heads of one KV head of one row: the splits of the packed pass combined (``m``, ``l``, ``acc``
+        [BH, S, G(, D)], the heads in rows ``0 .. GROUP``), their output rotated back once (``rot`` [D, D], ``CB`` rows
+        at a time), then the exact window [B, H, n, D] (positions ``exact_first ..``) and the tokens full-rank residuals
+        restore ([B, H, r, D], positions ``rpos``, -1: none) attended exactly and merged by their log-sum-exp: ``out``
+        [B, Hq, D] float32 (what ``_merge_exact`` computes). ``HAS_FILL``: the window rows are buffers of ``exact``
+        tokens, of which the first ``fill + 1`` (``fill_ptr``, int32 [1]) are attended (a window kept for a CUDA
+        graph)."""
+        bh = tl.program_id(0).to(tl.int64)  # batch * KV heads
+        batch = bh // HEADS
+        gq = tl.arange(0, QR)
+        real = gq < GROUP
+        chan = tl.arange(0, D)
+        s_idx = tl.arange(0, SB)
+        c_idx = tl.arange(0, CB)
+        top = tl.full([SB, QR], float("-inf"), tl.float32)
+        for s0 in range(0, splits, SB):  # the largest running max of any split
+            ok = ((s0 + s_idx) < splits)[:, None] & real[None, :]
+            top = tl.maximum(top, tl.load(m_ptr + (bh * splits + s0 + s_idx)[:, None] * G + gq[None, :], mask=ok,
+                                          other=float("-inf")))
+        m = tl.max(top, 0)
+        m_safe = tl.where(m == float("-inf"), 0.0, m)
+        total = tl.zeros([QR], tl.float32)
+        for s0 in range(0, splits, SB):  # the splits' sums, weighted
+            ok = ((s0 + s_idx) < splits)[:, None] & real[None, :]
+            at = (bh * splits + s0 + s_idx)[:, None] * G + gq[None, :]  # [SB, QR]
+            w = tl.exp(tl.load(m_ptr + at, mask=ok, other=float("-inf")) - m_safe[None, :])
+            total += tl.sum(w * tl.load(l_ptr + at, mask=ok, other=0.0), 0)
+        out = tl.zeros([QR, D], tl.float32)
+        for c0 in range(0, D, CB):  # the splits' outputs summed, chunk of rotated channels by chunk
+            part = tl.zeros([QR, CB], tl.float32)
+            for s0 in range(0, splits, SB):
+                ok = ((s0 + s_idx) < splits)[:, None] & real[None, :]
+                at = (bh * splits + s0 + s_idx)[:, None] * G + gq[None, :]
+                w = tl.exp(tl.load(m_ptr + at, mask=ok, other=float("-inf")) - m_safe[None, :])
+                a = tl.load(acc_ptr + at[:, :, None] * D + c0 + c_idx[None, None, :], mask=ok[:, :, None], other=0.0)
+                part += tl.sum(w[:, :, None] * a, 0)  # [QR, CB]
+            rot = tl.load(rot_ptr + (c0 + c_idx)[:, None] * D + chan[None, :])  # rows c0 .. of the rotation
+            out += tl.sum(part[:, :, None] * rot[None, :, :], 1)
+        rows = batch * HEADS * GROUP + (bh % HEADS) * GROUP + gq  # [QR]: the query heads' rows of q and out
+        q = tl.load(q_ptr + rows[:, None] * D + chan[None, :], mask=real[:, None], other=0.0).to(tl.float32) * scaling
+        start = 0
+        if HAS_START:
+            start = tl.load(start_ptr + batch)
+        e_idx = tl.arange(0, EB)
+        if HAS_REST:  # restored tokens, then the exact window: the same online merge
+            for j0 in range(0, restored, EB):
+                j = j0 + e_idx
+                pos = tl.load(rpos_ptr + bh * restored + j, mask=j < restored, other=-1)
+                ok = (j < restored) & (pos >= 0) & (pos >= start)
+                m, total, out = _merge_group_tokens(rk_ptr, rv_ptr, bh * restored + j, ok, chan, q, m, total, out, D)
+        held = exact
+        if HAS_FILL:
+            held = tl.load(fill_ptr) + 1
+        for j0 in range(0, held, EB):
+            j = j0 + e_idx
+            ok = (j < held) & (exact_first + j >= start)
+            m, total, out = _merge_group_tokens(ek_ptr, ev_ptr, bh * exact + j, ok, chan, q, m, total, out, D)
+        tl.store(out_ptr + rows[:, None] * D + chan[None, :], _rounded(out / total[:, None], out_ptr.dtype.element_ty),
+                 mask=real[:, None])

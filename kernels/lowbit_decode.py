@@ -46,6 +46,9 @@ else:
 #: packed tokens per loop step of a program
 BLOCK_T = 32
 
+#: rows (batch x KV heads) past which the combine takes a KV head's query heads in one program (H200, docs/kernels.md)
+COMBINE_GROUP_ROWS = 256
+
 
 @attrs.frozen
 class LowbitView:
@@ -235,20 +238,15 @@ def level_kind(levels: list[float] | tuple[float, ...]) -> tuple[int, float, flo
     return 0, 0.0, 0.0
 
 
-#: the Triton kernels :func:`lowbit_decode` can run: "wide" (any storage with at most 4 value groups: whole
-#: half-head key tiles, unpacked in registers where codes fill whole bytes, and the value scales applied to the
-#: probabilities; steps of at least :data:`WIDE_MIN_BLOCK` tokens), "general" (one pass per channel with gathered
-#: bytes, any storage); "auto": "wide" wherever it reads the storage at its steps (measured faster than "general" on
-#: every storage timed on a GPU: 2/4-bit channel-group and channel-alloc keys with 2- or 3-bit values), else "general". (A "subtile" kernel, 16-channel sub-tiles straight from the bytes, was the default before
-#: "wide" and was removed after commit 3230605; docs/kernels.md keeps its measurements.)
-#: "dense" (keys after RoPE in 2- or 4-bit ``channel-group`` codes, 2- or 4-bit values, whole steps: the codes read as
-#: 32-bit words, :mod:`kvweave.kernels.lowbit_dense_triton`; "auto" takes it wherever it reads the storage at the
-#: GPU-checked head_dims, measured 1.04-1.19x faster than "wide" on prerope-k4v2's storage read after RoPE, H200,
-#: 2026-12-02, docs/kernels.md).
+#: the Triton kernels :func:`lowbit_decode` can run: "wide" (at most 4 value groups: whole half-head key tiles, codes of
+#: whole bytes unpacked in registers, value scales on the probabilities; steps of at least :data:`WIDE_MIN_BLOCK`),
+#: "general" (one pass per channel, gathered bytes, any storage), "dense" (keys after RoPE in 2- or 4-bit channel-group
+#: codes, 2- or 4-bit values, whole steps, codes as 32-bit words: :mod:`kvweave.kernels.lowbit_dense_triton`); "auto":
+#: "dense" where it reads the storage at the GPU-checked head_dims, else "wide" where it does, else "general" (each
+#: measured faster than the next on the H200; a "subtile" kernel was removed after 3230605; docs/kernels.md)
 VARIANTS = ("auto", "wide", "general", "dense")
 
-#: the "wide" kernel's smallest step: with 16-token steps its sm_90 build (Triton 3.x) disagreed with the torch twin by
-#: ~1.5 on the H200 (2026-12-01) while the interpreter agreed; 32-token steps agree (docs/kernels.md)
+#: the "wide" kernel's smallest step: its sm_90 build of 16-token steps was off the twin by ~1.5 (H200, docs/kernels.md)
 WIDE_MIN_BLOCK = 32
 
 
@@ -281,9 +279,8 @@ def resolve_variant(view: LowbitView, variant: str, block: int | None = None) ->
     return variant, block
 
 
-#: the fewest rows a KV head's query heads take in the packed pass, by variant: the "dense" kernel's query heads are
-#: its products' second operand, 8 columns at least on a Hopper warpgroup (its loop at Llama-3-8B's 4 heads a KV head:
-#: 910 -> 696 instructions from 16 rows to 8, ``benchmarks/kernel_sass.py``); the others' tensor-core tiles are 16
+#: the fewest rows a KV head's query heads take in the packed pass: 8 for the "dense" kernel, whose products take them
+#: as 8 columns at least (910 -> 696 loop instructions from 16 rows, ``benchmarks/kernel_sass.py``), else 16
 MIN_TILE_ROWS = {"dense": 8}
 
 
@@ -379,9 +376,9 @@ def lowbit_decode(view: LowbitView, q: torch.Tensor, start: torch.Tensor | None,
 
 
 def plan_combine(view: LowbitView, q: torch.Tensor, start: torch.Tensor | None, scaling: float, packed: Launch, out_dtype: Any = None) -> Launch:
-    """The launch that combines the splits of ``packed``, rotates their output back and merges it with the exact
-    window and the restored tokens, one Triton program per query head (``_merge_exact``'s arithmetic): its
-    output [B, Hq, D] float32, or rounded to nearest even in ``out_dtype`` (the model's, saving a conversion)."""
+    """The launch that combines the splits of ``packed``, rotates their output back and merges the exact window and
+    restored tokens (``_merge_exact``'s arithmetic), a program per query head (per KV head past :data:`COMBINE_GROUP_ROWS`
+    rows): [B, Hq, D] float32, or rounded to nearest even in ``out_dtype`` (the model's, saving a conversion)."""
     batch, q_heads, dim = q.shape
     heads = view.exact_k.shape[1]
     m, l, acc = packed.outputs
@@ -396,4 +393,8 @@ def plan_combine(view: LowbitView, q: torch.Tensor, start: torch.Tensor | None, 
     )
     constants = dict(D=dim, G=m.shape[-1], HEADS=heads, GROUP=q_heads // heads, HAS_START=start is not None, HAS_REST=rest,
                      HAS_FILL=fill is not None, SB=32, CB=min(32, dim), EB=16)
-    return Launch(jit._lowbit_combine_kernel, (batch * q_heads,), args, constants, (out,))
+    if batch * heads <= COMBINE_GROUP_ROWS:  # few rows: the shorter chain of loads a program
+        return Launch(jit._lowbit_combine_kernel, (batch * q_heads,), args, constants, (out,))
+    rows = 1 << (q_heads // heads - 1).bit_length()  # tiles [rows, CB, D] and [EB, rows, D] of 32 x D each
+    return Launch(jit._lowbit_combine_group_kernel, (batch * heads,), args,
+                  {**constants, "QR": rows, "CB": max(1, 32 // rows), "EB": max(1, 32 // rows)}, (out,))

@@ -365,5 +365,6 @@ if triton is not None:
             tl.store(base + 2 * VGROUP, acc2)
             tl.store(base + 3 * VGROUP, acc3)
 
-    # the combine pass (one program per query head) lives beside: kernels/lowbit_combine_triton.py
-    from kvweave.kernels.lowbit_combine_triton import _lowbit_combine_kernel, _merge_tokens  # noqa: E402,F401
+    # the combine pass (one program per query head, or per KV head) lives beside: kernels/lowbit_combine_triton.py
+    from kvweave.kernels.lowbit_combine_triton import (_lowbit_combine_group_kernel, _lowbit_combine_kernel,  # noqa: E402,F401
+                                                       _merge_tokens)
