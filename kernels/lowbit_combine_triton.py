@@ -20,17 +20,55 @@ if triton is not None:
     from kvweave.kernels.window_triton import _rounded
 
     @triton.jit
-    def _merge_tokens(k_ptr, v_ptr, slot, ok, chan, q, m, total, out, D: tl.constexpr):
-        """Tokens ``slot`` (rows of [.., D] keys and values; ``ok``: attended) merged into a running max, sum and
-        output by their exact attention (``q`` already scaled): the new (max, sum, output)."""
+    def _merge_tokens(k_ptr, v_ptr, slot, ok, chan, q, m, total, out, D: tl.constexpr, GROUPED: tl.constexpr):
+        """Tokens ``slot`` [EB] (rows of [.., D] keys and values; ``ok``: attended) merged into a running max, sum and
+        output by their exact attention (``q`` already scaled): the new (max, sum, output). ``GROUPED``: ``q`` is [QR, D]
+        query rows with max and sum [QR] and output [QR, D]; else one row, [D] and scalars."""
         keys = tl.load(k_ptr + slot[:, None] * D + chan[None, :], mask=ok[:, None], other=0.0).to(tl.float32)
-        logits = tl.where(ok, tl.sum(keys * q[None, :], 1), float("-inf"))
-        m_new = tl.maximum(m, tl.max(logits, 0))
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-        alpha = tl.exp(m - m_safe)
-        p = tl.exp(logits - m_safe)
-        values = tl.load(v_ptr + slot[:, None] * D + chan[None, :], mask=ok[:, None], other=0.0).to(tl.float32)
-        return m_new, total * alpha + tl.sum(p, 0), out * alpha + tl.sum(p[:, None] * values, 0)
+        if GROUPED:
+            logits = tl.where(ok[:, None], tl.sum(keys[:, None, :] * q[None, :, :], 2), float("-inf"))  # [EB, QR]
+            m_new = tl.maximum(m, tl.max(logits, 0))
+            m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+            alpha = tl.exp(m - m_safe)
+            p = tl.exp(logits - m_safe[None, :])
+            values = tl.load(v_ptr + slot[:, None] * D + chan[None, :], mask=ok[:, None], other=0.0).to(tl.float32)
+            total = total * alpha + tl.sum(p, 0)
+            out = out * alpha[:, None] + tl.sum(p[:, :, None] * values[:, None, :], 0)
+        else:
+            logits = tl.where(ok, tl.sum(keys * q[None, :], 1), float("-inf"))
+            m_new = tl.maximum(m, tl.max(logits, 0))
+            m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+            alpha = tl.exp(m - m_safe)
+            p = tl.exp(logits - m_safe)
+            values = tl.load(v_ptr + slot[:, None] * D + chan[None, :], mask=ok[:, None], other=0.0).to(tl.float32)
+            total = total * alpha + tl.sum(p, 0)
+            out = out * alpha + tl.sum(p[:, None] * values, 0)
+        return m_new, total, out
+
+    @triton.jit
+    def _exact_tokens(m, total, out, q, chan, bh, batch, start_ptr, rk_ptr, rv_ptr, rpos_ptr, ek_ptr, ev_ptr, fill_ptr,
+                      restored, exact, exact_first, D: tl.constexpr, HAS_START: tl.constexpr, HAS_REST: tl.constexpr,
+                      HAS_FILL: tl.constexpr, EB: tl.constexpr, GROUPED: tl.constexpr):
+        """The restored tokens, then the exact window, merged into the running max, sum and output (the same online
+        merge, :func:`_merge_tokens`)."""
+        start = 0
+        if HAS_START:
+            start = tl.load(start_ptr + batch)
+        e_idx = tl.arange(0, EB)
+        if HAS_REST:
+            for j0 in range(0, restored, EB):
+                j = j0 + e_idx
+                pos = tl.load(rpos_ptr + bh * restored + j, mask=j < restored, other=-1)
+                ok = (j < restored) & (pos >= 0) & (pos >= start)
+                m, total, out = _merge_tokens(rk_ptr, rv_ptr, bh * restored + j, ok, chan, q, m, total, out, D, GROUPED)
+        held = exact
+        if HAS_FILL:
+            held = tl.load(fill_ptr) + 1
+        for j0 in range(0, held, EB):
+            j = j0 + e_idx
+            ok = (j < held) & (exact_first + j >= start)
+            m, total, out = _merge_tokens(ek_ptr, ev_ptr, bh * exact + j, ok, chan, q, m, total, out, D, GROUPED)
+        return m, total, out
 
     @triton.jit
     def _lowbit_combine_kernel(
@@ -74,39 +112,9 @@ if triton is not None:
             rot = tl.load(rot_ptr + (c0 + c_idx)[:, None] * D + chan[None, :])  # rows c0 .. of the rotation
             out += tl.sum(part[:, None] * rot, 0)
         q = tl.load(q_ptr + row.to(tl.int64) * D + chan).to(tl.float32) * scaling
-        start = 0
-        if HAS_START:
-            start = tl.load(start_ptr + batch)
-        e_idx = tl.arange(0, EB)
-        if HAS_REST:  # restored tokens, then the exact window: the same online merge
-            for j0 in range(0, restored, EB):
-                j = j0 + e_idx
-                pos = tl.load(rpos_ptr + bh * restored + j, mask=j < restored, other=-1)
-                ok = (j < restored) & (pos >= 0) & (pos >= start)
-                m, total, out = _merge_tokens(rk_ptr, rv_ptr, bh * restored + j, ok, chan, q, m, total, out, D)
-        held = exact
-        if HAS_FILL:
-            held = tl.load(fill_ptr) + 1
-        for j0 in range(0, held, EB):
-            j = j0 + e_idx
-            ok = (j < held) & (exact_first + j >= start)
-            m, total, out = _merge_tokens(ek_ptr, ev_ptr, bh * exact + j, ok, chan, q, m, total, out, D)
+        m, total, out = _exact_tokens(m, total, out, q, chan, bh, batch, start_ptr, rk_ptr, rv_ptr, rpos_ptr, ek_ptr, ev_ptr,
+                                      fill_ptr, restored, exact, exact_first, D, HAS_START, HAS_REST, HAS_FILL, EB, False)
         tl.store(out_ptr + row.to(tl.int64) * D + chan, _rounded(out / total, out_ptr.dtype.element_ty))
-
-    @triton.jit
-    def _merge_group_tokens(k_ptr, v_ptr, slot, ok, chan, q, m, total, out, D: tl.constexpr):
-        """Tokens ``slot`` [EB] (rows of [.., D] keys and values; ``ok``: attended) merged into the running max, sum and
-        output ([QR], [QR], [QR, D]) of the query rows ``q`` [QR, D] (already scaled) by their exact attention: the new
-        (max, sum, output)."""
-        keys = tl.load(k_ptr + slot[:, None] * D + chan[None, :], mask=ok[:, None], other=0.0).to(tl.float32)
-        logits = tl.where(ok[:, None], tl.sum(keys[:, None, :] * q[None, :, :], 2), float("-inf"))  # [EB, QR]
-        m_new = tl.maximum(m, tl.max(logits, 0))
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-        alpha = tl.exp(m - m_safe)
-        p = tl.exp(logits - m_safe[None, :])
-        values = tl.load(v_ptr + slot[:, None] * D + chan[None, :], mask=ok[:, None], other=0.0).to(tl.float32)
-        return (m_new, total * alpha + tl.sum(p, 0),
-                out * alpha[:, None] + tl.sum(p[:, :, None] * values[:, None, :], 0))
 
     @triton.jit
     def _lowbit_combine_group_kernel(
@@ -156,22 +164,7 @@ if triton is not None:
             out += tl.sum(part[:, :, None] * rot[None, :, :], 1)
         rows = batch * HEADS * GROUP + (bh % HEADS) * GROUP + gq  # [QR]: the query heads' rows of q and out
         q = tl.load(q_ptr + rows[:, None] * D + chan[None, :], mask=real[:, None], other=0.0).to(tl.float32) * scaling
-        start = 0
-        if HAS_START:
-            start = tl.load(start_ptr + batch)
-        e_idx = tl.arange(0, EB)
-        if HAS_REST:  # restored tokens, then the exact window: the same online merge
-            for j0 in range(0, restored, EB):
-                j = j0 + e_idx
-                pos = tl.load(rpos_ptr + bh * restored + j, mask=j < restored, other=-1)
-                ok = (j < restored) & (pos >= 0) & (pos >= start)
-                m, total, out = _merge_group_tokens(rk_ptr, rv_ptr, bh * restored + j, ok, chan, q, m, total, out, D)
-        held = exact
-        if HAS_FILL:
-            held = tl.load(fill_ptr) + 1
-        for j0 in range(0, held, EB):
-            j = j0 + e_idx
-            ok = (j < held) & (exact_first + j >= start)
-            m, total, out = _merge_group_tokens(ek_ptr, ev_ptr, bh * exact + j, ok, chan, q, m, total, out, D)
+        m, total, out = _exact_tokens(m, total, out, q, chan, bh, batch, start_ptr, rk_ptr, rv_ptr, rpos_ptr, ek_ptr, ev_ptr,
+                                      fill_ptr, restored, exact, exact_first, D, HAS_START, HAS_REST, HAS_FILL, EB, True)
         tl.store(out_ptr + rows[:, None] * D + chan[None, :], _rounded(out / total[:, None], out_ptr.dtype.element_ty),
                  mask=real[:, None])
