@@ -152,7 +152,7 @@ def parse_configs(text: str, programs: int) -> list[tuple[str, int, int, int, st
     return configs
 
 
-def config_name(variant: str, block: int, warps: int, programs: int, tricks: str) -> str:
+def config_name(variant: str, block: int, warps: int, programs: int | None, tricks: str) -> str:
     """The configuration as ``--configs`` spells it."""
     return f"{variant}:{block}:{warps}:{programs or 'auto'}" + (f":{tricks}" if tricks else "")
 
@@ -176,7 +176,7 @@ def main() -> None:
                         "model.generate launched it over a sinks + KVzip pipeline before hidden_below)")
     parser.add_argument("--out", default="results/lowbit_kernel")
     args = parser.parse_args()
-    configs = parse_configs(args.configs, args.programs)
+    configs = [(v, b, w, p or None, t) for v, b, w, p, t in parse_configs(args.configs, args.programs)]  # 0: the launch's
     if not torch.cuda.is_available():
         raise SystemExit("lowbit_kernel.py times CUDA kernels; run it on a GPU machine")
     bandwidth = copy_bandwidth()
@@ -190,9 +190,9 @@ def main() -> None:
     twins = {}
     for variant, block, warps, programs, tricks in configs:
         name = config_name(variant, block, warps, programs, tricks)
-        out = lowbit_decode(small, q_small, None, scale, block, warps, variant, programs or None, tricks)
+        out = lowbit_decode(small, q_small, None, scale, block, warps, variant, programs, tricks)
         twins[name] = float((out - reference).abs().max())
-        launch = plan_launch(small, q_small, None, scale, block, warps, variant, programs or None, tricks=tricks)
+        launch = plan_launch(small, q_small, None, scale, block, warps, variant, programs, tricks=tricks)
         print(f"{name}: largest difference from the torch twin (T = 4096, B = 1) {twins[name]:.2e}; compiled: {kernel_stats(launch.kernel)}")
     rows = []
     print("\n| T | B | kernel | SDPA us (GPU) | lowbit us (GPU) | lowbit us (wall) | speed-up (GPU) | bytes read | GB/s | % of copy bw | bytes ratio |")
@@ -216,7 +216,7 @@ def main() -> None:
             sdpa = device_us(sdpa_call, args.reps)
             read = view_bytes(view)
             for variant, block, warps, programs, tricks in configs:
-                call = lambda: lowbit_decode(view, q, start, scale, block, warps, variant, programs or None, tricks)  # noqa: E731
+                call = lambda: lowbit_decode(view, q, start, scale, block, warps, variant, programs, tricks)  # noqa: E731
                 kernel = device_us(call, args.reps)
                 wall = timed(call, args.reps)
                 row = {"tokens": tokens, "batch": batch, "kernel": config_name(variant, block, warps, programs, tricks), "sdpa_us": sdpa, "kernel_us": kernel,

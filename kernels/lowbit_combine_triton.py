@@ -27,21 +27,20 @@ if triton is not None:
         keys = tl.load(k_ptr + slot[:, None] * D + chan[None, :], mask=ok[:, None], other=0.0).to(tl.float32)
         if GROUPED:
             logits = tl.where(ok[:, None], tl.sum(keys[:, None, :] * q[None, :, :], 2), float("-inf"))  # [EB, QR]
-            m_new = tl.maximum(m, tl.max(logits, 0))
-            m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-            alpha = tl.exp(m - m_safe)
-            p = tl.exp(logits - m_safe[None, :])
-            values = tl.load(v_ptr + slot[:, None] * D + chan[None, :], mask=ok[:, None], other=0.0).to(tl.float32)
-            total = total * alpha + tl.sum(p, 0)
-            out = out * alpha[:, None] + tl.sum(p[:, :, None] * values[:, None, :], 0)
         else:
             logits = tl.where(ok, tl.sum(keys * q[None, :], 1), float("-inf"))
-            m_new = tl.maximum(m, tl.max(logits, 0))
-            m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-            alpha = tl.exp(m - m_safe)
+        m_new = tl.maximum(m, tl.max(logits, 0))
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = tl.exp(m - m_safe)
+        if GROUPED:
+            p = tl.exp(logits - m_safe[None, :])
+        else:
             p = tl.exp(logits - m_safe)
-            values = tl.load(v_ptr + slot[:, None] * D + chan[None, :], mask=ok[:, None], other=0.0).to(tl.float32)
-            total = total * alpha + tl.sum(p, 0)
+        values = tl.load(v_ptr + slot[:, None] * D + chan[None, :], mask=ok[:, None], other=0.0).to(tl.float32)
+        total = total * alpha + tl.sum(p, 0)
+        if GROUPED:
+            out = out * alpha[:, None] + tl.sum(p[:, :, None] * values[:, None, :], 0)
+        else:
             out = out * alpha + tl.sum(p[:, None] * values, 0)
         return m_new, total, out
 

@@ -1,0 +1,85 @@
+"""How the ``lowbit`` kernel's launches are shaped where the caller leaves it to them: the dense kernel's register cap
+(5 programs an SM, 4 with a hidden-slot list) and its splits by waves of programs, and the combine's grouping (a
+program per query head, or per KV head past ``COMBINE_GROUP_ROWS`` rows), each against the torch twin under Triton's
+interpreter."""
+
+from __future__ import annotations
+
+import attrs
+import pytest
+import torch
+
+from kvweave.kernels.lowbit_decode import lowbit_decode, plan_launch, torch_lowbit_decode
+
+from test_lowbit_dense import _post_rope_view
+from test_lowbit_kernel import model, registry  # noqa: F401 - the same storages and model
+
+
+def test_the_launch_splits_the_dense_rows_into_waves_of_the_programs_an_sm_holds():
+    """Where the caller names no number of programs, the dense kernel's rows split into about ``DENSE_WAVES`` waves of
+    the programs the SMs hold at once (5 an SM at 96 registers, 4 at 128 with a hidden-slot list), at least
+    ``DENSE_MIN_SPLITS`` and at most ``DENSE_MAX_SPLITS`` a row, never fewer than ``DENSE_SPLIT_STEPS`` steps a split."""
+    from kvweave.kernels import lowbit_dense as ld
+
+    assert ld.dense_registers(128, False) == 96 and ld.dense_registers(128, True) == 128 and ld.dense_registers(256, False) is None
+    sms = 132
+    for rows in (8, 64, 256, 1024, 4096):
+        for steps in (5, 246, 492, 983, 4096):
+            for hidden, per_sm in ((False, 5), (True, 4)):
+                splits = ld.dense_splits(rows, steps, sms, 128, hidden)
+                assert splits >= 1 and (splits == 1 or steps // splits >= ld.DENSE_SPLIT_STEPS), (rows, steps, splits)
+                if splits < steps // ld.DENSE_SPLIT_STEPS:  # not held back by the steps: the waves decide
+                    slots = sms * per_sm
+                    assert ld.DENSE_MIN_SPLITS <= splits <= ld.DENSE_MAX_SPLITS
+                    assert (splits in (ld.DENSE_MIN_SPLITS, ld.DENSE_MAX_SPLITS)
+                            or rows * (splits - 1) < ld.DENSE_WAVES * slots <= rows * splits), (rows, steps, splits)
+    assert ld.dense_splits(64, 983, sms, 128, True) < ld.dense_splits(64, 983, sms, 128, False)  # fewer programs an SM
+    assert ld.dense_splits(64, 983, 66, 128, False) < ld.dense_splits(64, 983, 132, 128, False)  # half the SMs
+
+
+@pytest.mark.interpreter
+def test_the_dense_launch_caps_registers_by_the_hidden_list_and_its_own_splits_match_the_twin(model, registry, monkeypatch):
+    """The dense launch caps a thread's registers at 96 (128 with a hidden-slot list, which would spill at 96); asked
+    for no number of programs it splits the rows as ``dense_splits`` says, and the output over those splits is the
+    twin's."""
+    from kvweave.kernels import lowbit_dense as ld
+
+    view, rows = _post_rope_view(model, registry, "t-lowbit-post", 512)  # head_dim 128
+    heads = view.exact_k.shape[1]
+    q = torch.randn(rows, 4, 128, generator=torch.Generator().manual_seed(5))
+    listed = attrs.evolve(view, hidden_slots=torch.full((rows * heads, 4), -1, dtype=torch.int32), hidden_below=None)
+    assert plan_launch(view, q, None, 0.088, variant="dense").constants["maxnreg"] == 96
+    assert plan_launch(listed, q, None, 0.088, variant="dense").constants["maxnreg"] == 128
+    monkeypatch.setattr(ld, "DENSE_SPLIT_STEPS", 1)  # the view's few steps split as a long row's would
+    steps = view.tokens // 64
+    launch = plan_launch(view, q, None, 0.088, variant="dense", programs=None)
+    assert steps >= 2 and launch.grid[1] == ld.dense_splits(rows * heads, steps, ld.DEFAULT_SMS, 128, False) == steps
+    twin = torch_lowbit_decode(view, q, None, 0.088)
+    assert torch.allclose(lowbit_decode(view, q, None, 0.088, variant="dense", programs=None), twin, atol=1e-5)
+
+
+@pytest.mark.interpreter
+def test_any_number_of_query_heads_a_kv_head_gives_the_twins_output(model, registry, monkeypatch):
+    """Groups of 1, 3, 8 and 16 query heads a KV head (the dense tile's 8 rows, then 16; one column a head, or two for
+    3), with a row's first visible position, restored sinks and a window buffer filled in part: the packed pass and
+    either combine (a program per query head, or per KV head past ``COMBINE_GROUP_ROWS`` rows) give the twin's
+    output."""
+    from kvweave.kernels import lowbit_decode as decode
+
+    view, rows = _post_rope_view(model, registry, "t-lowbit-sinks-cg")
+    assert view.restored_k is not None
+    heads, dim = view.exact_k.shape[1], view.exact_k.shape[-1]
+    filled = attrs.evolve(view, exact_fill=torch.tensor([view.exact_k.shape[-2] - 3], dtype=torch.int32))
+    start = torch.tensor([40, 0][:rows], dtype=torch.int32)
+    for by_kv_head in (False, True):
+        monkeypatch.setattr(decode, "COMBINE_GROUP_ROWS", 0 if by_kv_head else rows * heads)
+        for group in (1, 3, 8, 16):
+            q = torch.randn(rows, heads * group, dim, generator=torch.Generator().manual_seed(group))
+            packed = decode.plan_launch(view, q, start, dim ** -0.5, variant="dense")
+            combine = decode.plan_combine(view, q, start, dim ** -0.5, packed)
+            assert combine.grid[0] == rows * heads * (1 if by_kv_head else group)
+            for stored in (view, filled):
+                twin = torch_lowbit_decode(stored, q, start, dim ** -0.5)
+                out = lowbit_decode(stored, q, start, dim ** -0.5, variant="dense")
+                assert torch.allclose(out, twin, atol=1e-5), (by_kv_head, group, (out - twin).abs().max())
+    assert not torch.allclose(torch_lowbit_decode(filled, q, start, 0.125), torch_lowbit_decode(view, q, start, 0.125))
