@@ -7,6 +7,8 @@ from typing import Any
 
 import attrs
 
+from kvweave.core.lazy import torch
+
 
 @attrs.frozen
 class Launch:
@@ -37,3 +39,14 @@ def choose_splits(tokens: int, programs: int, target: int = 528, least: int = 32
     """Splits of the packed tokens per (row, head) so that about ``target`` programs run (``least`` tokens or more each)."""
     most = max(1, -(-tokens // least))
     return max(1, min(most, -(-target // max(1, programs))))
+
+
+def query_tile(q: Any, query_rows: Any, heads: int, rows: int) -> Any:
+    """The float32 [B x ``heads``, ``rows``, D] tile of the query heads ``q`` [B, Hq, D] that the packed passes but
+    "dense" read, zero past each KV head's query heads: ``query_rows`` (a caller's, kept between calls) or a new one."""
+    batch, q_heads, dim = q.shape
+    tile = query_rows if query_rows is not None else q.new_zeros(batch * heads, rows, dim, dtype=torch.float32)
+    if tile.shape != (batch * heads, rows, dim) or tile.dtype != torch.float32:
+        raise ValueError(f"the lowbit kernel's query rows must be float32 {(batch * heads, rows, dim)}, got {tuple(tile.shape)}")
+    tile[:, :q_heads // heads].copy_(q.reshape(batch * heads, q_heads // heads, dim))
+    return tile

@@ -32,7 +32,7 @@ import attrs
 
 from kvweave.core.lazy import lazy_module, torch
 from kvweave.kernels.formats import VALUE_TILE, unpack_codes, unpack_varwidth, untile_codes
-from kvweave.kernels.launch import Launch, choose_splits, default_programs
+from kvweave.kernels.launch import Launch, choose_splits, default_programs, query_tile
 from kvweave.kernels.lowbit_dense import (GPU_CHECKED_DIMS, dense_block, dense_launch, dense_refusal, dense_splits,
                                           multiprocessors, tiles_refusal)
 from kvweave.kernels.lowbit_tricks import (  # noqa: F401 - TRICKS: the names lowbit_decode takes; the others read here
@@ -301,10 +301,8 @@ def plan_launch(view: LowbitView, q: torch.Tensor, start: torch.Tensor | None, s
     trick = parse_tricks(tricks, variant, lowp, view)
     (batch, q_heads, dim), heads = q.shape, view.exact_k.shape[1]
     group, rows = q_heads // heads, tile_rows(q_heads // heads, variant)
-    padded = query_rows if query_rows is not None else q.new_zeros(batch * heads, rows, dim, dtype=torch.float32)
-    if padded.shape != (batch * heads, rows, dim) or padded.dtype != torch.float32:
-        raise ValueError(f"the lowbit kernel's query rows must be float32 {(batch * heads, rows, dim)}, got {tuple(padded.shape)}")
-    padded[:, :group].copy_(q.reshape(batch * heads, group, dim))
+    # the dense kernel reads the query heads where they are: no padded copy, no kernel before its own
+    padded = q.contiguous() if variant == "dense" else query_tile(q, query_rows, heads, rows)
     hidden = view.hidden_slots
     if view.hidden_below is not None:  # the hidden slots as the first visible position of the packed pass
         start, hidden = (view.hidden_below if start is None else torch.maximum(start, view.hidden_below)), None

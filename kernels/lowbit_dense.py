@@ -217,9 +217,10 @@ def dense_launch(view: Any, args: tuple, constants: dict, kind: int, l0: float, 
     dense_constants = {name: constants[name] for name in keep} | {"LEVELS": kind, "ASM": asm,
                                                                   "KPLANES": key_planes(view), "VTILE": view.v_tiled}
     dense_constants["PAD"] = query_pad(group, constants["G"])
+    dense_constants["QG"] = group
     dense_constants["KPF"] = (dense_constants["KPLANES"] and DENSE_PLANE_PREFETCH and k_scale.dtype == torch.float16
                               and k_zero.dtype == torch.float16)
     registers = dense_registers(constants["D"], constants["HID"] > 0)
     if registers is not None:  # unbounded, the steps that check hidden slots took 155: 3 programs an SM (15% slower)
         dense_constants["maxnreg"] = registers
-    return jit_dense._lowbit_dense_kernel, (padded.shape[0], splits), dense_args, dense_constants
+    return jit_dense._lowbit_dense_kernel, (m.shape[0], splits), dense_args, dense_constants

@@ -222,7 +222,7 @@ if triton is not None:
                VBITS: tl.constexpr, VGROUP: tl.constexpr, HAS_START: tl.constexpr, BLOCK: tl.constexpr,
                LOWP: tl.constexpr, LEVELS: tl.constexpr, VLOG: tl.constexpr, VST: tl.constexpr, HAS_POS: tl.constexpr,
                HID: tl.constexpr, HIDE: tl.constexpr, ASM: tl.constexpr, KPLANES: tl.constexpr, KPF: tl.constexpr,
-               VTILE: tl.constexpr, PAD: tl.constexpr):
+               VTILE: tl.constexpr, PAD: tl.constexpr, QG: tl.constexpr):
         """The packed pass over steps ``t_lo .. t_hi`` of a program's tokens: its running max, sums and outputs carried
         on; ``HIDE``: these steps hold hidden slots (the list is checked in them only, so the steps without keep the
         code of a storage that hides none). Each step's scales, zero points and positions are loaded a step ahead
@@ -235,7 +235,7 @@ if triton is not None:
         VW: tl.constexpr = D * VBITS // 32  # value words a token
         GW: tl.constexpr = VGROUP * VBITS // 32  # value words a channel group
         VGROUPS: tl.constexpr = D // VGROUP
-        gi = tl.arange(0, G) // PAD  # the query row of each tile column
+        gi = tl.minimum(tl.arange(0, G) // PAD, QG - 1)  # the query head of each tile column (padding: the last one's)
         ch = tl.arange(0, D)
         jk = tl.arange(0, KW)
         jv = tl.arange(0, GW)
@@ -326,28 +326,27 @@ if triton is not None:
         VBITS: tl.constexpr, VGROUP: tl.constexpr, HAS_START: tl.constexpr, BLOCK: tl.constexpr, LOWP: tl.constexpr,
         LEVELS: tl.constexpr, VLOG: tl.constexpr, VST: tl.constexpr, HAS_POS: tl.constexpr, HID: tl.constexpr,
         ASM: tl.constexpr, KPLANES: tl.constexpr, KPF: tl.constexpr, VTILE: tl.constexpr, PAD: tl.constexpr,
+        QG: tl.constexpr,
     ):
         """One program per (batch row x KV head, split of the packed tokens); the split is whole steps of ``BLOCK``
         tokens (``BLOCK`` divides ``KGROUP``), so nothing is masked but slots that are fillers, before the row's first
         visible position, or hidden. Tiles are token-major (logits [BLOCK, G], outputs [channels, G]): the unpacked codes
-        are the products' first operand, whose rows (tokens, channels) fill a Hopper warpgroup product of 64 rows, and the
-        query heads (padded to 8 rows: ``MIN_TILE_ROWS``) the second. Writes the split's running max, sum and output in
-        the rotated space, as the ``wide`` kernel does, for the same combine. ``KPLANES``: 4-bit keys read by code
-        places (:func:`_plane_logits`); ``KPF``: their scales and zero points loaded a step ahead as int32 words;
-        ``PAD`` = 2: the ``G / 2`` real query rows each fill two columns (:func:`_steps`), and only they are written."""
+        are the products' first operand (rows: tokens, channels), the query heads (8 rows at least) the second, read where
+        the model left them (``q_ptr`` [B, KV heads x ``QG``, D], any float dtype; a padding row repeats a real one).
+        Writes the split's running max, sum and output in the rotated space, for the combine. ``KPLANES``: 4-bit keys
+        read by code places (:func:`_plane_logits`); ``KPF``: their scales and zero points loaded a step ahead as int32
+        words; ``PAD`` = 2: the ``G / 2`` real query rows each fill two columns (:func:`_steps`), only they written."""
         bh = tl.program_id(0)
         split = tl.program_id(1)
         batch = bh // heads
         scaling = scaling * 1.4426950408889634  # log2(e): the logits in base 2, each exponential one ex2 (m stored in base e)
         VGROUPS: tl.constexpr = D // VGROUP
         R: tl.constexpr = G // PAD  # the rows written: the real query rows with PAD = 2
-        gi = tl.arange(0, G) // PAD
-        ri = tl.arange(0, R)
-        ch = tl.arange(0, D)
-        cg = tl.arange(0, VGROUP)
+        gi = tl.minimum(tl.arange(0, G) // PAD, QG - 1)
+        ri, ch, cg = tl.arange(0, R), tl.arange(0, D), tl.arange(0, VGROUP)
         row = bh.to(tl.int64) * tokens
-        q_row = q_ptr + bh.to(tl.int64) * G * D
-        q = tl.load(q_row + gi[None, :] * D + ch[:, None]) * scaling  # [D, G]
+        q_row = q_ptr + bh.to(tl.int64) * QG * D  # the query heads [B, KV heads x QG, D] as the model made them
+        q = tl.load(q_row + gi[None, :] * D + ch[:, None]).to(tl.float32) * scaling  # [D, G]
         start = 0
         if HAS_START:
             start = tl.load(start_ptr + batch)
@@ -370,23 +369,23 @@ if triton is not None:
                 lo, t_a, m_i, l_i, acc0, acc1, acc2, acc3, q, q_row, row, bh, start, first, scaling, l0, l1,
                 kc_ptr, kz_ptr, ks_ptr, koi_ptr, kov_ptr, vc_ptr, vs_row, vmax_row, vlev_ptr, vlev16_ptr, pos_ptr,
                 hid_ptr, D, G, KBITS, KGROUP, KO, VBITS, VGROUP, HAS_START, BLOCK, LOWP, LEVELS, VLOG, VST, HAS_POS, HID,
-                False, ASM, KPLANES, KPF, VTILE, PAD)
+                False, ASM, KPLANES, KPF, VTILE, PAD, QG)
             m_i, l_i, acc0, acc1, acc2, acc3 = _steps(
                 t_a, t_b, m_i, l_i, acc0, acc1, acc2, acc3, q, q_row, row, bh, start, first, scaling, l0, l1,
                 kc_ptr, kz_ptr, ks_ptr, koi_ptr, kov_ptr, vc_ptr, vs_row, vmax_row, vlev_ptr, vlev16_ptr, pos_ptr,
                 hid_ptr, D, G, KBITS, KGROUP, KO, VBITS, VGROUP, HAS_START, BLOCK, LOWP, LEVELS, VLOG, VST, HAS_POS, HID,
-                True, ASM, KPLANES, KPF, VTILE, PAD)
+                True, ASM, KPLANES, KPF, VTILE, PAD, QG)
             m_i, l_i, acc0, acc1, acc2, acc3 = _steps(
                 t_b, hi, m_i, l_i, acc0, acc1, acc2, acc3, q, q_row, row, bh, start, first, scaling, l0, l1,
                 kc_ptr, kz_ptr, ks_ptr, koi_ptr, kov_ptr, vc_ptr, vs_row, vmax_row, vlev_ptr, vlev16_ptr, pos_ptr,
                 hid_ptr, D, G, KBITS, KGROUP, KO, VBITS, VGROUP, HAS_START, BLOCK, LOWP, LEVELS, VLOG, VST, HAS_POS, HID,
-                False, ASM, KPLANES, KPF, VTILE, PAD)
+                False, ASM, KPLANES, KPF, VTILE, PAD, QG)
         else:
             m_i, l_i, acc0, acc1, acc2, acc3 = _steps(
                 lo, hi, m_i, l_i, acc0, acc1, acc2, acc3, q, q_row, row, bh, start, first, scaling, l0, l1,
                 kc_ptr, kz_ptr, ks_ptr, koi_ptr, kov_ptr, vc_ptr, vs_row, vmax_row, vlev_ptr, vlev16_ptr, pos_ptr,
                 hid_ptr, D, G, KBITS, KGROUP, KO, VBITS, VGROUP, HAS_START, BLOCK, LOWP, LEVELS, VLOG, VST, HAS_POS, HID,
-                False, ASM, KPLANES, KPF, VTILE, PAD)
+                False, ASM, KPLANES, KPF, VTILE, PAD, QG)
         out = (bh * splits + split) * G
         tl.store(m_ptr + out + ri, m_i * 0.6931471805599453)
         tl.store(l_ptr + out + ri, tl.sum(l_i, 0))

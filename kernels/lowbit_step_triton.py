@@ -20,14 +20,18 @@ if triton is not None:
         return ((words >> (16 * (k % 2))) & 0xFFFF).to(tl.uint16).to(tl.float16, bitcast=True).to(tl.float32)
 
     @triton.jit
+    def _row(rows, k: tl.constexpr, scaling):
+        """Code place ``k``'s query entries at ``rows`` (the model's dtype) as float32, times ``scaling``."""
+        return tl.load(rows + k).to(tl.float32) * scaling
+
+    @triton.jit
     def _plane_queries(q_row, scaling, jk, gi, D: tl.constexpr):
         """The query rows [KW, G] of each code place ``k`` (channels ``j * 8 + k``), times ``scaling``: loaded once
         before a program's steps (left in the loop, a build whose loop holds an instruction the compiler may not move
         loads past copied them into shared memory every step)."""
         rows = q_row + gi[None, :] * D + (jk * 8)[:, None]  # code place 0's channels; place k is k further
-        return (tl.load(rows) * scaling, tl.load(rows + 1) * scaling, tl.load(rows + 2) * scaling,
-                tl.load(rows + 3) * scaling, tl.load(rows + 4) * scaling, tl.load(rows + 5) * scaling,
-                tl.load(rows + 6) * scaling, tl.load(rows + 7) * scaling)
+        return (_row(rows, 0, scaling), _row(rows, 1, scaling), _row(rows, 2, scaling), _row(rows, 3, scaling),
+                _row(rows, 4, scaling), _row(rows, 5, scaling), _row(rows, 6, scaling), _row(rows, 7, scaling))
 
     @triton.jit
     def _plane_query(qk, ks_ptr, kz_ptr, meta, kw, zw, jk, k: tl.constexpr, LOWP: tl.constexpr, KPF: tl.constexpr):

@@ -105,7 +105,7 @@ if triton is not None:
             index = tl.load(koi_ptr + tok * KO + o, mask=t_ok, other=0).to(tl.int32)
             delta = tl.load(kov_ptr + tok * KO + o, mask=t_ok, other=0.0).to(tl.float32) - \
                 tl.load(kz_ptr + meta + index).to(tl.float32)
-            part = tl.load(q_row + gi[:, None] * D + index[None, :]) * scaling * delta[None, :]
+            part = tl.load(q_row + gi[:, None] * D + index[None, :]).to(tl.float32) * scaling * delta[None, :]
             if o == 0:
                 total = part
             else:

@@ -208,8 +208,10 @@ def test_the_dense_kernel_pads_a_kv_heads_query_heads_to_8_rows_and_the_others_t
     q = torch.randn(rows, 4 * heads, 128)
     assert plan_launch(view, q, None, 0.088, variant="dense").constants["G"] == 8
     assert plan_launch(view, q, None, 0.088, variant="wide").constants["G"] == 16
-    with pytest.raises(ValueError, match="query rows must be float32"):  # a caller's rows of the other kernels' size
-        plan_launch(view, q, None, 0.088, variant="dense", query_rows=torch.zeros(rows * heads, 16, 128))
+    with pytest.raises(ValueError, match="query rows must be float32"):  # a caller's rows of the dense kernel's size
+        plan_launch(view, q, None, 0.088, variant="wide", query_rows=torch.zeros(rows * heads, 8, 128))
+    dense = plan_launch(view, q, None, 0.088, variant="dense", query_rows=torch.zeros(rows * heads, 16, 128))
+    assert dense.args[0].data_ptr() == q.data_ptr() and dense.constants["QG"] == 4  # the query heads read in place
 
 
 @pytest.mark.interpreter

@@ -83,3 +83,20 @@ def test_any_number_of_query_heads_a_kv_head_gives_the_twins_output(model, regis
                 out = lowbit_decode(stored, q, start, dim ** -0.5, variant="dense")
                 assert torch.allclose(out, twin, atol=1e-5), (by_kv_head, group, (out - twin).abs().max())
     assert not torch.allclose(torch_lowbit_decode(filled, q, start, 0.125), torch_lowbit_decode(view, q, start, 0.125))
+
+
+@pytest.mark.interpreter
+def test_the_dense_kernel_reads_the_query_heads_in_the_models_dtype_where_they_are(model, registry):
+    """The dense kernel reads the query heads from the caller's tensor (no zero-padded float32 copy before it): a
+    bfloat16 query, also one that is a strided view of a larger tensor, gives the twin's output for its values, and
+    the padding columns of a group of 3 change nothing."""
+    view, rows = _post_rope_view(model, registry, "t-lowbit-post", 512)
+    heads = view.exact_k.shape[1]
+    for group in (3, 4):
+        wide = torch.randn(rows, heads * group, 2, 128, generator=torch.Generator().manual_seed(group)).bfloat16()
+        q = wide[:, :, 1]  # every other row of 128: not contiguous
+        launch = plan_launch(view, q, None, 0.088, variant="dense")
+        assert launch.args[0].dtype == torch.bfloat16 and launch.constants["QG"] == group
+        twin = torch_lowbit_decode(view, q.float(), None, 0.088)
+        out = lowbit_decode(view, q, None, 0.088, variant="dense")
+        assert torch.allclose(out, twin, atol=1e-5), (group, (out - twin).abs().max())

@@ -310,9 +310,9 @@ class LowbitKernel(AttentionKernel):
         start = first_positions(view.scratch, attention_mask, query.device)
         q = query[:, :, 0, :]
         if self._uses_triton(query.device):
-            rows = q.shape[0] * packed.exact_k.shape[1]
+            rows, variant = q.shape[0] * packed.exact_k.shape[1], resolve_variant(packed, "auto")[0]
             out = lowbit_decode(packed, q, start, scaling, tricks=self.tricks, programs=None,  # the launch's splits
-                                query_rows=_query_rows(view.scratch, rows, q, resolve_variant(packed, "auto")[0]),
+                                query_rows=None if variant == "dense" else _query_rows(view.scratch, rows, q, variant),
                                 out_dtype=query.dtype)
         else:
             out = torch_lowbit_decode(packed, q, start, scaling)
