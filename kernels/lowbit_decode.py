@@ -33,6 +33,7 @@ import attrs
 from kvweave.core.lazy import lazy_module, torch
 from kvweave.kernels.formats import VALUE_TILE, unpack_codes, unpack_varwidth, untile_codes
 from kvweave.kernels.launch import Launch, choose_splits, default_programs, query_tile
+from kvweave.kernels.lowbit_combine import exact_start, plan_combine  # noqa: F401 - plan_combine re-exported
 from kvweave.kernels.lowbit_dense import (GPU_CHECKED_DIMS, dense_block, dense_launch, dense_refusal, dense_splits,
                                           multiprocessors, tiles_refusal)
 from kvweave.kernels.lowbit_tricks import (  # noqa: F401 - TRICKS: the names lowbit_decode takes; the others read here
@@ -45,10 +46,6 @@ else:
 
 #: packed tokens per loop step of a program
 BLOCK_T = 32
-
-#: rows (batch x KV heads) past which the combine takes a KV head's query heads in one program (H200, docs/kernels.md)
-COMBINE_GROUP_ROWS = 256
-
 
 @attrs.frozen
 class LowbitView:
@@ -106,11 +103,6 @@ class LowbitView:
     exact_fill: torch.Tensor | None = None
     #: ``v_codes`` hold 2/4-bit codes in tiles of 64 tokens (``rotated-token-tiled.v1``; read by the dense kernel, twin)
     v_tiled: bool = False
-
-
-def exact_start(view: LowbitView) -> int:
-    """The cache index of the exact window's first token."""
-    return view.first + view.tokens if view.exact_first is None else view.exact_first
 
 
 def slot_positions(view: LowbitView, device: torch.device) -> torch.Tensor:
@@ -371,28 +363,3 @@ def lowbit_decode(view: LowbitView, q: torch.Tensor, start: torch.Tensor | None,
     packed = plan_launch(view, q, start, scaling, block, num_warps, variant, programs, lowp, tricks, query_rows)
     packed.run()
     return plan_combine(view, q, start, scaling, packed, out_dtype).run()[0]
-
-
-def plan_combine(view: LowbitView, q: torch.Tensor, start: torch.Tensor | None, scaling: float, packed: Launch, out_dtype: Any = None) -> Launch:
-    """The launch that combines the splits of ``packed``, rotates their output back and merges the exact window and
-    restored tokens (``_merge_exact``'s arithmetic), a program per query head (per KV head past :data:`COMBINE_GROUP_ROWS`
-    rows): [B, Hq, D] float32, or rounded to nearest even in ``out_dtype`` (the model's, saving a conversion)."""
-    batch, q_heads, dim = q.shape
-    heads = view.exact_k.shape[1]
-    m, l, acc = packed.outputs
-    out = torch.empty(batch, q_heads, dim, device=q.device, dtype=out_dtype or torch.float32)
-    rest = view.restored_k is not None
-    fill = view.exact_fill
-    args = (
-        m, l, acc, view.rotation, q.contiguous(), view.exact_k.contiguous(), view.exact_v.contiguous(),
-        view.restored_k.contiguous() if rest else m, view.restored_v.contiguous() if rest else m,
-        view.restored_pos.contiguous() if rest else m, start if start is not None else m, fill if fill is not None else m, out,
-        m.shape[1], view.exact_k.shape[-2], view.restored_k.shape[-2] if rest else 0, exact_start(view), float(scaling),
-    )
-    constants = dict(D=dim, G=m.shape[-1], HEADS=heads, GROUP=q_heads // heads, HAS_START=start is not None, HAS_REST=rest,
-                     HAS_FILL=fill is not None, SB=32, CB=min(32, dim), EB=16)
-    if batch * heads <= COMBINE_GROUP_ROWS:  # few rows: the shorter chain of loads a program
-        return Launch(jit._lowbit_combine_kernel, (batch * q_heads,), args, constants, (out,))
-    rows = 1 << (q_heads // heads - 1).bit_length()  # tiles [rows, CB, D] and [EB, rows, D] of 32 x D each
-    return Launch(jit._lowbit_combine_group_kernel, (batch * heads,), args,
-                  {**constants, "QR": rows, "CB": max(1, 32 // rows), "EB": max(1, 32 // rows)}, (out,))

@@ -62,8 +62,9 @@ def test_the_dense_launch_caps_registers_by_the_hidden_list_and_its_own_splits_m
 def test_any_number_of_query_heads_a_kv_head_gives_the_twins_output(model, registry, monkeypatch):
     """Groups of 1, 3, 8 and 16 query heads a KV head (the dense tile's 8 rows, then 16; one column a head, or two for
     3), with a row's first visible position, restored sinks and a window buffer filled in part: the packed pass and
-    either combine (a program per query head, or per KV head past ``COMBINE_GROUP_ROWS`` rows) give the twin's
-    output."""
+    either combine (a program per query head, its splits and rotation in one tile each or in loops, or per KV head past
+    ``COMBINE_GROUP_ROWS`` rows), over several splits a row, give the twin's output."""
+    from kvweave.kernels import lowbit_combine
     from kvweave.kernels import lowbit_decode as decode
 
     view, rows = _post_rope_view(model, registry, "t-lowbit-sinks-cg")
@@ -71,17 +72,19 @@ def test_any_number_of_query_heads_a_kv_head_gives_the_twins_output(model, regis
     heads, dim = view.exact_k.shape[1], view.exact_k.shape[-1]
     filled = attrs.evolve(view, exact_fill=torch.tensor([view.exact_k.shape[-2] - 3], dtype=torch.int32))
     start = torch.tensor([40, 0][:rows], dtype=torch.int32)
-    for by_kv_head in (False, True):
-        monkeypatch.setattr(decode, "COMBINE_GROUP_ROWS", 0 if by_kv_head else rows * heads)
+    for by_kv_head, whole in ((False, True), (False, False), (True, False)):
+        monkeypatch.setattr(lowbit_combine, "COMBINE_GROUP_ROWS", 0 if by_kv_head else rows * heads)
+        monkeypatch.setattr(lowbit_combine, "COMBINE_WHOLE_SPLITS", 64 if whole else 0)
         for group in (1, 3, 8, 16):
             q = torch.randn(rows, heads * group, dim, generator=torch.Generator().manual_seed(group))
-            packed = decode.plan_launch(view, q, start, dim ** -0.5, variant="dense")
+            packed = decode.plan_launch(view, q, start, dim ** -0.5, variant="dense", programs=4 * rows * heads)
             combine = decode.plan_combine(view, q, start, dim ** -0.5, packed)
-            assert combine.grid[0] == rows * heads * (1 if by_kv_head else group)
+            assert combine.grid[0] == rows * heads * (1 if by_kv_head else group) and packed.grid[1] > 1
+            assert combine.constants.get("WHOLE", False) == whole
             for stored in (view, filled):
                 twin = torch_lowbit_decode(stored, q, start, dim ** -0.5)
-                out = lowbit_decode(stored, q, start, dim ** -0.5, variant="dense")
-                assert torch.allclose(out, twin, atol=1e-5), (by_kv_head, group, (out - twin).abs().max())
+                out = lowbit_decode(stored, q, start, dim ** -0.5, variant="dense", programs=4 * rows * heads)
+                assert torch.allclose(out, twin, atol=1e-5), (by_kv_head, whole, group, (out - twin).abs().max())
     assert not torch.allclose(torch_lowbit_decode(filled, q, start, 0.125), torch_lowbit_decode(view, q, start, 0.125))
 
 

@@ -1,0 +1,58 @@
+"""How the ``lowbit`` decode attention's combine is launched (:func:`plan_combine`; the kernels are in
+:mod:`kvweave.kernels.lowbit_combine_triton`): the splits of the packed pass merged, their output rotated back, the
+exact window and the restored tokens attended."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+from kvweave.core.lazy import lazy_module, torch
+from kvweave.kernels.launch import Launch
+
+if TYPE_CHECKING:
+    from kvweave.kernels import lowbit_combine_triton as jit
+else:
+    jit: Any = lazy_module("kvweave.kernels.lowbit_combine_triton")
+
+#: rows (batch x KV heads) past which the combine takes a KV head's query heads in one program (H200, docs/kernels.md)
+COMBINE_GROUP_ROWS = 256
+
+#: the most splits a row the per-query-head combine reads in one tile, its rotation in one: no loop between
+#: its loads (H200, docs/kernels.md "The query heads where the model left them, the combine without loops")
+COMBINE_WHOLE_SPLITS = 64
+
+
+def exact_start(view: Any) -> int:
+    """The cache index of the exact window's first token."""
+    return view.first + view.tokens if view.exact_first is None else view.exact_first
+
+
+def plan_combine(view: Any, q: torch.Tensor, start: torch.Tensor | None, scaling: float, packed: Launch,
+                 out_dtype: Any = None) -> Launch:
+    """The launch that combines the splits of ``packed`` (a :class:`kvweave.kernels.lowbit_decode.LowbitView`'s packed
+    pass), rotates their output back and merges the exact window and restored tokens (``_merge_exact``'s arithmetic),
+    a program per query head (per KV head past :data:`COMBINE_GROUP_ROWS` rows): [B, Hq, D] float32, or rounded to
+    nearest even in ``out_dtype`` (the model's, saving a conversion)."""
+    batch, q_heads, dim = q.shape
+    heads = view.exact_k.shape[1]
+    m, l, acc = packed.outputs
+    splits = m.shape[1]
+    out = torch.empty(batch, q_heads, dim, device=q.device, dtype=out_dtype or torch.float32)
+    rest = view.restored_k is not None
+    fill = view.exact_fill
+    args = (
+        m, l, acc, view.rotation, q.contiguous(), view.exact_k.contiguous(), view.exact_v.contiguous(),
+        view.restored_k.contiguous() if rest else m, view.restored_v.contiguous() if rest else m,
+        view.restored_pos.contiguous() if rest else m, start if start is not None else m, fill if fill is not None else m, out,
+        splits, view.exact_k.shape[-2], view.restored_k.shape[-2] if rest else 0, exact_start(view), float(scaling),
+    )
+    constants = dict(D=dim, G=m.shape[-1], HEADS=heads, GROUP=q_heads // heads, HAS_START=start is not None, HAS_REST=rest,
+                     HAS_FILL=fill is not None, SB=32, CB=min(32, dim), EB=16)
+    if batch * heads <= COMBINE_GROUP_ROWS:  # few rows: the shorter chain of loads a program
+        if splits <= COMBINE_WHOLE_SPLITS:
+            constants.update(SB=max(16, 1 << (splits - 1).bit_length()), CB=dim)
+        return Launch(jit._lowbit_combine_kernel, (batch * q_heads,), args,
+                      {**constants, "WHOLE": splits <= COMBINE_WHOLE_SPLITS}, (out,))
+    rows = 1 << (q_heads // heads - 1).bit_length()  # tiles [rows, CB, D] and [EB, rows, D] of 32 x D each
+    return Launch(jit._lowbit_combine_group_kernel, (batch * heads,), args,
+                  {**constants, "QR": rows, "CB": max(1, 32 // rows), "EB": max(1, 32 // rows)}, (out,))
