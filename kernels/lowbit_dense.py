@@ -44,8 +44,9 @@ DENSE_HIDDEN_REGISTERS = 128
 
 #: where the launch chooses the dense kernel's splits (``programs=None``): a split holds at least this many steps, a row
 #: has :data:`DENSE_MIN_SPLITS` to :data:`DENSE_MAX_SPLITS` splits, about :data:`DENSE_WAVES` waves of programs in
-#: between, fewer where a row's steps run out first (H200, 2026-12-04, docs/kernels.md "Five programs an SM")
-DENSE_SPLIT_STEPS = 8
+#: between, fewer where a row's steps run out first (H200, 2026-12-04, docs/kernels.md "Five programs an SM"; 4 steps
+#: a split since the loop-free combine: "The query heads where the model left them, the combine without loops")
+DENSE_SPLIT_STEPS = 4
 DENSE_MIN_SPLITS = 8
 DENSE_MAX_SPLITS = 64
 DENSE_WAVES = 3
