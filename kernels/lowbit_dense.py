@@ -193,6 +193,18 @@ def dense_splits(rows: int, steps: int, sms: int, dim: int, hidden: bool, num_wa
     return max(1, min(steps // DENSE_SPLIT_STEPS, wanted))
 
 
+#: 4-bit uniform values in tiles, read as their operand bits ``1 + code / 16`` with ``(7.5 + 16) / 16`` times each
+#: slot's weights taken off the output once at the end (``LEVELS`` = 3), where each operand register took a paired add
+DENSE_OFFSET_OUT = True
+
+
+def offset_out(constants: dict) -> bool:
+    """Whether the dense kernel reads 4-bit uniform values as ``1 + code / 16`` and takes the offset off the output once
+    (values in tiles, two value groups or fewer, each query row in two columns: the weights' tile serves both groups)."""
+    return (DENSE_OFFSET_OUT and constants["VBITS"] == 4 and constants["LEVELS"] == 1 and constants["VTILE"]
+            and constants["PAD"] == 2 and constants["D"] // constants["VGROUP"] <= 2)
+
+
 def query_pad(group: int, rows: int) -> int:
     """The tile columns each real query row takes in the dense kernel: 2 where the ``rows`` of the tile are twice the
     ``group`` query heads of a KV head rounded up to a power of two, else 1."""
@@ -219,6 +231,8 @@ def dense_launch(view: Any, args: tuple, constants: dict, kind: int, l0: float, 
                                                                   "KPLANES": key_planes(view), "VTILE": view.v_tiled}
     dense_constants["PAD"] = query_pad(group, constants["G"])
     dense_constants["QG"] = group
+    if offset_out(dense_constants):  # 4-bit uniform levels as 1 + code / 16, the offset taken off at the end
+        dense_constants["LEVELS"] = 3
     dense_constants["KPF"] = (dense_constants["KPLANES"] and DENSE_PLANE_PREFETCH and k_scale.dtype == torch.float16
                               and k_zero.dtype == torch.float16)
     registers = dense_registers(constants["D"], constants["HID"] > 0)

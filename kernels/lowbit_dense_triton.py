@@ -216,7 +216,7 @@ if triton is not None:
         return pg
 
     @triton.jit
-    def _steps(t_lo, t_hi, m_i, l_i, acc0, acc1, acc2, acc3, q, q_row, row, bh, start, first, scaling, l0, l1,
+    def _steps(t_lo, t_hi, m_i, l_i, w_i, acc0, acc1, acc2, acc3, q, q_row, row, bh, start, first, scaling, l0, l1,
                kc_ptr, kz_ptr, ks_ptr, koi_ptr, kov_ptr, vc_ptr, vs_row, vmax_row, vlev_ptr, vlev16_ptr, pos_ptr, hid_ptr,
                D: tl.constexpr, G: tl.constexpr, KBITS: tl.constexpr, KGROUP: tl.constexpr, KO: tl.constexpr,
                VBITS: tl.constexpr, VGROUP: tl.constexpr, HAS_START: tl.constexpr, BLOCK: tl.constexpr,
@@ -297,6 +297,8 @@ if triton is not None:
             pa = _probabilities(_pair(p * _scale_of(s0, m0, VLOG, ASM)[:, None], p * _scale_of(s1, m1, VLOG, ASM)[:, None],
                                       PAD), LOWP, ASM, VTILE)
             alpha = tl.reshape(_pair(alpha[None, :], alpha[None, :], PAD), (G,))
+            if LEVELS == 3:  # levels 1 + code / 16: the weights' sums per slot, for the offset taken off once at the end
+                w_i = w_i * alpha[None, :] + pa.to(tl.float32)
             acc0 = _group_step(acc0, pa, alpha, vstep, 0, t_loc, jv, lut, vlev_ptr, vlev16_ptr, l0, l1, VW, GW, VBITS,
                                LEVELS, LOWP, ASM, VTILE)
             if VGROUPS > 1:
@@ -315,7 +317,7 @@ if triton is not None:
                                    LEVELS, LOWP, ASM, VTILE)
             ks, kz, kw0, kw1, kw2, kw3, zw0, zw1, zw2, zw3 = ks_n, kz_n, kw0_n, kw1_n, kw2_n, kw3_n, zw0_n, zw1_n, zw2_n, zw3_n
             s0, m0, s1, m1, s2, m2, s3, m3, pos_in = s0_n, m0_n, s1_n, m1_n, s2_n, m2_n, s3_n, m3_n, pos_n
-        return m_i, l_i, acc0, acc1, acc2, acc3
+        return m_i, l_i, w_i, acc0, acc1, acc2, acc3
 
     @triton.jit
     def _lowbit_dense_kernel(
@@ -354,6 +356,7 @@ if triton is not None:
         hi = tl.minimum(lo + split_len, tokens)
         m_i = tl.full([R], float("-inf"), tl.float32)
         l_i = tl.zeros([BLOCK, R], tl.float32)  # each slot's running sum of probabilities (:func:`_steps`)
+        w_i = tl.zeros([BLOCK, G], tl.float32)  # LEVELS = 3: each slot's running sum of the value products' weights
         acc0 = tl.zeros([VGROUP, G], tl.float32)  # one accumulator per value channel group (at most 4)
         acc1 = tl.zeros([VGROUP, G], tl.float32)
         acc2 = tl.zeros([VGROUP, G], tl.float32)
@@ -365,31 +368,33 @@ if triton is not None:
             listed = tl.load(hid_ptr + bh * HID + tl.arange(0, HID))  # -1: none
             t_a = tl.maximum(lo, tl.minimum(hi, tl.min(tl.where(listed >= 0, listed, tokens), 0) // BLOCK * BLOCK))
             t_b = tl.maximum(t_a, tl.minimum(hi, (tl.max(listed, 0) // BLOCK + 1) * BLOCK))
-            m_i, l_i, acc0, acc1, acc2, acc3 = _steps(
-                lo, t_a, m_i, l_i, acc0, acc1, acc2, acc3, q, q_row, row, bh, start, first, scaling, l0, l1,
+            m_i, l_i, w_i, acc0, acc1, acc2, acc3 = _steps(
+                lo, t_a, m_i, l_i, w_i, acc0, acc1, acc2, acc3, q, q_row, row, bh, start, first, scaling, l0, l1,
                 kc_ptr, kz_ptr, ks_ptr, koi_ptr, kov_ptr, vc_ptr, vs_row, vmax_row, vlev_ptr, vlev16_ptr, pos_ptr,
                 hid_ptr, D, G, KBITS, KGROUP, KO, VBITS, VGROUP, HAS_START, BLOCK, LOWP, LEVELS, VLOG, VST, HAS_POS, HID,
                 False, ASM, KPLANES, KPF, VTILE, PAD, QG)
-            m_i, l_i, acc0, acc1, acc2, acc3 = _steps(
-                t_a, t_b, m_i, l_i, acc0, acc1, acc2, acc3, q, q_row, row, bh, start, first, scaling, l0, l1,
+            m_i, l_i, w_i, acc0, acc1, acc2, acc3 = _steps(
+                t_a, t_b, m_i, l_i, w_i, acc0, acc1, acc2, acc3, q, q_row, row, bh, start, first, scaling, l0, l1,
                 kc_ptr, kz_ptr, ks_ptr, koi_ptr, kov_ptr, vc_ptr, vs_row, vmax_row, vlev_ptr, vlev16_ptr, pos_ptr,
                 hid_ptr, D, G, KBITS, KGROUP, KO, VBITS, VGROUP, HAS_START, BLOCK, LOWP, LEVELS, VLOG, VST, HAS_POS, HID,
                 True, ASM, KPLANES, KPF, VTILE, PAD, QG)
-            m_i, l_i, acc0, acc1, acc2, acc3 = _steps(
-                t_b, hi, m_i, l_i, acc0, acc1, acc2, acc3, q, q_row, row, bh, start, first, scaling, l0, l1,
+            m_i, l_i, w_i, acc0, acc1, acc2, acc3 = _steps(
+                t_b, hi, m_i, l_i, w_i, acc0, acc1, acc2, acc3, q, q_row, row, bh, start, first, scaling, l0, l1,
                 kc_ptr, kz_ptr, ks_ptr, koi_ptr, kov_ptr, vc_ptr, vs_row, vmax_row, vlev_ptr, vlev16_ptr, pos_ptr,
                 hid_ptr, D, G, KBITS, KGROUP, KO, VBITS, VGROUP, HAS_START, BLOCK, LOWP, LEVELS, VLOG, VST, HAS_POS, HID,
                 False, ASM, KPLANES, KPF, VTILE, PAD, QG)
         else:
-            m_i, l_i, acc0, acc1, acc2, acc3 = _steps(
-                lo, hi, m_i, l_i, acc0, acc1, acc2, acc3, q, q_row, row, bh, start, first, scaling, l0, l1,
+            m_i, l_i, w_i, acc0, acc1, acc2, acc3 = _steps(
+                lo, hi, m_i, l_i, w_i, acc0, acc1, acc2, acc3, q, q_row, row, bh, start, first, scaling, l0, l1,
                 kc_ptr, kz_ptr, ks_ptr, koi_ptr, kov_ptr, vc_ptr, vs_row, vmax_row, vlev_ptr, vlev16_ptr, pos_ptr,
                 hid_ptr, D, G, KBITS, KGROUP, KO, VBITS, VGROUP, HAS_START, BLOCK, LOWP, LEVELS, VLOG, VST, HAS_POS, HID,
                 False, ASM, KPLANES, KPF, VTILE, PAD, QG)
         out = (bh * splits + split) * G
         tl.store(m_ptr + out + ri, m_i * 0.6931471805599453)
         tl.store(l_ptr + out + ri, tl.sum(l_i, 0))
-        weight = 16.0 if VBITS == 4 and LEVELS == 1 else 1.0  # _uniform4_tiles' levels are over 16
+        weight = 16.0 if VBITS == 4 and LEVELS % 2 == 1 else 1.0  # _uniform4_tiles' levels are over 16
+        if LEVELS == 3:  # levels 1 + code / 16, not (code - 7.5) / 16: 1.46875 times the weights' sums taken off
+            acc0, acc1 = acc0 - 1.46875 * tl.sum(w_i, 0)[None, :], acc1 - 1.46875 * tl.sum(w_i, 0)[None, :]
         base = acc_ptr + out.to(tl.int64) * D + ri[None, :] * D + _value_channels(cg, VBITS, LEVELS, VTILE)[:, None]
         tl.store(base, _half(acc0, 0, PAD) * weight)  # [VGROUP, R]: the outputs transposed
         if VGROUPS > 1:

@@ -79,6 +79,17 @@ if triton is not None:
             placed = words >> (4 * k - 3)
         return (placed & _U4_MASK) | _U4_BASE
 
+    _U4_PAIR = tl.constexpr(tuple("{ .reg .b32 t; %s.b32 t, $1, %d; lop3.b32 $0, t, 0x%08X, 0x%08X, 0xEA; }"
+                                  % ("shl" if k == 0 else "shr", 3 if k == 0 else 4 * k - 3, 0x78 * 0x10001,
+                                     UNIFORM4_BASE * 0x10001) for k in range(4)))
+
+    @triton.jit
+    def _u4_pair(words, k: tl.constexpr):
+        """[R, 4, e]: the bfloat16 pair ``1 + code / 16`` of codes ``k`` and ``k + 4`` of each word (:func:`_u4`'s bits
+        as the operand register, in one assembly block)."""
+        text: tl.constexpr = _U4_PAIR[k]
+        return tl.inline_asm_elementwise(text, "=r,r,r", [tl.join(words, words)], dtype=tl.bfloat16, is_pure=True, pack=2)
+
     @triton.jit
     def _codes4(w, e: tl.constexpr):
         """[R, 4, s, h]: the codes of slots ``e`` of words ``w`` [R, 4]."""
@@ -88,9 +99,14 @@ if triton is not None:
     def _half_levels4(w0, w1, vlev_ptr, vlev16_ptr, LEVELS: tl.constexpr, LOWP: tl.constexpr, ASM: tl.constexpr):
         """uint32 words [R, 4] ``4 w + q`` of R channels (``w0``, ``w1``) -> the 4-bit levels [R, 64], column ``t`` the
         tile's slot ``t``. Uniform levels as ``(code - 7.5) / 16`` (the kernel takes 16 times the output, as for
-        token-major 4-bit codes): on a GPU each register is one shift and mask of a word plus one paired add."""
+        token-major 4-bit codes): on a GPU each register is one shift and mask of a word plus one paired add;
+        ``LEVELS`` = 3: as ``1 + code / 16``, the shift and mask alone (the kernel takes the offset off once)."""
         R: tl.constexpr = w0.shape[0]
-        if ASM and LEVELS == 1:
+        if ASM and LEVELS == 3:  # 1 + code / 16 as the operand: each register one shift and one logic operation
+            b0 = tl.join(tl.join(_u4_pair(w0, 0), _u4_pair(w0, 1)), tl.join(_u4_pair(w0, 2), _u4_pair(w0, 3)))
+            b1 = tl.join(tl.join(_u4_pair(w1, 0), _u4_pair(w1, 1)), tl.join(_u4_pair(w1, 2), _u4_pair(w1, 3)))
+            levels = tl.permute(tl.join(b0, b1), (0, 1, 3, 4, 5, 2))  # [R, 4, e, s, h, w] -> [R, 4, s, h, w, e]
+        elif ASM and LEVELS == 1:
             b0 = tl.join(tl.join(_u4(w0, 0), _u4(w0, 1)), tl.join(_u4(w0, 2), _u4(w0, 3)))  # [R, 4, s, h]: k = s + 2 h
             b1 = tl.join(tl.join(_u4(w1, 0), _u4(w1, 1)), tl.join(_u4(w1, 2), _u4(w1, 3)))
             bits = tl.join(b0, b1)  # [R, 4, s, h, w]
@@ -98,7 +114,9 @@ if triton is not None:
                                                pack=2)  # [R, 4, s, h, w, e]
         else:
             codes = tl.join(tl.join(_codes4(w0, 0), _codes4(w1, 0)), tl.join(_codes4(w0, 1), _codes4(w1, 1)))
-            if LOWP:
+            if LEVELS == 3:
+                levels = codes.to(tl.float32) * 0.0625 + 1.0
+            elif LOWP:
                 levels = tl.load(vlev16_ptr + codes)
             else:
                 levels = tl.load(vlev_ptr + codes)

@@ -394,6 +394,8 @@ def test_values_in_tiles_decode_as_the_token_major_ones_through_the_dense_kernel
         assert torch.equal(twin, torch_lowbit_decode(flat, q, None, 128 ** -0.5))
         out = lowbit_decode(tiled, q, None, 128 ** -0.5)
         assert torch.allclose(out, twin, atol=1e-5) and float(twin.abs().max()) > 0.05
+        offset_out = plan_launch(tiled, q, None, 128 ** -0.5).constants["LEVELS"] == 3  # 1 + code / 16, offset at the end
+        assert offset_out == (group == 4 and tiled_name == "kzd-k4v4t-f77-d128")
         assert torch.allclose(out, lowbit_decode(flat, q, None, 128 ** -0.5, variant="dense"), atol=1e-5)
     for variant in ("wide", "general"):
         with pytest.raises(ValueError, match="stored in tiles of 64 tokens"):
