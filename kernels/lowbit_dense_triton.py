@@ -165,14 +165,11 @@ if triton is not None:
     @triton.jit
     def _value_channels(cg, VBITS: tl.constexpr, LEVELS: tl.constexpr, VTILE: tl.constexpr):
         """The channel of each row of :func:`_value_step`'s accumulator (:func:`_tile_value_step`'s: in order)."""
-        if VTILE:
-            channels = cg
-        elif VBITS == 2:
+        channels = cg  # in order: tiles, and 4-bit codes through the table
+        if not VTILE and VBITS == 2:
             channels = _quad_channels(cg)
-        elif LEVELS == 1:
+        elif not VTILE and LEVELS == 1:
             channels = _pair_channels(cg)
-        else:
-            channels = cg
         return channels
 
     @triton.jit
@@ -358,9 +355,7 @@ if triton is not None:
         l_i = tl.zeros([BLOCK, R], tl.float32)  # each slot's running sum of probabilities (:func:`_steps`)
         w_i = tl.zeros([BLOCK, G], tl.float32)  # LEVELS = 3: each slot's running sum of the value products' weights
         acc0 = tl.zeros([VGROUP, G], tl.float32)  # one accumulator per value channel group (at most 4)
-        acc1 = tl.zeros([VGROUP, G], tl.float32)
-        acc2 = tl.zeros([VGROUP, G], tl.float32)
-        acc3 = tl.zeros([VGROUP, G], tl.float32)
+        acc1, acc2, acc3 = acc0, acc0, acc0
         vs_row = vs_ptr + row * VGROUPS  # value scales indexed from the row's first token (log8 maxima by t // VST)
         vmax_row = vmax_ptr + row // VST * VGROUPS
         if HID > 0:  # only the steps from the first to the last hidden slot check the list; the others run the code of a
