@@ -287,7 +287,8 @@ def plan_launch(view: LowbitView, q: torch.Tensor, start: torch.Tensor | None, s
     """The launch :func:`lowbit_decode` makes for ``view`` (``view.tokens`` > 0); ``lowp``: bfloat16 tile operands
     (None: where ``q`` is on a GPU); ``tricks``: conversions left out (:data:`TRICKS`); ``programs``: the programs aimed
     for (None: the launch's, ``dense_splits`` or ``default_programs``); ``query_rows``: the float32 [B x
-    KV heads, rows, D] query heads padded to the tile's rows, zero beyond them, that a caller keeps (None: made here)."""
+    KV heads, rows, D] query heads padded to the tile's rows, zero beyond them, that a caller keeps (None: made here;
+    the "dense" kernel reads ``q`` where it is and takes none)."""
     variant, block = resolve_variant(view, variant, block)
     lowp = q.is_cuda if lowp is None else lowp
     trick = parse_tricks(tricks, variant, lowp, view)
