@@ -21,6 +21,9 @@ COMBINE_GROUP_ROWS = 256
 #: its loads (H200, docs/kernels.md "The query heads where the model left them, the combine without loops")
 COMBINE_WHOLE_SPLITS = 64
 
+#: the largest head_dim whose rotation the combine reads in one tile (D x D float32: 128 registers a thread at 128)
+COMBINE_WHOLE_DIM = 128
+
 
 def exact_start(view: Any) -> int:
     """The cache index of the exact window's first token."""
@@ -49,10 +52,10 @@ def plan_combine(view: Any, q: torch.Tensor, start: torch.Tensor | None, scaling
     constants = dict(D=dim, G=m.shape[-1], HEADS=heads, GROUP=q_heads // heads, HAS_START=start is not None, HAS_REST=rest,
                      HAS_FILL=fill is not None, SB=32, CB=min(32, dim), EB=16)
     if batch * heads <= COMBINE_GROUP_ROWS:  # few rows: the shorter chain of loads a program
-        if splits <= COMBINE_WHOLE_SPLITS:
+        whole = splits <= COMBINE_WHOLE_SPLITS and dim <= COMBINE_WHOLE_DIM
+        if whole:
             constants.update(SB=max(16, 1 << (splits - 1).bit_length()), CB=dim)
-        return Launch(jit._lowbit_combine_kernel, (batch * q_heads,), args,
-                      {**constants, "WHOLE": splits <= COMBINE_WHOLE_SPLITS}, (out,))
+        return Launch(jit._lowbit_combine_kernel, (batch * q_heads,), args, {**constants, "WHOLE": whole}, (out,))
     rows = 1 << (q_heads // heads - 1).bit_length()  # tiles [rows, CB, D] and [EB, rows, D] of 32 x D each
     return Launch(jit._lowbit_combine_group_kernel, (batch * heads,), args,
                   {**constants, "QR": rows, "CB": max(1, 32 // rows), "EB": max(1, 32 // rows)}, (out,))

@@ -158,7 +158,7 @@ def test_the_dense_sweep_pipelines_decode_through_the_dense_kernel(model, name):
 def test_head_dim_256_reads_four_value_groups_and_is_not_taken_by_default(registry):
     """At head_dim 256 (Gemma-3's) the dense kernel reads four value groups as the twin does; the default launch leaves
     it to the wide kernel there, since no GPU has checked that build (tests/test_lowbit_gpu.py's storages are 64 and 128
-    wide)."""
+    wide); its combine reads the rotation in chunks (one 256 x 256 tile would take 512 registers a thread)."""
     view, _ = _post_rope_view(tiny_llama(layers=2, hidden=1024), registry, "prerope-k4v2-lowbit")
     assert view.exact_k.shape[-1] == 256 and view.exact_k.shape[-1] // view.v_group == 4
     q = torch.randn(2, 4, 256, generator=torch.Generator().manual_seed(6))
@@ -166,6 +166,10 @@ def test_head_dim_256_reads_four_value_groups_and_is_not_taken_by_default(regist
     twin = torch_lowbit_decode(view, q, start, 0.0625)
     assert torch.allclose(lowbit_decode(view, q, start, 0.0625, variant="dense"), twin, atol=1e-5)
     assert resolve_variant(view, "auto") == ("wide", 32)
+    from kvweave.kernels.lowbit_decode import plan_combine  # its 256 x 256 rotation is read in chunks, not one tile
+
+    packed = plan_launch(view, q, start, 0.0625)
+    assert packed.grid[1] <= 64 and not plan_combine(view, q, start, 0.0625, packed).constants["WHOLE"]
 
 
 @pytest.mark.interpreter
