@@ -232,6 +232,7 @@ def main() -> None:
     out.mkdir(parents=True, exist_ok=True)
     stamp = datetime.date.today().isoformat()
     (out / "lowbit_kernel.json").write_text(json.dumps({"date": stamp, "device": torch.cuda.get_device_name(), "configs": args.configs,
+                                                        "storage": args.storage + ("-post" if args.post_rope else ""),
                                                         "copy_bandwidth": bandwidth, "twin_difference": twins, "rows": rows}, indent=1))
 
 

@@ -1,0 +1,57 @@
+"""benchmarks/kernel_plot.py: the decode kernel's rows against the bar, as a table and a plot, from
+lowbit_kernel.py's JSON files."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _script():
+    spec = importlib.util.spec_from_file_location("kernel_plot", ROOT / "benchmarks" / "kernel_plot.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def _row(tokens: int, batch: int, speedup: float, of_copy: float, ratio: float) -> dict:
+    return {"tokens": tokens, "batch": batch, "kernel": "dense:64:4:auto", "speedup": speedup, "of_copy": of_copy,
+            "bytes_ratio": ratio, "sdpa_us": 100.0, "kernel_us": 100.0 / speedup}
+
+
+def test_the_table_says_which_rows_meet_each_bar_and_the_plot_is_written(tmp_path, capsys):
+    """Rows of two storages, one file holding the first storage's long rows apart: each row's bar is 0.7 times its own
+    bytes ratio, a row at or past it meets it, one below does not, the bandwidth bar alike; the plot file is written."""
+    plot = _script()
+    (tmp_path / "a").mkdir()
+    (tmp_path / "a" / "lowbit_kernel.json").write_text(json.dumps({"rows": [_row(32768, 1, 2.0, 0.30, 10.0),
+                                                                            _row(32768, 8, 7.0, 0.72, 10.0)]}))
+    (tmp_path / "b.json").write_text(json.dumps({"storage": "wide-one", "rows": [_row(65536, 64, 3.4, 0.69, 4.8)]}))
+    (tmp_path / "c.json").write_text(json.dumps({"rows": [_row(131072, 32, 6.99, 0.70, 10.0)]}))
+    out = tmp_path / "plot.png"
+    plot.main([str(tmp_path / "a" / "lowbit_kernel.json"), str(tmp_path / "b.json"), f"a={tmp_path / 'c.json'}",
+               "--out", str(out)])
+    lines = [line for line in capsys.readouterr().out.splitlines() if line.startswith("| ") and "storage" not in line]
+    cells = [[cell.strip() for cell in line.strip("|").split("|")] for line in lines]
+    assert [(c[0], c[1], c[2], c[5], c[7]) for c in cells] == [
+        ("a", "32768", "1", "no", "no"), ("a", "32768", "8", "yes", "yes"), ("a", "131072", "32", "no", "yes"),
+        ("wide-one", "65536", "64", "yes", "no")]  # 3.4 >= 0.7 x 4.8; 6.99 < 7.0
+    assert cells[0][4] == "7.00x" and cells[3][4] == "3.36x"
+    assert out.stat().st_size > 10_000
+
+
+def test_a_file_without_kernel_rows_and_bars_outside_zero_to_one_are_refused(tmp_path):
+    plot = _script()
+    (tmp_path / "x.json").write_text(json.dumps({"rows": [{"tokens": 1, "batch": 1}]}))
+    with pytest.raises(SystemExit, match="holds no lowbit_kernel.py rows"):
+        plot.main([str(tmp_path / "x.json")])
+    with pytest.raises(SystemExit, match="cannot read"):
+        plot.main([str(tmp_path / "missing.json")])
+    (tmp_path / "y.json").write_text(json.dumps({"rows": [_row(1024, 1, 1.0, 0.5, 2.0)]}))
+    with pytest.raises(SystemExit, match="shares in"):
+        plot.main([str(tmp_path / "y.json"), "--fraction", "1.5"])
