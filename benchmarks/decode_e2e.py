@@ -19,6 +19,9 @@ A method named ``NAME@graphs`` decodes pipeline NAME greedily with each block's 
 (:func:`kvweave.engine.graphs.graph_decode`) instead of ``model.generate``; the step after each block's first also
 captures the graph, and is timed with it. ``full@graphs`` is the full cache's own: transformers' StaticCache (room for
 the decoded tokens, the mask over all of it) with its steps replayed from one CUDA graph (GPU only).
+``--warm`` (``NAME@graphs`` methods only) times them after as many untimed steps over the same cache: a process's first
+flush took 1.7 s against 0.29 s for its second at B = 130, and after a warm pass every flush took 0.25 s (2026-12-04,
+docs/kernels.md "The query heads where the model left them"): a cost the process pays once.
 ``--ttft T`` times a real prefill of T random token ids to the first generated token, B = 1.
 A pipeline whose evictor chooses by context importance (``kvzip-qa35v3``) is filled with random scores
 (:mod:`kvweave.engine.synthetic`) and, for ``--ttft``, scores its prompt inside the timed span and stores it from the
@@ -243,13 +246,20 @@ def decode(model, cache, batch: int, tokens: int, steps: int, device: str, graph
     }
 
 
-def run(method: str, model, batch: int, tokens: int, steps: int, device: str, fill_rows: int = 8) -> dict:
+def run(method: str, model, batch: int, tokens: int, steps: int, device: str, fill_rows: int = 8, warm: bool = False) -> dict:
+    """One method and batch: the cache filled, ``steps`` decode steps timed; ``warm`` (``NAME@graphs`` only): after as
+    many untimed steps over the same cache, so what a process does once (Triton's compiles for the shapes a flush
+    brings, the first captures) is out of the timed steps."""
     t = time.perf_counter()
-    cache = make_cache(method, model, batch, tokens, device, fill_rows, steps)
+    cache = make_cache(method, model, batch, tokens, device, fill_rows, 2 * steps if warm else steps)
     fill_s = time.perf_counter() - t
     result = {"method": method, "batch": batch, "context": tokens, "fill_s": round(fill_s, 1)}
     if method != "full" and batch > fill_rows:
         result["filled_rows"] = fill_rows
+    if warm:
+        graph_steps(model, cache, batch, steps, device, StepClock())
+        sync()
+        result["warm"] = True
     result.update(decode(model, cache, batch, tokens, steps, device, graphs=method.endswith(GRAPHS)))
     del cache
     gc.collect()
@@ -309,8 +319,14 @@ def main() -> None:
     parser.add_argument("--fill-rows", type=int, default=8, help="rows filled through the encoder; larger batches repeat them")
     parser.add_argument("--smoke", action="store_true", help="a tiny model of the same head shape on the CPU (checks the script)")
     parser.add_argument("--registry", help="a user registry file read on top of the built-in one (e.g. benchmarks/dense_sweep.toml)")
+    parser.add_argument("--warm", action="store_true", help="time each NAME@graphs method after as many untimed steps "
+                        "(one-time compiles and captures left out)")
     parser.add_argument("--out", default="results/decode_e2e")
     args = parser.parse_args()
+    unwarmed = [m for m in args.methods.split(",") if not m.endswith(GRAPHS)]
+    if args.warm and unwarmed:
+        parser.error(f"--warm takes NAME@graphs methods only (model.generate feeds a prompt the cache already holds, so a "
+                     f"second pass cannot continue it): {', '.join(unwarmed)}")
     device = "cuda" if torch.cuda.is_available() and not args.smoke else "cpu"
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -328,7 +344,7 @@ def main() -> None:
     for method in methods:
         for batch in [int(b) for b in args.batches.split(",") if b]:  # --batches "": the time to first token only
             steps = args.steps if "reference" not in method else max(4, args.steps // 4)
-            rows.append(run(method, model, batch, args.context, steps, device, args.fill_rows))
+            rows.append(run(method, model, batch, args.context, steps, device, args.fill_rows, args.warm))
     if args.max_batch:
         for method in methods:
             if "reference" in method:
@@ -343,7 +359,7 @@ def main() -> None:
                 candidates = [guess, int(guess * 0.85), int(guess * 0.7), int(guess * 0.5)]
             for batch in candidates:
                 try:
-                    row = run(method, model, batch, args.context, args.steps, device, args.fill_rows)
+                    row = run(method, model, batch, args.context, args.steps, device, args.fill_rows, args.warm)
                     row["max_batch"] = True
                     rows.append(row)
                     break
@@ -362,7 +378,7 @@ def main() -> None:
         if r.get("oom"):
             lines.append(f"| {r['method']} | {r['batch']} | out of memory | | | | | | |")
             continue
-        mark = " (max)" if r.get("max_batch") else ""
+        mark = (" (max)" if r.get("max_batch") else "") + (" (warm)" if r.get("warm") else "")
         lines.append(
             f"| {r['method']} | {r['batch']}{mark} | {r['median_step_ms']} | {r['mean_step_ms']} | {r['tokens_per_s_median']} | "
             f"{r['tokens_per_s_mean']} | {r['cache_gb']} | {r['peak_gb']} | {r['fill_s']} |"

@@ -344,3 +344,22 @@ def test_scoring_time_times_both_read_outs_and_compares_their_scores():
     assert {"scoring, read-out by torch", "scoring, read-out by the Triton kernels", "the forwards alone (context pass + repetitions)"} <= set(rows)
     relative = float(done.stdout.strip().splitlines()[-1].split(",")[-1].split()[0])
     assert relative < 1e-3
+
+
+@pytest.mark.interpreter
+def test_decode_e2e_smoke_warm_times_graph_steps_after_as_many_untimed_ones(tmp_path):
+    """``--warm``: a ``NAME@graphs`` method is timed after as many untimed steps over the same cache (so it stores the
+    tokens of both passes), its row marked; a method decoded by ``model.generate`` is refused by name."""
+    registry = str(ROOT / "benchmarks" / "dense_sweep.toml")
+    method = "kzd-k4v2-f48-d128@graphs"
+    cold = decode_e2e_smoke(tmp_path / "cold", "--context", "512", "--batches", "1", "--steps", "40", "--registry", registry,
+                            "--methods", method)
+    warm = decode_e2e_smoke(tmp_path / "warm", "--context", "512", "--batches", "1", "--steps", "40", "--registry", registry,
+                            "--methods", method, "--warm")
+    assert "warm" not in cold[0] and warm[0]["warm"] is True
+    assert warm[0]["cache_bytes"] > cold[0]["cache_bytes"]  # 40 more tokens held (a block flushed)
+    assert "(warm)" in (tmp_path / "warm" / "decode_e2e.md").read_text()
+    command = [sys.executable, str(ROOT / "benchmarks" / "decode_e2e.py"), "--smoke", "--layers", "2", "--warm",
+               "--methods", "full", "--out", str(tmp_path / "refused")]
+    done = subprocess.run(command, capture_output=True, text=True, timeout=600, cwd=ROOT / "benchmarks")
+    assert done.returncode != 0 and "--warm takes NAME@graphs methods only" in done.stderr and "full" in done.stderr
