@@ -389,7 +389,8 @@ if triton is not None:
         tl.store(l_ptr + out + ri, tl.sum(l_i, 0))
         weight = 16.0 if VBITS == 4 and LEVELS % 2 == 1 else 1.0  # _uniform4_tiles' levels are over 16
         if LEVELS == 3:  # levels 1 + code / 16, not (code - 7.5) / 16: 1.46875 times the weights' sums taken off
-            acc0, acc1 = acc0 - 1.46875 * tl.sum(w_i, 0)[None, :], acc1 - 1.46875 * tl.sum(w_i, 0)[None, :]
+            offset = 1.46875 * tl.sum(w_i, 0)[None, :]  # one sum of the slots for both groups' columns
+            acc0, acc1 = acc0 - offset, acc1 - offset
         base = acc_ptr + out.to(tl.int64) * D + ri[None, :] * D + _value_channels(cg, VBITS, LEVELS, VTILE)[:, None]
         tl.store(base, _half(acc0, 0, PAD) * weight)  # [VGROUP, R]: the outputs transposed
         if VGROUPS > 1:

@@ -158,7 +158,7 @@ def test_the_dense_sweep_pipelines_decode_through_the_dense_kernel(model, name):
 def test_head_dim_256_reads_four_value_groups_and_is_not_taken_by_default(registry):
     """At head_dim 256 (Gemma-3's) the dense kernel reads four value groups as the twin does; the default launch leaves
     it to the wide kernel there, since no GPU has checked that build (tests/test_lowbit_gpu.py's storages are 64 and 128
-    wide); its combine reads the rotation in chunks (one 256 x 256 tile would take 512 registers a thread)."""
+    wide)."""
     view, _ = _post_rope_view(tiny_llama(layers=2, hidden=1024), registry, "prerope-k4v2-lowbit")
     assert view.exact_k.shape[-1] == 256 and view.exact_k.shape[-1] // view.v_group == 4
     q = torch.randn(2, 4, 256, generator=torch.Generator().manual_seed(6))
@@ -166,10 +166,6 @@ def test_head_dim_256_reads_four_value_groups_and_is_not_taken_by_default(regist
     twin = torch_lowbit_decode(view, q, start, 0.0625)
     assert torch.allclose(lowbit_decode(view, q, start, 0.0625, variant="dense"), twin, atol=1e-5)
     assert resolve_variant(view, "auto") == ("wide", 32)
-    from kvweave.kernels.lowbit_decode import plan_combine  # its 256 x 256 rotation is read in chunks, not one tile
-
-    packed = plan_launch(view, q, start, 0.0625)
-    assert packed.grid[1] <= 64 and not plan_combine(view, q, start, 0.0625, packed).constants["WHOLE"]
 
 
 @pytest.mark.interpreter
@@ -198,24 +194,6 @@ def test_keys_read_by_code_places_give_the_channel_order_products(registry, monk
     monkeypatch.setattr(lowbit_dense, "DENSE_KEY_PLANES", True)
     narrow, _ = _post_rope_view(tiny_llama(layers=2, hidden=512), registry, "t-lowbit-k2v4")
     assert narrow.k_bits == 2 and not plan_launch(narrow, q, None, 0.088, variant="dense").constants["KPLANES"]
-
-
-def test_the_dense_kernel_pads_a_kv_heads_query_heads_to_8_rows_and_the_others_to_16(registry):
-    """The dense kernel's query heads are its products' second operand (8 columns at least on a Hopper warpgroup): 4
-    heads a KV head take 8 rows there, 16 in the kernels whose tiles are 16 rows; larger groups a power of two."""
-    from kvweave.kernels.lowbit_decode import tile_rows
-
-    view, rows = _post_rope_view(tiny_llama(layers=2, hidden=512), registry, "t-lowbit-post")
-    heads = view.exact_k.shape[1]
-    for group, dense, other in ((4, 8, 16), (2, 8, 16), (8, 8, 16), (16, 16, 16), (12, 16, 16)):
-        assert (tile_rows(group, "dense"), tile_rows(group, "wide")) == (dense, other)
-    q = torch.randn(rows, 4 * heads, 128)
-    assert plan_launch(view, q, None, 0.088, variant="dense").constants["G"] == 8
-    assert plan_launch(view, q, None, 0.088, variant="wide").constants["G"] == 16
-    with pytest.raises(ValueError, match="query rows must be float32"):  # a caller's rows of the dense kernel's size
-        plan_launch(view, q, None, 0.088, variant="wide", query_rows=torch.zeros(rows * heads, 8, 128))
-    dense = plan_launch(view, q, None, 0.088, variant="dense", query_rows=torch.zeros(rows * heads, 16, 128))
-    assert dense.args[0].data_ptr() == q.data_ptr() and dense.constants["QG"] == 4  # the query heads read in place
 
 
 @pytest.mark.interpreter

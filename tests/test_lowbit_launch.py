@@ -1,7 +1,7 @@
 """How the ``lowbit`` kernel's launches are shaped where the caller leaves it to them: the dense kernel's register cap
-(5 programs an SM, 4 with a hidden-slot list) and its splits by waves of programs, and the combine's grouping (a
-program per query head, or per KV head past ``COMBINE_GROUP_ROWS`` rows), each against the torch twin under Triton's
-interpreter."""
+(5 programs an SM, 4 with a hidden-slot list), its splits by waves of programs and its query rows (read in place,
+padded to the tile), and the combine's grouping (a program per query head, or per KV head past ``COMBINE_GROUP_ROWS``
+rows; its splits in one tile or in loops), each against the torch twin under Triton's interpreter."""
 
 from __future__ import annotations
 
@@ -11,6 +11,7 @@ import torch
 
 from kvweave.kernels.lowbit_decode import lowbit_decode, plan_launch, torch_lowbit_decode
 
+from conftest import tiny_llama
 from test_lowbit_dense import _post_rope_view
 from test_lowbit_kernel import model, registry  # noqa: F401 - the same storages and model
 
@@ -103,3 +104,34 @@ def test_the_dense_kernel_reads_the_query_heads_in_the_models_dtype_where_they_a
         twin = torch_lowbit_decode(view, q.float(), None, 0.088)
         out = lowbit_decode(view, q, None, 0.088, variant="dense")
         assert torch.allclose(out, twin, atol=1e-5), (group, (out - twin).abs().max())
+
+
+def test_the_dense_kernel_pads_a_kv_heads_query_heads_to_8_rows_and_the_others_to_16(registry):
+    """The dense kernel's query heads are its products' second operand (8 columns at least on a Hopper warpgroup): 4
+    heads a KV head take 8 rows there, 16 in the kernels whose tiles are 16 rows; larger groups a power of two."""
+    from kvweave.kernels.lowbit_decode import tile_rows
+
+    view, rows = _post_rope_view(tiny_llama(layers=2, hidden=512), registry, "t-lowbit-post")
+    heads = view.exact_k.shape[1]
+    for group, dense, other in ((4, 8, 16), (2, 8, 16), (8, 8, 16), (16, 16, 16), (12, 16, 16)):
+        assert (tile_rows(group, "dense"), tile_rows(group, "wide")) == (dense, other)
+    q = torch.randn(rows, 4 * heads, 128)
+    assert plan_launch(view, q, None, 0.088, variant="dense").constants["G"] == 8
+    assert plan_launch(view, q, None, 0.088, variant="wide").constants["G"] == 16
+    with pytest.raises(ValueError, match="query rows must be float32"):  # a caller's rows of the dense kernel's size
+        plan_launch(view, q, None, 0.088, variant="wide", query_rows=torch.zeros(rows * heads, 8, 128))
+    dense = plan_launch(view, q, None, 0.088, variant="dense", query_rows=torch.zeros(rows * heads, 16, 128))
+    assert dense.args[0].data_ptr() == q.data_ptr() and dense.constants["QG"] == 4  # the query heads read in place
+
+
+def test_the_combine_reads_a_rotation_over_128_channels_in_chunks(registry):
+    """At head_dim 256 (Gemma-3's) the combine keeps its loops however few the splits: one 256 x 256 float32 rotation
+    tile would take 512 registers a thread."""
+    from kvweave.kernels.lowbit_decode import plan_combine
+
+    view, _ = _post_rope_view(tiny_llama(layers=2, hidden=1024), registry, "prerope-k4v2-lowbit")
+    q = torch.randn(2, 4, 256, generator=torch.Generator().manual_seed(6))
+    start = torch.tensor([40, 0], dtype=torch.int32)
+    packed = plan_launch(view, q, start, 0.0625)
+    assert view.exact_k.shape[-1] == 256 and packed.grid[1] <= 64
+    assert not plan_combine(view, q, start, 0.0625, packed).constants["WHOLE"]
