@@ -91,8 +91,9 @@ def resources(cubin: bytes) -> dict:
 
 def sass_opcodes(cubin: bytes, loop: bool = False) -> collections.Counter:
     """How many times each opcode (predicates and modifiers dropped) appears in ``cubin``'s machine code, as
-    Triton's own nvdisasm prints it; ``loop``: only in the longest loop (from the target of the backward branch that
-    spans most code to that branch: a kernel's token loop), each instruction once."""
+    Triton's own nvdisasm prints it; ``loop``: only in the longest innermost loop (from the target of a backward branch
+    to that branch, holding no other such span: a kernel's token loop, not a loop of passes around it), each
+    instruction once, a branch skipped at run time included."""
     text = _read_cubin("nvdisasm", "-c", cubin)
     code, labels, pending = [], {}, []
     for line in text.splitlines():
@@ -110,5 +111,6 @@ def sass_opcodes(cubin: bytes, loop: bool = False) -> collections.Counter:
     if loop:
         spans = [(labels[target.group(1)], address) for address, op, rest in code if op == "BRA"
                  for target in [re.search(r"(\.L_x_\d+)", rest)] if target and labels.get(target.group(1), address) < address]
-        lo, hi = max(spans, key=lambda span: span[1] - span[0]) if spans else (0, -1)
+        inner = [span for span in spans if not any(o != span and span[0] <= o[0] and o[1] <= span[1] for o in spans)]
+        lo, hi = max(inner, key=lambda span: span[1] - span[0]) if inner else (0, -1)
     return collections.Counter(op for address, op, _ in code if lo <= address <= hi)

@@ -198,6 +198,14 @@ def dense_splits(rows: int, steps: int, sms: int, dim: int, hidden: bool, num_wa
 DENSE_OFFSET_OUT = True
 
 
+#: the dense kernel's probabilities against a fixed reference instead of a running maximum: the program's first step's
+#: largest logit, no reduction across the warps nor rescaling in the steps; a program whose logits rose more than
+#: :data:`DENSE_FIXED_LIMIT` above it (base 2) runs again against the largest it saw (docs/kernels.md "A fixed
+#: reference for the softmax")
+DENSE_FIXED_MAX = True
+DENSE_FIXED_LIMIT = 64.0
+
+
 def offset_out(constants: dict) -> bool:
     """Whether the dense kernel reads 4-bit uniform values as ``1 + code / 16`` and takes the offset off the output once
     (values in tiles, two value groups or fewer, each query row in two columns: the weights' tile serves both groups)."""
@@ -231,6 +239,7 @@ def dense_launch(view: Any, args: tuple, constants: dict, kind: int, l0: float, 
                                                                   "KPLANES": key_planes(view), "VTILE": view.v_tiled}
     dense_constants["PAD"] = query_pad(group, constants["G"])
     dense_constants["QG"] = group
+    dense_constants["FIX"], dense_constants["FIX_LIMIT"] = DENSE_FIXED_MAX, DENSE_FIXED_LIMIT
     if offset_out(dense_constants):  # 4-bit uniform levels as 1 + code / 16, the offset taken off at the end
         dense_constants["LEVELS"] = 3
     dense_constants["KPF"] = (dense_constants["KPLANES"] and DENSE_PLANE_PREFETCH and k_scale.dtype == torch.float16

@@ -6,9 +6,9 @@ shift and a mask: no byte extraction, no per-code address. Each channel's key sc
 minimum becomes one number per query head and token group, so key codes go to the products as they are (on a GPU the
 bits ``0x4300 | code``, the bfloat16 number 128 + code: no conversion); each value group's scale multiplies the
 probabilities. Value codes become the products' operands two to a 32-bit register, in the order their bits give them
-(the output's channels put back when it is stored): 2-bit codes through a byte permute whose 8 bytes are the four
-levels' bfloat16 bits, 4-bit uniform codes as ``1 + code / 16`` from their bits less a constant in one paired add
-(on a GPU: inline assembly; other 4-bit levels from the table). What it does not read (keys before RoPE, 3-bit or
+(the output's channels put back when it is stored): from tiles (:mod:`kvweave.kernels.lowbit_tile_triton`) or token by
+token (:mod:`kvweave.kernels.lowbit_rows_triton`). The softmax runs against a fixed reference, the first step's largest
+logit, with a second pass where the logits rose too far above it (``FIX``), or a running maximum. What it does not read (keys before RoPE, 3-bit or
 ``channel-alloc`` codes, a packed token count that is not whole steps) the plugin's other kernels read. Without triton
 the module defines no kernel (``triton`` is None)."""
 
@@ -22,132 +22,10 @@ except ImportError:  # pragma: no cover - exercised where triton is missing
 
 if triton is not None:
     from kvweave.kernels.lowbit_codes_triton import _plus128
-    from kvweave.kernels.lowbit_dense import UNIFORM4_OFFSET
-    from kvweave.kernels.lowbit_step_triton import _exp2, _plane_logits, _plane_queries, _scale_of, _step_loads
-    from kvweave.kernels.lowbit_tile_triton import _SEL_ADD, _SEL_MUL, _U4_ASM, _operand, _tile_value_step, _u4
-    from kvweave.kernels.lowbit_triton import _hide, _level, _outlier_logits
-
-    @triton.jit
-    def _code(words, k: tl.constexpr, BITS: tl.constexpr):
-        """Code ``k`` of each word (a logical shift: the words are read unsigned)."""
-        return ((words >> (k * BITS)) & ((1 << BITS) - 1)).to(tl.int32)
-
-    @triton.jit
-    def _words_codes(words, BITS: tl.constexpr):
-        """int32 words [N, W] of ``BITS``-bit codes (2 or 4) -> int32 codes [N, W * 32 // BITS] in channel order (code
-        ``k`` of word ``j`` at column ``j * 32 // BITS + k``): one shift and mask per code. A join adds a last axis,
-        the least significant of the column index once reshaped, so the codes are joined innermost by the most
-        significant bit of ``k`` (codes ``k`` and ``k + per / 2`` first); joins move no data."""
-        if BITS == 4:
-            p0 = tl.join(_code(words, 0, 4), _code(words, 4, 4))
-            p1 = tl.join(_code(words, 1, 4), _code(words, 5, 4))
-            p2 = tl.join(_code(words, 2, 4), _code(words, 6, 4))
-            p3 = tl.join(_code(words, 3, 4), _code(words, 7, 4))
-            return tl.join(tl.join(p0, p2), tl.join(p1, p3)).reshape(words.shape[0], words.shape[1] * 8)
-        else:
-            p0 = tl.join(_code(words, 0, 2), _code(words, 8, 2))
-            p1 = tl.join(_code(words, 1, 2), _code(words, 9, 2))
-            p2 = tl.join(_code(words, 2, 2), _code(words, 10, 2))
-            p3 = tl.join(_code(words, 3, 2), _code(words, 11, 2))
-            p4 = tl.join(_code(words, 4, 2), _code(words, 12, 2))
-            p5 = tl.join(_code(words, 5, 2), _code(words, 13, 2))
-            p6 = tl.join(_code(words, 6, 2), _code(words, 14, 2))
-            p7 = tl.join(_code(words, 7, 2), _code(words, 15, 2))
-            r0 = tl.join(tl.join(p0, p4), tl.join(p2, p6))
-            r1 = tl.join(tl.join(p1, p5), tl.join(p3, p7))
-            return tl.join(r0, r1).reshape(words.shape[0], words.shape[1] * 16)
-
-    @triton.jit
-    def _j4(a, b, c, d):
-        """[..., 4]: ``a, b, c, d`` in that order along a new last axis (two joins, each adding an axis)."""
-        return tl.join(tl.join(a, c), tl.join(b, d))
-
-    @triton.jit
-    def _pair_channels(col):
-        """The channel each column of :func:`_uniform4_tiles`' tiles holds: within a word's 8 columns, column ``2 k + h``
-        is code ``k + 4 h`` (codes ``k`` and ``k + 4`` share a 32-bit register)."""
-        r = col % 8
-        return col - r + r // 2 + 4 * (r % 2)
-
-    @triton.jit
-    def _uniform4_tiles(words, ASM: tl.constexpr):
-        """uint32 words [N, W] of 4-bit codes -> bfloat16 [N, W * 8] (columns: :func:`_pair_channels`), each code's
-        centred level over 16, ``(code - 7.5) / 16``: the bits of ``1 + code / 16`` (codes ``k`` and ``k + 4`` at bits 3
-        and 19 of one register, a shift and a logic operation) plus -1.46875 in one paired add on a GPU (exact)."""
-        bits = _j4(_u4(words, 0), _u4(words, 1), _u4(words, 2), _u4(words, 3))  # [N, W, 4]: k
-        if ASM:  # the word for each element of a pair: Triton packs two bfloat16 results of the assembly in one register
-            two = tl.join(bits, bits)
-            tiles = tl.inline_asm_elementwise(_U4_ASM, "=r,r,r", [two], dtype=tl.bfloat16, is_pure=True, pack=2)
-        else:
-            offset = tl.full([1], UNIFORM4_OFFSET, tl.uint16).to(tl.bfloat16, bitcast=True).to(tl.float32)
-            lo = (bits & 0xFFFF).to(tl.uint16).to(tl.bfloat16, bitcast=True).to(tl.float32) + offset
-            hi = (bits >> 16).to(tl.uint16).to(tl.bfloat16, bitcast=True).to(tl.float32) + offset
-            tiles = tl.join(lo, hi).to(tl.bfloat16)
-        return tiles.reshape(words.shape[0], words.shape[1] * 8)
-
-    @triton.jit
-    def _quad_channels(col):
-        """The channel each column of :func:`_lut_tiles`' tiles holds: within a word's 16 columns, column ``4 k + i``
-        is code ``k + 4 i``."""
-        r = col % 16
-        return col - r + r // 4 + 4 * (r % 4)
-
-    @triton.jit
-    def _lut_tiles(words, lut, vlev_ptr, vlev16_ptr, l0, l1, LEVELS: tl.constexpr, LOWP: tl.constexpr, ASM: tl.constexpr):
-        """uint32 words [N, W] of 2-bit value codes -> their levels [N, W * 16] (columns: :func:`_quad_channels`). On a
-        GPU a byte permute is the table: the four levels' bfloat16 bits are its 8 bytes (``lut``), and a byte per code,
-        ``0x22 x code + 0x10`` (the level's two byte numbers), picks two levels at once; four codes take a shift, a
-        mask, a multiply-add, two permutes and a shift."""
-        y0 = words & 0x03030303  # codes k, k + 4, k + 8, k + 12, a byte each
-        y1 = (words >> 2) & 0x03030303
-        y2 = (words >> 4) & 0x03030303
-        y3 = (words >> 6) & 0x03030303
-        if ASM:
-            z0 = y0 * _SEL_MUL + _SEL_ADD  # a byte per code: the byte numbers of its level, 2 code and 2 code + 1
-            z1 = y1 * _SEL_MUL + _SEL_ADD
-            z2 = y2 * _SEL_MUL + _SEL_ADD
-            z3 = y3 * _SEL_MUL + _SEL_ADD
-            sel = tl.join(_j4(z0, z1, z2, z3), _j4(z0 >> 16, z1 >> 16, z2 >> 16, z3 >> 16))  # [N, W, 2, 2, 2]
-            word = lut.to(tl.int64)  # an argument that fits 32 bits comes as int32
-            lo = tl.zeros_like(sel) + (word & 0xFFFFFFFF).to(tl.uint32)
-            hi = tl.zeros_like(sel) + ((word >> 32) & 0xFFFFFFFF).to(tl.uint32)
-            levels = tl.inline_asm_elementwise("prmt.b32 $0, $3, $5, $1;", "=r,r,r,r,r,r,r",
-                                               [tl.join(sel, sel), tl.join(lo, lo), tl.join(hi, hi)], dtype=tl.bfloat16,
-                                               is_pure=True, pack=2).reshape(words.shape[0], words.shape[1] * 16)
-        else:
-            c0 = _j4(y0 & 3, y1 & 3, y2 & 3, y3 & 3)  # [N, W, 4] per byte i: codes k + 4 i over k
-            c1 = _j4((y0 >> 8) & 3, (y1 >> 8) & 3, (y2 >> 8) & 3, (y3 >> 8) & 3)
-            c2 = _j4((y0 >> 16) & 3, (y1 >> 16) & 3, (y2 >> 16) & 3, (y3 >> 16) & 3)
-            c3 = _j4((y0 >> 24) & 3, (y1 >> 24) & 3, (y2 >> 24) & 3, (y3 >> 24) & 3)
-            codes = _j4(c0, c1, c2, c3).reshape(words.shape[0], words.shape[1] * 16).to(tl.int32)
-            if LOWP:
-                levels = tl.load(vlev16_ptr + codes)
-            else:
-                levels = _level(codes, vlev_ptr, 2, LEVELS, l0, l1, False)
-        return levels
-
-    @triton.jit
-    def _value_step(acc, pg, alpha, vwords, lut, vlev_ptr, vlev16_ptr, l0, l1, VBITS: tl.constexpr, LEVELS: tl.constexpr,
-                    LOWP: tl.constexpr, ASM: tl.constexpr):
-        """One channel group's running output, transposed (``acc`` [VGROUP, G]), after the probabilities ``pg`` [BLOCK,
-        G] (times the group's scales) meet the value words [BLOCK, GW]: 2-bit codes read through their four levels by
-        :func:`_lut_tiles`, 4-bit uniform ones as ``(code - 7.5) / 16`` by :func:`_uniform4_tiles` (the caller takes 16
-        times the output), other 4-bit levels from the table (its bfloat16 copy on a GPU). The channels of ``acc`` are
-        in its tiles' order (:func:`_value_channels`)."""
-        if VBITS == 2:
-            levels = _lut_tiles(vwords, lut, vlev_ptr, vlev16_ptr, l0, l1, LEVELS, LOWP, ASM)
-        elif LEVELS == 1:
-            levels = _uniform4_tiles(vwords, ASM)
-        elif LOWP:
-            levels = tl.load(vlev16_ptr + _words_codes(vwords, VBITS))
-        else:
-            levels = tl.load(vlev_ptr + _words_codes(vwords, VBITS))
-        acc = acc * alpha[None, :]
-        if LOWP:
-            acc = tl.dot(tl.trans(levels.to(tl.bfloat16)), pg.to(tl.bfloat16), acc)
-        else:
-            acc = tl.dot(tl.trans(levels.to(tl.float32)), pg, acc, input_precision="ieee")
-        return acc
+    from kvweave.kernels.lowbit_rows_triton import _pair_channels, _quad_channels, _value_step, _words_codes
+    from kvweave.kernels.lowbit_step_triton import _plane_logits, _plane_queries, _scale_of, _softmax_step, _step_loads
+    from kvweave.kernels.lowbit_tile_triton import _operand, _tile_value_step
+    from kvweave.kernels.lowbit_triton import _hide, _outlier_logits
 
     @triton.jit
     def _group_step(acc, pg, alpha, vstep, g: tl.constexpr, t_loc, jv, lut, vlev_ptr, vlev16_ptr, l0, l1, VW: tl.constexpr,
@@ -219,7 +97,7 @@ if triton is not None:
                VBITS: tl.constexpr, VGROUP: tl.constexpr, HAS_START: tl.constexpr, BLOCK: tl.constexpr,
                LOWP: tl.constexpr, LEVELS: tl.constexpr, VLOG: tl.constexpr, VST: tl.constexpr, HAS_POS: tl.constexpr,
                HID: tl.constexpr, HIDE: tl.constexpr, ASM: tl.constexpr, KPLANES: tl.constexpr, KPF: tl.constexpr,
-               VTILE: tl.constexpr, PAD: tl.constexpr, QG: tl.constexpr):
+               VTILE: tl.constexpr, PAD: tl.constexpr, QG: tl.constexpr, top, probe, t_first, FIX: tl.constexpr):
         """The packed pass over steps ``t_lo .. t_hi`` of a program's tokens: its running max, sums and outputs carried
         on; ``HIDE``: these steps hold hidden slots (the list is checked in them only, so the steps without keep the
         code of a storage that hides none). Each step's scales, zero points and positions are loaded a step ahead
@@ -227,7 +105,8 @@ if triton is not None:
         warps most (Nsight Compute, B = 128 at 64K: a quarter of the stall samples). ``PAD`` = 2: the tile's query
         rows are the real ones twice (column ``2 r + i``: row ``r``), so the softmax runs on the real half alone and
         one tile of probabilities serves two value groups (:func:`_pair`: group ``g`` meets the columns ``2 r + g %
-        2``), one shared-memory store and two barriers a step fewer."""
+        2``), one shared-memory store and two barriers a step fewer. ``FIX``: the probabilities against a fixed
+        reference (:func:`kvweave.kernels.lowbit_step_triton._softmax_step`; ``top``: each slot's largest logit)."""
         KW: tl.constexpr = D * KBITS // 32  # key words a token
         VW: tl.constexpr = D * VBITS // 32  # value words a token
         GW: tl.constexpr = VGROUP * VBITS // 32  # value words a channel group
@@ -282,19 +161,15 @@ if triton is not None:
             if HAS_START:
                 visible = visible & (pos >= start)
             s = _half(tl.where(visible[:, None], s, float("-inf")), 0, PAD)  # [BLOCK, G // PAD]
-            m_new = tl.maximum(m_i, tl.max(s, 0))
-            m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-            p = _exp2(s - m_safe[None, :], ASM)  # logits in base 2: the query carries log2(e)
-            alpha = _exp2(m_i - m_safe, ASM)
-            l_i = l_i * alpha[None, :] + p  # per slot, summed once after the loop: a sum over the step's tokens
-            # each step was a reduction across the four warps (shared memory and a barrier): 8-9% of the kernel
-            m_i = m_new
+            p, alpha, l_i, m_i, top = _softmax_step(s, m_i, l_i, top, (t0 == t_first) & (probe > 0), ASM, FIX)
             vstep = vc_ptr + (row + t0) * VW  # the step's value words (with VTILE: its tile)
             # each channel group's scale folded into the probabilities; with PAD = 2 two groups share a tile
             pa = _probabilities(_pair(p * _scale_of(s0, m0, VLOG, ASM)[:, None], p * _scale_of(s1, m1, VLOG, ASM)[:, None],
                                       PAD), LOWP, ASM, VTILE)
             alpha = tl.reshape(_pair(alpha[None, :], alpha[None, :], PAD), (G,))
-            if LEVELS == 3:  # levels 1 + code / 16: the weights' sums per slot, for the offset taken off once at the end
+            if LEVELS == 3 and FIX:  # levels 1 + code / 16: the weights' sums per slot, for the offset taken off at the end
+                w_i = w_i + pa.to(tl.float32)
+            elif LEVELS == 3:
                 w_i = w_i * alpha[None, :] + pa.to(tl.float32)
             acc0 = _group_step(acc0, pa, alpha, vstep, 0, t_loc, jv, lut, vlev_ptr, vlev16_ptr, l0, l1, VW, GW, VBITS,
                                LEVELS, LOWP, ASM, VTILE)
@@ -314,7 +189,50 @@ if triton is not None:
                                    LEVELS, LOWP, ASM, VTILE)
             ks, kz, kw0, kw1, kw2, kw3, zw0, zw1, zw2, zw3 = ks_n, kz_n, kw0_n, kw1_n, kw2_n, kw3_n, zw0_n, zw1_n, zw2_n, zw3_n
             s0, m0, s1, m1, s2, m2, s3, m3, pos_in = s0_n, m0_n, s1_n, m1_n, s2_n, m2_n, s3_n, m3_n, pos_n
-        return m_i, l_i, w_i, acc0, acc1, acc2, acc3
+        return m_i, l_i, w_i, acc0, acc1, acc2, acc3, top
+
+    @triton.jit
+    def _ranges(lo, hi, m_i, BLOCK: tl.constexpr, R: tl.constexpr, G: tl.constexpr, VGROUP: tl.constexpr, q, q_row, row,
+                bh, start, first, scaling, l0, l1, tokens, kc_ptr, kz_ptr, ks_ptr, koi_ptr, kov_ptr, vc_ptr, vs_row,
+                vmax_row, vlev_ptr, vlev16_ptr, pos_ptr, hid_ptr, probe, D: tl.constexpr, KBITS: tl.constexpr,
+                KGROUP: tl.constexpr, KO: tl.constexpr, VBITS: tl.constexpr, HAS_START: tl.constexpr, LOWP: tl.constexpr,
+                LEVELS: tl.constexpr, VLOG: tl.constexpr, VST: tl.constexpr, HAS_POS: tl.constexpr, HID: tl.constexpr,
+                ASM: tl.constexpr, KPLANES: tl.constexpr, KPF: tl.constexpr, VTILE: tl.constexpr, PAD: tl.constexpr,
+                QG: tl.constexpr, FIX: tl.constexpr):
+        """A program's steps ``lo .. hi`` from a fresh start (``m_i``: the reference with ``FIX``, else -inf): its
+        maximum or reference, sums, outputs and each slot's largest logit."""
+        l_i = tl.zeros([BLOCK, R], tl.float32)  # each slot's running sum of probabilities (:func:`_steps`)
+        w_i = tl.zeros([BLOCK, G], tl.float32)  # LEVELS = 3: each slot's running sum of the value products' weights
+        acc0 = tl.zeros([VGROUP, G], tl.float32)  # one accumulator per value channel group (at most 4)
+        acc1, acc2, acc3 = acc0, acc0, acc0
+        top = tl.full([BLOCK, R], float("-inf"), tl.float32)
+        if HID > 0:  # only the steps from the first to the last hidden slot check the list; the others run the code of a
+            # storage that hides none (checked in every step, the list took 15-19% of the kernel at B = 128, 64K)
+            listed = tl.load(hid_ptr + bh * HID + tl.arange(0, HID))  # -1: none
+            t_a = tl.maximum(lo, tl.minimum(hi, tl.min(tl.where(listed >= 0, listed, tokens), 0) // BLOCK * BLOCK))
+            t_b = tl.maximum(t_a, tl.minimum(hi, (tl.max(listed, 0) // BLOCK + 1) * BLOCK))
+            m_i, l_i, w_i, acc0, acc1, acc2, acc3, top = _steps(
+                lo, t_a, m_i, l_i, w_i, acc0, acc1, acc2, acc3, q, q_row, row, bh, start, first, scaling, l0, l1,
+                kc_ptr, kz_ptr, ks_ptr, koi_ptr, kov_ptr, vc_ptr, vs_row, vmax_row, vlev_ptr, vlev16_ptr, pos_ptr,
+                hid_ptr, D, G, KBITS, KGROUP, KO, VBITS, VGROUP, HAS_START, BLOCK, LOWP, LEVELS, VLOG, VST, HAS_POS, HID,
+                False, ASM, KPLANES, KPF, VTILE, PAD, QG, top, probe, lo, FIX)
+            m_i, l_i, w_i, acc0, acc1, acc2, acc3, top = _steps(
+                t_a, t_b, m_i, l_i, w_i, acc0, acc1, acc2, acc3, q, q_row, row, bh, start, first, scaling, l0, l1,
+                kc_ptr, kz_ptr, ks_ptr, koi_ptr, kov_ptr, vc_ptr, vs_row, vmax_row, vlev_ptr, vlev16_ptr, pos_ptr,
+                hid_ptr, D, G, KBITS, KGROUP, KO, VBITS, VGROUP, HAS_START, BLOCK, LOWP, LEVELS, VLOG, VST, HAS_POS, HID,
+                True, ASM, KPLANES, KPF, VTILE, PAD, QG, top, probe, lo, FIX)
+            m_i, l_i, w_i, acc0, acc1, acc2, acc3, top = _steps(
+                t_b, hi, m_i, l_i, w_i, acc0, acc1, acc2, acc3, q, q_row, row, bh, start, first, scaling, l0, l1,
+                kc_ptr, kz_ptr, ks_ptr, koi_ptr, kov_ptr, vc_ptr, vs_row, vmax_row, vlev_ptr, vlev16_ptr, pos_ptr,
+                hid_ptr, D, G, KBITS, KGROUP, KO, VBITS, VGROUP, HAS_START, BLOCK, LOWP, LEVELS, VLOG, VST, HAS_POS, HID,
+                False, ASM, KPLANES, KPF, VTILE, PAD, QG, top, probe, lo, FIX)
+        else:
+            m_i, l_i, w_i, acc0, acc1, acc2, acc3, top = _steps(
+                lo, hi, m_i, l_i, w_i, acc0, acc1, acc2, acc3, q, q_row, row, bh, start, first, scaling, l0, l1,
+                kc_ptr, kz_ptr, ks_ptr, koi_ptr, kov_ptr, vc_ptr, vs_row, vmax_row, vlev_ptr, vlev16_ptr, pos_ptr,
+                hid_ptr, D, G, KBITS, KGROUP, KO, VBITS, VGROUP, HAS_START, BLOCK, LOWP, LEVELS, VLOG, VST, HAS_POS, HID,
+                False, ASM, KPLANES, KPF, VTILE, PAD, QG, top, probe, lo, FIX)
+        return m_i, l_i, w_i, acc0, acc1, acc2, acc3, top
 
     @triton.jit
     def _lowbit_dense_kernel(
@@ -325,7 +243,7 @@ if triton is not None:
         VBITS: tl.constexpr, VGROUP: tl.constexpr, HAS_START: tl.constexpr, BLOCK: tl.constexpr, LOWP: tl.constexpr,
         LEVELS: tl.constexpr, VLOG: tl.constexpr, VST: tl.constexpr, HAS_POS: tl.constexpr, HID: tl.constexpr,
         ASM: tl.constexpr, KPLANES: tl.constexpr, KPF: tl.constexpr, VTILE: tl.constexpr, PAD: tl.constexpr,
-        QG: tl.constexpr,
+        QG: tl.constexpr, FIX: tl.constexpr, FIX_LIMIT: tl.constexpr,
     ):
         """One program per (batch row x KV head, split of the packed tokens); the split is whole steps of ``BLOCK``
         tokens (``BLOCK`` divides ``KGROUP``), so nothing is masked but slots that are fillers, before the row's first
@@ -352,38 +270,31 @@ if triton is not None:
         lo = split * split_len
         hi = tl.minimum(lo + split_len, tokens)
         m_i = tl.full([R], float("-inf"), tl.float32)
-        l_i = tl.zeros([BLOCK, R], tl.float32)  # each slot's running sum of probabilities (:func:`_steps`)
-        w_i = tl.zeros([BLOCK, G], tl.float32)  # LEVELS = 3: each slot's running sum of the value products' weights
-        acc0 = tl.zeros([VGROUP, G], tl.float32)  # one accumulator per value channel group (at most 4)
+        l_i, w_i = tl.zeros([BLOCK, R], tl.float32), tl.zeros([BLOCK, G], tl.float32)
+        acc0 = tl.zeros([VGROUP, G], tl.float32)
         acc1, acc2, acc3 = acc0, acc0, acc0
         vs_row = vs_ptr + row * VGROUPS  # value scales indexed from the row's first token (log8 maxima by t // VST)
         vmax_row = vmax_ptr + row // VST * VGROUPS
-        if HID > 0:  # only the steps from the first to the last hidden slot check the list; the others run the code of a
-            # storage that hides none (checked in every step, the list took 15-19% of the kernel at B = 128, 64K)
-            listed = tl.load(hid_ptr + bh * HID + tl.arange(0, HID))  # -1: none
-            t_a = tl.maximum(lo, tl.minimum(hi, tl.min(tl.where(listed >= 0, listed, tokens), 0) // BLOCK * BLOCK))
-            t_b = tl.maximum(t_a, tl.minimum(hi, (tl.max(listed, 0) // BLOCK + 1) * BLOCK))
-            m_i, l_i, w_i, acc0, acc1, acc2, acc3 = _steps(
-                lo, t_a, m_i, l_i, w_i, acc0, acc1, acc2, acc3, q, q_row, row, bh, start, first, scaling, l0, l1,
-                kc_ptr, kz_ptr, ks_ptr, koi_ptr, kov_ptr, vc_ptr, vs_row, vmax_row, vlev_ptr, vlev16_ptr, pos_ptr,
-                hid_ptr, D, G, KBITS, KGROUP, KO, VBITS, VGROUP, HAS_START, BLOCK, LOWP, LEVELS, VLOG, VST, HAS_POS, HID,
-                False, ASM, KPLANES, KPF, VTILE, PAD, QG)
-            m_i, l_i, w_i, acc0, acc1, acc2, acc3 = _steps(
-                t_a, t_b, m_i, l_i, w_i, acc0, acc1, acc2, acc3, q, q_row, row, bh, start, first, scaling, l0, l1,
-                kc_ptr, kz_ptr, ks_ptr, koi_ptr, kov_ptr, vc_ptr, vs_row, vmax_row, vlev_ptr, vlev16_ptr, pos_ptr,
-                hid_ptr, D, G, KBITS, KGROUP, KO, VBITS, VGROUP, HAS_START, BLOCK, LOWP, LEVELS, VLOG, VST, HAS_POS, HID,
-                True, ASM, KPLANES, KPF, VTILE, PAD, QG)
-            m_i, l_i, w_i, acc0, acc1, acc2, acc3 = _steps(
-                t_b, hi, m_i, l_i, w_i, acc0, acc1, acc2, acc3, q, q_row, row, bh, start, first, scaling, l0, l1,
-                kc_ptr, kz_ptr, ks_ptr, koi_ptr, kov_ptr, vc_ptr, vs_row, vmax_row, vlev_ptr, vlev16_ptr, pos_ptr,
-                hid_ptr, D, G, KBITS, KGROUP, KO, VBITS, VGROUP, HAS_START, BLOCK, LOWP, LEVELS, VLOG, VST, HAS_POS, HID,
-                False, ASM, KPLANES, KPF, VTILE, PAD, QG)
+        top = tl.full([BLOCK, R], float("-inf"), tl.float32)
+        if FIX:  # a first pass against the first step's largest logit, a second against the largest seen if it rose by
+            # more than FIX_LIMIT (base 2): no maximum across the warps and no rescaling in the steps
+            again, probe, phi = 1, 1, m_i
+            for attempt in range(2):
+                if again > 0:
+                    m_i, l_i, w_i, acc0, acc1, acc2, acc3, top = _ranges(
+                        lo, hi, phi, BLOCK, R, G, VGROUP, q, q_row, row, bh, start, first, scaling, l0, l1, tokens,
+                        kc_ptr, kz_ptr, ks_ptr, koi_ptr, kov_ptr, vc_ptr, vs_row, vmax_row, vlev_ptr, vlev16_ptr, pos_ptr,
+                        hid_ptr, probe, D, KBITS, KGROUP, KO, VBITS, HAS_START, LOWP, LEVELS, VLOG, VST, HAS_POS, HID, ASM,
+                        KPLANES, KPF, VTILE, PAD, QG, True)
+                    seen = tl.max(top, 0)
+                    again = probe * tl.max((~(seen - m_i <= FIX_LIMIT)).to(tl.int32), 0)
+                    probe, phi = 0, seen
         else:
-            m_i, l_i, w_i, acc0, acc1, acc2, acc3 = _steps(
-                lo, hi, m_i, l_i, w_i, acc0, acc1, acc2, acc3, q, q_row, row, bh, start, first, scaling, l0, l1,
-                kc_ptr, kz_ptr, ks_ptr, koi_ptr, kov_ptr, vc_ptr, vs_row, vmax_row, vlev_ptr, vlev16_ptr, pos_ptr,
-                hid_ptr, D, G, KBITS, KGROUP, KO, VBITS, VGROUP, HAS_START, BLOCK, LOWP, LEVELS, VLOG, VST, HAS_POS, HID,
-                False, ASM, KPLANES, KPF, VTILE, PAD, QG)
+            m_i, l_i, w_i, acc0, acc1, acc2, acc3, top = _ranges(
+                lo, hi, m_i, BLOCK, R, G, VGROUP, q, q_row, row, bh, start, first, scaling, l0, l1, tokens, kc_ptr, kz_ptr,
+                ks_ptr, koi_ptr, kov_ptr, vc_ptr, vs_row, vmax_row, vlev_ptr, vlev16_ptr, pos_ptr, hid_ptr, 0, D, KBITS,
+                KGROUP, KO, VBITS, HAS_START, LOWP, LEVELS, VLOG, VST, HAS_POS, HID, ASM, KPLANES, KPF, VTILE, PAD, QG,
+                False)
         out = (bh * splits + split) * G
         tl.store(m_ptr + out + ri, m_i * 0.6931471805599453)
         tl.store(l_ptr + out + ri, tl.sum(l_i, 0))

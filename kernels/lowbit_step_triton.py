@@ -129,6 +129,30 @@ if triton is not None:
         return tl.exp2(x)
 
     @triton.jit
+    def _softmax_step(s, m_i, l_i, top, first, ASM: tl.constexpr, FIX: tl.constexpr):
+        """A step's probabilities from its logits ``s`` [BLOCK, R] (base 2, -inf where hidden), what rescales the
+        running sums before them (``alpha`` [R]), the per-slot sums ``l_i`` and the reference ``m_i`` [R] after them.
+        Online (not ``FIX``): the running maximum, a reduction across the warps each step. ``FIX``: a fixed reference,
+        the largest logit of the program's first step (``first``: this is it) and each slot's largest logit kept in
+        ``top`` for the caller, who runs the program again against the largest seen where it rose too far."""
+        if FIX:
+            if first:
+                m_i = tl.max(s, 0)
+            m_safe = tl.where(m_i == float("-inf"), 0.0, m_i)
+            p = _exp2(s - m_safe[None, :], ASM)
+            top = tl.maximum(top, s)
+            alpha = tl.full(m_i.shape, 1.0, tl.float32)
+            l_i = l_i + p
+        else:
+            m_new = tl.maximum(m_i, tl.max(s, 0))
+            m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+            p = _exp2(s - m_safe[None, :], ASM)  # logits in base 2: the query carries log2(e)
+            alpha = _exp2(m_i - m_safe, ASM)
+            l_i = l_i * alpha[None, :] + p  # per slot, summed once after the loop: a sum over the step's tokens
+            m_i = m_new
+        return p, alpha, l_i, m_i, top
+
+    @triton.jit
     def _scale_of(stored, top, VLOG: tl.constexpr, ASM: tl.constexpr):
         """The scales of :func:`_scale_loads`' loads (``_value_scale``'s arithmetic)."""
         if VLOG:

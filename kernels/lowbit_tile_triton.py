@@ -40,7 +40,7 @@ if triton is not None:
     def _half_levels(words, lut, vlev_ptr, vlev16_ptr, LOWP: tl.constexpr, ASM: tl.constexpr):
         """uint32 words [R, 4] (word ``q`` of R channels) -> their 2-bit levels [R, 64], column ``t`` the tile's slot ``t``
         (bfloat16 with ``LOWP``, else float32). On a GPU a byte permute is the table (as for token-major words,
-        :func:`kvweave.kernels.lowbit_dense_triton._lut_tiles`): the bytes ``2 s`` of each 16-bit half of a word give
+        :func:`kvweave.kernels.lowbit_rows_triton._lut_tiles`): the bytes ``2 s`` of each 16-bit half of a word give
         the selectors of the levels of slots ``e = 0, 1`` at once, one register of the operand."""
         R: tl.constexpr = words.shape[0]
         if ASM:

@@ -1,0 +1,38 @@
+"""The dense kernel's softmax against a fixed reference (FIX, what the launch now takes) and with a running maximum
+(the build before), in turn, twice, per storage and shape; with the largest difference from the torch twin at B <= 8.
+
+    python docs/perf/h200-2026-12-04-fixed/ab_fixed.py STORAGE TxB,TxB,...
+
+Writes OUT/ab-STORAGE.jsonl (OUT: the environment's, else the working folder)."""
+import json
+import os
+import sys
+
+sys.path.insert(0, "benchmarks")
+import attrs  # noqa: E402
+import torch  # noqa: E402
+from decode_kernel import device_us  # noqa: E402
+from lowbit_kernel import HEAD_DIM, Q_HEADS, packed_view  # noqa: E402
+
+from kvweave.kernels import lowbit_dense as ld  # noqa: E402
+from kvweave.kernels.lowbit_decode import lowbit_decode, torch_lowbit_decode  # noqa: E402
+
+storage, shapes = sys.argv[1], [tuple(int(x) for x in s.split("x")) for s in sys.argv[2].split(",")]
+out = os.environ.get("OUT", ".")
+scale = HEAD_DIM ** -0.5
+for tokens, batch in shapes:
+    view = attrs.evolve(packed_view(batch, tokens, storage=storage), inv_freq=None)
+    q = torch.randn(batch, Q_HEADS, HEAD_DIM, device="cuda", dtype=torch.bfloat16)
+    twin = torch_lowbit_decode(view, q.float(), None, scale) if batch <= 8 else None
+    for rnd in range(2):
+        for fixed in (False, True):
+            ld.DENSE_FIXED_MAX = fixed
+            call = lambda: lowbit_decode(view, q, None, scale, variant="dense", programs=None)  # noqa: E731
+            diff = float((call() - twin).abs().max()) if twin is not None else float("nan")
+            us = min(device_us(call, 20) for _ in range(3))
+            row = dict(storage=storage, fixed=fixed, rnd=rnd, tokens=tokens, batch=batch, us=round(us, 2), diff=diff)
+            print(json.dumps(row), flush=True)
+            with open(f"{out}/ab-{storage}.jsonl", "a") as handle:
+                handle.write(json.dumps(row) + "\n")
+    del view, twin
+    torch.cuda.empty_cache()

@@ -1,0 +1,62 @@
+"""The dense kernel's sm_90 token loop built on a CPU with the softmax against a fixed reference (FIX) and with a running
+maximum: the loop's instructions, those of the first step's reduction (a block the loop's other steps branch past),
+what the other steps run, and the loop's barriers and lane shuffles. Run from the repository's root with the GPU
+machine's Triton for its counts:
+
+    PYTHONPATH=/path/to/triton-3.6 python docs/perf/h200-2026-12-04-fixed/sass_fixed.py k4v2e48t k4v4e77t
+"""
+import importlib
+import os
+import re
+import sys
+
+os.environ.pop("TRITON_INTERPRET", None)
+sys.path.insert(0, "benchmarks")
+
+import attrs  # noqa: E402
+import torch  # noqa: E402
+from lowbit_kernel import HEAD_DIM, Q_HEADS, packed_view  # noqa: E402
+
+from kvweave.kernels import lowbit_dense  # noqa: E402
+from kvweave.kernels.gpu_build import _read_cubin, build, launch_job, resources  # noqa: E402
+from kvweave.kernels.lowbit_decode import plan_launch  # noqa: E402
+
+
+def token_loop(text):
+    """(address, opcode, line) of the innermost longest loop, and the forward branches inside it as (from, to)."""
+    code, labels, pending = [], {}, []
+    for line in text.splitlines():
+        label = re.match(r"^(\.L_x_\d+):", line)
+        if label:
+            pending.append(label.group(1))
+            continue
+        match = re.match(r"\s*/\*([0-9a-f]+)\*/\s+(@!?U?P[T0-9]+\s+)?([A-Z][A-Z0-9_]*)(.*)", line)
+        if match:
+            address = int(match.group(1), 16)
+            labels.update({name: address for name in pending})
+            pending = []
+            code.append((address, match.group(3), match.group(2), match.group(4)))
+    branches = [(address, labels[t.group(1)], guard) for address, op, guard, rest in code if op == "BRA"
+                for t in [re.search(r"(\.L_x_\d+)", rest)] if t and t.group(1) in labels]
+    spans = [(to, at) for at, to, _ in branches if to < at]
+    inner = [s for s in spans if not any(o != s and s[0] <= o[0] and o[1] <= s[1] for o in spans)]
+    lo, hi = max(inner, key=lambda s: s[1] - s[0])
+    body = [c for c in code if lo <= c[0] <= hi]
+    skips = [(at, to) for at, to, guard in branches if lo <= at < to <= hi and guard]
+    return body, skips
+
+
+for storage in sys.argv[1:]:
+    for fixed in (False, True):
+        lowbit_dense.DENSE_FIXED_MAX = fixed
+        view = attrs.evolve(packed_view(1, 256, device="cpu", storage=storage), inv_freq=None)
+        launch = plan_launch(view, torch.randn(1, Q_HEADS, HEAD_DIM), None, HEAD_DIM ** -0.5, variant="dense", lowp=True)
+        job = launch_job(launch.kernel, launch.args, launch.constants)
+        cubin = build(importlib.import_module(job["module"]), job, arch=90).asm["cubin"]
+        body, skips = token_loop(_read_cubin("nvdisasm", "-c", cubin))
+        skipped = [c for c in body if any(at < c[0] < to for at, to in skips)]
+        rest = [c for c in body if c not in skipped]
+        count = lambda part, op: sum(1 for c in part if c[1] == op)  # noqa: E731
+        print(f"{storage} FIX={fixed}: loop {len(body)}, first step's block {len(skipped)}, other steps {len(rest)} "
+              f"(BAR {count(rest, 'BAR')}, SHFL {count(rest, 'SHFL')}, FMNMX {count(rest, 'FMNMX')}); {resources(cubin)}",
+              flush=True)
