@@ -264,6 +264,15 @@ if triton is not None:
         row = bh.to(tl.int64) * tokens
         q_row = q_ptr + bh.to(tl.int64) * QG * D  # the query heads [B, KV heads x QG, D] as the model made them
         q = tl.load(q_row + gi[None, :] * D + ch[:, None]).to(tl.float32) * scaling  # [D, G]
+        KW: tl.constexpr = D * KBITS // 32
+        VW: tl.constexpr = D * VBITS // 32
+        kc_ptr += row * KW  # each field from the row's first token: the steps' offsets in 32 bits
+        ks_ptr += row // KGROUP * D
+        kz_ptr += row // KGROUP * D
+        koi_ptr += row * KO
+        kov_ptr += row * KO
+        vc_ptr += row * VW
+        pos_ptr += row
         start = 0
         if HAS_START:
             start = tl.load(start_ptr + batch)
@@ -282,7 +291,7 @@ if triton is not None:
             for attempt in range(2):
                 if again > 0:
                     m_i, l_i, w_i, acc0, acc1, acc2, acc3, top = _ranges(
-                        lo, hi, phi, BLOCK, R, G, VGROUP, q, q_row, row, bh, start, first, scaling, l0, l1, tokens,
+                        lo, hi, phi, BLOCK, R, G, VGROUP, q, q_row, 0, bh, start, first, scaling, l0, l1, tokens,
                         kc_ptr, kz_ptr, ks_ptr, koi_ptr, kov_ptr, vc_ptr, vs_row, vmax_row, vlev_ptr, vlev16_ptr, pos_ptr,
                         hid_ptr, probe, D, KBITS, KGROUP, KO, VBITS, HAS_START, LOWP, LEVELS, VLOG, VST, HAS_POS, HID, ASM,
                         KPLANES, KPF, VTILE, PAD, QG, True)
@@ -291,7 +300,7 @@ if triton is not None:
                     probe, phi = 0, seen
         else:
             m_i, l_i, w_i, acc0, acc1, acc2, acc3, top = _ranges(
-                lo, hi, m_i, BLOCK, R, G, VGROUP, q, q_row, row, bh, start, first, scaling, l0, l1, tokens, kc_ptr, kz_ptr,
+                lo, hi, m_i, BLOCK, R, G, VGROUP, q, q_row, 0, bh, start, first, scaling, l0, l1, tokens, kc_ptr, kz_ptr,
                 ks_ptr, koi_ptr, kov_ptr, vc_ptr, vs_row, vmax_row, vlev_ptr, vlev16_ptr, pos_ptr, hid_ptr, 0, D, KBITS,
                 KGROUP, KO, VBITS, HAS_START, LOWP, LEVELS, VLOG, VST, HAS_POS, HID, ASM, KPLANES, KPF, VTILE, PAD, QG,
                 False)
