@@ -16,26 +16,45 @@ from test_lowbit_dense import _post_rope_view
 from test_lowbit_kernel import model, registry  # noqa: F401 - the same storages and model
 
 
-def test_the_launch_splits_the_dense_rows_into_waves_of_the_programs_an_sm_holds():
+def test_the_launch_splits_the_dense_rows_into_waves_of_the_programs_an_sm_holds(monkeypatch):
     """Where the caller names no number of programs, the dense kernel's rows split into about ``DENSE_WAVES`` waves of
     the programs the SMs hold at once (5 an SM at 96 registers, 4 at 128 with a hidden-slot list), at least
-    ``DENSE_MIN_SPLITS`` and at most ``DENSE_MAX_SPLITS`` a row, never fewer than ``DENSE_SPLIT_STEPS`` steps a split."""
+    ``DENSE_MIN_SPLITS`` and at most ``DENSE_MAX_SPLITS`` a row, never fewer than ``DENSE_SPLIT_STEPS`` steps a split;
+    with ``DENSE_WHOLE_WAVES`` the splits near that number whose last wave is fullest (never modelled slower than the
+    waves' number itself)."""
     from kvweave.kernels import lowbit_dense as ld
 
     assert ld.dense_registers(128, False) == 96 and ld.dense_registers(128, True) == 128 and ld.dense_registers(256, False) is None
     sms = 132
-    for rows in (8, 64, 256, 1024, 4096):
-        for steps in (5, 246, 492, 983, 4096):
-            for hidden, per_sm in ((False, 5), (True, 4)):
-                splits = ld.dense_splits(rows, steps, sms, 128, hidden)
-                assert splits >= 1 and (splits == 1 or steps // splits >= ld.DENSE_SPLIT_STEPS), (rows, steps, splits)
-                if splits < steps // ld.DENSE_SPLIT_STEPS:  # not held back by the steps: the waves decide
+
+    def modelled(rows, steps, splits, slots):
+        return -(-rows * splits // slots) * (steps / splits + ld.DENSE_PROGRAM_STEPS)
+
+    for whole in (False, True):
+        monkeypatch.setattr(ld, "DENSE_WHOLE_WAVES", whole)
+        for rows in (8, 64, 256, 1024, 4096):
+            for steps in (5, 246, 492, 983, 4096):
+                for hidden, per_sm in ((False, 5), (True, 4)):
+                    splits = ld.dense_splits(rows, steps, sms, 128, hidden)
+                    assert splits >= 1 and (splits == 1 or steps // splits >= ld.DENSE_SPLIT_STEPS), (rows, steps, splits)
+                    if splits >= steps // ld.DENSE_SPLIT_STEPS:  # held back by the steps
+                        continue
                     slots = sms * per_sm
+                    waves = max(ld.DENSE_MIN_SPLITS, min(ld.DENSE_MAX_SPLITS, -(-ld.DENSE_WAVES * slots // rows)))
                     assert ld.DENSE_MIN_SPLITS <= splits <= ld.DENSE_MAX_SPLITS
-                    assert (splits in (ld.DENSE_MIN_SPLITS, ld.DENSE_MAX_SPLITS)
-                            or rows * (splits - 1) < ld.DENSE_WAVES * slots <= rows * splits), (rows, steps, splits)
-    assert ld.dense_splits(64, 983, sms, 128, True) < ld.dense_splits(64, 983, sms, 128, False)  # fewer programs an SM
-    assert ld.dense_splits(64, 983, 66, 128, False) < ld.dense_splits(64, 983, 132, 128, False)  # half the SMs
+                    if not whole:
+                        assert (splits in (ld.DENSE_MIN_SPLITS, ld.DENSE_MAX_SPLITS)
+                                or rows * (splits - 1) < ld.DENSE_WAVES * slots <= rows * splits), (rows, steps, splits)
+                    else:
+                        assert 3 * waves / 4 <= splits <= max(ld.DENSE_MIN_SPLITS, 3 * waves / 2), (rows, steps, splits)
+                        assert modelled(rows, steps, splits, slots) <= modelled(rows, steps, waves, slots)
+        assert ld.dense_splits(64, 983, sms, 128, True) < ld.dense_splits(64, 983, sms, 128, False)  # fewer programs an SM
+        assert ld.dense_splits(64, 983, 66, 128, False) < ld.dense_splits(64, 983, 132, 128, False)  # half the SMs
+    # 512 rows of 788 steps (B = 64 at 64K, 77% kept): 8 splits make 6.2 waves of 660 programs, 9 make 6.98
+    monkeypatch.setattr(ld, "DENSE_WHOLE_WAVES", False)
+    assert ld.dense_splits(512, 788, sms, 128, False) == 8
+    monkeypatch.setattr(ld, "DENSE_WHOLE_WAVES", True)
+    assert ld.dense_splits(512, 788, sms, 128, False) == 9
 
 
 @pytest.mark.interpreter

@@ -1,7 +1,8 @@
-"""The dense kernel's softmax against a fixed reference (FIX, what the launch now takes) and with a running maximum
-(the build before), in turn, twice, per storage and shape; with the largest difference from the torch twin at B <= 8.
+"""A switch of kvweave.kernels.lowbit_dense off and on, in turn, twice, per storage and shape, with the largest
+difference from the torch twin at B <= 8: by default DENSE_FIXED_MAX (the softmax against a fixed reference, what the
+launch now takes, against a running maximum, the build before), or the switch named third (DENSE_WHOLE_WAVES).
 
-    python docs/perf/h200-2026-12-04-fixed/ab_fixed.py STORAGE TxB,TxB,...
+    python docs/perf/h200-2026-12-04-fixed/ab_fixed.py STORAGE TxB,TxB,... [SWITCH]
 
 Writes OUT/ab-STORAGE.jsonl (OUT: the environment's, else the working folder)."""
 import json
@@ -18,19 +19,23 @@ from kvweave.kernels import lowbit_dense as ld  # noqa: E402
 from kvweave.kernels.lowbit_decode import lowbit_decode, torch_lowbit_decode  # noqa: E402
 
 storage, shapes = sys.argv[1], [tuple(int(x) for x in s.split("x")) for s in sys.argv[2].split(",")]
+switch = sys.argv[3] if len(sys.argv) > 3 else "DENSE_FIXED_MAX"
 out = os.environ.get("OUT", ".")
 scale = HEAD_DIM ** -0.5
+sms = torch.cuda.get_device_properties(0).multi_processor_count
 for tokens, batch in shapes:
     view = attrs.evolve(packed_view(batch, tokens, storage=storage), inv_freq=None)
     q = torch.randn(batch, Q_HEADS, HEAD_DIM, device="cuda", dtype=torch.bfloat16)
     twin = torch_lowbit_decode(view, q.float(), None, scale) if batch <= 8 else None
     for rnd in range(2):
         for fixed in (False, True):
-            ld.DENSE_FIXED_MAX = fixed
+            setattr(ld, switch, fixed)
             call = lambda: lowbit_decode(view, q, None, scale, variant="dense", programs=None)  # noqa: E731
             diff = float((call() - twin).abs().max()) if twin is not None else float("nan")
             us = min(device_us(call, 20) for _ in range(3))
-            row = dict(storage=storage, fixed=fixed, rnd=rnd, tokens=tokens, batch=batch, us=round(us, 2), diff=diff)
+            splits = ld.dense_splits(batch * 8, view.tokens // 64, sms, HEAD_DIM, False)
+            row = dict(storage=storage, switch=switch, on=fixed, splits=splits, rnd=rnd, tokens=tokens, batch=batch,
+                       us=round(us, 2), diff=diff)
             print(json.dumps(row), flush=True)
             with open(f"{out}/ab-{storage}.jsonl", "a") as handle:
                 handle.write(json.dumps(row) + "\n")
