@@ -51,9 +51,11 @@ DENSE_MIN_SPLITS = 8
 DENSE_MAX_SPLITS = 64
 DENSE_WAVES = 3
 
-#: choose the splits near the waves' number (from 3/4 to 3/2 of it) whose programs fill their last wave best: the time
-#: modelled as the waves begun times a program's steps plus :data:`DENSE_PROGRAM_STEPS` (what a program costs besides
-#: its steps); a last wave a tenth full ran as long as a full one (docs/kernels.md "A fixed reference for the softmax")
+#: where the rows are many enough that :data:`DENSE_MIN_SPLITS` decides (more than the waves ask for), choose from it
+#: to half as many again the splits whose programs fill their last wave best: the time modelled as the waves begun times
+#: a program's steps plus :data:`DENSE_PROGRAM_STEPS` (what a program costs besides its steps). H200, 2026-12-04: 1-2%
+#: faster at B = 32-64 (6.2 -> 6.98 waves at B = 64, 64K); at B = 8, where the waves decide, the same rule made things
+#: 1-2% slower, so it stays out there (docs/kernels.md "A fixed reference for the softmax")
 DENSE_WHOLE_WAVES = True
 DENSE_PROGRAM_STEPS = 1.0
 
@@ -190,7 +192,7 @@ def dense_splits(rows: int, steps: int, sms: int, dim: int, hidden: bool, num_wa
     """The splits of each of ``rows`` rows' ``steps`` steps that the dense kernel runs in where the launch chooses: about
     :data:`DENSE_WAVES` waves of the programs ``sms`` multiprocessors hold at once (their registers:
     :func:`dense_registers`), :data:`DENSE_MIN_SPLITS` to :data:`DENSE_MAX_SPLITS`, at most one per
-    :data:`DENSE_SPLIT_STEPS` steps, the last wave as full as the waves near that number allow
+    :data:`DENSE_SPLIT_STEPS` steps; where the fewest splits decide, the last wave as full as a few more allow
     (:data:`DENSE_WHOLE_WAVES`). One wave of few long programs leaves SMs idle at its end; many short ones pay each
     program's loads before its steps and a longer combine (a batch of one row took 16% longer in 165 splits than in
     66)."""
@@ -198,10 +200,9 @@ def dense_splits(rows: int, steps: int, sms: int, dim: int, hidden: bool, num_wa
     slots = sms * max(1, 65536 // (registers * 32 * num_warps))
     wanted = max(DENSE_MIN_SPLITS, min(DENSE_MAX_SPLITS, -(-DENSE_WAVES * slots // max(1, rows))))
     most = max(1, steps // DENSE_SPLIT_STEPS)
-    if not DENSE_WHOLE_WAVES or wanted >= most:
+    if not DENSE_WHOLE_WAVES or wanted >= most or wanted > DENSE_MIN_SPLITS:
         return max(1, min(most, wanted))
-    low = max(DENSE_MIN_SPLITS, -(-3 * wanted // 4))
-    high = min(DENSE_MAX_SPLITS, most, 3 * wanted // 2)
+    low, high = wanted, min(DENSE_MAX_SPLITS, most, 3 * wanted // 2)
 
     def modelled(splits: int) -> float:
         return -(-rows * splits // slots) * (steps / splits + DENSE_PROGRAM_STEPS)
