@@ -170,11 +170,17 @@ if triton is not None:
         meta = (row + t0) // KGROUP * D  # a step lies within one token group
         kw0 = tl.zeros_like(jk)
         kw1, kw2, kw3, zw0, zw1, zw2, zw3 = kw0, kw0, kw0, kw0, kw0, kw0, kw0
-        if KPF:  # float16 pairs read as int32 words: channel j * 8 + k is half k % 2 of word j * 4 + k // 2
-            ksw = ks_ptr.to(tl.pointer_type(tl.int32), bitcast=True) + meta // 2 + jk * 4
-            kzw = kz_ptr.to(tl.pointer_type(tl.int32), bitcast=True) + meta // 2 + jk * 4
-            kw0, kw1, kw2, kw3 = tl.load(ksw), tl.load(ksw + 1), tl.load(ksw + 2), tl.load(ksw + 3)
-            zw0, zw1, zw2, zw3 = tl.load(kzw), tl.load(kzw + 1), tl.load(kzw + 2), tl.load(kzw + 3)
+        if KPF:  # float16 pairs read as int32 words: channel j * 8 + k is half k % 2 of word j * 4 + k // 2; a row's
+            # four words in one vector load (two a step where they were eight)
+            four = tl.arange(0, 4)
+            ksw = ks_ptr.to(tl.pointer_type(tl.int32), bitcast=True) + meta // 2 + jk[:, None] * 4 + four[None, :]
+            kzw = kz_ptr.to(tl.pointer_type(tl.int32), bitcast=True) + meta // 2 + jk[:, None] * 4 + four[None, :]
+            a, b = tl.split(tl.load(ksw).reshape(jk.shape[0], 2, 2))
+            kw0, kw2 = tl.split(a)
+            kw1, kw3 = tl.split(b)
+            a, b = tl.split(tl.load(kzw).reshape(jk.shape[0], 2, 2))
+            zw0, zw2 = tl.split(a)
+            zw1, zw3 = tl.split(b)
         if KPLANES:
             ks = tl.zeros_like(ch)
             kz = ks
