@@ -42,14 +42,23 @@ if triton is not None:
         chan = jk * 8 + k  # [KW]: the channels of code place k
         if KPF:
             qs = qk * _half(kw, k)[:, None]
-            qz = qk * _half(zw, k)[:, None]
+            zero = _half(zw, k)
         else:
             qs = qk * tl.load(ks_ptr + meta + chan).to(tl.float32)[:, None]
-            qz = qk * tl.load(kz_ptr + meta + chan).to(tl.float32)[:, None]
+            zero = tl.load(kz_ptr + meta + chan).to(tl.float32)
         if LOWP:  # the operand is 128 + code: 128 times the scaled query's sum taken off, in the same sum
             qs = qs.to(tl.bfloat16)
-            qz = qz - 128.0 * qs.to(tl.float32)
-        return qs, qz
+        return qs, zero
+
+    @triton.jit
+    def _bias_add(total, qk, zero, qs, LOWP: tl.constexpr):
+        """``total`` plus what code place ``k``'s zero points (``zero`` [KW]) add to the logits per tile entry, and with
+        ``LOWP`` less 128 times its rounded scaled query ``qs``: fused multiply-adds, the sum over code places carried
+        in them."""
+        total = tl.fma(qk, zero[:, None], total)
+        if LOWP:
+            total = tl.fma(qs.to(tl.float32), -128.0, total)
+        return total
 
     def _plane_text(k: int) -> str:
         """Code place ``k``'s operand register from two words (the columns ``2 c``, ``2 c + 1`` of a token): their low
@@ -88,15 +97,23 @@ if triton is not None:
         unpacked tile goes through shared memory (the store and reload of the [BLOCK, D] tile was the largest share of
         the kernel's shared-memory traffic). The eight query tiles are made before the products; ``kw0 .. kw3``,
         ``zw0 .. zw3``: the scales and zero points of code places ``2 c, 2 c + 1`` (``KPF``)."""
-        qs0, qz0 = _plane_query(q0, ks_ptr, kz_ptr, meta, kw0, zw0, jk, 0, LOWP, KPF)
-        qs1, qz1 = _plane_query(q1, ks_ptr, kz_ptr, meta, kw0, zw0, jk, 1, LOWP, KPF)
-        qs2, qz2 = _plane_query(q2, ks_ptr, kz_ptr, meta, kw1, zw1, jk, 2, LOWP, KPF)
-        qs3, qz3 = _plane_query(q3, ks_ptr, kz_ptr, meta, kw1, zw1, jk, 3, LOWP, KPF)
-        qs4, qz4 = _plane_query(q4, ks_ptr, kz_ptr, meta, kw2, zw2, jk, 4, LOWP, KPF)
-        qs5, qz5 = _plane_query(q5, ks_ptr, kz_ptr, meta, kw2, zw2, jk, 5, LOWP, KPF)
-        qs6, qz6 = _plane_query(q6, ks_ptr, kz_ptr, meta, kw3, zw3, jk, 6, LOWP, KPF)
-        qs7, qz7 = _plane_query(q7, ks_ptr, kz_ptr, meta, kw3, zw3, jk, 7, LOWP, KPF)
-        bias = tl.sum(((qz0 + qz1) + (qz2 + qz3)) + ((qz4 + qz5) + (qz6 + qz7)), 0)
+        qs0, z0 = _plane_query(q0, ks_ptr, kz_ptr, meta, kw0, zw0, jk, 0, LOWP, KPF)
+        qs1, z1 = _plane_query(q1, ks_ptr, kz_ptr, meta, kw0, zw0, jk, 1, LOWP, KPF)
+        qs2, z2 = _plane_query(q2, ks_ptr, kz_ptr, meta, kw1, zw1, jk, 2, LOWP, KPF)
+        qs3, z3 = _plane_query(q3, ks_ptr, kz_ptr, meta, kw1, zw1, jk, 3, LOWP, KPF)
+        qs4, z4 = _plane_query(q4, ks_ptr, kz_ptr, meta, kw2, zw2, jk, 4, LOWP, KPF)
+        qs5, z5 = _plane_query(q5, ks_ptr, kz_ptr, meta, kw2, zw2, jk, 5, LOWP, KPF)
+        qs6, z6 = _plane_query(q6, ks_ptr, kz_ptr, meta, kw3, zw3, jk, 6, LOWP, KPF)
+        qs7, z7 = _plane_query(q7, ks_ptr, kz_ptr, meta, kw3, zw3, jk, 7, LOWP, KPF)
+        total = _bias_add(tl.zeros_like(q0), q0, z0, qs0, LOWP)
+        total = _bias_add(total, q1, z1, qs1, LOWP)
+        total = _bias_add(total, q2, z2, qs2, LOWP)
+        total = _bias_add(total, q3, z3, qs3, LOWP)
+        total = _bias_add(total, q4, z4, qs4, LOWP)
+        total = _bias_add(total, q5, z5, qs5, LOWP)
+        total = _bias_add(total, q6, z6, qs6, LOWP)
+        total = _bias_add(total, q7, z7, qs7, LOWP)
+        bias = tl.sum(total, 0)
         s = tl.zeros([words.shape[0], qs0.shape[1]], tl.float32) + bias[None, :]
         s = _plane_dot(words, qs0, s, 0, LOWP, ASM)
         s = _plane_dot(words, qs1, s, 1, LOWP, ASM)
