@@ -23,7 +23,8 @@ except ImportError:  # pragma: no cover - exercised where triton is missing
 if triton is not None:
     from kvweave.kernels.lowbit_codes_triton import _plus128
     from kvweave.kernels.lowbit_rows_triton import _pair_channels, _quad_channels, _value_step, _words_codes
-    from kvweave.kernels.lowbit_step_triton import _plane_logits, _plane_queries, _scale_of, _softmax_step, _step_loads
+    from kvweave.kernels.lowbit_step_triton import (_over, _plane_logits, _plane_queries, _scale_of, _softmax_step,
+                                                     _step_loads)
     from kvweave.kernels.lowbit_tile_triton import _operand, _tile_value_step
     from kvweave.kernels.lowbit_triton import _hide, _outlier_logits
 
@@ -132,7 +133,7 @@ if triton is not None:
              m3_n, pos_n) = _step_loads(tl.minimum(t0 + BLOCK, t_hi - BLOCK), row, ch, jk, t_loc, ks_ptr, kz_ptr, vs_row,
                                         vmax_row, pos_ptr, D, KGROUP, VGROUPS, VLOG, VST, HAS_POS, KPLANES, KPF)
             tok = row + t0 + t_loc
-            meta = (row + t0) // KGROUP * D
+            meta = _over(row + t0, KGROUP) * D
             words = tl.load(kc_ptr + (row + t0) * KW + t_loc[:, None] * KW + jk[None, :]).to(tl.uint32, bitcast=True)
             if KPLANES:
                 s = _plane_logits(words, q0, q1, q2, q3, q4, q5, q6, q7, ks_ptr, kz_ptr, meta, kw0, kw1, kw2, kw3, zw0, zw1,

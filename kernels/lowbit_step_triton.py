@@ -126,6 +126,12 @@ if triton is not None:
         return s
 
     @triton.jit
+    def _over(index, N: tl.constexpr):
+        """``index // N`` for a token index that is never negative: an unsigned division (a shift where ``N`` is a power
+        of two, where the signed one takes three instructions to round toward zero)."""
+        return (tl.cast(index, tl.uint32) // N).to(tl.int32)
+
+    @triton.jit
     def _scale_loads(vs_row, vmax_row, t_idx, g: tl.constexpr, VGROUPS: tl.constexpr, VLOG: tl.constexpr,
                      VST: tl.constexpr):
         """Value group ``g``'s stored scales of tokens ``t_idx`` and, for log8 scales, their spans' maxima, as loaded
@@ -133,7 +139,7 @@ if triton is not None:
         stored = tl.load(vs_row + t_idx * VGROUPS + g)
         top = stored
         if VLOG:
-            top = tl.load(vmax_row + (t_idx // VST) * VGROUPS + g)
+            top = tl.load(vmax_row + _over(t_idx, VST) * VGROUPS + g)
         return stored, top
 
     @triton.jit
@@ -184,7 +190,7 @@ if triton is not None:
         ``KPLANES``: :func:`_plane_logits` reads them), each value group's scales (groups past ``VGROUPS`` repeat the
         first), the slots' positions (``HAS_POS``; else zeros); ``KPF``: the scales and zero points of each two code
         places as int32 words (:func:`_plane_query`), else zeros."""
-        meta = (row + t0) // KGROUP * D  # a step lies within one token group
+        meta = _over(row + t0, KGROUP) * D  # a step lies within one token group
         kw0 = tl.zeros_like(jk)
         kw1, kw2, kw3, zw0, zw1, zw2, zw3 = kw0, kw0, kw0, kw0, kw0, kw0, kw0
         if KPF:  # float16 pairs read as int32 words: channel j * 8 + k is half k % 2 of word j * 4 + k // 2; a row's
