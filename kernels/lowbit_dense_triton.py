@@ -8,9 +8,9 @@ bits ``0x4300 | code``, the bfloat16 number 128 + code: no conversion); each val
 probabilities. Value codes become the products' operands two to a 32-bit register, in the order their bits give them
 (the output's channels put back when it is stored): from tiles (:mod:`kvweave.kernels.lowbit_tile_triton`) or token by
 token (:mod:`kvweave.kernels.lowbit_rows_triton`). The softmax runs against a fixed reference, the first step's largest
-logit, with a second pass where the logits rose too far above it (``FIX``), or a running maximum. What it does not read (keys before RoPE, 3-bit or
-``channel-alloc`` codes, a packed token count that is not whole steps) the plugin's other kernels read. Without triton
-the module defines no kernel (``triton`` is None)."""
+logit, with a second pass where the logits rose too far above it (``FIX``), or against a running maximum. What it does
+not read (keys before RoPE, 3-bit or ``channel-alloc`` codes, a packed token count that is not whole steps) the
+plugin's other kernels read. Without triton the module defines no kernel (``triton`` is None)."""
 
 from __future__ import annotations
 
@@ -99,8 +99,8 @@ if triton is not None:
                LOWP: tl.constexpr, LEVELS: tl.constexpr, VLOG: tl.constexpr, VST: tl.constexpr, HAS_POS: tl.constexpr,
                HID: tl.constexpr, HIDE: tl.constexpr, ASM: tl.constexpr, KPLANES: tl.constexpr, KPF: tl.constexpr,
                VTILE: tl.constexpr, PAD: tl.constexpr, QG: tl.constexpr, top, probe, t_first, FIX: tl.constexpr):
-        """The packed pass over steps ``t_lo .. t_hi`` of a program's tokens: its running max, sums and outputs carried
-        on; ``HIDE``: these steps hold hidden slots (the list is checked in them only, so the steps without keep the
+        """The packed pass over steps ``t_lo .. t_hi`` of a program's tokens: its running maximum (or reference), sums
+        and outputs carried on; ``HIDE``: these steps hold hidden slots (the list is checked in them only, so the steps without keep the
         code of a storage that hides none). Each step's scales, zero points and positions are loaded a step ahead
         (:func:`_step_loads`; the last step's loads re-read it): loaded where they are used, their latency stalled the
         warps most (Nsight Compute, B = 128 at 64K: a quarter of the stall samples). ``PAD`` = 2: the tile's query
@@ -251,7 +251,8 @@ if triton is not None:
         visible position, or hidden. Tiles are token-major (logits [BLOCK, G], outputs [channels, G]): the unpacked codes
         are the products' first operand (rows: tokens, channels), the query heads (8 rows at least) the second, read where
         the model left them (``q_ptr`` [B, KV heads x ``QG``, D], any float dtype; a padding row repeats a real one).
-        Writes the split's running max, sum and output in the rotated space, for the combine. ``KPLANES``: 4-bit keys
+        Writes the split's maximum (with ``FIX``: its reference), sum and output in the rotated space, for the combine;
+        the steps take each field from the row's first token (``row`` 0 below: the pointers start there). ``KPLANES``: 4-bit keys
         read by code places (:func:`_plane_logits`); ``KPF``: their scales and zero points loaded a step ahead as int32
         words; ``PAD`` = 2: the ``G / 2`` real query rows each fill two columns (:func:`_steps`), only they written."""
         bh = tl.program_id(0)
