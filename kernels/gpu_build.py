@@ -89,11 +89,9 @@ def resources(cubin: bytes) -> dict:
     return {"registers": found.get("REG", 0), "stack": found.get("STACK", 0)}
 
 
-def sass_opcodes(cubin: bytes, loop: bool = False) -> collections.Counter:
-    """How many times each opcode (predicates and modifiers dropped) appears in ``cubin``'s machine code, as
-    Triton's own nvdisasm prints it; ``loop``: only in the longest innermost loop (from the target of a backward branch
-    to that branch, holding no other such span: a kernel's token loop, not a loop of passes around it), each
-    instruction once, a branch skipped at run time included."""
+def sass_listing(cubin: bytes) -> tuple[list[tuple[int, str, str, str]], dict[str, int]]:
+    """``cubin``'s machine code as Triton's own nvdisasm prints it: (address, opcode, guard predicate or "", the rest)
+    per instruction, and each branch label's address."""
     text = _read_cubin("nvdisasm", "-c", cubin)
     code, labels, pending = [], {}, []
     for line in text.splitlines():
@@ -101,16 +99,33 @@ def sass_opcodes(cubin: bytes, loop: bool = False) -> collections.Counter:
         if label:
             pending.append(label.group(1))
             continue
-        match = re.match(r"\s*/\*([0-9a-f]+)\*/\s+(?:@!?U?P[T0-9]+\s+)?([A-Z][A-Z0-9_]*)(.*)", line)
+        match = re.match(r"\s*/\*([0-9a-f]+)\*/\s+(@!?U?P[T0-9]+\s+)?([A-Z][A-Z0-9_]*)(.*)", line)
         if match:
             address = int(match.group(1), 16)
             labels.update({name: address for name in pending})
             pending = []
-            code.append((address, match.group(2), match.group(3)))
-    lo, hi = 0, float("inf")
-    if loop:
-        spans = [(labels[target.group(1)], address) for address, op, rest in code if op == "BRA"
-                 for target in [re.search(r"(\.L_x_\d+)", rest)] if target and labels.get(target.group(1), address) < address]
-        inner = [span for span in spans if not any(o != span and span[0] <= o[0] and o[1] <= span[1] for o in spans)]
-        lo, hi = max(inner, key=lambda span: span[1] - span[0]) if inner else (0, -1)
-    return collections.Counter(op for address, op, _ in code if lo <= address <= hi)
+            code.append((address, match.group(3), (match.group(2) or "").strip(), match.group(4)))
+    return code, labels
+
+
+def branches(code: list[tuple[int, str, str, str]], labels: dict[str, int]) -> list[tuple[int, int, str]]:
+    """Each branch of :func:`sass_listing`'s ``code`` to a known label: (its address, the target's, its guard)."""
+    return [(address, labels[target.group(1)], guard) for address, op, guard, rest in code if op == "BRA"
+            for target in [re.search(r"(\.L_x_\d+)", rest)] if target and target.group(1) in labels]
+
+
+def token_loop(code: list[tuple[int, str, str, str]], labels: dict[str, int]) -> tuple[int, int]:
+    """The address span of the longest innermost loop (from the target of a backward branch to that branch, holding no
+    other such span: a kernel's token loop, not a loop of passes around it); (0, -1) where there is none."""
+    spans = [(to, at) for at, to, _ in branches(code, labels) if to < at]
+    inner = [span for span in spans if not any(o != span and span[0] <= o[0] and o[1] <= span[1] for o in spans)]
+    return max(inner, key=lambda span: span[1] - span[0]) if inner else (0, -1)
+
+
+def sass_opcodes(cubin: bytes, loop: bool = False) -> collections.Counter:
+    """How many times each opcode (predicates and modifiers dropped) appears in ``cubin``'s machine code, as
+    Triton's own nvdisasm prints it; ``loop``: only in the token loop (:func:`token_loop`), each instruction once, a
+    branch skipped at run time included."""
+    code, labels = sass_listing(cubin)
+    lo, hi = token_loop(code, labels) if loop else (0, float("inf"))
+    return collections.Counter(op for address, op, _, _ in code if lo <= address <= hi)

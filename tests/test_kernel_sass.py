@@ -121,3 +121,18 @@ def test_ampere_products_take_the_tiled_values_as_loaded_when_their_operands_are
         assert fenced[3] > 0 and visible[3] > 0  # Ampere products in both
         assert fenced[1] <= 16 and fenced[2] <= 8, (storage, fenced)
         assert fenced[0] < visible[0], (storage, fenced, visible)
+
+
+def test_the_token_loop_is_the_longest_innermost_loop_not_a_loop_of_passes_around_it():
+    """A pass loop (0x00 .. 0x90) around a long inner loop (0x10 .. 0x70) beside a short one (0x78 .. 0x88): the token
+    loop is the long inner one, and a guarded forward branch inside it is listed with its guard (what a count that
+    leaves a skipped block out reads)."""
+    from kvweave.kernels.gpu_build import branches, token_loop
+
+    code = [(0x00, "MOV", "", ""), (0x10, "HMMA", "", ""), (0x20, "BRA", "@P0", " `(.L_x_2)"), (0x30, "FMNMX", "", ""),
+            (0x40, "FADD", "", ""), (0x70, "BRA", "", " `(.L_x_1)"), (0x78, "FADD", "", ""), (0x88, "BRA", "", " `(.L_x_3)"),
+            (0x90, "BRA", "", " `(.L_x_0)")]
+    labels = {".L_x_0": 0x00, ".L_x_1": 0x10, ".L_x_2": 0x40, ".L_x_3": 0x78}
+    assert token_loop(code, labels) == (0x10, 0x70)
+    assert (0x20, 0x40, "@P0") in branches(code, labels)
+    assert token_loop(code[:1], {}) == (0, -1)

@@ -7,7 +7,6 @@ machine's Triton for its counts:
 """
 import importlib
 import os
-import re
 import sys
 
 os.environ.pop("TRITON_INTERPRET", None)
@@ -18,32 +17,8 @@ import torch  # noqa: E402
 from lowbit_kernel import HEAD_DIM, Q_HEADS, packed_view  # noqa: E402
 
 from kvweave.kernels import lowbit_dense  # noqa: E402
-from kvweave.kernels.gpu_build import _read_cubin, build, launch_job, resources  # noqa: E402
+from kvweave.kernels.gpu_build import branches, build, launch_job, resources, sass_listing, token_loop  # noqa: E402
 from kvweave.kernels.lowbit_decode import plan_launch  # noqa: E402
-
-
-def token_loop(text):
-    """(address, opcode, line) of the innermost longest loop, and the forward branches inside it as (from, to)."""
-    code, labels, pending = [], {}, []
-    for line in text.splitlines():
-        label = re.match(r"^(\.L_x_\d+):", line)
-        if label:
-            pending.append(label.group(1))
-            continue
-        match = re.match(r"\s*/\*([0-9a-f]+)\*/\s+(@!?U?P[T0-9]+\s+)?([A-Z][A-Z0-9_]*)(.*)", line)
-        if match:
-            address = int(match.group(1), 16)
-            labels.update({name: address for name in pending})
-            pending = []
-            code.append((address, match.group(3), match.group(2), match.group(4)))
-    branches = [(address, labels[t.group(1)], guard) for address, op, guard, rest in code if op == "BRA"
-                for t in [re.search(r"(\.L_x_\d+)", rest)] if t and t.group(1) in labels]
-    spans = [(to, at) for at, to, _ in branches if to < at]
-    inner = [s for s in spans if not any(o != s and s[0] <= o[0] and o[1] <= s[1] for o in spans)]
-    lo, hi = max(inner, key=lambda s: s[1] - s[0])
-    body = [c for c in code if lo <= c[0] <= hi]
-    skips = [(at, to) for at, to, guard in branches if lo <= at < to <= hi and guard]
-    return body, skips
 
 
 for storage in sys.argv[1:]:
@@ -53,7 +28,10 @@ for storage in sys.argv[1:]:
         launch = plan_launch(view, torch.randn(1, Q_HEADS, HEAD_DIM), None, HEAD_DIM ** -0.5, variant="dense", lowp=True)
         job = launch_job(launch.kernel, launch.args, launch.constants)
         cubin = build(importlib.import_module(job["module"]), job, arch=90).asm["cubin"]
-        body, skips = token_loop(_read_cubin("nvdisasm", "-c", cubin))
+        code, labels = sass_listing(cubin)
+        lo, hi = token_loop(code, labels)
+        body = [c for c in code if lo <= c[0] <= hi]
+        skips = [(at, to) for at, to, guard in branches(code, labels) if lo <= at < to <= hi and guard]
         skipped = [c for c in body if any(at < c[0] < to for at, to in skips)]
         rest = [c for c in body if c not in skipped]
         count = lambda part, op: sum(1 for c in part if c[1] == op)  # noqa: E731
