@@ -92,7 +92,7 @@ if triton is not None:
         return pg
 
     @triton.jit
-    def _steps(t_lo, t_hi, m_i, l_i, w_i, acc0, acc1, acc2, acc3, q, q_row, row, bh, start, first, scaling, l0, l1,
+    def _steps(t_lo, t_hi, m_i, l_i, w_i, acc0, acc1, acc2, acc3, q, q_row, bh, start, first, scaling, l0, l1,
                kc_ptr, kz_ptr, ks_ptr, koi_ptr, kov_ptr, vc_ptr, vs_row, vmax_row, vlev_ptr, vlev16_ptr, pos_ptr, hid_ptr,
                D: tl.constexpr, G: tl.constexpr, KBITS: tl.constexpr, KGROUP: tl.constexpr, KO: tl.constexpr,
                VBITS: tl.constexpr, VGROUP: tl.constexpr, HAS_START: tl.constexpr, BLOCK: tl.constexpr,
@@ -119,7 +119,7 @@ if triton is not None:
         t_loc = tl.arange(0, BLOCK)
         t_ok = t_loc < BLOCK  # every slot of a step is stored
         ks, kz, kw0, kw1, kw2, kw3, zw0, zw1, zw2, zw3, s0, m0, s1, m1, s2, m2, s3, m3, pos_in = _step_loads(
-            tl.maximum(tl.minimum(t_lo, t_hi - BLOCK), 0), row, ch, jk, t_loc, ks_ptr, kz_ptr, vs_row, vmax_row, pos_ptr,
+            tl.maximum(tl.minimum(t_lo, t_hi - BLOCK), 0), ch, jk, t_loc, ks_ptr, kz_ptr, vs_row, vmax_row, pos_ptr,
             D, KGROUP, VGROUPS, VLOG, VST, HAS_POS, KPLANES, KPF)
         lut = 0
         if ASM and VBITS == 2:
@@ -130,11 +130,11 @@ if triton is not None:
             q0, q1, q2, q3, q4, q5, q6, q7 = _plane_queries(q_row, scaling, jk, gi, D)
         for t0 in range(t_lo, t_hi, BLOCK):
             (ks_n, kz_n, kw0_n, kw1_n, kw2_n, kw3_n, zw0_n, zw1_n, zw2_n, zw3_n, s0_n, m0_n, s1_n, m1_n, s2_n, m2_n, s3_n,
-             m3_n, pos_n) = _step_loads(tl.minimum(t0 + BLOCK, t_hi - BLOCK), row, ch, jk, t_loc, ks_ptr, kz_ptr, vs_row,
+             m3_n, pos_n) = _step_loads(tl.minimum(t0 + BLOCK, t_hi - BLOCK), ch, jk, t_loc, ks_ptr, kz_ptr, vs_row,
                                         vmax_row, pos_ptr, D, KGROUP, VGROUPS, VLOG, VST, HAS_POS, KPLANES, KPF)
-            tok = row + t0 + t_loc
-            meta = _over(row + t0, KGROUP) * D
-            words = tl.load(kc_ptr + (row + t0) * KW + t_loc[:, None] * KW + jk[None, :]).to(tl.uint32, bitcast=True)
+            tok = t0 + t_loc
+            meta = _over(t0, KGROUP) * D
+            words = tl.load(kc_ptr + t0 * KW + t_loc[:, None] * KW + jk[None, :]).to(tl.uint32, bitcast=True)
             if KPLANES:
                 s = _plane_logits(words, q0, q1, q2, q3, q4, q5, q6, q7, ks_ptr, kz_ptr, meta, kw0, kw1, kw2, kw3, zw0, zw1,
                                   zw2, zw3, jk, LOWP, KPF, ASM)
@@ -163,7 +163,7 @@ if triton is not None:
                 visible = visible & (pos >= start)
             s = _half(tl.where(visible[:, None], s, float("-inf")), 0, PAD)  # [BLOCK, G // PAD]
             p, alpha, l_i, m_i, top = _softmax_step(s, m_i, l_i, top, (t0 == t_first) & (probe > 0), ASM, FIX)
-            vstep = vc_ptr + (row + t0) * VW  # the step's value words (with VTILE: its tile)
+            vstep = vc_ptr + t0 * VW  # the step's value words (with VTILE: its tile)
             # each channel group's scale folded into the probabilities; with PAD = 2 two groups share a tile
             pa = _probabilities(_pair(p * _scale_of(s0, m0, VLOG, ASM)[:, None], p * _scale_of(s1, m1, VLOG, ASM)[:, None],
                                       PAD), LOWP, ASM, VTILE)
@@ -193,8 +193,8 @@ if triton is not None:
         return m_i, l_i, w_i, acc0, acc1, acc2, acc3, top
 
     @triton.jit
-    def _ranges(lo, hi, m_i, BLOCK: tl.constexpr, R: tl.constexpr, G: tl.constexpr, VGROUP: tl.constexpr, q, q_row, row,
-                bh, start, first, scaling, l0, l1, tokens, kc_ptr, kz_ptr, ks_ptr, koi_ptr, kov_ptr, vc_ptr, vs_row,
+    def _ranges(lo, hi, m_i, BLOCK: tl.constexpr, R: tl.constexpr, G: tl.constexpr, VGROUP: tl.constexpr, q, q_row, bh,
+                start, first, scaling, l0, l1, tokens, kc_ptr, kz_ptr, ks_ptr, koi_ptr, kov_ptr, vc_ptr, vs_row,
                 vmax_row, vlev_ptr, vlev16_ptr, pos_ptr, hid_ptr, probe, D: tl.constexpr, KBITS: tl.constexpr,
                 KGROUP: tl.constexpr, KO: tl.constexpr, VBITS: tl.constexpr, HAS_START: tl.constexpr, LOWP: tl.constexpr,
                 LEVELS: tl.constexpr, VLOG: tl.constexpr, VST: tl.constexpr, HAS_POS: tl.constexpr, HID: tl.constexpr,
@@ -213,23 +213,23 @@ if triton is not None:
             t_a = tl.maximum(lo, tl.minimum(hi, tl.min(tl.where(listed >= 0, listed, tokens), 0) // BLOCK * BLOCK))
             t_b = tl.maximum(t_a, tl.minimum(hi, (tl.max(listed, 0) // BLOCK + 1) * BLOCK))
             m_i, l_i, w_i, acc0, acc1, acc2, acc3, top = _steps(
-                lo, t_a, m_i, l_i, w_i, acc0, acc1, acc2, acc3, q, q_row, row, bh, start, first, scaling, l0, l1,
+                lo, t_a, m_i, l_i, w_i, acc0, acc1, acc2, acc3, q, q_row, bh, start, first, scaling, l0, l1,
                 kc_ptr, kz_ptr, ks_ptr, koi_ptr, kov_ptr, vc_ptr, vs_row, vmax_row, vlev_ptr, vlev16_ptr, pos_ptr,
                 hid_ptr, D, G, KBITS, KGROUP, KO, VBITS, VGROUP, HAS_START, BLOCK, LOWP, LEVELS, VLOG, VST, HAS_POS, HID,
                 False, ASM, KPLANES, KPF, VTILE, PAD, QG, top, probe, lo, FIX)
             m_i, l_i, w_i, acc0, acc1, acc2, acc3, top = _steps(
-                t_a, t_b, m_i, l_i, w_i, acc0, acc1, acc2, acc3, q, q_row, row, bh, start, first, scaling, l0, l1,
+                t_a, t_b, m_i, l_i, w_i, acc0, acc1, acc2, acc3, q, q_row, bh, start, first, scaling, l0, l1,
                 kc_ptr, kz_ptr, ks_ptr, koi_ptr, kov_ptr, vc_ptr, vs_row, vmax_row, vlev_ptr, vlev16_ptr, pos_ptr,
                 hid_ptr, D, G, KBITS, KGROUP, KO, VBITS, VGROUP, HAS_START, BLOCK, LOWP, LEVELS, VLOG, VST, HAS_POS, HID,
                 True, ASM, KPLANES, KPF, VTILE, PAD, QG, top, probe, lo, FIX)
             m_i, l_i, w_i, acc0, acc1, acc2, acc3, top = _steps(
-                t_b, hi, m_i, l_i, w_i, acc0, acc1, acc2, acc3, q, q_row, row, bh, start, first, scaling, l0, l1,
+                t_b, hi, m_i, l_i, w_i, acc0, acc1, acc2, acc3, q, q_row, bh, start, first, scaling, l0, l1,
                 kc_ptr, kz_ptr, ks_ptr, koi_ptr, kov_ptr, vc_ptr, vs_row, vmax_row, vlev_ptr, vlev16_ptr, pos_ptr,
                 hid_ptr, D, G, KBITS, KGROUP, KO, VBITS, VGROUP, HAS_START, BLOCK, LOWP, LEVELS, VLOG, VST, HAS_POS, HID,
                 False, ASM, KPLANES, KPF, VTILE, PAD, QG, top, probe, lo, FIX)
         else:
             m_i, l_i, w_i, acc0, acc1, acc2, acc3, top = _steps(
-                lo, hi, m_i, l_i, w_i, acc0, acc1, acc2, acc3, q, q_row, row, bh, start, first, scaling, l0, l1,
+                lo, hi, m_i, l_i, w_i, acc0, acc1, acc2, acc3, q, q_row, bh, start, first, scaling, l0, l1,
                 kc_ptr, kz_ptr, ks_ptr, koi_ptr, kov_ptr, vc_ptr, vs_row, vmax_row, vlev_ptr, vlev16_ptr, pos_ptr,
                 hid_ptr, D, G, KBITS, KGROUP, KO, VBITS, VGROUP, HAS_START, BLOCK, LOWP, LEVELS, VLOG, VST, HAS_POS, HID,
                 False, ASM, KPLANES, KPF, VTILE, PAD, QG, top, probe, lo, FIX)
@@ -252,7 +252,7 @@ if triton is not None:
         are the products' first operand (rows: tokens, channels), the query heads (8 rows at least) the second, read where
         the model left them (``q_ptr`` [B, KV heads x ``QG``, D], any float dtype; a padding row repeats a real one).
         Writes the split's maximum (with ``FIX``: its reference), sum and output in the rotated space, for the combine;
-        the steps take each field from the row's first token (``row`` 0 below: the pointers start there). ``KPLANES``: 4-bit keys
+        the steps take each field from the row's first token (the pointers are moved there first). ``KPLANES``: 4-bit keys
         read by code places (:func:`_plane_logits`); ``KPF``: their scales and zero points loaded a step ahead as int32
         words; ``PAD`` = 2: the ``G / 2`` real query rows each fill two columns (:func:`_steps`), only they written."""
         bh = tl.program_id(0)
@@ -280,7 +280,7 @@ if triton is not None:
             start = tl.load(start_ptr + batch)
         lo = split * split_len
         hi = tl.minimum(lo + split_len, tokens)
-        m_i = tl.full([R], float("-inf"), tl.float32)
+        m_i = tl.full([R], float("-inf"), tl.float32)  # with FIX, the pass loop's carried values start here
         l_i, w_i = tl.zeros([BLOCK, R], tl.float32), tl.zeros([BLOCK, G], tl.float32)
         acc0 = tl.zeros([VGROUP, G], tl.float32)
         acc1, acc2, acc3 = acc0, acc0, acc0
@@ -293,7 +293,7 @@ if triton is not None:
             for attempt in range(2):
                 if again > 0:
                     m_i, l_i, w_i, acc0, acc1, acc2, acc3, top = _ranges(
-                        lo, hi, phi, BLOCK, R, G, VGROUP, q, q_row, 0, bh, start, first, scaling, l0, l1, tokens,
+                        lo, hi, phi, BLOCK, R, G, VGROUP, q, q_row, bh, start, first, scaling, l0, l1, tokens,
                         kc_ptr, kz_ptr, ks_ptr, koi_ptr, kov_ptr, vc_ptr, vs_row, vmax_row, vlev_ptr, vlev16_ptr, pos_ptr,
                         hid_ptr, probe, D, KBITS, KGROUP, KO, VBITS, HAS_START, LOWP, LEVELS, VLOG, VST, HAS_POS, HID, ASM,
                         KPLANES, KPF, VTILE, PAD, QG, True)
@@ -302,7 +302,7 @@ if triton is not None:
                     probe, phi = 0, seen
         else:
             m_i, l_i, w_i, acc0, acc1, acc2, acc3, top = _ranges(
-                lo, hi, m_i, BLOCK, R, G, VGROUP, q, q_row, 0, bh, start, first, scaling, l0, l1, tokens, kc_ptr, kz_ptr,
+                lo, hi, m_i, BLOCK, R, G, VGROUP, q, q_row, bh, start, first, scaling, l0, l1, tokens, kc_ptr, kz_ptr,
                 ks_ptr, koi_ptr, kov_ptr, vc_ptr, vs_row, vmax_row, vlev_ptr, vlev16_ptr, pos_ptr, hid_ptr, 0, D, KBITS,
                 KGROUP, KO, VBITS, HAS_START, LOWP, LEVELS, VLOG, VST, HAS_POS, HID, ASM, KPLANES, KPF, VTILE, PAD, QG,
                 False)

@@ -183,14 +183,14 @@ if triton is not None:
         return stored.to(tl.float32)
 
     @triton.jit
-    def _step_loads(t0, row, ch, jk, t_loc, ks_ptr, kz_ptr, vs_row, vmax_row, pos_ptr, D: tl.constexpr,
+    def _step_loads(t0, ch, jk, t_loc, ks_ptr, kz_ptr, vs_row, vmax_row, pos_ptr, D: tl.constexpr,
                     KGROUP: tl.constexpr, VGROUPS: tl.constexpr, VLOG: tl.constexpr, VST: tl.constexpr,
                     HAS_POS: tl.constexpr, KPLANES: tl.constexpr, KPF: tl.constexpr):
         """What a step reads besides its codes, as loaded: the key group's scales and zero points (not with
         ``KPLANES``: :func:`_plane_logits` reads them), each value group's scales (groups past ``VGROUPS`` repeat the
         first), the slots' positions (``HAS_POS``; else zeros); ``KPF``: the scales and zero points of each two code
         places as int32 words (:func:`_plane_query`), else zeros."""
-        meta = _over(row + t0, KGROUP) * D  # a step lies within one token group
+        meta = _over(t0, KGROUP) * D  # a step lies within one token group
         kw0 = tl.zeros_like(jk)
         kw1, kw2, kw3, zw0, zw1, zw2, zw3 = kw0, kw0, kw0, kw0, kw0, kw0, kw0
         if KPF:  # float16 pairs read as int32 words: channel j * 8 + k is half k % 2 of word j * 4 + k // 2; a row's
@@ -222,5 +222,5 @@ if triton is not None:
             s3, m3 = _scale_loads(vs_row, vmax_row, t_idx, 3, VGROUPS, VLOG, VST)
         pos = tl.zeros_like(t_loc)
         if HAS_POS:
-            pos = tl.load(pos_ptr + row + t_idx).to(tl.int32)
+            pos = tl.load(pos_ptr + t_idx).to(tl.int32)
         return ks, kz, kw0, kw1, kw2, kw3, zw0, zw1, zw2, zw3, s0, m0, s1, m1, s2, m2, s3, m3, pos

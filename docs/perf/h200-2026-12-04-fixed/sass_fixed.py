@@ -21,13 +21,20 @@ from kvweave.kernels.gpu_build import branches, build, launch_job, resources, sa
 from kvweave.kernels.lowbit_decode import plan_launch  # noqa: E402
 
 
-for storage in sys.argv[1:]:
+
+
+def dense_cubin(storage):
+    """The dense kernel's sm_90 build for ``storage`` (``benchmarks/lowbit_kernel.py``'s) as the launch sets it up."""
+    view = attrs.evolve(packed_view(1, 256, device="cpu", storage=storage), inv_freq=None)
+    launch = plan_launch(view, torch.randn(1, Q_HEADS, HEAD_DIM), None, HEAD_DIM ** -0.5, variant="dense", lowp=True)
+    job = launch_job(launch.kernel, launch.args, launch.constants)
+    return build(importlib.import_module(job["module"]), job, arch=90).asm["cubin"]
+
+
+for storage in sys.argv[1:] if __name__ == "__main__" else ():
     for fixed in (False, True):
         lowbit_dense.DENSE_FIXED_MAX = fixed
-        view = attrs.evolve(packed_view(1, 256, device="cpu", storage=storage), inv_freq=None)
-        launch = plan_launch(view, torch.randn(1, Q_HEADS, HEAD_DIM), None, HEAD_DIM ** -0.5, variant="dense", lowp=True)
-        job = launch_job(launch.kernel, launch.args, launch.constants)
-        cubin = build(importlib.import_module(job["module"]), job, arch=90).asm["cubin"]
+        cubin = dense_cubin(storage)
         code, labels = sass_listing(cubin)
         lo, hi = token_loop(code, labels)
         body = [c for c in code if lo <= c[0] <= hi]

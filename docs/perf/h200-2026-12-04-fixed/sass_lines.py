@@ -8,7 +8,6 @@ Prints, per storage, the loop's instructions by function (file:function), larges
 five largest."""
 import ast
 import collections
-import importlib
 import os
 import re
 import subprocess
@@ -16,14 +15,11 @@ import sys
 import tempfile
 
 os.environ.pop("TRITON_INTERPRET", None)
-sys.path.insert(0, "benchmarks")
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-import attrs  # noqa: E402
-import torch  # noqa: E402
-from lowbit_kernel import HEAD_DIM, Q_HEADS, packed_view  # noqa: E402
+from sass_fixed import dense_cubin  # noqa: E402
 
-from kvweave.kernels.gpu_build import build, launch_job, nvdisasm, sass_listing, token_loop  # noqa: E402
-from kvweave.kernels.lowbit_decode import plan_launch  # noqa: E402
+from kvweave.kernels.gpu_build import nvdisasm, sass_listing, token_loop  # noqa: E402
 
 
 def functions(path):
@@ -39,10 +35,7 @@ def enclosing(spans, line):
 
 
 for storage in sys.argv[1:]:
-    view = attrs.evolve(packed_view(1, 256, device="cpu", storage=storage), inv_freq=None)
-    launch = plan_launch(view, torch.randn(1, Q_HEADS, HEAD_DIM), None, HEAD_DIM ** -0.5, variant="dense", lowp=True)
-    job = launch_job(launch.kernel, launch.args, launch.constants)
-    cubin = build(importlib.import_module(job["module"]), job, arch=90).asm["cubin"]
+    cubin = dense_cubin(storage)
     code, labels = sass_listing(cubin)
     lo, hi = token_loop(code, labels)
     with tempfile.TemporaryDirectory() as folder:
