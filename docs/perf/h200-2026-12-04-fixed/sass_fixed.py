@@ -4,6 +4,8 @@ what the other steps run, and the loop's barriers and lane shuffles. Run from th
 machine's Triton for its counts:
 
     PYTHONPATH=/path/to/triton-3.6 python docs/perf/h200-2026-12-04-fixed/sass_fixed.py k4v2e48t k4v4e77t
+
+``REGISTERS=N`` in the environment builds with a thread's registers capped at N instead of the launch's 96.
 """
 import importlib
 import os
@@ -21,6 +23,10 @@ from kvweave.kernels.gpu_build import branches, build, launch_job, resources, sa
 from kvweave.kernels.lowbit_decode import plan_launch  # noqa: E402
 
 
+
+
+if os.environ.get("REGISTERS"):
+    lowbit_dense.DENSE_MAX_REGISTERS = int(os.environ["REGISTERS"])
 
 
 def dense_cubin(storage):
