@@ -1,6 +1,6 @@
 """Where time-to-first-token goes with a compressing cache: the prompt's forward, split by compression stage.
 
-    python benchmarks/profile_prefill.py [--tokens 32768] [--pipeline depthweave-kv] [--registry FILE] [--layers 32] [--smoke]
+    python benchmarks/profile_prefill.py [--tokens 32768] [--pipeline depthweave-kv] [--registry FILE] [--layers 32] [--smoke] [--ops N]
 
 Runs ``model.generate(max_new_tokens=1)`` on a Llama-3-8B-shaped model with random bf16 weights (the
 shape of ``decode_e2e.py``) for one prompt of random token ids, once to warm up and once measured. The
@@ -11,7 +11,9 @@ stage, calls, total seconds, share of the time to first token. The rest is the m
 (DynamicCache) for the same prompt as the baseline. A pipeline whose evictor scores the context first (``kvzip``)
 is scored as ``kvweave generate`` scores it, before the prompt's forward, and the scoring is timed as its own stages
 (``importance.reconstruction_scores``: the repetition forwards; ``importance.copying_layers``: the induction probe).
-``--smoke``: a tiny model of the same head shape on the CPU (checks the script).
+``--ops N``: one more run under the torch profiler, then each stage's own device time (its operations' kernels,
+not its nested stages') and the N torch operations that took the most, each charged to the innermost stage it ran
+in (``forward`` outside every stage): where inside a stage its time goes. ``--smoke``: a tiny model of the same head shape on the CPU (checks the script).
 """
 
 from __future__ import annotations
@@ -33,6 +35,7 @@ from kvweave.core.registry import load_pipeline
 from decode_e2e import Ids, llama3_8b, random_model, smoke_config, sync
 
 TOTALS: dict[str, list[float]] = defaultdict(lambda: [0, 0.0])
+STAGE = "stage:"  # the profiler's name for a timed stage's range
 
 
 def timed(name: str, fn):
@@ -41,7 +44,8 @@ def timed(name: str, fn):
         sync()
         start = time.perf_counter()
         try:
-            return fn(*args, **kwargs)
+            with torch.profiler.record_function(STAGE + name):
+                return fn(*args, **kwargs)
         finally:
             sync()
             TOTALS[name][0] += 1
@@ -89,12 +93,50 @@ def first_token(model, cache, ids) -> float:
     return time.perf_counter() - start
 
 
+def stage_of(event) -> str:
+    """The innermost timed stage around a profiler event (``forward`` where none is)."""
+    parent = event.cpu_parent
+    while parent is not None:
+        if parent.name.startswith(STAGE):
+            return parent.name[len(STAGE):]
+        parent = parent.cpu_parent
+    return "forward"
+
+
+def op_table(model, cache, ids, top: int) -> list[tuple[str, str, int, float]]:
+    """(stage, operation, calls, device seconds) of the ``top`` operations by device time in one profiled first
+    token, each operation's own kernels charged to the innermost stage it ran in."""
+    activities = [torch.profiler.ProfilerActivity.CPU]
+    if ids.is_cuda:
+        activities.append(torch.profiler.ProfilerActivity.CUDA)
+    with torch.profiler.profile(activities=activities) as prof:
+        first_token(model, cache, ids)
+    rows: dict[tuple[str, str], list[float]] = defaultdict(lambda: [0, 0.0])
+    for event in prof.events():
+        if event.device_type != torch.autograd.DeviceType.CPU:  # a kernel: charged to the operation that launched it
+            continue
+        own = event.self_device_time_total if ids.is_cuda else event.self_cpu_time_total
+        if own <= 0 or event.name.startswith(STAGE):
+            continue
+        row = rows[(stage_of(event), event.name)]
+        row[0] += 1
+        row[1] += own / 1e6
+    stages: dict[str, list[float]] = defaultdict(lambda: [0, 0.0])
+    for (stage, _), (calls, seconds) in rows.items():
+        stages[stage][0] += calls
+        stages[stage][1] += seconds
+    ranked = sorted(rows.items(), key=lambda item: -item[1][1])[:top]
+    totals = [(stage, "(every operation)", int(calls), seconds) for stage, (calls, seconds) in sorted(stages.items(), key=lambda item: -item[1][1])]
+    return totals + [(stage, name, int(calls), seconds) for (stage, name), (calls, seconds) in ranked]
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--tokens", type=int, default=32768)
     parser.add_argument("--pipeline", default="depthweave-kv")
     parser.add_argument("--layers", type=int, default=32)
     parser.add_argument("--smoke", action="store_true", help="a tiny model of the same head shape on the CPU (checks the script)")
+    parser.add_argument("--ops", type=int, default=0, help="one more run under the torch profiler: the N operations with the most device time, by stage")
     parser.add_argument("--registry", help="a user registry file read on top of the built-in one (e.g. benchmarks/dense_sweep.toml)")
     args = parser.parse_args()
     device = "cuda" if torch.cuda.is_available() and not args.smoke else "cpu"
@@ -118,6 +160,12 @@ def main() -> None:
         print(f"| {name} | {calls} | {seconds:.3f} | {seconds / total:.0%} |")
     print("(stages nest: engine._flush contains the others; importance.* run before the prompt's forward; the model's "
           "forward is TTFT minus engine._flush and importance.*)")
+    if args.ops:
+        unit = "device" if ids.is_cuda else "CPU"
+        print(f"\n| stage | operation | calls | {unit} seconds (own kernels) |")
+        print("|---|---|---|---|")
+        for stage, name, calls, seconds in op_table(model, fresh(), ids, args.ops):
+            print(f"| {stage} | {name} | {calls} | {seconds:.4f} |")
 
 
 if __name__ == "__main__":

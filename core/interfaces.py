@@ -148,6 +148,21 @@ class Quantizer(Component):
         The cache's ``block_tokens`` must be a multiple of it."""
         return 1
 
+    def leading_tokens(self, packed: dict[str, torch.Tensor], tokens: int, total: int) -> dict[str, torch.Tensor]:
+        """The packed fields of the first ``tokens`` of the ``total`` tokens ``packed`` holds (``tokens`` a multiple
+        of :meth:`tokens_per_group`): what :meth:`quantize` gives for them. By default each field's rows along
+        dim -2 are taken in proportion (a field holds ``total / r`` rows, each for ``r`` consecutive tokens); a
+        quantizer whose fields lie otherwise overrides it."""
+        out = {}
+        for name, field in packed.items():
+            rows = field.shape[-2] if field.dim() > 1 else 0
+            if not rows or rows * tokens % total:
+                raise ValueError(
+                    f"{type(self).__name__}.leading_tokens: field '{name}' has {rows} rows for {total} tokens, so its first "
+                    f"{tokens} tokens are not whole rows; override leading_tokens for this layout")
+            out[name] = field[..., : rows * tokens // total, :]
+        return out
+
 
 class BasisBuilder(Component):
     """Turns key/value vectors ``[D]`` into coefficients ``[r]`` and back, per group of layers.
@@ -275,10 +290,11 @@ class Router(Component):
         """The reduction against a 16-bit cache the stored bytes must reach, or None for no budget."""
         return None
 
-    def routes_nothing(self, kind: str, first: int) -> bool:
-        """Whether :meth:`assign` gives rank 0 to every token of any ``kind`` block whose first position is ``first``
-        (known without the block: the engine then skips reconstructing it for residuals). False by default."""
-        return False
+    def routed_tokens(self, kind: str, first: int) -> int | None:
+        """How many leading tokens of any ``kind`` block whose first position is ``first`` :meth:`assign` may give
+        a rank above 0 (known without the block), or None for any of them (the default). The engine reconstructs
+        and routes only those (rounded up to the quantizer's token groups); 0 skips the block's reconstruction."""
+        return None
 
     def gates(self, layer: int, kind: str) -> torch.Tensor | None:
         """Residual gates in [0, 1] for ``layer`` and ``kind`` ("keys"/"values"), [H], or None (all 1)."""

@@ -54,10 +54,15 @@ class BlockEncoder:
             packed = quantizer.quantize(coefficients)
         store.coefficients.append(packed)
         store.flushes += 1
-        if not self.engine.probe.wants(store.flushes) and (not self.engine.residual_levels or (
-                not self.engine.kernel.builds_residual_tiles
-                and self.engine.router.routes_nothing(kind, self.engine.windows[members[0]].passed_tokens))):
+        tokens = block.shape[-2]
+        head = self.routed_head(kind, group_index, tokens, quantizer)
+        if head == 0:
             return  # nothing reads the block's reconstruction (e.g. the sinks router past the first positions)
+        if head < tokens:  # only the leading tokens the router may route are reconstructed (e.g. the sinks)
+            packed = quantizer.leading_tokens(packed, head, tokens)
+            work = work[..., :head, :]
+            if stats is not None:
+                stats = (stats[0][..., :head], stats[1][..., :head])
         decoded = quantizer.dequantize(packed, torch.float32)
         approx = torch.stack([self.engine.basis.decode(store.state, decoded, m, start=first) for m in range(len(members))])
         entries: list[dict[int, TensorMap]] = [{} for _ in members]
@@ -65,7 +70,7 @@ class BlockEncoder:
             miss = (work - approx).norm(dim=-1) / work.norm(dim=-1).clamp_min(1e-9)
             mixing = self.engine.basis.residual_mixing(len(members))
             rows = residual_rows(work - approx, mixing)
-            route = self.route_block(kind, group_index, work, miss, stats, approx, rows, mixing)
+            route = self.route_block(kind, group_index, work, miss, stats, approx, rows, mixing, tokens)
             kept_index = (self.engine._flush_info or {}).get("kept_index")
             ranks = self.engine.router.assign(route) if kept_index is None else self.engine.eviction.rank_kept(self.engine.router, route, kept_index)
             self.check_ranks(ranks, work.shape[:-1])
@@ -101,25 +106,53 @@ class BlockEncoder:
                 approx = self.engine.rope_keys(approx, members, positions, inverse=False)
             self.probe(kind, group_index, exact_block, approx)
 
+    def routed_head(self, kind: str, group_index: int, tokens: int, quantizer) -> int:
+        """How many leading tokens of a ``tokens``-token block to reconstruct and route: every one where the
+        probe measures the block, where the kernel indexes residual tiles or where the block's tokens are not in
+        position order (an evicting flush); otherwise none without residual levels, else those the router may route
+        (:meth:`Router.routed_tokens`) rounded up to the quantizer's token groups, unless a residual basis is still
+        to be fitted from the whole block."""
+        engine = self.engine
+        members = engine.groups[group_index]
+        if engine.probe.wants(engine.stores[group_index][kind].flushes):
+            return tokens
+        if not engine.residual_levels:
+            return 0
+        if engine.kernel.builds_residual_tiles:
+            return tokens
+        limit = engine.router.routed_tokens(kind, engine.windows[members[0]].passed_tokens)
+        if limit == 0 or limit is None or limit >= tokens:
+            return tokens if limit is None else min(limit, tokens)
+        if (engine._flush_info or {}).get("kept_index") is not None:
+            return tokens
+        if engine.settings.residual_mode == "basis" and any(engine.windows[layer].residual_basis[kind] is None for layer in members):
+            return tokens
+        group = quantizer.tokens_per_group()
+        return min(tokens, -(-limit // group) * group)
+
     def route_block(
         self, kind: str, group_index: int, work: torch.Tensor, miss: torch.Tensor,
         stats: tuple[torch.Tensor, torch.Tensor] | None, approx: torch.Tensor | None = None, rows: torch.Tensor | None = None,
-        mixing: torch.Tensor | None = None,
+        mixing: torch.Tensor | None = None, tokens: int | None = None,
     ) -> RouteBlock:
+        """The router's view of the block's first ``work.shape[-2]`` tokens; ``tokens``: the whole block's count
+        (the residual budget's share), when only its leading tokens are routed."""
         members = self.engine.groups[group_index]
         store = self.engine.stores[group_index][kind]
         mass, spike = stats if stats is not None else (None, None)
         first = self.engine.windows[members[0]].passed_tokens
         info = self.engine._flush_info or {}  # an evicting flush: the block holds only the kept tokens
+        tokens = work.shape[-2] if tokens is None else tokens
+        routed = work.shape[-2]
         return RouteBlock(
             layers=tuple(members),
             kind=kind,
             vectors=work,
             level_bytes=self.engine.budget.level_bytes[kind],
-            budget_bytes=self.engine.budget.residual_budget(self.engine, group_index, kind, work.shape[-2], info.get("dropped", 0)),
+            budget_bytes=self.engine.budget.residual_budget(self.engine, group_index, kind, tokens, info.get("dropped", 0)),
             attention_mass=mass,
             attention_spike=spike,
-            boundary=self.engine.observer.boundaries(first, info.get("count", work.shape[-2]), work.device),
+            boundary=self.engine.observer.boundaries(first, info.get("count", routed), work.device),
             probe_error=store.probe_error,
             miss=miss,
             approx=approx,

@@ -87,24 +87,37 @@ def unpack_codes(packed: torch.Tensor, bits: int) -> torch.Tensor:
     if 8 % bits == 0:  # whole codes in each byte
         shifts = torch.arange(8 // bits, device=packed.device) * bits
         return ((packed.long().unsqueeze(-1) >> shifts) & ((1 << bits) - 1)).flatten(-2)
-    widths = torch.full((packed.shape[-1] * 8 // bits,), bits, dtype=torch.long, device=packed.device)
-    return unpack_varwidth(packed, widths)  # every channel as wide: the variable-width stream's reader
+    width = packed.shape[-1] * 8 // bits
+    widths = torch.full((1, width), bits, dtype=torch.long, device=packed.device)
+    flat = packed.reshape(-1, packed.shape[-1])  # every channel as wide: the variable-width stream's reader
+    return unpack_varwidth(flat, widths).reshape(*packed.shape[:-1], width)
+
+
+def varwidth_offsets(bits: torch.Tensor, tokens: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Widths [..., G, C] of ``tokens`` tokens' bit streams, row ``g`` for the ``g``-th run of ``tokens / G``
+    consecutive tokens -> (widths, each channel's bit offset in its stream), int64 [..., G, 1, C]: broadcast over
+    the tokens grouped as [..., G, tokens / G, C]. Offsets are summed per row, not per token."""
+    groups = bits.shape[-2]
+    if tokens % groups:
+        raise ValueError(f"variable-width codes: {groups} rows of widths do not divide {tokens} tokens into equal runs")
+    bits = bits.long()
+    return bits.unsqueeze(-2), (bits.cumsum(-1) - bits).unsqueeze(-2)
 
 
 def unpack_varwidth(packed: torch.Tensor, bits: torch.Tensor) -> torch.Tensor:
     """uint8 [..., n, total / 8], one little-endian bit stream per token whose channel ``c`` takes ``bits[c]``
-    bits at offset ``sum(bits[:c])`` (``channel-alloc.v1``), with widths ``bits`` [..., 1 | n, C] -> int64
-    codes [..., n, C] (a channel of 0 bits reads 0). A code of at most 8 bits lies within two bytes: each
-    channel reads the byte its offset falls in and the next one (the last byte stands in for the next where
-    the stream ends, which no code reaches into)."""
-    shape = (*packed.shape[:-1], bits.shape[-1])
-    bits = bits.long().expand(shape)
-    offsets = bits.cumsum(-1) - bits
-    last = packed.shape[-1] - 1
-    index = (offsets // 8).clamp_max(last)  # a 0-bit channel at the stream's end points past it, and reads 0
-    stream = packed.long()
-    word = stream.gather(-1, index) | (stream.gather(-1, (index + 1).clamp_max(last)) << 8)
-    return (word >> (offsets % 8)) & ((1 << bits) - 1)
+    bits at offset ``sum(bits[:c])`` (``channel-alloc.v1``), with widths ``bits`` [..., G, C] (row ``g`` for the
+    ``g``-th of ``G`` equal runs of tokens; 1 for all) -> int64 codes [..., n, C] (a channel of 0 bits reads 0). A
+    code of at most 8 bits lies within two bytes: each channel reads the byte its offset falls in and the next one
+    (the last byte stands in for the next where the stream ends, which no code reaches into)."""
+    *lead, tokens, size = packed.shape
+    widths, offsets = varwidth_offsets(bits, tokens)
+    groups, channels = widths.shape[-3], widths.shape[-1]
+    shape = (*lead, groups, tokens // groups, channels)
+    stream = packed.reshape(*lead, groups, tokens // groups, size).long()
+    index = (offsets // 8).clamp_max(size - 1)  # a 0-bit channel at the stream's end points past it, and reads 0
+    word = stream.gather(-1, index.expand(shape)) | (stream.gather(-1, (index + 1).clamp_max(size - 1).expand(shape)) << 8)
+    return ((word >> (offsets % 8)) & ((1 << widths) - 1)).reshape(*lead, tokens, channels)
 
 
 def tile_codes(codes: torch.Tensor, bits: int = 2) -> torch.Tensor:

@@ -124,7 +124,7 @@ def torch_keys(view: LowbitView) -> torch.Tensor:
     if view.k_widths is not None:
         widths = view.k_widths.long()
         widths = widths.repeat(1, 1, view.exact_k.shape[-1] // widths.shape[-1])  # channel c takes width c % W
-        codes = unpack_varwidth(view.k_codes, widths.repeat_interleave(view.k_group, dim=-2)).float()
+        codes = unpack_varwidth(view.k_codes, widths).float()  # a row of widths for every k_group tokens
     else:
         codes = unpack_codes(view.k_codes, view.k_bits).float()
     bh, tokens, dim = codes.shape

@@ -153,6 +153,12 @@ def test_quantizer_round_trip_shapes_and_bytes(name, kind, dtype):
     halves = [quantizer.quantize(part) for part in x.split(group, dim=-2)]
     joined = {field: torch.cat([half[field] for half in halves], dim=-2) for field in packed}
     assert torch.equal(quantizer.dequantize(joined, dtype), restored)
+    # the first group of tokens' fields, taken from the whole (the encoder reconstructs only the tokens a router may route)
+    lead = quantizer.leading_tokens(packed, group, tokens)
+    assert lead.keys() == packed.keys()
+    for field, tensor in lead.items():
+        assert torch.equal(tensor, halves[0][field]), field
+    assert torch.equal(quantizer.dequantize(lead, dtype), restored[..., :group, :])
 
 
 # ============================================================================================ bases

@@ -74,14 +74,15 @@ def test_a_rank_beyond_the_head_dim_is_refused(tmp_path):
 
 @pytest.mark.parametrize("name", ["s-sinks", "s-sinks-values"])
 def test_blocks_past_the_sinks_are_not_reconstructed_and_store_the_same(tmp_path, monkeypatch, name):
-    """A block whose positions all lie past the sinks gets no residual: its reconstruction is skipped, and the storage
-    after a prefill and decode-time flushes is the same as when every block is reconstructed and routed."""
+    """A block whose positions all lie past the sinks gets no residual: its reconstruction is skipped; the prompt's
+    block is reconstructed for its first group of tokens only, which hold the sinks. The storage after a prefill and
+    decode-time flushes is the same as when every block is reconstructed and routed whole."""
     from kvweave.plugins.routers.sinks import SinkRouter
 
     model = tiny_llama(torch.float32, hidden=256)
     model.generation_config.eos_token_id = None
     registry = write_registry(tmp_path, "sinks", REGISTRY)
-    ids = torch.randint(1, 128, (2, 70), generator=torch.Generator().manual_seed(3))
+    ids = torch.randint(1, 128, (2, 210), generator=torch.Generator().manual_seed(3))  # a prompt block of 192 tokens
 
     def run():
         cache = build_cache(load_pipeline(name, registry), model)
@@ -89,16 +90,21 @@ def test_blocks_past_the_sinks_are_not_reconstructed_and_store_the_same(tmp_path
             model.generate(input_ids=ids, max_new_tokens=80, do_sample=False, **cache_kwargs(model, cache))
         return cache
 
-    calls = []
+    calls, decoded = [], []  # each routed block's first position, and how many of its tokens were reconstructed
     assign = SinkRouter.assign
-    monkeypatch.setattr(SinkRouter, "assign", lambda self, block: calls.append(block.first) or assign(self, block))
+    monkeypatch.setattr(SinkRouter, "assign", lambda self, block: calls.append(block.first) or decoded.append(
+        block.vectors.shape[-2]) or assign(self, block))
     skipped = run()
     assert skipped.engine.stores[0]["keys"].flushes > 1
     assert calls and set(calls) == {0}  # only the prompt's block, which holds the sinks, is reconstructed and routed
+    # of its 192 tokens, the keys' first group (channel-alloc: 64 tokens), the values' first 3 (per-token codes)
+    assert decoded and set(decoded) == ({64, 3} if name == "s-sinks" else {3})
     calls.clear()
-    monkeypatch.setattr(SinkRouter, "routes_nothing", lambda self, kind, first: False)
+    decoded.clear()
+    monkeypatch.setattr(SinkRouter, "routed_tokens", lambda self, kind, first: None)
     routed = run()
     assert max(calls) > 0  # every block routed
+    assert decoded[0] == 192  # the prompt's block whole
     assert skipped.memory_breakdown() == routed.memory_breakdown()
     for a, b in zip(skipped.engine.stores, routed.engine.stores, strict=True):
         for kind in ("keys", "values"):

@@ -56,7 +56,7 @@ from kvweave.core.interfaces import ModelShape, Quantizer
 from kvweave.core.lazy import torch
 from kvweave.core.params import integer, number
 
-from kvweave.kernels.formats import CHANNEL_ALLOC, MAX_CODE_BITS, unpack_varwidth
+from kvweave.kernels.formats import CHANNEL_ALLOC, MAX_CODE_BITS, unpack_varwidth, varwidth_offsets
 
 from ._bitpack import affine_range, safe_step
 from ._layers import check_table, each_entry, layer_table
@@ -93,17 +93,19 @@ def allocate(cost: torch.Tensor, total: int, max_bits: int) -> torch.Tensor:
 
 
 def pack_varwidth(codes: torch.Tensor, bits: torch.Tensor, total: int) -> torch.Tensor:
-    """Codes [..., n, C] (code ``c`` below ``2**bits[c]``) with widths ``bits`` [..., 1 | n, C] summing to
-    ``total`` (a multiple of 8) -> uint8 [..., n, total / 8]: one little-endian bit stream per token. A code
-    of at most 8 bits shifted to its offset spans two bytes; codes share no bit, so adding them is or-ing."""
-    bits = bits.long().expand_as(codes)
-    offsets = bits.cumsum(-1) - bits
-    index = offsets // 8
-    word = (codes.long() & ((1 << bits) - 1)) << (offsets % 8)
-    stream = torch.zeros(*codes.shape[:-1], total // 8 + 2, dtype=torch.long, device=codes.device)
-    stream.scatter_add_(-1, index, word & 0xFF)
-    stream.scatter_add_(-1, index + 1, word >> 8)
-    return stream[..., : total // 8].to(torch.uint8)
+    """Codes [..., n, C] (code ``c`` below ``2**bits[c]``) with widths ``bits`` [..., G, C] (row ``g`` for the
+    ``g``-th of ``G`` equal runs of tokens) summing to ``total`` (a multiple of 8) -> uint8 [..., n, total / 8]: one
+    little-endian bit stream per token. A code of at most 8 bits shifted to its offset spans two bytes; codes share
+    no bit, so adding them is or-ing."""
+    *lead, tokens, channels = codes.shape
+    widths, offsets = varwidth_offsets(bits, tokens)
+    groups = widths.shape[-3]
+    grouped = codes.reshape(*lead, groups, tokens // groups, channels).long()
+    word = (grouped & ((1 << widths) - 1)) << (offsets % 8)
+    stream = torch.zeros(*grouped.shape[:-1], total // 8 + 2, dtype=torch.long, device=codes.device)
+    stream.scatter_add_(-1, (offsets // 8).expand(grouped.shape), word & 0xFF)
+    stream.scatter_add_(-1, (offsets // 8 + 1).expand(grouped.shape), word >> 8)
+    return stream[..., : total // 8].to(torch.uint8).reshape(*lead, tokens, total // 8)
 
 
 @attrs.frozen
@@ -224,14 +226,13 @@ class ChannelAllocQuantizer(Quantizer):
         if mask is not None:
             codes = codes.masked_fill_(mask, 0)
         codes = codes.long().reshape(x.shape)
-        stream_bits = per_channel.repeat_interleave(self.group, dim=-2)  # [..., n, C]
-        packed = pack_varwidth(codes, stream_bits, total * (2 if self.pairs else 1))
+        packed = pack_varwidth(codes, per_channel, total * (2 if self.pairs else 1))
         return {"codes": packed, "bits": bits.to(torch.uint8), "zero": zero, "scale": scale, **fields}
 
     def dequantize(self, packed: dict[str, torch.Tensor], dtype: torch.dtype) -> torch.Tensor:
         bits = packed["bits"].long()
         per_channel = torch.cat((bits, bits), dim=-1) if self.pairs else bits
-        codes = unpack_varwidth(packed["codes"], per_channel.repeat_interleave(self.group, dim=-2))
+        codes = unpack_varwidth(packed["codes"], per_channel)
         zero, scale = packed["zero"].float(), packed["scale"].float()
         groups, width = zero.shape[-2:]
         grouped = codes.float().reshape(*zero.shape[:-2], groups, self.group, width)

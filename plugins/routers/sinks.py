@@ -40,9 +40,10 @@ class SinkRouter(Router):
     def levels(self) -> tuple[int, ...]:
         return (0, self.rank)
 
-    def routes_nothing(self, kind: str, first: int) -> bool:
-        """A block past the first ``sink_tokens`` positions (every decode-time block), or of the kind not chosen."""
-        return first >= self.sink_tokens or self.kinds not in ("both", kind)
+    def routed_tokens(self, kind: str, first: int) -> int:
+        """The sinks among the block's tokens: none past the first ``sink_tokens`` positions (every decode-time
+        block) or for the kind not chosen."""
+        return max(0, self.sink_tokens - first) if self.kinds in ("both", kind) else 0
 
     def assign(self, block: RouteBlock) -> torch.Tensor:
         ranks = torch.zeros(block.vectors.shape[:-1], dtype=torch.long, device=block.vectors.device)

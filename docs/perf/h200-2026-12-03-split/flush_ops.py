@@ -1,7 +1,7 @@
 """The torch operations a decode-time flush makes, counted on the CPU: a tiny model of Llama-3-8B's head shape, the
 `kzd-k4v2-f48-d128` pipeline filled as benchmarks/decode_e2e.py fills it, 70 decode steps (one flush of each layer),
 every aten operation dispatched inside ``CompressionEngine._flush`` counted. On a GPU at small batches the flush is
-bound by the host's time per operation. ``--every-block``: the sinks router's ``routes_nothing`` switched off, so every
+bound by the host's time per operation. ``--every-block``: the sinks router's ``routed_tokens`` switched off, so every
 flushed block is reconstructed (as before it existed).
 
     python docs/perf/h200-2026-12-03-split/flush_ops.py [--every-block]      (from the repository's root)
@@ -19,7 +19,7 @@ import decode_e2e as D  # noqa: E402
 if "--every-block" in sys.argv:
     from kvweave.plugins.routers.sinks import SinkRouter
 
-    SinkRouter.routes_nothing = lambda self, kind, first: False
+    SinkRouter.routed_tokens = lambda self, kind, first: None
 
 D.REGISTRY = "benchmarks/dense_sweep.toml"
 LAYERS = 2
