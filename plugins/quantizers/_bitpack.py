@@ -118,12 +118,17 @@ def normal_levels(bits: int) -> tuple[float, ...]:
     return tuple(float(level) for level in levels)
 
 
+def normal_edges(bits: int) -> tuple[float, ...]:
+    """The ``2**bits - 1`` cell edges of :func:`normal_levels`: the midpoints between adjacent levels."""
+    levels = normal_levels(bits)
+    return tuple((below + above) / 2 for below, above in zip(levels[:-1], levels[1:]))
+
+
 def nearest_level_codes(x: torch.Tensor, center: torch.Tensor, spread: torch.Tensor, bits: int) -> torch.Tensor:
     """Codes (float, ``0 .. 2**bits - 1``) of the level ``center + spread * normal_levels(bits)[code]`` nearest
     to each element of ``x`` (``center``/``spread`` float32, broadcastable; pass the *stored* values): the
-    number of cell edges (midpoints between adjacent levels) below the element."""
-    levels = normal_levels(bits)
+    number of cell edges (:func:`normal_edges`) below the element."""
     codes = torch.zeros_like(x)
-    for below, above in zip(levels[:-1], levels[1:]):
-        codes += x > center + spread * ((below + above) / 2)
+    for edge in normal_edges(bits):
+        codes += x > center + spread * edge
     return codes

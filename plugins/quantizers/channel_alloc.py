@@ -56,6 +56,7 @@ from kvweave.core.interfaces import ModelShape, Quantizer
 from kvweave.core.lazy import torch
 from kvweave.core.params import integer, number
 
+from kvweave.kernels import pack as pack_kernels
 from kvweave.kernels.formats import CHANNEL_ALLOC, MAX_CODE_BITS, unpack_varwidth, varwidth_offsets
 
 from ._bitpack import affine_range, safe_step
@@ -221,12 +222,16 @@ class ChannelAllocQuantizer(Quantizer):
         none = per_channel == 0
         zero = torch.where(none, middle, zero)
         scale = torch.where(none, torch.zeros_like(scale), scale)
+        stream = total * (2 if self.pairs else 1)
+        if self.group % pack_kernels.TOKEN_TILE == 0 and pack_kernels.fused(x):  # codes and packing in one kernel
+            packed = pack_kernels.affine_varwidth(x, zero, scale, per_channel, stream, fields.get("outlier_index"))
+            return {"codes": packed, "bits": bits.to(torch.uint8), "zero": zero, "scale": scale, **fields}
         codes = torch.round((grouped - zero.float().unsqueeze(-2)) / safe_step(scale).unsqueeze(-2))
         codes = torch.minimum(codes.clamp_(min=0), ((1 << per_channel) - 1).unsqueeze(-2).float())
         if mask is not None:
             codes = codes.masked_fill_(mask, 0)
         codes = codes.long().reshape(x.shape)
-        packed = pack_varwidth(codes, per_channel, total * (2 if self.pairs else 1))
+        packed = pack_varwidth(codes, per_channel, stream)
         return {"codes": packed, "bits": bits.to(torch.uint8), "zero": zero, "scale": scale, **fields}
 
     def dequantize(self, packed: dict[str, torch.Tensor], dtype: torch.dtype) -> torch.Tensor:

@@ -87,7 +87,9 @@ from kvweave.core.params import choice, integer
 
 from kvweave.kernels.formats import VALUE_TILE, tile_codes, untile_codes
 
-from ._bitpack import affine_range, chunk_codes, midrise_scale, nearest_level_codes, normal_levels, pack, safe_step, unpack
+from kvweave.kernels import pack as pack_kernels
+
+from ._bitpack import affine_range, chunk_codes, midrise_scale, nearest_level_codes, normal_edges, normal_levels, pack, safe_step, unpack
 from ._layers import check_table, each_entry, layer_table
 from ._scales import FLOAT16_MAX, check_magnitude
 
@@ -243,7 +245,15 @@ class RotatedTokenQuantizer(Quantizer):
             "hold that range",
             source=rotated,
         )
-        codes, fields = self._normal(grouped) if self.levels == "normal" else self._uniform(grouped)
+        if self.levels == "normal":
+            center, spread, fields = self._normal(grouped)
+            if not self.token_tiles and pack_kernels.fused(x):  # codes and packing in one kernel
+                edges = normal_edges(self.bits)
+                packed = pack_kernels.nearest_levels(rotated.float(), spread, fields.get("zero") if not self.symmetric else None, edges, self.bits)
+                return {"codes": packed, **fields}
+            codes = nearest_level_codes(grouped, center.unsqueeze(-1), spread.unsqueeze(-1), self.bits)
+        else:
+            codes, fields = self._uniform(grouped)
         codes = codes.clamp_(0, (1 << self.bits) - 1).reshape(*x.shape[:-1], width)
         if self.token_tiles:
             if x.dim() < 2 or x.shape[-2] % self.token_tiles:
@@ -252,15 +262,16 @@ class RotatedTokenQuantizer(Quantizer):
             codes = tile_codes(codes, self.bits)
         return {"codes": pack(codes, self.bits), **fields}
 
-    def _normal(self, grouped: torch.Tensor) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    def _normal(self, grouped: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]:
+        """Each group's center and spread [..., groups] float32 as stored (the levels are ``center + spread * level``)
+        and their fields."""
         fields = {}
-        center = torch.zeros_like(grouped[..., :1])
+        center = torch.zeros_like(grouped[..., 0])
         if not self.symmetric:
             fields["zero"] = grouped.mean(dim=-1).to(torch.float16)
-            center = fields["zero"].float().unsqueeze(-1)
-        scale, stored = self._stored_scale((grouped - center).square().mean(dim=-1).sqrt(), up=False)
-        codes = nearest_level_codes(grouped, center, scale.unsqueeze(-1), self.bits)
-        return codes, {**stored, **fields}
+            center = fields["zero"].float()
+        scale, stored = self._stored_scale((grouped - center.unsqueeze(-1)).square().mean(dim=-1).sqrt(), up=False)
+        return center, scale, {**stored, **fields}
 
     def _uniform(self, grouped: torch.Tensor) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         if self.symmetric:

@@ -1,0 +1,129 @@
+"""A flushed block's codes computed and packed by one Triton kernel (``kvweave.kernels.pack``): ``channel-alloc`` and
+``rotated-token`` (normal levels) store the same bytes with the kernels as with their torch paths, for the shapes and
+settings the pipelines use; the kernels refuse what they cannot pack, and build for a GPU (Triton's interpreter on a
+CPU; on a GPU the quantizers take them for every CUDA tensor)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kvweave.kernels import pack
+from kvweave.plugins.quantizers._bitpack import normal_edges
+from kvweave.plugins.quantizers.channel_alloc import ChannelAllocQuantizer
+from kvweave.plugins.quantizers.rotated_token import RotatedTokenQuantizer
+
+from test_lowbit_kernel_host import _nvidia_backend, compile_for_gpu
+
+
+def _both(monkeypatch, quantizer, x, **kwargs) -> tuple[dict, dict]:
+    """``quantizer.quantize(x)`` by the torch path and by the kernel."""
+    monkeypatch.setattr(pack, "FORCE", False)
+    by_torch = quantizer.quantize(x, **kwargs)
+    monkeypatch.setattr(pack, "FORCE", True)
+    by_kernel = quantizer.quantize(x, **kwargs)
+    return by_torch, by_kernel
+
+
+def _same(a: dict, b: dict) -> None:
+    assert a.keys() == b.keys()
+    for field in a:
+        assert a[field].dtype == b[field].dtype and torch.equal(a[field], b[field]), field
+
+
+def _keys(shape, dtype, seed) -> torch.Tensor:
+    """Pre-RoPE-like keys: channels of very different ranges, a few large entries (outliers), a constant channel."""
+    gen = torch.Generator().manual_seed(seed)
+    width = shape[-1]
+    x = torch.randn(*shape, generator=gen) * torch.logspace(-2, 1, width)
+    x[..., 3] = 0.25  # a channel of zero range in every group (scale 0)
+    x.view(-1, width)[:: 7, 5] *= 40  # outliers
+    return x.to(dtype)
+
+
+@pytest.mark.interpreter
+@pytest.mark.parametrize("settings", [
+    dict(mean_bits=3.5), dict(mean_bits=3.0, outliers=0), dict(mean_bits=2.25, outliers=2, pairs=False),
+    dict(mean_bits=4.0, group=32), dict(mean_bits=3.5, group=16, max_bits=5),
+])
+@pytest.mark.parametrize("dtype, width", [(torch.bfloat16, 128), (torch.float32, 64)])
+def test_channel_alloc_packs_the_same_bytes_with_the_kernel(monkeypatch, settings, dtype, width):
+    quantizer = ChannelAllocQuantizer(**settings)
+    x = _keys((2, 3, 128, width), dtype, seed=width)
+    by_torch, by_kernel = _both(monkeypatch, quantizer, x)
+    _same(by_torch, by_kernel)
+    assert bool((by_kernel["bits"] == 0).any()) or settings.get("mean_bits", 3.5) >= 3.5  # zero-width channels met
+    assert torch.equal(quantizer.dequantize(by_kernel, torch.float32), quantizer.dequantize(by_torch, torch.float32))
+
+
+@pytest.mark.interpreter
+def test_channel_alloc_with_query_weights_packs_the_same_bytes_with_the_kernel(monkeypatch):
+    quantizer = ChannelAllocQuantizer(mean_bits=3.5, query_weight=0.5)
+    x = _keys((1, 2, 64, 128), torch.bfloat16, seed=1)
+    weights = torch.rand(1, 2, 128) ** 3
+    _same(*_both(monkeypatch, quantizer, x, channel_weights=weights))
+
+
+@pytest.mark.interpreter
+@pytest.mark.parametrize("settings", [
+    dict(bits=3, scale_format="log8"), dict(bits=2), dict(bits=4, symmetric=False), dict(bits=3, group=32, symmetric=False),
+])
+@pytest.mark.parametrize("tokens", [64, 37])  # 37: the last tile of 16 tokens partly empty
+def test_rotated_token_packs_the_same_bytes_with_the_kernel(monkeypatch, settings, tokens):
+    quantizer = RotatedTokenQuantizer(**settings)
+    if settings.get("scale_format") == "log8" and tokens % quantizer.scale_tokens:
+        pytest.skip("log8 scales take whole runs of scale_tokens tokens")
+    gen = torch.Generator().manual_seed(tokens)
+    x = (torch.randn(2, 3, tokens, 128, generator=gen) * torch.linspace(0.1, 3.0, 128)).to(torch.bfloat16)
+    by_torch, by_kernel = _both(monkeypatch, quantizer, x)
+    _same(by_torch, by_kernel)
+    codes = by_kernel["codes"]
+    assert codes.shape == (2, 3, tokens, 128 * quantizer.bits // 8) and bool((codes != 0).any())
+
+
+@pytest.mark.interpreter
+def test_the_tiled_and_uniform_layouts_keep_the_torch_path(monkeypatch):
+    """Values in tiles of 64 tokens, or uniform levels, are packed by torch whatever the switch (same bytes)."""
+    monkeypatch.setattr(pack, "nearest_levels", lambda *a, **k: pytest.fail("the kernel was called"))
+    x = torch.randn(1, 2, 64, 64)
+    for quantizer in (RotatedTokenQuantizer(bits=2, token_tiles=64), RotatedTokenQuantizer(bits=3, levels="uniform")):
+        _same(*_both(monkeypatch, quantizer, x))
+
+
+@pytest.mark.interpreter
+def test_the_kernels_refuse_what_they_cannot_pack():
+    x = torch.randn(2, 64, 128)
+    zero = torch.zeros(2, 4, 128, dtype=torch.float16)
+    bits = torch.full((2, 4, 128), 3)
+    with pytest.raises(ValueError, match="groups of 16 tokens .* and 380 bits"):
+        pack.affine_varwidth(x, zero, zero, bits, 380)
+    with pytest.raises(ValueError, match="takes zero points, scales and widths"):
+        pack.affine_varwidth(x, zero[:, :3], zero[:, :3], bits[:, :3], 384)
+    with pytest.raises(ValueError, match="float16"):
+        pack.affine_varwidth(x, zero.float(), zero, bits, 384)
+    with pytest.raises(ValueError, match="outlier channels must be uint8"):
+        pack.affine_varwidth(x, zero, zero, bits, 384, torch.zeros(2, 64, 1, dtype=torch.long))
+    with pytest.raises(ValueError, match="7 edges for 3 bits"):
+        pack.nearest_levels(x, torch.ones(2, 64, 2), None, normal_edges(2), 3)
+    with pytest.raises(ValueError, match="y float32"):
+        pack.nearest_levels(x.half(), torch.ones(2, 64, 2), None, normal_edges(3), 3)
+
+
+@pytest.mark.skipif(not _nvidia_backend(), reason="Triton without its CUDA backend cannot compile for a GPU here")
+def test_the_packing_kernels_compile_for_the_gpu():
+    x = torch.randn(1, 8, 128, 128).to(torch.bfloat16)
+    zero = torch.zeros(1, 8, 2, 128, dtype=torch.float16)
+    bits = torch.full((1, 8, 2, 128), 3)
+    compile_for_gpu(pack.plan_affine_varwidth(x, zero, zero, bits, 384, torch.zeros(1, 8, 128, 1, dtype=torch.uint8)))
+    built = compile_for_gpu(pack.plan_nearest_levels(x.float(), torch.ones(1, 8, 128, 2), None, normal_edges(3), 3))
+    assert built["cubin"] > 0
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="compares the compiled kernels with torch on a CUDA GPU")
+def test_on_the_gpu_the_quantizers_pack_the_same_bytes_with_the_kernels(monkeypatch):
+    """The frontier pipelines' quantizers at a real block's shape (8 KV heads, 4,096 tokens, head_dim 128)."""
+    x = _keys((1, 8, 4096, 128), torch.bfloat16, seed=5).cuda()
+    weights = torch.rand(1, 8, 128, device="cuda")
+    _same(*_both(monkeypatch, ChannelAllocQuantizer(mean_bits=3.5, query_weight=0.5), x, channel_weights=weights))
+    for quantizer in (RotatedTokenQuantizer(bits=3, scale_format="log8"), RotatedTokenQuantizer(bits=2, symmetric=False)):
+        _same(*_both(monkeypatch, quantizer, x))
