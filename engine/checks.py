@@ -7,6 +7,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from kvweave.core.deferred import defer
 from kvweave.core.errors import CacheStateError, ModelError
 from kvweave.core.interfaces import KINDS
 
@@ -48,20 +49,27 @@ def check_block_groups(engine: CompressionEngine, where: str) -> None:
 
 
 def check_finite(engine: CompressionEngine, members: tuple[int, ...], count: int) -> None:
-    """Refuse a block holding NaN or infinite keys or values (one host sync per flushed block, not per
-    step): quantizing them would corrupt whole scale groups silently."""
+    """Refuse a block holding NaN or infinite keys or values: quantizing them would corrupt whole scale groups silently.
+    Within a flush the check reads the host with the forward's other checks (:mod:`kvweave.core.deferred`; the
+    engine resolves them before any of the block is read back), elsewhere at once."""
     for layer in members:  # decode steps' tokens beyond an int8 window's range, named before they read back as NaN
         engine.windows[layer].exact.settle()
-    blocks = [engine.windows[layer].exact[kind][..., :count, :] for layer in members for kind in KINDS]
-    if bool(torch.stack([torch.isfinite(block).all() for block in blocks]).all()):
-        return
-    for index, block in enumerate(blocks):  # the first offender, named
-        bad = (~torch.isfinite(block)).nonzero()
-        if bad.numel():
-            layer, kind = members[index // len(KINDS)], KINDS[index % len(KINDS)]
-            row, head, token = bad[0, :3].tolist()
-            raise CacheStateError(
-                f"pipeline '{engine.pipeline.name}': layer {layer} sent non-finite {kind} (first at batch row {row}, "
-                f"KV head {head}, token {engine.windows[layer].passed_tokens + token}); the model's forward "
-                "produced NaN or infinity, which a compressing cache cannot store"
-            )
+    names = [(layer, kind) for layer in members for kind in KINDS]
+    # [B, H, count] per block, kept to name the first offender (the blocks themselves are not)
+    tokens = [torch.isfinite(engine.windows[layer].exact[kind][..., :count, :]).all(dim=-1) for layer, kind in names]
+    passed = engine.windows[members[0]].passed_tokens
+
+    def fail() -> None:
+        for (layer, kind), finite in zip(names, tokens):
+            bad = (~finite).nonzero()
+            if bad.numel():
+                row, head, token = bad[0].tolist()
+                raise CacheStateError(
+                    f"pipeline '{engine.pipeline.name}': layer {layer} sent non-finite {kind} (first at batch row {row}, "
+                    f"KV head {head}, token {passed + token}); the model's forward "
+                    "produced NaN or infinity, which a compressing cache cannot store"
+                )
+
+    failed = ~torch.stack([finite.all() for finite in tokens]).all()
+    if not defer(failed, fail) and bool(failed):
+        fail()

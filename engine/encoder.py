@@ -67,14 +67,17 @@ class BlockEncoder:
         approx = torch.stack([self.engine.basis.decode(store.state, decoded, m, start=first) for m in range(len(members))])
         entries: list[dict[int, TensorMap]] = [{} for _ in members]
         if self.engine.residual_levels:
-            miss = (work - approx).norm(dim=-1) / work.norm(dim=-1).clamp_min(1e-9)
             mixing = self.engine.basis.residual_mixing(len(members))
-            rows = residual_rows(work - approx, mixing)
-            route = self.route_block(kind, group_index, work, miss, stats, approx, rows, mixing, tokens)
-            kept_index = (self.engine._flush_info or {}).get("kept_index")
-            ranks = self.engine.router.assign(route) if kept_index is None else self.engine.eviction.rank_kept(self.engine.router, route, kept_index)
-            self.check_ranks(ranks, work.shape[:-1])
-            if self.engine.settings.residual_mode == "basis" and any(self.engine.windows[layer].residual_basis[kind] is None for layer in members):
+            fixed = self.fixed_ranks(kind, group_index, work.shape[-2], mixing)
+            rows = None
+            if fixed is None:  # the router reads the block
+                miss = (work - approx).norm(dim=-1) / work.norm(dim=-1).clamp_min(1e-9)
+                rows = residual_rows(work - approx, mixing)
+                route = self.route_block(kind, group_index, work, miss, stats, approx, rows, mixing, tokens)
+                kept_index = (self.engine._flush_info or {}).get("kept_index")
+                ranks = self.engine.router.assign(route) if kept_index is None else self.engine.eviction.rank_kept(self.engine.router, route, kept_index)
+                self.check_ranks(ranks, work.shape[:-1])
+            if fixed is None and self.engine.settings.residual_mode == "basis" and any(self.engine.windows[layer].residual_basis[kind] is None for layer in members):
                 # every member's residual basis from its first block, fitted in one batched call
                 fitted = fit_residual_basis(rows, max(self.engine.levels))  # rows: the misses, or their mixed rows
                 for member, layer in enumerate(members):
@@ -84,7 +87,7 @@ class BlockEncoder:
                 missing = (work[member] - approx[member] if mixing is None else rows[member]).to(block.dtype)
                 window = self.engine.windows[layer]
                 basis = window.residual_basis[kind]
-                entries[member] = encode_residuals(missing, ranks[member], residual_quantizer, basis)
+                entries[member] = encode_residuals(missing, ranks[member] if fixed is None else fixed, residual_quantizer, basis)
                 if mixing is None:
                     approx[member] = add_residuals(approx[member], entries[member], residual_quantizer, self.engine.router.gates(layer, kind), basis)
                 for rank, fields in entries[member].items():
@@ -129,6 +132,29 @@ class BlockEncoder:
             return tokens
         group = quantizer.tokens_per_group()
         return min(tokens, -(-limit // group) * group)
+
+    def fixed_ranks(self, kind: str, group_index: int, tokens: int, mixing: torch.Tensor | None) -> tuple[int, ...] | None:
+        """The block's first ``tokens`` tokens' ranks where the router gives them without the block
+        (:meth:`Router.fixed_ranks`: the same in every row and head, so the residual entries are found without reading
+        ranks on the host); None where it must read the block, the tokens are not in position order (an evicting
+        flush), rows are mixed across layers, or a residual basis is still to be fitted from the block."""
+        engine = self.engine
+        members = engine.groups[group_index]
+        if mixing is not None or (engine._flush_info or {}).get("kept_index") is not None:
+            return None
+        if engine.settings.residual_mode == "basis" and any(engine.windows[layer].residual_basis[kind] is None for layer in members):
+            return None
+        fixed = engine.router.fixed_ranks(kind, engine.windows[members[0]].passed_tokens, tokens)
+        if fixed is None:
+            return None
+        fixed = tuple(int(rank) for rank in fixed)
+        stray = set(fixed) - set(engine.levels)
+        if stray or len(fixed) != tokens:
+            raise ComponentError(
+                f"router '{engine.pipeline.use('router')}' fixed ranks {sorted(stray)} for {len(fixed)} tokens; expected "
+                f"values in {sorted(engine.levels)} for {tokens} tokens"
+            )
+        return fixed
 
     def route_block(
         self, kind: str, group_index: int, work: torch.Tensor, miss: torch.Tensor,

@@ -27,6 +27,7 @@ from typing import Any
 
 import torch
 
+from kvweave.core.deferred import DeferredChecks
 from kvweave.core.errors import CacheStateError, ComponentError, ModelError
 from kvweave.core.evictor import Evictor
 from kvweave.core.interfaces import KINDS, AttentionKernel, BasisBuilder, ModelShape, Probe, Quantizer, Router
@@ -95,6 +96,8 @@ class CompressionEngine:
         self.reselects = self.evicts and bool(self.evictor.reselects)
         self.eviction = Eviction(self, self.evictor)
         self.encoder = BlockEncoder(self)
+        self.deferred = DeferredChecks()  # a forward's flushes' checks, read once (core/deferred.py)
+        self.defer_checks: bool | None = None  # None: on a GPU; True / False: always / never
         if self.evicts:
             self.eviction.check(where)
         if self.compress_sliding:
@@ -160,6 +163,7 @@ class CompressionEngine:
         if self.rows is not None:
             return self.rows.update(layer, keys, values, materialize)
         if layer == 0:
+            self.deferred.resolve()  # a check left by a forward whose last group did not flush
             self.observer.start_forward(keys.shape[-2])
             self.forward_tokens = keys.shape[-2]
             if self.evicts:
@@ -248,6 +252,23 @@ class CompressionEngine:
 
     # ------------------------------------------------------------------------------- compress
     def _flush(self, group_index: int) -> None:
+        """Encode the group's ready block. On a GPU (or with ``defer_checks``) its checks read the host with the forward's
+        others, after its last flush (:mod:`kvweave.core.deferred`), or before any other error of the flush propagates;
+        elsewhere each at once."""
+        device = self.windows[self.groups[group_index][0]].exact.device
+        if not (self.defer_checks if self.defer_checks is not None else getattr(device, "type", None) == "cuda"):
+            self._flush_block(group_index)
+            return
+        try:
+            with self.deferred.collecting():
+                self._flush_block(group_index)
+        except BaseException:
+            self.deferred.resolve()  # a failed check names the cause of what followed it
+            raise
+        if group_index == self.last_flushing:
+            self.deferred.resolve()
+
+    def _flush_block(self, group_index: int) -> None:
         members = self.groups[group_index]
         ready = min(self.windows[layer].exact_tokens for layer in members) - self.settings.recent_window
         count = (ready // self.settings.block_tokens) * self.settings.block_tokens
@@ -381,6 +402,7 @@ class CompressionEngine:
 
     def reset(self) -> None:
         """Drop every stored token (the state a new engine starts from)."""
+        self.deferred.clear()
         self.windows = [self._new_window() for _ in range(self.shape.num_layers)]
         self.stores = [{kind: GroupStore() for kind in KINDS} for _ in self.groups]
         self.pending: set[int] = set()

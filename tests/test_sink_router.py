@@ -75,8 +75,9 @@ def test_a_rank_beyond_the_head_dim_is_refused(tmp_path):
 @pytest.mark.parametrize("name", ["s-sinks", "s-sinks-values"])
 def test_blocks_past_the_sinks_are_not_reconstructed_and_store_the_same(tmp_path, monkeypatch, name):
     """A block whose positions all lie past the sinks gets no residual: its reconstruction is skipped; the prompt's
-    block is reconstructed for its first group of tokens only, which hold the sinks. The storage after a prefill and
-    decode-time flushes is the same as when every block is reconstructed and routed whole."""
+    block is reconstructed for its first group of tokens only, which hold the sinks, and their ranks are fixed
+    (no host read of ranks). The storage after a prefill and decode-time flushes is the same as when every block is
+    reconstructed whole and routed by ``assign``."""
     from kvweave.plugins.routers.sinks import SinkRouter
 
     model = tiny_llama(torch.float32, hidden=256)
@@ -90,20 +91,22 @@ def test_blocks_past_the_sinks_are_not_reconstructed_and_store_the_same(tmp_path
             model.generate(input_ids=ids, max_new_tokens=80, do_sample=False, **cache_kwargs(model, cache))
         return cache
 
-    calls, decoded = [], []  # each routed block's first position, and how many of its tokens were reconstructed
-    assign = SinkRouter.assign
+    calls, decoded, fixed = [], [], []  # each block routed by assign: its first position and the tokens reconstructed
+    assign, fixed_ranks = SinkRouter.assign, SinkRouter.fixed_ranks
     monkeypatch.setattr(SinkRouter, "assign", lambda self, block: calls.append(block.first) or decoded.append(
         block.vectors.shape[-2]) or assign(self, block))
+    monkeypatch.setattr(SinkRouter, "fixed_ranks", lambda self, kind, first, tokens: fixed.append((first, tokens)) or fixed_ranks(
+        self, kind, first, tokens))
     skipped = run()
     assert skipped.engine.stores[0]["keys"].flushes > 1
-    assert calls and set(calls) == {0}  # only the prompt's block, which holds the sinks, is reconstructed and routed
+    assert not calls  # the sinks' ranks are known without the block: assign never reads one
+    assert fixed and {first for first, _ in fixed} == {0}  # only the prompt's block, which holds the sinks, is reconstructed
     # of its 192 tokens, the keys' first group (channel-alloc: 64 tokens), the values' first 3 (per-token codes)
-    assert decoded and set(decoded) == ({64, 3} if name == "s-sinks" else {3})
-    calls.clear()
-    decoded.clear()
+    assert {tokens for _, tokens in fixed} == ({64, 3} if name == "s-sinks" else {3})
     monkeypatch.setattr(SinkRouter, "routed_tokens", lambda self, kind, first: None)
+    monkeypatch.setattr(SinkRouter, "fixed_ranks", lambda self, kind, first, tokens: None)
     routed = run()
-    assert max(calls) > 0  # every block routed
+    assert max(calls) > 0  # every block routed by assign
     assert decoded[0] == 192  # the prompt's block whole
     assert skipped.memory_breakdown() == routed.memory_breakdown()
     for a, b in zip(skipped.engine.stores, routed.engine.stores, strict=True):

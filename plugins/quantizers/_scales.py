@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import math
 
+from kvweave.core.deferred import defer
 from kvweave.core.lazy import DtypeTable, torch
 
 SCALE_DTYPES = DtypeTable("float16", "bfloat16", "float32")
@@ -46,14 +47,23 @@ def check_magnitude(
     """Raise ``ValueError`` when an element of ``magnitude`` (per-group statistics, or the values) is beyond
     ``limit`` (an infinite one included; NaN is the caller's to refuse, as the engine does), naming
     ``quantizer``, the largest magnitude seen (of ``source`` when given: the input in its own dtype) and the
-    limit. One host sync."""
-    if magnitude.numel() == 0 or not bool((magnitude.abs() > limit).any()):
+    limit. One host read, made with the forward's other checks where a flush defers them (:mod:`kvweave.core.deferred`;
+    ``magnitude``'s largest is then named: the per-group statistics are the input's magnitudes)."""
+    if magnitude.numel() == 0:
         return
-    largest = float((magnitude if source is None else source).detach().abs().amax())
-    raise ValueError(
-        f"{quantizer}: largest magnitude {largest:.7g} is beyond the limit {limit:.7g} ({reason}); "
-        "scale the input down or use a quantizer whose stored fields hold it"
-    )
+
+    def fail(largest: float) -> None:
+        raise ValueError(
+            f"{quantizer}: largest magnitude {largest:.7g} is beyond the limit {limit:.7g} ({reason}); "
+            "scale the input down or use a quantizer whose stored fields hold it"
+        )
+
+    over = (magnitude.abs() > limit).any()
+    stats = magnitude.detach()
+    if defer(over, lambda: fail(float(stats.abs().amax()))):
+        return
+    if bool(over):
+        fail(float((magnitude if source is None else source).detach().abs().amax()))
 
 
 def absmax_scales(grouped: torch.Tensor, levels: int, scale_dtype: torch.dtype, quantizer: str) -> torch.Tensor:
