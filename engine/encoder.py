@@ -22,6 +22,9 @@ from kvweave.engine.residuals import TILE_TOKENS, add_residuals, encode_residual
 if TYPE_CHECKING:
     from kvweave.engine.engine import CompressionEngine
 
+#: dtypes whose values float32 holds exactly (a block of them, taken to float32 and back, is itself)
+_EXACT_IN_FLOAT32 = (torch.bfloat16, torch.float16, torch.float32)
+
 
 class BlockEncoder:
     """Encodes flushed blocks into the engine's store (one per engine)."""
@@ -47,7 +50,9 @@ class BlockEncoder:
         first = store.coefficients.tokens
         quantizer = self.engine.quantizer(group_index, kind)
         residual_quantizer = self.engine.residual_quantizers[kind]
-        coefficients = self.engine.basis.encode(store.state, work).to(block.dtype)
+        coefficients = self.engine.basis.encode(store.state, work)
+        # a basis keeping the vectors as they are (identity) gives back work: block's own values, no conversion pass
+        coefficients = block if coefficients is work and block.dtype in _EXACT_IN_FLOAT32 else coefficients.to(block.dtype)
         if kind == "keys" and self.engine.energy is not None:  # channels weighed by the queries' energy (engine/energy.py)
             packed = quantizer.quantize(coefficients, channel_weights=self.engine.energy.means(members))  # type: ignore[call-arg]
         else:

@@ -286,7 +286,8 @@ class CompressionEngine:
             passed = self.windows[members[0]].passed_tokens
             positions = torch.arange(passed, passed + count, device=self.windows[members[0]].exact.device)
             for kind in KINDS:
-                block = torch.stack([self.windows[layer].exact[kind][..., :count, :] for layer in members])
+                parts = [self.windows[layer].exact[kind][..., :count, :] for layer in members]
+                block = parts[0].unsqueeze(0) if len(parts) == 1 else torch.stack(parts)  # one layer: no copy
                 self.encoder.encode(kind, group_index, block, stats, positions)
             for layer in members:
                 self.windows[layer].compressed_tokens += count
@@ -326,7 +327,8 @@ class CompressionEngine:
             raise CacheStateError(f"pipeline '{self.pipeline.name}': a key block reached the encoder without its positions")
         positions = positions.expand(keys.shape[:-1]) if positions.dim() < 4 else positions
         turn = self.rotary.unrotate if inverse else self.rotary.rotate
-        return torch.stack([turn(keys[m] if keys.dtype == torch.float64 else keys[m].float(), layer, positions[m]) for m, layer in enumerate(members)])
+        turned = [turn(keys[m] if keys.dtype == torch.float64 else keys[m].float(), layer, positions[m]) for m, layer in enumerate(members)]
+        return turned[0].unsqueeze(0) if len(turned) == 1 else torch.stack(turned)
 
     def note_padding(self, mask: torch.Tensor | None, batch: int) -> None:
         """Called by the observing attention where the kernel reads in place (no :meth:`prepare_attention`): the
