@@ -143,7 +143,29 @@ class CompressionEngine:
         self, layer: int, keys: torch.Tensor, values: torch.Tensor, materialize: bool = True
     ) -> tuple[torch.Tensor, torch.Tensor] | None:
         """Append ``keys``/``values`` [B, H, q, D] to ``layer``; return its full K/V [B, H, T, D] (None with
-        ``materialize=False``: filling a cache without attention, e.g. :mod:`kvweave.engine.synthetic`)."""
+        ``materialize=False``: filling a cache without attention, e.g. :mod:`kvweave.engine.synthetic`). Where checks
+        are deferred (a GPU), those of the forward's updates and flushes read the host once: after its last flush, or
+        after the last layer's update when that layer flushes nothing."""
+        if not self._defers(keys.device):
+            return self._update(layer, keys, values, materialize)
+        try:
+            with self.deferred.collecting():
+                out = self._update(layer, keys, values, materialize)
+        except BaseException:
+            self.deferred.resolve()  # a failed check names the cause of what followed it
+            raise
+        if layer == self.shape.num_layers - 1 and self.group_of[layer][0] not in self.pending:
+            self.deferred.resolve()
+        return out
+
+    def _defers(self, device: torch.device | None) -> bool:
+        """Whether checks wait for the forward's end (:mod:`kvweave.core.deferred`): on a GPU, unless ``defer_checks``
+        says otherwise."""
+        return self.defer_checks if self.defer_checks is not None else getattr(device, "type", None) == "cuda"
+
+    def _update(
+        self, layer: int, keys: torch.Tensor, values: torch.Tensor, materialize: bool = True
+    ) -> tuple[torch.Tensor, torch.Tensor] | None:
         if not 0 <= layer < self.shape.num_layers:
             raise CacheStateError(f"layer index {layer} is outside the cache's {self.shape.num_layers} layers")
         if keys.shape[1] != self.shape.num_kv_heads or keys.shape[-1] != self.shape.head_dim:
@@ -255,8 +277,7 @@ class CompressionEngine:
         """Encode the group's ready block. On a GPU (or with ``defer_checks``) its checks read the host with the forward's
         others, after its last flush (:mod:`kvweave.core.deferred`), or before any other error of the flush propagates;
         elsewhere each at once."""
-        device = self.windows[self.groups[group_index][0]].exact.device
-        if not (self.defer_checks if self.defer_checks is not None else getattr(device, "type", None) == "cuda"):
+        if not self._defers(self.windows[self.groups[group_index][0]].exact.device):
             self._flush_block(group_index)
             return
         try:

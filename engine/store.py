@@ -10,6 +10,7 @@ from typing import Any
 
 import torch
 
+from kvweave.core.deferred import defer
 from kvweave.core.errors import CacheStateError, ModelError
 from kvweave.core.interfaces import KINDS
 from kvweave.core.registry import WINDOW_STORAGE
@@ -259,8 +260,9 @@ class ExactTokens:
 
     def settle(self, wait: bool = True) -> None:
         """Raise for a decode step's token beyond the int8 window's range once its largest magnitude reached the host
-        (``wait``: wait for every one; the engine does before each flush). Prompts are checked as they arrive; a host
-        read per layer and decode step would stop the GPU's stream each time, so those go to the host on their own."""
+        (``wait``: wait for every one; the engine does before each flush). Prompts are checked as they arrive, or with the
+        forward's other checks where the engine defers them (:mod:`kvweave.core.deferred`); a host read per layer and
+        decode step would stop the GPU's stream each time, so those go to the host on their own."""
         while self._watched:
             host, event = self._watched[0]
             if event is not None and not wait and not event.query():
@@ -303,7 +305,7 @@ class ExactTokens:
         worst = torch.where(finite, absmax, 0.0).amax()
         if tensor.shape[-2] == 1:  # a decode step: checked without stopping the stream (settle)
             self._watch(worst)
-        else:
+        elif not defer(worst > _INT8_LIMIT, lambda: self._refuse(float(worst))):  # a prompt: with the forward's checks
             self._refuse(float(worst))
         # a vector holding NaN or infinity reads back as NaN, so the engine's check at the flush still names it
         scale = torch.where(finite, absmax / 127, torch.nan).to(torch.float16)

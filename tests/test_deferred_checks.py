@@ -42,19 +42,30 @@ def test_a_prompts_flushes_read_the_host_once_when_deferred(monkeypatch):
     for defer_checks in (False, True):
         cache = build_cache(load_pipeline("l-qa35v3", "benchmarks/lean_sweep.toml"), model)
         cache.engine.defer_checks = defer_checks
-        flush_block, resolve = cache.engine._flush_block, cache.engine.deferred.resolve
         spy = HostReads()
+        for name in ("_flush_block", "_update"):  # a layer's update (its int8 window) and its flush
+            def counted(*args, method=getattr(cache.engine, name), spy=spy):
+                with spy:
+                    return method(*args)
 
-        def counted(group, flush_block=flush_block, spy=spy):
-            with spy:
-                flush_block(group)
-
-        object.__setattr__(cache.engine, "_flush_block", counted)
+            object.__setattr__(cache.engine, name, counted)
         with torch.no_grad():
             model(input_ids=ids, use_cache=True, **cache_kwargs(model, cache))
         reads[defer_checks] = spy.count
         assert cache.engine.windows[0].compressed_tokens == 128 and not cache.engine.deferred.pending
-    assert reads[True] == 0 and reads[False] >= 3 * 3  # each layer: its finite check and each quantizer's range check
+    # each layer: its window's range checks, its finite check and each quantizer's range check
+    assert reads[True] == 0 and reads[False] >= 3 * 5
+
+
+def test_a_prompt_beyond_the_int8_windows_range_is_refused_by_the_forward():
+    model = tiny_llama(torch.float32, hidden=256, layers=3)
+    cache = build_cache(load_pipeline("l-qa35v3", "benchmarks/lean_sweep.toml"), model)
+    cache.engine.defer_checks = True
+    with torch.no_grad():
+        model.model.layers[1].self_attn.k_proj.weight.mul_(1e9)  # layer 1's keys beyond 127 x 65504
+        with pytest.raises(ValueError, match="window_storage = 'int8': a token's largest magnitude .* is beyond"):
+            model(input_ids=torch.randint(1, 128, (1, 40)), use_cache=True, **cache_kwargs(model, cache))
+    assert not cache.engine.deferred.pending
 
 
 def test_a_deferred_check_raises_its_own_error_from_the_forward():

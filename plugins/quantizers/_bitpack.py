@@ -118,6 +118,13 @@ def normal_levels(bits: int) -> tuple[float, ...]:
     return tuple(float(level) for level in levels)
 
 
+@functools.lru_cache(maxsize=32)
+def level_table(bits: int, device: str) -> torch.Tensor:
+    """:func:`normal_levels` as a float32 tensor on ``device``, made once (a table sent from the host at each call
+    would stop the host for the GPU)."""
+    return torch.tensor(normal_levels(bits), dtype=torch.float32, device=device)
+
+
 def normal_edges(bits: int) -> tuple[float, ...]:
     """The ``2**bits - 1`` cell edges of :func:`normal_levels`: the midpoints between adjacent levels."""
     levels = normal_levels(bits)

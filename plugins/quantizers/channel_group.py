@@ -69,7 +69,7 @@ from kvweave.core.interfaces import Quantizer
 from kvweave.core.lazy import torch
 from kvweave.core.params import choice, integer
 
-from ._bitpack import affine_range, chunk_codes, nearest_level_codes, normal_levels, pack, safe_step, unpack
+from ._bitpack import affine_range, chunk_codes, nearest_level_codes, level_table, normal_levels, pack, safe_step, unpack
 from ._scales import FLOAT16_MAX, check_magnitude
 
 #: channel indices of outliers are stored as uint8
@@ -201,7 +201,7 @@ class ChannelGroupQuantizer(Quantizer):
             values = codes.float()
         else:
             offset, step = packed["mean"].float(), packed["std"].float()
-            values = torch.tensor(normal_levels(self.bits), device=codes.device)[codes]
+            values = level_table(self.bits, str(codes.device))[codes]
         grouped = values.reshape(*offset.shape[:-2], offset.shape[-2], self.group, values.shape[-1])
         x = (grouped * step.unsqueeze(-2) + offset.unsqueeze(-2)).reshape(values.shape)
         if self.outliers:

@@ -89,7 +89,7 @@ from kvweave.kernels.formats import VALUE_TILE, tile_codes, untile_codes
 
 from kvweave.kernels import pack as pack_kernels
 
-from ._bitpack import affine_range, chunk_codes, midrise_scale, nearest_level_codes, normal_edges, normal_levels, pack, safe_step, unpack
+from ._bitpack import affine_range, chunk_codes, midrise_scale, nearest_level_codes, normal_edges, level_table, normal_levels, pack, safe_step, unpack
 from ._layers import check_table, each_entry, layer_table
 from ._scales import FLOAT16_MAX, check_magnitude
 
@@ -319,7 +319,7 @@ class RotatedTokenQuantizer(Quantizer):
         else:
             scale = packed["scale"].float().unsqueeze(-1)
         if self.levels == "normal":
-            values = torch.tensor(normal_levels(self.bits), device=codes.device)[codes]
+            values = level_table(self.bits, str(codes.device))[codes]
         elif self.symmetric:
             values = codes.float() - ((1 << self.bits) - 1) / 2
         else:
