@@ -48,7 +48,8 @@ def check_block_groups(engine: CompressionEngine, where: str) -> None:
             )
 
 
-def check_finite(engine: CompressionEngine, members: tuple[int, ...], count: int) -> None:
+def check_finite(engine: CompressionEngine, members: tuple[int, ...], count: int,
+                 blocks: dict[tuple[int, str], torch.Tensor] | None = None) -> None:
     """Refuse a block holding NaN or infinite keys or values: quantizing them would corrupt whole scale groups silently.
     Within a flush the check reads the host with the forward's other checks (:mod:`kvweave.core.deferred`; the
     engine resolves them before any of the block is read back), elsewhere at once."""
@@ -56,9 +57,10 @@ def check_finite(engine: CompressionEngine, members: tuple[int, ...], count: int
         engine.windows[layer].exact.settle()
     names = [(layer, kind) for layer in members for kind in KINDS]
     # [B, H, count] per block, kept to name the first offender (the blocks themselves are not)
-    # (a vector's largest magnitude, one pass over it: NaN and infinity carry through the maximum)
-    tokens = [torch.isfinite(torch.linalg.vector_norm(engine.windows[layer].exact[kind][..., :count, :], float("inf"), dim=-1))
-              for layer, kind in names]
+    # (a vector's largest magnitude, one pass over it: NaN and infinity carry through the maximum); ``blocks``: the
+    # first ``count`` tokens of each (layer, kind) as the caller already read them
+    read = blocks if blocks is not None else {(layer, kind): engine.windows[layer].exact.head(kind, count) for layer, kind in names}
+    tokens = [torch.isfinite(torch.linalg.vector_norm(read[name], float("inf"), dim=-1)) for name in names]
     passed = engine.windows[members[0]].passed_tokens
 
     def fail() -> None:

@@ -295,7 +295,10 @@ class CompressionEngine:
         count = (ready // self.settings.block_tokens) * self.settings.block_tokens
         if count <= 0:
             return
-        check_finite(self, members, count)
+        for layer in members:  # decode steps' tokens beyond an int8 window's range, named before they are read
+            self.windows[layer].exact.settle()
+        blocks = {(layer, kind): self.windows[layer].exact.head(kind, count) for layer in members for kind in KINDS}
+        check_finite(self, members, count, blocks)
         # attention statistics need the keys as they are before this block is encoded (once for K and V)
         wants_stats = (self.router.needs_attention and self.residual_levels) or (self.evicts and self.evictor.needs_attention)
         stats = self._attention_stats(members, count) if wants_stats else None
@@ -307,7 +310,7 @@ class CompressionEngine:
             passed = self.windows[members[0]].passed_tokens
             positions = torch.arange(passed, passed + count, device=self.windows[members[0]].exact.device)
             for kind in KINDS:
-                parts = [self.windows[layer].exact[kind][..., :count, :] for layer in members]
+                parts = [blocks[(layer, kind)] for layer in members]
                 block = parts[0].unsqueeze(0) if len(parts) == 1 else torch.stack(parts)  # one layer: no copy
                 self.encoder.encode(kind, group_index, block, stats, positions)
             for layer in members:
@@ -346,9 +349,12 @@ class CompressionEngine:
             )
         if positions is None:
             raise CacheStateError(f"pipeline '{self.pipeline.name}': a key block reached the encoder without its positions")
-        positions = positions.expand(keys.shape[:-1]) if positions.dim() < 4 else positions
+        if positions.dim() == 1:  # the same positions in every row and head: angles for those alone, broadcast
+            at = [positions] * len(members)
+        else:
+            at = list(positions.expand(keys.shape[:-1]) if positions.dim() < 4 else positions)
         turn = self.rotary.unrotate if inverse else self.rotary.rotate
-        turned = [turn(keys[m] if keys.dtype == torch.float64 else keys[m].float(), layer, positions[m]) for m, layer in enumerate(members)]
+        turned = [turn(keys[m] if keys.dtype == torch.float64 else keys[m].float(), layer, at[m]) for m, layer in enumerate(members)]
         return turned[0].unsqueeze(0) if len(turned) == 1 else torch.stack(turned)
 
     def note_padding(self, mask: torch.Tensor | None, batch: int) -> None:

@@ -62,6 +62,16 @@ class ExactTokens:
         codes, scale = held
         return (codes.float() * scale.float()).to(self._dtype)
 
+    def head(self, kind: str, count: int) -> torch.Tensor | None:
+        """The first ``count`` tokens of ``kind`` as ``self[kind]`` reads them, decoding only those."""
+        held = self._held[kind]
+        if held is None:
+            return None
+        if not self.lossy:
+            return held[0][..., :count, :]
+        codes, scale = held
+        return (codes[..., :count, :].float() * scale[..., :count, :].float()).to(self._dtype)
+
     def __setitem__(self, kind: str, tensor: torch.Tensor | None) -> None:
         self._not_static("replaced")
         self._held[kind] = None if tensor is None else self._encode(tensor)
