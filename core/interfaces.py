@@ -175,6 +175,9 @@ class BasisBuilder(Component):
     group: ClassVar[str] = "bases"
     #: coefficients are the vectors' own channels (what a quantizer weighing channels by the queries needs)
     keeps_channels: ClassVar[bool] = False
+    #: ``encode`` returns its input and ``decode`` member ``m``'s coefficients: the engine then quantizes the block as
+    #: it came, without a float32 copy of it
+    identity: ClassVar[bool] = False
 
     def layer_groups(self, shape: ModelShape) -> list[tuple[int, ...]]:
         """The groups of layers encoded together; each layer in exactly one group. Default: one each."""

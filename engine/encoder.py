@@ -22,7 +22,8 @@ from kvweave.engine.residuals import TILE_TOKENS, add_residuals, encode_residual
 if TYPE_CHECKING:
     from kvweave.engine.engine import CompressionEngine
 
-#: dtypes whose values float32 holds exactly (a block of them, taken to float32 and back, is itself)
+#: dtypes whose values float32 holds exactly (a block of them, taken to float32 and back, is itself: an identity
+#: basis's coefficients)
 _EXACT_IN_FLOAT32 = (torch.bfloat16, torch.float16, torch.float32)
 
 
@@ -44,15 +45,15 @@ class BlockEncoder:
         exact_block = block
         if self.engine.pre_rope and kind == "keys":
             block = self.engine.rope_keys(block, members, positions, inverse=True).to(block.dtype)
-        work = block.float()
+        # a basis storing the vectors as they are: the block is its own coefficients, in float32 only where reconstructed
+        identity = self.engine.basis.identity and block.dtype in _EXACT_IN_FLOAT32
+        work = block if identity else block.float()
         if store.state is None:
             store.state = self.engine.basis.init_state(work)
         first = store.coefficients.tokens
         quantizer = self.engine.quantizer(group_index, kind)
         residual_quantizer = self.engine.residual_quantizers[kind]
-        coefficients = self.engine.basis.encode(store.state, work)
-        # a basis keeping the vectors as they are (identity) gives back work: block's own values, no conversion pass
-        coefficients = block if coefficients is work and block.dtype in _EXACT_IN_FLOAT32 else coefficients.to(block.dtype)
+        coefficients = block if identity else self.engine.basis.encode(store.state, work).to(block.dtype)
         if kind == "keys" and self.engine.energy is not None:  # channels weighed by the queries' energy (engine/energy.py)
             packed = quantizer.quantize(coefficients, channel_weights=self.engine.energy.means(members))  # type: ignore[call-arg]
         else:
@@ -68,6 +69,7 @@ class BlockEncoder:
             work = work[..., :head, :]
             if stats is not None:
                 stats = (stats[0][..., :head], stats[1][..., :head])
+        work = work.float()
         decoded = quantizer.dequantize(packed, torch.float32)
         approx = torch.stack([self.engine.basis.decode(store.state, decoded, m, start=first) for m in range(len(members))])
         entries: list[dict[int, TensorMap]] = [{} for _ in members]

@@ -202,10 +202,14 @@ class CompressionEngine:
             if window.exact.lossy:  # the kernel reads the window (its own token as it arrived) from the layer's view
                 self.attending[layer] = full
         else:
+            empty = window.exact.shape() is None and window.compressed_tokens == 0
             for kind, new in zip(KINDS, (keys, values)):
                 window.exact.append(kind, new)
-            full = tuple(self._materialize(layer, kind) if materialize else window.exact[kind] for kind in KINDS)
-            if window.exact.lossy and materialize:  # this forward attends over its own tokens as they arrived
+            if window.exact.lossy and materialize and empty:  # every token is this forward's own: as they arrived
+                full = (keys, values)
+            else:
+                full = tuple(self._materialize(layer, kind) if materialize else window.exact[kind] for kind in KINDS)
+            if window.exact.lossy and materialize and not empty:  # this forward attends over its own tokens as they arrived
                 for tensor, new in zip(full, (keys, values)):
                     tensor[..., -new.shape[-2]:, :] = new
         if layer in self.kept_exact:  # the model's own attention reads its window

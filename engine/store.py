@@ -69,8 +69,8 @@ class ExactTokens:
             return None
         if not self.lossy:
             return held[0][..., :count, :]
-        codes, scale = held
-        return (codes[..., :count, :].float() * scale[..., :count, :].float()).to(self._dtype)
+        codes, scale = held  # int8 codes times float32 scales in one pass (the same products as __getitem__'s)
+        return (codes[..., :count, :] * scale[..., :count, :].float()).to(self._dtype)
 
     def __setitem__(self, kind: str, tensor: torch.Tensor | None) -> None:
         self._not_static("replaced")

@@ -21,6 +21,7 @@ class IdentityBasis(BasisBuilder):
 
     head_sharding: ClassVar[str] = "head-local"
     keeps_channels: ClassVar[bool] = True
+    identity: ClassVar[bool] = True
 
     def coefficient_width(self, shape: ModelShape) -> int:
         return shape.head_dim
