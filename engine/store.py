@@ -17,7 +17,7 @@ from kvweave.core.registry import WINDOW_STORAGE
 from kvweave.core.storage import Segment, TensorMap, tensor_bytes
 from kvweave.engine.residuals import ResidualList
 from kvweave.engine.slot_index import SlotIndex
-from kvweave.kernels.window import append_int8, put_int8
+from kvweave.kernels.window import append_int8, encode_int8, put_int8
 
 #: int8 window: one float16 scale per (token, head) is ``absmax / 127``, so absmax may reach 127 x 65504
 _INT8_LIMIT = 127 * 65504.0
@@ -310,6 +310,12 @@ class ExactTokens:
         self._check_dtype(tensor)
         if not self.lossy:
             return (tensor,)
+        if tensor.dim() == 4 and tensor.shape[-2] > 1 and (tensor.is_cuda if self.fused is None else self.fused):
+            worst = torch.zeros(1, dtype=torch.float32, device=tensor.device)  # a prompt by one kernel, as below
+            codes, scale = encode_int8(tensor.detach(), worst)
+            if not defer(worst[0] > _INT8_LIMIT, lambda: self._refuse(float(worst[0]))):
+                self._refuse(float(worst[0]))
+            return codes, scale
         absmax = tensor.detach().float().abs().amax(dim=-1, keepdim=True)
         finite = torch.isfinite(absmax)
         worst = torch.where(finite, absmax, 0.0).amax()

@@ -25,6 +25,30 @@ else:
 TOKEN_TILE = 16
 
 
+def encode_int8(tokens: torch.Tensor, worst: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """A prompt's ``tokens`` [B, H, n, D] as an int8 window holds them, in one pass: codes int8 [B, H, n, D] and scales
+    float16 [B, H, n, 1], each token as :func:`append_int8` encodes one; ``worst`` float32 [1] raised to their largest
+    finite magnitude."""
+    return plan_encode(tokens, worst).run()  # type: ignore[return-value]
+
+
+def plan_encode(tokens: torch.Tensor, worst: torch.Tensor) -> Launch:
+    """The launch :func:`encode_int8` makes (one program per batch row, head and tile of 16 tokens)."""
+    if jit.triton is None:
+        raise RuntimeError("the int8 window's encode kernel needs Triton")
+    if tokens.dim() != 4 or worst.dtype != torch.float32 or worst.numel() != 1:
+        raise ValueError(f"encode_int8 takes tokens [B, H, n, D] and a float32 [1] maximum, got {tuple(tokens.shape)}, "
+                         f"{worst.dtype} {tuple(worst.shape)}")
+    if tokens.stride(-1) != 1:  # the kernel reads a token's channels side by side
+        tokens = tokens.contiguous()
+    batch, heads, count, dim = tokens.shape
+    codes = torch.empty(batch, heads, count, dim, dtype=torch.int8, device=tokens.device)
+    scale = torch.empty(batch, heads, count, 1, dtype=torch.float16, device=tokens.device)
+    args = (tokens, codes, scale, worst, heads, count, tokens.stride(0), tokens.stride(1), tokens.stride(2))
+    constants = dict(D=dim, BD=1 << (dim - 1).bit_length(), TB=TOKEN_TILE)
+    return Launch(jit._window_encode_kernel, (batch * heads, max(1, -(-count // TOKEN_TILE))), args, constants, (codes, scale))
+
+
 def append_int8(codes: torch.Tensor, scale: torch.Tensor, new: torch.Tensor,
                 worst: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``codes`` int8 [B, H, n, D] and ``scale`` float16 [B, H, n, 1] with ``new`` [B, H, 1, D] appended: the

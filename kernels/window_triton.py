@@ -101,3 +101,34 @@ if triton is not None:
         value = old.to(tl.float32) * tl.load(scale_ptr + row * capacity + prev).to(tl.float32)
         tl.store(read_ptr + at_prev, _rounded(value, read_ptr.dtype.element_ty), mask=written)
         _put_new(new_ptr + row * new_stride, codes_ptr, scale_ptr, read_ptr, worst_ptr, row * capacity + fill, chan, cm, D)
+
+    @triton.jit
+    def _window_encode_kernel(
+        x_ptr, codes_ptr, scale_ptr, worst_ptr,
+        heads, tokens, stride_b, stride_h, stride_n,
+        D: tl.constexpr, BD: tl.constexpr, TB: tl.constexpr,
+    ):
+        """``TB`` tokens of one (batch row, head) of a prompt ``x`` [B, H, n, D] (strides ``stride_*``, channels side by
+        side) encoded as :func:`_encoded` encodes one: ``codes`` int8 [B x H, n, D], ``scale`` float16 [B x H, n]; the
+        largest finite magnitude raised into ``worst`` [1] float32 (a vector with NaN or infinity counts 0)."""
+        row = tl.program_id(0).to(tl.int64)
+        tok = tl.program_id(1) * TB + tl.arange(0, TB)
+        live = tok < tokens
+        chan = tl.arange(0, BD)
+        both = live[:, None] & (chan < D)[None, :]
+        base = (row // heads) * stride_b + (row % heads) * stride_h
+        x = tl.load(x_ptr + base + tok[:, None].to(tl.int64) * stride_n + chan[None, :], mask=both, other=0.0).to(tl.float32)
+        mag = tl.abs(x)
+        finite = mag < float("inf")  # false for NaN too
+        bad = tl.max(tl.where(finite, 0, 1), 1) > 0
+        absmax = tl.max(tl.where(finite, mag, 0.0), 1)
+        scale16 = tl.div_rn(absmax, 127.0).to(tl.float16)
+        scale16 = tl.where(bad, float("nan"), scale16.to(tl.float32)).to(tl.float16)
+        step = tl.where(scale16.to(tl.float32) > 0, scale16.to(tl.float32), 1.0)
+        y = tl.minimum(tl.maximum(tl.div_rn(x, step[:, None]), -127.0), 127.0)
+        y = (y + 12582912.0) - 12582912.0  # 1.5 * 2**23: float32 addition rounds to the nearest even integer
+        y = tl.where(bad[:, None], 0.0, y)
+        at = row * tokens + tok
+        tl.store(codes_ptr + at[:, None] * D + chan[None, :], y.to(tl.int8), mask=both)
+        tl.store(scale_ptr + at, scale16, mask=live)
+        tl.atomic_max(worst_ptr, tl.max(tl.where(bad | (~live), 0.0, absmax), 0))

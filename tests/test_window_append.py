@@ -123,6 +123,8 @@ def test_the_append_kernel_builds_for_a_gpu(dtype):
     codes, scale = torch.zeros(4, 8, 40, 128, dtype=torch.int8), torch.ones(4, 8, 40, 1, dtype=torch.float16)
     built = compile_for_gpu(plan_append(codes, scale, torch.randn(4, 8, 1, 128).to(dtype), torch.zeros(1)))
     assert built["cubin"] > 0 and built["ptx"] > 50
+    prompt = torch.randn(4, 40, 8, 128).to(dtype).transpose(1, 2)  # a prompt's values as the model gives them
+    assert compile_for_gpu(window.plan_encode(prompt, torch.zeros(1)))["cubin"] > 0
 
 
 def test_a_decode_token_costs_the_window_a_few_host_operations(monkeypatch):
@@ -147,3 +149,49 @@ def test_a_decode_token_costs_the_window_a_few_host_operations(monkeypatch):
                          and (e.cpu_parent is None or not e.cpu_parent.name.startswith("aten::"))]
     assert len(counts[True]) <= 10, counts[True]  # on a CPU one is the range check's read (an event on a GPU)
     assert len(counts[False]) >= 40  # the torch path's count, so the bound above says something
+
+
+@pytest.mark.interpreter
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+@pytest.mark.parametrize("dim", [64, 80])
+def test_a_prompt_is_encoded_by_one_kernel_as_the_torch_path_encodes_it(dtype, dim):
+    """A prompt's tokens, given as the model gives its values (heads and tokens transposed in memory), with a NaN, an
+    infinite and a zero vector: the same scales, the same codes wherever they are read, the same largest magnitude."""
+    torch.manual_seed(dim)
+    prompt = (torch.randn(2, 37, 3, dim) * torch.logspace(-3, 3, 37)[:, None, None]).to(dtype).transpose(1, 2)
+    prompt[0, 1, 5, 3] = float("nan")
+    prompt[1, 2, 36, 0] = float("-inf")
+    prompt[1, 0, 9] = 0
+    assert not prompt.is_contiguous()
+    by_torch, by_kernel = ExactTokens("int8"), ExactTokens("int8")
+    by_torch.fused, by_kernel.fused = False, True
+    (codes_t, scale_t), (codes_k, scale_k) = by_torch._encode(prompt), by_kernel._encode(prompt)
+    assert codes_k.dtype == torch.int8 and scale_k.dtype == torch.float16 and scale_k.shape == scale_t.shape
+    assert torch.equal(scale_t.isnan(), scale_k.isnan()) and torch.equal(scale_t.nan_to_num(), scale_k.nan_to_num())
+    finite = scale_t.isfinite()
+    assert int((~finite).sum()) == 2 and torch.equal(codes_t * finite, codes_k * finite)
+    worst = torch.zeros(1)
+    window.encode_int8(prompt, worst)
+    finite_values = prompt.float().nan_to_num(0.0, 0.0, 0.0).abs()
+    finite_values[0, 1, 5] = 0  # the vectors holding NaN or infinity count 0
+    finite_values[1, 2, 36] = 0
+    assert float(worst) == float(finite_values.amax())
+
+
+@pytest.mark.interpreter
+def test_a_prompt_beyond_the_windows_range_is_refused_by_the_kernel_path():
+    held = ExactTokens("int8")
+    held.fused = True
+    prompt = torch.randn(1, 2, 20, 64)
+    prompt[0, 1, 4, 2] = 3e7
+    with pytest.raises(ValueError, match="largest magnitude 3e[+]07 is beyond"):
+        held.append("keys", prompt)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="compares the compiled kernel with torch on a CUDA GPU")
+def test_on_the_gpu_a_prompt_is_encoded_by_the_kernel_as_by_torch():
+    prompt = (torch.randn(1, 4096, 8, 128, device="cuda") * 3).to(torch.bfloat16).transpose(1, 2)
+    by_torch, by_kernel = ExactTokens("int8"), ExactTokens("int8")
+    by_torch.fused = False  # by_kernel: None, the kernel on a GPU
+    (codes_t, scale_t), (codes_k, scale_k) = by_torch._encode(prompt), by_kernel._encode(prompt)
+    assert torch.equal(scale_t, scale_k) and torch.equal(codes_t, codes_k)
