@@ -136,9 +136,9 @@ def test_a_decode_token_costs_the_window_a_few_host_operations(monkeypatch):
     counts = {}
     for fused in (False, True):
         held = ExactTokens("int8")
-        held.fused = fused
-        for kind in ("keys", "values"):
+        for kind in ("keys", "values"):  # the prompt by torch (its kernel runs on a GPU or in the interpreter only)
             held.append(kind, torch.randn(2, 4, 30, 64))
+        held.fused = fused
         new = torch.randn(2, 4, 1, 64)
         for kind in ("keys", "values"):  # the first step also makes the running maximum's buffer
             held.append_read(kind, new)
