@@ -22,28 +22,34 @@ if triton is not None:
         return value.to(dtype)
 
     @triton.jit
-    def _encoded(x):
-        """A token's channels ``x`` as the int8 window stores them: the codes (float32 integers: round half to even of
-        ``x / scale`` clamped to +-127; 0 for a vector holding NaN or infinity), the float16 scale ``absmax / 127`` (NaN
-        for such a vector) and the largest finite magnitude the range check sees (0 for such a vector)."""
+    def _encoded_rows(x):
+        """Tokens' channels ``x`` [T, BD] as the int8 window stores them: the codes (float32 integers: round half to even
+        of ``x / scale`` clamped to +-127; 0 for a vector holding NaN or infinity), the float16 scales ``absmax / 127``
+        [T] (NaN for such a vector) and the largest finite magnitudes the range check sees [T] (0 for such a vector)."""
         xf = x.to(tl.float32)
         mag = tl.abs(xf)
         finite = mag < float("inf")  # false for NaN too
-        bad = tl.max(tl.where(finite, 0, 1), 0) > 0
-        absmax = tl.max(tl.where(finite, mag, 0.0), 0)
+        bad = tl.max(tl.where(finite, 0, 1), 1) > 0
+        absmax = tl.max(tl.where(finite, mag, 0.0), 1)
         scale16 = tl.div_rn(absmax, 127.0).to(tl.float16)
         scale16 = tl.where(bad, float("nan"), scale16.to(tl.float32)).to(tl.float16)
         step = tl.where(scale16.to(tl.float32) > 0, scale16.to(tl.float32), 1.0)
-        y = tl.minimum(tl.maximum(tl.div_rn(xf, step), -127.0), 127.0)
+        y = tl.minimum(tl.maximum(tl.div_rn(xf, step[:, None]), -127.0), 127.0)
         y = (y + 12582912.0) - 12582912.0  # 1.5 * 2**23: float32 addition rounds to the nearest even integer
-        return tl.where(bad, 0.0, y), scale16, tl.where(bad, 0.0, absmax)
+        return tl.where(bad[:, None], 0.0, y), scale16, tl.where(bad, 0.0, absmax)
+
+    @triton.jit
+    def _encoded(x, BD: tl.constexpr):
+        """One token's channels ``x`` [BD] encoded as :func:`_encoded_rows` encodes rows: codes [BD], scale, magnitude."""
+        y, scale16, seen = _encoded_rows(tl.reshape(x, (1, BD)))
+        return tl.reshape(y, (BD,)), tl.max(scale16.to(tl.float32), 0).to(tl.float16), tl.max(seen, 0)
 
     @triton.jit
     def _put_new(x_ptr, codes_ptr, scale_ptr, read_ptr, worst_ptr, slot, chan, cm, D: tl.constexpr):
         """The token at ``x_ptr`` encoded (:func:`_encoded`) into token ``slot`` of the window's codes and scales, written
         to the read-back as it arrived, its largest finite magnitude raised into ``worst``."""
         x = tl.load(x_ptr + chan, mask=cm, other=0.0)
-        y, scale16, seen = _encoded(x)
+        y, scale16, seen = _encoded(x, x.shape[0])
         tl.store(codes_ptr + slot * D + chan, y.to(tl.int8), mask=cm)
         tl.store(scale_ptr + slot, scale16)
         tl.store(read_ptr + slot * D + chan, x.to(read_ptr.dtype.element_ty), mask=cm)
@@ -109,7 +115,7 @@ if triton is not None:
         D: tl.constexpr, BD: tl.constexpr, TB: tl.constexpr,
     ):
         """``TB`` tokens of one (batch row, head) of a prompt ``x`` [B, H, n, D] (strides ``stride_*``, channels side by
-        side) encoded as :func:`_encoded` encodes one: ``codes`` int8 [B x H, n, D], ``scale`` float16 [B x H, n]; the
+        side) encoded by :func:`_encoded_rows`: ``codes`` int8 [B x H, n, D], ``scale`` float16 [B x H, n]; the
         largest finite magnitude raised into ``worst`` [1] float32 (a vector with NaN or infinity counts 0)."""
         row = tl.program_id(0).to(tl.int64)
         tok = tl.program_id(1) * TB + tl.arange(0, TB)
@@ -117,18 +123,8 @@ if triton is not None:
         chan = tl.arange(0, BD)
         both = live[:, None] & (chan < D)[None, :]
         base = (row // heads) * stride_b + (row % heads) * stride_h
-        x = tl.load(x_ptr + base + tok[:, None].to(tl.int64) * stride_n + chan[None, :], mask=both, other=0.0).to(tl.float32)
-        mag = tl.abs(x)
-        finite = mag < float("inf")  # false for NaN too
-        bad = tl.max(tl.where(finite, 0, 1), 1) > 0
-        absmax = tl.max(tl.where(finite, mag, 0.0), 1)
-        scale16 = tl.div_rn(absmax, 127.0).to(tl.float16)
-        scale16 = tl.where(bad, float("nan"), scale16.to(tl.float32)).to(tl.float16)
-        step = tl.where(scale16.to(tl.float32) > 0, scale16.to(tl.float32), 1.0)
-        y = tl.minimum(tl.maximum(tl.div_rn(x, step[:, None]), -127.0), 127.0)
-        y = (y + 12582912.0) - 12582912.0  # 1.5 * 2**23: float32 addition rounds to the nearest even integer
-        y = tl.where(bad[:, None], 0.0, y)
+        y, scale16, seen = _encoded_rows(tl.load(x_ptr + base + tok[:, None].to(tl.int64) * stride_n + chan[None, :], mask=both, other=0.0))
         at = row * tokens + tok
         tl.store(codes_ptr + at[:, None] * D + chan[None, :], y.to(tl.int8), mask=both)
         tl.store(scale_ptr + at, scale16, mask=live)
-        tl.atomic_max(worst_ptr, tl.max(tl.where(bad | (~live), 0.0, absmax), 0))
+        tl.atomic_max(worst_ptr, tl.max(tl.where(live, seen, 0.0), 0))
