@@ -299,11 +299,11 @@ class Router(Component):
         and routes only those (rounded up to the quantizer's token groups); 0 skips the block's reconstruction."""
         return None
 
-    def fixed_ranks(self, kind: str, first: int, tokens: int) -> tuple[int, ...] | None:
-        """Each of the ``tokens`` tokens' rank in any ``kind`` block whose first position is ``first``, the same in every
-        batch row and head, where :meth:`assign` would give them without reading the block; the engine then finds
-        the residual entries without reading ranks on the host (a GPU's stream keeps running). None (the default):
-        :meth:`assign` decides."""
+    def fixed_ranks(self, kind: str, first: int, tokens: int) -> tuple[tuple[int, int, int], ...] | None:
+        """The ranks :meth:`assign` would give the ``tokens`` tokens of any ``kind`` block whose first position is
+        ``first`` without reading the block, the same in every batch row and head: runs ``(start, stop, rank)`` of
+        block positions, ascending and apart, every other token at rank 0. The engine then finds the residual entries
+        without reading ranks on the host (a GPU's stream keeps running). None (the default): :meth:`assign` decides."""
         return None
 
     def gates(self, layer: int, kind: str) -> torch.Tensor | None:

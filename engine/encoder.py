@@ -140,28 +140,31 @@ class BlockEncoder:
         group = quantizer.tokens_per_group()
         return min(tokens, -(-limit // group) * group)
 
-    def fixed_ranks(self, kind: str, group_index: int, tokens: int, mixing: torch.Tensor | None) -> tuple[int, ...] | None:
+    def fixed_ranks(self, kind: str, group_index: int, tokens: int,
+                    mixing: torch.Tensor | None) -> tuple[tuple[int, int, int], ...] | None:
         """The block's first ``tokens`` tokens' ranks where the router gives them without the block
-        (:meth:`Router.fixed_ranks`: the same in every row and head, so the residual entries are found without reading
-        ranks on the host); None where it must read the block, the tokens are not in position order (an evicting
-        flush), rows are mixed across layers, or a residual basis is still to be fitted from the block."""
+        (:meth:`Router.fixed_ranks`: runs of positions, the same in every row and head, so the residual entries are
+        found without reading ranks on the host); None where it must read the block, the tokens are not in position
+        order (an evicting flush), rows are mixed across layers, or a residual basis is still to be fitted from the
+        block."""
         engine = self.engine
         members = engine.groups[group_index]
         if mixing is not None or (engine._flush_info or {}).get("kept_index") is not None:
             return None
         if engine.settings.residual_mode == "basis" and any(engine.windows[layer].residual_basis[kind] is None for layer in members):
             return None
-        fixed = engine.router.fixed_ranks(kind, engine.windows[members[0]].passed_tokens, tokens)
-        if fixed is None:
+        runs = engine.router.fixed_ranks(kind, engine.windows[members[0]].passed_tokens, tokens)
+        if runs is None:
             return None
-        fixed = tuple(int(rank) for rank in fixed)
-        stray = set(fixed) - set(engine.levels)
-        if stray or len(fixed) != tokens:
+        runs = tuple((int(start), int(stop), int(rank)) for start, stop, rank in runs)
+        ends = [0] + [bound for start, stop, _ in runs for bound in (start, stop)] + [tokens]
+        if any(rank not in engine.levels or rank == 0 for _, _, rank in runs) or any(
+                later < earlier for earlier, later in zip(ends, ends[1:])) or any(start == stop for start, stop, _ in runs):
             raise ComponentError(
-                f"router '{engine.pipeline.use('router')}' fixed ranks {sorted(stray)} for {len(fixed)} tokens; expected "
-                f"values in {sorted(engine.levels)} for {tokens} tokens"
+                f"router '{engine.pipeline.use('router')}' fixed ranks {runs} for a block of {tokens} tokens; expected "
+                f"runs (start, stop, rank) ascending and apart within it, ranks in {sorted(set(engine.levels) - {0})}"
             )
-        return fixed
+        return runs
 
     def route_block(
         self, kind: str, group_index: int, work: torch.Tensor, miss: torch.Tensor,

@@ -127,26 +127,22 @@ def fit_residual_basis(missing: torch.Tensor, rank: int) -> torch.Tensor:
     return basis.to(torch.float16).contiguous()
 
 
-def _fixed_choice(ranks: tuple[int, ...], rank: int, rows: int, device: torch.device) -> torch.Tensor:
-    """The flat indices [rows x n] of the tokens whose fixed rank is ``rank``, in every row, in order: built from
+def _fixed_choice(runs: tuple[tuple[int, int, int], ...], rank: int, rows: int, tokens: int, device: torch.device) -> torch.Tensor:
+    """The flat indices [rows x tokens] of the tokens the ``runs`` give ``rank``, in every row, in order: built from
     ranges of positions on the device (nothing read from or sent by the host)."""
-    tokens = len(ranks)
-    positions = [token for token, level in enumerate(ranks) if level == rank]
-    runs, start = [], positions[0]
-    for previous, token in zip(positions, positions[1:] + [None]):
-        if token != previous + 1:
-            runs.append(torch.arange(start, previous + 1, device=device))
-            start = token
-    columns = runs[0] if len(runs) == 1 else torch.cat(runs)
+    parts = [torch.arange(start, stop, device=device) for start, stop, level in runs if level == rank]
+    columns = parts[0] if len(parts) == 1 else torch.cat(parts)
     return (torch.arange(rows, device=device).unsqueeze(1) * tokens + columns).reshape(-1)
 
 
 def encode_residuals(
-    missing: torch.Tensor, ranks: torch.Tensor | tuple[int, ...], quantizer: Quantizer, basis: torch.Tensor | None = None
+    missing: torch.Tensor, ranks: torch.Tensor | tuple[tuple[int, int, int], ...], quantizer: Quantizer,
+    basis: torch.Tensor | None = None,
 ) -> dict[int, TensorMap]:
     """The residual entries of one block, by rank level: ``missing`` [B, H, n, D] (x minus its
-    reconstruction), ``ranks`` [B, H, n], or each token's rank as a tuple of n (the same in every row and head,
-    known on the host: no host read). Token indices are relative to the block.
+    reconstruction), ``ranks`` [B, H, n], or fixed ranks known on the host, the same in every row and head: runs
+    ``(start, stop, rank)`` of the block's tokens, ascending and apart, every other token at rank 0 (no host read).
+    Token indices are relative to the block.
 
     Without ``basis``: the ``rho`` largest channels, with their indices. With ``basis`` [B, H, R, D]
     (a per-layer residual basis): the first ``rho`` coordinates on it, no indices needed."""
@@ -156,15 +152,15 @@ def encode_residuals(
         flat_coordinates = coordinates.reshape(batch * heads * tokens, -1)
     flat_missing = missing.reshape(-1, dim)
     fixed = not isinstance(ranks, torch.Tensor)
-    if fixed and len(ranks) != tokens:
-        raise ValueError(f"encode_residuals: {len(ranks)} fixed ranks for a block of {tokens} tokens")
+    if fixed and any(not 0 <= start < stop <= tokens for start, stop, _ in ranks):
+        raise ValueError(f"encode_residuals: fixed runs {ranks} reach outside a block of {tokens} tokens")
     flat_ranks = None if fixed else ranks.reshape(-1)
     entries: dict[int, TensorMap] = {}
-    for rank in sorted(set(ranks)) if fixed else torch.unique(flat_ranks).tolist():
+    for rank in sorted({level for _, _, level in ranks}) if fixed else torch.unique(flat_ranks).tolist():
         if rank == 0:
             continue
         if fixed:
-            chosen = _fixed_choice(ranks, rank, batch * heads, missing.device)
+            chosen = _fixed_choice(ranks, rank, batch * heads, tokens, missing.device)
         else:
             chosen = (flat_ranks == rank).nonzero().squeeze(1)
         fields = {"row": (chosen // tokens).to(torch.int32), "token": (chosen % tokens).to(torch.int32)}

@@ -96,17 +96,31 @@ def test_checks_outside_a_collector_raise_at_once_and_inside_wait_for_resolve():
     checks.resolve()  # nothing pending: nothing raised
 
 
-@pytest.mark.parametrize("ranks", [(64, 64, 0, 0, 8, 0, 8, 8, 0, 64), (0,) * 10, (16,) * 10])
-def test_fixed_ranks_give_the_entries_that_ranks_on_the_device_give(ranks):
+@pytest.mark.parametrize("runs", [((0, 2, 64), (4, 5, 8), (6, 8, 8), (9, 10, 64)), (), ((0, 10, 16),)])
+def test_fixed_ranks_give_the_entries_that_ranks_on_the_device_give(runs):
     quantizer = NoQuantizer(dtype="float16")
     missing = torch.randn(2, 3, 10, 64)
-    device_ranks = torch.tensor(ranks).expand(2, 3, 10)
-    by_device = encode_residuals(missing, device_ranks, quantizer)
-    by_host = encode_residuals(missing, ranks, quantizer)
-    assert by_device.keys() == by_host.keys() == set(ranks) - {0}
+    per_token = torch.zeros(10, dtype=torch.long)
+    for start, stop, rank in runs:
+        per_token[start:stop] = rank
+    by_device = encode_residuals(missing, per_token.expand(2, 3, 10), quantizer)
+    by_host = encode_residuals(missing, runs, quantizer)
+    assert by_device.keys() == by_host.keys() == {rank for _, _, rank in runs}
     for rank, fields in by_device.items():
         assert fields.keys() == by_host[rank].keys()
         for name, tensor in fields.items():
             assert torch.equal(tensor, by_host[rank][name]), (rank, name)
-    with pytest.raises(ValueError, match="9 fixed ranks for a block of 10 tokens"):
-        encode_residuals(missing, ranks[:9], quantizer)
+    with pytest.raises(ValueError, match="reach outside a block of 10 tokens"):
+        encode_residuals(missing, ((8, 11, 64),), quantizer)
+
+
+@pytest.mark.parametrize("runs", [((0, 3, 7),), ((2, 4, 64), (3, 6, 64)), ((0, 0, 64),), ((0, 400, 64),)])
+def test_a_router_giving_fixed_ranks_it_cannot_is_refused(monkeypatch, runs):
+    from kvweave.core.errors import ComponentError
+    from kvweave.plugins.routers.sinks import SinkRouter
+
+    monkeypatch.setattr(SinkRouter, "fixed_ranks", lambda self, kind, first, tokens: runs)
+    model = tiny_llama(torch.float32, hidden=256, layers=3)
+    cache = build_cache(load_pipeline("l-qa35v3", "benchmarks/lean_sweep.toml"), model)
+    with torch.no_grad(), pytest.raises(ComponentError, match=r"router 'sinks' fixed ranks .* expected runs \(start, stop, rank\)"):
+        model(input_ids=torch.randint(1, 128, (1, 150)), use_cache=True, **cache_kwargs(model, cache))

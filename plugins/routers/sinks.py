@@ -45,11 +45,11 @@ class SinkRouter(Router):
         block) or for the kind not chosen."""
         return max(0, self.sink_tokens - first) if self.kinds in ("both", kind) else 0
 
-    def fixed_ranks(self, kind: str, first: int, tokens: int) -> tuple[int, ...]:
-        """``rank`` for the block's tokens among the first ``sink_tokens`` positions, 0 for the others (what
+    def fixed_ranks(self, kind: str, first: int, tokens: int) -> tuple[tuple[int, int, int], ...]:
+        """``rank`` for the block's tokens among the first ``sink_tokens`` positions (one run), 0 for the others (what
         :meth:`assign` gives every row and head)."""
-        sinks = self.routed_tokens(kind, first)
-        return tuple(self.rank if token < sinks else 0 for token in range(tokens))
+        sinks = min(self.routed_tokens(kind, first), tokens)
+        return ((0, sinks, self.rank),) if sinks else ()
 
     def assign(self, block: RouteBlock) -> torch.Tensor:
         ranks = torch.zeros(block.vectors.shape[:-1], dtype=torch.long, device=block.vectors.device)
