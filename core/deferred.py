@@ -28,10 +28,18 @@ class DeferredChecks:
         self.pending: list[tuple[torch.Tensor, Callable[[], None]]] = []
 
     @contextlib.contextmanager
-    def collecting(self) -> Iterator[DeferredChecks]:
+    def collecting(self, active: bool = True) -> Iterator[DeferredChecks]:
+        """Checks made inside defer to this collector (while ``active``); an error raised inside resolves the pending
+        ones first, so that a failed check names the cause of what followed it."""
+        if not active:
+            yield self
+            return
         token = _ACTIVE.set(self)
         try:
             yield self
+        except BaseException:
+            self.resolve()
+            raise
         finally:
             _ACTIVE.reset(token)
 
@@ -50,6 +58,12 @@ class DeferredChecks:
 
     def clear(self) -> None:
         self.pending = []
+
+
+def check(failed: torch.Tensor, fail: Callable[[], None]) -> None:
+    """:func:`defer` the check, or where none collects read ``failed`` now and call ``fail`` (which raises)."""
+    if not defer(failed, fail) and bool(failed):
+        fail()
 
 
 def defer(failed: torch.Tensor, fail: Callable[[], None]) -> bool:

@@ -7,7 +7,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from kvweave.core.deferred import defer
+from kvweave.core.deferred import check
 from kvweave.core.errors import CacheStateError, ModelError
 from kvweave.core.interfaces import KINDS
 
@@ -49,18 +49,17 @@ def check_block_groups(engine: CompressionEngine, where: str) -> None:
 
 
 def check_finite(engine: CompressionEngine, members: tuple[int, ...], count: int,
-                 blocks: dict[tuple[int, str], torch.Tensor] | None = None) -> None:
-    """Refuse a block holding NaN or infinite keys or values: quantizing them would corrupt whole scale groups silently.
-    Within a flush the check reads the host with the forward's other checks (:mod:`kvweave.core.deferred`; the
-    engine resolves them before any of the block is read back), elsewhere at once."""
+                 blocks: dict[tuple[int, str], torch.Tensor]) -> None:
+    """Refuse a block holding NaN or infinite keys or values (``blocks``: the first ``count`` tokens of each (layer,
+    kind) as the flush reads them): quantizing them would corrupt whole scale groups silently. Within a flush the
+    check reads the host with the forward's other checks (:mod:`kvweave.core.deferred`; the engine resolves them
+    before any of the block is read back), elsewhere at once."""
     for layer in members:  # decode steps' tokens beyond an int8 window's range, named before they read back as NaN
         engine.windows[layer].exact.settle()
     names = [(layer, kind) for layer in members for kind in KINDS]
-    # [B, H, count] per block, kept to name the first offender (the blocks themselves are not)
-    # (a vector's largest magnitude, one pass over it: NaN and infinity carry through the maximum); ``blocks``: the
-    # first ``count`` tokens of each (layer, kind) as the caller already read them
-    read = blocks if blocks is not None else {(layer, kind): engine.windows[layer].exact.head(kind, count) for layer, kind in names}
-    tokens = [torch.isfinite(torch.linalg.vector_norm(read[name], float("inf"), dim=-1)) for name in names]
+    # [B, H, count] per block, kept to name the first offender (the blocks themselves are not): each vector's largest
+    # magnitude, one pass over it (NaN and infinity carry through the maximum)
+    tokens = [torch.isfinite(torch.linalg.vector_norm(blocks[name], float("inf"), dim=-1)) for name in names]
     passed = engine.windows[members[0]].passed_tokens
 
     def fail() -> None:
@@ -74,6 +73,4 @@ def check_finite(engine: CompressionEngine, members: tuple[int, ...], count: int
                     "produced NaN or infinity, which a compressing cache cannot store"
                 )
 
-    failed = ~torch.stack([finite.all() for finite in tokens]).all()
-    if not defer(failed, fail) and bool(failed):
-        fail()
+    check(~torch.stack([finite.all() for finite in tokens]).all(), fail)

@@ -123,22 +123,28 @@ class BlockEncoder:
         (:meth:`Router.routed_tokens`) rounded up to the quantizer's token groups, unless a residual basis is still
         to be fitted from the whole block."""
         engine = self.engine
-        members = engine.groups[group_index]
         if engine.probe.wants(engine.stores[group_index][kind].flushes):
             return tokens
         if not engine.residual_levels:
             return 0
         if engine.kernel.builds_residual_tiles:
             return tokens
-        limit = engine.router.routed_tokens(kind, engine.windows[members[0]].passed_tokens)
-        if limit == 0 or limit is None or limit >= tokens:
-            return tokens if limit is None else min(limit, tokens)
-        if (engine._flush_info or {}).get("kept_index") is not None:
-            return tokens
-        if engine.settings.residual_mode == "basis" and any(engine.windows[layer].residual_basis[kind] is None for layer in members):
+        limit = engine.router.routed_tokens(kind, engine.windows[engine.groups[group_index][0]].passed_tokens)
+        if limit == 0:
+            return 0
+        if limit is None or limit >= tokens or not self._by_position(kind, group_index):
             return tokens
         group = quantizer.tokens_per_group()
         return min(tokens, -(-limit // group) * group)
+
+    def _by_position(self, kind: str, group_index: int) -> bool:
+        """Whether a router's answer by positions holds for the block: its tokens are in position order (not an
+        evicting flush's kept tokens) and no residual basis waits to be fitted from the whole block."""
+        engine = self.engine
+        if (engine._flush_info or {}).get("kept_index") is not None:
+            return False
+        return engine.settings.residual_mode != "basis" or all(
+            engine.windows[layer].residual_basis[kind] is not None for layer in engine.groups[group_index])
 
     def fixed_ranks(self, kind: str, group_index: int, tokens: int,
                     mixing: torch.Tensor | None) -> tuple[tuple[int, int, int], ...] | None:
@@ -148,12 +154,9 @@ class BlockEncoder:
         order (an evicting flush), rows are mixed across layers, or a residual basis is still to be fitted from the
         block."""
         engine = self.engine
-        members = engine.groups[group_index]
-        if mixing is not None or (engine._flush_info or {}).get("kept_index") is not None:
+        if mixing is not None or not self._by_position(kind, group_index):
             return None
-        if engine.settings.residual_mode == "basis" and any(engine.windows[layer].residual_basis[kind] is None for layer in members):
-            return None
-        runs = engine.router.fixed_ranks(kind, engine.windows[members[0]].passed_tokens, tokens)
+        runs = engine.router.fixed_ranks(kind, engine.windows[engine.groups[group_index][0]].passed_tokens, tokens)
         if runs is None:
             return None
         runs = tuple((int(start), int(stop), int(rank)) for start, stop, rank in runs)

@@ -146,14 +146,8 @@ class CompressionEngine:
         ``materialize=False``: filling a cache without attention, e.g. :mod:`kvweave.engine.synthetic`). Where checks
         are deferred (a GPU), those of the forward's updates and flushes read the host once: after its last flush, or
         after the last layer's update when that layer flushes nothing."""
-        if not self._defers(keys.device):
-            return self._update(layer, keys, values, materialize)
-        try:
-            with self.deferred.collecting():
-                out = self._update(layer, keys, values, materialize)
-        except BaseException:
-            self.deferred.resolve()  # a failed check names the cause of what followed it
-            raise
+        with self.deferred.collecting(self._defers(keys.device)):
+            out = self._update(layer, keys, values, materialize)
         if layer == self.shape.num_layers - 1 and self.group_of[layer][0] not in self.pending:
             self.deferred.resolve()
         return out
@@ -281,15 +275,8 @@ class CompressionEngine:
         """Encode the group's ready block. On a GPU (or with ``defer_checks``) its checks read the host with the forward's
         others, after its last flush (:mod:`kvweave.core.deferred`), or before any other error of the flush propagates;
         elsewhere each at once."""
-        if not self._defers(self.windows[self.groups[group_index][0]].exact.device):
+        with self.deferred.collecting(self._defers(self.windows[self.groups[group_index][0]].exact.device)):
             self._flush_block(group_index)
-            return
-        try:
-            with self.deferred.collecting():
-                self._flush_block(group_index)
-        except BaseException:
-            self.deferred.resolve()  # a failed check names the cause of what followed it
-            raise
         if group_index == self.last_flushing:
             self.deferred.resolve()
 
@@ -299,8 +286,6 @@ class CompressionEngine:
         count = (ready // self.settings.block_tokens) * self.settings.block_tokens
         if count <= 0:
             return
-        for layer in members:  # decode steps' tokens beyond an int8 window's range, named before they are read
-            self.windows[layer].exact.settle()
         blocks = {(layer, kind): self.windows[layer].exact.head(kind, count) for layer in members for kind in KINDS}
         check_finite(self, members, count, blocks)
         # attention statistics need the keys as they are before this block is encoded (once for K and V)

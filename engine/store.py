@@ -10,7 +10,7 @@ from typing import Any
 
 import torch
 
-from kvweave.core.deferred import defer
+from kvweave.core.deferred import check
 from kvweave.core.errors import CacheStateError, ModelError
 from kvweave.core.interfaces import KINDS
 from kvweave.core.registry import WINDOW_STORAGE
@@ -54,22 +54,16 @@ class ExactTokens:
         return self.storage != "input"
 
     def __getitem__(self, kind: str) -> torch.Tensor | None:
-        held = self._held[kind]
-        if held is None:
-            return None
-        if not self.lossy:
-            return held[0]
-        codes, scale = held
-        return (codes.float() * scale.float()).to(self._dtype)
+        return self.head(kind)
 
-    def head(self, kind: str, count: int) -> torch.Tensor | None:
-        """The first ``count`` tokens of ``kind`` as ``self[kind]`` reads them, decoding only those."""
+    def head(self, kind: str, count: int | None = None) -> torch.Tensor | None:
+        """The first ``count`` tokens of ``kind`` (all where None) as the attention reads them, decoding only those."""
         held = self._held[kind]
         if held is None:
             return None
         if not self.lossy:
-            return held[0][..., :count, :]
-        codes, scale = held  # int8 codes times float32 scales in one pass (the same products as __getitem__'s)
+            return held[0] if count is None else held[0][..., :count, :]
+        codes, scale = held  # int8 codes times float32 scales in one pass
         return (codes[..., :count, :] * scale[..., :count, :].float()).to(self._dtype)
 
     def __setitem__(self, kind: str, tensor: torch.Tensor | None) -> None:
@@ -313,16 +307,15 @@ class ExactTokens:
         if tensor.dim() == 4 and tensor.shape[-2] > 1 and (tensor.is_cuda if self.fused is None else self.fused):
             worst = torch.zeros(1, dtype=torch.float32, device=tensor.device)  # a prompt by one kernel, as below
             codes, scale = encode_int8(tensor.detach(), worst)
-            if not defer(worst[0] > _INT8_LIMIT, lambda: self._refuse(float(worst[0]))):
-                self._refuse(float(worst[0]))
+            check(worst[0] > _INT8_LIMIT, lambda: self._refuse(float(worst[0])))  # with the forward's checks
             return codes, scale
         absmax = tensor.detach().float().abs().amax(dim=-1, keepdim=True)
         finite = torch.isfinite(absmax)
         worst = torch.where(finite, absmax, 0.0).amax()
         if tensor.shape[-2] == 1:  # a decode step: checked without stopping the stream (settle)
             self._watch(worst)
-        elif not defer(worst > _INT8_LIMIT, lambda: self._refuse(float(worst))):  # a prompt: with the forward's checks
-            self._refuse(float(worst))
+        else:  # a prompt: with the forward's checks
+            check(worst > _INT8_LIMIT, lambda: self._refuse(float(worst)))
         # a vector holding NaN or infinity reads back as NaN, so the engine's check at the flush still names it
         scale = torch.where(finite, absmax / 127, torch.nan).to(torch.float16)
         step = torch.where(scale > 0, scale.float(), torch.ones_like(absmax))

@@ -47,6 +47,11 @@ def _edge_table(edges: tuple[float, ...], device: str) -> torch.Tensor:
     return torch.tensor(edges, dtype=torch.float32, device=device)
 
 
+def _tile(width: int) -> int:
+    """A product's side holding ``width`` channels: a power of two, 16 at least."""
+    return max(16, 1 << (width - 1).bit_length())
+
+
 def _bytes_tile(size: int) -> int:
     return max(16, 1 << size.bit_length())  # a slot past the last byte: a code's high part ends there
 
@@ -84,7 +89,7 @@ def plan_affine_varwidth(x: torch.Tensor, zero: torch.Tensor, scale: torch.Tenso
     flat = x.reshape(-1, width).contiguous()
     args = (flat, zero.contiguous(), scale.contiguous(), bits.to(torch.uint8).contiguous(),
             out if outliers is None else outliers.contiguous(), out)
-    constants = dict(C=width, BC=max(16, 1 << (width - 1).bit_length()), GROUP=group, BT=TOKEN_TILE, K=count, NB=size,
+    constants = dict(C=width, BC=_tile(width), GROUP=group, BT=TOKEN_TILE, K=count, NB=size,
                      BNB=_bytes_tile(size))
     return Launch(jit._affine_varwidth_kernel, (flat.shape[0] // TOKEN_TILE,), args, constants, (out,))
 
@@ -115,7 +120,7 @@ def plan_nearest_levels(y: torch.Tensor, spread: torch.Tensor, center: torch.Ten
     spread = spread.float().contiguous()
     args = (flat, spread if center is None else center.float().contiguous(), spread,
             _edge_table(tuple(edges), str(y.device)), out, flat.shape[0])
-    constants = dict(C=width, BC=max(16, 1 << (width - 1).bit_length()), WIDTH=width // groups, BT=TOKEN_TILE, BITS=bits,
+    constants = dict(C=width, BC=_tile(width), WIDTH=width // groups, BT=TOKEN_TILE, BITS=bits,
                      CENTERED=center is not None, NB=size, BNB=_bytes_tile(size),
                      enable_fp_fusion=False)  # each edge as torch makes it: a product rounded, then a sum
     return Launch(jit._nearest_level_kernel, (max(1, -(-flat.shape[0] // TOKEN_TILE)),), args, constants, (out,))

@@ -69,7 +69,7 @@ from kvweave.core.interfaces import Quantizer
 from kvweave.core.lazy import torch
 from kvweave.core.params import choice, integer
 
-from ._bitpack import affine_range, chunk_codes, nearest_level_codes, level_table, normal_levels, pack, safe_step, unpack
+from ._bitpack import affine_range, chunk_codes, level_table, nearest_level_codes, normal_levels, pack, safe_step, unpack  # noqa: F401 (normal_levels: read from here by the property tests)
 from ._scales import FLOAT16_MAX, check_magnitude
 
 #: channel indices of outliers are stored as uint8

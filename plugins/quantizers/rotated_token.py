@@ -85,11 +85,12 @@ from kvweave.core.interfaces import ModelShape, Quantizer
 from kvweave.core.lazy import torch
 from kvweave.core.params import choice, integer
 
+from kvweave.kernels import pack as pack_kernels
 from kvweave.kernels.formats import VALUE_TILE, tile_codes, untile_codes
 
-from kvweave.kernels import pack as pack_kernels
-
-from ._bitpack import affine_range, chunk_codes, midrise_scale, nearest_level_codes, normal_edges, level_table, normal_levels, pack, safe_step, unpack
+from ._bitpack import (
+    affine_range, chunk_codes, level_table, midrise_scale, nearest_level_codes, normal_edges, normal_levels, pack, safe_step, unpack,
+)
 from ._layers import check_table, each_entry, layer_table
 from ._scales import FLOAT16_MAX, check_magnitude
 
@@ -248,8 +249,7 @@ class RotatedTokenQuantizer(Quantizer):
         if self.levels == "normal":
             center, spread, fields = self._normal(grouped)
             if not self.token_tiles and pack_kernels.fused(x):  # codes and packing in one kernel
-                edges = normal_edges(self.bits)
-                packed = pack_kernels.nearest_levels(rotated.float(), spread, fields.get("zero") if not self.symmetric else None, edges, self.bits)
+                packed = pack_kernels.nearest_levels(rotated.float(), spread, fields.get("zero"), normal_edges(self.bits), self.bits)
                 return {"codes": packed, **fields}
             codes = nearest_level_codes(grouped, center.unsqueeze(-1), spread.unsqueeze(-1), self.bits)
         else:
