@@ -1,6 +1,6 @@
 """Decode attention alone: the fused DepthWeave-KV kernel against SDPA over a full bf16 cache.
 
-    python benchmarks/decode_kernel.py [--tokens 16384,65536,131072] [--batches 1,8] [--out DIR]
+    python benchmarks/decode_kernel.py [--tokens 16384,65536,131072] [--batches 1,8] [--variants tiles,gather] [--out DIR]
 
 Shape: Llama-3-8B attention (32 query heads, 8 KV heads, head_dim 128), one new query token per sequence.
 For each context length the storage is written by the real engine with ``depthweave-kv``'s settings
@@ -143,7 +143,9 @@ def main() -> None:
     parser.add_argument("--pipeline", default="depthweave-kv")
     parser.add_argument("--reps", type=int, default=50)
     parser.add_argument("--block-tokens", type=int, default=64, help="tokens per loop iteration of the kernel")
-    parser.add_argument("--num-warps", type=int, default=1, help="warps per kernel program")
+    parser.add_argument("--num-warps", type=int, default=None, help="warps per kernel program (default: the variant's, 4 tiles / 1 gather)")
+    parser.add_argument("--variants", default="tiles", help="packed-token passes to time, comma-separated: tiles, gather")
+    parser.add_argument("--split", type=int, default=None, help="tokens per program (default: the cache's segments)")
     parser.add_argument("--out", default="results/decode_kernel")
     args = parser.parse_args()
     if not torch.cuda.is_available():
@@ -172,24 +174,40 @@ def main() -> None:
             v_full = torch.randn_like(k_full)
             q4 = q.unsqueeze(2)
             sdpa = lambda: F.scaled_dot_product_attention(q4, k_full, v_full, scale=scale, enable_gqa=True)  # noqa: E731
-            fused = lambda: fused_decode(view, q, None, scale, block_tokens=args.block_tokens, num_warps=args.num_warps)  # noqa: E731
-            sdpa_us, kernel_us = device_us(sdpa, args.reps), device_us(fused, args.reps)
-            kernel_host_us = host_us(fused)
-            error = (fused().float() - torch_decode(view, q, None, scale).float()).abs().max().item()
+            sdpa_us = device_us(sdpa, args.reps)
             full_bytes = 2 * k_full.nbytes
             del k_full, v_full
-            bandwidth = read / (kernel_us * 1e-6)
-            rows.append({
-                "tokens": total, "batch": batch, "sdpa_us": round(sdpa_us, 1), "kernel_us": round(kernel_us, 1),
-                "speedup": round(sdpa_us / kernel_us, 2), "kernel_host_us": round(kernel_host_us, 1), "kernel_bytes": read, "full_bytes": full_bytes,
-                "bytes_ratio": round(full_bytes / read, 2), "cache_ratio": round(ratio, 2),
-                "kernel_TBps": round(bandwidth / 1e12, 2), "copy_share": round(bandwidth / copy_bw, 3),
-                "sdpa_TBps": round(full_bytes / (sdpa_us * 1e-6) / 1e12, 2), "max_abs_diff_vs_torch": error,
-            })
-            print(rows[-1], flush=True)
+            twin = torch_decode(view, q, None, scale).float()
+            for variant in args.variants.split(","):
+                rows.append(_timed_row(view, q, scale, variant, args, twin, read, sdpa_us, full_bytes, copy_bw, total,
+                                       batch, ratio))
+                print(rows[-1], flush=True)
         del cache, engine, full_view
         torch.cuda.empty_cache()
-    header = ["T", "B", "SDPA (us)", "fused (us)", "speed-up", "fused host (us)", "bytes read (MB)", "full bf16 (MB)", "fused TB/s", "% of copy BW", "SDPA TB/s", "max |diff| vs torch"]
+    _write(rows, args, copy_bw, out)
+
+
+def _timed_row(view, q, scale, variant, args, twin, read, sdpa_us, full_bytes, copy_bw, total, batch, ratio) -> dict:
+    """One (T, B, variant) row: the kernel's device and host time against SDPA's, its bandwidth and its error."""
+    fused = lambda: fused_decode(view, q, None, scale, split=args.split, block_tokens=args.block_tokens,  # noqa: E731
+                                 num_warps=args.num_warps, variant=variant)
+    kernel_us = device_us(fused, args.reps)
+    kernel_host_us = host_us(fused)
+    error = (fused().float() - twin).abs().max().item()
+    bandwidth = read / (kernel_us * 1e-6)
+    return {
+        "tokens": total, "batch": batch, "variant": variant, "sdpa_us": round(sdpa_us, 1),
+        "kernel_us": round(kernel_us, 1), "speedup": round(sdpa_us / kernel_us, 2),
+        "kernel_host_us": round(kernel_host_us, 1), "kernel_bytes": read, "full_bytes": full_bytes,
+        "bytes_ratio": round(full_bytes / read, 2), "cache_ratio": round(ratio, 2),
+        "kernel_TBps": round(bandwidth / 1e12, 2), "copy_share": round(bandwidth / copy_bw, 3),
+        "sdpa_TBps": round(full_bytes / (sdpa_us * 1e-6) / 1e12, 2), "max_abs_diff_vs_torch": error,
+    }
+
+
+def _write(rows: list[dict], args, copy_bw: float, out: Path) -> None:
+    """The rows as a markdown table and JSON under ``out``."""
+    header = ["T", "B", "pass", "SDPA (us)", "fused (us)", "speed-up", "fused host (us)", "bytes read (MB)", "full bf16 (MB)", "fused TB/s", "% of copy BW", "SDPA TB/s", "max |diff| vs torch"]
     lines = [
         f"# decode attention, Llama-3-8B shape (32 q heads, 8 KV heads, d=128), pipeline {args.pipeline}",
         f"# {datetime.date.today()} {torch.cuda.get_device_name()} torch {torch.__version__}; copy bandwidth {copy_bw / 1e12:.2f} TB/s",
@@ -197,7 +215,7 @@ def main() -> None:
     ]
     for r in rows:
         lines.append(
-            f"| {r['tokens']} | {r['batch']} | {r['sdpa_us']} | {r['kernel_us']} | {r['speedup']}x | {r['kernel_host_us']} | {r['kernel_bytes'] / 1e6:.1f} | "
+            f"| {r['tokens']} | {r['batch']} | {r['variant']} | {r['sdpa_us']} | {r['kernel_us']} | {r['speedup']}x | {r['kernel_host_us']} | {r['kernel_bytes'] / 1e6:.1f} | "
             f"{r['full_bytes'] / 1e6:.1f} | {r['kernel_TBps']} | {100 * r['copy_share']:.0f} % | {r['sdpa_TBps']} | {r['max_abs_diff_vs_torch']:.2e} |"
         )
     (out / "decode_kernel.md").write_text("\n".join(lines) + "\n")

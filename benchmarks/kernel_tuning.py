@@ -39,6 +39,7 @@ def main() -> None:
     parser.add_argument("--stages", default="0", help="software-pipelining depths (num_stages) to try; 0: Triton's default (3); kvweave launches 1")
     parser.add_argument("--reps", type=int, default=20)
     parser.add_argument("--pipeline", default="depthweave-kv")
+    parser.add_argument("--variant", default="tiles", help="the packed-token pass: tiles or gather")
     args = parser.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("kernel_tuning.py times CUDA kernels; run it on a GPU machine")
@@ -60,7 +61,7 @@ def main() -> None:
     ):
         chosen = split or None
         segments = view.segments if chosen is None else resplit(view.segments, chosen)
-        run = lambda: fused_decode(view, q, None, scale, split=chosen, block_tokens=block, num_warps=warps, num_stages=stages or None)  # noqa: E731
+        run = lambda: fused_decode(view, q, None, scale, split=chosen, block_tokens=block, num_warps=warps, num_stages=stages or None, variant=args.variant)  # noqa: E731
         try:
             us = device_us(run, args.reps)
         except Exception as exc:  # a setting the compiler refuses (e.g. out of shared memory)

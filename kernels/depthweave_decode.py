@@ -32,6 +32,7 @@ Modules: :mod:`~kvweave.kernels.decode_view` (the :class:`DecodeView` of a layer
 
 from __future__ import annotations
 
+import os
 from typing import TYPE_CHECKING, Any
 
 from kvweave.core.lazy import lazy_module, torch
@@ -39,8 +40,10 @@ from kvweave.kernels.decode_view import MAX_LEVELS, TILE, DecodeView, ResidualLe
 
 if TYPE_CHECKING:
     from kvweave.kernels import decode_triton as jit
+    from kvweave.kernels import depthweave_tiles_triton as tiles_jit
 else:  # the @triton.jit kernels, imported (with triton) when a kernel is first launched
     jit = lazy_module("kvweave.kernels.decode_triton")
+    tiles_jit = lazy_module("kvweave.kernels.depthweave_tiles_triton")
 
 LOG2E = 1.4426950408889634
 
@@ -62,12 +65,16 @@ def _prepare(view: DecodeView, query: torch.Tensor, partials: int) -> tuple[torc
 
 def fused_decode(
     view: DecodeView, query: torch.Tensor, start: torch.Tensor | None, scale: float, split: int | None = None,
-    block_tokens: int = 64, num_warps: int = 1, num_stages: int | None = 1,
+    block_tokens: int | None = None, num_warps: int | None = None, num_stages: int | None = 1, variant: str = "auto",
 ) -> torch.Tensor:
     """The Triton kernel: ``query`` [B, Hq, D] -> [B, Hq, D] (query dtype). ``split``: tokens per segment
-    (default: the view's segments); ``block_tokens``: tokens per loop iteration (a multiple of 32);
-    ``num_stages``: Triton's software-pipelining depth for the packed-token loop (None: Triton's default, 3;
-    1, no pipelining, was 10 % faster on the H200 at 128K tokens: ``benchmarks/kernel_tuning.py --stages``)."""
+    (default: the view's segments); ``block_tokens``: tokens per loop iteration (a multiple of 32; default 64);
+    ``num_warps``: warps a program (default: 4 for ``tiles``, 1 for ``gather``); ``num_stages``: Triton's
+    software-pipelining depth for the packed-token loop (None: Triton's default, 3; 1, no pipelining, was 10 %
+    faster for ``gather`` on the H200 at 128K tokens: ``benchmarks/kernel_tuning.py --stages``). ``variant``: the
+    packed-token pass, ``tiles`` (:mod:`kvweave.kernels.depthweave_tiles_triton`: token-major, residual entries read
+    as words), ``gather`` (one warp, residual coordinates gathered one by one) or ``auto`` (``tiles`` where the
+    residual layout allows it, :func:`tiles_refusal`)."""
     batch, q_heads, dim = query.shape
     heads = view.exact_k.shape[1]
     gq = q_heads // heads
@@ -84,8 +91,12 @@ def fused_decode(
     partials = n_seg + 1
     m, l, acc = _prepare(view, query, partials)
     qk_scale = float(scale) * LOG2E
+    tiles = pick_variant(view, variant) == "tiles"
     if n_seg:
-        _launch_packed(view, query, segments, start, m, l, acc, partials, heads, gq, dim, qk_scale, block_tokens, num_warps, num_stages)
+        block = 64 if block_tokens is None else block_tokens
+        warps = 1 if num_warps is None else num_warps
+        launch = _launch_tiles if tiles else _launch_packed
+        launch(view, query, segments, start, m, l, acc, partials, heads, gq, dim, qk_scale, block, warps, num_stages)
     exact = view.exact_k
     if exact.stride(-1) != 1 or exact.stride() != view.exact_v.stride():
         raise ValueError("the exact window's keys and values must share one layout, contiguous along head_dim")
@@ -136,12 +147,11 @@ def _level_args(levels: tuple[ResidualLevel, ...], dummy: torch.Tensor) -> tuple
     return args, meta
 
 
-def _launch_packed(view, query, segments, start, m, l, acc, partials, heads, gq, dim, qk_scale, block_tokens, num_warps, num_stages=None) -> None:
-    """Launch the packed-token pass over ``segments``, writing partial (max, sum, output) slots
-    ``(row * gq + g) * partials + segment`` of ``m``, ``l``, ``acc``."""
+def _packed_args(view, query, segments, start, m, l, acc, partials, heads, gq, dim, qk_scale) -> tuple[tuple, list, dict]:
+    """The packed-token pass's grid, arguments (both variants take them in the same order) and the constants they
+    share, writing partial (max, sum, output) slots ``(row * gq + g) * partials + segment`` of ``m``, ``l``, ``acc``."""
     batch = query.shape[0]
     rank = view.k_codes.shape[-1]
-    block = view.block
     dummy = placeholder(query.device)
     k_args, k_meta = _level_args(view.k_levels, dummy)
     v_args, v_meta = _level_args(view.v_levels, dummy)
@@ -161,22 +171,84 @@ def _launch_packed(view, query, segments, start, m, l, acc, partials, heads, gq,
         rb_strides = (rb.stride(0), rb.stride(1), rb.stride(2))
         krb, vrb = rb, view.v_residual_basis
     else:
-        rr, krb, vrb, rb_strides = 1, dummy, dummy, (0, 0, 0)
+        krb, vrb, rb_strides = dummy, dummy, (0, 0, 0)
     tiles = view.packed_tokens // TILE
     kg = view.k_gates if view.k_gates is not None else dummy
     vg = view.v_gates if view.v_gates is not None else dummy
     kc, ks = view.k_codes, view.k_scales
     kb = view.k_bases
-    grid = (segments.shape[0], batch * heads)
-    jit._packed_split_kernel[grid](
+    args = [
         query, segments, start,
         kc, ks, view.v_codes, view.v_scales, kc.stride(0), kc.stride(1), kc.stride(2), ks.stride(0), ks.stride(1), ks.stride(2),
         kb, view.v_bases, kb.stride(0), kb.stride(1), kb.stride(2), kb.stride(3),
         krb, vrb, *rb_strides, kg, vg,
         *k_args, *v_args,
         m, l, acc, partials, heads, tiles, qk_scale,
-        GQ=gq, GQP=_pow2(gq, 16), D=dim, R=rank, RC=_pow2(rank, 16), RB=block, RP=_pow2(max(levels, default=1), 16),
-        RANK0=k_meta[0], GROUP0=k_meta[1], RANK1=k_meta[2], GROUP1=k_meta[3], RANK2=k_meta[4], GROUP2=k_meta[5],
-        K_GATES=view.k_gates is not None, V_GATES=view.v_gates is not None, BLOCK_T=block_tokens,
+    ]
+    constants = dict(
+        GQ=gq, D=dim, R=rank, RC=_pow2(rank, 16), RB=view.block,
+        RANK0=k_meta[0], RANK1=k_meta[2], RANK2=k_meta[4],
+        K_GATES=view.k_gates is not None, V_GATES=view.v_gates is not None,
+    )
+    groups = dict(GROUP0=k_meta[1], GROUP1=k_meta[3], GROUP2=k_meta[5])
+    return (segments.shape[0], batch * heads), args, constants | {"levels": levels, "groups": groups}
+
+
+def _launch_packed(view, query, segments, start, m, l, acc, partials, heads, gq, dim, qk_scale, block_tokens, num_warps, num_stages=None) -> None:
+    """Launch the ``gather`` packed-token pass over ``segments`` (:func:`_packed_args`)."""
+    grid, args, constants = _packed_args(view, query, segments, start, m, l, acc, partials, heads, gq, dim, qk_scale)
+    levels, groups = constants.pop("levels"), constants.pop("groups")
+    jit._packed_split_kernel[grid](
+        *args, GQP=_pow2(gq, 16), RP=_pow2(max(levels, default=1), 16), **constants, **groups, BLOCK_T=block_tokens,
         num_warps=num_warps, **({} if num_stages is None else {"num_stages": num_stages}),
+    )
+
+
+def tiles_refusal(view: DecodeView) -> str | None:
+    """Why the ``tiles`` pass cannot read ``view``'s residual entries (None: it can). It reads an entry's codes and
+    its scales as one word each: every level's rank a power of two from 2 to 16 and a multiple of one shared
+    ``group``, at most four scales an entry, and the fields contiguous from an address their word width divides."""
+    levels = view.k_levels + view.v_levels
+    if not levels:
+        return None
+    group = max(level.group for level in levels)
+    for level in levels:
+        rank = level.rank
+        if rank not in (2, 4, 8, 16):
+            return f"residual rank {rank} is not 2, 4, 8 or 16"
+        if level.group != group or rank % group:
+            return f"residual rank {rank} takes {level.group} channels a scale where the others take {group}"
+        if rank // group > 4:
+            return f"residual rank {rank} has {rank // group} scales an entry (at most 4 are read as one word)"
+        for name, field, width in (("codes", level.packed, rank // 2), ("scales", level.scales, 2 * (rank // group))):
+            if field.numel() and (not field.is_contiguous() or field.data_ptr() % width):
+                return f"residual rank {rank}: the {name} are not contiguous from a {width}-byte aligned address"
+    return None
+
+
+VARIANTS = ("auto", "tiles", "gather")
+
+
+def pick_variant(view: DecodeView, variant: str) -> str:
+    """The packed-token pass ``variant`` names for ``view`` (``auto``: ``tiles`` unless :func:`tiles_refusal`)."""
+    if variant not in VARIANTS:
+        raise ValueError(f"unknown fused kernel variant {variant!r}; choose one of {', '.join(VARIANTS)}")
+    refusal = tiles_refusal(view) if variant != "gather" else None
+    if variant == "tiles" and refusal:
+        raise ValueError(f"the tiles pass cannot read this layer: {refusal}")
+    return "gather" if variant == "gather" or refusal else "tiles"
+
+
+def _launch_tiles(view, query, segments, start, m, l, acc, partials, heads, gq, dim, qk_scale, block_tokens, num_warps, num_stages=None) -> None:
+    """Launch the ``tiles`` packed-token pass over ``segments`` (:mod:`kvweave.kernels.depthweave_tiles_triton`)."""
+    if block_tokens not in (32, 64):
+        raise ValueError(f"the tiles pass steps over 32 or 64 tokens (one or two tiles of the index), not {block_tokens}")
+    grid, args, constants = _packed_args(view, query, segments, start, m, l, acc, partials, heads, gq, dim, qk_scale)
+    levels, _ = constants.pop("levels"), constants.pop("groups")
+    rmax = max(levels, default=0)
+    group = max((level.group for level in view.k_levels), default=2)
+    tiles_jit._tiles_kernel[grid](
+        *args, G=_pow2(gq, 8), RP=_pow2(max(rmax, 1), 16), RMAX=rmax, GROUP=group, **constants, BLOCK=block_tokens,
+        ASM=query.is_cuda and os.environ.get("TRITON_INTERPRET") != "1", num_warps=num_warps,
+        **({} if num_stages is None else {"num_stages": num_stages}),
     )

@@ -8,8 +8,13 @@ Each compares, on storage written by the real engine: the kernel, its torch twin
 
 from __future__ import annotations
 
+import json
+import os
+import subprocess
+import sys
 import textwrap
 
+import attrs
 import pytest
 import torch
 from transformers import LlamaConfig
@@ -21,11 +26,37 @@ from kvweave.engine.residuals import ResidualList
 from kvweave.engine.synthetic import fill_cache
 from kvweave.kernels.decode_torch import torch_decode
 from kvweave.kernels.decode_view import DecodeView, choose_split
-from kvweave.kernels.depthweave_decode import fused_decode
+from kvweave.kernels.depthweave_decode import fused_decode, pick_variant, tiles_refusal
+from kvweave.kernels.gpu_build import launch_job
 
 from conftest import ToyTokenizer, tiny_llama, write_registry
 
 CUDA = torch.cuda.is_available()
+
+COMPILE = """
+import importlib, json, sys
+from kvweave.kernels.gpu_build import build
+job = json.load(sys.stdin)
+compiled = build(importlib.import_module(job["module"]), job)
+print(json.dumps({"cubin": len(compiled.asm["cubin"]), "ptx_text": compiled.asm["ptx"]}))
+"""
+
+
+def compile_job(job: dict) -> dict:
+    """``job`` (:func:`kvweave.kernels.gpu_build.launch_job`) compiled for sm_90 outside the interpreter."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    done = subprocess.run([sys.executable, "-c", COMPILE], input=json.dumps(job), capture_output=True, text=True,
+                          env=env, timeout=600)
+    assert done.returncode == 0, f"{job['kernel']} does not compile for sm_90:\n{done.stderr[-3000:]}"
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def _nvidia_backend() -> bool:
+    try:
+        from triton.backends import backends
+    except ImportError:
+        return False
+    return "nvidia" in backends
 DEVICE = "cuda" if CUDA else "cpu"
 
 # depthweave-kv with a budget that leaves room for residuals at these few tokens, and a basis version
@@ -124,7 +155,8 @@ def test_kernel_segments_and_splits_agree(tmp_path):
     view = decode_view(cache, 0)
     query = torch.randn(1, 4, 64, device=DEVICE)
     outputs = [fused_decode(view, query, None, 0.125, split=split) for split in (32, 96, 4096)]
-    outputs += [fused_decode(view, query, None, 0.125, split=64, block_tokens=block) for block in (32, 256)]
+    outputs += [fused_decode(view, query, None, 0.125, split=64, block_tokens=block, variant=variant)
+                for variant, block in (("gather", 32), ("gather", 256), ("tiles", 32), ("tiles", 64))]
     for other in outputs[1:]:
         assert torch.allclose(outputs[0], other, atol=1e-3, rtol=1e-2)
 
@@ -277,3 +309,86 @@ def test_the_kernels_folder_found_as_top_level_kernels_hands_over_to_an_installe
         installed = False
     assert (Path(found).resolve().parent != root / "kernels") == installed, found
     assert models == "models ok"
+
+
+TILES_REGISTRY = REGISTRY + textwrap.dedent(
+    """
+    [pipelines.dw-kernel-blocks]
+    extends = "dw-kernel"
+    [pipelines.dw-kernel-blocks.quantizer]
+    block = 8
+    [pipelines.dw-kernel-bases]
+    extends = "dw-kernel"
+    [pipelines.dw-kernel-bases.router]
+    use = "uniform"
+    rank = 0
+    """
+)
+
+
+@pytest.mark.parametrize("name", ["dw-kernel", "dw-kernel-blocks", "dw-kernel-bases"])
+@pytest.mark.parametrize("block", [32, 64])
+def test_the_tiles_pass_reads_what_the_gather_pass_reads(tmp_path, name, block):
+    """The token-major ``tiles`` pass (residual entries read as one code word and one scale word a token) against the
+    float32 twin, for three routed levels, two int8 scales a token, and no residuals; with routed residuals, the twin
+    without them is far off, so the pass reads them."""
+    pipeline = load_pipeline(name, write_registry(tmp_path, "tiles", TILES_REGISTRY))
+    cache = fill_cache(KVWeaveCache(pipeline, llama_config(8, 2, 128)), 2, 320, chunk=107, dtype=torch.bfloat16,
+                       device=DEVICE, seed=3)
+    view = decode_view(cache, 1)
+    entries = sum(level.token.numel() for level in view.k_levels + view.v_levels)
+    assert (view.block < view.k_codes.shape[-1]) == (name == "dw-kernel-blocks")
+    assert (entries > 0) == (name != "dw-kernel-bases")
+    torch.manual_seed(1)
+    query = torch.randn(2, 8, 128, device=DEVICE)
+    start = torch.tensor([0, 70], dtype=torch.int32, device=DEVICE)
+    twin = torch_decode(view, query, start, 128**-0.5)
+    tiles = fused_decode(view, query, start, 128**-0.5, split=96, block_tokens=block, variant="tiles")
+    gather = fused_decode(view, query, start, 128**-0.5, split=96, variant="gather")
+    assert (tiles - twin).abs().max().item() < 1e-3 and (gather - twin).abs().max().item() < 1e-3
+    if entries:
+        bare = attrs.evolve(view, k_levels=(), v_levels=(), k_residual_basis=None, v_residual_basis=None)
+        assert (torch_decode(bare, query, start, 128**-0.5) - twin).abs().max().item() > 1e-2
+
+
+def test_the_tiles_pass_refuses_what_it_cannot_read_and_auto_takes_the_gather_pass(tmp_path):
+    cache = filled(tmp_path, 4, 2, 64, 256, batch=1)
+    view = decode_view(cache, 0)
+    query = torch.randn(1, 4, 64, device=DEVICE)
+    assert tiles_refusal(view) is None and pick_variant(view, "auto") == "tiles"
+    level = view.k_levels[-1]
+    odd = attrs.evolve(level, rank=6, packed=torch.zeros(3, 3, dtype=torch.uint8, device=DEVICE))
+    for bad, words in ((odd, "rank 6"), (attrs.evolve(level, group=1), "channels a scale"),
+                       (attrs.evolve(level, packed=torch.zeros(9, dtype=torch.uint8, device=DEVICE)[1:].view(2, 4)),
+                        "aligned")):
+        changed = attrs.evolve(view, k_levels=view.k_levels[:-1] + (bad,))
+        assert words in tiles_refusal(changed)
+        assert pick_variant(changed, "auto") == "gather"
+        with pytest.raises(ValueError, match="tiles pass cannot read"):
+            fused_decode(changed, query, None, 0.125, variant="tiles")
+    with pytest.raises(ValueError, match="unknown fused kernel variant 'fast'"):
+        fused_decode(view, query, None, 0.125, variant="fast")
+    with pytest.raises(ValueError, match="32 or 64 tokens"):
+        fused_decode(view, query, None, 0.125, block_tokens=128, variant="tiles")
+
+
+@pytest.mark.skipif(not _nvidia_backend(), reason="Triton without its CUDA backend cannot compile for a GPU here")
+def test_the_tiles_pass_builds_for_a_gpu(tmp_path, monkeypatch):
+    """Built for sm_90 with the arguments the launcher passes, hardware population counts included."""
+    from kvweave.kernels import depthweave_tiles_triton as tiles_jit
+
+    launches = []
+
+    class Recorder:
+        def __getitem__(self, grid):
+            return lambda *args, **constants: launches.append((args, constants))
+
+    monkeypatch.setattr(tiles_jit, "_tiles_kernel", Recorder())
+    view = decode_view(filled(tmp_path, 8, 2, 128, 320), 1)
+    fused_decode(view, torch.randn(2, 8, 128, device=DEVICE), None, 0.125, variant="tiles")
+    monkeypatch.undo()
+    args, constants = launches[0]
+    job = launch_job(tiles_jit._tiles_kernel, args, {k: v for k, v in constants.items() if k != "num_stages"})
+    job["constants"]["ASM"] = True
+    built = compile_job(job)
+    assert built["cubin"] > 0 and "popc" in built["ptx_text"]

@@ -1,0 +1,228 @@
+"""The ``tiles`` packed-token pass of DepthWeave-KV's fused decode (launched by
+:mod:`kvweave.kernels.depthweave_decode`): the same sums as :func:`kvweave.kernels.decode_triton._packed_split_kernel`
+over the same bytes, computed token-major by four warps.
+
+A step holds ``BLOCK`` tokens as the rows of its tiles and the query heads of one KV head as columns (``G``: at least
+8, a padding column repeats the last real head and is never written). The int8 coefficients are the first operand of
+the key product as loaded; the value coefficients the first operand of the output product, loaded transposed. A
+token's residual entry, at whichever rank level holds it, is read as two words: its codes (``rank / 2`` bytes, one
+load) and its scales (``rank / group`` float16 numbers, one load), found through the level's tile index by one
+population count. The levels' words are merged per token (a token has at most one entry a kind), so one residual
+tile a kind is built per step, with the nibble and scale of each coordinate cut from the words in registers: no
+per-coordinate gather. Without triton the module defines nothing (``triton`` is None)."""
+
+from __future__ import annotations
+
+try:  # the kernels need triton; the torch twin does not
+    import triton
+    import triton.language as tl
+except ImportError:  # pragma: no cover - exercised where triton is missing
+    triton = None
+
+if triton is not None:
+    from kvweave.kernels.decode_triton import _popcount
+
+    @triton.jit
+    def _popc(x, ASM: tl.constexpr):
+        """Set bits of each uint32 in ``x`` (int32): one instruction on a GPU (``ASM``)."""
+        if ASM:
+            return tl.inline_asm_elementwise("popc.b32 $0, $1;", "=r,r", [x], dtype=tl.int32, is_pure=True, pack=1)
+        return _popcount(x).to(tl.int32)
+
+    @triton.jit
+    def _word_ptr(ptr, BITS: tl.constexpr):
+        """``ptr`` as a pointer to unsigned words of ``BITS`` (8, 16, 32 or 64) bits."""
+        if BITS == 8:
+            out = ptr.to(tl.pointer_type(tl.uint8), bitcast=True)
+        elif BITS == 16:
+            out = ptr.to(tl.pointer_type(tl.uint16), bitcast=True)
+        elif BITS == 32:
+            out = ptr.to(tl.pointer_type(tl.uint32), bitcast=True)
+        else:
+            out = ptr.to(tl.pointer_type(tl.uint64), bitcast=True)
+        return out
+
+    @triton.jit
+    def _as_word(x, WIDE: tl.constexpr):
+        """``x`` as the merged words' type: uint64 with ``WIDE``, else uint32."""
+        if WIDE:
+            out = x.to(tl.uint64)
+        else:
+            out = x.to(tl.uint32)
+        return out
+
+    @triton.jit
+    def _level_words(pk_ptr, sc_ptr, ts_ptr, tm_ptr, row, t0, hi, t, inside, cw, sw, RANK: tl.constexpr,
+                     GROUP: tl.constexpr, BLOCK: tl.constexpr, CW64: tl.constexpr, SW64: tl.constexpr,
+                     ASM: tl.constexpr):
+        """``cw``, ``sw`` [BLOCK] with one level's code word and scale word put in at the step's tokens ``t0 + t`` that
+        have an entry there. ``row``: the level's tile-index row; a step's one or two 32-token tiles are read as
+        scalars, and the entry of token ``32 j + i`` is ``start[j] + popcount(mask[j] & (2^i - 1))``."""
+        if RANK > 0:
+            tile = row + t0 // 32
+            first = tl.load(ts_ptr + tile)
+            mask = tl.load(tm_ptr + tile).to(tl.uint32, bitcast=True)
+            if BLOCK == 64:  # the second tile, where the segment holds it
+                ahead = t0 + 32 < hi
+                first = tl.where(t < 32, first, tl.load(ts_ptr + tile + 1, mask=ahead, other=0))
+                mask = tl.where(t < 32, mask, tl.load(tm_ptr + tile + 1, mask=ahead, other=0).to(tl.uint32, bitcast=True))
+            bit = (t % 32).to(tl.uint32)
+            present = inside & (((mask >> bit) & 1) != 0)
+            below = mask & ((tl.full(bit.shape, 1, tl.uint32) << bit) - 1)
+            entry = first + _popc(below, ASM)  # loaded only where present: a level without entries may point nowhere
+            codes = tl.load(_word_ptr(pk_ptr, RANK * 4) + entry, mask=present, other=0)
+            scales = tl.load(_word_ptr(sc_ptr, 16 * (RANK // GROUP)) + entry, mask=present, other=0)
+            cw = tl.where(present, _as_word(codes, CW64), cw)
+            sw = tl.where(present, _as_word(scales, SW64), sw)
+        return cw, sw
+
+    @triton.jit
+    def _merged_words(p0, s0, i0, m0, p1, s1, i1, m1, p2, s2, i2, m2, row, t0, hi, t, inside, RANK0: tl.constexpr,
+                      RANK1: tl.constexpr, RANK2: tl.constexpr, GROUP: tl.constexpr, BLOCK: tl.constexpr,
+                      CW64: tl.constexpr, SW64: tl.constexpr, ASM: tl.constexpr):
+        """Each token's residual code word and scale word ([BLOCK], zeros without an entry) over the levels."""
+        cw = _as_word(tl.zeros(t.shape, tl.uint32), CW64)
+        sw = _as_word(tl.zeros(t.shape, tl.uint32), SW64)
+        cw, sw = _level_words(p0, s0, i0, m0, row, t0, hi, t, inside, cw, sw, RANK0, GROUP, BLOCK, CW64, SW64, ASM)
+        cw, sw = _level_words(p1, s1, i1, m1, row, t0, hi, t, inside, cw, sw, RANK1, GROUP, BLOCK, CW64, SW64, ASM)
+        cw, sw = _level_words(p2, s2, i2, m2, row, t0, hi, t, inside, cw, sw, RANK2, GROUP, BLOCK, CW64, SW64, ASM)
+        return cw, sw
+
+    @triton.jit
+    def _residual_tile(cw, sw, RMAX: tl.constexpr, RP: tl.constexpr, GROUP: tl.constexpr):
+        """The residual coordinates (float16) of the tokens whose words are ``cw``, ``sw``, as [BLOCK, RP]: coordinate
+        ``k`` (nibble ``k`` of the code word less 8, times half ``k // GROUP`` of the scale word) in column
+        ``k * RP / RMAX``, zeros between. Coordinates past a token's rank meet a zero scale: its scale word ends there,
+        every level's rank being a multiple of ``GROUP``. The numbers are made in float16: ``1024 + nibble`` from its
+        bits, less 1032. (Made [BLOCK, RMAX] and spread by joins with zeros, the tile came out in another column order
+        on the GPU than in the interpreter; the zeros are written instead.)"""
+        c = tl.arange(0, RP)
+        step: tl.constexpr = RP // RMAX
+        k = c // step
+        nib = (cw[:, None] >> (4 * k).to(cw.dtype)[None, :]) & 15
+        half = (sw[:, None] >> (16 * (k // GROUP)).to(sw.dtype)[None, :]) & 0xFFFF
+        code = (nib.to(tl.uint16) | 0x6400).to(tl.float16, bitcast=True) - 1032.0
+        value = code * half.to(tl.uint16).to(tl.float16, bitcast=True)
+        return tl.where(((c % step) == 0)[None, :], value, 0.0).to(tl.float16)
+
+    @triton.jit
+    def _spread_rows(base, stride_r, d, RMAX: tl.constexpr, RP: tl.constexpr, TRANS: tl.constexpr):
+        """Rows ``0 .. RMAX - 1`` of a residual basis (``base``, row stride ``stride_r``) laid out as
+        :func:`_residual_tile` lays out coordinates (row ``c`` holds row ``c * RMAX / RP`` where ``RP / RMAX``
+        divides ``c``, else zeros), float16 [RP, D]; ``TRANS``: [D, RP]."""
+        c = tl.arange(0, RP)
+        step: tl.constexpr = RP // RMAX
+        used = (c % step) == 0
+        if TRANS:
+            rows = tl.load(base + (c // step)[None, :] * stride_r + d[:, None], mask=used[None, :], other=0.0)
+        else:
+            rows = tl.load(base + (c // step)[:, None] * stride_r + d[None, :], mask=used[:, None], other=0.0)
+        return rows.to(tl.float16)
+
+    @triton.jit
+    def _tiles_kernel(
+        q_ptr, seg_ptr, start_ptr,
+        kc_ptr, ks_ptr, vc_ptr, vs_ptr, c_sb, c_sh, c_st, s_sb, s_sh, s_st,
+        kb_ptr, vb_ptr, b_sb, b_sh, b_sv, b_sr,
+        krb_ptr, vrb_ptr, rb_sb, rb_sh, rb_sr, kg_ptr, vg_ptr,
+        k0_pk, k0_sc, k0_ts, k0_tm, k1_pk, k1_sc, k1_ts, k1_tm, k2_pk, k2_sc, k2_ts, k2_tm,
+        v0_pk, v0_sc, v0_ts, v0_tm, v1_pk, v1_sc, v1_ts, v1_tm, v2_pk, v2_sc, v2_ts, v2_tm,
+        m_ptr, l_ptr, acc_ptr, partials, H, tiles, qk_scale,
+        GQ: tl.constexpr, G: tl.constexpr, D: tl.constexpr, R: tl.constexpr, RC: tl.constexpr, RB: tl.constexpr,
+        RP: tl.constexpr, RMAX: tl.constexpr, RANK0: tl.constexpr, RANK1: tl.constexpr, RANK2: tl.constexpr,
+        GROUP: tl.constexpr, K_GATES: tl.constexpr, V_GATES: tl.constexpr, BLOCK: tl.constexpr,
+        ASM: tl.constexpr,
+    ):
+        """One program per (segment, batch row x KV head), as the gather kernel's (its arguments, in the same order,
+        are documented there); ``G`` tile columns for the ``GQ`` query heads, ``RMAX`` the largest level's rank,
+        ``RP`` its padding (a power of two >= 16), ``GROUP`` the int4 channels per scale of every level, ``ASM``:
+        hardware population counts (a GPU)."""
+        seg = tl.program_id(0)
+        bh = tl.program_id(1)
+        b = bh // H
+        h = bh % H
+        lo = tl.load(seg_ptr + seg * 3)
+        hi = tl.load(seg_ptr + seg * 3 + 1)
+        version = tl.load(seg_ptr + seg * 3 + 2)
+        first_valid = tl.load(start_ptr + b)
+        ONE_SCALE: tl.constexpr = RB >= R
+        CW64: tl.constexpr = RMAX > 8  # a code word of 16 nibbles
+        SW64: tl.constexpr = RMAX // GROUP > 2  # a scale word of 4 halves
+        gi = tl.minimum(tl.arange(0, G), GQ - 1)  # the query head of each column (padding: the last one)
+        g_ok = tl.arange(0, G) < GQ
+        r = tl.arange(0, RC)
+        d = tl.arange(0, D)
+        t = tl.arange(0, BLOCK)
+        b64 = b.to(tl.int64)
+        k_gate = 1.0
+        v_gate = 1.0
+        if K_GATES:
+            k_gate = tl.load(kg_ptr + h)
+        if V_GATES:
+            v_gate = tl.load(vg_ptr + h)
+        # the query in coefficient space, columns the query heads: qp = P_v q^T [RC, G], qr = g R q^T [RP, G]
+        q = tl.load(q_ptr + (bh * GQ + gi)[None, :] * D + d[:, None]).to(tl.float32) * qk_scale  # [D, G]
+        q16 = q.to(tl.float16)
+        kb = kb_ptr + b64 * b_sb + h * b_sh + version * b_sv
+        basis = tl.load(kb + r[:, None] * b_sr + d[None, :], mask=(r < R)[:, None], other=0.0).to(tl.float16)
+        qp = tl.dot(basis, q16).to(tl.float16)
+        qr = tl.zeros((RP, G), dtype=tl.float16)
+        if RMAX > 0:
+            kres = _spread_rows(krb_ptr + b64 * rb_sb + h * rb_sh, rb_sr, d, RMAX, RP, False)
+            qr = (tl.dot(kres, q16) * k_gate).to(tl.float16)
+
+        kc = kc_ptr + b64 * c_sb + h * c_sh
+        vc = vc_ptr + b64 * c_sb + h * c_sh
+        ks = ks_ptr + b64 * s_sb + h * s_sh
+        vs = vs_ptr + b64 * s_sb + h * s_sh
+        row = bh * tiles
+        m_i = tl.full((G,), -1.0e30, dtype=tl.float32)
+        l_i = tl.zeros((BLOCK, G), dtype=tl.float32)  # per slot: summed once after the loop
+        acc_c = tl.zeros((RC, G), dtype=tl.float32)
+        acc_r = tl.zeros((RP, G), dtype=tl.float32)
+        for t0 in range(lo, hi, BLOCK):
+            tok = t0 + t
+            inside = tok < hi
+            ok = inside & (tok >= first_valid)
+            ck = tl.load(kc + tok[:, None] * c_st + r[None, :], mask=inside[:, None] & (r < R)[None, :], other=0)
+            if ONE_SCALE:
+                k_scale = tl.load(ks + tok * s_st, mask=inside, other=0.0).to(tl.float32)
+                s = tl.dot(ck.to(tl.float16), qp) * k_scale[:, None]  # [BLOCK, G]
+            else:
+                kbs = tl.load(ks + tok[:, None] * s_st + (r // RB)[None, :], mask=inside[:, None] & (r < R)[None, :],
+                              other=0.0)
+                s = tl.dot(ck.to(tl.float16) * kbs.to(tl.float16), qp)
+            if RMAX > 0:
+                cw, sw = _merged_words(k0_pk, k0_sc, k0_ts, k0_tm, k1_pk, k1_sc, k1_ts, k1_tm, k2_pk, k2_sc, k2_ts,
+                                       k2_tm, row, t0, hi, t, inside, RANK0, RANK1, RANK2, GROUP, BLOCK, CW64, SW64, ASM)
+                s = tl.dot(_residual_tile(cw, sw, RMAX, RP, GROUP), qr, s)
+            s = tl.where(ok[:, None], s, -1.0e30)
+            m_new = tl.maximum(m_i, tl.max(s, axis=0))
+            alpha = tl.exp2(m_i - m_new)
+            p = tl.where(ok[:, None], tl.exp2(s - m_new[None, :]), 0.0)  # [BLOCK, G]
+            l_i = l_i * alpha[None, :] + p
+            m_i = m_new
+            cv = tl.load(vc + tok[None, :] * c_st + r[:, None], mask=inside[None, :] & (r < R)[:, None], other=0)
+            if ONE_SCALE:
+                v_scale = tl.load(vs + tok * s_st, mask=inside, other=0.0).to(tl.float32)
+                acc_c = tl.dot(cv.to(tl.float16), (p * v_scale[:, None]).to(tl.float16), acc_c * alpha[None, :])
+            else:
+                vbs = tl.load(vs + tok[None, :] * s_st + (r // RB)[:, None], mask=inside[None, :] & (r < R)[:, None],
+                              other=0.0)
+                acc_c = tl.dot(cv.to(tl.float16) * vbs.to(tl.float16), p.to(tl.float16), acc_c * alpha[None, :])
+            if RMAX > 0:
+                cw, sw = _merged_words(v0_pk, v0_sc, v0_ts, v0_tm, v1_pk, v1_sc, v1_ts, v1_tm, v2_pk, v2_sc, v2_ts,
+                                       v2_tm, row, t0, hi, t, inside, RANK0, RANK1, RANK2, GROUP, BLOCK, CW64, SW64, ASM)
+                acc_r = tl.dot(tl.trans(_residual_tile(cw, sw, RMAX, RP, GROUP)), p.to(tl.float16), acc_r * alpha[None, :])
+
+        slot = (bh * GQ + gi) * partials + seg
+        tl.store(m_ptr + slot, m_i, mask=g_ok)
+        tl.store(l_ptr + slot, tl.sum(l_i, axis=0), mask=g_ok)
+        # back to head_dim: P_v^T (sum p c) + g R^T (sum p e), [D, G]
+        vb = vb_ptr + b64 * b_sb + h * b_sh + version * b_sv
+        vbasis = tl.load(vb + r[None, :] * b_sr + d[:, None], mask=(r < R)[None, :], other=0.0).to(tl.float16)
+        out = tl.dot(vbasis, acc_c.to(tl.float16))
+        if RMAX > 0:
+            vres = _spread_rows(vrb_ptr + b64 * rb_sb + h * rb_sh, rb_sr, d, RMAX, RP, True)
+            out = tl.dot(vres, (acc_r * v_gate).to(tl.float16), out)
+        tl.store(acc_ptr + slot[None, :] * D + d[:, None], out, mask=g_ok[None, :])
