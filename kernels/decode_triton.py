@@ -84,6 +84,24 @@ if triton is not None:
         d = tl.arange(0, D)
         return tl.load(base_ptr + r[:, None] * stride_r + d[None, :], mask=(r < R)[:, None], other=0.0).to(tl.float32)
 
+    @triton.jit
+    def _program(seg_ptr, start_ptr, kg_ptr, vg_ptr, H, K_GATES: tl.constexpr, V_GATES: tl.constexpr):
+        """What a packed-token program (grid (S, B * H)) works on: its segment, batch row x KV head, batch row, KV
+        head, the segment's tokens and basis version, the row's first attended position, and the head's residual
+        gates (1 where none are given)."""
+        seg = tl.program_id(0)
+        bh = tl.program_id(1)
+        b = bh // H
+        h = bh % H
+        k_gate = 1.0
+        v_gate = 1.0
+        if K_GATES:
+            k_gate = tl.load(kg_ptr + h)
+        if V_GATES:
+            v_gate = tl.load(vg_ptr + h)
+        return (seg, bh, b, h, tl.load(seg_ptr + seg * 3), tl.load(seg_ptr + seg * 3 + 1), tl.load(seg_ptr + seg * 3 + 2),
+                tl.load(start_ptr + b), k_gate, v_gate)
+
     # The packed-token pass. One program per (segment, batch row x KV head): grid (S, B * H). It keeps an
     # online softmax (base 2) over the segment's tokens for the GQ query heads of its KV head, accumulates
     # the probabilities times the value coefficients ([GQ, r]) and times each level's residual coordinates
@@ -125,26 +143,14 @@ if triton is not None:
         # whether gates are given; tokens per loop iteration (a multiple of 32)
         K_GATES: tl.constexpr, V_GATES: tl.constexpr, BLOCK_T: tl.constexpr,
     ):
-        seg = tl.program_id(0)
-        bh = tl.program_id(1)
-        b = bh // H
-        h = bh % H
-        lo = tl.load(seg_ptr + seg * 3)
-        hi = tl.load(seg_ptr + seg * 3 + 1)
-        version = tl.load(seg_ptr + seg * 3 + 2)
-        first_valid = tl.load(start_ptr + b)
+        seg, bh, b, h, lo, hi, version, first_valid, k_gate, v_gate = _program(seg_ptr, start_ptr, kg_ptr, vg_ptr, H,
+                                                                               K_GATES, V_GATES)
         ONE_SCALE: tl.constexpr = RB >= R  # one scale per token: applied to the dot products, codes stay exact
 
         g = tl.arange(0, GQP)
         t = tl.arange(0, BLOCK_T)
         g_ok = g < GQ
         b64 = b.to(tl.int64)
-        k_gate = 1.0
-        v_gate = 1.0
-        if K_GATES:
-            k_gate = tl.load(kg_ptr + h)
-        if V_GATES:
-            v_gate = tl.load(vg_ptr + h)
         # q in coefficient space: q P_v^T [GQP, RC]; per residual level q R^T in that level's column layout
         # (D in chunks of 32 columns, so that no [GQP, D] tile is held)
         q_row = q_ptr + (bh * GQ + g)[:, None] * D

@@ -20,7 +20,7 @@ except ImportError:  # pragma: no cover - exercised where triton is missing
     triton = None
 
 if triton is not None:
-    from kvweave.kernels.decode_triton import _popcount
+    from kvweave.kernels.decode_triton import _popcount, _program
 
     @triton.jit
     def _popc(x, ASM: tl.constexpr):
@@ -137,14 +137,8 @@ if triton is not None:
         are documented there); ``G`` tile columns for the ``GQ`` query heads, ``RMAX`` the largest level's rank,
         ``RP`` its padding (a power of two >= 16), ``GROUP`` the int4 channels per scale of every level, ``ASM``:
         hardware population counts (a GPU)."""
-        seg = tl.program_id(0)
-        bh = tl.program_id(1)
-        b = bh // H
-        h = bh % H
-        lo = tl.load(seg_ptr + seg * 3)
-        hi = tl.load(seg_ptr + seg * 3 + 1)
-        version = tl.load(seg_ptr + seg * 3 + 2)
-        first_valid = tl.load(start_ptr + b)
+        seg, bh, b, h, lo, hi, version, first_valid, k_gate, v_gate = _program(seg_ptr, start_ptr, kg_ptr, vg_ptr, H,
+                                                                               K_GATES, V_GATES)
         ONE_SCALE: tl.constexpr = RB >= R
         CW64: tl.constexpr = RMAX > 8  # a code word of 16 nibbles
         SW64: tl.constexpr = RMAX // GROUP > 2  # a scale word of 4 halves
@@ -154,12 +148,6 @@ if triton is not None:
         d = tl.arange(0, D)
         t = tl.arange(0, BLOCK)
         b64 = b.to(tl.int64)
-        k_gate = 1.0
-        v_gate = 1.0
-        if K_GATES:
-            k_gate = tl.load(kg_ptr + h)
-        if V_GATES:
-            v_gate = tl.load(vg_ptr + h)
         # the query in coefficient space, columns the query heads: qp = P_v q^T [RC, G], qr = g R q^T [RP, G]
         q = tl.load(q_ptr + (bh * GQ + gi)[None, :] * D + d[:, None]).to(tl.float32) * qk_scale  # [D, G]
         q16 = q.to(tl.float16)

@@ -8,10 +8,6 @@ Each compares, on storage written by the real engine: the kernel, its torch twin
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
 import textwrap
 
 import attrs
@@ -30,33 +26,9 @@ from kvweave.kernels.depthweave_decode import fused_decode, pick_variant, tiles_
 from kvweave.kernels.gpu_build import launch_job
 
 from conftest import ToyTokenizer, tiny_llama, write_registry
+from test_lowbit_kernel_host import _nvidia_backend, compile_job
 
 CUDA = torch.cuda.is_available()
-
-COMPILE = """
-import importlib, json, sys
-from kvweave.kernels.gpu_build import build
-job = json.load(sys.stdin)
-compiled = build(importlib.import_module(job["module"]), job)
-print(json.dumps({"cubin": len(compiled.asm["cubin"]), "ptx_text": compiled.asm["ptx"]}))
-"""
-
-
-def compile_job(job: dict) -> dict:
-    """``job`` (:func:`kvweave.kernels.gpu_build.launch_job`) compiled for sm_90 outside the interpreter."""
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    done = subprocess.run([sys.executable, "-c", COMPILE], input=json.dumps(job), capture_output=True, text=True,
-                          env=env, timeout=600)
-    assert done.returncode == 0, f"{job['kernel']} does not compile for sm_90:\n{done.stderr[-3000:]}"
-    return json.loads(done.stdout.strip().splitlines()[-1])
-
-
-def _nvidia_backend() -> bool:
-    try:
-        from triton.backends import backends
-    except ImportError:
-        return False
-    return "nvidia" in backends
 DEVICE = "cuda" if CUDA else "cpu"
 
 # depthweave-kv with a budget that leaves room for residuals at these few tokens, and a basis version

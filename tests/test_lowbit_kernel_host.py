@@ -28,17 +28,23 @@ import importlib, json, sys
 from kvweave.kernels.gpu_build import build
 job = json.load(sys.stdin)
 compiled = build(importlib.import_module(job["module"]), job)
-print(json.dumps({"cubin": len(compiled.asm["cubin"]), "ptx": compiled.asm["ptx"].count("\\n")}))
+ptx = compiled.asm["ptx"]
+print(json.dumps({"cubin": len(compiled.asm["cubin"]), "ptx": ptx.count("\\n"), "ptx_text": ptx}))
 """
 
 
-def compile_for_gpu(launch) -> dict:
-    """Compile ``launch``'s kernel for an H100/H200 (sm_90) as the GPU would, with its argument types and constants."""
-    job = launch_job(launch.kernel, launch.args, launch.constants)
+def compile_job(job: dict) -> dict:
+    """``job`` (:func:`kvweave.kernels.gpu_build.launch_job`) compiled for an H100/H200 (sm_90) outside the
+    interpreter: the cubin's size, the PTX's lines and its text."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     done = subprocess.run([sys.executable, "-c", COMPILE], input=json.dumps(job), capture_output=True, text=True, env=env, timeout=600)
     assert done.returncode == 0, f"{job['kernel']} does not compile for sm_90:\n{done.stderr[-3000:]}"
     return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def compile_for_gpu(launch) -> dict:
+    """Compile ``launch``'s kernel for an H100/H200 (sm_90) as the GPU would, with its argument types and constants."""
+    return compile_job(launch_job(launch.kernel, launch.args, launch.constants))
 
 
 def _nvidia_backend() -> bool:
