@@ -206,16 +206,17 @@ def _launch_packed(view, query, segments, start, m, l, acc, partials, heads, gq,
 
 def tiles_refusal(view: DecodeView) -> str | None:
     """Why the ``tiles`` pass cannot read ``view``'s residual entries (None: it can). It reads an entry's codes and
-    its scales as one word each: every level's rank a power of two from 2 to 16 and a multiple of one shared
-    ``group``, at most four scales an entry, and the fields contiguous from an address their word width divides."""
+    its scales as one word each: every level's rank a power of two from 2 to 16 and, where it holds entries, a multiple
+    of one shared ``group`` (:func:`tiles_group`) with at most four scales an entry and its fields contiguous from an
+    address their word width divides."""
     levels = view.k_levels + view.v_levels
-    if not levels:
-        return None
-    group = max(level.group for level in levels)
+    group = tiles_group(view)
     for level in levels:
         rank = level.rank
         if rank not in (2, 4, 8, 16):
             return f"residual rank {rank} is not 2, 4, 8 or 16"
+        if not level.token.numel():  # nothing read: its group is a guess until it fills
+            continue
         if level.group != group or rank % group:
             return f"residual rank {rank} takes {level.group} channels a scale where the others take {group}"
         if rank // group > 4:
@@ -224,6 +225,12 @@ def tiles_refusal(view: DecodeView) -> str | None:
             if field.numel() and (not field.is_contiguous() or field.data_ptr() % width):
                 return f"residual rank {rank}: the {name} are not contiguous from a {width}-byte aligned address"
     return None
+
+
+def tiles_group(view: DecodeView) -> int:
+    """The int4 channels per scale the ``tiles`` pass reads every level's entries with: the largest among the levels
+    that hold entries (2 where none does)."""
+    return max((level.group for level in view.k_levels + view.v_levels if level.token.numel()), default=2)
 
 
 VARIANTS = ("auto", "tiles", "gather")
@@ -246,7 +253,7 @@ def _launch_tiles(view, query, segments, start, m, l, acc, partials, heads, gq, 
     grid, args, constants = _packed_args(view, query, segments, start, m, l, acc, partials, heads, gq, dim, qk_scale)
     levels, _ = constants.pop("levels"), constants.pop("groups")
     rmax = max(levels, default=0)
-    group = max((level.group for level in view.k_levels), default=2)
+    group = tiles_group(view)
     tiles_jit._tiles_kernel[grid](
         *args, G=_pow2(gq, 8), RP=_pow2(max(rmax, 1), 16), RMAX=rmax, GROUP=group, **constants, BLOCK=block_tokens,
         ASM=query.is_cuda and os.environ.get("TRITON_INTERPRET") != "1", num_warps=num_warps,

@@ -338,6 +338,8 @@ def test_the_tiles_pass_refuses_what_it_cannot_read_and_auto_takes_the_gather_pa
         assert pick_variant(changed, "auto") == "gather"
         with pytest.raises(ValueError, match="tiles pass cannot read"):
             fused_decode(changed, query, None, 0.125, variant="tiles")
+    empty = attrs.evolve(level, token=level.token[:0], group=level.rank)  # a level without entries: its group a guess
+    assert tiles_refusal(attrs.evolve(view, k_levels=view.k_levels[:-1] + (empty,))) is None
     with pytest.raises(ValueError, match="unknown fused kernel variant 'fast'"):
         fused_decode(view, query, None, 0.125, variant="fast")
     with pytest.raises(ValueError, match="32 or 64 tokens"):
