@@ -6,7 +6,7 @@ Shape: Llama-3-8B attention (32 query heads, 8 KV heads, head_dim 128), one new 
 For each context length the storage is written by the real engine with ``depthweave-kv``'s settings
 (one 4-layer window: the kernel reads one layer; budget, versions and residual lists as in a full model)
 from synthetic cross-layer-structured K/V (:mod:`kvweave.engine.synthetic`); the full cache is random bf16
-K/V of the same size. Batch 1 uses the first row of the batch-8 storage.
+K/V of the same size. A smaller batch uses the first rows of the largest batch's storage.
 
 Reported per (T, B): SDPA time and kernel time (GPU time: the kernels' device time from the torch profiler,
 mean of ``--reps`` calls),
@@ -112,27 +112,27 @@ def view_bytes(view: DecodeView) -> int:
     return total
 
 
-def first_row(view: DecodeView) -> DecodeView:
-    """The batch-1 view of row 0: its coefficients, windows, only its residual entries (re-indexed), and
-    segments split for one row's programs (as a batch-1 cache would split them)."""
+def first_rows(view: DecodeView, rows: int) -> DecodeView:
+    """The view of the batch's first ``rows`` rows: their coefficients, windows, only their residual entries
+    (re-indexed), and segments split for their programs (as a cache of that batch would split them)."""
     heads = view.exact_k.shape[1]
 
     def keep(level: ResidualLevel) -> ResidualLevel:
-        chosen = (level.row < heads).nonzero().squeeze(1)
+        chosen = (level.row < rows * heads).nonzero().squeeze(1)
         lists = ResidualList(level.rank)
         lists.append({"row": level.row[chosen], "token": level.token[chosen], "q_packed": level.packed[chosen], "q_scales": level.scales[chosen]})
-        start, mask = lists.tile_index(heads, view.packed_tokens // TILE, level.token.device)
+        start, mask = lists.tile_index(rows * heads, view.packed_tokens // TILE, level.token.device)
         f = lists.fields
         return ResidualLevel(level.rank, level.group, f["token"], f["row"], f["q_packed"], f["q_scales"], start, mask)
 
-    segments = resplit(view.segments, choose_split(view.packed_tokens, heads))
+    segments = resplit(view.segments, choose_split(view.packed_tokens, rows * heads))
     return DecodeView(
-        view.packed_tokens, view.k_codes[:1], view.k_scales[:1], view.v_codes[:1], view.v_scales[:1],
-        view.k_bases[:1], view.v_bases[:1], segments,
+        view.packed_tokens, view.k_codes[:rows], view.k_scales[:rows], view.v_codes[:rows], view.v_scales[:rows],
+        view.k_bases[:rows], view.v_bases[:rows], segments,
         tuple(keep(lv) for lv in view.k_levels), tuple(keep(lv) for lv in view.v_levels),
-        None if view.k_residual_basis is None else view.k_residual_basis[:1],
-        None if view.v_residual_basis is None else view.v_residual_basis[:1],
-        view.k_gates, view.v_gates, view.exact_k[:1], view.exact_v[:1],
+        None if view.k_residual_basis is None else view.k_residual_basis[:rows],
+        None if view.v_residual_basis is None else view.v_residual_basis[:rows],
+        view.k_gates, view.v_gates, view.exact_k[:rows], view.exact_v[:rows],
     )
 
 
@@ -164,7 +164,7 @@ def main() -> None:
         full_view = engine.kernel.decode_view(engine.view(layer), torch.device("cuda"))
         ratio = cache.compression_ratio()
         for batch in batches:
-            view = full_view if batch == max(batches) else first_row(full_view)
+            view = full_view if batch == max(batches) else first_rows(full_view, batch)
             read = view_bytes(view)
             generator = torch.Generator(device="cuda").manual_seed(batch)
             q = torch.randn(batch, Q_HEADS, HEAD_DIM, device="cuda", generator=generator).to(torch.bfloat16)

@@ -220,17 +220,17 @@ def test_the_kernel_setting_variant_picks_the_packed_token_pass(tmp_path, monkey
 
     registry = write_registry(tmp_path, "v", f'[pipelines.v]\nextends = "depthweave-kv"\n[pipelines.v.kernel]\n'
                                              f'backend = "triton"\nvariant = "{variant}"\n')
-    model = tiny_llama(layers=4, hidden=256)
+    model = tiny_llama(layers=4, hidden=256).to(DEVICE)
     cache = build_cache(load_pipeline("v", registry), model, tokenizer=ToyTokenizer())
     seen, launch = [], fused_plugin.fused_decode
     monkeypatch.setattr(fused_plugin, "fused_decode", lambda *a, **k: seen.append(k["variant"]) or launch(*a, **k))
-    ids = torch.randint(1, 128, (1, 150))
+    ids = torch.randint(1, 128, (1, 150), device=DEVICE)
     with torch.no_grad():
         token = model(input_ids=ids, **cache_kwargs(model, cache)).logits[:, -1:].argmax(-1)
         view = cache.engine.view(0)
-        query = torch.randn(1, 4, 1, 64)
+        query = torch.randn(1, 4, 1, 64, device=DEVICE)
         out = cache.engine.kernel.attend(view, query, None, 0.125)
-    decode = cache.engine.kernel.decode_view(view, torch.device("cpu"))
+    decode = cache.engine.kernel.decode_view(view, torch.device(DEVICE))
     assert seen and set(seen) == {variant}
     assert (out[:, 0] - torch_decode(decode, query[:, :, 0], None, 0.125)).abs().max().item() < 1e-3
     del token
