@@ -1,15 +1,17 @@
 """The ``tiles`` packed-token pass of DepthWeave-KV's fused decode (launched by
 :mod:`kvweave.kernels.depthweave_decode`): the same sums as :func:`kvweave.kernels.decode_triton._packed_split_kernel`
-over the same bytes, computed token-major by four warps.
+over the same bytes, computed token-major.
 
-A step holds ``BLOCK`` tokens as the rows of its tiles and the query heads of one KV head as columns (``G``: at least
-8, a padding column repeats the last real head and is never written). The int8 coefficients are the first operand of
-the key product as loaded; the value coefficients the first operand of the output product, loaded transposed. A
-token's residual entry, at whichever rank level holds it, is read as two words: its codes (``rank / 2`` bytes, one
-load) and its scales (``rank / group`` float16 numbers, one load), found through the level's tile index by one
-population count. The levels' words are merged per token (a token has at most one entry a kind), so one residual
-tile a kind is built per step, with the nibble and scale of each coordinate cut from the words in registers: no
-per-coordinate gather. Without triton the module defines nothing (``triton`` is None)."""
+A step holds ``BLOCK`` tokens (32 or 64: one or two tiles of the residual index) as the rows of its tiles and the query
+heads of one KV head as columns (``G``: at least 8, a padding column repeats the last real head and is never written).
+The int8 coefficients are the first operand of the key product as loaded; the value coefficients the first operand of
+the output product, loaded transposed. A token's residual entry, at whichever rank level holds it, is read as two words:
+its codes (``rank / 2`` bytes, one load) and its scales (``rank / group`` float16 numbers, one load), found through the
+level's tile index (read as scalars, one or two words a step) by one population count. The levels' words are merged
+per token (a token has at most one entry a kind), so one residual tile a kind is built per step, each coordinate's
+nibble and scale cut from the words in registers: no per-coordinate gather. One warp a program was the fastest on the
+H200 (docs/kernels.md, "DepthWeave-KV's packed tokens read token-major"). Without triton the module defines nothing
+(``triton`` is None)."""
 
 from __future__ import annotations
 
@@ -89,45 +91,34 @@ if triton is not None:
         return cw, sw
 
     @triton.jit
-    def _residual_tile(cw, sw, RMAX: tl.constexpr, RP: tl.constexpr, GROUP: tl.constexpr, TOKEN_ROWS: tl.constexpr):
-        """The residual coordinates (float16) of the tokens whose words are ``cw``, ``sw``: coordinate ``k`` is nibble
-        ``k`` of the code word less 8, times half ``k // GROUP`` of the scale word (coordinates past a token's rank meet
-        a zero scale: its scale word ends there, every level's rank being a multiple of ``GROUP``), made in float16 as
-        ``1024 + nibble`` from its bits, less 1032. ``TOKEN_ROWS`` (a key product's first operand, whose inner size is
-        at least 16): [BLOCK, RP], coordinate ``k`` in column ``k * RP / RMAX``, zeros between (made [BLOCK, RMAX] and
-        spread by joins with zeros, the tile came out in another column order on the GPU than in the interpreter, so
-        the zeros are written); else [RMAX, BLOCK] (a value product's first operand: its rows may be few)."""
-        if TOKEN_ROWS:
-            c = tl.arange(0, RP)
-            step: tl.constexpr = RP // RMAX
-            k = c // step
-            nib = (cw[:, None] >> (4 * k).to(cw.dtype)[None, :]) & 15
-            half = (sw[:, None] >> (16 * (k // GROUP)).to(sw.dtype)[None, :]) & 0xFFFF
-        else:
-            k = tl.arange(0, RMAX)
-            nib = (cw[None, :] >> (4 * k).to(cw.dtype)[:, None]) & 15
-            half = (sw[None, :] >> (16 * (k // GROUP)).to(sw.dtype)[:, None]) & 0xFFFF
-        code = (nib.to(tl.uint16) | 0x6400).to(tl.float16, bitcast=True) - 1032.0
-        value = code * half.to(tl.uint16).to(tl.float16, bitcast=True)
-        if TOKEN_ROWS:
-            value = tl.where(((c % step) == 0)[None, :], value, 0.0).to(tl.float16)
-        return value
-
-    @triton.jit
-    def _int8_half(codes):
-        """int8 codes as float16, made from their bits (``0x6400 | (code + 128)`` is ``1024 + 128 + code``) instead of
-        converted (a conversion runs at a quarter of an integer operation's rate)."""
-        biased = (codes.to(tl.uint8, bitcast=True) ^ 0x80).to(tl.uint16)
-        return (biased | 0x6400).to(tl.float16, bitcast=True) - 1152.0
-
-    @triton.jit
-    def _spread_rows(base, stride_r, d, RMAX: tl.constexpr, RP: tl.constexpr):
-        """Rows ``0 .. RMAX - 1`` of a residual basis (``base``, row stride ``stride_r``) laid out as
-        :func:`_residual_tile` lays out a key tile's coordinates (row ``c`` holds row ``c * RMAX / RP`` where
-        ``RP / RMAX`` divides ``c``, else zeros), float16 [RP, D]."""
+    def _residual_tile(cw, sw, RMAX: tl.constexpr, RP: tl.constexpr, GROUP: tl.constexpr):
+        """The residual coordinates (float16) of the tokens whose words are ``cw``, ``sw``, as [BLOCK, RP]: coordinate
+        ``k`` (nibble ``k`` of the code word less 8, times half ``k // GROUP`` of the scale word) in column
+        ``k * RP / RMAX``, zeros between. Coordinates past a token's rank meet a zero scale: its scale word ends there,
+        every level's rank being a multiple of ``GROUP``. The numbers are made in float16: ``1024 + nibble`` from its
+        bits, less 1032. (Made [BLOCK, RMAX] and spread by joins with zeros, the tile came out in another column order
+        on the GPU than in the interpreter; the zeros are written instead.)"""
         c = tl.arange(0, RP)
         step: tl.constexpr = RP // RMAX
-        rows = tl.load(base + (c // step)[:, None] * stride_r + d[None, :], mask=((c % step) == 0)[:, None], other=0.0)
+        k = c // step
+        nib = (cw[:, None] >> (4 * k).to(cw.dtype)[None, :]) & 15
+        half = (sw[:, None] >> (16 * (k // GROUP)).to(sw.dtype)[None, :]) & 0xFFFF
+        code = (nib.to(tl.uint16) | 0x6400).to(tl.float16, bitcast=True) - 1032.0
+        value = code * half.to(tl.uint16).to(tl.float16, bitcast=True)
+        return tl.where(((c % step) == 0)[None, :], value, 0.0).to(tl.float16)
+
+    @triton.jit
+    def _spread_rows(base, stride_r, d, RMAX: tl.constexpr, RP: tl.constexpr, TRANS: tl.constexpr):
+        """Rows ``0 .. RMAX - 1`` of a residual basis (``base``, row stride ``stride_r``) laid out as
+        :func:`_residual_tile` lays out coordinates (row ``c`` holds row ``c * RMAX / RP`` where ``RP / RMAX``
+        divides ``c``, else zeros), float16 [RP, D]; ``TRANS``: [D, RP]."""
+        c = tl.arange(0, RP)
+        step: tl.constexpr = RP // RMAX
+        used = (c % step) == 0
+        if TRANS:
+            rows = tl.load(base + (c // step)[None, :] * stride_r + d[:, None], mask=used[None, :], other=0.0)
+        else:
+            rows = tl.load(base + (c // step)[:, None] * stride_r + d[None, :], mask=used[:, None], other=0.0)
         return rows.to(tl.float16)
 
     @triton.jit
@@ -167,7 +158,7 @@ if triton is not None:
         qp = tl.dot(basis, q16).to(tl.float16)
         qr = tl.zeros((RP, G), dtype=tl.float16)
         if RMAX > 0:
-            kres = _spread_rows(krb_ptr + b64 * rb_sb + h * rb_sh, rb_sr, d, RMAX, RP)
+            kres = _spread_rows(krb_ptr + b64 * rb_sb + h * rb_sh, rb_sr, d, RMAX, RP, False)
             qr = (tl.dot(kres, q16) * k_gate).to(tl.float16)
 
         kc = kc_ptr + b64 * c_sb + h * c_sh
@@ -178,7 +169,7 @@ if triton is not None:
         m_i = tl.full((G,), -1.0e30, dtype=tl.float32)
         l_i = tl.zeros((BLOCK, G), dtype=tl.float32)  # per slot: summed once after the loop
         acc_c = tl.zeros((RC, G), dtype=tl.float32)
-        acc_r = tl.zeros((RMAX if RMAX > 0 else 1, G), dtype=tl.float32)
+        acc_r = tl.zeros((RP, G), dtype=tl.float32)
         for t0 in range(lo, hi, BLOCK):
             tok = t0 + t
             inside = tok < hi
@@ -186,7 +177,7 @@ if triton is not None:
             ck = tl.load(kc + tok[:, None] * c_st + r[None, :], mask=inside[:, None] & (r < R)[None, :], other=0)
             if ONE_SCALE:
                 k_scale = tl.load(ks + tok * s_st, mask=inside, other=0.0).to(tl.float32)
-                s = tl.dot(_int8_half(ck), qp) * k_scale[:, None]  # [BLOCK, G]
+                s = tl.dot(ck.to(tl.float16), qp) * k_scale[:, None]  # [BLOCK, G]
             else:
                 kbs = tl.load(ks + tok[:, None] * s_st + (r // RB)[None, :], mask=inside[:, None] & (r < R)[None, :],
                               other=0.0)
@@ -194,7 +185,7 @@ if triton is not None:
             if RMAX > 0:
                 cw, sw = _merged_words(k0_pk, k0_sc, k0_ts, k0_tm, k1_pk, k1_sc, k1_ts, k1_tm, k2_pk, k2_sc, k2_ts,
                                        k2_tm, row, t0, hi, t, inside, RANK0, RANK1, RANK2, GROUP, BLOCK, CW64, SW64, ASM)
-                s = tl.dot(_residual_tile(cw, sw, RMAX, RP, GROUP, True), qr, s)
+                s = tl.dot(_residual_tile(cw, sw, RMAX, RP, GROUP), qr, s)
             s = tl.where(ok[:, None], s, -1.0e30)
             m_new = tl.maximum(m_i, tl.max(s, axis=0))
             alpha = tl.exp2(m_i - m_new)
@@ -204,7 +195,7 @@ if triton is not None:
             cv = tl.load(vc + tok[None, :] * c_st + r[:, None], mask=inside[None, :] & (r < R)[:, None], other=0)
             if ONE_SCALE:
                 v_scale = tl.load(vs + tok * s_st, mask=inside, other=0.0).to(tl.float32)
-                acc_c = tl.dot(_int8_half(cv), (p * v_scale[:, None]).to(tl.float16), acc_c * alpha[None, :])
+                acc_c = tl.dot(cv.to(tl.float16), (p * v_scale[:, None]).to(tl.float16), acc_c * alpha[None, :])
             else:
                 vbs = tl.load(vs + tok[None, :] * s_st + (r // RB)[:, None], mask=inside[None, :] & (r < R)[:, None],
                               other=0.0)
@@ -212,7 +203,7 @@ if triton is not None:
             if RMAX > 0:
                 cw, sw = _merged_words(v0_pk, v0_sc, v0_ts, v0_tm, v1_pk, v1_sc, v1_ts, v1_tm, v2_pk, v2_sc, v2_ts,
                                        v2_tm, row, t0, hi, t, inside, RANK0, RANK1, RANK2, GROUP, BLOCK, CW64, SW64, ASM)
-                acc_r = tl.dot(_residual_tile(cw, sw, RMAX, RP, GROUP, False), p.to(tl.float16), acc_r * alpha[None, :])
+                acc_r = tl.dot(tl.trans(_residual_tile(cw, sw, RMAX, RP, GROUP)), p.to(tl.float16), acc_r * alpha[None, :])
 
         slot = (bh * GQ + gi) * partials + seg
         tl.store(m_ptr + slot, m_i, mask=g_ok)
@@ -222,7 +213,6 @@ if triton is not None:
         vbasis = tl.load(vb + r[None, :] * b_sr + d[:, None], mask=(r < R)[None, :], other=0.0).to(tl.float16)
         out = tl.dot(vbasis, acc_c.to(tl.float16))
         if RMAX > 0:
-            k = tl.arange(0, RMAX)  # RMAX rows: products over them by multiply-adds, once a program
-            vres = tl.load(vrb_ptr + b64 * rb_sb + h * rb_sh + k[None, :] * rb_sr + d[:, None]).to(tl.float32)
-            out += tl.sum(vres[:, :, None] * (acc_r * v_gate)[None, :, :], axis=1)
+            vres = _spread_rows(vrb_ptr + b64 * rb_sb + h * rb_sh, rb_sr, d, RMAX, RP, True)
+            out = tl.dot(vres, (acc_r * v_gate).to(tl.float16), out)
         tl.store(acc_ptr + slot[None, :] * D + d[:, None], out, mask=g_ok[None, :])
