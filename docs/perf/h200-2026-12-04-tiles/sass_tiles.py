@@ -18,18 +18,9 @@ import sys
 
 BUILD = """
 import importlib, json, sys
-import triton
-from triton.backends.compiler import GPUTarget
-from triton.compiler import ASTSource
 from kvweave.kernels import gpu_build
 job = json.load(sys.stdin)
-fn = getattr(importlib.import_module(job["module"]), job["kernel"])
-signature = dict(zip(fn.arg_names, job["types"]))
-signature.update({name: "constexpr" for name in job["constants"]})
-constexprs = {(fn.arg_names.index(name),): value for name, value in job["constants"].items()}
-attrs = {(index,): [["tt.divisibility", 16]] for index in job["aligned"]}
-built = triton.compile(ASTSource(fn, signature, constexprs=constexprs, attrs=attrs), target=GPUTarget("cuda", 90, 32),
-                       options={"num_warps": job["num_warps"], "num_stages": job["stages"]})
+built = gpu_build.build(importlib.import_module(job["module"]), job)
 loop = gpu_build.sass_opcodes(built.asm["cubin"], loop=True)
 print(json.dumps({**gpu_build.resources(built.asm["cubin"]), "loop": sum(loop.values()), "top": loop.most_common(12)}))
 """
@@ -67,11 +58,10 @@ def record(variant: str, block: int, warps: int) -> dict:
         pass
     setattr(module, name, kernel)
     args, constants = launches[0]
-    stages = constants.pop("num_stages", 3)
     job = launch_job(kernel, args, constants)
     if "ASM" in job["constants"]:
         job["constants"]["ASM"] = True  # the GPU's population count
-    return job | {"stages": stages}
+    return job
 
 
 if __name__ == "__main__":
