@@ -112,9 +112,12 @@ def fused_decode(
 
 def fused_packed_logsumexp(
     view: DecodeView, query: torch.Tensor, scale: float, block_tokens: int = 64, num_warps: int = 1, num_stages: int | None = 1,
+    variant: str = "gather",
 ) -> torch.Tensor:
     """:func:`~kvweave.kernels.decode_torch.torch_packed_logsumexp` by the kernel's packed-token pass (its
-    per-segment (max, sum) merged): ``query`` [B, Hq, D] -> float32 [B, Hq], -inf without packed tokens."""
+    per-segment (max, sum) merged): ``query`` [B, Hq, D] -> float32 [B, Hq], -inf without packed tokens. ``variant``
+    as :func:`fused_decode`'s; ``gather`` by default: a flush's statistics bring every observed query of each head
+    (eight by default, so 32 columns a KV head at GQA 4), which the ``tiles`` pass was not timed with."""
     batch, q_heads, dim = query.shape
     n_seg = view.segments.shape[0] if view.packed_tokens else 0
     m, l, acc = _prepare(view, query, n_seg)
@@ -123,8 +126,9 @@ def fused_packed_logsumexp(
     heads = view.exact_k.shape[1]
     gq = q_heads // heads
     start = torch.zeros(batch, dtype=torch.int32, device=query.device)
-    _launch_packed(view, query.contiguous(), view.segments, start, m, l, acc, n_seg, heads, gq, dim,
-                   float(scale) * LOG2E, block_tokens, num_warps, num_stages)
+    launch = _launch_tiles if pick_variant(view, variant) == "tiles" else _launch_packed
+    launch(view, query.contiguous(), view.segments, start, m, l, acc, n_seg, heads, gq, dim, float(scale) * LOG2E,
+           block_tokens, num_warps, num_stages)
     m, l = m.view(batch, q_heads, n_seg), l.view(batch, q_heads, n_seg)
     top = m.amax(dim=-1, keepdim=True)
     total = (l * torch.exp2(m - top)).sum(dim=-1)

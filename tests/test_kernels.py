@@ -20,9 +20,9 @@ from kvweave.engine.cache import KVWeaveCache
 from kvweave.core.registry import load_pipeline
 from kvweave.engine.residuals import ResidualList
 from kvweave.engine.synthetic import fill_cache
-from kvweave.kernels.decode_torch import torch_decode
+from kvweave.kernels.decode_torch import torch_decode, torch_packed_logsumexp
 from kvweave.kernels.decode_view import DecodeView, choose_split
-from kvweave.kernels.depthweave_decode import fused_decode, pick_variant, tiles_refusal
+from kvweave.kernels.depthweave_decode import fused_decode, fused_packed_logsumexp, pick_variant, tiles_refusal
 from kvweave.kernels.gpu_build import launch_job
 
 from conftest import ToyTokenizer, tiny_llama, write_registry
@@ -366,3 +366,16 @@ def test_the_tiles_pass_builds_for_a_gpu(tmp_path, monkeypatch):
     job["constants"]["ASM"] = True
     built = compile_job(job)
     assert built["cubin"] > 0 and "popc" in built["ptx_text"]
+
+
+@pytest.mark.parametrize("variant", ["gather", "tiles"])
+def test_the_packed_logsumexp_matches_the_twin(tmp_path, variant):
+    """The flush's statistics (log-sum-exp over the packed tokens of many query rows a head) by either pass."""
+    cache = filled(tmp_path, 8, 2, 128, 320)
+    view = decode_view(cache, 1)
+    torch.manual_seed(2)
+    queries = torch.randn(2, 8 * 8, 128, device=DEVICE)  # eight observed queries of each of 8 query heads
+    expected = torch_packed_logsumexp(view, queries, 128**-0.5)
+    got = fused_packed_logsumexp(view, queries, 128**-0.5, variant=variant)
+    assert got.shape == (2, 64) and torch.isfinite(got).all()
+    assert (got - expected).abs().max().item() < 1e-3
