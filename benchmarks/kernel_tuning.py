@@ -2,13 +2,14 @@
 tokens per program (the split).
 
     python benchmarks/kernel_tuning.py [--tokens 131072] [--batch 8] [--blocks 32,64,128] [--warps 1,2,4]
-                                       [--splits 0,512,1024,2048] [--stages 0]
+                                       [--splits 0,512,1024,2048] [--stages 0] [--variant tiles]
 
 Storage as in ``decode_kernel.py`` (Llama-3-8B attention shape, ``depthweave-kv``'s settings). For every
 combination: the kernel's device time (torch profiler, mean of ``--reps`` calls), the programs launched,
 and the largest difference from the torch twin (every setting computes the same attention). Split 0 is
 the cache's own split (``choose_split``); stages 0 is Triton's default pipelining depth (3);
-kvweave's default is 1.
+kvweave's default is 1. ``--variant``: the packed-token pass (``tiles``, which steps over 32 or 64 tokens, or
+``gather``).
 """
 
 from __future__ import annotations
@@ -50,7 +51,7 @@ def main() -> None:
     q = torch.randn(args.batch, Q_HEADS, HEAD_DIM, device="cuda").to(torch.bfloat16)
     scale = HEAD_DIM**-0.5
     twin = torch_decode(view, q, None, scale).float()
-    print(f"# fused kernel settings, T = {view.packed_tokens} packed tokens, B = {args.batch}, {datetime.date.today()} "
+    print(f"# fused kernel settings, {args.variant} pass, T = {view.packed_tokens} packed tokens, B = {args.batch}, {datetime.date.today()} "
           f"{torch.cuda.get_device_name()}")
     print("| tokens/iteration | warps | stages | tokens/program | programs | device time (us) | max |diff| vs twin |")
     print("|---|---|---|---|---|---|---|")
