@@ -69,7 +69,7 @@ def fused_decode(
 ) -> torch.Tensor:
     """The Triton kernel: ``query`` [B, Hq, D] -> [B, Hq, D] (query dtype). ``split``: tokens per segment
     (default: the view's segments); ``block_tokens``: tokens per loop iteration (a multiple of 32; default 64);
-    ``num_warps``: warps a program (default: 4 for ``tiles``, 1 for ``gather``); ``num_stages``: Triton's
+    ``num_warps``: warps a program (default 1, the fastest for both passes on the H200); ``num_stages``: Triton's
     software-pipelining depth for the packed-token loop (None: Triton's default, 3; 1, no pipelining, was 10 %
     faster for ``gather`` on the H200 at 128K tokens: ``benchmarks/kernel_tuning.py --stages``). ``variant``: the
     packed-token pass, ``tiles`` (:mod:`kvweave.kernels.depthweave_tiles_triton`: token-major, residual entries read
