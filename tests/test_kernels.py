@@ -294,16 +294,23 @@ TILES_REGISTRY = REGISTRY + textwrap.dedent(
     [pipelines.dw-kernel-bases.router]
     use = "uniform"
     rank = 0
+    [pipelines.dw-kernel-wide]
+    extends = "dw-kernel"
+    [pipelines.dw-kernel-wide.router]
+    levels = [0, 4, 16]
+    target_reduction = 1.2
+    [pipelines.dw-kernel-wide.residual_quantizer]
+    group = 4
     """
 )
 
 
-@pytest.mark.parametrize("name", ["dw-kernel", "dw-kernel-blocks", "dw-kernel-bases"])
+@pytest.mark.parametrize("name", ["dw-kernel", "dw-kernel-blocks", "dw-kernel-bases", "dw-kernel-wide"])
 @pytest.mark.parametrize("block", [32, 64])
 def test_the_tiles_pass_reads_what_the_gather_pass_reads(tmp_path, name, block):
     """The token-major ``tiles`` pass (residual entries read as one code word and one scale word a token) against the
-    float32 twin, for three routed levels, two int8 scales a token, and no residuals; with routed residuals, the twin
-    without them is far off, so the pass reads them."""
+    float32 twin, for three routed levels, two int8 scales a token, no residuals, and rank-16 entries (16 nibbles and
+    four scales: 64-bit words); with routed residuals, the twin without them is far off, so the pass reads them."""
     pipeline = load_pipeline(name, write_registry(tmp_path, "tiles", TILES_REGISTRY))
     cache = fill_cache(KVWeaveCache(pipeline, llama_config(8, 2, 128)), 2, 320, chunk=107, dtype=torch.bfloat16,
                        device=DEVICE, seed=3)
@@ -311,6 +318,8 @@ def test_the_tiles_pass_reads_what_the_gather_pass_reads(tmp_path, name, block):
     entries = sum(level.token.numel() for level in view.k_levels + view.v_levels)
     assert (view.block < view.k_codes.shape[-1]) == (name == "dw-kernel-blocks")
     assert (entries > 0) == (name != "dw-kernel-bases")
+    if name == "dw-kernel-wide":
+        assert any(level.rank == 16 and level.token.numel() for level in view.k_levels + view.v_levels)
     torch.manual_seed(1)
     query = torch.randn(2, 8, 128, device=DEVICE)
     start = torch.tensor([0, 70], dtype=torch.int32, device=DEVICE)
