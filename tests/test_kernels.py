@@ -310,10 +310,12 @@ TILES_REGISTRY = REGISTRY + textwrap.dedent(
 def test_the_tiles_pass_reads_what_the_gather_pass_reads(tmp_path, name, block):
     """The token-major ``tiles`` pass (residual entries read as one code word and one scale word a token) against the
     float32 twin, for three routed levels, two int8 scales a token, no residuals, and rank-16 entries (16 nibbles and
-    four scales: 64-bit words); with routed residuals, the twin without them is far off, so the pass reads them."""
+    four scales: 64-bit words) under 16 query heads a KV head at head_dim 64; with routed residuals, the twin without
+    them is far off, so the pass reads them."""
+    q_heads, kv_heads, dim = (16, 1, 64) if name == "dw-kernel-wide" else (8, 2, 128)
     pipeline = load_pipeline(name, write_registry(tmp_path, "tiles", TILES_REGISTRY))
-    cache = fill_cache(KVWeaveCache(pipeline, llama_config(8, 2, 128)), 2, 320, chunk=107, dtype=torch.bfloat16,
-                       device=DEVICE, seed=3)
+    cache = fill_cache(KVWeaveCache(pipeline, llama_config(q_heads, kv_heads, dim)), 2, 320, chunk=107,
+                       dtype=torch.bfloat16, device=DEVICE, seed=3)
     view = decode_view(cache, 1)
     entries = sum(level.token.numel() for level in view.k_levels + view.v_levels)
     assert (view.block < view.k_codes.shape[-1]) == (name == "dw-kernel-blocks")
@@ -321,15 +323,15 @@ def test_the_tiles_pass_reads_what_the_gather_pass_reads(tmp_path, name, block):
     if name == "dw-kernel-wide":
         assert any(level.rank == 16 and level.token.numel() for level in view.k_levels + view.v_levels)
     torch.manual_seed(1)
-    query = torch.randn(2, 8, 128, device=DEVICE)
+    query = torch.randn(2, q_heads, dim, device=DEVICE)
     start = torch.tensor([0, 70], dtype=torch.int32, device=DEVICE)
-    twin = torch_decode(view, query, start, 128**-0.5)
-    tiles = fused_decode(view, query, start, 128**-0.5, split=96, block_tokens=block, variant="tiles")
-    gather = fused_decode(view, query, start, 128**-0.5, split=96, variant="gather")
+    twin = torch_decode(view, query, start, dim**-0.5)
+    tiles = fused_decode(view, query, start, dim**-0.5, split=96, block_tokens=block, variant="tiles")
+    gather = fused_decode(view, query, start, dim**-0.5, split=96, variant="gather")
     assert (tiles - twin).abs().max().item() < 1e-3 and (gather - twin).abs().max().item() < 1e-3
     if entries:
         bare = attrs.evolve(view, k_levels=(), v_levels=(), k_residual_basis=None, v_residual_basis=None)
-        assert (torch_decode(bare, query, start, 128**-0.5) - twin).abs().max().item() > 1e-2
+        assert (torch_decode(bare, query, start, dim**-0.5) - twin).abs().max().item() > 1e-2
 
 
 def test_the_tiles_pass_refuses_what_it_cannot_read_and_auto_takes_the_gather_pass(tmp_path):
