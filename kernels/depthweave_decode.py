@@ -151,9 +151,9 @@ def _level_args(levels: tuple[ResidualLevel, ...], dummy: torch.Tensor) -> tuple
     return args, meta
 
 
-def _packed_args(view, query, segments, start, m, l, acc, partials, heads, gq, dim, qk_scale) -> tuple[tuple, list, dict]:
-    """The packed-token pass's grid, arguments (both variants take them in the same order) and the constants they
-    share, writing partial (max, sum, output) slots ``(row * gq + g) * partials + segment`` of ``m``, ``l``, ``acc``."""
+def _packed_args(view, query, segments, start, m, l, acc, partials, heads, gq, dim, qk_scale) -> tuple[tuple, list, dict, list, dict]:
+    """The packed-token pass's grid, arguments (both variants take them in the same order), the constants they
+    share, the levels' ranks and the ``gather`` pass's per-level groups, writing partial (max, sum, output) slots ``(row * gq + g) * partials + segment`` of ``m``, ``l``, ``acc``."""
     batch = query.shape[0]
     rank = view.k_codes.shape[-1]
     dummy = placeholder(query.device)
@@ -194,14 +194,13 @@ def _packed_args(view, query, segments, start, m, l, acc, partials, heads, gq, d
         RANK0=k_meta[0], RANK1=k_meta[2], RANK2=k_meta[4],
         K_GATES=view.k_gates is not None, V_GATES=view.v_gates is not None,
     )
-    groups = dict(GROUP0=k_meta[1], GROUP1=k_meta[3], GROUP2=k_meta[5])
-    return (segments.shape[0], batch * heads), args, constants | {"levels": levels, "groups": groups}
+    return (segments.shape[0], batch * heads), args, constants, levels, dict(GROUP0=k_meta[1], GROUP1=k_meta[3], GROUP2=k_meta[5])
 
 
 def _launch_packed(view, query, segments, start, m, l, acc, partials, heads, gq, dim, qk_scale, block_tokens, num_warps, num_stages=None) -> None:
     """Launch the ``gather`` packed-token pass over ``segments`` (:func:`_packed_args`)."""
-    grid, args, constants = _packed_args(view, query, segments, start, m, l, acc, partials, heads, gq, dim, qk_scale)
-    levels, groups = constants.pop("levels"), constants.pop("groups")
+    grid, args, constants, levels, groups = _packed_args(view, query, segments, start, m, l, acc, partials, heads, gq,
+                                                         dim, qk_scale)
     jit._packed_split_kernel[grid](
         *args, GQP=_pow2(gq, 16), RP=_pow2(max(levels, default=1), 16), **constants, **groups, BLOCK_T=block_tokens,
         num_warps=num_warps, **({} if num_stages is None else {"num_stages": num_stages}),
@@ -254,8 +253,8 @@ def _launch_tiles(view, query, segments, start, m, l, acc, partials, heads, gq, 
     """Launch the ``tiles`` packed-token pass over ``segments`` (:mod:`kvweave.kernels.depthweave_tiles_triton`)."""
     if block_tokens not in (32, 64):
         raise ValueError(f"the tiles pass steps over 32 or 64 tokens (one or two tiles of the index), not {block_tokens}")
-    grid, args, constants = _packed_args(view, query, segments, start, m, l, acc, partials, heads, gq, dim, qk_scale)
-    levels, _ = constants.pop("levels"), constants.pop("groups")
+    grid, args, constants, levels, _ = _packed_args(view, query, segments, start, m, l, acc, partials, heads, gq, dim,
+                                                    qk_scale)
     rmax = max(levels, default=0)
     group = tiles_group(view)
     tiles_jit._tiles_kernel[grid](

@@ -22,7 +22,7 @@ except ImportError:  # pragma: no cover - exercised where triton is missing
     triton = None
 
 if triton is not None:
-    from kvweave.kernels.decode_triton import _popcount, _program
+    from kvweave.kernels.decode_triton import _level_rows, _popcount, _program, _rows
 
     @triton.jit
     def _popc(x, ASM: tl.constexpr):
@@ -108,20 +108,6 @@ if triton is not None:
         return tl.where(((c % step) == 0)[None, :], value, 0.0).to(tl.float16)
 
     @triton.jit
-    def _spread_rows(base, stride_r, d, RMAX: tl.constexpr, RP: tl.constexpr, TRANS: tl.constexpr):
-        """Rows ``0 .. RMAX - 1`` of a residual basis (``base``, row stride ``stride_r``) laid out as
-        :func:`_residual_tile` lays out coordinates (row ``c`` holds row ``c * RMAX / RP`` where ``RP / RMAX``
-        divides ``c``, else zeros), float16 [RP, D]; ``TRANS``: [D, RP]."""
-        c = tl.arange(0, RP)
-        step: tl.constexpr = RP // RMAX
-        used = (c % step) == 0
-        if TRANS:
-            rows = tl.load(base + (c // step)[None, :] * stride_r + d[:, None], mask=used[None, :], other=0.0)
-        else:
-            rows = tl.load(base + (c // step)[:, None] * stride_r + d[None, :], mask=used[:, None], other=0.0)
-        return rows.to(tl.float16)
-
-    @triton.jit
     def _tiles_kernel(
         q_ptr, seg_ptr, start_ptr,
         kc_ptr, ks_ptr, vc_ptr, vs_ptr, c_sb, c_sh, c_st, s_sb, s_sh, s_st,
@@ -154,11 +140,10 @@ if triton is not None:
         q = tl.load(q_ptr + (bh * GQ + gi)[None, :] * D + d[:, None]).to(tl.float32) * qk_scale  # [D, G]
         q16 = q.to(tl.float16)
         kb = kb_ptr + b64 * b_sb + h * b_sh + version * b_sv
-        basis = tl.load(kb + r[:, None] * b_sr + d[None, :], mask=(r < R)[:, None], other=0.0).to(tl.float16)
-        qp = tl.dot(basis, q16).to(tl.float16)
+        qp = tl.dot(_rows(kb, b_sr, R, RC, D).to(tl.float16), q16).to(tl.float16)
         qr = tl.zeros((RP, G), dtype=tl.float16)
-        if RMAX > 0:
-            kres = _spread_rows(krb_ptr + b64 * rb_sb + h * rb_sh, rb_sr, d, RMAX, RP, False)
+        if RMAX > 0:  # the residual basis's rows where the key tile has their coordinates (_residual_tile)
+            kres = _level_rows(krb_ptr + b64 * rb_sb + h * rb_sh, rb_sr, RMAX, RP, D).to(tl.float16)
             qr = (tl.dot(kres, q16) * k_gate).to(tl.float16)
 
         kc = kc_ptr + b64 * c_sb + h * c_sh
@@ -210,9 +195,8 @@ if triton is not None:
         tl.store(l_ptr + slot, tl.sum(l_i, axis=0), mask=g_ok)
         # back to head_dim: P_v^T (sum p c) + g R^T (sum p e), [D, G]
         vb = vb_ptr + b64 * b_sb + h * b_sh + version * b_sv
-        vbasis = tl.load(vb + r[None, :] * b_sr + d[:, None], mask=(r < R)[None, :], other=0.0).to(tl.float16)
-        out = tl.dot(vbasis, acc_c.to(tl.float16))
+        out = tl.dot(tl.trans(_rows(vb, b_sr, R, RC, D).to(tl.float16)), acc_c.to(tl.float16))
         if RMAX > 0:
-            vres = _spread_rows(vrb_ptr + b64 * rb_sb + h * rb_sh, rb_sr, d, RMAX, RP, True)
-            out = tl.dot(vres, (acc_r * v_gate).to(tl.float16), out)
+            vres = _level_rows(vrb_ptr + b64 * rb_sb + h * rb_sh, rb_sr, RMAX, RP, D).to(tl.float16)
+            out = tl.dot(tl.trans(vres), (acc_r * v_gate).to(tl.float16), out)
         tl.store(acc_ptr + slot[None, :] * D + d[:, None], out, mask=g_ok[None, :])
