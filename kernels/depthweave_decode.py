@@ -88,11 +88,10 @@ def fused_decode(
     if tokens and split is not None:
         segments = resplit(view.segments, split)
     n_seg = segments.shape[0] if tokens else 0
-    tiles = pick_variant(view, variant) == "tiles"
-    packed = n_seg * (TILES_SLOTS if tiles else 1)  # the packed-token pass's partials a query head
-    partials = packed + 1
+    partials = n_seg + 1
     m, l, acc = _prepare(view, query, partials)
     qk_scale = float(scale) * LOG2E
+    tiles = pick_variant(view, variant) == "tiles"
     if n_seg:
         block = 64 if block_tokens is None else block_tokens
         warps = 1 if num_warps is None else num_warps
@@ -103,7 +102,7 @@ def fused_decode(
         raise ValueError("the exact window's keys and values must share one layout, contiguous along head_dim")
     jit._exact_split_kernel[(batch * heads,)](
         query, start, exact, view.exact_v, exact.stride(0), exact.stride(1), exact.stride(2), exact.shape[-2], tokens,
-        m, l, acc, partials, packed, heads, qk_scale,
+        m, l, acc, partials, n_seg, heads, qk_scale,
         GQ=gq, GQP=_pow2(gq, 16), D=dim, BLOCK=32,
     )
     out = torch.empty(batch, q_heads, dim, dtype=query.dtype, device=device)
@@ -121,18 +120,16 @@ def fused_packed_logsumexp(
     (eight by default, so 32 columns a KV head at GQA 4), which the ``tiles`` pass was not timed with."""
     batch, q_heads, dim = query.shape
     n_seg = view.segments.shape[0] if view.packed_tokens else 0
-    tiles = pick_variant(view, variant) == "tiles"
-    packed = n_seg * (TILES_SLOTS if tiles else 1)
-    m, l, acc = _prepare(view, query, packed)
+    m, l, acc = _prepare(view, query, n_seg)
     if not n_seg:
         return query.new_full((batch, q_heads), float("-inf"), dtype=torch.float32)
     heads = view.exact_k.shape[1]
     gq = q_heads // heads
     start = torch.zeros(batch, dtype=torch.int32, device=query.device)
-    launch = _launch_tiles if tiles else _launch_packed
-    launch(view, query.contiguous(), view.segments, start, m, l, acc, packed, heads, gq, dim, float(scale) * LOG2E,
+    launch = _launch_tiles if pick_variant(view, variant) == "tiles" else _launch_packed
+    launch(view, query.contiguous(), view.segments, start, m, l, acc, n_seg, heads, gq, dim, float(scale) * LOG2E,
            block_tokens, num_warps, num_stages)
-    m, l = m.view(batch, q_heads, packed), l.view(batch, q_heads, packed)
+    m, l = m.view(batch, q_heads, n_seg), l.view(batch, q_heads, n_seg)
     top = m.amax(dim=-1, keepdim=True)
     total = (l * torch.exp2(m - top)).sum(dim=-1)
     return torch.where(total > 0, (top.squeeze(-1) + torch.log2(total)) / LOG2E, float("-inf"))
@@ -240,7 +237,6 @@ def tiles_group(view: DecodeView) -> int:
 
 
 VARIANTS = ("auto", "tiles", "gather")
-TILES_SLOTS = 2  # partials a segment and query head of the tiles pass: the tokens of each step's two halves
 
 
 def pick_variant(view: DecodeView, variant: str) -> str:
@@ -262,7 +258,7 @@ def _launch_tiles(view, query, segments, start, m, l, acc, partials, heads, gq, 
     rmax = max(levels, default=0)
     group = tiles_group(view)
     tiles_jit._tiles_kernel[grid](
-        *args, G=_pow2(gq, 4), W=2 * _pow2(rmax, 8), RMAX=rmax, GROUP=group, **constants, BLOCK=block_tokens,
+        *args, G=_pow2(gq, 8), RP=_pow2(max(rmax, 1), 16), RMAX=rmax, GROUP=group, **constants, BLOCK=block_tokens,
         ASM=query.is_cuda and os.environ.get("TRITON_INTERPRET") != "1", num_warps=num_warps,
         **({} if num_stages is None else {"num_stages": num_stages}),
     )

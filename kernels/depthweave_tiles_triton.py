@@ -22,7 +22,7 @@ except ImportError:  # pragma: no cover - exercised where triton is missing
     triton = None
 
 if triton is not None:
-    from kvweave.kernels.decode_triton import _popcount, _program, _rows
+    from kvweave.kernels.decode_triton import _level_rows, _popcount, _program, _rows
 
     @triton.jit
     def _popc(x, ASM: tl.constexpr):
@@ -54,13 +54,21 @@ if triton is not None:
         return out
 
     @triton.jit
-    def _level_words(pk_ptr, sc_ptr, first, mask, t, inside, cw, sw, RANK: tl.constexpr, GROUP: tl.constexpr,
-                     CW64: tl.constexpr, SW64: tl.constexpr, ASM: tl.constexpr):
-        """``cw``, ``sw`` with one level's code word and scale word put in at the tokens ``t`` (their places in one
-        32-token tile of the index, whose first entry and bit mask are ``first`` and ``mask``) that have an entry
-        there: the entry of token ``i`` is ``first + popcount(mask & (2^i - 1))``."""
+    def _level_words(pk_ptr, sc_ptr, ts_ptr, tm_ptr, row, t0, hi, t, inside, cw, sw, RANK: tl.constexpr,
+                     GROUP: tl.constexpr, BLOCK: tl.constexpr, CW64: tl.constexpr, SW64: tl.constexpr,
+                     ASM: tl.constexpr):
+        """``cw``, ``sw`` [BLOCK] with one level's code word and scale word put in at the step's tokens ``t0 + t`` that
+        have an entry there. ``row``: the level's tile-index row; a step's one or two 32-token tiles are read as
+        scalars, and the entry of token ``32 j + i`` is ``start[j] + popcount(mask[j] & (2^i - 1))``."""
         if RANK > 0:
-            bit = t.to(tl.uint32)
+            tile = row + t0 // 32
+            first = tl.load(ts_ptr + tile)
+            mask = tl.load(tm_ptr + tile).to(tl.uint32, bitcast=True)
+            if BLOCK == 64:  # the second tile, where the segment holds it
+                ahead = t0 + 32 < hi
+                first = tl.where(t < 32, first, tl.load(ts_ptr + tile + 1, mask=ahead, other=0))
+                mask = tl.where(t < 32, mask, tl.load(tm_ptr + tile + 1, mask=ahead, other=0).to(tl.uint32, bitcast=True))
+            bit = (t % 32).to(tl.uint32)
             present = inside & (((mask >> bit) & 1) != 0)
             below = mask & ((tl.full(bit.shape, 1, tl.uint32) << bit) - 1)
             entry = first + _popc(below, ASM)  # loaded only where present: a level without entries may point nowhere
@@ -71,80 +79,33 @@ if triton is not None:
         return cw, sw
 
     @triton.jit
-    def _tile_words(ts_ptr, tm_ptr, pk_ptr, sc_ptr, tile, live, t, inside, cw, sw, RANK: tl.constexpr,
-                    GROUP: tl.constexpr, CW64: tl.constexpr, SW64: tl.constexpr, ASM: tl.constexpr):
-        """:func:`_level_words` for the tokens ``t`` of tile ``tile`` of one level's index, read as two scalars where
-        ``live`` (the segment holds the tile)."""
-        if RANK > 0:
-            first = tl.load(ts_ptr + tile, mask=live, other=0)
-            mask = tl.load(tm_ptr + tile, mask=live, other=0).to(tl.uint32, bitcast=True)
-            cw, sw = _level_words(pk_ptr, sc_ptr, first, mask, t, inside, cw, sw, RANK, GROUP, CW64, SW64, ASM)
-        return cw, sw
-
-    @triton.jit
-    def _merged_words(p0, s0, i0, m0, p1, s1, i1, m1, p2, s2, i2, m2, tile, live, t, inside, RANK0: tl.constexpr,
-                      RANK1: tl.constexpr, RANK2: tl.constexpr, GROUP: tl.constexpr, CW64: tl.constexpr,
-                      SW64: tl.constexpr, ASM: tl.constexpr):
-        """Each token's residual code word and scale word (zeros without an entry) over the levels, for the tokens
-        ``t`` of the index's tile ``tile`` where ``live`` (a token has at most one entry a kind)."""
+    def _merged_words(p0, s0, i0, m0, p1, s1, i1, m1, p2, s2, i2, m2, row, t0, hi, t, inside, RANK0: tl.constexpr,
+                      RANK1: tl.constexpr, RANK2: tl.constexpr, GROUP: tl.constexpr, BLOCK: tl.constexpr,
+                      CW64: tl.constexpr, SW64: tl.constexpr, ASM: tl.constexpr):
+        """Each token's residual code word and scale word ([BLOCK], zeros without an entry) over the levels."""
         cw = _as_word(tl.zeros(t.shape, tl.uint32), CW64)
         sw = _as_word(tl.zeros(t.shape, tl.uint32), SW64)
-        cw, sw = _tile_words(i0, m0, p0, s0, tile, live, t, inside, cw, sw, RANK0, GROUP, CW64, SW64, ASM)
-        cw, sw = _tile_words(i1, m1, p1, s1, tile, live, t, inside, cw, sw, RANK1, GROUP, CW64, SW64, ASM)
-        cw, sw = _tile_words(i2, m2, p2, s2, tile, live, t, inside, cw, sw, RANK2, GROUP, CW64, SW64, ASM)
+        cw, sw = _level_words(p0, s0, i0, m0, row, t0, hi, t, inside, cw, sw, RANK0, GROUP, BLOCK, CW64, SW64, ASM)
+        cw, sw = _level_words(p1, s1, i1, m1, row, t0, hi, t, inside, cw, sw, RANK1, GROUP, BLOCK, CW64, SW64, ASM)
+        cw, sw = _level_words(p2, s2, i2, m2, row, t0, hi, t, inside, cw, sw, RANK2, GROUP, BLOCK, CW64, SW64, ASM)
         return cw, sw
 
-    # A pair of residual coordinates as float16 in one register: the low nibbles of two pre-shifted code words side by
-    # side under the bits of float16 1024 (one byte permute, one three-input logic operation), less 1032, times the
-    # low halves of two pre-shifted scale words side by side.
-    _PAIR_TEXT = tl.constexpr(
-        "{ .reg .b32 t, u, o; prmt.b32 t, $1, $2, 0x5410; lop3.b32 t, t, 0x000F000F, 0x64006400, 0xEA; "
-        "prmt.b32 u, $3, $4, 0x5410; mov.b32 o, 0x64086408; sub.rn.f16x2 t, t, o; mul.rn.f16x2 $0, t, u; }")
-
     @triton.jit
-    def _halves(word_a, word_b, lower, W: tl.constexpr, WIDE: tl.constexpr):
-        """[P, W] 32-bit words: column ``c`` holds half ``a`` (``c < W / 2``) or ``b``'s word, its low 32 bits where
-        ``lower`` [W], else (``WIDE``: 64-bit words) its high 32 bits."""
-        first = (tl.arange(0, W) < W // 2)[None, :]
-        if WIDE:
-            a = tl.where(lower[None, :], word_a.to(tl.uint32)[:, None], (word_a >> 32).to(tl.uint32)[:, None])
-            b = tl.where(lower[None, :], word_b.to(tl.uint32)[:, None], (word_b >> 32).to(tl.uint32)[:, None])
-            out = tl.where(first, a, b)
-        else:
-            out = tl.where(first, word_a.to(tl.uint32)[:, None], word_b.to(tl.uint32)[:, None])
-        return out
-
-    @triton.jit
-    def _residual_tile(cw_a, sw_a, cw_b, sw_b, RMAX: tl.constexpr, W: tl.constexpr, GROUP: tl.constexpr,
-                       CW64: tl.constexpr, SW64: tl.constexpr, ASM: tl.constexpr):
-        """The residual coordinates (float16) of two halves of a step's tokens as one tile [P, W]: row ``i`` holds token
-        ``i`` of half ``a`` (words ``cw_a``, ``sw_a``) in columns ``c < W / 2`` and token ``i`` of half ``b`` in the
-        others. Column ``c`` holds coordinate ``k = (c mod W / 2) mod RMAX`` (nibble ``k`` of the code word less 8,
-        times half ``k // GROUP`` of the scale word): columns that repeat a coordinate meet zero rows of the bases,
-        with nothing to clear. Coordinates past a token's rank meet a zero scale: its scale word ends there, every
-        level's rank being a multiple of ``GROUP``. Each column's code and scale words come shifted to that
-        coordinate as 32-bit numbers; with ``ASM`` (a GPU) each pair of a thread's adjacent elements is then made in
-        one register by :data:`_PAIR_TEXT` in whichever layout the product reads the tile, rows or columns; else
-        ``1024 + nibble`` is made from its bits, less 1032, one element at a time."""
-        k = (tl.arange(0, W) % (W // 2)) % RMAX
-        words = _halves(cw_a, cw_b, k < 8, W, CW64) >> (4 * (k % 8)).to(tl.uint32)[None, :]
-        j = k // GROUP  # the coordinate's scale
-        halves = _halves(sw_a, sw_b, j < 2, W, SW64) >> (16 * (j % 2)).to(tl.uint32)[None, :]
-        if ASM:
-            value = tl.inline_asm_elementwise(_PAIR_TEXT, "=r,r,r,r,r", [words, halves], dtype=tl.float16,
-                                              is_pure=True, pack=2)
-        else:
-            code = ((words & 15).to(tl.uint16) | 0x6400).to(tl.float16, bitcast=True) - 1032.0
-            value = code * (halves & 0xFFFF).to(tl.uint16).to(tl.float16, bitcast=True)
-        return value
-
-    @triton.jit
-    def _pair_rows(base_ptr, stride_r, RANK: tl.constexpr, W: tl.constexpr, D: tl.constexpr):
-        """A basis's rows for the tiles whose columns ``c`` hold coordinate ``(c mod W / 2) mod RANK``: row ``c mod
-        W / 2`` of the basis where it is below ``RANK``, zeros elsewhere (the repeated columns). [W, D] float16."""
-        c = tl.arange(0, W) % (W // 2)
-        d = tl.arange(0, D)
-        return tl.load(base_ptr + c[:, None] * stride_r + d[None, :], mask=(c < RANK)[:, None], other=0.0).to(tl.float16)
+    def _residual_tile(cw, sw, RMAX: tl.constexpr, RP: tl.constexpr, GROUP: tl.constexpr):
+        """The residual coordinates (float16) of the tokens whose words are ``cw``, ``sw``, as [BLOCK, RP]: coordinate
+        ``k`` (nibble ``k`` of the code word less 8, times half ``k // GROUP`` of the scale word) in column
+        ``k * RP / RMAX``, zeros between. Coordinates past a token's rank meet a zero scale: its scale word ends there,
+        every level's rank being a multiple of ``GROUP``. The numbers are made in float16: ``1024 + nibble`` from its
+        bits, less 1032. (Made [BLOCK, RMAX] and spread by joins with zeros, the tile came out in another column order
+        on the GPU than in the interpreter; the zeros are written instead.)"""
+        c = tl.arange(0, RP)
+        step: tl.constexpr = RP // RMAX
+        k = c // step
+        nib = (cw[:, None] >> (4 * k).to(cw.dtype)[None, :]) & 15
+        half = (sw[:, None] >> (16 * (k // GROUP)).to(sw.dtype)[None, :]) & 0xFFFF
+        code = (nib.to(tl.uint16) | 0x6400).to(tl.float16, bitcast=True) - 1032.0
+        value = code * half.to(tl.uint16).to(tl.float16, bitcast=True)
+        return tl.where(((c % step) == 0)[None, :], value, 0.0).to(tl.float16)
 
     @triton.jit
     def _tiles_kernel(
@@ -156,126 +117,86 @@ if triton is not None:
         v0_pk, v0_sc, v0_ts, v0_tm, v1_pk, v1_sc, v1_ts, v1_tm, v2_pk, v2_sc, v2_ts, v2_tm,
         m_ptr, l_ptr, acc_ptr, partials, H, tiles, qk_scale,
         GQ: tl.constexpr, G: tl.constexpr, D: tl.constexpr, R: tl.constexpr, RC: tl.constexpr, RB: tl.constexpr,
-        W: tl.constexpr, RMAX: tl.constexpr, RANK0: tl.constexpr, RANK1: tl.constexpr, RANK2: tl.constexpr,
+        RP: tl.constexpr, RMAX: tl.constexpr, RANK0: tl.constexpr, RANK1: tl.constexpr, RANK2: tl.constexpr,
         GROUP: tl.constexpr, K_GATES: tl.constexpr, V_GATES: tl.constexpr, BLOCK: tl.constexpr,
         ASM: tl.constexpr,
     ):
         """One program per (segment, batch row x KV head), as the gather kernel's (its arguments, in the same order,
-        are documented there). A step's ``BLOCK`` tokens are two halves, ``a`` (the first ``BLOCK / 2``) and ``b``;
-        the tiles' rows are token pairs (token ``i`` of each half) and their ``2 G`` columns the query heads of half
-        ``a``, then of half ``b`` (``G``: the ``GQ`` heads padded to a power of two >= 4; a padding column repeats the
-        last real head and is never written). Each column keeps its own softmax and writes its own partial: slots
-        ``2 * segment`` (half ``a``'s tokens of every step) and ``2 * segment + 1`` (half ``b``'s). ``RMAX``: the
-        largest level's rank; ``W``: the residual tiles' width, twice ``RMAX`` rounded up to a power of two >= 8;
-        ``GROUP``: the int4 channels per scale of every level; ``ASM``: a GPU (population counts and coordinate pairs
-        in one instruction each)."""
+        are documented there); ``G`` tile columns for the ``GQ`` query heads, ``RMAX`` the largest level's rank,
+        ``RP`` its padding (a power of two >= 16), ``GROUP`` the int4 channels per scale of every level, ``ASM``:
+        hardware population counts (a GPU)."""
         seg, bh, b, h, lo, hi, version, first_valid, k_gate, v_gate = _program(seg_ptr, start_ptr, kg_ptr, vg_ptr, H,
                                                                                K_GATES, V_GATES)
         ONE_SCALE: tl.constexpr = RB >= R
         CW64: tl.constexpr = RMAX > 8  # a code word of 16 nibbles
         SW64: tl.constexpr = RMAX // GROUP > 2  # a scale word of 4 halves
-        HALF: tl.constexpr = BLOCK // 2
-        col = tl.arange(0, 2 * G)
-        in_a = col < G  # the columns of half a
-        gi = tl.minimum(col % G, GQ - 1)  # the query head of each column (padding: the last one)
-        g_ok = (col % G) < GQ
+        gi = tl.minimum(tl.arange(0, G), GQ - 1)  # the query head of each column (padding: the last one)
+        g_ok = tl.arange(0, G) < GQ
         r = tl.arange(0, RC)
         d = tl.arange(0, D)
-        i = tl.arange(0, HALF)
+        t = tl.arange(0, BLOCK)
         b64 = b.to(tl.int64)
-        # the query in coefficient space for each half's columns: P_v q^T [RC, 2 G] with the other half's columns zero
-        q = tl.load(q_ptr + (bh * GQ + gi)[None, :] * D + d[:, None]).to(tl.float32) * qk_scale  # [D, 2 G]
+        # the query in coefficient space, columns the query heads: qp = P_v q^T [RC, G], qr = g R q^T [RP, G]
+        q = tl.load(q_ptr + (bh * GQ + gi)[None, :] * D + d[:, None]).to(tl.float32) * qk_scale  # [D, G]
         q16 = q.to(tl.float16)
         kb = kb_ptr + b64 * b_sb + h * b_sh + version * b_sv
-        qp = tl.dot(_rows(kb, b_sr, R, RC, D).to(tl.float16), q16)
-        qp_a = tl.where(in_a[None, :], qp, 0.0).to(tl.float16)
-        qp_b = tl.where(in_a[None, :], 0.0, qp).to(tl.float16)
-        qr = tl.zeros((W, 2 * G), dtype=tl.float16)
-        if RMAX > 0:  # g R q^T on the residual tile's columns: half a's coordinates meet half a's query heads
-            qr = tl.dot(_pair_rows(krb_ptr + b64 * rb_sb + h * rb_sh, rb_sr, RMAX, W, D), q16) * k_gate
-            own = (tl.arange(0, W) < W // 2)[:, None] == in_a[None, :]
-            qr = tl.where(own, qr, 0.0).to(tl.float16)
+        qp = tl.dot(_rows(kb, b_sr, R, RC, D).to(tl.float16), q16).to(tl.float16)
+        qr = tl.zeros((RP, G), dtype=tl.float16)
+        if RMAX > 0:  # the residual basis's rows where the key tile has their coordinates (_residual_tile)
+            kres = _level_rows(krb_ptr + b64 * rb_sb + h * rb_sh, rb_sr, RMAX, RP, D).to(tl.float16)
+            qr = (tl.dot(kres, q16) * k_gate).to(tl.float16)
 
         kc = kc_ptr + b64 * c_sb + h * c_sh
         vc = vc_ptr + b64 * c_sb + h * c_sh
         ks = ks_ptr + b64 * s_sb + h * s_sh
         vs = vs_ptr + b64 * s_sb + h * s_sh
         row = bh * tiles
-        m_i = tl.full((2 * G,), -1.0e30, dtype=tl.float32)
-        l_i = tl.zeros((HALF, 2 * G), dtype=tl.float32)  # per slot: summed once after the loop
-        acc_c = tl.zeros((RC, 2 * G), dtype=tl.float32)
-        acc_r = tl.zeros((W, 2 * G), dtype=tl.float32)
+        m_i = tl.full((G,), -1.0e30, dtype=tl.float32)
+        l_i = tl.zeros((BLOCK, G), dtype=tl.float32)  # per slot: summed once after the loop
+        acc_c = tl.zeros((RC, G), dtype=tl.float32)
+        acc_r = tl.zeros((RP, G), dtype=tl.float32)
         for t0 in range(lo, hi, BLOCK):
-            tok_a = t0 + i
-            tok_b = tok_a + HALF
-            inside_a = tok_a < hi
-            inside_b = tok_b < hi
-            ok = tl.where(in_a[None, :], (inside_a & (tok_a >= first_valid))[:, None],
-                          (inside_b & (tok_b >= first_valid))[:, None])
-            ck_a = tl.load(kc + tok_a[:, None] * c_st + r[None, :], mask=inside_a[:, None] & (r < R)[None, :], other=0)
-            ck_b = tl.load(kc + tok_b[:, None] * c_st + r[None, :], mask=inside_b[:, None] & (r < R)[None, :], other=0)
+            tok = t0 + t
+            inside = tok < hi
+            ok = inside & (tok >= first_valid)
+            ck = tl.load(kc + tok[:, None] * c_st + r[None, :], mask=inside[:, None] & (r < R)[None, :], other=0)
             if ONE_SCALE:
-                ks_a = tl.load(ks + tok_a * s_st, mask=inside_a, other=0.0).to(tl.float32)
-                ks_b = tl.load(ks + tok_b * s_st, mask=inside_b, other=0.0).to(tl.float32)
-                s = tl.dot(ck_b.to(tl.float16), qp_b, tl.dot(ck_a.to(tl.float16), qp_a))
-                s = s * tl.where(in_a[None, :], ks_a[:, None], ks_b[:, None])  # [HALF, 2 G]
+                k_scale = tl.load(ks + tok * s_st, mask=inside, other=0.0).to(tl.float32)
+                s = tl.dot(ck.to(tl.float16), qp) * k_scale[:, None]  # [BLOCK, G]
             else:
-                kbs_a = tl.load(ks + tok_a[:, None] * s_st + (r // RB)[None, :],
-                                mask=inside_a[:, None] & (r < R)[None, :], other=0.0)
-                kbs_b = tl.load(ks + tok_b[:, None] * s_st + (r // RB)[None, :],
-                                mask=inside_b[:, None] & (r < R)[None, :], other=0.0)
-                s = tl.dot(ck_a.to(tl.float16) * kbs_a.to(tl.float16), qp_a)
-                s = tl.dot(ck_b.to(tl.float16) * kbs_b.to(tl.float16), qp_b, s)
+                kbs = tl.load(ks + tok[:, None] * s_st + (r // RB)[None, :], mask=inside[:, None] & (r < R)[None, :],
+                              other=0.0)
+                s = tl.dot(ck.to(tl.float16) * kbs.to(tl.float16), qp)
             if RMAX > 0:
-                tile = row + t0 // 32
-                tile_b = tile + (HALF // 32)  # a 32-token step's halves share a tile of the index
-                cw_a, sw_a = _merged_words(k0_pk, k0_sc, k0_ts, k0_tm, k1_pk, k1_sc, k1_ts, k1_tm, k2_pk, k2_sc, k2_ts,
-                                           k2_tm, tile, True, i, inside_a, RANK0, RANK1, RANK2, GROUP, CW64, SW64, ASM)
-                cw_b, sw_b = _merged_words(k0_pk, k0_sc, k0_ts, k0_tm, k1_pk, k1_sc, k1_ts, k1_tm, k2_pk, k2_sc, k2_ts,
-                                           k2_tm, tile_b, t0 + HALF < hi, (i + HALF) % 32, inside_b, RANK0, RANK1, RANK2, GROUP, CW64,
-                                           SW64, ASM)
-                s = tl.dot(_residual_tile(cw_a, sw_a, cw_b, sw_b, RMAX, W, GROUP, CW64, SW64, ASM), qr, s)
-            s = tl.where(ok, s, -1.0e30)
+                cw, sw = _merged_words(k0_pk, k0_sc, k0_ts, k0_tm, k1_pk, k1_sc, k1_ts, k1_tm, k2_pk, k2_sc, k2_ts,
+                                       k2_tm, row, t0, hi, t, inside, RANK0, RANK1, RANK2, GROUP, BLOCK, CW64, SW64, ASM)
+                s = tl.dot(_residual_tile(cw, sw, RMAX, RP, GROUP), qr, s)
+            s = tl.where(ok[:, None], s, -1.0e30)
             m_new = tl.maximum(m_i, tl.max(s, axis=0))
             alpha = tl.exp2(m_i - m_new)
-            p = tl.where(ok, tl.exp2(s - m_new[None, :]), 0.0)  # [HALF, 2 G]
+            p = tl.where(ok[:, None], tl.exp2(s - m_new[None, :]), 0.0)  # [BLOCK, G]
             l_i = l_i * alpha[None, :] + p
             m_i = m_new
-            cv_a = tl.load(vc + tok_a[None, :] * c_st + r[:, None], mask=inside_a[None, :] & (r < R)[:, None], other=0)
-            cv_b = tl.load(vc + tok_b[None, :] * c_st + r[:, None], mask=inside_b[None, :] & (r < R)[:, None], other=0)
+            cv = tl.load(vc + tok[None, :] * c_st + r[:, None], mask=inside[None, :] & (r < R)[:, None], other=0)
             if ONE_SCALE:
-                vs_a = tl.load(vs + tok_a * s_st, mask=inside_a, other=0.0).to(tl.float32)
-                vs_b = tl.load(vs + tok_b * s_st, mask=inside_b, other=0.0).to(tl.float32)
-                pv = p * tl.where(in_a[None, :], vs_a[:, None], vs_b[:, None])
-                acc_c = tl.dot(cv_a.to(tl.float16), tl.where(in_a[None, :], pv, 0.0).to(tl.float16), acc_c * alpha[None, :])
-                acc_c = tl.dot(cv_b.to(tl.float16), tl.where(in_a[None, :], 0.0, pv).to(tl.float16), acc_c)
+                v_scale = tl.load(vs + tok * s_st, mask=inside, other=0.0).to(tl.float32)
+                acc_c = tl.dot(cv.to(tl.float16), (p * v_scale[:, None]).to(tl.float16), acc_c * alpha[None, :])
             else:
-                vbs_a = tl.load(vs + tok_a[None, :] * s_st + (r // RB)[:, None],
-                                mask=inside_a[None, :] & (r < R)[:, None], other=0.0)
-                vbs_b = tl.load(vs + tok_b[None, :] * s_st + (r // RB)[:, None],
-                                mask=inside_b[None, :] & (r < R)[:, None], other=0.0)
-                acc_c = tl.dot(cv_a.to(tl.float16) * vbs_a.to(tl.float16), tl.where(in_a[None, :], p, 0.0).to(tl.float16),
-                               acc_c * alpha[None, :])
-                acc_c = tl.dot(cv_b.to(tl.float16) * vbs_b.to(tl.float16), tl.where(in_a[None, :], 0.0, p).to(tl.float16),
-                               acc_c)
+                vbs = tl.load(vs + tok[None, :] * s_st + (r // RB)[:, None], mask=inside[None, :] & (r < R)[:, None],
+                              other=0.0)
+                acc_c = tl.dot(cv.to(tl.float16) * vbs.to(tl.float16), p.to(tl.float16), acc_c * alpha[None, :])
             if RMAX > 0:
-                cw_a, sw_a = _merged_words(v0_pk, v0_sc, v0_ts, v0_tm, v1_pk, v1_sc, v1_ts, v1_tm, v2_pk, v2_sc, v2_ts,
-                                           v2_tm, tile, True, i, inside_a, RANK0, RANK1, RANK2, GROUP, CW64, SW64, ASM)
-                cw_b, sw_b = _merged_words(v0_pk, v0_sc, v0_ts, v0_tm, v1_pk, v1_sc, v1_ts, v1_tm, v2_pk, v2_sc, v2_ts,
-                                           v2_tm, tile_b, t0 + HALF < hi, (i + HALF) % 32, inside_b, RANK0, RANK1, RANK2, GROUP, CW64,
-                                           SW64, ASM)
-                e = _residual_tile(cw_a, sw_a, cw_b, sw_b, RMAX, W, GROUP, CW64, SW64, ASM)
-                acc_r = tl.dot(tl.trans(e), p.to(tl.float16), acc_r * alpha[None, :])  # half-crossing sums cleared below
+                cw, sw = _merged_words(v0_pk, v0_sc, v0_ts, v0_tm, v1_pk, v1_sc, v1_ts, v1_tm, v2_pk, v2_sc, v2_ts,
+                                       v2_tm, row, t0, hi, t, inside, RANK0, RANK1, RANK2, GROUP, BLOCK, CW64, SW64, ASM)
+                acc_r = tl.dot(tl.trans(_residual_tile(cw, sw, RMAX, RP, GROUP)), p.to(tl.float16), acc_r * alpha[None, :])
 
-        slot = (bh * GQ + gi) * partials + 2 * seg + (col >= G).to(tl.int32)
+        slot = (bh * GQ + gi) * partials + seg
         tl.store(m_ptr + slot, m_i, mask=g_ok)
         tl.store(l_ptr + slot, tl.sum(l_i, axis=0), mask=g_ok)
-        # back to head_dim: P_v^T (sum p c) + g R^T (sum p e), [D, 2 G]
+        # back to head_dim: P_v^T (sum p c) + g R^T (sum p e), [D, G]
         vb = vb_ptr + b64 * b_sb + h * b_sh + version * b_sv
         out = tl.dot(tl.trans(_rows(vb, b_sr, R, RC, D).to(tl.float16)), acc_c.to(tl.float16))
         if RMAX > 0:
-            own = (tl.arange(0, W) < W // 2)[:, None] == in_a[None, :]
-            acc_r = tl.where(own, acc_r * v_gate, 0.0)
-            out = tl.dot(tl.trans(_pair_rows(vrb_ptr + b64 * rb_sb + h * rb_sh, rb_sr, RMAX, W, D)),
-                         acc_r.to(tl.float16), out)
+            vres = _level_rows(vrb_ptr + b64 * rb_sb + h * rb_sh, rb_sr, RMAX, RP, D).to(tl.float16)
+            out = tl.dot(tl.trans(vres), (acc_r * v_gate).to(tl.float16), out)
         tl.store(acc_ptr + slot[None, :] * D + d[:, None], out, mask=g_ok[None, :])
