@@ -143,7 +143,7 @@ def main() -> None:
     parser.add_argument("--pipeline", default="depthweave-kv")
     parser.add_argument("--reps", type=int, default=50)
     parser.add_argument("--block-tokens", type=int, default=64, help="tokens per loop iteration of the kernel")
-    parser.add_argument("--num-warps", type=int, default=None, help="warps per kernel program (default: the variant's, 4 tiles / 1 gather)")
+    parser.add_argument("--num-warps", type=int, default=None, help="warps per kernel program (default: fused_decode's, 1 for either pass)")
     parser.add_argument("--variants", default="tiles", help="packed-token passes to time, comma-separated: tiles, gather")
     parser.add_argument("--split", type=int, default=None, help="tokens per program (default: the cache's segments)")
     parser.add_argument("--out", default="results/decode_kernel")
