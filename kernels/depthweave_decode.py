@@ -238,6 +238,15 @@ def tiles_group(view: DecodeView) -> int:
 
 VARIANTS = ("auto", "tiles", "gather")
 
+#: the ``tiles`` pass reads a step's residual words as a column [BLOCK, 1], in the layout its residual tile is made in
+#: (:func:`kvweave.kernels.depthweave_tiles_triton._tiles_kernel`). Off until timed on a GPU: built for sm_90 it holds
+#: 1,097 loop instructions at 102 registers against 1,389 at 168 (docs/kernels.md, "The tiles pass's residual words
+#: as columns, and a step ahead")
+TILES_COLUMNS = False
+#: the ``tiles`` pass loads each step's residual words during the step before. Off until timed on a GPU (the same
+#: section)
+TILES_AHEAD = False
+
 
 def pick_variant(view: DecodeView, variant: str) -> str:
     """The packed-token pass ``variant`` names for ``view`` (``auto``: ``tiles`` unless :func:`tiles_refusal`)."""
@@ -259,6 +268,7 @@ def _launch_tiles(view, query, segments, start, m, l, acc, partials, heads, gq, 
     group = tiles_group(view)
     tiles_jit._tiles_kernel[grid](
         *args, G=_pow2(gq, 8), RP=_pow2(max(rmax, 1), 16), RMAX=rmax, GROUP=group, **constants, BLOCK=block_tokens,
-        ASM=query.is_cuda and os.environ.get("TRITON_INTERPRET") != "1", num_warps=num_warps,
+        ASM=query.is_cuda and os.environ.get("TRITON_INTERPRET") != "1", COLUMNS=TILES_COLUMNS, AHEAD=TILES_AHEAD,
+        num_warps=num_warps,
         **({} if num_stages is None else {"num_stages": num_stages}),
     )

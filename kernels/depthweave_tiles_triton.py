@@ -62,8 +62,9 @@ if triton is not None:
         scalars, and the entry of token ``32 j + i`` is ``start[j] + popcount(mask[j] & (2^i - 1))``."""
         if RANK > 0:
             tile = row + t0 // 32
-            first = tl.load(ts_ptr + tile)
-            mask = tl.load(tm_ptr + tile).to(tl.uint32, bitcast=True)
+            live = t0 < hi  # a step read ahead may lie past the segment (and past the index's last row)
+            first = tl.load(ts_ptr + tile, mask=live, other=0)
+            mask = tl.load(tm_ptr + tile, mask=live, other=0).to(tl.uint32, bitcast=True)
             if BLOCK == 64:  # the second tile, where the segment holds it
                 ahead = t0 + 32 < hi
                 first = tl.where(t < 32, first, tl.load(ts_ptr + tile + 1, mask=ahead, other=0))
@@ -91,8 +92,9 @@ if triton is not None:
         return cw, sw
 
     @triton.jit
-    def _residual_tile(cw, sw, RMAX: tl.constexpr, RP: tl.constexpr, GROUP: tl.constexpr):
-        """The residual coordinates (float16) of the tokens whose words are ``cw``, ``sw``, as [BLOCK, RP]: coordinate
+    def _residual_tile(cw, sw, RMAX: tl.constexpr, RP: tl.constexpr, GROUP: tl.constexpr, COLUMNS: tl.constexpr):
+        """The residual coordinates (float16) of the tokens whose words are ``cw``, ``sw`` ([BLOCK], or [BLOCK, 1] with
+        ``COLUMNS``), as [BLOCK, RP]: coordinate
         ``k`` (nibble ``k`` of the code word less 8, times half ``k // GROUP`` of the scale word) in column
         ``k * RP / RMAX``, zeros between. Coordinates past a token's rank meet a zero scale: its scale word ends there,
         every level's rank being a multiple of ``GROUP``. The numbers are made in float16: ``1024 + nibble`` from its
@@ -101,8 +103,11 @@ if triton is not None:
         c = tl.arange(0, RP)
         step: tl.constexpr = RP // RMAX
         k = c // step
-        nib = (cw[:, None] >> (4 * k).to(cw.dtype)[None, :]) & 15
-        half = (sw[:, None] >> (16 * (k // GROUP)).to(sw.dtype)[None, :]) & 0xFFFF
+        if not COLUMNS:
+            cw = cw[:, None]
+            sw = sw[:, None]
+        nib = (cw >> (4 * k).to(cw.dtype)[None, :]) & 15
+        half = (sw >> (16 * (k // GROUP)).to(sw.dtype)[None, :]) & 0xFFFF
         code = (nib.to(tl.uint16) | 0x6400).to(tl.float16, bitcast=True) - 1032.0
         value = code * half.to(tl.uint16).to(tl.float16, bitcast=True)
         return tl.where(((c % step) == 0)[None, :], value, 0.0).to(tl.float16)
@@ -119,12 +124,17 @@ if triton is not None:
         GQ: tl.constexpr, G: tl.constexpr, D: tl.constexpr, R: tl.constexpr, RC: tl.constexpr, RB: tl.constexpr,
         RP: tl.constexpr, RMAX: tl.constexpr, RANK0: tl.constexpr, RANK1: tl.constexpr, RANK2: tl.constexpr,
         GROUP: tl.constexpr, K_GATES: tl.constexpr, V_GATES: tl.constexpr, BLOCK: tl.constexpr,
-        ASM: tl.constexpr,
+        ASM: tl.constexpr, COLUMNS: tl.constexpr, AHEAD: tl.constexpr,
     ):
         """One program per (segment, batch row x KV head), as the gather kernel's (its arguments, in the same order,
         are documented there); ``G`` tile columns for the ``GQ`` query heads, ``RMAX`` the largest level's rank,
         ``RP`` its padding (a power of two >= 16), ``GROUP`` the int4 channels per scale of every level, ``ASM``:
-        hardware population counts (a GPU)."""
+        hardware population counts (a GPU). Two ways of reading the residual words, each a switch
+        (:data:`~kvweave.kernels.depthweave_decode.TILES_COLUMNS`, ``TILES_AHEAD``): ``COLUMNS`` keeps a step's tokens
+        as a column [BLOCK, 1] from the tile index to the residual tile, so the words are loaded in the layout the tile
+        is made in, each thread holding whole rows: no layout conversion of the words, and each column's shift is known
+        when the kernel is built; ``AHEAD`` loads each step's words during the step before (the tile index and the
+        entries it points to are two loads in a chain; read a step ahead, their latency overlaps a step's products)."""
         seg, bh, b, h, lo, hi, version, first_valid, k_gate, v_gate = _program(seg_ptr, start_ptr, kg_ptr, vg_ptr, H,
                                                                                K_GATES, V_GATES)
         ONE_SCALE: tl.constexpr = RB >= R
@@ -155,10 +165,31 @@ if triton is not None:
         l_i = tl.zeros((BLOCK, G), dtype=tl.float32)  # per slot: summed once after the loop
         acc_c = tl.zeros((RC, G), dtype=tl.float32)
         acc_r = tl.zeros((RP, G), dtype=tl.float32)
+        tw = t  # the tokens as the residual words are read: a vector, or a column with COLUMNS
+        if COLUMNS:
+            tw = t[:, None]
+        kcw = _as_word(tl.zeros(tw.shape, tl.uint32), CW64)  # the words read ahead (AHEAD): keys', values'
+        ksw = _as_word(tl.zeros(tw.shape, tl.uint32), SW64)
+        vcw = kcw
+        vsw = ksw
+        if AHEAD and RMAX > 0:
+            kcw, ksw = _merged_words(k0_pk, k0_sc, k0_ts, k0_tm, k1_pk, k1_sc, k1_ts, k1_tm, k2_pk, k2_sc, k2_ts, k2_tm,
+                                     row, lo, hi, tw, lo + tw < hi, RANK0, RANK1, RANK2, GROUP, BLOCK, CW64, SW64, ASM)
+            vcw, vsw = _merged_words(v0_pk, v0_sc, v0_ts, v0_tm, v1_pk, v1_sc, v1_ts, v1_tm, v2_pk, v2_sc, v2_ts, v2_tm,
+                                     row, lo, hi, tw, lo + tw < hi, RANK0, RANK1, RANK2, GROUP, BLOCK, CW64, SW64, ASM)
         for t0 in range(lo, hi, BLOCK):
             tok = t0 + t
             inside = tok < hi
             ok = inside & (tok >= first_valid)
+            k_cw, k_sw, v_cw, v_sw = kcw, ksw, vcw, vsw
+            if AHEAD and RMAX > 0:  # the next step's words, issued before this step's products
+                after = t0 + BLOCK
+                kcw, ksw = _merged_words(k0_pk, k0_sc, k0_ts, k0_tm, k1_pk, k1_sc, k1_ts, k1_tm, k2_pk, k2_sc, k2_ts,
+                                         k2_tm, row, after, hi, tw, after + tw < hi, RANK0, RANK1, RANK2, GROUP, BLOCK,
+                                         CW64, SW64, ASM)
+                vcw, vsw = _merged_words(v0_pk, v0_sc, v0_ts, v0_tm, v1_pk, v1_sc, v1_ts, v1_tm, v2_pk, v2_sc, v2_ts,
+                                         v2_tm, row, after, hi, tw, after + tw < hi, RANK0, RANK1, RANK2, GROUP, BLOCK,
+                                         CW64, SW64, ASM)
             ck = tl.load(kc + tok[:, None] * c_st + r[None, :], mask=inside[:, None] & (r < R)[None, :], other=0)
             if ONE_SCALE:
                 k_scale = tl.load(ks + tok * s_st, mask=inside, other=0.0).to(tl.float32)
@@ -168,9 +199,11 @@ if triton is not None:
                               other=0.0)
                 s = tl.dot(ck.to(tl.float16) * kbs.to(tl.float16), qp)
             if RMAX > 0:
-                cw, sw = _merged_words(k0_pk, k0_sc, k0_ts, k0_tm, k1_pk, k1_sc, k1_ts, k1_tm, k2_pk, k2_sc, k2_ts,
-                                       k2_tm, row, t0, hi, t, inside, RANK0, RANK1, RANK2, GROUP, BLOCK, CW64, SW64, ASM)
-                s = tl.dot(_residual_tile(cw, sw, RMAX, RP, GROUP), qr, s)
+                if not AHEAD:
+                    k_cw, k_sw = _merged_words(k0_pk, k0_sc, k0_ts, k0_tm, k1_pk, k1_sc, k1_ts, k1_tm, k2_pk, k2_sc,
+                                               k2_ts, k2_tm, row, t0, hi, tw, t0 + tw < hi, RANK0, RANK1, RANK2, GROUP,
+                                               BLOCK, CW64, SW64, ASM)
+                s = tl.dot(_residual_tile(k_cw, k_sw, RMAX, RP, GROUP, COLUMNS), qr, s)
             s = tl.where(ok[:, None], s, -1.0e30)
             m_new = tl.maximum(m_i, tl.max(s, axis=0))
             alpha = tl.exp2(m_i - m_new)
@@ -186,9 +219,12 @@ if triton is not None:
                               other=0.0)
                 acc_c = tl.dot(cv.to(tl.float16) * vbs.to(tl.float16), p.to(tl.float16), acc_c * alpha[None, :])
             if RMAX > 0:
-                cw, sw = _merged_words(v0_pk, v0_sc, v0_ts, v0_tm, v1_pk, v1_sc, v1_ts, v1_tm, v2_pk, v2_sc, v2_ts,
-                                       v2_tm, row, t0, hi, t, inside, RANK0, RANK1, RANK2, GROUP, BLOCK, CW64, SW64, ASM)
-                acc_r = tl.dot(tl.trans(_residual_tile(cw, sw, RMAX, RP, GROUP)), p.to(tl.float16), acc_r * alpha[None, :])
+                if not AHEAD:
+                    v_cw, v_sw = _merged_words(v0_pk, v0_sc, v0_ts, v0_tm, v1_pk, v1_sc, v1_ts, v1_tm, v2_pk, v2_sc,
+                                               v2_ts, v2_tm, row, t0, hi, tw, t0 + tw < hi, RANK0, RANK1, RANK2, GROUP,
+                                               BLOCK, CW64, SW64, ASM)
+                e = _residual_tile(v_cw, v_sw, RMAX, RP, GROUP, COLUMNS)
+                acc_r = tl.dot(tl.trans(e), p.to(tl.float16), acc_r * alpha[None, :])
 
         slot = (bh * GQ + gi) * partials + seg
         tl.store(m_ptr + slot, m_i, mask=g_ok)

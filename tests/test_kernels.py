@@ -22,6 +22,7 @@ from kvweave.engine.residuals import ResidualList
 from kvweave.engine.synthetic import fill_cache
 from kvweave.kernels.decode_torch import torch_decode, torch_packed_logsumexp
 from kvweave.kernels.decode_view import DecodeView, choose_split
+from kvweave.kernels import depthweave_decode
 from kvweave.kernels.depthweave_decode import fused_decode, fused_packed_logsumexp, pick_variant, tiles_refusal
 from kvweave.kernels.gpu_build import launch_job
 
@@ -305,6 +306,17 @@ TILES_REGISTRY = REGISTRY + textwrap.dedent(
 )
 
 
+def _tiles_case(tmp_path, name):
+    """A layer of ``name`` (TILES_REGISTRY) filled with 320 tokens of two rows, a query and rows' first positions."""
+    q_heads, kv_heads, dim = (16, 1, 64) if name == "dw-kernel-wide" else (8, 2, 128)
+    pipeline = load_pipeline(name, write_registry(tmp_path, "tiles", TILES_REGISTRY))
+    cache = fill_cache(KVWeaveCache(pipeline, llama_config(q_heads, kv_heads, dim)), 2, 320, chunk=107,
+                       dtype=torch.bfloat16, device=DEVICE, seed=3)
+    torch.manual_seed(1)
+    query = torch.randn(2, q_heads, dim, device=DEVICE)
+    return decode_view(cache, 1), query, torch.tensor([0, 70], dtype=torch.int32, device=DEVICE), dim
+
+
 @pytest.mark.parametrize("name", ["dw-kernel", "dw-kernel-blocks", "dw-kernel-bases", "dw-kernel-wide"])
 @pytest.mark.parametrize("block", [32, 64])
 def test_the_tiles_pass_reads_what_the_gather_pass_reads(tmp_path, name, block):
@@ -312,19 +324,12 @@ def test_the_tiles_pass_reads_what_the_gather_pass_reads(tmp_path, name, block):
     float32 twin, for three routed levels, two int8 scales a token, no residuals, and rank-16 entries (16 nibbles and
     four scales: 64-bit words) under 16 query heads a KV head at head_dim 64; with routed residuals, the twin without
     them is far off, so the pass reads them."""
-    q_heads, kv_heads, dim = (16, 1, 64) if name == "dw-kernel-wide" else (8, 2, 128)
-    pipeline = load_pipeline(name, write_registry(tmp_path, "tiles", TILES_REGISTRY))
-    cache = fill_cache(KVWeaveCache(pipeline, llama_config(q_heads, kv_heads, dim)), 2, 320, chunk=107,
-                       dtype=torch.bfloat16, device=DEVICE, seed=3)
-    view = decode_view(cache, 1)
+    view, query, start, dim = _tiles_case(tmp_path, name)
     entries = sum(level.token.numel() for level in view.k_levels + view.v_levels)
     assert (view.block < view.k_codes.shape[-1]) == (name == "dw-kernel-blocks")
     assert (entries > 0) == (name != "dw-kernel-bases")
     if name == "dw-kernel-wide":
         assert any(level.rank == 16 and level.token.numel() for level in view.k_levels + view.v_levels)
-    torch.manual_seed(1)
-    query = torch.randn(2, q_heads, dim, device=DEVICE)
-    start = torch.tensor([0, 70], dtype=torch.int32, device=DEVICE)
     twin = torch_decode(view, query, start, dim**-0.5)
     tiles = fused_decode(view, query, start, dim**-0.5, split=96, block_tokens=block, variant="tiles")
     gather = fused_decode(view, query, start, dim**-0.5, split=96, variant="gather")
@@ -332,6 +337,24 @@ def test_the_tiles_pass_reads_what_the_gather_pass_reads(tmp_path, name, block):
     if entries:
         bare = attrs.evolve(view, k_levels=(), v_levels=(), k_residual_basis=None, v_residual_basis=None)
         assert (torch_decode(bare, query, start, dim**-0.5) - twin).abs().max().item() > 1e-2
+
+
+@pytest.mark.parametrize("columns, ahead", [(True, False), (False, True), (True, True)])
+@pytest.mark.parametrize("name, block", [("dw-kernel", 64), ("dw-kernel", 32), ("dw-kernel-wide", 64)])
+def test_the_tiles_pass_reads_its_residual_words_as_columns_or_a_step_ahead_to_the_same_sums(tmp_path, monkeypatch, name,
+                                                                                         block, columns, ahead):
+    """The ``tiles`` pass's switches (``TILES_COLUMNS``: the words read as a column in the residual tile's layout;
+    ``TILES_AHEAD``: each step's words loaded during the step before) change where the words are read, not the sums:
+    the same output as the pass without them and as the twin, over segments of 96 tokens (a last step of 32 tokens,
+    whose next step lies past the segment), rows with a first position, 32- and 64-token steps and 64-bit words."""
+    view, query, start, dim = _tiles_case(tmp_path, name)
+    run = lambda: fused_decode(view, query, start, dim**-0.5, split=96, block_tokens=block, variant="tiles")  # noqa: E731
+    plain = run()
+    monkeypatch.setattr(depthweave_decode, "TILES_COLUMNS", columns)
+    monkeypatch.setattr(depthweave_decode, "TILES_AHEAD", ahead)
+    switched = run()
+    assert (switched - plain).abs().max().item() < 1e-5
+    assert (switched - torch_decode(view, query, start, dim**-0.5)).abs().max().item() < 1e-3
 
 
 def test_the_tiles_pass_refuses_what_it_cannot_read_and_auto_takes_the_gather_pass(tmp_path):
@@ -358,10 +381,14 @@ def test_the_tiles_pass_refuses_what_it_cannot_read_and_auto_takes_the_gather_pa
 
 
 @pytest.mark.skipif(not _nvidia_backend(), reason="Triton without its CUDA backend cannot compile for a GPU here")
-def test_the_tiles_pass_builds_for_a_gpu(tmp_path, monkeypatch):
-    """Built for sm_90 with the arguments the launcher passes, hardware population counts included."""
+@pytest.mark.parametrize("switched", [False, True])
+def test_the_tiles_pass_builds_for_a_gpu(tmp_path, monkeypatch, switched):
+    """Built for sm_90 with the arguments the launcher passes, hardware population counts included; also with the
+    residual words as columns and a step ahead (``TILES_COLUMNS``, ``TILES_AHEAD``)."""
     from kvweave.kernels import depthweave_tiles_triton as tiles_jit
 
+    monkeypatch.setattr(depthweave_decode, "TILES_COLUMNS", switched)
+    monkeypatch.setattr(depthweave_decode, "TILES_AHEAD", switched)
     launches = []
 
     class Recorder:
@@ -373,6 +400,7 @@ def test_the_tiles_pass_builds_for_a_gpu(tmp_path, monkeypatch):
     fused_decode(view, torch.randn(2, 8, 128, device=DEVICE), None, 0.125, variant="tiles")
     monkeypatch.undo()
     args, constants = launches[0]
+    assert constants["COLUMNS"] == constants["AHEAD"] == switched
     job = launch_job(tiles_jit._tiles_kernel, args, constants)
     job["constants"]["ASM"] = True
     built = compile_job(job)
