@@ -180,7 +180,7 @@ class CompressionEngine:
             return self.rows.update(layer, keys, values, materialize)
         if layer == 0:
             self.deferred.resolve()  # a check left by a forward whose last group did not flush
-            self.observer.start_forward(keys.shape[-2])
+            self.observer.start_forward(keys.shape[-2], self.windows[0].exact.fill)
             self.forward_tokens = keys.shape[-2]
             if self.evicts:
                 self.eviction.context.start_forward(keys.shape[-2], keys.shape[0])

@@ -5,17 +5,19 @@ kernel's launch planning take longer than the GPU's work (docs/kernels.md, "A de
 replays a step's kernels without the host, but only if every step launches the same kernels on the same addresses.
 Between two flushes a kvweave cache's packed storage does not change, so what changes is the exact window, one token
 longer each step: :meth:`kvweave.engine.store.ExactTokens.make_static` keeps it in buffers of the block's capacity, each
-step's token goes in at a device counter (``fill``), and the kernel that reads the packed storage in place (``lowbit``)
-reads the window's length from that counter. So a block is decoded as: one eager step (it builds and compiles what the
+step's token goes in at a device counter (``fill``), and the kernel that reads the packed storage in place (``lowbit``,
+``fused``) reads the window's length from that counter. So a block is decoded as: one eager step (it builds and compiles what the
 step needs), the capture of the next, then replays; the step that flushes (every ``block_tokens`` steps) runs eagerly,
 as does any step where fewer than :data:`MIN_GRAPH_STEPS` remain before a flush. After a flush the next block is
 captured at once: the kernel builds each layer's view of the new storage without a step
 (:meth:`~kvweave.core.interfaces.AttentionKernel.prepare`), and the first block compiled every kernel a step launches
 (the eager step cost as much as a capture: 74 ms at B = 1 on Llama-3-8B's shape).
 
-The host's own count of the window moves on after each replay (:func:`advance_static`), the only host state a decode
-step changes while no block is flushed. Where no GPU is present the same static steps run without capture (what the
-tests compare with ``model.generate``).
+A router that reads each layer's recent queries and the tokens' delimiter flags (``depthweave-kv``'s) has them kept in
+place too (:meth:`kvweave.engine.observation.Observer.make_static`): the queries move on inside their tensors, a step's
+flag goes in at the window's fill. The host's own counts (the window's, the observer's keys seen and flags noted) move
+on after each replay (:func:`advance_static`), the only host state a decode step changes while no block is flushed.
+Where no GPU is present the same static steps run without capture (what the tests compare with ``model.generate``).
 """
 
 from __future__ import annotations
@@ -40,13 +42,11 @@ def graph_refusal(cache: Any) -> str | None:
     kernel = engine.pipeline.slots["kernel"].use
     if not getattr(engine.kernel, "reads_window_fill", False):
         return (f"{name}: kernel '{kernel}' reads the exact window's length from its shape; CUDA graphs need a kernel that "
-                "reads it from the device (kernel 'lowbit')")
+                "reads it from the device (kernel 'lowbit' or 'fused')")
     if engine.sliding:
         return f"{name}: the model has sliding-window layers, whose windows slide every step"
     if engine.rows is not None:
         return f"{name}: a left-padded batch is stored row by row; CUDA graphs decode rows without padding"
-    if engine.observer.active or engine.observer.tap is not None:
-        return f"{name}: its router records each step's queries or token ids on the host"
     if engine.energy is not None:
         return f"{name}: its keys record each step's query energy"
     if engine.accumulates:
@@ -74,6 +74,7 @@ def begin_static(engine: Any, steps: int) -> torch.Tensor:
     try:
         for window in engine.windows:
             window.exact.make_static(held + steps, fill)
+        engine.observer.make_static(steps, held)
     except BaseException:
         end_static(engine)
         raise
@@ -85,12 +86,14 @@ def advance_static(engine: Any, steps: int = 1) -> None:
     """The host's count of every kept window moved on by ``steps`` (after replayed steps, which ran no Python)."""
     for window in engine.windows:
         window.exact.advance(steps)
+    engine.observer.advance(steps)
 
 
 def end_static(engine: Any) -> None:
     """Every window back to tensors of its own length (before a flush)."""
     for window in engine.windows:
         window.exact.end_static()
+    engine.observer.end_static()
     engine.attending.clear()
 
 

@@ -181,8 +181,13 @@ class Observer:
         self._ends: list[int] = [0] * self.shape.num_layers  # keys seen by each layer's last recorded forward
         # the probe's selection from the current forward: (queries [B, Hq, P, D], positions [B, P]) per layer
         self._selected: list[tuple[torch.Tensor, torch.Tensor] | None] = [None] * self.shape.num_layers
+        # kept for a CUDA graph (make_static): the flags' buffer, the flags held at its start, the steps taken since,
+        # the device's index of a step's flag less the window's fill, the delimiter ids on the device
+        self._static: tuple[torch.Tensor | None, int, int, int, torch.Tensor | None] | None = None
 
-    def start_forward(self, tokens: int) -> None:
+    def start_forward(self, tokens: int, fill: torch.Tensor | None = None) -> None:
+        """A forward of ``tokens`` tokens begins: its delimiter flags noted (kept for a CUDA graph: written at the
+        step's index, from the window's ``fill`` on the device)."""
         self._selected = [None] * self.shape.num_layers
         if self.tap is None:
             return
@@ -192,9 +197,15 @@ class Observer:
                 f"the cache received {tokens} new tokens but the model's token ids were not seen (or did not "
                 "match); call the model with input_ids, not inputs_embeds, when the router uses delimiter flags"
             )
+        self.tap.pending = None
+        if self._static is not None:
+            buffer, _, _, offset, boundary = self._static
+            if buffer is None or fill is None or tokens != 1:
+                raise CacheStateError("a CUDA graph's step notes one token's delimiter flag at the window's fill")
+            buffer.index_copy_(1, (fill + offset).long(), torch.isin(ids, boundary).to(torch.uint8))
+            return
         flags = torch.isin(ids, self.boundary_ids.to(ids.device)).to(torch.uint8)
         self._flags = flags if self._flags is None else torch.cat((self._flags, flags), dim=-1)
-        self.tap.pending = None
 
     def record(
         self, layer: int, query: torch.Tensor, scaling: float | None, key: torch.Tensor | None = None,
@@ -205,9 +216,12 @@ class Observer:
         ``keys_seen``: the layer's key count when ``key`` is not given (a kernel reading the cache in place)."""
         old = self._queries[layer]
         recent = query[..., -self.keep :, :].detach()
+        self.scaling = scaling
+        if self._static is not None:  # a CUDA graph's step: the same buffer, moved on by one query; the host's count
+            old.copy_(torch.cat((old[..., 1:, :], recent.to(old.dtype)), dim=-2))  # of keys seen moves in advance()
+            return
         joined = recent if old is None else torch.cat((old, recent), dim=-2)[..., -self.keep :, :]
         self._queries[layer] = joined.contiguous().clone()  # never a view of the whole query tensor
-        self.scaling = scaling
         if keys_seen is not None:
             self._ends[layer] = keys_seen
         if key is None:
@@ -223,6 +237,50 @@ class Observer:
 
     def queries(self, layer: int) -> torch.Tensor:
         return self._queries[layer]  # type: ignore[return-value]
+
+    # ------------------------------------------------------------------------- kept for a CUDA graph
+    def make_static(self, steps: int, held_tokens: int) -> None:
+        """Keep what each decode step records in place for ``steps`` steps (:mod:`kvweave.engine.graphs`): each layer's
+        ``keep`` recent queries move on inside their own tensor, and the delimiter flags go into a buffer of the steps'
+        capacity at the index the windows' fill (the device's count of their tokens, ``held_tokens`` now) gives
+        (:meth:`start_forward`). Every layer must hold ``keep`` queries already (a prompt at least that long)."""
+        if self._static is not None:
+            raise CacheStateError("the observer is kept for a CUDA graph already")
+        if self.keep:
+            short = [layer for layer, q in enumerate(self._queries) if q is None or q.shape[-2] != self.keep]
+            if short:
+                raise CacheStateError(f"layers {short} hold fewer than the {self.keep} observed queries a CUDA graph's "
+                                      "step moves on in place; decode that many tokens before replaying steps")
+        buffer, held, boundary = None, 0, None
+        if self.tap is not None:
+            if self._flags is None:
+                raise CacheStateError("no delimiter flags were noted yet; feed the prompt before replaying steps")
+            held = self._flags.shape[-1]
+            buffer = self._flags.new_zeros(self._flags.shape[0], held + steps)
+            buffer[:, :held] = self._flags
+            boundary = self.boundary_ids.to(buffer.device)
+        self._static = (buffer, held, 0, held - held_tokens, boundary)
+
+    def advance(self, steps: int = 1) -> None:
+        """The host's counts moved on by ``steps`` decode steps that ran as a CUDA graph's (each layer's keys seen and
+        the flags noted; the device's were, by the steps themselves)."""
+        if self._static is None:
+            raise CacheStateError("only an observer kept for a CUDA graph advances by count")
+        buffer, held, taken, offset, boundary = self._static
+        if buffer is not None and held + taken + steps > buffer.shape[-1]:
+            raise CacheStateError(f"the flags kept for a CUDA graph hold {buffer.shape[-1]}; {held + taken} + {steps} do not fit")
+        self._static = (buffer, held, taken + steps, offset, boundary)
+        if self.keep:
+            self._ends = [end + steps for end in self._ends]
+
+    def end_static(self) -> None:
+        """Back to tensors of their own length: the flags noted so far (before a flush)."""
+        if self._static is None:
+            return
+        buffer, held, taken, _, _ = self._static
+        if buffer is not None:
+            self._flags = buffer[:, : held + taken].clone()
+        self._static = None
 
     def probe_queries(self, layer: int) -> tuple[torch.Tensor, torch.Tensor] | None:
         """Queries [B, Hq, P, D] and their logical positions [B, P] for the router: the probe's selection from

@@ -79,8 +79,12 @@ def torch_decode(view: DecodeView, query: torch.Tensor, start: torch.Tensor | No
     q = query.float().reshape(batch, heads, gq, dim) * scale
     device = query.device
     tokens = view.packed_tokens
-    pos_exact = tokens + torch.arange(view.exact_k.shape[-2], device=device)
-    logits_exact = torch.einsum("bhgd,bhwd->bhgw", q, view.exact_k.float())
+    exact_k, exact_v = view.exact_k, view.exact_v
+    if view.exact_fill is not None:  # a window kept for a CUDA graph: its first fill + 1 rows
+        rows = int(view.exact_fill.reshape(-1)[0]) + 1
+        exact_k, exact_v = exact_k[..., :rows, :], exact_v[..., :rows, :]
+    pos_exact = tokens + torch.arange(exact_k.shape[-2], device=device)
+    logits_exact = torch.einsum("bhgd,bhwd->bhgw", q, exact_k.float())
     parts = [logits_exact]
     if tokens:
         logits, version = _packed_logits(view, q)
@@ -94,7 +98,7 @@ def torch_decode(view: DecodeView, query: torch.Tensor, start: torch.Tensor | No
         scores = scores.masked_fill(positions[None, None, None, :] < start.to(device).long()[:, None, None, None], float("-inf"))
     probs = scores.softmax(dim=-1).nan_to_num(0.0)
     p_packed, p_exact = probs[..., :tokens], probs[..., tokens:]
-    out = torch.einsum("bhgw,bhwd->bhgd", p_exact, view.exact_v.float())
+    out = torch.einsum("bhgw,bhwd->bhgd", p_exact, exact_v.float())
     if tokens:
         versions = view.v_bases.shape[2]
         weights = torch.einsum("bhgt,bhtr->bhgtr", p_packed, c_v)

@@ -245,12 +245,13 @@ if triton is not None:
     # The exact-window pass: one program per batch row x KV head, grid (B * H,). ek_ptr / ev_ptr the
     # window's keys and values [B, H, W, D] (model dtype, one layout: e_s* strides, contiguous along D),
     # window = W, offset = T (the window's first logical position); it writes the partial slot_index of
-    # each query head, as the packed-token pass writes its segments'.
+    # each query head, as the packed-token pass writes its segments'. HAS_FILL: the window is kept for a CUDA
+    # graph, W rows of buffer of which the first fill + 1 (fill: int32 at fill_ptr) are attended.
     @triton.jit
     def _exact_split_kernel(
         q_ptr, start_ptr, ek_ptr, ev_ptr, e_sb, e_sh, e_st, window, offset,
-        m_ptr, l_ptr, acc_ptr, partials, slot_index, H, qk_scale,
-        GQ: tl.constexpr, GQP: tl.constexpr, D: tl.constexpr, BLOCK: tl.constexpr,
+        m_ptr, l_ptr, acc_ptr, partials, slot_index, H, qk_scale, fill_ptr,
+        GQ: tl.constexpr, GQP: tl.constexpr, D: tl.constexpr, BLOCK: tl.constexpr, HAS_FILL: tl.constexpr,
     ):
         bh = tl.program_id(0)
         b = bh // H
@@ -260,6 +261,8 @@ if triton is not None:
         w = tl.arange(0, BLOCK)
         g_ok = g < GQ
         first_valid = tl.load(start_ptr + b)
+        if HAS_FILL:
+            window = tl.minimum(window, tl.load(fill_ptr) + 1)
         q = tl.load(q_ptr + (bh * GQ + g)[:, None] * D + d[None, :], mask=g_ok[:, None], other=0.0).to(tl.float32) * qk_scale
         m_i = tl.full((GQP,), -1.0e30, dtype=tl.float32)
         l_i = tl.zeros((GQP,), dtype=tl.float32)

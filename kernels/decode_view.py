@@ -56,6 +56,10 @@ class DecodeView:
     v_gates: torch.Tensor | None
     exact_k: torch.Tensor  # [B, H, W, D] model dtype
     exact_v: torch.Tensor
+    #: a window kept for a CUDA graph (:mod:`kvweave.engine.graphs`): int32 [1] on the device, the tokens it held before
+    #: this step's; ``exact_k`` / ``exact_v`` are then buffers of a capacity whose first ``fill + 1`` rows are the
+    #: window. None: every row of ``exact_k`` is the window's
+    exact_fill: torch.Tensor | None = None
 
     @property
     def block(self) -> int:

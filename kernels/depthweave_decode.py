@@ -97,13 +97,15 @@ def fused_decode(
         warps = 1 if num_warps is None else num_warps
         launch = _launch_tiles if tiles else _launch_packed
         launch(view, query, segments, start, m, l, acc, partials, heads, gq, dim, qk_scale, block, warps, num_stages)
-    exact = view.exact_k
+    exact, fill = view.exact_k, view.exact_fill
     if exact.stride(-1) != 1 or exact.stride() != view.exact_v.stride():
         raise ValueError("the exact window's keys and values must share one layout, contiguous along head_dim")
+    if fill is not None and (fill.dtype != torch.int32 or fill.numel() != 1 or fill.device != device):
+        raise ValueError(f"the window's fill must be int32 [1] on {device}; got {fill.dtype} {tuple(fill.shape)} on {fill.device}")
     jit._exact_split_kernel[(batch * heads,)](
         query, start, exact, view.exact_v, exact.stride(0), exact.stride(1), exact.stride(2), exact.shape[-2], tokens,
-        m, l, acc, partials, n_seg, heads, qk_scale,
-        GQ=gq, GQP=_pow2(gq, 16), D=dim, BLOCK=32,
+        m, l, acc, partials, n_seg, heads, qk_scale, start if fill is None else fill,
+        GQ=gq, GQP=_pow2(gq, 16), D=dim, BLOCK=32, HAS_FILL=fill is not None,
     )
     out = torch.empty(batch, q_heads, dim, dtype=query.dtype, device=device)
     jit._combine_kernel[(batch * q_heads,)](m, l, acc, out, partials, D=dim, CHUNK=16)

@@ -18,6 +18,7 @@ from kvweave.engine import build_cache, cache_kwargs, importance
 from kvweave.engine.graphs import MIN_GRAPH_STEPS, _Step, begin_static, end_static, graph_decode, graph_refusal, steps_before_flush
 from kvweave.engine.importance import score_for
 from kvweave.engine.store import ExactTokens
+from kvweave.engine.views import layer_view
 from kvweave.kernels.lowbit_decode import lowbit_decode, torch_lowbit_decode
 
 from conftest import CharTokenizer, tiny_llama, write_registry
@@ -255,9 +256,126 @@ class _Vocabulary(CharTokenizer):
         return [chr(i[0]) for i in ids]
 
 
+def _depthweave_stored(cache) -> list[torch.Tensor]:
+    """What a ``depthweave-kv`` cache holds, in a fixed order: every layer's coefficients, residual entries (with their
+    tile index) and residual bases, the basis states, the exact windows, the observer's queries and delimiter flags."""
+    engine = cache.engine
+    out = _stored(cache)
+    for store in engine.stores:
+        for kind in ("keys", "values"):
+            out += [t for t in (store[kind].state or {}).values() if isinstance(t, torch.Tensor)]
+    for window in engine.windows:
+        for kind in ("keys", "values"):
+            for rank in engine.residual_levels:
+                lists = window.residuals[kind][rank]
+                out += [*lists.fields.values(), *(t for t in (lists.tile_start, lists.tile_mask) if t is not None)]
+            basis = window.residual_basis[kind]
+            out += [basis] if basis is not None else []
+    observer = engine.observer
+    out += [observer.queries(layer) for layer in range(engine.shape.num_layers)] + [observer._flags]
+    return out
+
+
+def test_graph_decoding_of_depthweave_kv_decodes_and_stores_what_generate_does():
+    """The flagship (shared bases, int8 coefficients, routed int4 residuals, attention-output probes, the fused kernel,
+    a router that reads the recent queries and delimiter flags) over a flush: the same tokens, the same stored tensors
+    (observed queries and flags included), the same next-token logits. Its steps record a query a layer and a flag a
+    token in place: each layer's queries move on inside their tensor, the flags go in at the window's fill."""
+    net = tiny_llama(torch.float32, hidden=256, layers=4)  # head_dim 64, one 4-layer window
+    net.generation_config.eos_token_id = None
+    ids = torch.randint(1, 128, (2, 110), generator=torch.Generator().manual_seed(5))
+    caches = [build_cache("depthweave-kv", net, tokenizer=_Vocabulary()) for _ in range(2)]
+    with torch.no_grad():
+        first = net.generate(input_ids=ids, max_new_tokens=1, do_sample=False, **cache_kwargs(net, caches[1]))[:, 110:]
+    before = steps_before_flush(caches[1].engine)
+    new = before + 12  # the steps to the flush, the flushing one, ten after
+    with torch.no_grad():
+        expected = net.generate(input_ids=ids, max_new_tokens=new, do_sample=False, **cache_kwargs(net, caches[0]))[:, 110:]
+    observer, advanced = caches[1].engine.observer, []
+    original = observer.advance
+    observer.advance = lambda steps=1: advanced.append(steps) or original(steps)  # the steps kept in place
+    got = graph_decode(net, caches[1], first, new - 1)
+    assert before >= MIN_GRAPH_STEPS and caches[1].engine.windows[0].compressed_tokens > 0
+    assert sum(advanced) == new - 2 and observer._static is None  # every step but the flushing one
+    assert torch.equal(torch.cat((first, got), 1), expected)
+    assert caches[1].memory_breakdown() == caches[0].memory_breakdown()
+    stored, reference = _depthweave_stored(caches[1]), _depthweave_stored(caches[0])
+    assert len(stored) == len(reference) and all(torch.equal(a, b) for a, b in zip(stored, reference))
+    token = got[:, -1:]
+    with torch.no_grad():
+        logits = [net(input_ids=token, **cache_kwargs(net, c)).logits for c in caches[::-1]]
+    assert torch.equal(logits[0], logits[1])
+
+
+def test_depthweave_kv_steps_kept_in_place_read_nothing_from_the_device(monkeypatch):
+    """What a CUDA graph's capture needs of the flagship's steps, checked on a CPU: after a block's first step, no step
+    reads a tensor's value to the host (``item``, ``tolist``, ``int``, ``bool`` ...) outside the kernel's torch twin,
+    which a GPU does not run (it was the sketch basis's layer count, read for every layer and step)."""
+    from kvweave.plugins.kernels import fused
+
+    net = tiny_llama(torch.float32, hidden=256, layers=4)
+    net.generation_config.eos_token_id = None
+    ids = torch.randint(1, 128, (2, 110), generator=torch.Generator().manual_seed(5))
+    cache = build_cache("depthweave-kv", net, tokenizer=_Vocabulary())
+    with torch.no_grad():
+        first = net.generate(input_ids=ids, max_new_tokens=1, do_sample=False, **cache_kwargs(net, cache))[:, 110:]
+    reads, watching, steps = [], [False], []
+
+    def noted(name, original):
+        def read(self, *args, **kwargs):
+            if watching[0]:
+                reads.append(name)
+            return original(self, *args, **kwargs)
+        return read
+
+    for name in ("item", "tolist", "__int__", "__index__", "__bool__", "__float__", "nonzero"):
+        monkeypatch.setattr(torch.Tensor, name, noted(name, getattr(torch.Tensor, name)))
+    twin = fused.torch_decode
+
+    def unwatched(*args, **kwargs):
+        was, watching[0] = watching[0], False
+        try:
+            return twin(*args, **kwargs)
+        finally:
+            watching[0] = was
+
+    monkeypatch.setattr(fused, "torch_decode", unwatched)
+    run, engine, packed = _Step.__call__, cache.engine, [cache.engine.windows[0].compressed_tokens]
+
+    def step(self, fill):
+        if fill is not None and engine.windows[0].compressed_tokens != packed[0]:  # a block after a flush: on a GPU
+            packed[0] = engine.windows[0].compressed_tokens  # captured at once, the kernel's views built before
+            for layer in range(engine.shape.num_layers):
+                engine.kernel.prepare(layer_view(engine, layer), fill.device)
+        steps.append(fill is not None)
+        watching[0] = fill is not None and sum(steps) > 1  # the first block's first step runs eagerly on a GPU too
+        try:
+            return run(self, fill)
+        finally:
+            watching[0] = False
+
+    monkeypatch.setattr(_Step, "__call__", step)
+    before = steps_before_flush(engine)
+    graph_decode(net, cache, first, before + 8)
+    assert sum(steps) == before + 7 and packed[0] > 0 and reads == []  # every step but the flushing one, over a flush
+
+
+def test_a_router_that_reads_recent_queries_needs_as_many_before_steps_are_kept_in_place():
+    """``depthweave-kv`` observes 8 queries a layer; after a 5-token prompt a graph's steps could not move them on in
+    place, which is refused by name, and nothing stays kept."""
+    net = tiny_llama(torch.float32, hidden=256, layers=4)
+    net.generation_config.eos_token_id = None
+    cache = build_cache("depthweave-kv", net, tokenizer=_Vocabulary())
+    ids = torch.randint(1, 128, (1, 5), generator=torch.Generator().manual_seed(6))
+    with torch.no_grad():
+        first = net.generate(input_ids=ids, max_new_tokens=1, do_sample=False, **cache_kwargs(net, cache))[:, 5:]
+    with pytest.raises(CacheStateError, match="fewer than the 8 observed queries"):
+        graph_decode(net, cache, first, 20)
+    assert cache.engine.observer._static is None and not any(w.exact.static for w in cache.engine.windows)
+
+
 @pytest.mark.parametrize("name, reason", [
     ("kvzip-qa35v3", "kernel 'reference' reads the exact window's length from its shape"),
-    ("depthweave-kv", "kernel 'fused' reads the exact window's length from its shape"),
     ("t-lowbit-w8", "query energy"),
 ])
 def test_what_cannot_be_replayed_is_refused_by_name(model, registry, name, reason):  # noqa: F811 - fixtures imported
@@ -300,19 +418,24 @@ def test_windows_of_unequal_length_are_not_kept_in_place():
     end_static(cache.engine)  # nothing kept: nothing to undo
 
 
+def _gpu_llama(vocab: int, layers: int):
+    """A random bfloat16 Llama on the GPU, head_dim 128 (8 query heads, 2 KV heads), and two rows of 300 prompt ids."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=vocab, hidden_size=1024, intermediate_size=1024, num_hidden_layers=layers,
+                         num_attention_heads=8, num_key_value_heads=2, head_dim=128)
+    net = LlamaForCausalLM(config).to(device="cuda", dtype=torch.bfloat16).eval()
+    net.generation_config.eos_token_id = None
+    return net, torch.randint(1, vocab, (2, 300), generator=torch.Generator().manual_seed(0)).cuda()
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="captures CUDA graphs")
 @pytest.mark.parametrize("window", ["int8", "input"])
 def test_graphs_captured_on_the_gpu_decode_what_generate_does(monkeypatch, tmp_path, window):
     """bfloat16, head_dim 128 (the d128 frontier pipeline, its window as int8 codes or as the tokens arrived), two rows,
     200 steps over three flushes: the same tokens and stored tensors as ``model.generate``, most steps replayed."""
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    torch.manual_seed(0)
-    config = LlamaConfig(vocab_size=512, hidden_size=1024, intermediate_size=1024, num_hidden_layers=3,
-                         num_attention_heads=8, num_key_value_heads=2, head_dim=128)
-    net = LlamaForCausalLM(config).to(device="cuda", dtype=torch.bfloat16).eval()
-    net.generation_config.eos_token_id = None
-    ids = torch.randint(1, 512, (2, 300), generator=torch.Generator().manual_seed(0)).cuda()
+    net, ids = _gpu_llama(512, 3)
     registry = load_registry(FRONTIER)
     registry.add_file(write_registry(tmp_path, "window", f"""
 [pipelines.g-window]
@@ -345,3 +468,21 @@ window_storage = "{window}"
     assert len(replays) > 150
     assert len(eager) == 1  # the blocks after a flush are captured at once
     assert all(torch.equal(a, b) for a, b in zip(_stored(cache), _stored(reference), strict=True))
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="captures CUDA graphs")
+def test_depthweave_kv_steps_captured_on_the_gpu_decode_what_generate_does(monkeypatch):
+    """The flagship on the GPU (bfloat16, head_dim 128, the fused Triton kernel): 150 steps over two flushes, the same
+    tokens and stored tensors as ``model.generate``, most steps replayed from graphs."""
+    net, ids = _gpu_llama(128, 4)
+    reference, cache = (build_cache("depthweave-kv", net, tokenizer=_Vocabulary()) for _ in range(2))
+    with torch.no_grad():
+        expected = net.generate(input_ids=ids, max_new_tokens=150, do_sample=False, **cache_kwargs(net, reference))[:, 300:]
+        first = net.generate(input_ids=ids, max_new_tokens=1, do_sample=False, **cache_kwargs(net, cache))[:, 300:]
+    replays = []
+    original = torch.cuda.CUDAGraph.replay
+    monkeypatch.setattr(torch.cuda.CUDAGraph, "replay", lambda self: replays.append(1) or original(self))
+    got = graph_decode(net, cache, first, 149)
+    assert torch.equal(torch.cat((first, got), 1), expected)
+    assert len(replays) > 100
+    assert all(torch.equal(a, b) for a, b in zip(_depthweave_stored(cache), _depthweave_stored(reference), strict=True))

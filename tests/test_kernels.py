@@ -357,6 +357,30 @@ def test_the_tiles_pass_reads_its_residual_words_as_columns_or_a_step_ahead_to_t
     assert (switched - torch_decode(view, query, start, dim**-0.5)).abs().max().item() < 1e-3
 
 
+@pytest.mark.parametrize("variant", ["tiles", "gather"])
+def test_a_window_kept_for_a_cuda_graph_is_read_to_its_fill(tmp_path, variant):
+    """The exact window as a CUDA graph keeps it (:mod:`kvweave.engine.graphs`): buffers of a capacity, the window's
+    length on the device (``exact_fill``: the tokens before this step's, so ``fill + 1`` rows attended). Rows past it
+    hold large numbers, so reading one would show; the kernel and the twin give what the window alone gives."""
+    view, query, start, dim = _tiles_case(tmp_path, "dw-kernel")
+    window = view.exact_k.shape[-2]
+    kept = {}
+    for name in ("exact_k", "exact_v"):
+        held = getattr(view, name)
+        buffer = torch.full((*held.shape[:2], window + 9, dim), 300.0, dtype=held.dtype, device=DEVICE)
+        buffer[..., :window, :] = held
+        kept[name] = buffer
+    fill = torch.tensor([window - 1], dtype=torch.int32, device=DEVICE)
+    static = attrs.evolve(view, exact_fill=fill, **kept)
+    expected = torch_decode(view, query, start, dim**-0.5)
+    assert (torch_decode(static, query, start, dim**-0.5) - expected).abs().max().item() < 1e-5
+    got = fused_decode(static, query, start, dim**-0.5, split=96, variant=variant)
+    assert (got - expected).abs().max().item() < 1e-3
+    assert (fused_decode(attrs.evolve(static, exact_fill=None), query, start, dim**-0.5, variant=variant) - expected).abs().max().item() > 1e-2
+    with pytest.raises(ValueError, match="fill must be int32"):
+        fused_decode(attrs.evolve(static, exact_fill=fill.long()), query, start, dim**-0.5, variant=variant)
+
+
 def test_the_tiles_pass_refuses_what_it_cannot_read_and_auto_takes_the_gather_pass(tmp_path):
     cache = filled(tmp_path, 4, 2, 64, 256, batch=1)
     view = decode_view(cache, 0)

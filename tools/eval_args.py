@@ -76,7 +76,7 @@ def _add_task_options(p: argparse.ArgumentParser, task: str) -> None:
         p.add_argument("--speed-tokens", type=int, default=4096, help="prompt tokens for time to first token and decode speed")
         p.add_argument("--speed-new-tokens", type=int, default=64, help="tokens generated for the decode speed")
         p.add_argument("--speed-cuda-graphs", action="store_true",
-                       help="decode each block of steps from a CUDA graph where the pipeline allows it (kernel 'lowbit'; on a "
+                       help="decode each block of steps from a CUDA graph where the pipeline allows it (kernel 'lowbit' or 'fused'; on a "
                             "CPU the same steps without capture); the others decode as without, the table says which")
 
 

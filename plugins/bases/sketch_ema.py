@@ -56,6 +56,7 @@ the version it was encoded with.
 
 from __future__ import annotations
 
+import weakref
 from typing import Any, ClassVar
 
 import attrs
@@ -69,6 +70,21 @@ from kvweave.core.params import choice, integer, number
 from ._sketch import consecutive_windows, ema_subspace, randomized_top_right
 
 SHARES = ("token-factor", "basis")
+
+#: each state's layer count (``group_layers``, a device tensor), read to the host once: a decode step reads it for
+#: every layer, and a CUDA graph's capture may not read the device at all. Keyed by the tensor's id, with a weak
+#: reference that tells a tensor made since at the same address
+_LAYERS: dict[int, tuple[weakref.ref, int]] = {}
+
+
+def _group_layers(state: dict[str, torch.Tensor]) -> int:
+    """The number of layers whose channels ``state``'s token-factor bases span (``group_layers``)."""
+    held = state["group_layers"]
+    known = _LAYERS.get(id(held))
+    if known is None or known[0]() is not held:
+        known = (weakref.ref(held, lambda _, key=id(held): _LAYERS.pop(key, None)), int(held[0, 0]))
+        _LAYERS[id(held)] = known
+    return known[1]
 
 
 def _below_one(_instance: Any, attribute: attrs.Attribute, value: Any) -> None:
@@ -183,7 +199,7 @@ class SketchEmaBasis(BasisBuilder):
             return None
         bases = state["bases"]  # [B, H, V, r, C]
         if self.share == "token-factor":
-            width = bases.shape[-1] // int(state["group_layers"][0, 0])
+            width = bases.shape[-1] // _group_layers(state)
             bases = bases[..., member * width : (member + 1) * width]
         return bases, state["version_tokens"][0]
 
@@ -194,7 +210,7 @@ class SketchEmaBasis(BasisBuilder):
             raise CacheStateError("sketch-ema: decode called before any block was encoded (no bases in the state)")
         bases = state["bases"]  # [B, H, V, r, C]
         if self.share == "token-factor":
-            layers = int(state["group_layers"][0, 0])
+            layers = _group_layers(state)
             width = bases.shape[-1] // layers
             if not 0 <= member < layers:
                 raise CacheStateError(f"sketch-ema: member {member} outside the window's {layers} layers")

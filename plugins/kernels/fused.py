@@ -51,6 +51,7 @@ class FusedKernel(AttentionKernel):
     head_sharding: ClassVar[str] = "head-local"
 
     materializes: ClassVar[bool] = False
+    reads_window_fill: ClassVar[bool] = True
     coefficient_formats: ClassVar[tuple[str, ...]] = (INT8_BLOCK,)
     residual_formats: ClassVar[tuple[str, ...]] = (INT4_GROUP,)
 
@@ -149,7 +150,8 @@ class FusedKernel(AttentionKernel):
     # ---------------------------------------------------------------------------------- views
     def decode_view(self, view: LayerView, device: torch.device) -> DecodeView:
         """The packed storage of one layer as the kernel reads it: views of ``view``'s tensors, plus the
-        segment table and the gates on ``device``, kept in ``view.scratch`` until the storage changes."""
+        segment table and the gates on ``device``, kept in ``view.scratch`` until the storage changes; a window kept
+        for a CUDA graph is read to its length on the device (``view.window_fill``)."""
         exact_k, exact_v = view.keys.exact, view.values.exact
         if exact_k is None or exact_v is None:
             raise CacheStateError(f"layer {view.layer}: the cache holds nothing for this layer yet")
@@ -158,7 +160,7 @@ class FusedKernel(AttentionKernel):
         if tokens == 0:
             empty = exact_k.new_zeros(0)
             return DecodeView(0, empty, empty, empty, empty, empty, empty, torch.zeros(0, 3, dtype=torch.int32, device=device),
-                              (), (), None, None, None, None, exact_k, exact_v)
+                              (), (), None, None, None, None, exact_k, exact_v, view.window_fill)
         if view.key_space != "post-rope":
             raise CacheStateError(
                 f"layer {view.layer}: keys are stored in key_space {view.key_space!r}; the fused kernel reads keys stored "
@@ -180,8 +182,14 @@ class FusedKernel(AttentionKernel):
             k_bases=view.keys.factor_bases[0], v_bases=view.values.factor_bases[0], segments=segments,  # type: ignore[index]
             k_levels=k_levels, v_levels=v_levels,
             k_residual_basis=view.keys.residual_basis, v_residual_basis=view.values.residual_basis,
-            k_gates=gates["keys"], v_gates=gates["values"], exact_k=exact_k, exact_v=exact_v,
+            k_gates=gates["keys"], v_gates=gates["values"], exact_k=exact_k, exact_v=exact_v, exact_fill=view.window_fill,
         )
+
+    def prepare(self, view: LayerView, device: torch.device) -> None:
+        """The segment table and the gates of ``view``'s packed storage, made now (they read the device once per
+        storage state; a CUDA graph's capture must find them made)."""
+        if view.packed_tokens:
+            self.decode_view(view, device)
 
     def _check_kind(self, layer: int, kind_view: KindView) -> None:
         """Refuse storage the kernel cannot read: packed formats it does not read (a pipeline that was not
