@@ -16,6 +16,7 @@ import weakref
 from collections.abc import Iterator
 from typing import Any
 
+import attrs
 import torch
 
 from kvweave.core.errors import CacheStateError, ModelError
@@ -157,6 +158,19 @@ def boundary_token_ids(tokenizer: Any) -> torch.Tensor:
     return _BOUNDARY_CACHE[key]
 
 
+@attrs.define
+class _KeptInPlace:
+    """An :class:`Observer` kept for a CUDA graph: the delimiter flags' buffer of the block's capacity (None without a
+    token tap), the flags it held at the start, the steps taken since, what a step's flag index adds to the windows'
+    fill, and the delimiter ids on the flags' device."""
+
+    flags: torch.Tensor | None = None
+    held: int = 0
+    taken: int = 0
+    offset: int = 0
+    boundary: torch.Tensor | None = None
+
+
 class Observer:
     """Recent queries per layer and delimiter flags of the tokens not yet compressed everywhere."""
 
@@ -181,9 +195,7 @@ class Observer:
         self._ends: list[int] = [0] * self.shape.num_layers  # keys seen by each layer's last recorded forward
         # the probe's selection from the current forward: (queries [B, Hq, P, D], positions [B, P]) per layer
         self._selected: list[tuple[torch.Tensor, torch.Tensor] | None] = [None] * self.shape.num_layers
-        # kept for a CUDA graph (make_static): the flags' buffer, the flags held at its start, the steps taken since,
-        # the device's index of a step's flag less the window's fill, the delimiter ids on the device
-        self._static: tuple[torch.Tensor | None, int, int, int, torch.Tensor | None] | None = None
+        self._static: _KeptInPlace | None = None  # kept for a CUDA graph (make_static)
 
     def start_forward(self, tokens: int, fill: torch.Tensor | None = None) -> None:
         """A forward of ``tokens`` tokens begins: its delimiter flags noted (kept for a CUDA graph: written at the
@@ -198,11 +210,11 @@ class Observer:
                 "match); call the model with input_ids, not inputs_embeds, when the router uses delimiter flags"
             )
         self.tap.pending = None
-        if self._static is not None:
-            buffer, _, _, offset, boundary = self._static
-            if buffer is None or fill is None or tokens != 1:
+        kept = self._static
+        if kept is not None:
+            if kept.flags is None or fill is None or tokens != 1:
                 raise CacheStateError("a CUDA graph's step notes one token's delimiter flag at the window's fill")
-            buffer.index_copy_(1, (fill + offset).long(), torch.isin(ids, boundary).to(torch.uint8))
+            kept.flags.index_copy_(1, (fill + kept.offset).long(), torch.isin(ids, kept.boundary).to(torch.uint8))
             return
         flags = torch.isin(ids, self.boundary_ids.to(ids.device)).to(torch.uint8)
         self._flags = flags if self._flags is None else torch.cat((self._flags, flags), dim=-1)
@@ -251,36 +263,35 @@ class Observer:
             if short:
                 raise CacheStateError(f"layers {short} hold fewer than the {self.keep} observed queries a CUDA graph's "
                                       "step moves on in place; decode that many tokens before replaying steps")
-        buffer, held, boundary = None, 0, None
+        kept = _KeptInPlace()
         if self.tap is not None:
             if self._flags is None:
                 raise CacheStateError("no delimiter flags were noted yet; feed the prompt before replaying steps")
-            held = self._flags.shape[-1]
-            buffer = self._flags.new_zeros(self._flags.shape[0], held + steps)
-            buffer[:, :held] = self._flags
-            boundary = self.boundary_ids.to(buffer.device)
-        self._static = (buffer, held, 0, held - held_tokens, boundary)
+            kept.held = self._flags.shape[-1]
+            kept.flags = self._flags.new_zeros(self._flags.shape[0], kept.held + steps)
+            kept.flags[:, : kept.held] = self._flags
+            kept.boundary = self.boundary_ids.to(kept.flags.device)
+        kept.offset = kept.held - held_tokens
+        self._static = kept
 
     def advance(self, steps: int = 1) -> None:
         """The host's counts moved on by ``steps`` decode steps that ran as a CUDA graph's (each layer's keys seen and
         the flags noted; the device's were, by the steps themselves)."""
-        if self._static is None:
+        kept = self._static
+        if kept is None:
             raise CacheStateError("only an observer kept for a CUDA graph advances by count")
-        buffer, held, taken, offset, boundary = self._static
-        if buffer is not None and held + taken + steps > buffer.shape[-1]:
-            raise CacheStateError(f"the flags kept for a CUDA graph hold {buffer.shape[-1]}; {held + taken} + {steps} do not fit")
-        self._static = (buffer, held, taken + steps, offset, boundary)
+        if kept.flags is not None and kept.held + kept.taken + steps > kept.flags.shape[-1]:
+            raise CacheStateError(f"the flags kept for a CUDA graph hold {kept.flags.shape[-1]}; "
+                                  f"{kept.held + kept.taken} + {steps} do not fit")
+        kept.taken += steps
         if self.keep:
             self._ends = [end + steps for end in self._ends]
 
     def end_static(self) -> None:
         """Back to tensors of their own length: the flags noted so far (before a flush)."""
-        if self._static is None:
-            return
-        buffer, held, taken, _, _ = self._static
-        if buffer is not None:
-            self._flags = buffer[:, : held + taken].clone()
-        self._static = None
+        kept, self._static = self._static, None
+        if kept is not None and kept.flags is not None:
+            self._flags = kept.flags[:, : kept.held + kept.taken].clone()
 
     def probe_queries(self, layer: int) -> tuple[torch.Tensor, torch.Tensor] | None:
         """Queries [B, Hq, P, D] and their logical positions [B, P] for the router: the probe's selection from
