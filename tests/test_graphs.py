@@ -318,6 +318,43 @@ def _flagship():
     return net, cache, first
 
 
+@pytest.mark.interpreter
+def test_graph_decoding_of_depthweave_kv_by_the_triton_kernel_decodes_what_generate_does(tmp_path, monkeypatch):
+    """The same with the fused Triton kernel (in Triton's interpreter), which reads the kept window to its fill on the
+    device: seven steps of a block, the same tokens as ``model.generate`` with that kernel, and each layer call's output
+    the twin's over the same kept window (reading the buffers' rows past the fill fails it)."""
+    registry = load_registry()
+    registry.add_file(write_registry(tmp_path, "triton", """
+[pipelines.dw-triton]
+extends = "depthweave-kv"
+[pipelines.dw-triton.kernel]
+backend = "triton"
+"""))
+    net = tiny_llama(torch.float32, hidden=256, layers=4)
+    net.generation_config.eos_token_id = None
+    ids = torch.randint(1, 128, (2, 110), generator=torch.Generator().manual_seed(5))
+    caches = [build_cache(registry.resolve("dw-triton"), net, tokenizer=_Vocabulary()) for _ in range(2)]
+    with torch.no_grad():
+        expected = net.generate(input_ids=ids, max_new_tokens=8, do_sample=False, **cache_kwargs(net, caches[0]))[:, 110:]
+        first = net.generate(input_ids=ids, max_new_tokens=1, do_sample=False, **cache_kwargs(net, caches[1]))[:, 110:]
+    assert steps_before_flush(caches[1].engine) >= 7
+    from kvweave.plugins.kernels import fused
+
+    fills, errors, launch = [], [], fused.fused_decode
+
+    def checked(view, query, start, scale, **kwargs):
+        out = launch(view, query, start, scale, **kwargs)
+        fills.append(view.exact_fill)
+        errors.append((out.float() - fused.torch_decode(view, query, start, scale).float()).abs().max().item())
+        return out
+
+    monkeypatch.setattr(fused, "fused_decode", checked)
+    got = graph_decode(net, caches[1], first, 7)
+    assert torch.equal(torch.cat((first, got), 1), expected)
+    assert len(fills) == 7 * 4 and all(fill is not None for fill in fills)  # every layer call read a kept window
+    assert max(errors) < 1e-3
+
+
 def test_a_router_that_reads_recent_queries_needs_as_many_before_steps_are_kept_in_place():
     """``depthweave-kv`` observes 8 queries a layer; after a 5-token prompt a graph's steps could not move them on in
     place, which is refused by name, and nothing stays kept."""
