@@ -104,7 +104,7 @@ def fused_decode(
         raise ValueError(f"the window's fill must be int32 [1] on {device}; got {fill.dtype} {tuple(fill.shape)} on {fill.device}")
     jit._exact_split_kernel[(batch * heads,)](
         query, start, exact, view.exact_v, exact.stride(0), exact.stride(1), exact.stride(2), exact.shape[-2], tokens,
-        m, l, acc, partials, n_seg, heads, qk_scale, start if fill is None else fill,
+        m, l, acc, partials, n_seg, heads, qk_scale, placeholder(device) if fill is None else fill,
         GQ=gq, GQP=_pow2(gq, 16), D=dim, BLOCK=32, HAS_FILL=fill is not None,
     )
     out = torch.empty(batch, q_heads, dim, dtype=query.dtype, device=device)

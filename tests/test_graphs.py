@@ -7,6 +7,7 @@ test asks for it); the last test captures on a GPU."""
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import attrs
 import pytest
@@ -275,21 +276,36 @@ def _depthweave_stored(cache) -> list[torch.Tensor]:
     return out
 
 
+def _flagship(pipeline: Any = "depthweave-kv"):
+    """A 4-layer tiny Llama (head_dim 64, one 4-layer window), two rows of a 110-token prompt, a cache of ``pipeline``
+    (``depthweave-kv``'s by default) that holds them, and the token after them."""
+    net = tiny_llama(torch.float32, hidden=256, layers=4)
+    net.generation_config.eos_token_id = None
+    ids = torch.randint(1, 128, (2, 110), generator=torch.Generator().manual_seed(5))
+    cache = build_cache(pipeline, net, tokenizer=_Vocabulary())
+    with torch.no_grad():
+        first = net.generate(input_ids=ids, max_new_tokens=1, do_sample=False, **cache_kwargs(net, cache))[:, 110:]
+    return net, ids, cache, first
+
+
+def _generated(net, ids, pipeline: Any, new: int):
+    """A fresh cache of ``pipeline`` after ``model.generate`` decoded ``new`` tokens after ``ids``, and those tokens."""
+    cache = build_cache(pipeline, net, tokenizer=_Vocabulary())
+    with torch.no_grad():
+        tokens = net.generate(input_ids=ids, max_new_tokens=new, do_sample=False, **cache_kwargs(net, cache))
+    return cache, tokens[:, ids.shape[1]:]
+
+
 def test_graph_decoding_of_depthweave_kv_decodes_and_stores_what_generate_does():
     """The flagship (shared bases, int8 coefficients, routed int4 residuals, attention-output probes, the fused kernel,
     a router that reads the recent queries and delimiter flags) over a flush: the same tokens, the same stored tensors
     (observed queries and flags included), the same next-token logits. Its steps record a query a layer and a flag a
     token in place: each layer's queries move on inside their tensor, the flags go in at the window's fill."""
-    net = tiny_llama(torch.float32, hidden=256, layers=4)  # head_dim 64, one 4-layer window
-    net.generation_config.eos_token_id = None
-    ids = torch.randint(1, 128, (2, 110), generator=torch.Generator().manual_seed(5))
-    caches = [build_cache("depthweave-kv", net, tokenizer=_Vocabulary()) for _ in range(2)]
-    with torch.no_grad():
-        first = net.generate(input_ids=ids, max_new_tokens=1, do_sample=False, **cache_kwargs(net, caches[1]))[:, 110:]
-    before = steps_before_flush(caches[1].engine)
+    net, ids, cache, first = _flagship()
+    before = steps_before_flush(cache.engine)
     new = before + 12  # the steps to the flush, the flushing one, ten after
-    with torch.no_grad():
-        expected = net.generate(input_ids=ids, max_new_tokens=new, do_sample=False, **cache_kwargs(net, caches[0]))[:, 110:]
+    reference, expected = _generated(net, ids, "depthweave-kv", new)
+    caches = [reference, cache]
     observer, advanced = caches[1].engine.observer, []
     original = observer.advance
     observer.advance = lambda steps=1: advanced.append(steps) or original(steps)  # the steps kept in place
@@ -306,18 +322,6 @@ def test_graph_decoding_of_depthweave_kv_decodes_and_stores_what_generate_does()
     assert torch.equal(logits[0], logits[1])
 
 
-def _flagship():
-    """A 4-layer tiny Llama (head_dim 64), a ``depthweave-kv`` cache that holds two rows of a 110-token prompt, and the
-    token after it."""
-    net = tiny_llama(torch.float32, hidden=256, layers=4)
-    net.generation_config.eos_token_id = None
-    ids = torch.randint(1, 128, (2, 110), generator=torch.Generator().manual_seed(5))
-    cache = build_cache("depthweave-kv", net, tokenizer=_Vocabulary())
-    with torch.no_grad():
-        first = net.generate(input_ids=ids, max_new_tokens=1, do_sample=False, **cache_kwargs(net, cache))[:, 110:]
-    return net, cache, first
-
-
 @pytest.mark.interpreter
 def test_graph_decoding_of_depthweave_kv_by_the_triton_kernel_decodes_what_generate_does(tmp_path, monkeypatch):
     """The same with the fused Triton kernel (in Triton's interpreter), which reads the kept window to its fill on the
@@ -330,14 +334,10 @@ extends = "depthweave-kv"
 [pipelines.dw-triton.kernel]
 backend = "triton"
 """))
-    net = tiny_llama(torch.float32, hidden=256, layers=4)
-    net.generation_config.eos_token_id = None
-    ids = torch.randint(1, 128, (2, 110), generator=torch.Generator().manual_seed(5))
-    caches = [build_cache(registry.resolve("dw-triton"), net, tokenizer=_Vocabulary()) for _ in range(2)]
-    with torch.no_grad():
-        expected = net.generate(input_ids=ids, max_new_tokens=8, do_sample=False, **cache_kwargs(net, caches[0]))[:, 110:]
-        first = net.generate(input_ids=ids, max_new_tokens=1, do_sample=False, **cache_kwargs(net, caches[1]))[:, 110:]
-    assert steps_before_flush(caches[1].engine) >= 7
+    pipeline = registry.resolve("dw-triton")
+    net, ids, cache, first = _flagship(pipeline)
+    _, expected = _generated(net, ids, pipeline, 8)
+    assert steps_before_flush(cache.engine) >= 7
     from kvweave.plugins.kernels import fused
 
     fills, errors, launch = [], [], fused.fused_decode
@@ -349,7 +349,7 @@ backend = "triton"
         return out
 
     monkeypatch.setattr(fused, "fused_decode", checked)
-    got = graph_decode(net, caches[1], first, 7)
+    got = graph_decode(net, cache, first, 7)
     assert torch.equal(torch.cat((first, got), 1), expected)
     assert len(fills) == 7 * 4 and all(fill is not None for fill in fills)  # every layer call read a kept window
     assert max(errors) < 1e-3

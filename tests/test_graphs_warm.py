@@ -79,7 +79,7 @@ def test_depthweave_kv_steps_kept_in_place_read_nothing_after_the_first(prepared
     block after its first, and the block right after a flush with its views prepared, read nothing from the device
     outside the kernel's twin. It read the sketch basis's layer count for every layer and step; unprepared, the block
     after a flush builds its segment table from the device (the check above could not pass unless prepare builds it)."""
-    net, cache, first = _flagship()
+    net, _, cache, first = _flagship()
     engine = cache.engine
     step = _Step(net, cache, first, 200)
     with torch.inference_mode():
