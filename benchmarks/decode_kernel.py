@@ -118,12 +118,15 @@ def first_rows(view: DecodeView, rows: int) -> DecodeView:
     heads = view.exact_k.shape[1]
 
     def keep(level: ResidualLevel) -> ResidualLevel:
-        chosen = (level.row < rows * heads).nonzero().squeeze(1)
-        lists = ResidualList(level.rank)
-        lists.append({"row": level.row[chosen], "token": level.token[chosen], "q_packed": level.packed[chosen], "q_scales": level.scales[chosen]})
-        start, mask = lists.tile_index(rows * heads, view.packed_tokens // TILE, level.token.device)
+        row, token = (t.long() for t in level.located())
+        chosen = (row < rows * heads).nonzero().squeeze(1)
+        chosen = chosen[torch.argsort(row[chosen] * view.packed_tokens + token[chosen])]  # one block: by row, then token
+        lists = ResidualList(level.rank, tiles=True)
+        lists.append({"row": row[chosen], "token": token[chosen], "q_packed": level.packed[chosen], "q_scales": level.scales[chosen]},
+                     0, view.packed_tokens, rows * heads)
+        start, mask = lists.tile_index(rows * heads, view.packed_tokens // TILE, level.packed.device)
         f = lists.fields
-        return ResidualLevel(level.rank, level.group, f["token"], f["row"], f["q_packed"], f["q_scales"], start, mask)
+        return ResidualLevel(level.rank, level.group, lists.entries, f["q_packed"], f["q_scales"], start, mask, lists.located)
 
     segments = resplit(view.segments, choose_split(view.packed_tokens, rows * heads))
     return DecodeView(

@@ -29,21 +29,36 @@ def frozen_map(fields: Mapping[str, Any] | None) -> Mapping[str, Any]:
 class ResidualLevelView:
     """The routed residual entries of one rank level.
 
-    ``fields``: ``row`` int32 [N] (``b * H + h``), ``token`` int32 [N] (index among the layer's packed
-    tokens), ``index`` uint8 [N, rank] in channel mode, and the residual quantizer's packed fields
-    ``q_<name>`` [N, ...]. ``tile_start``/``tile_mask`` int32 [B * H, T / 32]: where each 32-token tile's
-    entries start and which of its tokens have one (present when the pipeline's kernel reads in place).
+    ``fields``: ``index`` uint8 [N, rank] in channel mode, and the residual quantizer's packed fields
+    ``q_<name>`` [N, ...]. Where each entry is, ``row`` int32 [N] (``b * H + h``) and ``token`` int32 [N] (index
+    among the layer's packed tokens), is held as bits, not stored per entry: :meth:`located` derives it.
+    ``tile_start``/``tile_mask`` int32 [B * H, T / 32]: where each 32-token tile's entries start and which of its
+    tokens have one (present when the pipeline's kernel reads in place).
     """
 
     rank: int
     fields: Mapping[str, torch.Tensor] = attrs.field(converter=frozen_map)
     tile_start: torch.Tensor | None = None
     tile_mask: torch.Tensor | None = None
+    locate: Any = attrs.field(default=None, eq=False, repr=False)  # () -> (row, token), the engine's derivation
 
     @property
     def entries(self) -> int:
-        row = self.fields.get("row")
-        return 0 if row is None else int(row.shape[0])
+        return 0 if not self.fields else int(next(iter(self.fields.values())).shape[0])
+
+    def located(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """Each entry's ``row`` (``b * H + h``) and ``token`` (packed-token index), int32 [N] each, in the order of
+        :attr:`fields`' entries (derived from the level's bits each call)."""
+        if self.locate is None:
+            raise CacheStateError(f"residual level {self.rank}'s view was built without the locations of its entries")
+        return self.locate()
+
+    def located_fields(self) -> dict[str, torch.Tensor]:
+        """:attr:`fields` with ``row`` and ``token`` (:meth:`located`)."""
+        if not self.entries:
+            return dict(self.fields)
+        row, token = self.located()
+        return {"row": row, "token": token, **self.fields}
 
 
 @attrs.frozen

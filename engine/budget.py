@@ -17,7 +17,7 @@ import torch
 
 from kvweave.core.errors import BudgetError
 from kvweave.core.interfaces import KINDS
-from kvweave.engine.residuals import TILE_TOKENS, entry_bytes
+from kvweave.engine.residuals import entry_bytes, index_bytes
 from kvweave.core.storage import tensor_bytes
 
 if TYPE_CHECKING:
@@ -114,10 +114,10 @@ class BudgetPlan:
                 held += tensor_bytes([window.residual_basis[kind]])
             elif engine.settings.residual_mode == "basis" and engine.residual_levels:  # fitted on this block
                 held += batch * shape.num_kv_heads * max(engine.residual_levels) * shape.head_dim * 2
-            if engine.residual_levels and engine.kernel.builds_residual_tiles:
-                # the kernel's residual tile index grows with this block: int32 start + int32 mask per
-                # (row, 32-token tile) and level (the index of earlier blocks is in the lists' bytes)
-                held += batch * shape.num_kv_heads * (block_tokens // TILE_TOKENS) * 8 * len(engine.residual_levels)
+            if engine.residual_levels:  # each level's index grows with this block (earlier blocks' is in the lists' bytes)
+                grown = index_bytes(batch * shape.num_kv_heads, window.compressed_tokens, block_tokens - dropped_tokens,
+                                    engine.kernel.builds_residual_tiles)
+                held += grown * len(engine.residual_levels)
             held += (window.exact_tokens - block_tokens - dropped_tokens) * window.exact.bytes_per_token(kind)
             queries = engine.observer.queries(layer)
             if queries is not None:  # recent queries, split between keys and values

@@ -24,12 +24,12 @@ def reconstruct(engine: CompressionEngine, layer: int, kind: str, dtype: torch.d
     windows, router = engine.windows, engine.router
     if mixing is not None:  # residual rows of the whole group (e.g. depth frequencies)
         members = engine.groups[group_index]
-        lists = [{rank: r.fields for rank, r in windows[other].residuals[kind].items()} for other in members]
+        lists = [{rank: r.located_fields() for rank, r in windows[other].residuals[kind].items()} for other in members]
         gates = [router.gates(other, kind) for other in members]
         bases = [windows[other].residual_basis[kind] for other in members]
         vectors = mix_residuals(vectors, member, lists, engine.residual_quantizers[kind], mixing, gates, bases)
     elif engine.residual_levels:
-        lists = {rank: r.fields for rank, r in windows[layer].residuals[kind].items()}
+        lists = {rank: r.located_fields() for rank, r in windows[layer].residuals[kind].items()}
         vectors = add_residuals(
             vectors, lists, engine.residual_quantizers[kind], router.gates(layer, kind), windows[layer].residual_basis[kind]
         )

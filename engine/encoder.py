@@ -17,7 +17,7 @@ import torch
 from kvweave.core.errors import ComponentError
 from kvweave.core.interfaces import KINDS, RouteBlock
 from kvweave.core.storage import TensorMap
-from kvweave.engine.residuals import TILE_TOKENS, add_residuals, encode_residuals, fit_residual_basis, mix_residuals, residual_rows
+from kvweave.engine.residuals import add_residuals, encode_residuals, fit_residual_basis, mix_residuals, residual_rows
 
 if TYPE_CHECKING:
     from kvweave.engine.engine import CompressionEngine
@@ -97,20 +97,15 @@ class BlockEncoder:
                 entries[member] = encode_residuals(missing, ranks[member] if fixed is None else fixed, residual_quantizer, basis)
                 if mixing is None:
                     approx[member] = add_residuals(approx[member], entries[member], residual_quantizer, self.engine.router.gates(layer, kind), basis)
+                held = window.compressed_tokens
                 for rank, fields in entries[member].items():
-                    fields["token"] = fields["token"] + self.engine.windows[layer].compressed_tokens
-                    self.engine.windows[layer].residuals[kind][rank].append(fields)
+                    window.residuals[kind][rank].append({**fields, "token": fields["token"] + held}, held, tokens,
+                                                        block.shape[1] * block.shape[2])
             if mixing is not None and self.engine.probe.wants(store.flushes):  # rows of the whole group, mixed per layer
-                relative = [{rank: {**f, "token": f["token"] - self.engine.windows[layer].compressed_tokens} for rank, f in e.items()} for e, layer in zip(entries, members)]
+                relative = entries  # tokens relative to the block, as encoded
                 gates = [self.engine.router.gates(layer, kind) for layer in members]
                 bases = [self.engine.windows[layer].residual_basis[kind] for layer in members]
                 approx = torch.stack([mix_residuals(approx[m], m, relative, residual_quantizer, mixing, gates, bases) for m in range(len(members))])
-        if self.engine.residual_levels and self.engine.kernel.builds_residual_tiles:  # the kernel's tile index, built as entries arrive
-            rows = block.shape[1] * block.shape[2]
-            for layer in members:
-                tiles = (self.engine.windows[layer].compressed_tokens + block.shape[-2]) // TILE_TOKENS
-                for lists in self.engine.windows[layer].residuals[kind].values():
-                    lists.tile_index(rows, tiles, block.device)
         if self.engine.probe.wants(store.flushes):
             if self.engine.pre_rope and kind == "keys":  # the probe compares attention, which sees rotated keys
                 approx = self.engine.rope_keys(approx, members, positions, inverse=False)

@@ -416,7 +416,8 @@ class CompressionEngine:
     def _new_window(self) -> LayerWindow:
         # a kernel that reads the packed storage in place reads the slots' cache indices every step: they stay
         # a list for it (bits would be decoded per step); the reference path reads them from the bits
-        return LayerWindow(self.levels, self.settings.window_storage, slot_bits=self.kernel.materializes)
+        return LayerWindow(self.levels, self.settings.window_storage, slot_bits=self.kernel.materializes,
+                           residual_tiles=self.kernel.builds_residual_tiles)
 
     def reset(self) -> None:
         """Drop every stored token (the state a new engine starts from)."""

@@ -2,14 +2,18 @@
 largest error after the packed coefficients (``residual_mode = "channels"``), or the first ``rho``
 coordinates of that error on a per-layer residual basis (``"basis"``), stored as a flat list per level.
 
-One :class:`ResidualList` per layer and level holds ``N`` entries::
+One :class:`ResidualList` per layer and level holds ``N`` entries and where they are::
 
-    row    int32 [N]        b * H + h of the entry
-    token  int32 [N]        the token's index among the layer's packed tokens
-    index  uint8 [N, rho]   channels corrected (head_dim <= 256; "channels" mode with rho < head_dim only)
-    q_*    the values, packed by the residual quantizer [N, ...]
+    bits     int32 [B * H, words]  bit ``t % 32`` of word ``t // 32`` set where packed token ``t`` of row
+                                   ``b * H + h`` has an entry at this level (1 bit a token and row)
+    chunks   int32 [C]             the first packed token of each block the list was appended
+    index    uint8 [N, rho]        channels corrected (head_dim <= 256; "channels" mode with rho < head_dim only)
+    q_*      the values, packed by the residual quantizer [N, ...]
 
-so tokens at rank 0 cost nothing, and every byte counted is a byte held. A full-rank entry (rho =
+Entries are held block by block in the order they were appended, each block's sorted by row, then token,
+so the bits and the block starts say which (row, token) every entry is (:meth:`ResidualList.located`) and
+no entry stores its row or token (an int32 pair would take 8 bytes, more than a rank-8 entry's values).
+Tokens at rank 0 cost their bit, and every byte counted is a byte held. A full-rank entry (rho =
 head_dim) in "channels" mode stores the whole vector with no channel indices (they would only list
 0..D-1).
 
@@ -28,85 +32,168 @@ from kvweave.core.interfaces import Quantizer
 from kvweave.core.linalg import top_eigenvectors
 from kvweave.core.storage import TensorMap, tensor_bytes
 
-TILE_TOKENS = 32  # tokens per tile of the residual tile index (one bit each in an int32 mask)
+TILE_TOKENS = 32  # tokens per word of a list's bits, and per tile of the kernels' tile index
+
+#: the fields that say where an entry is, as :func:`encode_residuals` returns them and :meth:`ResidualList.located`
+#: derives them: held as the list's bits, never stored
+LOCATION = ("row", "token")
+
+
+def _as_int32(bits: torch.Tensor) -> torch.Tensor:
+    """Unsigned 32-bit words held in int64 as int32 with the same bits."""
+    return torch.where(bits >= 2**31, bits - 2**32, bits).to(torch.int32)
 
 
 class ResidualList:
-    """The residual entries of one layer at one rank level."""
+    """The residual entries of one layer at one rank level (the module's docstring gives the layout).
 
-    def __init__(self, rank: int) -> None:
+    With ``tiles`` (a kernel that reads the entries in place) it also keeps the kernels' tile index: per (row,
+    32-token tile) the index of the tile's first entry (``tile_start``, int32 [rows, tiles], counted in
+    :meth:`nbytes`), extended as blocks are appended; the tile's bit mask is the word of :attr:`bits`."""
+
+    def __init__(self, rank: int, tiles: bool = False) -> None:
         self.rank = rank
-        self.fields: TensorMap = {}
-        # kernels' tile index (built on demand by tile_index, counted in nbytes): per (row, 32-token tile)
-        # the first entry and a bit mask of the tokens that have one
-        self.tile_start: torch.Tensor | None = None  # int32 [rows, tiles]
-        self.tile_mask: torch.Tensor | None = None  # int32 [rows, tiles]
-        self._indexed_entries = 0
+        self.tiles = tiles
+        self.fields: TensorMap = {}  # the entries' values (and channel indices): what :data:`LOCATION` leaves
+        self.bits: torch.Tensor | None = None  # int32 [rows, words]
+        self.chunks: torch.Tensor | None = None  # int32 [C]: each appended block's first packed token
+        self.tile_start: torch.Tensor | None = None  # int32 [rows, tiles] (tiles, or built by tile_index)
 
     @property
     def entries(self) -> int:
-        return 0 if not self.fields else self.fields["row"].shape[0]
+        return 0 if not self.fields else next(iter(self.fields.values())).shape[0]
 
-    def append(self, fields: TensorMap) -> None:
+    @property
+    def tile_mask(self) -> torch.Tensor | None:
+        """The kernels' bit mask of each (row, 32-token tile): the list's :attr:`bits` (the same tensor)."""
+        return self.bits if self.tile_start is not None else None
+
+    def extend(self, rows: int, tokens: int, device: torch.device) -> None:
+        """Cover packed tokens ``0 .. tokens`` of ``rows`` rows with bits (zeros for tokens without entries) and, with
+        ``tiles``, the tile index (``tokens`` a multiple of 32 then)."""
+        words = -(-tokens // TILE_TOKENS)
+        held = 0 if self.bits is None else self.bits.shape[1]
+        if self.bits is not None and self.bits.shape[0] != rows:
+            raise ValueError(f"residual list of rank {self.rank} holds {self.bits.shape[0]} rows, asked for {rows}")
+        if words > held:
+            more = torch.zeros(rows, words - held, dtype=torch.int32, device=device)
+            self.bits = more if self.bits is None else torch.cat((self.bits, more), dim=1)
+        if self.tiles:
+            if tokens % TILE_TOKENS:
+                raise ValueError(f"a residual tile index covers whole tiles of {TILE_TOKENS} tokens; asked for {tokens}")
+            started = 0 if self.tile_start is None else self.tile_start.shape[1]
+            if words > started:
+                more = torch.zeros(rows, words - started, dtype=torch.int32, device=device)
+                self.tile_start = more if self.tile_start is None else torch.cat((self.tile_start, more), dim=1)
+
+    def append(self, fields: TensorMap, first: int, tokens: int, rows: int) -> None:
+        """Append one block's entries: ``fields`` as :func:`encode_residuals` gives them (``row``, ``token`` [N] with
+        ``token`` the packed-token index, sorted by row, then token), the block's packed tokens ``first .. first +
+        tokens`` of ``rows`` rows. ``row`` and ``token`` become bits; the rest is held."""
+        row, token = fields["row"].long(), fields["token"].long()
+        device = row.device
+        self.extend(rows, first + tokens, device)
+        assert self.bits is not None
+        words = self.bits.shape[1]
+        if row.numel():
+            flat = self.bits.view(-1)
+            at = row * words + token // TILE_TOKENS
+            touched = torch.zeros(flat.shape[0], dtype=torch.int64, device=device)
+            touched.index_add_(0, at, torch.ones_like(at) << (token % TILE_TOKENS))  # distinct bits: the sum is the OR
+            self.bits = _as_int32((flat.long() & 0xFFFFFFFF) | touched).view(rows, words)
+        start = torch.tensor([first], dtype=torch.int32, device=device)
+        self.chunks = start if self.chunks is None else torch.cat((self.chunks, start))
+        if self.tiles and row.numel():  # each new tile's first entry: the block's entries sit after those held
+            if first % TILE_TOKENS:
+                raise ValueError(f"a residual tile index needs blocks that start on a {TILE_TOKENS}-token tile; this one starts at {first}")
+            assert self.tile_start is not None
+            order = torch.arange(self.entries, self.entries + row.numel(), device=device, dtype=torch.int32)
+            at = row * words + token // TILE_TOKENS
+            found = torch.full((rows * words,), torch.iinfo(torch.int32).max, dtype=torch.int32, device=device)
+            found.scatter_reduce_(0, at, order, reduce="amin", include_self=True)
+            found = found.view(rows, words)
+            self.tile_start = torch.where(found < torch.iinfo(torch.int32).max, found, self.tile_start)
+        kept = {name: t for name, t in fields.items() if name not in LOCATION}
         if not self.fields:
-            self.fields = dict(fields)
+            self.fields = kept
         else:
-            self.fields = {name: torch.cat((self.fields[name], fields[name]), dim=0) for name in self.fields}
+            self.fields = {name: torch.cat((self.fields[name], kept[name]), dim=0) for name in self.fields}
+
+    def located(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """Each entry's row ``b * H + h`` and packed-token index (int32 [N] each, in the order the entries are held),
+        from the bits and the blocks' starts: a token's block is the last one that starts at or before it, and entries
+        are held by block, then row, then token. No host read (the entry count is the host's)."""
+        count = self.entries
+        if count == 0 or self.bits is None or self.chunks is None:
+            device = None if self.bits is None else self.bits.device
+            empty = torch.zeros(0, dtype=torch.int32, device=device)
+            return empty, empty
+        rows, words = self.bits.shape
+        span = words * TILE_TOKENS
+        shifts = torch.arange(TILE_TOKENS, dtype=torch.int32, device=self.bits.device)
+        present = ((self.bits.unsqueeze(-1) >> shifts) & 1).view(-1).bool()  # [rows * span], row-major
+        flat = torch.nonzero_static(present, size=count).squeeze(1)
+        row, token = flat // span, flat % span
+        block = torch.searchsorted(self.chunks.long(), token, right=True) - 1
+        order = torch.argsort((block * rows + row) * span + token)
+        return row[order].to(torch.int32), token[order].to(torch.int32)
+
+    def located_fields(self) -> TensorMap:
+        """The held fields with each entry's ``row`` and ``token`` (:meth:`located`): what :func:`add_residuals`
+        reads."""
+        if not self.fields:
+            return {}
+        row, token = self.located()
+        return {"row": row, "token": token, **self.fields}
 
     def nbytes(self) -> int:
-        index = [t for t in (self.tile_start, self.tile_mask) if t is not None]
+        index = [t for t in (self.bits, self.chunks, self.tile_start) if t is not None]
         return tensor_bytes([*self.fields.values(), *index])
 
     def tile_index(self, rows: int, tiles: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
         """Where the entries of every (row, 32-token tile) are, for ``tiles`` tiles: the index of its first
         entry (int32 [rows, tiles]) and a bit mask of its tokens that have one (int32 [rows, tiles], bit
-        ``i`` for token ``32 * tile + i``), so a kernel finds token ``t``'s entry at ``start + popcount(mask &
-        (2^i - 1))`` without searching. Entries of one (row, tile) must be contiguous and sorted by token:
-        true of blocks appended in token order, each sorted by row then token (as the engine appends
-        them), and after ``select_batch``. Extended incrementally: only entries appended since the last
-        call are indexed."""
-        known = 0 if self.tile_start is None else self.tile_start.shape[1]
-        if known == tiles and self._indexed_entries == self.entries:
-            return self.tile_start, self.tile_mask  # type: ignore[return-value]
-        if known > tiles:
-            raise ValueError(f"residual tile index covers {known} tiles, asked for {tiles}")
-        new = tiles - known
-        first = self._indexed_entries
-        start = torch.zeros(rows * new, dtype=torch.int32, device=device)
-        bits = torch.zeros(rows * new, dtype=torch.int64, device=device)
-        if self.entries > first:
-            row = self.fields["row"][first:].long()
-            token = self.fields["token"][first:].long()
-            key = row * new + token // TILE_TOKENS - known
-            order = torch.arange(first, self.entries, device=device, dtype=torch.int32)
-            bits.index_add_(0, key, torch.ones_like(key) << (token % TILE_TOKENS))  # distinct bits: the sum is the OR
-            start.fill_(torch.iinfo(torch.int32).max).scatter_reduce_(0, key, order, reduce="amin", include_self=True)
-            start = torch.where(bits > 0, start, 0)
-        mask = torch.where(bits >= 2**31, bits - 2**32, bits).to(torch.int32)  # the 32 bits, as int32
-        start, mask = start.view(rows, new), mask.view(rows, new)
-        if self.tile_start is None:
-            self.tile_start, self.tile_mask = start, mask
-        else:
-            self.tile_start = torch.cat((self.tile_start, start), dim=1)
-            self.tile_mask = torch.cat((self.tile_mask, mask), dim=1)
-        self._indexed_entries = self.entries
-        return self.tile_start, self.tile_mask
+        ``i`` for token ``32 * tile + i``: the list's bits), so a kernel finds token ``t``'s entry at ``start +
+        popcount(mask & (2^i - 1))`` without searching. Kept as blocks arrive with ``tiles``; otherwise built here
+        from :meth:`located` (every block must then start on a tile). Entries of one (row, tile) are contiguous
+        and sorted by token: blocks are appended in token order, each sorted by row then token."""
+        self.extend(rows, tiles * TILE_TOKENS, device)
+        assert self.bits is not None
+        if self.bits.shape[1] != tiles:
+            raise ValueError(f"residual list of rank {self.rank} covers {self.bits.shape[1]} tiles, asked for {tiles}")
+        if self.tile_start is None or self.tile_start.shape[1] != tiles:
+            if self.chunks is not None and bool((self.chunks % TILE_TOKENS).any()):
+                raise ValueError(f"a residual tile index needs blocks that start on a {TILE_TOKENS}-token tile")
+            row, token = (t.long() for t in self.located())
+            at = row * tiles + token // TILE_TOKENS
+            order = torch.arange(row.numel(), device=self.bits.device, dtype=torch.int32)
+            start = torch.full((rows * tiles,), torch.iinfo(torch.int32).max, dtype=torch.int32, device=self.bits.device)
+            start.scatter_reduce_(0, at, order, reduce="amin", include_self=True)
+            self.tile_start = torch.where(start < torch.iinfo(torch.int32).max, start, 0).view(rows, tiles)
+        return self.tile_start, self.bits
 
     def select_batch(self, index: torch.Tensor, heads: int) -> None:
         """Keep the entries of batch rows ``index`` [B'] (repeats allowed), renumbered 0..B'-1."""
-        self.tile_start = self.tile_mask = None  # rebuilt on demand for the new rows (also for a list without entries)
-        self._indexed_entries = 0
-        if not self.fields:
+        if self.bits is None:
             return
-        batch_of = self.fields["row"] // heads
-        head_of = self.fields["row"] % heads
-        parts: list[TensorMap] = []
-        for new_b, old_b in enumerate(index.tolist()):
-            chosen = (batch_of == old_b).nonzero().squeeze(1)
-            part = {name: tensor.index_select(0, chosen) for name, tensor in self.fields.items()}
-            part["row"] = (head_of.index_select(0, chosen) + new_b * heads).to(torch.int32)
-            parts.append(part)
-        self.fields = {name: torch.cat([part[name] for part in parts], dim=0) for name in self.fields}
+        span = self.bits.shape[1] * TILE_TOKENS
+        if self.fields:
+            row, token = (t.long() for t in self.located())
+            block = torch.searchsorted(self.chunks.long(), token, right=True) - 1  # type: ignore[union-attr]
+            parts, keys = [], []
+            for new_b, old_b in enumerate(index.tolist()):
+                chosen = (row // heads == old_b).nonzero().squeeze(1)
+                new_row = row.index_select(0, chosen) % heads + new_b * heads
+                parts.append(chosen)
+                keys.append((block.index_select(0, chosen) * len(index) * heads + new_row) * span + token.index_select(0, chosen))
+            chosen = torch.cat(parts)
+            chosen = chosen.index_select(0, torch.argsort(torch.cat(keys)))  # held by block, then row, then token
+            self.fields = {name: tensor.index_select(0, chosen) for name, tensor in self.fields.items()}
+        rows_of = (index.to(self.bits.device).long().unsqueeze(1) * heads + torch.arange(heads, device=self.bits.device)).reshape(-1)
+        self.bits = self.bits.index_select(0, rows_of)
+        self.tile_start = None  # rebuilt by tile_index for the new rows
+        if self.tiles and self.bits.shape[1]:
+            self.tile_index(self.bits.shape[0], self.bits.shape[1], self.bits.device)
 
 
 def fit_residual_basis(missing: torch.Tensor, rank: int) -> torch.Tensor:
@@ -211,9 +298,19 @@ def add_residuals(
 
 
 def entry_bytes(rank: int, quantizer: Quantizer, with_indices: bool = True) -> float:
-    """Stored bytes of one residual entry at ``rank``: row and token (int32), channel indices (uint8,
-    unless on a residual basis or at full rank; pass ``with_indices=False`` then), packed values."""
-    return 4 + 4 + (rank if with_indices else 0) + quantizer.bytes_per_vector(rank, torch.float32)
+    """Stored bytes of one residual entry at ``rank``: channel indices (uint8, unless on a residual basis or at full
+    rank; pass ``with_indices=False`` then) and packed values. Where it is costs a bit of the list's bits, held for
+    every token whether it has an entry or not (:func:`index_bytes`)."""
+    return (rank if with_indices else 0) + quantizer.bytes_per_vector(rank, torch.float32)
+
+
+def index_bytes(rows: int, first: int, tokens: int, tiles: bool) -> int:
+    """The most a residual list's index grows by with a block of packed tokens ``first .. first + tokens`` of ``rows``
+    rows: its bits' new words, the block's start, and with ``tiles`` the kernels' tile starts (:class:`ResidualList`).
+    Bits cover the tokens up to a list's last block with entries (a kernel's tile index, every token it reads), so a
+    block without entries at a level may add nothing there yet."""
+    words = -(-(first + tokens) // TILE_TOKENS) - -(-first // TILE_TOKENS)
+    return rows * words * 4 * (2 if tiles else 1) + 4
 
 
 def residual_rows(missing: torch.Tensor, mixing: torch.Tensor | None) -> torch.Tensor:

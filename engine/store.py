@@ -326,9 +326,11 @@ class ExactTokens:
 class LayerWindow:
     """One layer's exact (uncompressed) recent tokens, its routed residuals, and its packed-token count."""
 
-    def __init__(self, levels: tuple[int, ...], window_storage: str = "input", slot_bits: bool = True) -> None:
+    def __init__(self, levels: tuple[int, ...], window_storage: str = "input", slot_bits: bool = True,
+                 residual_tiles: bool = False) -> None:
         self.exact = ExactTokens(window_storage)
-        self.residuals = {kind: {rank: ResidualList(rank) for rank in levels if rank > 0} for kind in KINDS}
+        # residual_tiles: each list keeps the kernels' tile index as blocks arrive (a kernel that reads them in place)
+        self.residuals = {kind: {rank: ResidualList(rank, residual_tiles) for rank in levels if rank > 0} for kind in KINDS}
         self.residual_basis: dict[str, torch.Tensor | None] = {kind: None for kind in KINDS}  # [B, H, R, D]
         self.compressed_tokens = 0  # stored (packed) slots per batch row and head
         self.passed_tokens = 0  # logical tokens that left the exact window (stored or dropped)

@@ -40,7 +40,7 @@ def layer_view(engine: CompressionEngine, layer: int) -> LayerView:
             start = mask = None
             if engine.kernel.builds_residual_tiles and exact is not None:
                 start, mask = lists.tile_index(rows, window.compressed_tokens // TILE_TOKENS, device)
-            levels.append(ResidualLevelView(rank, lists.fields, start, mask))
+            levels.append(ResidualLevelView(rank, lists.fields, start, mask, lists.located))
         factored = engine.basis.factor_bases(store.state, member) if store.state else None
         kinds[kind] = KindView(
             kind=kind,

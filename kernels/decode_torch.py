@@ -25,16 +25,16 @@ def _token_versions(view: DecodeView, device: torch.device) -> torch.Tensor:
 
 
 def _gated_entries(levels, gates: torch.Tensor | None, heads: int):
-    """For each residual level with entries: the level, its gated values e [N, rho] (float32) and each
-    entry's row ``b * H + h`` (long [N])."""
+    """For each residual level with entries: the level, its gated values e [N, rho] (float32), and each
+    entry's row ``b * H + h`` and packed-token index (long [N] each)."""
     for level in levels:
-        if level.token.numel() == 0:
+        if level.entries == 0:
             continue
         e = dequantize_int4_group(level.packed, level.scales)  # [N, rho]
-        row = level.row.long()
+        row, token = (t.long() for t in level.located())
         if gates is not None:
             e = e * gates.float()[row % heads, None]
-        yield level, e, row
+        yield level, e, row, token
 
 
 def _packed_logits(view: DecodeView, q: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -49,9 +49,9 @@ def _packed_logits(view: DecodeView, q: torch.Tensor) -> tuple[torch.Tensor, tor
     if view.k_levels:
         qr = torch.einsum("bhgd,bhkd->bhgk", q, view.k_residual_basis.float())  # [B, H, G, R]
         flat = logits.permute(0, 1, 3, 2).reshape(batch * heads * tokens, gq)
-        for level, e, row in _gated_entries(view.k_levels, view.k_gates, heads):
+        for level, e, row, token in _gated_entries(view.k_levels, view.k_gates, heads):
             delta = torch.einsum("ngk,nk->ng", qr.reshape(batch * heads, gq, -1)[row, :, : level.rank], e)
-            flat.index_add_(0, row * tokens + level.token.long(), delta)
+            flat.index_add_(0, row * tokens + token, delta)
         logits = flat.reshape(batch, heads, tokens, gq).permute(0, 1, 3, 2)
     return logits, version
 
@@ -108,8 +108,8 @@ def torch_decode(view: DecodeView, query: torch.Tensor, start: torch.Tensor | No
             rank_max = view.v_residual_basis.shape[-2]
             acc_r = out.new_zeros(batch * heads, gq, rank_max)
             flat_p = p_packed.permute(0, 1, 3, 2).reshape(batch * heads * tokens, gq)
-            for level, e, row in _gated_entries(view.v_levels, view.v_gates, heads):
-                pe = flat_p[row * tokens + level.token.long()]  # [N, G]
+            for level, e, row, token in _gated_entries(view.v_levels, view.v_gates, heads):
+                pe = flat_p[row * tokens + token]  # [N, G]
                 acc_r[:, :, : level.rank].index_add_(0, row, torch.einsum("ng,nk->ngk", pe, e))
             out = out + torch.einsum("bhgk,bhkd->bhgd", acc_r.reshape(batch, heads, gq, rank_max), view.v_residual_basis.float())
     return out.reshape(batch, q_heads, dim).to(query.dtype)

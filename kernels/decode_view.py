@@ -13,6 +13,7 @@ Shapes: ``B`` batch, ``H`` KV heads, ``T`` packed tokens, ``r`` coefficient rank
 from __future__ import annotations
 
 import math
+from typing import Any
 
 import attrs
 
@@ -24,16 +25,27 @@ MAX_LEVELS = 3  # residual rank levels (> 0) the kernel takes
 
 @attrs.frozen
 class ResidualLevel:
-    """One rank level's residual entries of one layer and kind (see :mod:`kvweave.engine.residuals`)."""
+    """One rank level's residual entries of one layer and kind (see :mod:`kvweave.engine.residuals`). The kernels
+    find an entry through the tile index; the torch twin reads each entry's ``token`` and ``row``, which
+    ``locate`` derives from the level's bits (the entries store neither)."""
 
     rank: int
     group: int  # int4 channels per scale at this rank
-    token: torch.Tensor  # int32 [N] packed-token index
-    row: torch.Tensor  # int32 [N] b * H + h
+    entries: int  # N
     packed: torch.Tensor  # uint8 [N, rank / 2]
     scales: torch.Tensor  # float16 [N, rank / group]
     tile_start: torch.Tensor  # int32 [B * H, tiles]: first entry of each (row, 32-token tile)
     tile_mask: torch.Tensor  # int32 [B * H, tiles]: bit i set when token 32 * tile + i has an entry
+    locate: Any = attrs.field(default=None, eq=False, repr=False)  # () -> (row, token) int32 [N] each
+
+    def located(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """Each entry's row ``b * H + h`` and packed-token index (int32 [N] each)."""
+        if not self.entries:
+            empty = self.tile_start.new_zeros(0)
+            return empty, empty
+        if self.locate is None:
+            raise ValueError(f"residual level {self.rank} holds {self.entries} entries but no way to locate them")
+        return self.locate()
 
 
 @attrs.frozen

@@ -220,7 +220,7 @@ def tiles_refusal(view: DecodeView) -> str | None:
         rank = level.rank
         if rank not in (2, 4, 8, 16):
             return f"residual rank {rank} is not 2, 4, 8 or 16"
-        if not level.token.numel():  # nothing read: its group is a guess until it fills
+        if not level.entries:  # nothing read: its group is a guess until it fills
             continue
         if level.group != group or rank % group:
             return f"residual rank {rank} takes {level.group} channels a scale where the others take {group}"
@@ -235,7 +235,7 @@ def tiles_refusal(view: DecodeView) -> str | None:
 def tiles_group(view: DecodeView) -> int:
     """The int4 channels per scale the ``tiles`` pass reads every level's entries with: the largest among the levels
     that hold entries (2 where none does)."""
-    return max((level.group for level in view.k_levels + view.v_levels if level.token.numel()), default=2)
+    return max((level.group for level in view.k_levels + view.v_levels if level.entries), default=2)
 
 
 VARIANTS = ("auto", "tiles", "gather")

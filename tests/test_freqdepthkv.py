@@ -291,7 +291,7 @@ def test_values_follow_the_decision_made_on_keys(model):
     cache = run(model, build_test_cache("t-fdk", model), _prompt(900))
     stored = 0
     for window in cache.engine.views():
-        (keys,), (values,) = ([r.fields for r in kind.residuals if r.rank == 64] for kind in (window.keys, window.values))
+        (keys,), (values,) = ([r.located_fields() for r in kind.residuals if r.rank == 64] for kind in (window.keys, window.values))
         if keys:
             stored += keys["row"].numel()
             assert torch.equal(keys["row"], values["row"]) and torch.equal(keys["token"], values["token"])

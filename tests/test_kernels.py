@@ -104,7 +104,7 @@ def test_kernel_matches_twin_and_reference(tmp_path, q_heads, kv_heads, head_dim
     # the storage exercises what the kernel must handle
     assert view.packed_tokens == cache.engine.view(layer).packed_tokens > 0
     assert view.segments[:, 2].unique().numel() >= 2, "several basis versions"
-    assert sum(level.token.numel() for level in view.k_levels + view.v_levels) > 0, "routed residuals"
+    assert sum(level.entries for level in view.k_levels + view.v_levels) > 0, "routed residuals"
     torch.manual_seed(0)
     query = torch.randn(2, q_heads, head_dim, device=DEVICE)
     start = torch.tensor([0, 45], dtype=torch.int32, device=DEVICE)  # the second row left-padded by 45 tokens
@@ -173,32 +173,55 @@ def test_kernel_after_the_batch_grows_and_flushes_again(tmp_path):
     assert torch.allclose(twin, expected, atol=2e-5, rtol=1e-4), (twin - expected).abs().max()
     assert (kernel - twin).abs().max().item() < 1e-3
 
-def test_tile_index_incremental_equals_rebuilt():
+def test_a_residual_list_holds_where_its_entries_are_as_bits_and_finds_them_again():
+    """Entries appended block by block store no row or token: the list's bits and block starts give back each entry's
+    (row, token) in the order held, blocks of any length included, and the tile index kept as blocks arrive equals the
+    one rebuilt from scratch. nbytes is the values, the bits, the block starts and the tile starts."""
     torch.manual_seed(0)
-    lists = ResidualList(4)
-    rows, tile = 6, 32
-    for block in range(3):  # blocks of 64 tokens, entries sorted by row then token, as the engine appends
+    rows, tile, cpu = 6, 32, torch.device("cpu")
+    kept, rebuilt, loose = ResidualList(4, tiles=True), ResidualList(4), ResidualList(4)
+    appended = []
+    for block in range(3):  # blocks of 64 tokens, entries sorted by row then token, as the engine appends them
         picked = [(r, t) for r in range(rows) for t in sorted(torch.randperm(64)[:20].tolist())]
         row = torch.tensor([r for r, _ in picked], dtype=torch.int32)
         token = torch.tensor([t + 64 * block for _, t in picked], dtype=torch.int32)
-        lists.append({"row": row, "token": token, "q_packed": torch.zeros(len(picked), 2, dtype=torch.uint8)})
-        start, mask = lists.tile_index(rows, 2 * (block + 1), torch.device("cpu"))
-    row_of, token_of = lists.fields["row"].long(), lists.fields["token"].long()
+        values = torch.randint(0, 255, (len(picked), 2), dtype=torch.uint8)
+        for lists in (kept, rebuilt):
+            lists.append({"row": row, "token": token, "q_packed": values}, 64 * block, 64, rows)
+        appended.append((row, token, values))
+    row_of, token_of = (torch.cat([a[i] for a in appended]) for i in range(2))
+    assert kept.entries == row_of.numel() and "row" not in kept.fields and "token" not in kept.fields
+    assert all(torch.equal(a, b) for a, b in zip(kept.located(), (row_of, token_of)))
+    assert torch.equal(kept.fields["q_packed"], torch.cat([a[2] for a in appended]))
+    start, mask = kept.tile_index(rows, 6, cpu)
+    assert all(torch.equal(a, b) for a, b in zip((start, mask), rebuilt.tile_index(rows, 6, cpu)))
     bits = mask.long() & 0xFFFFFFFF
     for r in range(rows):
         for t in range(6):
             chosen = ((row_of == r) & (token_of // tile == t)).nonzero().squeeze(1)
-            expected = sum(1 << int(token_of[i] % tile) for i in chosen)
-            assert int(bits[r, t]) == expected
-            for rank_in_tile, i in enumerate(chosen.tolist()):  # start + popcount(bits below) finds each entry
+            assert int(bits[r, t]) == sum(1 << int(token_of[i] % tile) for i in chosen)
+            for i in chosen.tolist():  # start + popcount(bits below) finds each entry
                 below = int(bits[r, t]) & ((1 << int(token_of[i] % tile)) - 1)
                 assert int(start[r, t]) + bin(below).count("1") == i
-    assert lists.nbytes() == sum(t.nbytes for t in lists.fields.values()) + start.nbytes + mask.nbytes
-    lists.select_batch(torch.tensor([1, 0]), 3)  # rows 0..2 are batch 0, 3..5 batch 1
-    assert lists.tile_start is None
-    _, mask2 = lists.tile_index(rows, 6, torch.device("cpu"))
-    assert torch.equal(mask2[:3], mask[3:]) and torch.equal(mask2[3:], mask[:3])
-
+    assert kept.nbytes() == kept.fields["q_packed"].nbytes + mask.nbytes + start.nbytes + 3 * 4  # three block starts
+    for first, count in ((0, 40), (40, 7), (47, 90)):  # blocks that start and end inside words
+        picked = [(r, t) for r in range(rows) for t in sorted(torch.randperm(count)[: count // 3].tolist())]
+        loose.append({"row": torch.tensor([r for r, _ in picked], dtype=torch.int32),
+                      "token": torch.tensor([first + t for _, t in picked], dtype=torch.int32),
+                      "q_packed": torch.zeros(len(picked), 2, dtype=torch.uint8)}, first, count, rows)
+        held_row, held_token = loose.located()
+        assert torch.equal(held_row[-len(picked):], torch.tensor([r for r, _ in picked], dtype=torch.int32))
+        assert torch.equal(held_token[-len(picked):], torch.tensor([first + t for _, t in picked], dtype=torch.int32))
+    with pytest.raises(ValueError, match="start on a 32-token tile"):
+        loose.tile_index(rows, 5, cpu)
+    kept.select_batch(torch.tensor([1, 0, 1]), 3)  # rows 0..2 are batch 0, 3..5 batch 1
+    start2, mask2 = kept.tile_index(9, 6, cpu)
+    assert torch.equal(mask2[:3], mask[3:]) and torch.equal(mask2[3:6], mask[:3]) and torch.equal(mask2[6:], mask[3:])
+    new_row, new_token = kept.located()
+    old_of = torch.tensor([3, 4, 5, 0, 1, 2, 3, 4, 5])[new_row.long()]
+    for i in range(kept.entries):  # every kept entry's values are the entry it was at its old row and token
+        j = ((row_of == old_of[i]) & (token_of == new_token[i])).nonzero().item()
+        assert torch.equal(kept.fields["q_packed"][i], torch.cat([a[2] for a in appended])[j])
 
 def test_fused_generation_equals_reference_path():
     """depthweave-kv (fused) and its reference-kernel ablation store the same bytes and decode the same tokens;
@@ -325,11 +348,11 @@ def test_the_tiles_pass_reads_what_the_gather_pass_reads(tmp_path, name, block):
     four scales: 64-bit words) under 16 query heads a KV head at head_dim 64; with routed residuals, the twin without
     them is far off, so the pass reads them."""
     view, query, start, dim = _tiles_case(tmp_path, name)
-    entries = sum(level.token.numel() for level in view.k_levels + view.v_levels)
+    entries = sum(level.entries for level in view.k_levels + view.v_levels)
     assert (view.block < view.k_codes.shape[-1]) == (name == "dw-kernel-blocks")
     assert (entries > 0) == (name != "dw-kernel-bases")
     if name == "dw-kernel-wide":
-        assert any(level.rank == 16 and level.token.numel() for level in view.k_levels + view.v_levels)
+        assert any(level.rank == 16 and level.entries for level in view.k_levels + view.v_levels)
     twin = torch_decode(view, query, start, dim**-0.5)
     tiles = fused_decode(view, query, start, dim**-0.5, split=96, block_tokens=block, variant="tiles")
     gather = fused_decode(view, query, start, dim**-0.5, split=96, variant="gather")
@@ -396,7 +419,7 @@ def test_the_tiles_pass_refuses_what_it_cannot_read_and_auto_takes_the_gather_pa
         assert pick_variant(changed, "auto") == "gather"
         with pytest.raises(ValueError, match="tiles pass cannot read"):
             fused_decode(changed, query, None, 0.125, variant="tiles")
-    empty = attrs.evolve(level, token=level.token[:0], group=level.rank)  # a level without entries: its group a guess
+    empty = attrs.evolve(level, entries=0, group=level.rank)  # a level without entries: its group a guess
     assert tiles_refusal(attrs.evolve(view, k_levels=view.k_levels[:-1] + (empty,))) is None
     with pytest.raises(ValueError, match="unknown fused kernel variant 'fast'"):
         fused_decode(view, query, None, 0.125, variant="fast")

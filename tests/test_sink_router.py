@@ -61,8 +61,11 @@ def test_sink_tokens_come_back_exact_and_the_rest_as_coded(tmp_path):
     parts = {name: cache.memory_breakdown() for name, cache in caches.items()}
     assert parts["s-plain"]["residuals"] == 0
     layers, rows, heads = model.config.num_hidden_layers, 2, 2
-    # per sink, layer, row, head and kind: 64 float16 channels plus an int32 row and an int32 token index
-    assert parts["s-sinks"]["residuals"] == layers * rows * heads * 3 * 2 * (64 * 2 + 8)
+    # per sink, layer, row, head and kind: 64 float16 channels; per layer and kind the list's bits, one a packed token
+    # of the prompt's block, row and head, and the block's int32 start; no row or token index an entry
+    packed = caches["s-sinks"].engine.windows[0].compressed_tokens
+    assert caches["s-sinks"].engine.stores[0]["keys"].flushes == 1 and packed % 32 == 0
+    assert parts["s-sinks"]["residuals"] == layers * 2 * (rows * heads * (3 * 64 * 2 + packed // 8) + 4)
     assert parts["s-sinks-values"]["residuals"] == parts["s-sinks"]["residuals"] // 2
 
 

@@ -290,10 +290,10 @@ def _level(level: ResidualLevelView, group: int, device: torch.device) -> Residu
         raise CacheStateError(f"residual level {level.rank} has no tile index (the engine builds it for kernels that read in place)")
     if level.entries:
         f = level.fields
-        return ResidualLevel(level.rank, group, f["token"], f["row"], f["q_packed"], f["q_scales"], level.tile_start, level.tile_mask)
-    none = placeholder(device)
-    return ResidualLevel(level.rank, group, none[:0], none[:0], placeholder(device, torch.uint8),
-                         placeholder(device, torch.float16), level.tile_start, level.tile_mask)
+        return ResidualLevel(level.rank, group, level.entries, f["q_packed"], f["q_scales"], level.tile_start,
+                             level.tile_mask, level.located)
+    return ResidualLevel(level.rank, group, 0, placeholder(device, torch.uint8), placeholder(device, torch.float16),
+                         level.tile_start, level.tile_mask)
 
 
 def _on(scratch: dict, key: tuple, tensor: torch.Tensor | None, device: torch.device) -> torch.Tensor | None:

@@ -257,15 +257,16 @@ class LowbitKernel(AttentionKernel):
         if key not in view.scratch:
             for old in [name for name in view.scratch if name[:3] == key[:3]]:
                 del view.scratch[old]
-            ids = torch.unique(torch.cat([level.fields["row"].long() * tokens + level.fields["token"].long() for _, level in levels]))
+            located = [tuple(t.long() for t in level.located()) for _, level in levels]  # (row, token) of each entry
+            ids = torch.unique(torch.cat([row * tokens + token for row, token in located]))
             keys, values = _dequantized_at(packed, ids)
             positions = slot_positions(packed, device)
             positions = positions[ids % tokens] if positions.dim() == 1 else positions.reshape(-1)[ids]
-            for kind_view, level in levels:
-                at = torch.searchsorted(ids, level.fields["row"].long() * tokens + level.fields["token"].long())
+            for (kind_view, level), (row, token) in zip(levels, located):
+                at = torch.searchsorted(ids, row * tokens + token)
                 delta = level.fields["q_values"].float().to(device)
                 if kind_view.gates is not None:
-                    delta = delta * kind_view.gates.float().to(device)[level.fields["row"].long() % heads].unsqueeze(-1)
+                    delta = delta * kind_view.gates.float().to(device)[row % heads].unsqueeze(-1)
                 if kind_view.kind == "keys":
                     keys = keys.index_add(0, at, rope_at(packed, delta, positions[at]) if packed.inv_freq is not None else delta)
                 else:
