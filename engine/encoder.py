@@ -99,8 +99,9 @@ class BlockEncoder:
                     approx[member] = add_residuals(approx[member], entries[member], residual_quantizer, self.engine.router.gates(layer, kind), basis)
                 held = window.compressed_tokens
                 for rank, fields in entries[member].items():
+                    last = None if fixed is None else held + max(stop for _, stop, level in fixed if level == rank)
                     window.residuals[kind][rank].append({**fields, "token": fields["token"] + held}, held, tokens,
-                                                        block.shape[1] * block.shape[2])
+                                                        block.shape[1] * block.shape[2], last)
             if mixing is not None and self.engine.probe.wants(store.flushes):  # rows of the whole group, mixed per layer
                 relative = entries  # tokens relative to the block, as encoded
                 gates = [self.engine.router.gates(layer, kind) for layer in members]

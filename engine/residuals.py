@@ -72,12 +72,13 @@ class ResidualList:
         """Cover packed tokens ``0 .. tokens`` of ``rows`` rows with bits (zeros for tokens without entries) and, with
         ``tiles``, the tile index (``tokens`` a multiple of 32 then)."""
         words = -(-tokens // TILE_TOKENS)
-        held = 0 if self.bits is None else self.bits.shape[1]
+        if self.bits is None:
+            self.bits = torch.zeros(rows, 0, dtype=torch.int32, device=device)
+        held = self.bits.shape[1]
         if self.bits is not None and self.bits.shape[0] != rows:
             raise ValueError(f"residual list of rank {self.rank} holds {self.bits.shape[0]} rows, asked for {rows}")
         if words > held:
-            more = torch.zeros(rows, words - held, dtype=torch.int32, device=device)
-            self.bits = more if self.bits is None else torch.cat((self.bits, more), dim=1)
+            self.bits = torch.cat((self.bits, torch.zeros(rows, words - held, dtype=torch.int32, device=device)), dim=1)
         if self.tiles:
             if tokens % TILE_TOKENS:
                 raise ValueError(f"a residual tile index covers whole tiles of {TILE_TOKENS} tokens; asked for {tokens}")
@@ -86,13 +87,21 @@ class ResidualList:
                 more = torch.zeros(rows, words - started, dtype=torch.int32, device=device)
                 self.tile_start = more if self.tile_start is None else torch.cat((self.tile_start, more), dim=1)
 
-    def append(self, fields: TensorMap, first: int, tokens: int, rows: int) -> None:
+    def append(self, fields: TensorMap, first: int, tokens: int, rows: int, last: int | None = None) -> None:
         """Append one block's entries: ``fields`` as :func:`encode_residuals` gives them (``row``, ``token`` [N] with
         ``token`` the packed-token index, sorted by row, then token), the block's packed tokens ``first .. first +
-        tokens`` of ``rows`` rows. ``row`` and ``token`` become bits; the rest is held."""
+        tokens`` of ``rows`` rows. ``row`` and ``token`` become bits; the rest is held. Without ``tiles`` the bits
+        cover the tokens up to the block's last entry, ``last`` (its token index + 1) where the caller knows it, else
+        read from ``token`` (a host read): a level whose entries are the first tokens (attention sinks) keeps a word a
+        row, not a bit for every token after them."""
         row, token = fields["row"].long(), fields["token"].long()
         device = row.device
-        self.extend(rows, first + tokens, device)
+        if self.tiles:
+            self.extend(rows, first + tokens, device)
+        elif row.numel():
+            self.extend(rows, last if last is not None else int(token.max()) + 1, device)
+        else:
+            self.extend(rows, 0, device)
         assert self.bits is not None
         words = self.bits.shape[1]
         if row.numel():
