@@ -104,12 +104,13 @@ class ResidualList:
             self.extend(rows, 0, device)
         assert self.bits is not None
         words = self.bits.shape[1]
-        if row.numel():
-            flat = self.bits.view(-1)
-            at = row * words + token // TILE_TOKENS
-            touched = torch.zeros(flat.shape[0], dtype=torch.int64, device=device)
+        if row.numel():  # the block's words only: those before it hold earlier blocks' bits and stay as they are
+            low = first // TILE_TOKENS
+            span = words - low
+            at = row * span + token // TILE_TOKENS - low
+            touched = torch.zeros(rows * span, dtype=torch.int64, device=device)
             touched.index_add_(0, at, torch.ones_like(at) << (token % TILE_TOKENS))  # distinct bits: the sum is the OR
-            self.bits = _as_int32((flat.long() & 0xFFFFFFFF) | touched).view(rows, words)
+            self.bits[:, low:] = _as_int32((self.bits[:, low:].long() & 0xFFFFFFFF) | touched.view(rows, span))
         start = torch.tensor([first], dtype=torch.int32, device=device)
         self.chunks = start if self.chunks is None else torch.cat((self.chunks, start))
         if self.tiles and row.numel():  # each new tile's first entry: the block's entries sit after those held
