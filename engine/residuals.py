@@ -75,7 +75,7 @@ class ResidualList:
         if self.bits is None:
             self.bits = torch.zeros(rows, 0, dtype=torch.int32, device=device)
         held = self.bits.shape[1]
-        if self.bits is not None and self.bits.shape[0] != rows:
+        if self.bits.shape[0] != rows:
             raise ValueError(f"residual list of rank {self.rank} holds {self.bits.shape[0]} rows, asked for {rows}")
         if words > held:
             self.bits = torch.cat((self.bits, torch.zeros(rows, words - held, dtype=torch.int32, device=device)), dim=1)
@@ -113,16 +113,15 @@ class ResidualList:
             self.bits[:, low:] = _as_int32((self.bits[:, low:].long() & 0xFFFFFFFF) | touched.view(rows, span))
         start = torch.tensor([first], dtype=torch.int32, device=device)
         self.chunks = start if self.chunks is None else torch.cat((self.chunks, start))
-        if self.tiles and row.numel():  # each new tile's first entry: the block's entries sit after those held
+        if self.tiles and row.numel():  # the block's tiles' first entries: its entries sit after those held
             if first % TILE_TOKENS:
                 raise ValueError(f"a residual tile index needs blocks that start on a {TILE_TOKENS}-token tile; this one starts at {first}")
             assert self.tile_start is not None
             order = torch.arange(self.entries, self.entries + row.numel(), device=device, dtype=torch.int32)
-            at = row * words + token // TILE_TOKENS
-            found = torch.full((rows * words,), torch.iinfo(torch.int32).max, dtype=torch.int32, device=device)
+            none = torch.iinfo(torch.int32).max
+            found = torch.full((rows * span,), none, dtype=torch.int32, device=device)
             found.scatter_reduce_(0, at, order, reduce="amin", include_self=True)
-            found = found.view(rows, words)
-            self.tile_start = torch.where(found < torch.iinfo(torch.int32).max, found, self.tile_start)
+            self.tile_start[:, low:] = torch.where(found.view(rows, span) < none, found.view(rows, span), self.tile_start[:, low:])
         kept = {name: t for name, t in fields.items() if name not in LOCATION}
         if not self.fields:
             self.fields = kept
