@@ -103,10 +103,9 @@ class BlockEncoder:
                     window.residuals[kind][rank].append({**fields, "token": fields["token"] + held}, held, tokens,
                                                         block.shape[1] * block.shape[2], last)
             if mixing is not None and self.engine.probe.wants(store.flushes):  # rows of the whole group, mixed per layer
-                relative = entries  # tokens relative to the block, as encoded
                 gates = [self.engine.router.gates(layer, kind) for layer in members]
                 bases = [self.engine.windows[layer].residual_basis[kind] for layer in members]
-                approx = torch.stack([mix_residuals(approx[m], m, relative, residual_quantizer, mixing, gates, bases) for m in range(len(members))])
+                approx = torch.stack([mix_residuals(approx[m], m, entries, residual_quantizer, mixing, gates, bases) for m in range(len(members))])  # tokens relative to the block
         if self.engine.probe.wants(store.flushes):
             if self.engine.pre_rope and kind == "keys":  # the probe compares attention, which sees rotated keys
                 approx = self.engine.rope_keys(approx, members, positions, inverse=False)

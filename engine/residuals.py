@@ -39,6 +39,15 @@ TILE_TOKENS = 32  # tokens per word of a list's bits, and per tile of the kernel
 LOCATION = ("row", "token")
 
 
+def _first_entries(at: torch.Tensor, first: int, size: int) -> torch.Tensor:
+    """int32 [size]: for each of ``size`` tiles, the index of its first entry, -1 where it has none; ``at`` names the
+    tile of each entry held from index ``first`` on, in the order held."""
+    none = torch.iinfo(torch.int32).max
+    order = torch.arange(first, first + at.numel(), device=at.device, dtype=torch.int32)
+    found = torch.full((size,), none, dtype=torch.int32, device=at.device).scatter_reduce_(0, at, order, reduce="amin")
+    return torch.where(found < none, found, -1)
+
+
 def _as_int32(bits: torch.Tensor) -> torch.Tensor:
     """Unsigned 32-bit words held in int64 as int32 with the same bits."""
     return torch.where(bits >= 2**31, bits - 2**32, bits).to(torch.int32)
@@ -49,7 +58,8 @@ class ResidualList:
 
     With ``tiles`` (a kernel that reads the entries in place) it also keeps the kernels' tile index: per (row,
     32-token tile) the index of the tile's first entry (``tile_start``, int32 [rows, tiles], counted in
-    :meth:`nbytes`), extended as blocks are appended; the tile's bit mask is the word of :attr:`bits`."""
+    :meth:`nbytes`), extended as blocks are appended; the tile's bit mask is the word of :attr:`bits` (what
+    :meth:`tile_index` returns)."""
 
     def __init__(self, rank: int, tiles: bool = False) -> None:
         self.rank = rank
@@ -62,11 +72,6 @@ class ResidualList:
     @property
     def entries(self) -> int:
         return 0 if not self.fields else next(iter(self.fields.values())).shape[0]
-
-    @property
-    def tile_mask(self) -> torch.Tensor | None:
-        """The kernels' bit mask of each (row, 32-token tile): the list's :attr:`bits` (the same tensor)."""
-        return self.bits if self.tile_start is not None else None
 
     def extend(self, rows: int, tokens: int, device: torch.device) -> None:
         """Cover packed tokens ``0 .. tokens`` of ``rows`` rows with bits (zeros for tokens without entries) and, with
@@ -117,11 +122,8 @@ class ResidualList:
             if first % TILE_TOKENS:
                 raise ValueError(f"a residual tile index needs blocks that start on a {TILE_TOKENS}-token tile; this one starts at {first}")
             assert self.tile_start is not None
-            order = torch.arange(self.entries, self.entries + row.numel(), device=device, dtype=torch.int32)
-            none = torch.iinfo(torch.int32).max
-            found = torch.full((rows * span,), none, dtype=torch.int32, device=device)
-            found.scatter_reduce_(0, at, order, reduce="amin", include_self=True)
-            self.tile_start[:, low:] = torch.where(found.view(rows, span) < none, found.view(rows, span), self.tile_start[:, low:])
+            found = _first_entries(at, self.entries, rows * span).view(rows, span)
+            self.tile_start[:, low:] = torch.where(found >= 0, found, self.tile_start[:, low:])
         kept = {name: t for name, t in fields.items() if name not in LOCATION}
         if not self.fields:
             self.fields = kept
@@ -155,9 +157,13 @@ class ResidualList:
         row, token = self.located()
         return {"row": row, "token": token, **self.fields}
 
+    def stored(self) -> list[torch.Tensor]:
+        """Every tensor the list holds (what :meth:`nbytes` counts): the entries' fields, the bits, the blocks' starts
+        and the tile starts."""
+        return [*self.fields.values(), *(t for t in (self.bits, self.chunks, self.tile_start) if t is not None)]
+
     def nbytes(self) -> int:
-        index = [t for t in (self.bits, self.chunks, self.tile_start) if t is not None]
-        return tensor_bytes([*self.fields.values(), *index])
+        return tensor_bytes(self.stored())
 
     def tile_index(self, rows: int, tiles: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
         """Where the entries of every (row, 32-token tile) are, for ``tiles`` tiles: the index of its first
@@ -174,11 +180,7 @@ class ResidualList:
             if self.chunks is not None and bool((self.chunks % TILE_TOKENS).any()):
                 raise ValueError(f"a residual tile index needs blocks that start on a {TILE_TOKENS}-token tile")
             row, token = (t.long() for t in self.located())
-            at = row * tiles + token // TILE_TOKENS
-            order = torch.arange(row.numel(), device=self.bits.device, dtype=torch.int32)
-            start = torch.full((rows * tiles,), torch.iinfo(torch.int32).max, dtype=torch.int32, device=self.bits.device)
-            start.scatter_reduce_(0, at, order, reduce="amin", include_self=True)
-            self.tile_start = torch.where(start < torch.iinfo(torch.int32).max, start, 0).view(rows, tiles)
+            self.tile_start = _first_entries(row * tiles + token // TILE_TOKENS, 0, rows * tiles).clamp_min(0).view(rows, tiles)
         return self.tile_start, self.bits
 
     def select_batch(self, index: torch.Tensor, heads: int) -> None:

@@ -268,7 +268,7 @@ def _depthweave_stored(cache) -> list[torch.Tensor]:
         for kind in ("keys", "values"):
             for rank in engine.residual_levels:
                 lists = window.residuals[kind][rank]
-                out += [*lists.fields.values(), *(t for t in (lists.tile_start, lists.tile_mask) if t is not None)]
+                out += lists.stored()
             basis = window.residual_basis[kind]
             out += [basis] if basis is not None else []
     observer = engine.observer
