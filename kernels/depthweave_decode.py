@@ -122,15 +122,24 @@ def fused_packed_logsumexp(
     (eight by default, so 32 columns a KV head at GQA 4), which the ``tiles`` pass was not timed with."""
     batch, q_heads, dim = query.shape
     n_seg = view.segments.shape[0] if view.packed_tokens else 0
-    m, l, acc = _prepare(view, query, n_seg)
     if not n_seg:
         return query.new_full((batch, q_heads), float("-inf"), dtype=torch.float32)
+    tiles = pick_variant(view, variant) == "tiles"
+    if tiles:  # the statistics alone: no value is read and no output written, so no [B * Hq * S, D] buffer
+        check_view(view, query)
+        m = torch.empty(batch * q_heads * n_seg, dtype=torch.float32, device=query.device)
+        l, acc = torch.empty_like(m), placeholder(query.device, torch.float32)
+    else:
+        m, l, acc = _prepare(view, query, n_seg)
     heads = view.exact_k.shape[1]
     gq = q_heads // heads
     start = torch.zeros(batch, dtype=torch.int32, device=query.device)
-    launch = _launch_tiles if pick_variant(view, variant) == "tiles" else _launch_packed
-    launch(view, query.contiguous(), view.segments, start, m, l, acc, n_seg, heads, gq, dim, float(scale) * LOG2E,
-           block_tokens, num_warps, num_stages)
+    args = (view, query.contiguous(), view.segments, start, m, l, acc, n_seg, heads, gq, dim, float(scale) * LOG2E,
+            block_tokens, num_warps, num_stages)
+    if tiles:
+        _launch_tiles(*args, values=False)
+    else:
+        _launch_packed(*args)
     m, l = m.view(batch, q_heads, n_seg), l.view(batch, q_heads, n_seg)
     top = m.amax(dim=-1, keepdim=True)
     total = (l * torch.exp2(m - top)).sum(dim=-1)
@@ -260,8 +269,10 @@ def pick_variant(view: DecodeView, variant: str) -> str:
     return "gather" if variant == "gather" or refusal else "tiles"
 
 
-def _launch_tiles(view, query, segments, start, m, l, acc, partials, heads, gq, dim, qk_scale, block_tokens, num_warps, num_stages=None) -> None:
-    """Launch the ``tiles`` packed-token pass over ``segments`` (:mod:`kvweave.kernels.depthweave_tiles_triton`)."""
+def _launch_tiles(view, query, segments, start, m, l, acc, partials, heads, gq, dim, qk_scale, block_tokens, num_warps,
+                  num_stages=None, values: bool = True) -> None:
+    """Launch the ``tiles`` packed-token pass over ``segments`` (:mod:`kvweave.kernels.depthweave_tiles_triton`);
+    without ``values`` it writes only each slot's maximum and sum (``acc`` is not written)."""
     if block_tokens not in (32, 64):
         raise ValueError(f"the tiles pass steps over 32 or 64 tokens (one or two tiles of the index), not {block_tokens}")
     grid, args, constants, levels, _ = _packed_args(view, query, segments, start, m, l, acc, partials, heads, gq, dim,
@@ -271,6 +282,6 @@ def _launch_tiles(view, query, segments, start, m, l, acc, partials, heads, gq, 
     tiles_jit._tiles_kernel[grid](
         *args, G=_pow2(gq, 8), RP=_pow2(max(rmax, 1), 16), RMAX=rmax, GROUP=group, **constants, BLOCK=block_tokens,
         ASM=query.is_cuda and os.environ.get("TRITON_INTERPRET") != "1", COLUMNS=TILES_COLUMNS, AHEAD=TILES_AHEAD,
-        num_warps=num_warps,
+        VALUES=values, num_warps=num_warps,
         **({} if num_stages is None else {"num_stages": num_stages}),
     )

@@ -124,7 +124,7 @@ if triton is not None:
         GQ: tl.constexpr, G: tl.constexpr, D: tl.constexpr, R: tl.constexpr, RC: tl.constexpr, RB: tl.constexpr,
         RP: tl.constexpr, RMAX: tl.constexpr, RANK0: tl.constexpr, RANK1: tl.constexpr, RANK2: tl.constexpr,
         GROUP: tl.constexpr, K_GATES: tl.constexpr, V_GATES: tl.constexpr, BLOCK: tl.constexpr,
-        ASM: tl.constexpr, COLUMNS: tl.constexpr, AHEAD: tl.constexpr,
+        ASM: tl.constexpr, COLUMNS: tl.constexpr, AHEAD: tl.constexpr, VALUES: tl.constexpr = True,
     ):
         """One program per (segment, batch row x KV head), as the gather kernel's (its arguments, in the same order,
         are documented there); ``G`` tile columns for the ``GQ`` query heads, ``RMAX`` the largest level's rank,
@@ -134,7 +134,10 @@ if triton is not None:
         as a column [BLOCK, 1] from the tile index to the residual tile, so the words are loaded in the layout the tile
         is made in, each thread holding whole rows: no layout conversion of the words, and each column's shift is known
         when the kernel is built; ``AHEAD`` loads each step's words during the step before (the tile index and the
-        entries it points to are two loads in a chain; read a step ahead, their latency overlaps a step's products)."""
+        entries it points to are two loads in a chain; read a step ahead, their latency overlaps a step's products).
+        Without ``VALUES`` only each slot's maximum and sum are written (a flush's attention statistics,
+        :func:`~kvweave.kernels.depthweave_decode.fused_packed_logsumexp`): no value coefficient, residual word or
+        output is read, multiplied or stored."""
         seg, bh, b, h, lo, hi, version, first_valid, k_gate, v_gate = _program(seg_ptr, start_ptr, kg_ptr, vg_ptr, H,
                                                                                K_GATES, V_GATES)
         ONE_SCALE: tl.constexpr = RB >= R
@@ -175,8 +178,10 @@ if triton is not None:
         if AHEAD and RMAX > 0:
             kcw, ksw = _merged_words(k0_pk, k0_sc, k0_ts, k0_tm, k1_pk, k1_sc, k1_ts, k1_tm, k2_pk, k2_sc, k2_ts, k2_tm,
                                      row, lo, hi, tw, lo + tw < hi, RANK0, RANK1, RANK2, GROUP, BLOCK, CW64, SW64, ASM)
-            vcw, vsw = _merged_words(v0_pk, v0_sc, v0_ts, v0_tm, v1_pk, v1_sc, v1_ts, v1_tm, v2_pk, v2_sc, v2_ts, v2_tm,
-                                     row, lo, hi, tw, lo + tw < hi, RANK0, RANK1, RANK2, GROUP, BLOCK, CW64, SW64, ASM)
+            if VALUES:
+                vcw, vsw = _merged_words(v0_pk, v0_sc, v0_ts, v0_tm, v1_pk, v1_sc, v1_ts, v1_tm, v2_pk, v2_sc, v2_ts,
+                                         v2_tm, row, lo, hi, tw, lo + tw < hi, RANK0, RANK1, RANK2, GROUP, BLOCK, CW64,
+                                         SW64, ASM)
         for t0 in range(lo, hi, BLOCK):
             tok = t0 + t
             inside = tok < hi
@@ -187,9 +192,10 @@ if triton is not None:
                 kcw, ksw = _merged_words(k0_pk, k0_sc, k0_ts, k0_tm, k1_pk, k1_sc, k1_ts, k1_tm, k2_pk, k2_sc, k2_ts,
                                          k2_tm, row, after, hi, tw, after + tw < hi, RANK0, RANK1, RANK2, GROUP, BLOCK,
                                          CW64, SW64, ASM)
-                vcw, vsw = _merged_words(v0_pk, v0_sc, v0_ts, v0_tm, v1_pk, v1_sc, v1_ts, v1_tm, v2_pk, v2_sc, v2_ts,
-                                         v2_tm, row, after, hi, tw, after + tw < hi, RANK0, RANK1, RANK2, GROUP, BLOCK,
-                                         CW64, SW64, ASM)
+                if VALUES:
+                    vcw, vsw = _merged_words(v0_pk, v0_sc, v0_ts, v0_tm, v1_pk, v1_sc, v1_ts, v1_tm, v2_pk, v2_sc,
+                                             v2_ts, v2_tm, row, after, hi, tw, after + tw < hi, RANK0, RANK1, RANK2,
+                                             GROUP, BLOCK, CW64, SW64, ASM)
             ck = tl.load(kc + tok[:, None] * c_st + r[None, :], mask=inside[:, None] & (r < R)[None, :], other=0)
             if ONE_SCALE:
                 k_scale = tl.load(ks + tok * s_st, mask=inside, other=0.0).to(tl.float32)
@@ -210,29 +216,31 @@ if triton is not None:
             p = tl.where(ok[:, None], tl.exp2(s - m_new[None, :]), 0.0)  # [BLOCK, G]
             l_i = l_i * alpha[None, :] + p
             m_i = m_new
-            cv = tl.load(vc + tok[None, :] * c_st + r[:, None], mask=inside[None, :] & (r < R)[:, None], other=0)
-            if ONE_SCALE:
-                v_scale = tl.load(vs + tok * s_st, mask=inside, other=0.0).to(tl.float32)
-                acc_c = tl.dot(cv.to(tl.float16), (p * v_scale[:, None]).to(tl.float16), acc_c * alpha[None, :])
-            else:
-                vbs = tl.load(vs + tok[None, :] * s_st + (r // RB)[:, None], mask=inside[None, :] & (r < R)[:, None],
-                              other=0.0)
-                acc_c = tl.dot(cv.to(tl.float16) * vbs.to(tl.float16), p.to(tl.float16), acc_c * alpha[None, :])
-            if RMAX > 0:
-                if not AHEAD:
-                    v_cw, v_sw = _merged_words(v0_pk, v0_sc, v0_ts, v0_tm, v1_pk, v1_sc, v1_ts, v1_tm, v2_pk, v2_sc,
-                                               v2_ts, v2_tm, row, t0, hi, tw, t0 + tw < hi, RANK0, RANK1, RANK2, GROUP,
-                                               BLOCK, CW64, SW64, ASM)
-                e = _residual_tile(v_cw, v_sw, RMAX, RP, GROUP, COLUMNS)
-                acc_r = tl.dot(tl.trans(e), p.to(tl.float16), acc_r * alpha[None, :])
+            if VALUES:  # the values' coefficients and residuals times the probabilities
+                cv = tl.load(vc + tok[None, :] * c_st + r[:, None], mask=inside[None, :] & (r < R)[:, None], other=0)
+                if ONE_SCALE:
+                    v_scale = tl.load(vs + tok * s_st, mask=inside, other=0.0).to(tl.float32)
+                    acc_c = tl.dot(cv.to(tl.float16), (p * v_scale[:, None]).to(tl.float16), acc_c * alpha[None, :])
+                else:
+                    vbs = tl.load(vs + tok[None, :] * s_st + (r // RB)[:, None],
+                                  mask=inside[None, :] & (r < R)[:, None], other=0.0)
+                    acc_c = tl.dot(cv.to(tl.float16) * vbs.to(tl.float16), p.to(tl.float16), acc_c * alpha[None, :])
+                if RMAX > 0:
+                    if not AHEAD:
+                        v_cw, v_sw = _merged_words(v0_pk, v0_sc, v0_ts, v0_tm, v1_pk, v1_sc, v1_ts, v1_tm, v2_pk,
+                                                   v2_sc, v2_ts, v2_tm, row, t0, hi, tw, t0 + tw < hi, RANK0, RANK1,
+                                                   RANK2, GROUP, BLOCK, CW64, SW64, ASM)
+                    e = _residual_tile(v_cw, v_sw, RMAX, RP, GROUP, COLUMNS)
+                    acc_r = tl.dot(tl.trans(e), p.to(tl.float16), acc_r * alpha[None, :])
 
         slot = (bh * GQ + gi) * partials + seg
         tl.store(m_ptr + slot, m_i, mask=g_ok)
         tl.store(l_ptr + slot, tl.sum(l_i, axis=0), mask=g_ok)
-        # back to head_dim: P_v^T (sum p c) + g R^T (sum p e), [D, G]
-        vb = vb_ptr + b64 * b_sb + h * b_sh + version * b_sv
-        out = tl.dot(tl.trans(_rows(vb, b_sr, R, RC, D).to(tl.float16)), acc_c.to(tl.float16))
-        if RMAX > 0:
-            vres = _level_rows(vrb_ptr + b64 * rb_sb + h * rb_sh, rb_sr, RMAX, RP, D).to(tl.float16)
-            out = tl.dot(tl.trans(vres), (acc_r * v_gate).to(tl.float16), out)
-        tl.store(acc_ptr + slot[None, :] * D + d[:, None], out, mask=g_ok[None, :])
+        if VALUES:
+            # back to head_dim: P_v^T (sum p c) + g R^T (sum p e), [D, G]
+            vb = vb_ptr + b64 * b_sb + h * b_sh + version * b_sv
+            out = tl.dot(tl.trans(_rows(vb, b_sr, R, RC, D).to(tl.float16)), acc_c.to(tl.float16))
+            if RMAX > 0:
+                vres = _level_rows(vrb_ptr + b64 * rb_sb + h * rb_sh, rb_sr, RMAX, RP, D).to(tl.float16)
+                out = tl.dot(tl.trans(vres), (acc_r * v_gate).to(tl.float16), out)
+            tl.store(acc_ptr + slot[None, :] * D + d[:, None], out, mask=g_ok[None, :])
