@@ -242,7 +242,7 @@ class FusedKernel(AttentionKernel):
         decode = self.decode_view(view, queries.device)
         flat = queries.reshape(batch, q_heads * observed, dim)
         if self._triton(queries):
-            lse = fused_packed_logsumexp(decode, flat, scaling)
+            lse = fused_packed_logsumexp(decode, flat, scaling, variant=self.variant)
         else:
             lse = torch_packed_logsumexp(decode, flat, scaling)
         return lse.reshape(batch, q_heads, observed)
