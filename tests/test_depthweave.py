@@ -12,7 +12,7 @@ from kvweave.core.errors import BudgetError, CacheStateError
 from kvweave.core.interfaces import RouteBlock
 from kvweave.core.registry import load_pipeline
 from kvweave.plugins.probes.attention_output import AttentionOutputProbe
-from kvweave.plugins.routers.sigmoid_multilevel import SigmoidMultilevelRouter
+from kvweave.plugins.routers.sigmoid_multilevel import SigmoidMultilevelRouter, budget_shift
 
 from conftest import record_route_blocks, tiny_llama
 from helpers import build_test_cache, exact_cache, random_ids, run
@@ -41,6 +41,54 @@ def test_the_router_keeps_each_block_within_its_byte_budget(budget):
     assert ranks.shape == (2, 1, 2, 40)
     assert _bytes(ranks) <= budget
     assert set(ranks.unique().tolist()) <= {0, 2, 4, 8}
+
+
+def _bisected_levels(scores, thresholds, cost, budget):
+    """The levels a bisection over the shift finds (what the router did before it sorted the crossings)."""
+    def count(delta):
+        return (scores.unsqueeze(-1) > thresholds + delta).sum(dim=-1)
+
+    if float(cost[count(-1.0)].sum()) <= budget:
+        return count(-1.0)
+    low, high = -1.0, 1.0
+    for _ in range(40):
+        middle = (low + high) / 2
+        low, high = (middle, high) if float(cost[count(middle)].sum()) > budget else (low, middle)
+    return count(high)
+
+
+class _HostReads(torch.overrides.TorchFunctionMode):
+    """Records each torch call that reads a tensor to the host."""
+
+    def __init__(self):
+        super().__init__()
+        self.reads = []
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        if getattr(func, "__name__", "") in {"item", "tolist", "__float__", "__int__", "__bool__", "nonzero"}:
+            self.reads.append(func.__name__)
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_the_budget_shift_found_by_sorting_gives_the_bisections_levels_with_no_host_read(seed):
+    """The shift that fits a block's residual budget, from the sorted crossings on the device: the same levels as a
+    bisection over the shift (ties in the scores included), within the budget, and no tensor read to the host
+    (``item``, ``float``, ``tolist``, ...) on the way: a GPU's flush does not wait on it."""
+    generator = torch.Generator().manual_seed(seed)
+    scores = torch.rand(4, 2, 8, 32, generator=generator)
+    scores[0, 0, 0, :8] = scores[0, 0, 0, 8]  # tied scores
+    thresholds = torch.linspace(0, 1, 5)[1:-1]
+    cost = [0.0, 3.0, 7.0, 12.0 + seed]
+    over = scores.unsqueeze(-1) - thresholds
+    for budget in (0.0, 50.0, 1000.0 * (seed + 1), 1e9):
+        with _HostReads() as mode:
+            levels = (over > budget_shift(over, cost, budget)).sum(dim=-1)
+        assert not mode.reads
+        assert torch.equal(levels, _bisected_levels(scores, thresholds, torch.tensor(cost), budget))
+        assert float(torch.tensor(cost)[levels].sum()) <= budget
+    with pytest.raises(ValueError, match="non-decreasing"):
+        budget_shift(over, [0.0, 5.0, 4.0, 9.0], 100.0)
 
 
 def test_a_larger_budget_promotes_more_and_higher_scores_get_higher_levels():

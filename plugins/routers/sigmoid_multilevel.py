@@ -13,9 +13,10 @@ Per token, layer and KV head of a block, features ``phi`` (all [G, B, H, n]):
   list; it tells which tokens a residual helps most).
 
 Score ``s = sigmoid(u . phi + bias)``; level ``j`` (ascending ranks) when ``s > tau_j + delta``, with
-``tau_j`` evenly spaced in (0, 1) and ``delta`` the smallest shift (found by bisection) that keeps the
-block's residual bytes within its budget: the paper's adaptive threshold ``tau_m`` chosen to satisfy the
-memory budget. ``u``, ``bias`` and the residual gates come from ``kvweave train`` (``weights = PATH``);
+``tau_j`` evenly spaced in (0, 1) and ``delta`` the smallest shift that keeps the block's residual bytes
+within its budget: the paper's adaptive threshold ``tau_m`` chosen to satisfy the memory budget. The shift is
+found on the device with no host read (:func:`budget_shift`: the crossings ``s - tau_j`` sorted, their added
+bytes summed in that order), where a bisection read the bytes back thirty times a block. ``u``, ``bias`` and the residual gates come from ``kvweave train`` (``weights = PATH``);
 without a weights file the untrained defaults below are used.
 The router implements :class:`kvweave.core.trainable.TrainableRouter`, through which ``kvweave train``
 fits it.
@@ -182,26 +183,32 @@ class SigmoidMultilevelRouter(Router):
     def assign(self, block: RouteBlock) -> torch.Tensor:
         scores = self.scores(block)
         levels = torch.tensor(self.levels_, device=scores.device)
-        cost = torch.tensor([0.0] + [block.level_bytes[r] for r in self.levels_[1:]], device=scores.device)
         thresholds = torch.linspace(0, 1, len(self.levels_) + 1, device=scores.device)[1:-1]
+        over = scores.unsqueeze(-1) - thresholds  # a token reaches level j + 1 where its shift is below over[..., j]
+        if block.budget_bytes is None:
+            return levels[(over > 0).sum(dim=-1)]
+        cost = [0.0] + [float(block.level_bytes[r]) for r in self.levels_[1:]]
+        return levels[(over > budget_shift(over, cost, block.budget_bytes)).sum(dim=-1)]
 
-        def level_index(delta: float) -> torch.Tensor:
-            return (scores.unsqueeze(-1) > thresholds + delta).sum(dim=-1)
 
-        delta = 0.0
-        if block.budget_bytes is not None:
-            if float(cost[level_index(-1.0)].sum()) > block.budget_bytes:
-                low, high = -1.0, 1.0  # find the smallest shift that fits the budget
-                for _ in range(30):
-                    middle = (low + high) / 2
-                    if float(cost[level_index(middle)].sum()) > block.budget_bytes:
-                        low = middle
-                    else:
-                        high = middle
-                delta = high
-            else:
-                delta = -1.0  # the budget allows every token its score's highest level
-        return levels[level_index(delta)]
+def budget_shift(over: torch.Tensor, cost: list[float], budget: float) -> torch.Tensor:
+    """The smallest shift ``delta`` (a 0-d tensor on ``over``'s device) for which the levels ``(over > delta).sum(-1)``
+    cost at most ``budget`` bytes, ``cost[k]`` being an entry's bytes at level ``k`` (non-decreasing, ``cost[0]``
+    nothing); ``-inf`` where every token's highest level fits. Crossing ``over[..., j]`` adds ``cost[j + 1] -
+    cost[j]`` bytes, so the bytes at a shift are the sum of the added bytes of the crossings above it: with the
+    crossings sorted from the highest, the shift is the first crossing whose running sum passes the budget. Read
+    from the device nowhere (a GPU's flush would wait on it), where a bisection read the bytes thirty times."""
+    added = [high - low for low, high in zip(cost, cost[1:])]
+    if any(step < 0 for step in added):
+        raise ValueError(f"sigmoid-multilevel: residual entry bytes by level {cost} fall as the rank rises; the "
+                         "budget's shift needs them non-decreasing")
+    crossings = over.reshape(-1, len(added))
+    steps = torch.tensor(added, dtype=torch.float64, device=over.device).expand(crossings.shape).reshape(-1)
+    ordered, order = torch.sort(crossings.reshape(-1), descending=True, stable=True)
+    spent = torch.cumsum(steps[order], dim=0)
+    fits = torch.searchsorted(spent, torch.tensor([float(budget)], dtype=torch.float64, device=over.device), right=True)[0]
+    last = ordered.numel() - 1
+    return torch.where(fits > last, torch.tensor(float("-inf"), device=over.device), ordered[fits.clamp(max=last)])
 
 
 @hookimpl
