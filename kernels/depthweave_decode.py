@@ -258,11 +258,6 @@ VARIANTS = ("auto", "tiles", "gather")
 TILES_COLUMNS = True
 #: the ``tiles`` pass loads each step's residual words during the step before (the same section)
 TILES_AHEAD = True
-#: the registers a thread of the ``tiles`` pass may take where its build was counted (head_dim 128, at most 8 query
-#: heads a KV head, residual ranks up to 8): with both switches on, Triton 3.6 builds 168 for sm_90 unbounded (12
-#: one-warp programs an SM) and 128 without spilling (16), 1,066 loop instructions against 1,064. None: the
-#: compiler's choice everywhere. Off until timed on a GPU
-TILES_MAX_REGISTERS: int | None = None
 
 
 def pick_variant(view: DecodeView, variant: str) -> str:
@@ -286,10 +281,8 @@ def _launch_tiles(view, query, segments, start, m, l, acc, partials, heads, gq, 
     rmax = max(levels, default=0)
     group = tiles_group(view)
     compiled = query.is_cuda and os.environ.get("TRITON_INTERPRET") != "1"
-    bounded = compiled and TILES_MAX_REGISTERS is not None and dim == 128 and gq <= 8 and rmax <= 8 and num_warps == 1
     tiles_jit._tiles_kernel[grid](
         *args, G=_pow2(gq, 8), RP=_pow2(max(rmax, 1), 16), RMAX=rmax, GROUP=group, **constants, BLOCK=block_tokens,
         ASM=compiled, COLUMNS=TILES_COLUMNS, AHEAD=TILES_AHEAD, VALUES=values, num_warps=num_warps,
-        **({"maxnreg": TILES_MAX_REGISTERS} if bounded else {}),
         **({} if num_stages is None else {"num_stages": num_stages}),
     )

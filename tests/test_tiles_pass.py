@@ -206,17 +206,3 @@ def test_the_flush_statistics_by_the_tiles_pass_read_no_value(tmp_path):
     assert torch.isfinite(runs[True][0]).all() and torch.isfinite(runs[True][1]).all()
     assert torch.isfinite(runs[True][2]).all() and runs[False][2].isnan().all()
     assert torch.equal(runs[True][0], runs[False][0]) and torch.equal(runs[True][1], runs[False][1])
-
-
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="a bound on registers is a GPU build's (the interpreter has none)")
-def test_the_tiles_pass_with_its_registers_bounded_gives_the_same_sums(tmp_path, monkeypatch):
-    """``TILES_MAX_REGISTERS`` bounds the compiled pass's registers at the shape its build was counted at (head_dim
-    128, 4 query heads a KV head, ranks up to 8): the same output as unbounded, and the twin's."""
-    view, query, start, dim = _tiles_case(tmp_path, "dw-kernel")
-    run = lambda: fused_decode(view, query, start, dim**-0.5, split=96, variant="tiles")  # noqa: E731
-    monkeypatch.setattr(depthweave_decode, "TILES_MAX_REGISTERS", None)
-    free = run()
-    monkeypatch.setattr(depthweave_decode, "TILES_MAX_REGISTERS", 128)
-    bounded = run()
-    assert (bounded - free).abs().max().item() < 1e-5
-    assert (bounded - torch_decode(view, query, start, dim**-0.5)).abs().max().item() < 1e-3
