@@ -32,6 +32,7 @@ Modules: :mod:`~kvweave.kernels.decode_view` (the :class:`DecodeView` of a layer
 
 from __future__ import annotations
 
+import functools
 import os
 from typing import TYPE_CHECKING, Any
 
@@ -53,13 +54,16 @@ def _pow2(n: int, least: int = 2) -> int:
     return max(least, 1 << max(0, (int(n) - 1).bit_length()))
 
 
-def _prepare(view: DecodeView, query: torch.Tensor, partials: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Check the inputs; the partial (max, sum, output) buffers of ``partials`` slots per query head."""
+def _prepare(view: DecodeView, query: torch.Tensor, partials: int, outputs: bool = True) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Check the inputs; the partial (max, sum, output) buffers of ``partials`` slots per query head (without
+    ``outputs``, a one-element placeholder for the output: a pass that writes only the statistics)."""
     if jit.triton is None:
         raise RuntimeError("the fused DepthWeave-KV kernel needs triton (pip install triton)")
     check_view(view, query)
     batch, q_heads, dim = query.shape
     m = torch.empty(batch * q_heads * partials, dtype=torch.float32, device=query.device)
+    if not outputs:
+        return m, torch.empty_like(m), placeholder(query.device, torch.float32)
     return m, torch.empty_like(m), torch.empty(batch * q_heads * partials, dim, dtype=torch.float32, device=query.device)
 
 
@@ -126,21 +130,13 @@ def fused_packed_logsumexp(
     if not n_seg:
         return query.new_full((batch, q_heads), float("-inf"), dtype=torch.float32)
     tiles = pick_variant(view, variant) == "tiles"
-    if tiles:  # the statistics alone: no value is read and no output written, so no [B * Hq * S, D] buffer
-        check_view(view, query)
-        m = torch.empty(batch * q_heads * n_seg, dtype=torch.float32, device=query.device)
-        l, acc = torch.empty_like(m), placeholder(query.device, torch.float32)
-    else:
-        m, l, acc = _prepare(view, query, n_seg)
+    m, l, acc = _prepare(view, query, n_seg, outputs=not tiles)  # the tiles pass reads no value and writes no output
     heads = view.exact_k.shape[1]
     gq = q_heads // heads
     start = torch.zeros(batch, dtype=torch.int32, device=query.device)
-    args = (view, query.contiguous(), view.segments, start, m, l, acc, n_seg, heads, gq, dim, float(scale) * LOG2E,
-            block_tokens, num_warps, num_stages)
-    if tiles:
-        _launch_tiles(*args, values=False)
-    else:
-        _launch_packed(*args)
+    launch = functools.partial(_launch_tiles, values=False) if tiles else _launch_packed
+    launch(view, query.contiguous(), view.segments, start, m, l, acc, n_seg, heads, gq, dim, float(scale) * LOG2E,
+           block_tokens, num_warps, num_stages)
     m, l = m.view(batch, q_heads, n_seg), l.view(batch, q_heads, n_seg)
     top = m.amax(dim=-1, keepdim=True)
     total = (l * torch.exp2(m - top)).sum(dim=-1)
@@ -280,9 +276,9 @@ def _launch_tiles(view, query, segments, start, m, l, acc, partials, heads, gq, 
                                                     qk_scale)
     rmax = max(levels, default=0)
     group = tiles_group(view)
-    compiled = query.is_cuda and os.environ.get("TRITON_INTERPRET") != "1"
     tiles_jit._tiles_kernel[grid](
         *args, G=_pow2(gq, 8), RP=_pow2(max(rmax, 1), 16), RMAX=rmax, GROUP=group, **constants, BLOCK=block_tokens,
-        ASM=compiled, COLUMNS=TILES_COLUMNS, AHEAD=TILES_AHEAD, VALUES=values, num_warps=num_warps,
+        ASM=query.is_cuda and os.environ.get("TRITON_INTERPRET") != "1", COLUMNS=TILES_COLUMNS, AHEAD=TILES_AHEAD,
+        VALUES=values, num_warps=num_warps,
         **({} if num_stages is None else {"num_stages": num_stages}),
     )

@@ -16,8 +16,9 @@ Score ``s = sigmoid(u . phi + bias)``; level ``j`` (ascending ranks) when ``s > 
 ``tau_j`` evenly spaced in (0, 1) and ``delta`` the smallest shift that keeps the block's residual bytes
 within its budget: the paper's adaptive threshold ``tau_m`` chosen to satisfy the memory budget. The shift is
 found on the device with no host read (:func:`budget_shift`: the crossings ``s - tau_j`` sorted, their added
-bytes summed in that order), where a bisection read the bytes back thirty times a block. ``u``, ``bias`` and the residual gates come from ``kvweave train`` (``weights = PATH``);
-without a weights file the untrained defaults below are used.
+bytes summed in that order), where a bisection read the bytes back thirty times a block. ``u``, ``bias`` and
+the residual gates come from ``kvweave train`` (``weights = PATH``); without a weights file the untrained
+defaults below are used.
 The router implements :class:`kvweave.core.trainable.TrainableRouter`, through which ``kvweave train``
 fits it.
 """
