@@ -27,10 +27,12 @@ from collections import defaultdict
 import torch
 from transformers import DynamicCache
 
+import kvweave.engine.encoder as encoder_module
 import kvweave.engine.engine as engine_module
 import kvweave.engine.importance as importance_module
 from kvweave.engine import build_cache, cache_kwargs
 from kvweave.core.registry import load_pipeline
+from kvweave.engine.residuals import ResidualList
 
 from decode_e2e import Ids, llama3_8b, random_model, smoke_config, sync
 
@@ -63,7 +65,9 @@ def instrument(cache) -> None:
     quantizers = {type(engine.quantizers[kind]) for kind in ("keys", "values")}
     classes += [(f"quantizer.{m}", cls, m) for cls in quantizers for m in ("quantize", "dequantize")]
     classes += [(f"engine.{m}", type(engine), m) for m in ("_flush", "_attention_stats", "_probe", "_route_block")]
-    classes.append(("encoder.encode", type(engine.encoder), "encode"))
+    classes += [(f"encoder.{m}", type(engine.encoder), m) for m in ("encode", "probe", "route_block", "rank_counts", "encode_members")]
+    classes.append(("probe.measure", type(engine.probe), "measure"))
+    classes.append(("residuals.ResidualList.append", ResidualList, "append"))
     if engine.evicts:  # an evictor's flush: its choice, the slots topped up to whole groups, the kept tokens gathered
         classes.append(("evictor.keep", type(engine.evictor), "keep"))
         classes += [(f"eviction.{m}", type(engine.eviction), m) for m in ("evict", "_eviction_block", "_whole_groups", "_kept_index", "_gather_tokens")]
@@ -75,9 +79,10 @@ def instrument(cache) -> None:
 
 def patch_module() -> None:
     engine_module.check_finite = timed("checks.check_finite", engine_module.check_finite)
-    for name in ("fit_residual_basis", "encode_residuals", "add_residuals", "residual_rows"):
-        if hasattr(engine_module, name):
-            setattr(engine_module, name, timed(f"residuals.{name}", getattr(engine_module, name)))
+    for name in ("fit_residual_basis", "encode_residuals", "add_residuals", "residual_rows", "mix_residuals"):
+        for module in (engine_module, encoder_module):  # wherever the engine's steps call them from
+            if hasattr(module, name):
+                setattr(module, name, timed(f"residuals.{name}", getattr(module, name)))
     for name in ("reconstruction_scores", "copying_layers"):  # context scoring (kvzip), called by score_for
         setattr(importance_module, name, timed(f"importance.{name}", getattr(importance_module, name)))
 

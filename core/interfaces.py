@@ -347,6 +347,12 @@ class Probe(Component):
         scale (None: D ** -0.5)."""
         raise NotImplementedError
 
+    def measure_group(self, queries, keys, values, approx_keys, approx_values, context_keys, context_values, scale=None):
+        """:meth:`measure` for a group's layers at once, [G, H]: every argument with a leading layer axis G (``queries``
+        [G, B, Hq, q, D], the rest [G, B, H, ., D]). One call a layer unless a probe does better."""
+        return torch.stack([self.measure(*(t[g] for t in (queries, keys, values, approx_keys, approx_values, context_keys,
+                                                           context_values)), scale) for g in range(keys.shape[0])])
+
     def adjust(self, share: float, errors: torch.Tensor, state: dict[str, float]) -> float:
         """A group's new budget share (1.0 = fair) from its latest errors [G, H]; ``state`` persists."""
         return share

@@ -83,18 +83,21 @@ class BlockEncoder:
                 route = self.route_block(kind, group_index, work, miss, stats, approx, rows, mixing, tokens)
                 kept_index = (self.engine._flush_info or {}).get("kept_index")
                 ranks = self.engine.router.assign(route) if kept_index is None else self.engine.eviction.rank_kept(self.engine.router, route, kept_index)
-                self.check_ranks(ranks, work.shape[:-1])
+                counts = self.rank_counts(ranks, work.shape[:-1])
+            else:
+                counts = [{rank: block.shape[1] * block.shape[2] * sum(stop - start for start, stop, level in fixed if level == rank)
+                           for rank in {level for _, _, level in fixed}}] * len(members)
             if fixed is None and self.engine.settings.residual_mode == "basis" and any(self.engine.windows[layer].residual_basis[kind] is None for layer in members):
                 # every member's residual basis from its first block, fitted in one batched call
                 fitted = fit_residual_basis(rows, max(self.engine.levels))  # rows: the misses, or their mixed rows
                 for member, layer in enumerate(members):
                     if self.engine.windows[layer].residual_basis[kind] is None:
                         self.engine.windows[layer].residual_basis[kind] = fitted[member].clone()
+            missing = (work - approx if rows is None else rows).to(block.dtype)  # [G, B, H, n, D]
+            entries = self.encode_members(kind, members, missing, ranks if fixed is None else fixed, counts, residual_quantizer)
             for member, layer in enumerate(members):
-                missing = (work[member] - approx[member] if mixing is None else rows[member]).to(block.dtype)
                 window = self.engine.windows[layer]
                 basis = window.residual_basis[kind]
-                entries[member] = encode_residuals(missing, ranks[member] if fixed is None else fixed, residual_quantizer, basis)
                 if mixing is None:
                     approx[member] = add_residuals(approx[member], entries[member], residual_quantizer, self.engine.router.gates(layer, kind), basis)
                 held = window.compressed_tokens
@@ -209,29 +212,25 @@ class BlockEncoder:
         }
 
     def probe(self, kind: str, group_index: int, block: torch.Tensor, approx: torch.Tensor) -> None:
-        """Eq. (3) on the block just encoded, for the observed queries; moves budget between groups."""
+        """Eq. (3) on the block just encoded, for the observed queries of every layer of the group at once; moves
+        budget between groups."""
         store = self.engine.stores[group_index][kind]
-        errors = []
-        for member, layer in enumerate(self.engine.groups[group_index]):
-            queries = self.engine.observer.queries(layer)
-            exact_k = self.engine.windows[layer].exact["keys"]
-            exact_v = self.engine.windows[layer].exact["values"]
-            n = block.shape[-2]
-            dtype = torch.float32
-            info = self.engine._flush_info  # an evicting flush: the kept tokens of both kinds, the window after them
-            other = {k: (info["blocks"][k][member] if info else exact[..., :n, :]) for k, exact in (("keys", exact_k), ("values", exact_v))}
-            start = info["count"] if info else n
-            if kind == "keys":
-                keys, approx_keys = block[member], approx[member]
-                values = approx_values = other["values"].to(dtype)
-            else:
-                values, approx_values = block[member], approx[member]
-                keys = approx_keys = other["keys"].to(dtype)
-            errors.append(
-                self.engine.probe.measure(queries.to(dtype), keys, values, approx_keys, approx_values,
-                                   exact_k[..., start:, :].to(dtype), exact_v[..., start:, :].to(dtype), self.engine.observer.scaling)
-            )
-        store.probe_error = torch.stack(errors)
+        members = self.engine.groups[group_index]
+        windows = [self.engine.windows[layer].exact for layer in members]
+        n = block.shape[-2]
+        dtype = torch.float32
+        info = self.engine._flush_info  # an evicting flush: the kept tokens of both kinds, the window after them
+        start = info["count"] if info else n
+        other_kind = "values" if kind == "keys" else "keys"
+        other = info["blocks"][other_kind] if info else torch.stack([exact[other_kind][..., :n, :] for exact in windows])
+        other = other.to(dtype)
+        exact_block, approx_block = block.to(dtype), approx.to(dtype)
+        keys, approx_keys, values, approx_values = (
+            (exact_block, approx_block, other, other) if kind == "keys" else (other, other, exact_block, approx_block))
+        queries = torch.stack([self.engine.observer.queries(layer) for layer in members]).to(dtype)
+        context = [torch.stack([exact[k][..., start:, :] for exact in windows]).to(dtype) for k in ("keys", "values")]
+        store.probe_error = self.engine.probe.measure_group(queries, keys, values, approx_keys, approx_values, *context,
+                                                            self.engine.observer.scaling)
         store.next_share = self.engine.probe.adjust(store.share, store.probe_error, store.probe_state)
 
     def apply_probe_shares(self) -> None:
@@ -248,10 +247,47 @@ class BlockEncoder:
             for s in stores:
                 s.share /= mean
 
-    def check_ranks(self, ranks: torch.Tensor, shape: torch.Size) -> None:
-        stray = set(torch.unique(ranks).tolist()) - set(self.engine.levels)
-        if stray or ranks.shape != shape:
+    def rank_counts(self, ranks: torch.Tensor, shape: torch.Size) -> list[dict[int, int]]:
+        """Each member's entry count by rank level (``ranks`` [G, B, H, n]), read to the host in one read; refuses
+        ranks outside the pipeline's levels or a wrong shape."""
+        if ranks.shape != shape:
             raise ComponentError(
-                f"router '{self.engine.pipeline.use('router')}' returned ranks {sorted(stray)} / shape {tuple(ranks.shape)}; "
-                f"expected values in {sorted(self.engine.levels)} shaped {tuple(shape)}"
-            )
+                f"router '{self.engine.pipeline.use('router')}' returned ranks shaped {tuple(ranks.shape)}; expected {tuple(shape)}")
+        levels = sorted(self.engine.levels)
+        table = torch.tensor(levels, device=ranks.device, dtype=ranks.dtype)
+        at = torch.searchsorted(table, ranks.contiguous()).clamp_max(len(levels) - 1)
+        code = torch.where(table[at] == ranks, at, len(levels))  # len(levels): a stray rank
+        member = torch.arange(shape[0], device=ranks.device).view(-1, *(1,) * (ranks.dim() - 1)) * (len(levels) + 1)
+        counts = torch.bincount((member + code).reshape(-1), minlength=shape[0] * (len(levels) + 1)).view(shape[0], -1).tolist()
+        if any(row[-1] for row in counts):
+            stray = set(torch.unique(ranks).tolist()) - set(levels)
+            raise ComponentError(
+                f"router '{self.engine.pipeline.use('router')}' returned ranks {sorted(stray)}; expected values in {levels}")
+        return [{rank: row[i] for i, rank in enumerate(levels) if rank and row[i]} for row in counts]
+
+    def encode_members(
+        self, kind: str, members: tuple[int, ...], missing: torch.Tensor,
+        ranks: torch.Tensor | tuple[tuple[int, int, int], ...], counts: list[dict[int, int]], quantizer,
+    ) -> list[dict[int, TensorMap]]:
+        """Every member's residual entries (rank -> fields, rows and tokens relative to the member and block) from the
+        group's ``missing`` [G, B, H, n, D]: one :func:`encode_residuals` call for the group where the residual
+        quantizer packs each entry alone (one token a group), split by the host's ``counts``; one a member otherwise."""
+        windows = [self.engine.windows[layer] for layer in members]
+        bases = [w.residual_basis[kind] for w in windows]
+        if quantizer.tokens_per_group() != 1 or len(members) == 1 or len({b is None for b in bases}) > 1:
+            return [encode_residuals(missing[m], ranks if not isinstance(ranks, torch.Tensor) else ranks[m], quantizer,
+                                     bases[m], counts[m]) for m in range(len(members))]
+        group, batch, heads = missing.shape[:3]
+        basis = None if bases[0] is None else torch.stack(bases).flatten(0, 1)
+        flat_ranks = ranks.flatten(0, 1) if isinstance(ranks, torch.Tensor) else ranks
+        totals = {rank: sum(c.get(rank, 0) for c in counts) for rank in set().union(*counts)}
+        joint = encode_residuals(missing.flatten(0, 1), flat_ranks, quantizer, basis, totals)
+        out: list[dict[int, TensorMap]] = [{} for _ in members]
+        for rank, fields in joint.items():
+            sizes = [c.get(rank, 0) for c in counts]
+            parts = {name: t.split(sizes) for name, t in fields.items()}
+            for m in range(group):
+                if sizes[m]:  # copies: a part kept as a view would hold the whole group's storage
+                    out[m][rank] = {name: part[m].clone() for name, part in parts.items() if name != "row"}
+                    out[m][rank]["row"] = parts["row"][m] - m * batch * heads
+        return out

@@ -235,7 +235,7 @@ def _fixed_choice(runs: tuple[tuple[int, int, int], ...], rank: int, rows: int, 
 
 def encode_residuals(
     missing: torch.Tensor, ranks: torch.Tensor | tuple[tuple[int, int, int], ...], quantizer: Quantizer,
-    basis: torch.Tensor | None = None,
+    basis: torch.Tensor | None = None, counts: dict[int, int] | None = None,
 ) -> dict[int, TensorMap]:
     """The residual entries of one block, by rank level: ``missing`` [B, H, n, D] (x minus its
     reconstruction), ``ranks`` [B, H, n], or fixed ranks known on the host, the same in every row and head: runs
@@ -243,7 +243,8 @@ def encode_residuals(
     Token indices are relative to the block.
 
     Without ``basis``: the ``rho`` largest channels, with their indices. With ``basis`` [B, H, R, D]
-    (a per-layer residual basis): the first ``rho`` coordinates on it, no indices needed."""
+    (a per-layer residual basis): the first ``rho`` coordinates on it, no indices needed. ``counts`` (rank -> entries,
+    as the host knows them) spares the reads of the ranks present and of each level's entry count."""
     batch, heads, tokens, dim = missing.shape
     if basis is not None:
         coordinates = torch.einsum("bhnd,bhkd->bhnk", missing.float(), basis.float())
@@ -254,11 +255,17 @@ def encode_residuals(
         raise ValueError(f"encode_residuals: fixed runs {ranks} reach outside a block of {tokens} tokens")
     flat_ranks = None if fixed else ranks.reshape(-1)
     entries: dict[int, TensorMap] = {}
-    for rank in sorted({level for _, _, level in ranks}) if fixed else torch.unique(flat_ranks).tolist():
+    if counts is not None:
+        present = sorted(rank for rank, count in counts.items() if count)
+    else:
+        present = sorted({level for _, _, level in ranks}) if fixed else torch.unique(flat_ranks).tolist()
+    for rank in present:
         if rank == 0:
             continue
         if fixed:
             chosen = _fixed_choice(ranks, rank, batch * heads, tokens, missing.device)
+        elif counts is not None:
+            chosen = torch.nonzero_static(flat_ranks == rank, size=counts[rank]).squeeze(1)
         else:
             chosen = (flat_ranks == rank).nonzero().squeeze(1)
         fields = {"row": (chosen // tokens).to(torch.int32), "token": (chosen % tokens).to(torch.int32)}
@@ -284,6 +291,8 @@ def add_residuals(
     value scaled by its head's gate (``gates`` [H] in [0, 1]; None = 1), on channels or on ``basis``
     [B, H, R, D] as they were encoded. Returns a new tensor."""
     batch, heads, tokens, dim = vectors.shape
+    if basis is not None:
+        return _add_on_basis(vectors, lists, quantizer, gates, basis, weight)
     out = vectors.clone()
     flat = out.view(-1, dim)
     for rank, fields in lists.items():
@@ -296,16 +305,39 @@ def add_residuals(
             values = values * gates.to(vectors.dtype)[rows % heads].unsqueeze(-1)
         if weight != 1.0:
             values = values * weight
-        if basis is None and "index" not in fields:  # a full-rank entry
+        if "index" not in fields:  # a full-rank entry
             delta = values
-        elif basis is None:
+        else:
             delta = torch.zeros(values.shape[0], dim, dtype=vectors.dtype, device=vectors.device)
             delta.scatter_(1, fields["index"].long(), values)
-        else:
-            directions = basis.reshape(batch * heads, -1, dim)[rows, :rank, :].to(vectors.dtype)  # [N, rank, D]
-            delta = torch.einsum("nk,nkd->nd", values, directions)
         flat.index_add_(0, rows * tokens + fields["token"].long(), delta)
     return out
+
+
+def _add_on_basis(
+    vectors: torch.Tensor, lists: dict[int, TensorMap], quantizer: Quantizer, gates: torch.Tensor | None,
+    basis: torch.Tensor, weight: float,
+) -> torch.Tensor:
+    """:func:`add_residuals` on a residual basis [B, H, R, D]: every entry's coordinates written into a dense
+    [B * H, T, R] table (zeros where a token has none; a token has one rank, so one entry at most), then one
+    batched product with the basis. Gathering each entry's ``rank x D`` directions instead would move R x D values
+    an entry (a prompt's block: hundreds of MB)."""
+    batch, heads, tokens, dim = vectors.shape
+    width = basis.shape[-2]
+    table = torch.zeros(batch * heads * tokens, width, dtype=vectors.dtype, device=vectors.device)
+    for rank, fields in lists.items():
+        if not fields or fields["row"].numel() == 0:
+            continue
+        packed = {name[2:]: tensor for name, tensor in fields.items() if name.startswith("q_")}
+        values = quantizer.dequantize(packed, vectors.dtype)
+        table[fields["row"].long() * tokens + fields["token"].long(), :rank] = values
+    table = table.view(batch, heads, tokens, width)
+    if gates is not None:
+        table = table * gates.to(vectors.dtype).view(1, heads, 1, 1)
+    if weight != 1.0:
+        table = table * weight
+    directions = basis.reshape(batch, heads, width, dim).to(vectors.dtype)
+    return vectors + table @ directions
 
 
 def entry_bytes(rank: int, quantizer: Quantizer, with_indices: bool = True) -> float:

@@ -71,20 +71,31 @@ from ._sketch import consecutive_windows, ema_subspace, randomized_top_right
 
 SHARES = ("token-factor", "basis")
 
-#: each state's layer count (``group_layers``, a device tensor), read to the host once: a decode step reads it for
-#: every layer, and a CUDA graph's capture may not read the device at all. Keyed by the tensor's id, with a weak
-#: reference that tells a tensor made since at the same address
-_LAYERS: dict[int, tuple[weakref.ref, int]] = {}
+#: host copies of a state's small counters (``group_layers``, ``version_tokens``, ``blocks_since_update``: device
+#: tensors, so a batch selection or a shard takes them along), read once: a decode step reads the layer count for every
+#: layer, a CUDA graph's capture may not read the device at all, and a flush would read the counters for every member.
+#: A state's counters are never changed in place (each encode makes new tensors, whose values it records here). Keyed
+#: by the tensor's id, with a weak reference that tells a tensor made since at the same address
+_HOST: dict[int, tuple[weakref.ref, list[int]]] = {}
+
+
+def _host(held: torch.Tensor) -> list[int]:
+    """Row 0 of the counter ``held`` [B, V] (the same in every batch row), from the host's copy."""
+    known = _HOST.get(id(held))
+    if known is None or known[0]() is not held:
+        known = _remember(held, held[0].tolist())
+    return known[1]
+
+
+def _remember(held: torch.Tensor, values: list[int]) -> tuple[weakref.ref, list[int]]:
+    known = (weakref.ref(held, lambda _, key=id(held): _HOST.pop(key, None)), values)
+    _HOST[id(held)] = known
+    return known
 
 
 def _group_layers(state: dict[str, torch.Tensor]) -> int:
     """The number of layers whose channels ``state``'s token-factor bases span (``group_layers``)."""
-    held = state["group_layers"]
-    known = _LAYERS.get(id(held))
-    if known is None or known[0]() is not held:
-        known = (weakref.ref(held, lambda _, key=id(held): _LAYERS.pop(key, None)), int(held[0, 0]))
-        _LAYERS[id(held)] = known
-    return known[1]
+    return _host(state["group_layers"])[0]
 
 
 def _below_one(_instance: Any, attribute: attrs.Attribute, value: Any) -> None:
@@ -155,6 +166,9 @@ class SketchEmaBasis(BasisBuilder):
         }
         if self.share == "token-factor":
             state["group_layers"] = torch.full((batch, 1), x.shape[0], dtype=torch.int32, device=device)
+            _remember(state["group_layers"], [x.shape[0]])
+        _remember(state["version_tokens"], [0])
+        _remember(state["blocks_since_update"], [0])
         return state
 
     def _new_version(self, state: dict[str, torch.Tensor], rows: torch.Tensor) -> None:
@@ -167,8 +181,11 @@ class SketchEmaBasis(BasisBuilder):
         state["bases"] = torch.cat((bases, p.to(torch.float16).unsqueeze(2)), dim=2).contiguous()
         state["singular_values"] = sigma.float()
         tokens = state["version_tokens"]
+        counts = _host(tokens)
         state["version_tokens"] = torch.cat((tokens, tokens.new_zeros(tokens.shape[0], 1)), dim=1)
+        _remember(state["version_tokens"], [*counts, 0])
         state["blocks_since_update"] = torch.zeros_like(state["blocks_since_update"])
+        _remember(state["blocks_since_update"], [0])
 
     # ------------------------------------------------------------------------------ encode / decode
     def encode(self, state: dict[str, torch.Tensor], x: torch.Tensor) -> torch.Tensor:
@@ -177,16 +194,19 @@ class SketchEmaBasis(BasisBuilder):
             raise CacheStateError(
                 f"sketch-ema: block has channel width {rows.shape[-1]} but the state's bases have {state['bases'].shape[-1]}"
             )
-        if self.ema > 0 and int(state["blocks_since_update"][0, 0]) >= self.update_every:
+        if self.ema > 0 and _host(state["blocks_since_update"])[0] >= self.update_every:
             self._new_version(state, rows)
         # [B, H, r, C], exactly the stored float16 values; contiguous so results do not depend on layout
         basis = state["bases"][:, :, -1].float().contiguous()
         coefficients = rows @ basis.transpose(-1, -2)  # [B, H, m, r]
         g, b, h, n, _ = x.shape
+        counts, since = _host(state["version_tokens"]), _host(state["blocks_since_update"])[0]
         tokens = state["version_tokens"].clone()
         tokens[:, -1] += n
         state["version_tokens"] = tokens
+        _remember(tokens, [*counts[:-1], counts[-1] + n])
         state["blocks_since_update"] = state["blocks_since_update"] + 1
+        _remember(state["blocks_since_update"], [since + 1])
         if self.share == "token-factor":
             return coefficients.unsqueeze(0)
         return coefficients.reshape(b, h, g, n, self.rank).permute(2, 0, 1, 3, 4)
@@ -218,7 +238,7 @@ class SketchEmaBasis(BasisBuilder):
             coeffs = coefficients[0]
         else:
             coeffs = coefficients[member]
-        counts = state["version_tokens"][0].tolist()
+        counts = _host(state["version_tokens"])
         total, stop = sum(counts), start + coeffs.shape[-2]
         if start < 0 or stop > total:
             raise CacheStateError(f"sketch-ema: decode asked for tokens {start}..{stop} but only {total} were encoded")

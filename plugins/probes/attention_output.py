@@ -26,15 +26,29 @@ from kvweave.core.lazy import torch
 from kvweave.core.params import integer, number
 
 
-def _attention(queries: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, scale: float) -> torch.Tensor:
-    """Causal attention of the last ``q`` positions: queries [B, Hq, q, D] over keys/values [B, H, T, D]."""
-    batch, q_heads, observed, dim = queries.shape
-    heads, total = keys.shape[1], keys.shape[-2]
-    grouped = queries.reshape(batch, heads, q_heads // heads * observed, dim)
-    logits = grouped @ keys.transpose(-1, -2) * scale
-    query_pos = (total - observed + torch.arange(observed, device=keys.device)).repeat(q_heads // heads)
-    logits = logits.masked_fill(torch.arange(total, device=keys.device)[None, :] > query_pos[:, None], float("-inf"))
-    return logits.softmax(dim=-1) @ values  # [B, H, (Hq/H) * q, D]
+def _logits(queries: torch.Tensor, keys: torch.Tensor, scale: float) -> torch.Tensor:
+    """Logits [..., H, (Hq/H) * q, T] of queries [..., Hq, q, D] (those of KV head h together) on keys [..., H, T, D]."""
+    *lead, q_heads, observed, dim = queries.shape
+    heads = keys.shape[-3]
+    return queries.reshape(*lead, heads, q_heads // heads * observed, dim) @ keys.transpose(-1, -2) * scale
+
+
+def _outputs(block_logits: torch.Tensor, block_values: torch.Tensor, context_logits: torch.Tensor,
+             context_values: torch.Tensor) -> torch.Tensor:
+    """Attention output over [block + context] from the two parts' logits, without joining the keys or values."""
+    weights = torch.cat((block_logits, context_logits), -1).softmax(dim=-1)
+    n = block_logits.shape[-1]
+    return weights[..., :n] @ block_values + weights[..., n:] @ context_values
+
+
+def _context_logits(queries: torch.Tensor, context_keys: torch.Tensor, scale: float) -> torch.Tensor:
+    """The queries' logits on the context, causal: the queries are the context's last ``q`` positions, and the block
+    comes before all of it, so only the context is masked."""
+    q_heads, observed = queries.shape[-3], queries.shape[-2]
+    heads, total = context_keys.shape[-3], context_keys.shape[-2]
+    logits = _logits(queries, context_keys, scale)
+    query_pos = (total - observed + torch.arange(observed, device=context_keys.device)).repeat(q_heads // heads)
+    return logits.masked_fill(torch.arange(total, device=context_keys.device)[None, :] > query_pos[:, None], float("-inf"))
 
 
 @attrs.frozen
@@ -56,11 +70,17 @@ class AttentionOutputProbe(Probe):
         return flush_index % self.interval == 0
 
     def measure(self, queries, keys, values, approx_keys, approx_values, context_keys, context_values, scale=None):
+        tensors = (queries, keys, values, approx_keys, approx_values, context_keys, context_values)
+        return self.measure_group(*(t.unsqueeze(0) for t in tensors), scale)[0]
+
+    def measure_group(self, queries, keys, values, approx_keys, approx_values, context_keys, context_values, scale=None):
+        """Every layer of the group in one pass; the context's logits are computed once for both attentions."""
         scale = scale or queries.shape[-1] ** -0.5
-        exact = _attention(queries, torch.cat((keys, context_keys), -2), torch.cat((values, context_values), -2), scale)
-        approx = _attention(queries, torch.cat((approx_keys, context_keys), -2), torch.cat((approx_values, context_values), -2), scale)
-        error = (exact - approx).flatten(2).norm(dim=-1) / (exact.flatten(2).norm(dim=-1) + 1e-6)  # [B, H]
-        return error.mean(dim=0)
+        context = _context_logits(queries, context_keys, scale)
+        exact = _outputs(_logits(queries, keys, scale), values, context, context_values)
+        approx = _outputs(_logits(queries, approx_keys, scale), approx_values, context, context_values)
+        error = (exact - approx).flatten(-2).norm(dim=-1) / (exact.flatten(-2).norm(dim=-1) + 1e-6)  # [G, B, H]
+        return error.mean(dim=1)
 
     def adjust(self, share: float, errors: torch.Tensor, state: dict[str, float]) -> float:
         worst = float(errors.max())

@@ -1,0 +1,147 @@
+"""A flush's steps done for a basis group at once, and the host reads they leave out.
+
+The attention-output probe measures every layer of a group in one pass, without joining the block's keys to the
+window's; the group's residual entries are encoded by one call and split by the counts one host read gives; residuals
+on a basis are added back by one product with a dense table of coordinates; ``sketch-ema`` keeps host copies of its
+counters. Each is checked against the computation it replaces, written out here.
+"""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from kvweave.core.errors import ComponentError
+from kvweave.engine.encoder import BlockEncoder
+from kvweave.engine.residuals import add_residuals, encode_residuals, fit_residual_basis
+from kvweave.plugins.bases.sketch_ema import SketchEmaBasis
+from kvweave.plugins.probes.attention_output import AttentionOutputProbe
+from kvweave.plugins.quantizers.int4_group import Int4GroupQuantizer
+
+from test_graphs_warm import _HostReads
+
+
+def _joined_attention(queries, keys, values, scale):
+    """Causal attention of the last q positions over keys [B, H, T, D], the query heads of a KV head one after another."""
+    batch, q_heads, observed, dim = queries.shape
+    heads, total = keys.shape[1], keys.shape[2]
+    out = torch.empty(batch, heads, q_heads // heads * observed, dim)
+    for b in range(batch):
+        for h in range(heads):
+            for g in range(q_heads // heads):
+                for i in range(observed):
+                    visible = total - observed + i + 1
+                    weights = (queries[b, h * (q_heads // heads) + g, i] @ keys[b, h, :visible].T * scale).softmax(-1)
+                    out[b, h, g * observed + i] = weights @ values[b, h, :visible]
+    return out
+
+
+def test_the_probe_measures_each_layer_of_a_group_as_attention_over_the_joined_block_and_window():
+    gen = torch.Generator().manual_seed(3)
+    layers, batch, q_heads, heads, observed, n, m, dim = 3, 2, 4, 2, 3, 11, 5, 8
+    queries = torch.randn(layers, batch, q_heads, observed, dim, generator=gen)
+    keys, values = (torch.randn(layers, batch, heads, n, dim, generator=gen) for _ in range(2))
+    approx_keys, approx_values = keys + 0.3 * torch.randn_like(keys), values + 0.2 * torch.randn_like(values)
+    context_keys, context_values = (torch.randn(layers, batch, heads, m, dim, generator=gen) for _ in range(2))
+    probe = AttentionOutputProbe()
+    scale = 0.3
+    errors = probe.measure_group(queries, keys, values, approx_keys, approx_values, context_keys, context_values, scale)
+    assert errors.shape == (layers, heads)
+    for g in range(layers):
+        exact = _joined_attention(queries[g], torch.cat((keys[g], context_keys[g]), -2), torch.cat((values[g], context_values[g]), -2), scale)
+        approx = _joined_attention(queries[g], torch.cat((approx_keys[g], context_keys[g]), -2), torch.cat((approx_values[g], context_values[g]), -2), scale)
+        expected = ((exact - approx).flatten(2).norm(dim=-1) / (exact.flatten(2).norm(dim=-1) + 1e-6)).mean(0)
+        assert torch.allclose(errors[g], expected, atol=1e-5), (g, errors[g], expected)
+        single = probe.measure(queries[g], keys[g], values[g], approx_keys[g], approx_values[g], context_keys[g], context_values[g], scale)
+        assert torch.allclose(single, errors[g], atol=1e-6)
+    assert bool((errors > 0.01).all())
+
+
+def test_residuals_on_a_basis_added_by_one_product_equal_each_entrys_own_directions():
+    gen = torch.Generator().manual_seed(4)
+    batch, heads, tokens, dim = 2, 3, 40, 16
+    missing = torch.randn(batch, heads, tokens, dim, generator=gen)
+    basis = fit_residual_basis(missing, 8)
+    ranks = torch.tensor([0, 2, 4, 8])[torch.randint(0, 4, (batch, heads, tokens), generator=gen)]
+    quantizer = Int4GroupQuantizer(group=2)
+    entries = encode_residuals(missing, ranks, quantizer, basis)
+    assert set(entries) == {2, 4, 8}
+    gates = torch.tensor([1.0, 0.5, 0.25])
+    start = torch.randn(batch, heads, tokens, dim, generator=gen)
+    added = add_residuals(start, entries, quantizer, gates, basis, weight=0.5)
+    expected = start.clone()
+    for rank, fields in entries.items():
+        values = quantizer.dequantize({k[2:]: t for k, t in fields.items() if k.startswith("q_")}, torch.float32)
+        for i, (row, token) in enumerate(zip(fields["row"].tolist(), fields["token"].tolist())):
+            b, h = divmod(row, heads)
+            expected[b, h, token] += 0.5 * gates[h] * values[i] @ basis[b, h, :rank].float()
+    assert torch.allclose(added, expected, atol=1e-5)
+    untouched = ranks == 0
+    assert torch.equal(added[untouched], start[untouched])
+
+
+def _encoder(bases, levels=(0, 2, 4, 8), router="r-test"):
+    windows = [SimpleNamespace(residual_basis={"keys": b}) for b in bases]
+    engine = SimpleNamespace(windows=windows, levels=list(levels), pipeline=SimpleNamespace(use=lambda slot: router))
+    return BlockEncoder(engine)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("on_basis", [True, False])
+def test_a_groups_residuals_encoded_in_one_call_are_each_members_own(on_basis):
+    gen = torch.Generator().manual_seed(5)
+    group, batch, heads, tokens, dim = 3, 2, 2, 24, 16
+    missing = torch.randn(group, batch, heads, tokens, dim, generator=gen).to(torch.bfloat16)
+    ranks = torch.tensor([0, 2, 4, 8])[torch.randint(0, 4, (group, batch, heads, tokens), generator=gen)]
+    ranks[1] = 0  # a member without entries
+    ranks[2, :, :, :5] = 8
+    bases = [fit_residual_basis(missing[g].float(), 8) if on_basis else None for g in range(group)]
+    encoder = _encoder(bases)
+    counts = encoder.rank_counts(ranks, ranks.shape)
+    assert counts == [{r: int((ranks[g] == r).sum()) for r in (2, 4, 8) if int((ranks[g] == r).sum())} for g in range(group)]
+    quantizer = Int4GroupQuantizer(group=2)
+    joint = encoder.encode_members("keys", (0, 1, 2), missing, ranks, counts, quantizer)
+    for g in range(group):
+        own = encode_residuals(missing[g], ranks[g], quantizer, bases[g])
+        assert joint[g].keys() == own.keys()
+        for rank in own:
+            assert joint[g][rank].keys() == own[rank].keys()
+            for name, tensor in own[rank].items():
+                assert torch.equal(joint[g][rank][name], tensor), (g, rank, name)
+                assert joint[g][rank][name].untyped_storage().nbytes() == tensor.untyped_storage().nbytes()  # no shared storage kept
+
+
+def test_ranks_outside_the_levels_or_of_the_wrong_shape_are_refused_naming_the_router():
+    encoder = _encoder([None])
+    ranks = torch.tensor([[[[0, 2, 3, 8]]]])
+    with pytest.raises(ComponentError, match=r"router 'r-test' returned ranks \[3\]; expected values in \[0, 2, 4, 8\]"):
+        encoder.rank_counts(ranks, ranks.shape)
+    with pytest.raises(ComponentError, match=r"shaped \(1, 1, 1, 4\); expected \(1, 1, 4\)"):
+        encoder.rank_counts(ranks, torch.Size((1, 1, 4)))
+    with pytest.raises(ComponentError, match=r"returned ranks \[16\]"):  # above the largest level
+        encoder.rank_counts(torch.tensor([[[[16]]]]), torch.Size((1, 1, 1, 1)))
+
+
+def test_sketch_ema_encodes_and_decodes_from_its_host_copies_with_no_host_read():
+    basis = SketchEmaBasis(window=3, rank=4, update_every=2, ema=0.5)
+    gen = torch.Generator().manual_seed(6)
+    blocks = [torch.randn(3, 2, 2, 8, 8, generator=gen) for _ in range(5)]
+    state = basis.init_state(blocks[0])
+    coefficients = []
+    with _HostReads() as reads:
+        for block in blocks:  # a new version every 2 blocks
+            coefficients.append(basis.encode(state, block))
+        joined = torch.cat(coefficients, dim=-2)
+        decoded = [basis.decode(state, joined, m) for m in range(3)]
+    assert not reads.sites, dict(reads.sites)
+    assert state["bases"].shape[2] == 3 and state["version_tokens"][0].tolist() == [16, 16, 8]
+    # the device's counters are what decoding follows: each version's tokens through their own basis
+    width = 8
+    for m in range(3):
+        expected = torch.cat([joined[0, ..., 16 * v : 16 * (v + 1), :] @ state["bases"][:, :, v, :, m * width : (m + 1) * width].float() for v in range(3)], -2)
+        assert torch.allclose(decoded[m], expected, atol=1e-5)
+    # a batch selection makes new tensors: their counters are read once, then held
+    picked = {name: t.index_select(0, torch.tensor([1])) for name, t in state.items()}
+    again = basis.decode(picked, joined[:, 1:], 2)
+    assert torch.allclose(again, decoded[2][1:], atol=1e-6)
