@@ -231,13 +231,19 @@ class BlockEncoder:
         context = [torch.stack([exact[k][..., start:, :] for exact in windows]).to(dtype) for k in ("keys", "values")]
         store.probe_error = self.engine.probe.measure_group(queries, keys, values, approx_keys, approx_values, *context,
                                                             self.engine.observer.scaling)
-        store.next_share = self.engine.probe.adjust(store.share, store.probe_error, store.probe_state)
+        store.pending_errors.append(store.probe_error)  # the share moves once every group has encoded (no host read here)
 
     def apply_probe_shares(self) -> None:
         """After every group has encoded its blocks of this forward: the probes' new budget shares take
-        effect together, renormalized to average 1 so the total budget holds."""
+        effect together, renormalized to average 1 so the total budget holds. The probe's ``adjust`` runs here, for
+        each error in the order measured, so reading the errors to the host waits for the device once a forward, not
+        once a block."""
         for kind in KINDS:
             stores = [group[kind] for group in self.engine.stores]
+            for s in stores:
+                for errors in s.pending_errors:
+                    s.next_share = self.engine.probe.adjust(s.share, errors, s.probe_state)
+                s.pending_errors = []
             if not any(s.next_share is not None for s in stores):
                 continue
             for s in stores:

@@ -361,6 +361,7 @@ class GroupStore:
         self.flushes = 0
         self.share = 1.0
         self.next_share: float | None = None
+        self.pending_errors: list[torch.Tensor] = []  # probe errors [G, H] whose share moves at the forward's end
         self.probe_state: dict[str, float] = {}
         self.probe_error: torch.Tensor | None = None
         self.route_state: dict = {}  # the router's per-group state (RouteBlock.state; tensors batch-first)
