@@ -223,6 +223,11 @@ class BasisBuilder(Component):
         """coefficients [S, B, H, T, r] of the group's packed tokens ``start .. start + T`` (in encoding
         order) -> the ``member``-th layer's vectors [B, H, T, D], in the coefficients' dtype."""
 
+    def decode_group(self, state: dict[str, torch.Tensor], coefficients: torch.Tensor, members: int, start: int = 0) -> torch.Tensor:
+        """Every one of the group's ``members`` layers decoded, [G, B, H, T, D]: one :meth:`decode` a layer unless a
+        basis does better."""
+        return torch.stack([self.decode(state, coefficients, member, start) for member in range(members)])
+
 
 @attrs.frozen
 class RouteBlock:

@@ -71,7 +71,7 @@ class BlockEncoder:
                 stats = (stats[0][..., :head], stats[1][..., :head])
         work = work.float()
         decoded = quantizer.dequantize(packed, torch.float32)
-        approx = torch.stack([self.engine.basis.decode(store.state, decoded, m, start=first) for m in range(len(members))])
+        approx = self.engine.basis.decode_group(store.state, decoded, len(members), start=first)
         entries: list[dict[int, TensorMap]] = [{} for _ in members]
         if self.engine.residual_levels:
             mixing = self.engine.basis.residual_mixing(len(members))

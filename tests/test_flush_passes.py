@@ -145,3 +145,19 @@ def test_sketch_ema_encodes_and_decodes_from_its_host_copies_with_no_host_read()
     picked = {name: t.index_select(0, torch.tensor([1])) for name, t in state.items()}
     again = basis.decode(picked, joined[:, 1:], 2)
     assert torch.allclose(again, decoded[2][1:], atol=1e-6)
+
+
+@pytest.mark.parametrize("share", ["token-factor", "basis"])
+def test_a_group_decoded_at_once_is_each_layer_decoded_alone(share):
+    basis = SketchEmaBasis(window=3, rank=4, update_every=1, ema=0.5, share=share)
+    gen = torch.Generator().manual_seed(7)
+    blocks = [torch.randn(3, 2, 2, 8, 8, generator=gen) for _ in range(3)]
+    state = basis.init_state(blocks[0])
+    joined = torch.cat([basis.encode(state, block) for block in blocks], dim=-2)  # three versions
+    assert state["bases"].shape[2] == 3
+    for start in (0, 5):  # tokens from the middle of the first version on
+        part = joined[..., start:, :]
+        together = basis.decode_group(state, part, 3, start=start)
+        alone = torch.stack([basis.decode(state, part, m, start=start) for m in range(3)])
+        assert together.shape == (3, 2, 2, 24 - start, 8) and together.is_contiguous()
+        assert torch.allclose(together, alone, atol=1e-6)

@@ -238,6 +238,19 @@ class SketchEmaBasis(BasisBuilder):
             coeffs = coefficients[0]
         else:
             coeffs = coefficients[member]
+        return self._through_versions(state, coeffs, bases, start).to(coefficients.dtype)
+
+    def decode_group(self, state: dict[str, torch.Tensor], coefficients: torch.Tensor, members: int, start: int = 0) -> torch.Tensor:
+        """Token factors: every layer's channels from one product with the whole [r, G*D] basis."""
+        if self.share != "token-factor" or "bases" not in state or members != _group_layers(state):
+            return super().decode_group(state, coefficients, members, start)
+        joined = self._through_versions(state, coefficients[0], state["bases"], start)  # [B, H, T, G*D]
+        batch, heads, tokens, _ = joined.shape
+        return joined.view(batch, heads, tokens, members, -1).permute(3, 0, 1, 2, 4).to(coefficients.dtype).contiguous()
+
+    def _through_versions(self, state: dict[str, torch.Tensor], coeffs: torch.Tensor, bases: torch.Tensor, start: int) -> torch.Tensor:
+        """Tokens ``start ..`` of ``coeffs`` [B, H, T, r], each through the basis version it was encoded with (``bases``
+        [B, H, V, r, C]), float32."""
         counts = _host(state["version_tokens"])
         total, stop = sum(counts), start + coeffs.shape[-2]
         if start < 0 or stop > total:
@@ -251,9 +264,8 @@ class SketchEmaBasis(BasisBuilder):
             chunk = coeffs[..., lo - start : hi - start, :].float().contiguous()
             parts.append(chunk @ bases[:, :, version].float().contiguous())
         if not parts:
-            return coeffs.new_zeros(*coeffs.shape[:-1], bases.shape[-1])
-        out = parts[0] if len(parts) == 1 else torch.cat(parts, dim=-2)
-        return out.to(coefficients.dtype)
+            return coeffs.new_zeros(*coeffs.shape[:-1], bases.shape[-1], dtype=torch.float32)
+        return parts[0] if len(parts) == 1 else torch.cat(parts, dim=-2)
 
 
 @hookimpl
