@@ -78,8 +78,10 @@ class BlockEncoder:
             fixed = self.fixed_ranks(kind, group_index, work.shape[-2], mixing)
             rows = None
             if fixed is None:  # the router reads the block
-                miss = (work - approx).norm(dim=-1) / work.norm(dim=-1).clamp_min(1e-9)
-                rows = residual_rows(work - approx, mixing)
+                difference = work - approx
+                miss = difference.norm(dim=-1) / work.norm(dim=-1).clamp_min(1e-9)
+                rows = residual_rows(difference, mixing)
+                del difference
                 route = self.route_block(kind, group_index, work, miss, stats, approx, rows, mixing, tokens)
                 kept_index = (self.engine._flush_info or {}).get("kept_index")
                 ranks = self.engine.router.assign(route) if kept_index is None else self.engine.eviction.rank_kept(self.engine.router, route, kept_index)
