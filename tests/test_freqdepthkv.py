@@ -175,7 +175,7 @@ def test_residual_heads_keep_the_high_frequencies_of_their_most_perturbing_token
     assert set(top.tolist()) == set(chosen.tolist())
 
 
-def test_lambda_bisection_is_monotone_and_finds_the_smallest_lambda_that_fits():
+def test_the_lambda_search_is_monotone_and_finds_the_smallest_lambda_that_fits():
     router = HeadModeRouter()
     block = route_block(None, [0.5, 1.0, 0.1, 2.0], n=64)
     table, _ = router.table(block, *router.token_errors(block))

@@ -18,11 +18,11 @@ sees keys at or before its position), ``K_hat(shared)`` the decoded coefficients
 selected tokens counted as restored, ``exact`` as 0; ``Omega(m)`` the mode's routed bytes divided by
 the 16-bit bytes of the head's block. The loss is computed on keys and the decision applied to the
 values of the same block (the values block reuses the keys' losses and scores; only if the values'
-budget is smaller is the decision redone for it). ``lambda`` is the smallest value (bisection,
-``bisection_steps`` steps) whose decisions keep the block's routed bytes within its budget, which the
-engine derives from ``target_reduction`` (stored bytes of everything against a 16-bit cache, per
-block group: the engine budgets each group separately, so ``lambda`` is found per group, not once
-for the whole model).
+budget is smaller is the decision redone for it). ``lambda`` is the smallest value (found exactly, on the
+device, among the lambdas where two modes' objectives cross) whose decisions keep the block's routed bytes
+within its budget, which the engine derives from ``target_reduction`` (stored bytes of everything against a
+16-bit cache, per block group: the engine budgets each group separately, so ``lambda`` is found per group,
+not once for the whole model).
 
 Once decided (on the first block a group encodes, the whole prefill when the prompt is compressed in
 one flush), the head modes are kept for later blocks (decoding) and only the residual tokens are chosen
@@ -82,30 +82,31 @@ class ModeTable:
     omega: torch.Tensor
 
 
-def decide(loss: torch.Tensor, omega: torch.Tensor, cost: torch.Tensor, budget: float | None, steps: int = 60) -> tuple[torch.Tensor, float]:
+def decide(loss: torch.Tensor, omega: torch.Tensor, cost: torch.Tensor, budget: float | None) -> tuple[torch.Tensor, float]:
     """Eq. (2) per head: ``argmin_m loss[.., m] + lambda omega[m]`` with the smallest ``lambda >= 0`` whose total
-    ``cost`` fits ``budget``. Modes are ordered by cost, so ties go to the cheaper one. Returns (modes, lambda)."""
+    ``cost`` fits ``budget``. Modes are ordered by cost, so ties go to the cheaper one. Returns (modes, lambda).
 
-    def modes_at(lam: float) -> torch.Tensor:
-        return (loss + lam * omega).argmin(dim=-1)
-
-    def spent(lam: float) -> float:
-        return float(cost[modes_at(lam)].sum())
-
-    if budget is None or spent(0.0) <= budget:
-        return modes_at(0.0), 0.0
-    positive = omega[omega > 0]
-    high = 2.0 * float(loss.amax().clamp_min(0)) / float(positive.min()) + 1e-12 if positive.numel() else 1.0
-    while spent(high) > budget:  # only if a mode costs bytes but no omega (cannot happen with omega ~ cost)
-        high *= 2.0
-    low = 0.0
-    for _ in range(steps):
-        middle = (low + high) / 2
-        if spent(middle) > budget:
-            low = middle
-        else:
-            high = middle
-    return modes_at(high), high
+    Exact, with one host read (lambda): the total cost changes only at a lambda where two modes' objectives cross on
+    some head, so the crossings are sorted and the first interval between them whose modes fit is found by a binary
+    search on the device (the total cost falls as lambda grows); the modes are those inside that interval. Where
+    several heads cross at the same lambda they switch together."""
+    if budget is None:
+        return loss.argmin(dim=-1), 0.0
+    flat = loss.reshape(-1, loss.shape[-1])
+    crossings = (flat.unsqueeze(-1) - flat.unsqueeze(-2)) / (omega.unsqueeze(0) - omega.unsqueeze(1))  # [heads, a, b]
+    valid = torch.isfinite(crossings) & (crossings > 0)
+    beyond = torch.where(valid, crossings, 0.0).amax() * 2 + 1  # past every crossing: each head's cheapest best mode
+    ordered = torch.where(valid, crossings, beyond).reshape(-1).sort().values  # [K]
+    inside = torch.cat((ordered.new_zeros(1), (ordered[:-1] + ordered[1:]) / 2, beyond.reshape(1)))  # a lambda in each interval
+    starts = torch.cat((ordered.new_zeros(1), ordered))  # each interval's smallest lambda
+    low = torch.zeros((), dtype=torch.long, device=loss.device)
+    high = torch.full((), inside.numel() - 1, dtype=torch.long, device=loss.device)
+    for _ in range(math.ceil(math.log2(inside.numel()))):
+        middle = (low + high) // 2
+        fits = cost[(loss + inside[middle] * omega).argmin(dim=-1)].sum() <= budget
+        high = torch.where(fits, middle, high)
+        low = torch.where(fits, low, middle + 1)
+    return (loss + inside[high] * omega).argmin(dim=-1), float(starts[high])
 
 
 @attrs.frozen
@@ -128,7 +129,6 @@ class HeadModeRouter(Router):
     allow_residual: bool = attrs.field(default=True, validator=_boolean, metadata={"doc": "offer the residual-depth modes"})
     static: bool = attrs.field(default=False, validator=_boolean, metadata={"doc": "no head routing: every head of a block the same mode, the most expensive that fits (ablation)"})
     refresh_every: int = attrs.field(default=0, validator=integer(0), metadata={"doc": "re-decide the head modes after this many more tokens of a group (0: decide once)"})
-    bisection_steps: int = attrs.field(default=60, validator=integer(1, 200), metadata={"doc": "bisection steps for lambda"})
     chunk_tokens: int = attrs.field(default=2048, validator=integer(1), metadata={"doc": "tokens per chunk when scoring (bounds memory)"})
 
     def __attrs_post_init__(self) -> None:
@@ -227,7 +227,7 @@ class HeadModeRouter(Router):
     def choose(self, table: ModeTable, budget: float | None) -> tuple[torch.Tensor, float]:
         """Modes [B, H] (indices into ``table.names``) and the lambda they were found at (nan when static)."""
         if not self.static:
-            return decide(table.loss, table.omega, table.cost, budget, self.bisection_steps)
+            return decide(table.loss, table.omega, table.cost, budget)
         heads = table.loss.shape[0] * table.loss.shape[1]
         fitting = [m for m in range(len(table.names)) if budget is None or float(table.cost[m]) * heads <= budget]
         best = max(fitting, key=lambda m: float(table.cost[m])) if fitting else 0

@@ -3,7 +3,7 @@
 deferred as on a GPU, counted by the kvweave function that made them (the attention kernel's CPU twin left out: a GPU
 runs the Triton kernel). On a GPU each read stops the host until the device has run all it was given.
 
-    python docs/perf/h200-2026-12-05-flush/flush_reads.py
+    python docs/perf/h200-2026-12-05-flush/flush_reads.py [PIPELINE]   (default depthweave-kv)
 
 For another tree (e.g. the one before): ``git worktree add /tmp/before <commit>; mkdir /tmp/hk; ln -s /tmp/before
 /tmp/hk/kvweave``, then from /tmp/before: ``PYTHONPATH=/tmp/hk:/tmp/before/benchmarks python <this script>``.
@@ -47,7 +47,7 @@ def step(model, cache, ids):
 
 
 model = random_model(smoke_config(32), "cpu")
-cache = build_cache(load_pipeline("depthweave-kv"), model, tokenizer=Ids(model.config.vocab_size))
+cache = build_cache(load_pipeline(sys.argv[1] if len(sys.argv) > 1 else "depthweave-kv"), model, tokenizer=Ids(model.config.vocab_size))
 cache.engine.defer_checks = True  # as on a GPU
 with torch.no_grad():
     with Reads() as prompt:
