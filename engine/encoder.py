@@ -85,7 +85,7 @@ class BlockEncoder:
                 route = self.route_block(kind, group_index, work, miss, stats, approx, rows, mixing, tokens)
                 kept_index = (self.engine._flush_info or {}).get("kept_index")
                 ranks = self.engine.router.assign(route) if kept_index is None else self.engine.eviction.rank_kept(self.engine.router, route, kept_index)
-                counts = self.rank_counts(ranks, work.shape[:-1])
+                counts, ends = self.rank_counts(ranks, work.shape[:-1])
             else:
                 counts = [{rank: block.shape[1] * block.shape[2] * sum(stop - start for start, stop, level in fixed if level == rank)
                            for rank in {level for _, _, level in fixed}}] * len(members)
@@ -104,7 +104,8 @@ class BlockEncoder:
                     approx[member] = add_residuals(approx[member], entries[member], residual_quantizer, self.engine.router.gates(layer, kind), basis)
                 held = window.compressed_tokens
                 for rank, fields in entries[member].items():
-                    last = None if fixed is None else held + max(stop for _, stop, level in fixed if level == rank)
+                    end = ends[member][rank] if fixed is None else max(stop for _, stop, level in fixed if level == rank)
+                    last = held + end
                     window.residuals[kind][rank].append({**fields, "token": fields["token"] + held}, held, tokens,
                                                         block.shape[1] * block.shape[2], last)
             if mixing is not None and self.engine.probe.wants(store.flushes):  # rows of the whole group, mixed per layer
@@ -255,23 +256,30 @@ class BlockEncoder:
             for s in stores:
                 s.share /= mean
 
-    def rank_counts(self, ranks: torch.Tensor, shape: torch.Size) -> list[dict[int, int]]:
-        """Each member's entry count by rank level (``ranks`` [G, B, H, n]), read to the host in one read; refuses
-        ranks outside the pipeline's levels or a wrong shape."""
+    def rank_counts(self, ranks: torch.Tensor, shape: torch.Size) -> tuple[list[dict[int, int]], list[dict[int, int]]]:
+        """Each member's entry count by rank level (``ranks`` [G, B, H, n]) and where its entries end in the block (the
+        last one's token + 1, what a residual list's bits must cover), read to the host in one read; refuses ranks
+        outside the pipeline's levels or a wrong shape."""
         if ranks.shape != shape:
             raise ComponentError(
                 f"router '{self.engine.pipeline.use('router')}' returned ranks shaped {tuple(ranks.shape)}; expected {tuple(shape)}")
         levels = sorted(self.engine.levels)
+        width = len(levels) + 1  # the levels, then one place for a stray rank
         table = torch.tensor(levels, device=ranks.device, dtype=ranks.dtype)
         at = torch.searchsorted(table, ranks.contiguous()).clamp_max(len(levels) - 1)
-        code = torch.where(table[at] == ranks, at, len(levels))  # len(levels): a stray rank
-        member = torch.arange(shape[0], device=ranks.device).view(-1, *(1,) * (ranks.dim() - 1)) * (len(levels) + 1)
-        counts = torch.bincount((member + code).reshape(-1), minlength=shape[0] * (len(levels) + 1)).view(shape[0], -1).tolist()
+        code = torch.where(table[at] == ranks, at, len(levels))
+        place = (torch.arange(shape[0], device=ranks.device).view(-1, *(1,) * (ranks.dim() - 1)) * width + code).reshape(-1)
+        counts = torch.bincount(place, minlength=shape[0] * width)
+        token = torch.arange(1, shape[-1] + 1, device=ranks.device).expand(shape).reshape(-1)
+        ends = torch.zeros(shape[0] * width, dtype=torch.long, device=ranks.device).scatter_reduce_(0, place, token, reduce="amax")
+        counts, ends = torch.stack((counts, ends)).view(2, shape[0], width).tolist()
         if any(row[-1] for row in counts):
             stray = set(torch.unique(ranks).tolist()) - set(levels)
             raise ComponentError(
                 f"router '{self.engine.pipeline.use('router')}' returned ranks {sorted(stray)}; expected values in {levels}")
-        return [{rank: row[i] for i, rank in enumerate(levels) if rank and row[i]} for row in counts]
+        present = [[(i, rank) for i, rank in enumerate(levels) if rank and row[i]] for row in counts]
+        return ([{rank: counts[m][i] for i, rank in places} for m, places in enumerate(present)],
+                [{rank: ends[m][i] for i, rank in places} for m, places in enumerate(present)])
 
     def encode_members(
         self, kind: str, members: tuple[int, ...], missing: torch.Tensor,

@@ -98,10 +98,13 @@ def test_a_groups_residuals_encoded_in_one_call_are_each_members_own(on_basis):
     ranks = torch.tensor([0, 2, 4, 8])[torch.randint(0, 4, (group, batch, heads, tokens), generator=gen)]
     ranks[1] = 0  # a member without entries
     ranks[2, :, :, :5] = 8
+    ranks[2, 0, 1, 23] = 8  # member 2's rank-8 entries end with the block
     bases = [fit_residual_basis(missing[g].float(), 8) if on_basis else None for g in range(group)]
     encoder = _encoder(bases)
-    counts = encoder.rank_counts(ranks, ranks.shape)
+    counts, ends = encoder.rank_counts(ranks, ranks.shape)
     assert counts == [{r: int((ranks[g] == r).sum()) for r in (2, 4, 8) if int((ranks[g] == r).sum())} for g in range(group)]
+    assert ends == [{r: int((ranks[g] == r).nonzero()[:, -1].max()) + 1 for r in counts[g]} for g in range(group)]
+    assert ends[2][8] == 24 and counts[1] == {}
     quantizer = Int4GroupQuantizer(group=2)
     joint = encoder.encode_members("keys", (0, 1, 2), missing, ranks, counts, quantizer)
     for g in range(group):
