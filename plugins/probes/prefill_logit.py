@@ -94,21 +94,27 @@ class PrefillLogitProbe(Probe):
         stride = max(1, new // self.candidates)
         candidates = torch.arange(new - 1, -1, -stride, device=query.device).flip(0)  # always includes the newest
         entropy = row_entropy(query[:, :, candidates], keys, total - new + candidates, scale)  # [B, c]
+        positions = list(range(new - 1, -1, -stride))[::-1]  # the candidates, as the host knows them
+        orders = entropy.argsort(dim=-1, descending=True).tolist()  # one host read for every row
+        flags: list[list[int]] = [[] for _ in range(batch)]
+        if self.use_boundaries and boundary is not None and self.boundaries > 0:
+            for b, p in boundary.nonzero().tolist():  # one more
+                flags[b].append(p)
         rows = []
         for b in range(batch):
             chosen: list[int] = list(range(new - round(self.recent * count), new))
             taken = set(chosen)
             if self.use_boundaries and boundary is not None and self.boundaries > 0:
-                flagged = [p for p in boundary[b].nonzero().flatten().tolist() if p not in taken]
+                flagged = [p for p in flags[b] if p not in taken]
                 want = min(len(flagged), round(self.boundaries * count))
                 if want:
                     picks = torch.linspace(0, len(flagged) - 1, want).round().long().unique().tolist()
                     chosen += [flagged[i] for i in picks]
                     taken.update(flagged[i] for i in picks)
-            for i in entropy[b].argsort(descending=True).tolist():
+            for i in orders[b]:
                 if len(chosen) >= count:
                     break
-                position = int(candidates[i])
+                position = positions[i]
                 if position not in taken:
                     chosen.append(position)
                     taken.add(position)
