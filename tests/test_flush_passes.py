@@ -220,3 +220,22 @@ def test_head_mode_lambda_at_tied_crossings_is_still_the_smallest_that_fits():
     loss, omega, cost, _ = _mode_table(3)
     modes, lam = decide(loss, omega, cost, None)
     assert torch.equal(modes, loss.argmin(-1)) and lam == 0.0
+
+
+def test_the_prefill_probe_picks_its_positions_with_a_fixed_number_of_host_reads():
+    from kvweave.plugins.probes.prefill_logit import PrefillLogitProbe
+
+    gen = torch.Generator().manual_seed(8)
+    reads = []
+    for picks in (16, 96):  # many more candidates walked: no more reads
+        probe = PrefillLogitProbe(queries=picks, recent=0.25, boundaries=0.25, candidates=256)
+        query, keys = torch.randn(2, 4, 300, 8, generator=gen), torch.randn(2, 2, 300, 8, generator=gen)
+        boundary = torch.zeros(2, 300)
+        boundary[0, [10, 50, 90]] = 1
+        boundary[1, [20, 280]] = 1
+        with _HostReads(twins=()) as counter:
+            picked = probe.select_queries(query, keys, boundary, None)
+        reads.append(sum(counter.sites.values()))
+        assert picked.shape == (2, picks) and all(len(set(row)) == picks for row in picked.tolist())
+        assert {10, 50, 90} <= set(picked[0].tolist()) and {20, 280} <= set(picked[1].tolist())
+    assert reads[0] == reads[1] <= 3, reads
