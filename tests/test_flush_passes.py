@@ -238,4 +238,5 @@ def test_the_prefill_probe_picks_its_positions_with_a_fixed_number_of_host_reads
         reads.append(sum(counter.sites.values()))
         assert picked.shape == (2, picks) and all(len(set(row)) == picks for row in picked.tolist())
         assert {10, 50, 90} <= set(picked[0].tolist()) and {20, 280} <= set(picked[1].tolist())
-    assert reads[0] == reads[1] <= 3, reads
+    # the entropy order and the flags (3 reads), and per row the spread of its flags (a CPU tensor: 2 reads)
+    assert reads[0] == reads[1] <= 3 + 2 * 2, reads
