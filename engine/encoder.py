@@ -22,6 +22,10 @@ from kvweave.engine.residuals import add_residuals, encode_residuals, fit_residu
 if TYPE_CHECKING:
     from kvweave.engine.engine import CompressionEngine
 
+#: the float32 copies the probe makes of a group's blocks at once (the exact, the stored and the other kind's): a
+#: longer prompt's layers are probed a few at a time
+PROBE_BYTES = 1 << 30
+
 #: dtypes whose values float32 holds exactly (a block of them, taken to float32 and back, is itself: an identity
 #: basis's coefficients)
 _EXACT_IN_FLOAT32 = (torch.bfloat16, torch.float16, torch.float32)
@@ -225,15 +229,21 @@ class BlockEncoder:
         info = self.engine._flush_info  # an evicting flush: the kept tokens of both kinds, the window after them
         start = info["count"] if info else n
         other_kind = "values" if kind == "keys" else "keys"
-        other = info["blocks"][other_kind] if info else torch.stack([exact[other_kind][..., :n, :] for exact in windows])
-        other = other.to(dtype)
-        exact_block, approx_block = block.to(dtype), approx.to(dtype)
-        keys, approx_keys, values, approx_values = (
-            (exact_block, approx_block, other, other) if kind == "keys" else (other, other, exact_block, approx_block))
-        queries = torch.stack([self.engine.observer.queries(layer) for layer in members]).to(dtype)
-        context = [torch.stack([exact[k][..., start:, :] for exact in windows]).to(dtype) for k in ("keys", "values")]
-        store.probe_error = self.engine.probe.measure_group(queries, keys, values, approx_keys, approx_values, *context,
-                                                            self.engine.observer.scaling)
+        # layers at a time: all of them for a decode step's block, fewer for a long prompt's (its float32 copies)
+        step = max(1, min(len(members), PROBE_BYTES // max(1, block[0].numel() * 4 * 3)))
+        errors = []
+        for first in range(0, len(members), step):
+            part = slice(first, first + step)
+            other = info["blocks"][other_kind][part] if info else torch.stack([exact[other_kind][..., :n, :] for exact in windows[part]])
+            other = other.to(dtype)
+            exact_block, approx_block = block[part].to(dtype), approx[part].to(dtype)
+            keys, approx_keys, values, approx_values = (
+                (exact_block, approx_block, other, other) if kind == "keys" else (other, other, exact_block, approx_block))
+            queries = torch.stack([self.engine.observer.queries(layer) for layer in members[part]]).to(dtype)
+            context = [torch.stack([exact[k][..., start:, :] for exact in windows[part]]).to(dtype) for k in ("keys", "values")]
+            errors.append(self.engine.probe.measure_group(queries, keys, values, approx_keys, approx_values, *context,
+                                                          self.engine.observer.scaling))
+        store.probe_error = errors[0] if len(errors) == 1 else torch.cat(errors)
         store.pending_errors.append(store.probe_error)  # the share moves once every group has encoded (no host read here)
 
     def apply_probe_shares(self) -> None:

@@ -240,3 +240,21 @@ def test_the_prefill_probe_picks_its_positions_with_a_fixed_number_of_host_reads
         assert {10, 50, 90} <= set(picked[0].tolist()) and {20, 280} <= set(picked[1].tolist())
     # the entropy order and the flags (3 reads), and per row the spread of its flags (a CPU tensor: 2 reads)
     assert reads[0] == reads[1] <= 3 + 2 * 2, reads
+
+
+def test_a_long_blocks_probe_taken_a_few_layers_at_a_time_measures_the_same(monkeypatch):
+    import kvweave.engine.encoder as encoder_module
+    from conftest import tiny_llama
+    from helpers import build_test_cache, random_ids, run
+
+    def errors():
+        model = tiny_llama(torch.float32, layers=4, hidden=256)
+        cache = run(model, build_test_cache("t-dw", model), random_ids(2, 600, seed=1), decode=40)
+        return [group[kind].probe_error for group in cache.engine.stores for kind in ("keys", "values")], cache.compression_ratio()
+
+    together, ratio = errors()
+    monkeypatch.setattr(encoder_module, "PROBE_BYTES", 1)  # one layer at a time
+    apart, ratio_apart = errors()
+    assert ratio == ratio_apart
+    assert all(a.shape == b.shape and torch.allclose(a, b, atol=1e-6) for a, b in zip(together, apart))
+    assert any(bool((a > 0).any()) for a in together)
