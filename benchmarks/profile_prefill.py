@@ -64,7 +64,7 @@ def instrument(cache) -> None:
     classes.append(("router.assign", type(engine.router), "assign"))
     quantizers = {type(engine.quantizers[kind]) for kind in ("keys", "values")}
     classes += [(f"quantizer.{m}", cls, m) for cls in quantizers for m in ("quantize", "dequantize")]
-    classes += [(f"engine.{m}", type(engine), m) for m in ("_flush", "_attention_stats", "_probe", "_route_block")]
+    classes += [(f"engine.{m}", type(engine), m) for m in ("_flush", "_attention_stats")]
     classes += [(f"encoder.{m}", type(engine.encoder), m) for m in ("encode", "probe", "route_block", "rank_counts", "encode_members")]
     classes.append(("probe.measure", type(engine.probe), "measure"))
     classes.append(("residuals.ResidualList.append", ResidualList, "append"))

@@ -77,8 +77,10 @@ class AttentionOutputProbe(Probe):
         """Every layer of the group in one pass; the context's logits are computed once for both attentions."""
         scale = scale or queries.shape[-1] ** -0.5
         context = _context_logits(queries, context_keys, scale)
-        exact = _outputs(_logits(queries, keys, scale), values, context, context_values)
-        approx = _outputs(_logits(queries, approx_keys, scale), approx_values, context, context_values)
+        block = _logits(queries, keys, scale)
+        approx_block = block if approx_keys is keys else _logits(queries, approx_keys, scale)  # values probed: keys exact
+        exact = _outputs(block, values, context, context_values)
+        approx = _outputs(approx_block, approx_values, context, context_values)
         error = (exact - approx).flatten(-2).norm(dim=-1) / (exact.flatten(-2).norm(dim=-1) + 1e-6)  # [G, B, H]
         return error.mean(dim=1)
 

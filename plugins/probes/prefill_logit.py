@@ -97,14 +97,15 @@ class PrefillLogitProbe(Probe):
         positions = list(range(new - 1, -1, -stride))[::-1]  # the candidates, as the host knows them
         orders = entropy.argsort(dim=-1, descending=True).tolist()  # one host read for every row
         flags: list[list[int]] = [[] for _ in range(batch)]
-        if self.use_boundaries and boundary is not None and self.boundaries > 0:
+        flagging = self.use_boundaries and boundary is not None and self.boundaries > 0
+        if flagging:
             for b, p in boundary.nonzero().tolist():  # one more
                 flags[b].append(p)
         rows = []
         for b in range(batch):
             chosen: list[int] = list(range(new - round(self.recent * count), new))
             taken = set(chosen)
-            if self.use_boundaries and boundary is not None and self.boundaries > 0:
+            if flagging:
                 flagged = [p for p in flags[b] if p not in taken]
                 want = min(len(flagged), round(self.boundaries * count))
                 if want:
