@@ -38,6 +38,8 @@ from kvweave.engine.ingest import ingest as ingest_context
 from kvweave.engine.ingest import ingest_refusal
 from kvweave.engine.observation import cache_kwargs
 from kvweave.engine.split_attention import split_attention
+from kvweave.engine.surrogate import surrogate_scores
+from kvweave.engine.taps import AttentionHooks, EnergyTap
 from kvweave.kernels.scoring import repetition_key_max, repetition_key_max_torch, scoring_kernels_available
 
 #: what the model is asked before the first chunk, and before each later one (then the chunk's last tokens)
@@ -64,24 +66,7 @@ def turn_suffix(tokenizer: Any) -> str:
     return text[at + len(marker):]
 
 
-class _AttentionHooks:
-    """A forward hook (``_hook``) on each of ``modules`` (attention modules) for the duration of a ``with`` block."""
-
-    modules: list[Any]
-
-    def __enter__(self) -> _AttentionHooks:
-        self.handles = [m.register_forward_hook(self._hook, with_kwargs=True) for m in self.modules]
-        return self
-
-    def __exit__(self, *exc: Any) -> None:
-        for handle in self.handles:
-            handle.remove()
-
-    def _hook(self, module: Any, args: tuple, kwargs: dict, output: Any) -> None:
-        raise NotImplementedError
-
-
-class _Scorer(_AttentionHooks):
+class _Scorer(AttentionHooks):
     """Forward hooks on the attention modules that turn one repetition forward into scores (``backend``: "triton",
     the kernels of :mod:`kvweave.kernels.scoring`; "torch", their twin)."""
 
@@ -135,18 +120,6 @@ class _RepetitionLayer(DynamicLayer):
     def rewind(self) -> None:
         """Back to the context alone (the next repetition overwrites the last one's room)."""
         self.keys, self.values = self._keys[..., : self.context, :], self._values[..., : self.context, :]
-
-
-class _EnergyTap(_AttentionHooks):
-    """Forward hooks that record each attention module's queries into ``energy`` (a no-op where it is None)."""
-
-    def __init__(self, model: Any, energy: Any, kv_heads: int) -> None:
-        self.modules = attention_modules(model) if energy is not None else []
-        self.energy, self.kv_heads = energy, kv_heads
-
-    def _hook(self, module: Any, args: tuple, kwargs: dict, output: Any) -> None:
-        hidden = args[0] if args else kwargs["hidden_states"]
-        self.energy.record(int(module.layer_idx), module_queries(module, hidden, kwargs["position_embeddings"]), self.kv_heads)
 
 
 def _scoring_attention(module: Any, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attention_mask: Any,
@@ -239,7 +212,7 @@ def reconstruction_scores(
 
         bar = tqdm(total=len(starts), desc=f"scoring {total:,} tokens", unit="chunk", dynamic_ncols=True)
     with torch.inference_mode(), scoring_attention(model):
-        with _EnergyTap(model, energy, heads):
+        with EnergyTap(model, energy, heads):
             model(input_ids=ids, use_cache=True, logits_to_keep=1, **cache_kwargs(model, cache))
         saved = [copy.copy(layer) for layer in cache.layers]
         if keep is not None:
@@ -290,9 +263,14 @@ def score_for(model: Any, cache: Any, input_ids: torch.Tensor, progress: bool = 
     ingesting = ingest and input_ids.shape[-1] >= 2 and ingest_refusal(cache) is None
     scored = input_ids[:, :-1] if ingesting else input_ids
     kept: list | None = [] if ingesting else None
-    scores = reconstruction_scores(model, tokenizer, scored, chunk=getattr(evictor, "chunk", 2048),
-                                   sinks=getattr(evictor, "sinks", 4), progress=progress,  # an evictor's own, else KVzip's
-                                   keep=kept, energy=cache.engine.energy if ingesting else None)
+    energy = cache.engine.energy if ingesting else None
+    surrogate = getattr(evictor, "surrogate", None)
+    if surrogate is not None:  # one forward: its attention inputs mapped to predicted scores
+        scores = surrogate_scores(model, scored, surrogate, sinks=getattr(evictor, "sinks", 4), keep=kept, energy=energy)
+    else:
+        scores = reconstruction_scores(model, tokenizer, scored, chunk=getattr(evictor, "chunk", 2048),
+                                       sinks=getattr(evictor, "sinks", 4), progress=progress,  # an evictor's own, else KVzip's
+                                       keep=kept, energy=energy)
     threshold = float(getattr(evictor, "copying", 0.0) or 0.0)
     if threshold:  # the copying layers keep every token: +inf is kept whatever the cut and not counted
         layers = copying_layers(model, tokenizer, threshold)

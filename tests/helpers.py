@@ -44,6 +44,25 @@ def fit_layer_tables(pipeline: ResolvedPipeline, num_layers: int) -> ResolvedPip
     return attrs.evolve(pipeline, slots=slots)
 
 
+def fit_surrogate_weights(pipeline: ResolvedPipeline, model: Any, folder: Any) -> ResolvedPipeline:
+    """``pipeline`` with its ``kvzip`` evictor's surrogate weights (fitted for a named model) replaced by random ones of
+    ``model``'s shape, written to ``folder``; the pipeline as it is when its evictor reads no surrogate."""
+    from kvweave.engine.surrogate import FORMAT
+
+    slot = pipeline.slots.get("evictor")
+    if slot is None or getattr(slot.component, "surrogate", None) is None:
+        return pipeline
+    config = model.config
+    layers, hidden, heads = config.num_hidden_layers, config.hidden_size, config.num_key_value_heads
+    generator = torch.Generator().manual_seed(0)
+    path = folder / f"surrogate-{layers}x{hidden}x{heads}.pt"
+    torch.save({"format": FORMAT, "weight": torch.randn(layers, hidden, heads, generator=generator) * 0.05,
+                "bias": torch.zeros(layers, heads), "scored": torch.ones(layers, dtype=torch.bool), "hidden": hidden}, path)
+    slots = dict(pipeline.slots)
+    slots["evictor"] = attrs.evolve(slot, component=attrs.evolve(slot.component, weights=str(path)))
+    return attrs.evolve(pipeline, slots=slots)
+
+
 def build_test_cache(name: str, model: Any, tokenizer: Any = None) -> KVWeaveCache:
     """A cache for ``model`` from pipeline ``name`` of tests/pipelines.toml (or a built-in one), bound to the
     model with ``tokenizer`` (default a :class:`ToyTokenizer`; only pipelines that read delimiter flags use it)."""

@@ -40,7 +40,7 @@ from kvweave.engine.importance import score_for
 from kvweave.core.registry import load_registry
 
 from conftest import ToyTokenizer
-from helpers import fit_layer_tables
+from helpers import fit_layer_tables, fit_surrogate_weights
 
 pytest.importorskip("pytest_benchmark")
 transformers = pytest.importorskip("transformers")
@@ -113,8 +113,8 @@ def _check_prefilled(name: str, cache: KVWeaveCache) -> None:
 
 
 @pytest.mark.parametrize("pipeline", PIPELINES, ids=PIPELINES)
-def test_prefill_and_compress(benchmark: Any, model: Any, prompt: torch.Tensor, pipeline: str) -> None:
-    resolved = fit_layer_tables(REGISTRY.resolve(pipeline), NUM_LAYERS)
+def test_prefill_and_compress(benchmark: Any, model: Any, prompt: torch.Tensor, pipeline: str, tmp_path: Any) -> None:
+    resolved = fit_surrogate_weights(fit_layer_tables(REGISTRY.resolve(pipeline), NUM_LAYERS), model, tmp_path)
     caches: list[KVWeaveCache] = []
 
     def setup() -> tuple[tuple[KVWeaveCache], dict[str, Any]]:
@@ -139,8 +139,9 @@ def test_prefill_and_compress(benchmark: Any, model: Any, prompt: torch.Tensor, 
 
 
 @pytest.mark.parametrize("pipeline", PIPELINES, ids=PIPELINES)
-def test_decode_step(benchmark: Any, model: Any, prompt: torch.Tensor, pipeline: str) -> None:
-    cache = build_cache(fit_layer_tables(REGISTRY.resolve(pipeline), NUM_LAYERS), model, tokenizer=ToyTokenizer(VOCAB))
+def test_decode_step(benchmark: Any, model: Any, prompt: torch.Tensor, pipeline: str, tmp_path: Any) -> None:
+    resolved = fit_surrogate_weights(fit_layer_tables(REGISTRY.resolve(pipeline), NUM_LAYERS), model, tmp_path)
+    cache = build_cache(resolved, model, tokenizer=ToyTokenizer(VOCAB))
     with torch.inference_mode():
         logits = _forward(model, prompt, cache)
     _check_prefilled(pipeline, cache)

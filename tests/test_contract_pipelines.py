@@ -14,7 +14,7 @@ from kvweave.engine import build_cache
 from kvweave.engine.generation import generate
 
 from conftest import TEST_PIPELINES, ToyTokenizer, tiny_llama
-from helpers import fit_layer_tables, layer_tables, random_inputs
+from helpers import fit_layer_tables, fit_surrogate_weights, layer_tables, random_inputs
 
 #: built-in pipelines the tiny model of test_every_builtin_pipeline_generates cannot hold -> why
 PIPELINE_SKIPS: dict[str, str] = {}
@@ -64,10 +64,14 @@ def pipeline_model():
 
 
 @pytest.mark.parametrize("name", PIPELINES)
-def test_every_builtin_pipeline_generates_on_a_tiny_model(pipeline_model, name):
+def test_every_builtin_pipeline_generates_on_a_tiny_model(pipeline_model, name, tmp_path):
     if name in PIPELINE_SKIPS:
         pytest.skip(f"pipeline '{name}': {PIPELINE_SKIPS[name]}")
     pipeline = load_registry().resolve(name)
+    if fit_surrogate_weights(pipeline, pipeline_model, tmp_path) is not pipeline:  # a scorer fitted for a named model: refused here
+        with pytest.raises(ModelError, match=r"the surrogate was fitted for \d+ layers x \d+ KV heads"):
+            build_cache(pipeline, pipeline_model, tokenizer=ToyTokenizer())
+        pipeline = fit_surrogate_weights(pipeline, pipeline_model, tmp_path)
     if any(length != 4 for length in layer_tables(pipeline).values()):  # tuned for a named model: refused here
         with pytest.raises(ModelError, match=r"layer_bits has \d+ entries but the model has 4 layers"):
             build_cache(pipeline, pipeline_model, tokenizer=ToyTokenizer())

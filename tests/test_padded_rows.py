@@ -15,7 +15,7 @@ from kvweave.engine import build_cache, cache_kwargs
 from kvweave.engine.importance import needs_importance, score_for
 
 from conftest import ToyTokenizer, tiny_llama
-from helpers import fit_layer_tables
+from helpers import fit_layer_tables, fit_surrogate_weights
 
 PIPELINES = sorted(load_registry().names())
 PAD, LENGTH, NEW = 45, 190, 10
@@ -41,10 +41,11 @@ def _generate(model, name, ids, mask=None, **options):
 
 
 @pytest.mark.parametrize("name", PIPELINES)
-def test_a_left_padded_row_gives_what_it_gives_alone(model, ids, name):
+def test_a_left_padded_row_gives_what_it_gives_alone(model, ids, name, tmp_path):
     mask = torch.ones_like(ids)
     mask[0, :PAD] = 0
-    scored = build_cache(fit_layer_tables(load_pipeline(name), 4), model, tokenizer=ToyTokenizer())
+    pipeline = fit_surrogate_weights(fit_layer_tables(load_pipeline(name), 4), model, tmp_path)
+    scored = build_cache(pipeline, model, tokenizer=ToyTokenizer())
     if needs_importance(scored):  # an evictor scoring whole rows of context (KVzip) refuses a padded batch, saying so
         with pytest.raises(CacheStateError, match="this batch is padded"):
             score_for(model, scored, ids, attention_mask=mask)

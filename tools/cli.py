@@ -26,6 +26,7 @@ from kvweave.tools.distributed import add_tp_option, silence_other_ranks
 #: commands whose module imports torch: imported only when given; their help line for ``kvweave --help``
 LAZY_COMMANDS: dict[str, tuple[str, str, str]] = {
     "train": ("kvweave.tools.training", "add_train_command", "fit a trainable router's weights and gates on unlabeled text"),
+    "train-scorer": ("kvweave.tools.scorer_fit", "add_train_scorer_command", "fit the kvzip evictor's one-forward surrogate scorer to KVzip's scores"),
     "eval": ("kvweave.tools.eval_args", "add_eval_command", "needle, QA, perplexity, fidelity and speed of pipelines; tables and plots"),
 }
 INTERRUPTED = 130  # the shell's code for a process stopped by Ctrl-C (128 + SIGINT)

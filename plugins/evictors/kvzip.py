@@ -26,6 +26,11 @@ The first ``sinks`` tokens are always kept (and not counted against the threshol
 scorer cannot see whole (the sliding-window layers of Gemma 3, whose own window bounds them) and every
 token fed after the scored forward (the question, generated tokens). Scoring costs about two extra
 prefills of the context, split in ``chunk``-token pieces.
+
+``scorer = "surrogate"`` (not in the paper; KVzap's idea) predicts the scores instead, from the attention inputs of
+the prompt's own forward, by a linear map per layer fitted to KVzip's scores with ``kvweave train-scorer``
+(``weights``; ``kvweave.engine.surrogate``): no repetition is fed, so scoring costs one prefill, which the cache
+takes as its own (docs/frontier.md "Scores without the repetition").
 """
 
 from __future__ import annotations
@@ -83,10 +88,29 @@ class KVzipEvictor(Evictor):
                                                metadata={"doc": "layers that keep every token (fraction: of the other layers' tokens)"})
     copying: float = attrs.field(default=0.0, validator=_copying,
                                  metadata={"doc": "0: off; else layers with a KV head of at least this induction score keep every token"})
+    scorer: str = attrs.field(default="reconstruction", validator=choice(("reconstruction", "surrogate")),
+                              metadata={"doc": "'reconstruction': KVzip's repetition forwards; 'surrogate': a fitted map of the prompt's own forward ('weights')"})
+    weights: str = attrs.field(default="", metadata={"doc": "scorer = 'surrogate': a file from 'kvweave train-scorer', or builtin:NAME"})
+    _surrogate: dict | None = attrs.field(init=False, default=None, repr=False, eq=False)
 
     def __attrs_post_init__(self) -> None:
         if self.pool % 2 == 0:
             raise ValueError(f"'pool' must be odd (a window centred on the token), got {self.pool}")
+        if not isinstance(self.weights, str):
+            raise TypeError(f"'weights' must be a path (a string), got {self.weights!r}")
+        if self.scorer == "surrogate" and not self.weights:
+            raise ValueError("scorer = 'surrogate' needs 'weights' (a file from 'kvweave train-scorer', or builtin:NAME)")
+        if self.scorer != "surrogate" and self.weights:
+            raise ValueError(f"'weights' is read by scorer = 'surrogate' only; this evictor's scorer is '{self.scorer}'")
+        if self.weights:
+            from kvweave.engine.surrogate import load_surrogate
+
+            object.__setattr__(self, "_surrogate", load_surrogate(self.weights))
+
+    @property
+    def surrogate(self) -> dict | None:
+        """The surrogate's weights (scorer = 'surrogate'), else None."""
+        return self._surrogate
 
     def name(self) -> str:
         return "kvzip"
@@ -96,6 +120,16 @@ class KVzipEvictor(Evictor):
         if beyond:
             raise ModelError(f"evictor 'kvzip': keep_layers names layer(s) {beyond}, and the model has {shape.num_layers} "
                              f"layers (0 to {shape.num_layers - 1})")
+        if self._surrogate is not None:
+            from kvweave.engine.surrogate import check_surrogate
+
+            check_surrogate(self._surrogate, shape.num_layers, shape.num_kv_heads, f"evictor 'kvzip' weights {self.weights}")
+            scored = self._surrogate["scored"].tolist()
+            sliding = shape.sliding_layers
+            wrong = [layer for layer, on in enumerate(scored) if on == (layer in sliding)]
+            if wrong:
+                raise ModelError(f"evictor 'kvzip' weights {self.weights}: layer(s) {wrong} are scored where the model keeps a "
+                                 "sliding window, or the other way round (fitted on another model?)")
 
     def prepare_importance(self, scores: torch.Tensor) -> torch.Tensor:
         """The first ``sinks`` positions at ``+inf`` (kept whatever scored them: KVzip's scorer does so itself, random or

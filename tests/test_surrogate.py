@@ -1,0 +1,212 @@
+"""The ``kvzip`` evictor's surrogate scorer (engine/surrogate.py, tools/scorer_fit.py): scores from one forward.
+
+Every property here could fail: the fit recovers a map the scores were made from (a transposed or misaligned
+solve does not), the scores are each layer's attention input through its own map (sinks and unscored layers at
++inf), a surrogate cache reads its context in one forward and ingests it, keeping the tokens the evictor's cut
+over the predicted scores names, and bad weights or settings are refused naming what is wrong."""
+
+from __future__ import annotations
+
+import math
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from kvweave.core.errors import ModelError
+from kvweave.core.interfaces import ModelShape
+from kvweave.core.registry import load_registry
+from kvweave.engine import build_cache, importance, surrogate
+from kvweave.engine.taps import HiddenTap
+from kvweave.plugins.evictors.kvzip import KVzipEvictor
+from kvweave.tools import scorer_fit
+
+from conftest import write_registry
+from test_ingest import _fed_lengths
+from test_kvzip import SINKS, TOK, context_ids, kept_positions, record_importance
+from test_kvzip import model  # noqa: F401 - the sharpened tiny model fixture (3 layers, 2 KV heads, hidden 64)
+
+LAYERS, HEADS, HIDDEN = 3, 2, 64
+
+
+def weights_dict(seed: int = 0, scored=(True, True, True)) -> dict:
+    generator = torch.Generator().manual_seed(seed)
+    return {"format": surrogate.FORMAT, "weight": torch.randn(LAYERS, HIDDEN, HEADS, generator=generator),
+            "bias": torch.randn(LAYERS, HEADS, generator=generator), "scored": torch.tensor(scored), "hidden": HIDDEN}
+
+
+@pytest.fixture(scope="module")
+def weights_file(tmp_path_factory):
+    path = tmp_path_factory.mktemp("surrogate") / "tiny.pt"
+    torch.save(weights_dict(), path)
+    return path
+
+
+@pytest.fixture(scope="module")
+def registry(tmp_path_factory, weights_file):
+    text = f"""
+[pipelines.t-sg]
+extends = "full"
+compress = true
+recent_window = 16
+block_tokens = 16
+
+[pipelines.t-sg.evictor]
+use = "kvzip"
+fraction = 0.5
+scorer = "surrogate"
+weights = "{weights_file}"
+"""
+    return load_registry(write_registry(tmp_path_factory.mktemp("sg-registry"), "sg", text))
+
+
+# ------------------------------------------------------------------------------------------------ the fit
+def test_the_fit_recovers_the_map_the_scores_were_made_from(monkeypatch, tmp_path):
+    """Windows whose KVzip scores are exp(h W + b) exactly: the ridge-free fit gives W and b back, and on the held-out
+    window the predictions correlate 1 and keep KVzip's kept set whole. A sliding layer (scores +inf) is not fitted."""
+    truth = weights_dict(seed=5, scored=(True, False, True))
+    truth["weight"] *= 0.1  # logs of -10 to 5: no score under surrogate.FLOOR
+    generator = torch.Generator().manual_seed(1)
+
+    def fake_record(_model, _tokenizer, ids, _chunk, sinks):
+        states = {layer: torch.randn(ids.numel(), HIDDEN, generator=generator) for layer in range(LAYERS)}
+        scores = torch.full((LAYERS, HEADS, ids.numel()), math.inf)
+        for layer in (0, 2):
+            scores[layer] = (states[layer] @ truth["weight"][layer] + truth["bias"][layer]).T.exp()
+        scores[..., :sinks] = math.inf
+        return states, scores
+
+    monkeypatch.setattr(scorer_fit, "_record", fake_record)
+    windows = [torch.arange(120) for _ in range(4)]
+    data = scorer_fit.fit_surrogate(SimpleNamespace(device=torch.device("cpu")), None, windows, ridge=0.0, sinks=SINKS)
+    assert data["scored"].tolist() == [True, False, True]
+    for layer in (0, 2):
+        torch.testing.assert_close(data["weight"][layer], truth["weight"][layer], atol=1e-4, rtol=1e-4)
+        torch.testing.assert_close(data["bias"][layer], truth["bias"][layer], atol=1e-4, rtol=1e-4)
+    assert not data["weight"][1].any()
+    assert data["held_out"]["pearson"] == pytest.approx(1.0, abs=1e-6)
+    assert data["held_out"]["kept_overlap"] == pytest.approx(1.0)
+    assert data["tokens"] == 3 * (120 - SINKS) and data["windows"] == 3
+    scorer_fit.save_atomic(tmp_path / "fitted.pt", data)
+    loaded = surrogate.load_surrogate(str(tmp_path / "fitted.pt"))
+    torch.testing.assert_close(loaded["weight"], data["weight"])
+
+
+def test_the_fit_on_a_model_takes_kvzips_own_scores_of_each_window(model):  # noqa: F811
+    """On the sharpened tiny model, the fit from real KVzip scores: every layer scored, finite weights, and the held-out
+    figures are the predictions' against KVzip's scores of the held-out window, recomputed here."""
+    windows = [context_ids(length=96, seed=s)[0] for s in range(3)]
+    data = scorer_fit.fit_surrogate(model, TOK, windows, chunk=64, sinks=SINKS, ridge=1e-3)
+    assert data["scored"].all() and torch.isfinite(data["weight"]).all()
+    states: dict = {}
+    with HiddenTap(model, lambda layer, h: states.__setitem__(layer, h[0].float())):
+        target = importance.reconstruction_scores(model, TOK, windows[-1][None], chunk=64, sinks=SINKS)[:, 0]
+    predicted = torch.stack([(states[l] @ data["weight"][l] + data["bias"][l]).T for l in range(LAYERS)])
+    target = target.clamp_min(surrogate.FLOOR).log()
+    figures = scorer_fit.held_out_figures(predicted, target, [True] * LAYERS, 0.5)
+    assert figures["pearson"] == pytest.approx(data["held_out"]["pearson"], abs=1e-5)
+    assert figures["kept_overlap"] == pytest.approx(data["held_out"]["kept_overlap"], abs=1e-9)
+    assert figures["entries"] == LAYERS * HEADS * (96 - SINKS)
+
+
+# --------------------------------------------------------------------------------------------- the scores
+def test_scores_are_each_layers_attention_input_through_its_map(model):  # noqa: F811
+    data = weights_dict(scored=(True, False, True))
+    ids = context_ids(batch=2, length=50)
+    inputs: dict = {}
+    with HiddenTap(model, lambda layer, h: inputs.__setitem__(layer, h.float())), torch.no_grad():
+        model(input_ids=ids)
+    kept: list = []
+    scores = surrogate.surrogate_scores(model, ids, data, sinks=SINKS, keep=kept)
+    assert scores.shape == (LAYERS, 2, HEADS, 50) and scores.dtype == torch.float32
+    for layer in (0, 2):
+        expect = (inputs[layer] @ data["weight"][layer] + data["bias"][layer]).transpose(1, 2)
+        torch.testing.assert_close(scores[layer, ..., SINKS:], expect[..., SINKS:])
+    assert torch.isposinf(scores[1]).all() and torch.isposinf(scores[..., :SINKS]).all()
+    assert len(kept) == LAYERS and kept[0][0].shape == (2, HEADS, 50, HIDDEN // 4)
+
+
+def test_a_surrogate_cache_reads_its_context_in_one_forward_and_keeps_the_cut_of_the_predictions(model, registry):  # noqa: F811
+    ids = context_ids(length=200)
+    cache = build_cache(registry.resolve("t-sg"), model, tokenizer=TOK)
+    seen = record_importance(cache)
+    with _fed_lengths(model) as fed, torch.no_grad():
+        importance.prefill(model, cache, ids, ingest=True)
+    assert fed == [199, 1]  # the context once (no repetition), then the last token by the caller's forward
+    evictor = cache.engine.evictor
+    expect = surrogate.surrogate_scores(model, ids[:, :-1], evictor.surrogate, sinks=SINKS)
+    torch.testing.assert_close(seen["scores"], expect)
+    cuts = evictor.cuts(expect, cache.engine.windows[0].exact_tokens)
+    for layer, window in enumerate(cache.engine.windows):
+        passed = window.passed_tokens
+        assert passed > 0
+        for head in range(HEADS):
+            kept = kept_positions(window, head)
+            assert kept == [p for p in range(passed) if expect[layer, 0, head, p] >= cuts[layer, 0, head]]
+            assert kept[:SINKS] == list(range(SINKS)) and len(kept) < passed
+
+
+# ------------------------------------------------------------------------------------------------ refusals
+def test_bad_settings_and_files_are_refused_naming_what(tmp_path, weights_file):
+    with pytest.raises(ValueError, match="needs 'weights'"):
+        KVzipEvictor(scorer="surrogate")
+    with pytest.raises(ValueError, match="read by scorer = 'surrogate' only"):
+        KVzipEvictor(weights=str(weights_file))
+    with pytest.raises(ValueError, match="does not exist"):
+        KVzipEvictor(scorer="surrogate", weights=str(tmp_path / "missing.pt"))
+    with pytest.raises(ValueError, match="unknown shipped surrogate 'nope'"):
+        KVzipEvictor(scorer="surrogate", weights="builtin:nope")
+    torch.save({"format": "something-else"}, tmp_path / "other.pt")
+    with pytest.raises(ValueError, match="is not a kvweave surrogate"):
+        KVzipEvictor(scorer="surrogate", weights=str(tmp_path / "other.pt"))
+    (tmp_path / "text.pt").write_text("not a pickle")
+    with pytest.raises(ValueError, match="is not a kvweave surrogate"):
+        KVzipEvictor(scorer="surrogate", weights=str(tmp_path / "text.pt"))
+    bad = weights_dict()
+    bad["bias"] = torch.zeros(LAYERS, HEADS + 1)
+    torch.save(bad, tmp_path / "bad.pt")
+    with pytest.raises(ValueError, match="do not agree"):
+        KVzipEvictor(scorer="surrogate", weights=str(tmp_path / "bad.pt"))
+    bad = weights_dict()
+    bad["weight"][0, 0, 0] = math.nan
+    torch.save(bad, tmp_path / "nan.pt")
+    with pytest.raises(ValueError, match="non-finite"):
+        KVzipEvictor(scorer="surrogate", weights=str(tmp_path / "nan.pt"))
+
+
+def test_weights_of_another_model_are_refused_at_the_cache_and_at_the_forward(model, weights_file):  # noqa: F811
+    evictor = KVzipEvictor(scorer="surrogate", weights=str(weights_file))
+    evictor.check_model(ModelShape(num_layers=LAYERS, num_query_heads=4, num_kv_heads=HEADS, head_dim=16))
+    with pytest.raises(ModelError, match="fitted for 3 layers x 2 KV heads"):
+        evictor.check_model(ModelShape(num_layers=4, num_query_heads=4, num_kv_heads=HEADS, head_dim=16))
+    with pytest.raises(ModelError, match=r"layer\(s\) \[1\] are scored where the model keeps a sliding window"):
+        evictor.check_model(ModelShape(num_layers=LAYERS, num_query_heads=4, num_kv_heads=HEADS, head_dim=16,
+                                       layer_windows=(0, 32, 0)))
+    data = weights_dict()
+    data["weight"] = torch.zeros(LAYERS, HIDDEN + 1, HEADS)
+    with pytest.raises(ModelError, match="hidden states of 65; layer 0 reads 64"):
+        surrogate.surrogate_scores(model, context_ids(length=20), data)
+
+
+def test_the_shipped_surrogate_fits_the_default_models_shape():
+    """SmolLM2-135M-Instruct: 30 layers, 3 KV heads, hidden 576, every layer scored (no sliding window)."""
+    evictor = KVzipEvictor(scorer="surrogate", weights="builtin:smollm2-135m-instruct")
+    evictor.check_model(ModelShape(num_layers=30, num_query_heads=9, num_kv_heads=3, head_dim=64))
+    data = evictor.surrogate
+    assert data["hidden"] == 576 and data["scored"].all()
+    assert data["held_out"]["kept_overlap"] > 0.5  # better than a random cut at fraction 0.5
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--samples", "1"], "--samples must be at least 2"),
+    (["--ridge", "-1"], "--ridge must be a finite number >= 0"),
+    (["--ridge", "nan"], "--ridge must be a finite number >= 0"),
+    (["--fraction", "1"], "--fraction must lie in (0, 1)"),
+    (["--text-file", "/nonexistent/essays.txt"], "does not exist"),
+])
+def test_train_scorer_refuses_bad_arguments_before_loading_a_model(argv, message, capsys, monkeypatch):
+    from kvweave.tools import cli, models
+
+    monkeypatch.setattr(models, "load_model", lambda *a, **k: pytest.fail("a model was loaded"))
+    assert cli.main(["train-scorer", *argv]) == 2
+    assert message in capsys.readouterr().err
