@@ -71,10 +71,16 @@ CASES: list[Case] = [
     Case(("generate", "--pipeline", "short", "--registry", "{BEYOND}", "--model", "{TINY}", "--prompt", "hi"),
          "sliding_tokens = 256 shortens a model's sliding-window layers, but this model has none",
          "a window for sliding-window layers on a model without them"),
+    Case(("generate", "--pipeline", "fitted", "--registry", "{BEYOND}", "--model", "{TINY}", "--prompt", "hi"),
+         "the surrogate was fitted for 30 layers x 3 KV heads", "a surrogate scorer fitted for another model"),
+    Case(("generate", "--pipeline", "unweighted", "--registry", "{BEYOND}", "--prompt", "hi"),
+         "scorer = 'surrogate' needs 'weights'", "the surrogate scorer without its weights"),
     Case((*GENERATE, "--model", "{TINY}", "--prompt-file", "{LONG}", "--no-chat"),
          f"more than the context of model {{TINY}} ({TINY_CONTEXT} tokens", "a prompt longer than the model's context"),
     Case((*GENERATE, "--prompt-file", "{REPORT_X13}"), "more than the context of model default (8,192 tokens",
          "a 9,467-token prompt into the 8,192-token default model", model=True),
+    # --- train-scorer, refused before any model is loaded
+    Case(("train-scorer", "--samples", "1"), "--samples must be at least 2", "one window: none left to hold out"),
     # --- eval, refused before the results folder is created
     Case((*EVAL, "--depths", "1.5"), "needle depth 1.5 is outside 0..1", "a needle depth outside 0..1"),
     Case((*EVAL, "--needles", "0"), "--needles must be in 1..30", "no needles"),
@@ -159,7 +165,10 @@ def materials(tmp: Path, tiny: Path) -> dict[str, str]:
     (tmp / "empty.txt").write_text("")
     (tmp / "beyond.toml").write_text('[pipelines.beyond]\nextends = "full"\ncompress = true\n\n'
                                      '[pipelines.beyond.evictor]\nuse = "kvzip"\nkeep_layers = [99]\n\n'
-                                     '[pipelines.short]\nextends = "full"\nsliding_tokens = 256\n')
+                                     '[pipelines.short]\nextends = "full"\nsliding_tokens = 256\n\n'
+                                     '[pipelines.unweighted]\nextends = "kvzip-qa35v3"\n\n[pipelines.unweighted.evictor]\nscorer = "surrogate"\n\n'
+                                     '[pipelines.fitted]\nextends = "beyond"\n\n[pipelines.fitted.evictor]\nkeep_layers = []\n'
+                                     'scorer = "surrogate"\nweights = "builtin:smollm2-135m-instruct"\n')
     (tmp / "long.txt").write_text(" ".join(["harbour"] * (2 * TINY_CONTEXT)))
     (tmp / "notes.txt").write_text("not a folder")
     (tmp / "empty-folder").mkdir()
