@@ -275,6 +275,27 @@ def test_profile_prefill_scores_the_context_of_a_kvzip_pipeline_and_times_the_sc
     assert {"importance.reconstruction_scores", "engine._flush", "quantizer.quantize"} <= stages
 
 
+def test_a_surrogate_pipeline_is_scored_by_one_forward_in_the_prefill_profile(tmp_path):
+    """benchmarks/surrogate_registry.py writes a random surrogate of the smoke model's shape and NAME-s pipelines; in
+    profile_prefill.py the context is then scored by the surrogate (a stage of its own) and KVzip's repetitions never
+    run; an unknown base pipeline is refused before anything is written."""
+    write = [sys.executable, str(ROOT / "benchmarks" / "surrogate_registry.py"), "--out", str(tmp_path / "reg"), "--smoke",
+             "--layers", "2"]
+    done = subprocess.run(write, capture_output=True, text=True, timeout=300, cwd=ROOT)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert (tmp_path / "reg" / "surrogate.pt").is_file() and "kzd-k4v2-f48-d128-s" in done.stdout
+    command = [sys.executable, str(ROOT / "benchmarks" / "profile_prefill.py"), "--smoke", "--registry",
+               str(tmp_path / "reg" / "registry.toml"), "--pipeline", "kzd-k4v2-f48-d128-s", "--tokens", "256", "--layers", "2"]
+    done = subprocess.run(command, capture_output=True, text=True, timeout=300, cwd=ROOT / "benchmarks")
+    assert done.returncode == 0, done.stderr[-2000:]
+    stages = {line.split(" | ")[0].strip("| ") for line in done.stdout.splitlines() if line.startswith("| ")}
+    assert "importance.surrogate_scores" in stages and "importance.reconstruction_scores" not in stages
+    assert "engine._flush" in stages
+    bad = subprocess.run([*write[:3], str(tmp_path / "bad"), "--smoke", "--pipelines", "nope"], capture_output=True,
+                         text=True, timeout=300, cwd=ROOT)
+    assert bad.returncode != 0 and "nope" in bad.stderr and not (tmp_path / "bad").exists()
+
+
 def test_kernel_suite_runs_every_storage_it_names_and_refuses_what_it_cannot_time(tmp_path):
     """benchmarks/kernel_suite.sh: DRY=1 lists the GPU tests and one timing per storage plus the keys-after-RoPE one,
     with the configurations asked for; an unknown storage and a machine without CUDA are refused before anything runs."""
