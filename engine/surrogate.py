@@ -9,9 +9,9 @@ scores over unlabeled text and reports that it keeps most of KVzip's choice; her
 form, to ``log`` of the very scores :func:`~kvweave.engine.importance.reconstruction_scores` gives, so the cut of
 the ``kvzip`` evictor (one threshold over the model, ``pool``, ``copying``) applies to it unchanged.
 
-:func:`fit_surrogate` scores windows of text with KVzip, accumulates each layer's normal equations (no hidden state is
-kept), holds the last window out and reports how much of KVzip's kept set the fitted map keeps there.
-:func:`surrogate_scores` is the scorer: one context pass into a plain cache, each layer's scores computed in a hook.
+``kvweave train-scorer`` (:func:`kvweave.tools.scorer_fit.fit_surrogate`) scores windows of text with KVzip, sums each
+layer's normal equations (no hidden state is kept), holds the last window out and reports how much of KVzip's kept
+set the fitted map keeps there. :func:`surrogate_scores` is the scorer: one context pass into a plain cache, each layer's scores computed in a hook.
 Layers KVzip cannot score whole (sliding windows) are not fitted and score ``+inf``, as with KVzip.
 
 A weights file is a ``torch.save`` dict (``FORMAT``): ``weight`` [L, D, H] and ``bias`` [L, H] float32, ``scored``
