@@ -18,3 +18,7 @@ kvweave eval needle --model "$GEMMA" --device cpu --dtype bfloat16 --registry "$
 kvweave eval ppl --model default --device cpu --dtype bfloat16 --tokens 8000 --prefill 4000 --pipelines "$S" --out "$OUT/smollm-ppl"
 kvweave eval ppl --model "$GEMMA" --device cpu --dtype bfloat16 --registry "$OUT/gemma-registry.toml" --tokens 8000 \
   --prefill 4000 --pipelines "$G" --out "$OUT/gemma-ppl"
+# 5,000 tokens: the full cache and the surrogate on the CPU; KVzip's cells of the same needles are the H200's
+# (docs/eval/h200-2026-12-02-8x/smollm/kz-qa3-vl25-f48-cp, needles 0-9), which agree with the CPU's on 28 of 30 cells at 2,000
+kvweave eval needle --model default --device cpu --dtype bfloat16 --lengths 5000 --depths 0.1,0.5,0.9 \
+  --needles "$NEEDLES" --pipelines "full,kvzip-surrogate-qa3-vl25-smollm2" --out "$OUT/smollm-needle-5000"
