@@ -273,7 +273,9 @@ def score_for(model: Any, cache: Any, input_ids: torch.Tensor, progress: bool = 
                                        keep=kept, energy=energy)
     threshold = float(getattr(evictor, "copying", 0.0) or 0.0)
     if threshold:  # the copying layers keep every token: +inf is kept whatever the cut and not counted
-        layers = copying_layers(model, tokenizer, threshold)
+        induction = surrogate.get("induction") if surrogate is not None else None  # measured when the map was fitted
+        layers = (copying_layers(model, tokenizer, threshold) if induction is None
+                  else [layer for layer in range(induction.shape[0]) if float(induction[layer].max()) >= threshold])
         for layer in layers:
             scores[layer] = float("inf")
         if progress:

@@ -15,7 +15,9 @@ set the fitted map keeps there. :func:`surrogate_scores` is the scorer: one cont
 Layers KVzip cannot score whole (sliding windows) are not fitted and score ``+inf``, as with KVzip.
 
 A weights file is a ``torch.save`` dict (``FORMAT``): ``weight`` [L, D, H] and ``bias`` [L, H] float32, ``scored``
-[L] bool, ``hidden``, the held-out figures and the command that wrote it. ``builtin:NAME`` names one shipped in
+[L] bool, ``hidden``, optionally ``induction`` [L, H] (the model's induction scores, measured at the fit: the
+``copying`` threshold reads them instead of probing the model again), the held-out figures and the command that wrote
+it. ``builtin:NAME`` names one shipped in
 ``plugins/evictors/weights/``.
 """
 
@@ -68,6 +70,9 @@ def load_surrogate(spec: str) -> dict[str, Any]:
         raise ValueError(f"'weights' file {path}: weight [L, D, H], bias [L, H] and scored [L] do not agree")
     if not bool(torch.isfinite(weight).all() and torch.isfinite(bias).all()):
         raise ValueError(f"'weights' file {path} holds non-finite weights")
+    induction = data.get("induction")
+    if induction is not None and not (isinstance(induction, torch.Tensor) and tuple(induction.shape) == (weight.shape[0], weight.shape[2])):
+        raise ValueError(f"'weights' file {path}: induction scores must be [L, H] = {list(weight.shape[::2])}")
     return data
 
 

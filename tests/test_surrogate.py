@@ -16,7 +16,7 @@ import torch
 from kvweave.core.errors import ModelError
 from kvweave.core.interfaces import ModelShape
 from kvweave.core.registry import load_registry
-from kvweave.engine import build_cache, importance, surrogate
+from kvweave.engine import build_cache, copying, importance, surrogate
 from kvweave.engine.taps import HiddenTap
 from kvweave.plugins.evictors.kvzip import KVzipEvictor
 from kvweave.tools import scorer_fit
@@ -56,6 +56,12 @@ use = "kvzip"
 fraction = 0.5
 scorer = "surrogate"
 weights = "{weights_file}"
+
+[pipelines.t-sg-copying]
+extends = "t-sg"
+
+[pipelines.t-sg-copying.evictor]
+copying = 0.3
 """
     return load_registry(write_registry(tmp_path_factory.mktemp("sg-registry"), "sg", text))
 
@@ -77,6 +83,7 @@ def test_the_fit_recovers_the_map_the_scores_were_made_from(monkeypatch, tmp_pat
         return states, scores
 
     monkeypatch.setattr(scorer_fit, "_record", fake_record)
+    monkeypatch.setattr(scorer_fit, "model_induction_scores", lambda _model, _bos: torch.zeros(LAYERS, HEADS))
     windows = [torch.arange(120) for _ in range(4)]
     data = scorer_fit.fit_surrogate(SimpleNamespace(device=torch.device("cpu")), None, windows, ridge=0.0, sinks=SINKS)
     assert data["scored"].tolist() == [True, False, True]
@@ -107,6 +114,23 @@ def test_the_fit_on_a_model_takes_kvzips_own_scores_of_each_window(model):  # no
     assert figures["pearson"] == pytest.approx(data["held_out"]["pearson"], abs=1e-5)
     assert figures["kept_overlap"] == pytest.approx(data["held_out"]["kept_overlap"], abs=1e-9)
     assert figures["entries"] == LAYERS * HEADS * (96 - SINKS)
+    torch.testing.assert_close(data["induction"], copying.model_induction_scores(model, None))
+
+
+def test_the_copying_layers_come_from_the_induction_scores_kept_with_the_map(model, registry, monkeypatch):  # noqa: F811
+    """A surrogate that carries the model's induction scores names the copying layers from them, without the probe:
+    the layers whose best KV head reaches the threshold keep every token (+inf)."""
+    cache = build_cache(registry.resolve("t-sg-copying"), model, tokenizer=TOK)
+    induction = torch.tensor([[0.1, 0.2], [0.05, 0.6], [0.31, 0.0]])
+    cache.engine.evictor.surrogate["induction"] = induction
+    monkeypatch.setattr(importance, "copying_layers", lambda *a: pytest.fail("the probe ran"))
+    seen = record_importance(cache)
+    try:
+        importance.score_for(model, cache, context_ids(length=120))
+    finally:
+        del cache.engine.evictor.surrogate["induction"]
+    scores = seen["scores"]
+    assert [bool(torch.isposinf(scores[layer]).all()) for layer in range(LAYERS)] == [False, True, True]
 
 
 # --------------------------------------------------------------------------------------------- the scores
@@ -167,6 +191,11 @@ def test_bad_settings_and_files_are_refused_naming_what(tmp_path, weights_file):
     torch.save(bad, tmp_path / "bad.pt")
     with pytest.raises(ValueError, match="do not agree"):
         KVzipEvictor(scorer="surrogate", weights=str(tmp_path / "bad.pt"))
+    bad = weights_dict()
+    bad["induction"] = torch.zeros(LAYERS, HEADS + 1)
+    torch.save(bad, tmp_path / "induction.pt")
+    with pytest.raises(ValueError, match=r"induction scores must be \[L, H\]"):
+        KVzipEvictor(scorer="surrogate", weights=str(tmp_path / "induction.pt"))
     bad = weights_dict()
     bad["weight"][0, 0, 0] = math.nan
     torch.save(bad, tmp_path / "nan.pt")

@@ -25,6 +25,7 @@ from typing import Any
 import torch
 
 from kvweave.core.errors import ModelError
+from kvweave.engine.copying import model_induction_scores
 from kvweave.engine.importance import reconstruction_scores
 from kvweave.engine.surrogate import FLOOR, FORMAT
 from kvweave.engine.taps import HiddenTap
@@ -68,7 +69,9 @@ def fit_surrogate(model: Any, tokenizer: Any, windows: list[torch.Tensor], *, ch
                   ridge: float = 1e-3, fraction: float = 0.5, progress: bool = False) -> dict[str, Any]:
     """Fit the surrogate on ``windows`` (token ids [T] each; the last is held out, the others fit it): per layer,
     ridge regression of log KVzip scores on the attention input plus a bias, ``ridge`` x the mean diagonal of the
-    Gram matrix added to it (the bias not penalized). Returns the weights dict (without the command)."""
+    Gram matrix added to it (the bias not penalized). The model's induction scores (:mod:`kvweave.engine.copying`) are
+    kept with the map, so that a ``copying`` threshold needs no probe at scoring time. Returns the weights dict
+    (without the command)."""
     if len(windows) < 2:
         raise ValueError(f"fitting a surrogate takes at least 2 windows (the last is held out), got {len(windows)}")
     if not ridge >= 0:
@@ -122,7 +125,8 @@ def fit_surrogate(model: Any, tokenizer: Any, windows: list[torch.Tensor], *, ch
         predicted[layer] = (states[layer].float() @ weight[layer] + bias[layer]).T
     target = target.clamp_min(FLOOR).log()
     target[:, :, :sinks] = math.inf
-    return {"format": FORMAT, "weight": weight, "bias": bias, "scored": torch.tensor(scored), "hidden": hidden,
+    induction = model_induction_scores(model, getattr(tokenizer, "bos_token_id", None)).float().cpu()
+    return {"format": FORMAT, "weight": weight, "bias": bias, "scored": torch.tensor(scored), "hidden": hidden, "induction": induction,
             "windows": len(windows) - 1, "tokens": tokens, "ridge": ridge, "chunk": chunk, "sinks": sinks,
             "held_out": held_out_figures(predicted, target, scored, fraction)}
 
