@@ -30,6 +30,7 @@ from kvweave.engine.attention import module_queries
 from kvweave.engine.importance import score_for
 from kvweave.engine.observation import plain_attention  # noqa: F401 (tools import it from here)
 from kvweave.engine.pipeline import build_cache
+from kvweave.engine.taps import AttentionHooks
 
 
 # ------------------------------------------------------------------------------------------- feeding
@@ -60,12 +61,14 @@ def feed(
                 on_logits(start, out.logits.float())
 
 
-class QueryTap:
+class QueryTap(AttentionHooks):
     """Records the post-RoPE queries [1, Hq, P, D] of the last ``positions`` tokens of every attention layer.
 
     A forward pre-hook on each attention module (one with ``q_proj`` and ``layer_idx``) recomputes the
     queries of the last positions from the module's input and its ``position_embeddings`` (cos, sin),
     exactly as the module does (``q_norm`` too, where the model has one)."""
+
+    pre = True
 
     def __init__(self, model: Any, positions: int) -> None:
         self.positions = positions
@@ -76,15 +79,7 @@ class QueryTap:
             raise ValueError(f"{type(model).__name__} has no attention modules with q_proj and layer_idx")
         self.handles: list[Any] = []
 
-    def __enter__(self) -> QueryTap:
-        self.handles = [m.register_forward_pre_hook(self._hook, with_kwargs=True) for m in self.modules]
-        return self
-
-    def __exit__(self, *exc: Any) -> None:
-        for handle in self.handles:
-            handle.remove()
-
-    def _hook(self, module: Any, args: tuple, kwargs: dict) -> None:
+    def _hook(self, module: Any, args: tuple, kwargs: dict, *output: Any) -> None:
         hidden = args[0] if args else kwargs["hidden_states"]
         cos, sin = kwargs["position_embeddings"]
         keep = self.positions

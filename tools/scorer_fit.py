@@ -14,10 +14,7 @@ from __future__ import annotations
 import argparse
 import datetime
 import math
-import os
 import re
-import shlex
-import tempfile
 import time
 from pathlib import Path
 from typing import Any
@@ -29,7 +26,7 @@ from kvweave.engine.copying import model_induction_scores
 from kvweave.engine.importance import reconstruction_scores
 from kvweave.engine.surrogate import FLOOR, FORMAT
 from kvweave.engine.taps import HiddenTap
-from kvweave.tools.training import TrainingError, default_text_file, read_text, token_windows
+from kvweave.tools.training import TrainingError, command_line, default_text_file, read_text, replace_atomically, token_windows
 
 
 def _features(states: torch.Tensor) -> torch.Tensor:
@@ -141,27 +138,13 @@ def default_output(spec: str) -> Path:
 
 
 def save_atomic(path: Path, data: dict[str, Any]) -> None:
-    """``torch.save`` into a temporary file next to ``path``, then renamed into place."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    handle, temp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".partial", dir=path.parent)
-    os.close(handle)
-    umask = os.umask(0)
-    os.umask(umask)
-    try:
-        os.chmod(temp, 0o666 & ~umask)  # mkstemp's 0600 would keep the file from other users
-        torch.save(data, temp)
-        os.replace(temp, path)
-    finally:
-        if os.path.exists(temp):
-            os.unlink(temp)
+    """``torch.save`` of ``data`` at ``path``, written by :func:`~kvweave.tools.training.replace_atomically`."""
+    replace_atomically(path, lambda temp: torch.save(data, temp))
 
 
 def _command(args: argparse.Namespace) -> str:
-    parts = ["kvweave", "train-scorer"]
-    for name in ("model", "device", "dtype", "text_file", "samples", "tokens", "chunk", "ridge", "fraction", "seed", "out"):
-        if getattr(args, name, None) is not None:
-            parts += ["--" + name.replace("_", "-"), str(getattr(args, name))]
-    return shlex.join(parts)
+    return command_line("train-scorer", args, ("model", "device", "dtype", "text_file", "samples", "tokens", "chunk", "ridge",
+                                               "fraction", "seed", "out"))
 
 
 def cmd_train_scorer(args: argparse.Namespace) -> int:

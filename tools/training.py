@@ -257,30 +257,40 @@ def default_output(spec: str, pipeline: str) -> Path:
     return default_model_dir().parent / "routers" / f"{slug}-{pipeline}.json"
 
 
-def write_json_atomic(path: Path, data: dict[str, Any]) -> None:
-    """Write ``data`` to a temporary file next to ``path`` (mode by the umask), then rename it into place."""
+def replace_atomically(path: Path, write: Any) -> None:
+    """``write(temp)`` into a temporary file next to ``path`` (mode by the umask), then rename it into place: a reader
+    never sees half a file, and an interrupted write leaves none."""
     path.parent.mkdir(parents=True, exist_ok=True)
     handle, temp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".partial", dir=path.parent)
+    os.close(handle)
     umask = os.umask(0)
     os.umask(umask)
     try:
-        os.chmod(temp, 0o666 & ~umask)
-        with os.fdopen(handle, "w", encoding="utf-8") as file:
-            json.dump(data, file, indent=1)
-            file.write("\n")
+        os.chmod(temp, 0o666 & ~umask)  # mkstemp's 0600 would keep the file from other users
+        write(temp)
         os.replace(temp, path)
     finally:
         if os.path.exists(temp):
             os.unlink(temp)
 
 
-def _command(args: argparse.Namespace) -> str:
-    """The command line that reproduces this run."""
-    parts = ["kvweave", "train"]
-    for name in ("pipeline", "registry", "model", "device", "dtype", "text_file", "samples", "tokens", "epochs", "seed", "out"):
+def write_json_atomic(path: Path, data: dict[str, Any]) -> None:
+    """``data`` as indented JSON at ``path``, written by :func:`replace_atomically`."""
+    replace_atomically(path, lambda temp: Path(temp).write_text(json.dumps(data, indent=1) + "\n", encoding="utf-8"))
+
+
+def command_line(command: str, args: argparse.Namespace, names: tuple[str, ...]) -> str:
+    """``kvweave COMMAND`` with the options ``names`` of ``args`` that are set: the command line that reproduces a run."""
+    parts = ["kvweave", command]
+    for name in names:
         if getattr(args, name, None) is not None:
             parts += ["--" + name.replace("_", "-"), str(getattr(args, name))]
     return shlex.join(parts)
+
+
+def _command(args: argparse.Namespace) -> str:
+    return command_line("train", args, ("pipeline", "registry", "model", "device", "dtype", "text_file", "samples", "tokens",
+                                        "epochs", "seed", "out"))
 
 
 def cmd_train(args: argparse.Namespace) -> int:
