@@ -7,6 +7,7 @@ registry wraps that message with the pipeline and slot it came from.
 from __future__ import annotations
 
 import math
+from pathlib import Path
 from typing import Any, Iterable
 
 import attrs
@@ -57,6 +58,19 @@ def int_tuple(value: Any) -> tuple[int, ...]:
     if isinstance(value, list):
         return tuple(value)
     return value
+
+
+def shipped_path(spec: str, folder: Path, suffix: str, what: str) -> Path:
+    """A component's file parameter: ``builtin:NAME`` is ``folder/NAME{suffix}``, shipped with kvweave (a ValueError
+    naming the shipped ones when there is none of that name); anything else a path (``~`` expanded)."""
+    if not spec.startswith("builtin:"):
+        return Path(spec).expanduser()
+    name = spec.removeprefix("builtin:")
+    path = folder / f"{name}{suffix}"
+    if not path.is_file():
+        shipped = sorted(p.name.removesuffix(suffix) for p in folder.glob(f"*{suffix}"))
+        raise ValueError(f"'weights' names unknown shipped {what} '{name}'; shipped: {', '.join(shipped) or '(none)'}")
+    return path
 
 
 def describe_fields(cls: type) -> list[dict[str, Any]]:

@@ -30,6 +30,7 @@ from typing import Any
 import torch
 
 from kvweave.core.errors import CacheStateError, ModelError
+from kvweave.core.params import shipped_path
 from kvweave.engine.observation import cache_kwargs
 from kvweave.engine.taps import EnergyTap, HiddenTap
 
@@ -42,14 +43,7 @@ FLOOR = 1e-9
 
 def resolve_path(spec: str) -> Path:
     """``builtin:NAME`` -> the shipped file ``NAME.pt``; anything else a path."""
-    if spec.startswith("builtin:"):
-        name = spec.removeprefix("builtin:")
-        path = SHIPPED / f"{name}.pt"
-        if not path.is_file():
-            shipped = sorted(p.stem for p in SHIPPED.glob("*.pt"))
-            raise ValueError(f"'weights' names unknown shipped surrogate '{name}'; shipped: {', '.join(shipped) or '(none)'}")
-        return path
-    return Path(spec).expanduser()
+    return shipped_path(spec, SHIPPED, ".pt", "surrogate")
 
 
 def load_surrogate(spec: str) -> dict[str, Any]:

@@ -35,7 +35,7 @@ from kvweave.core import hookimpl
 from kvweave.core.errors import ModelError
 from kvweave.core.interfaces import ModelShape, RouteBlock, Router
 from kvweave.core.lazy import torch
-from kvweave.core.params import choice, int_tuple, number
+from kvweave.core.params import choice, int_tuple, number, shipped_path
 
 FEATURES = ("mass", "spike", "boundary", "probe", "miss")
 DEFAULT_WEIGHTS = (1.5, 2.0, 1.5, 4.0, 3.0)
@@ -54,14 +54,7 @@ SHIPPED = Path(__file__).with_name("weights")
 
 def resolve_weights_path(path: str) -> Path:
     """``builtin:NAME`` is a file shipped with kvweave (plugins/routers/weights/NAME.json); anything else a path."""
-    if path.startswith("builtin:"):
-        name = path.removeprefix("builtin:")
-        file = SHIPPED / f"{name}.json"
-        if not file.is_file():
-            shipped = sorted(p.stem for p in SHIPPED.glob("*.json"))
-            raise ValueError(f"'weights' names unknown shipped file '{name}'; shipped: {', '.join(shipped) or '(none)'}")
-        return file
-    return Path(path).expanduser()
+    return shipped_path(path, SHIPPED, ".json", "file")
 
 
 def load_weights(path: str) -> dict[str, Any]:
