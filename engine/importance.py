@@ -17,7 +17,9 @@ layers) cannot be scored over the whole context: their scores are ``+inf`` (neve
 
 :func:`prefill` is the one entry point the tools use: it scores the tokens when the cache's evictor needs
 it (``Evictor.needs_importance``), hands the scores to the cache, then runs the forward that fills it.
-The cost is about two extra prefills of the context (KVzip's own figure is 2-3x the prefill).
+The cost is about two extra prefills of the context (KVzip's own figure is 2-3x the prefill); an evictor whose
+``surrogate`` is set (the ``kvzip`` evictor's ``scorer = "surrogate"``) gets the scores predicted from one forward
+instead (:mod:`kvweave.engine.surrogate`).
 """
 
 from __future__ import annotations
