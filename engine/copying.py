@@ -90,8 +90,12 @@ def model_induction_scores(model: Any, bos: int | None) -> torch.Tensor:
     return _SCORES[model]
 
 
+def layers_at(scores: torch.Tensor, threshold: float) -> list[int]:
+    """The layers of induction ``scores`` [L, H] with a KV head scoring at least ``threshold``."""
+    return [layer for layer in range(scores.shape[0]) if float(scores[layer].max()) >= threshold]
+
+
 def copying_layers(model: Any, tokenizer: Any, threshold: float) -> list[int]:
     """The layers with a KV head whose induction score is at least ``threshold`` (the tokenizer's BOS, if it has
     one, starts the sequences)."""
-    scores = model_induction_scores(model, getattr(tokenizer, "bos_token_id", None))
-    return [layer for layer in range(scores.shape[0]) if float(scores[layer].max()) >= threshold]
+    return layers_at(model_induction_scores(model, getattr(tokenizer, "bos_token_id", None)), threshold)

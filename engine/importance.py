@@ -35,7 +35,7 @@ from transformers.cache_utils import DynamicLayer
 
 from kvweave.core.errors import CacheStateError
 from kvweave.engine.attention import attention_modules, module_queries
-from kvweave.engine.copying import copying_layers
+from kvweave.engine.copying import copying_layers, layers_at
 from kvweave.engine.ingest import ingest as ingest_context
 from kvweave.engine.ingest import ingest_refusal
 from kvweave.engine.observation import cache_kwargs
@@ -276,8 +276,7 @@ def score_for(model: Any, cache: Any, input_ids: torch.Tensor, progress: bool = 
     threshold = float(getattr(evictor, "copying", 0.0) or 0.0)
     if threshold:  # the copying layers keep every token: +inf is kept whatever the cut and not counted
         induction = surrogate.get("induction") if surrogate is not None else None  # measured when the map was fitted
-        layers = (copying_layers(model, tokenizer, threshold) if induction is None
-                  else [layer for layer in range(induction.shape[0]) if float(induction[layer].max()) >= threshold])
+        layers = copying_layers(model, tokenizer, threshold) if induction is None else layers_at(induction, threshold)
         for layer in layers:
             scores[layer] = float("inf")
         if progress:

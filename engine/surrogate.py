@@ -30,6 +30,7 @@ from typing import Any
 import torch
 
 from kvweave.core.errors import CacheStateError, ModelError
+from kvweave.core.interfaces import ModelShape
 from kvweave.core.params import shipped_path
 from kvweave.engine.observation import cache_kwargs
 from kvweave.engine.taps import EnergyTap, HiddenTap
@@ -41,14 +42,9 @@ SHIPPED = Path(__file__).resolve().parent.parent / "plugins" / "evictors" / "wei
 FLOOR = 1e-9
 
 
-def resolve_path(spec: str) -> Path:
-    """``builtin:NAME`` -> the shipped file ``NAME.pt``; anything else a path."""
-    return shipped_path(spec, SHIPPED, ".pt", "surrogate")
-
-
 def load_surrogate(spec: str) -> dict[str, Any]:
-    """Read and check a surrogate weights file (see the module's docstring)."""
-    path = resolve_path(spec)
+    """Read and check a surrogate weights file (see the module's docstring; ``builtin:NAME`` is ``NAME.pt`` shipped)."""
+    path = shipped_path(spec, SHIPPED, ".pt", "surrogate")
     if not path.is_file():
         raise ValueError(f"'weights' file {path} does not exist (write one with 'kvweave train-scorer')")
     try:
@@ -70,12 +66,18 @@ def load_surrogate(spec: str) -> dict[str, Any]:
     return data
 
 
-def check_surrogate(data: dict[str, Any], layers: int, kv_heads: int, where: str) -> None:
-    """A ModelError naming ``where`` unless the weights were fitted for a model of ``layers`` x ``kv_heads``."""
+def check_surrogate(data: dict[str, Any], shape: ModelShape, where: str) -> None:
+    """A ModelError naming ``where`` unless the weights were fitted for a model of ``shape``'s layers and KV heads,
+    with its sliding-window layers (which KVzip cannot score whole) the ones left unscored."""
     have = (int(data["weight"].shape[0]), int(data["weight"].shape[2]))
-    if have != (layers, kv_heads):
+    if have != (shape.num_layers, shape.num_kv_heads):
         raise ModelError(f"{where}: the surrogate was fitted for {have[0]} layers x {have[1]} KV heads "
-                         f"(model {data.get('model', '?')}); this model has {layers} x {kv_heads}")
+                         f"(model {data.get('model', '?')}); this model has {shape.num_layers} x {shape.num_kv_heads}")
+    sliding = shape.sliding_layers
+    wrong = [layer for layer, on in enumerate(data["scored"].tolist()) if on == (layer in sliding)]
+    if wrong:
+        raise ModelError(f"{where}: layer(s) {wrong} are scored where the model keeps a sliding window, or the other way "
+                         "round (fitted on another model?)")
 
 
 def surrogate_scores(model: Any, input_ids: torch.Tensor, data: dict[str, Any], *, sinks: int = 4,

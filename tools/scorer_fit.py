@@ -14,7 +14,6 @@ from __future__ import annotations
 import argparse
 import datetime
 import math
-import re
 import time
 from pathlib import Path
 from typing import Any
@@ -26,7 +25,8 @@ from kvweave.engine.copying import model_induction_scores
 from kvweave.engine.importance import reconstruction_scores
 from kvweave.engine.surrogate import FLOOR, FORMAT
 from kvweave.engine.taps import HiddenTap
-from kvweave.tools.training import TrainingError, command_line, default_text_file, read_text, replace_atomically, token_windows
+from kvweave.tools.training import (TrainingError, command_line, default_text_file, output_in_cache, read_text, replace_atomically,
+                                    token_windows)
 
 
 def _features(states: torch.Tensor) -> torch.Tensor:
@@ -128,15 +128,6 @@ def fit_surrogate(model: Any, tokenizer: Any, windows: list[torch.Tensor], *, ch
             "held_out": held_out_figures(predicted, target, scored, fraction)}
 
 
-def default_output(spec: str) -> Path:
-    """``<kvweave cache dir>/scorers/<model>.pt`` (the cache dir holds ``models/`` too)."""
-    from kvweave.tools.models import DEFAULT_MODEL, DEFAULT_MODEL_NAME, default_model_dir
-
-    name = DEFAULT_MODEL_NAME if spec == DEFAULT_MODEL else re.sub(r"\.gguf$", "", Path(spec.rstrip("/")).name, flags=re.I)
-    slug = re.sub(r"[^a-z0-9._-]+", "-", name.lower()).strip("-") or "model"
-    return default_model_dir().parent / "scorers" / f"{slug}.pt"
-
-
 def save_atomic(path: Path, data: dict[str, Any]) -> None:
     """``torch.save`` of ``data`` at ``path``, written by :func:`~kvweave.tools.training.replace_atomically`."""
     replace_atomically(path, lambda temp: torch.save(data, temp))
@@ -167,7 +158,7 @@ def cmd_train_scorer(args: argparse.Namespace) -> int:
         raise TrainingError(str(exc)) from exc
     data.update(model=args.model, command=_command(args),
                 date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"))
-    out = Path(args.out).expanduser() if args.out else default_output(args.model)
+    out = Path(args.out).expanduser() if args.out else output_in_cache(args.model, "scorers", ".pt")
     save_atomic(out, data)
     held = data["held_out"]
     layers = [i for i, on in enumerate(data["scored"].tolist()) if on]

@@ -248,13 +248,19 @@ def train(model: Any, tokenizer: Any, pipeline: ResolvedPipeline, windows: list[
 
 
 # ---------------------------------------------------------------------------------------------- CLI
-def default_output(spec: str, pipeline: str) -> Path:
-    """``<kvweave cache dir>/routers/<model>-<pipeline>.json`` (the cache dir holds ``models/`` too)."""
+def output_in_cache(spec: str, folder: str, suffix: str) -> Path:
+    """``<kvweave cache dir>/<folder>/<model><suffix>`` for the model ``spec`` names (the cache dir holds ``models/``
+    too): the default place of what ``train`` and ``train-scorer`` write."""
     from kvweave.tools.models import DEFAULT_MODEL, DEFAULT_MODEL_NAME, default_model_dir
 
     name = DEFAULT_MODEL_NAME if spec == DEFAULT_MODEL else re.sub(r"\.gguf$", "", Path(spec.rstrip("/")).name, flags=re.I)
     slug = re.sub(r"[^a-z0-9._-]+", "-", name.lower()).strip("-") or "model"
-    return default_model_dir().parent / "routers" / f"{slug}-{pipeline}.json"
+    return default_model_dir().parent / folder / f"{slug}{suffix}"
+
+
+def default_output(spec: str, pipeline: str) -> Path:
+    """``<kvweave cache dir>/routers/<model>-<pipeline>.json``."""
+    return output_in_cache(spec, "routers", f"-{pipeline}.json")
 
 
 def replace_atomically(path: Path, write: Any) -> None:

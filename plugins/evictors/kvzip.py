@@ -123,13 +123,7 @@ class KVzipEvictor(Evictor):
         if self._surrogate is not None:
             from kvweave.engine.surrogate import check_surrogate
 
-            check_surrogate(self._surrogate, shape.num_layers, shape.num_kv_heads, f"evictor 'kvzip' weights {self.weights}")
-            scored = self._surrogate["scored"].tolist()
-            sliding = shape.sliding_layers
-            wrong = [layer for layer, on in enumerate(scored) if on == (layer in sliding)]
-            if wrong:
-                raise ModelError(f"evictor 'kvzip' weights {self.weights}: layer(s) {wrong} are scored where the model keeps a "
-                                 "sliding window, or the other way round (fitted on another model?)")
+            check_surrogate(self._surrogate, shape, f"evictor 'kvzip' weights {self.weights}")
 
     def prepare_importance(self, scores: torch.Tensor) -> torch.Tensor:
         """The first ``sinks`` positions at ``+inf`` (kept whatever scored them: KVzip's scorer does so itself, random or
