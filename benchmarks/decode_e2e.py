@@ -339,7 +339,7 @@ def main() -> None:
     methods = args.methods.split(",")
     rows, ttfts = [], []
     if args.ttft:
-        for method in methods[:2]:
+        for method in dict.fromkeys(m.removesuffix(GRAPHS) for m in methods):  # each method's prompt once
             ttfts.append(ttft(method, model, args.ttft, device))
     for method in methods:
         for batch in [int(b) for b in args.batches.split(",") if b]:  # --batches "": the time to first token only

@@ -296,6 +296,18 @@ def test_a_surrogate_pipeline_is_scored_by_one_forward_in_the_prefill_profile(tm
     assert bad.returncode != 0 and "nope" in bad.stderr and not (tmp_path / "bad").exists()
 
 
+def test_decode_e2e_times_the_first_token_of_every_method_named(tmp_path):
+    """--ttft with --batches "": each method's prompt is timed once, however many are named (a NAME@graphs method
+    shares its pipeline's prefill), the full cache's ratio is 1 and the surrogate pipeline's is the compressed one's."""
+    write = [sys.executable, str(ROOT / "benchmarks" / "surrogate_registry.py"), "--out", str(tmp_path / "reg"), "--smoke",
+             "--layers", "2"]
+    assert subprocess.run(write, capture_output=True, text=True, timeout=300, cwd=ROOT).returncode == 0
+    rows = decode_e2e_smoke(tmp_path / "e2e", "--registry", str(tmp_path / "reg" / "registry.toml"), "--batches", "",
+                            "--methods", "full,prerope-qa35v3,prerope-qa35v3@graphs,kzd-k4v2-f48-d128-s", "--ttft", "128")
+    assert [r["method"] for r in rows] == ["full", "prerope-qa35v3", "kzd-k4v2-f48-d128-s"]
+    assert rows[0]["ratio"] == 1.0 and all(r["ratio"] > 1 and r["ttft_s"] > 0 for r in rows[1:])
+
+
 def test_kernel_suite_runs_every_storage_it_names_and_refuses_what_it_cannot_time(tmp_path):
     """benchmarks/kernel_suite.sh: DRY=1 lists the GPU tests and one timing per storage plus the keys-after-RoPE one,
     with the configurations asked for; an unknown storage and a machine without CUDA are refused before anything runs."""
