@@ -80,6 +80,9 @@ def check_surrogate(data: dict[str, Any], shape: ModelShape, where: str) -> None
                          "round (fitted on another model?)")
 
 
+CHUNK_ELEMENTS = 1 << 25  # 128 MiB of float32 hidden states multiplied at a time (a 32K-token prompt of width 4,096: 4 chunks)
+
+
 def surrogate_scores(model: Any, input_ids: torch.Tensor, data: dict[str, Any], *, sinks: int = 4,
                      keep: list | None = None, energy: Any = None) -> torch.Tensor:
     """Predicted log KVzip scores of ``input_ids`` [B, T]: float32 [L, B, H, T] on the model's device from one forward
@@ -101,7 +104,10 @@ def surrogate_scores(model: Any, input_ids: torch.Tensor, data: dict[str, Any], 
         if states.shape[-1] != hidden:
             raise ModelError(f"the surrogate was fitted on hidden states of {hidden}; layer {layer} reads {states.shape[-1]}")
         if scored[layer]:
-            scores[layer] = (states.float() @ weight[layer] + bias[layer]).transpose(1, 2)
+            step = max(1, CHUNK_ELEMENTS // max(1, batch * hidden))  # a float32 copy of at most CHUNK_ELEMENTS at once
+            for start in range(0, total, step):
+                part = states[:, start:start + step].float() @ weight[layer] + bias[layer]
+                scores[layer, :, :, start:start + step] = part.transpose(1, 2)
 
     cache = DynamicCache(config=model.config)
     with torch.inference_mode(), HiddenTap(model, take), EnergyTap(model, energy, heads):

@@ -134,7 +134,10 @@ def test_the_copying_layers_come_from_the_induction_scores_kept_with_the_map(mod
 
 
 # --------------------------------------------------------------------------------------------- the scores
-def test_scores_are_each_layers_attention_input_through_its_map(model):  # noqa: F811
+@pytest.mark.parametrize("chunk", [None, 7 * 2 * HIDDEN])  # the whole prompt at once; 7 tokens a product (50 = 7 x 7 + 1)
+def test_scores_are_each_layers_attention_input_through_its_map(model, chunk, monkeypatch):  # noqa: F811
+    if chunk:
+        monkeypatch.setattr(surrogate, "CHUNK_ELEMENTS", chunk)
     data = weights_dict(scored=(True, False, True))
     ids = context_ids(batch=2, length=50)
     inputs: dict = {}
