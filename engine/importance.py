@@ -262,11 +262,11 @@ def score_for(model: Any, cache: Any, input_ids: torch.Tensor, progress: bool = 
             "(feed its rows one at a time)")
     evictor = cache.pipeline.component("evictor")
     tokenizer = getattr(cache, "tokenizer", None)
-    ingesting = ingest and input_ids.shape[-1] >= 2 and ingest_refusal(cache) is None
+    surrogate = getattr(evictor, "surrogate", None)
+    ingesting = ingest and input_ids.shape[-1] >= 2 and ingest_refusal(cache, whole_windows=surrogate is not None) is None
     scored = input_ids[:, :-1] if ingesting else input_ids
     kept: list | None = [] if ingesting else None
     energy = cache.engine.energy if ingesting else None
-    surrogate = getattr(evictor, "surrogate", None)
     if surrogate is not None:  # one forward: its attention inputs mapped to predicted scores
         scores = surrogate_scores(model, scored, surrogate, sinks=getattr(evictor, "sinks", 4), keep=kept, energy=energy)
     else:

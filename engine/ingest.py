@@ -9,7 +9,8 @@ second forward would have recomputed them (on Llama-3-8B's shape at 32K tokens, 
 
 It applies where the cache needs nothing else from a forward: :func:`ingest_refusal` says why not otherwise (a router
 or probe recording the model's recent queries or attention, an evictor accumulating attention, token ids tapped for
-delimiters, sliding-window layers, a tensor-parallel share of the heads); the keys quantizer's query energy, where it
+delimiters, sliding-window layers where the scoring pass kept their window only, a tensor-parallel share of the
+heads); the keys quantizer's query energy, where it
 has one, is recorded during the scoring's context pass from the same queries the forward would have recorded.
 """
 
@@ -20,8 +21,10 @@ from typing import Any
 import torch
 
 
-def ingest_refusal(cache: Any) -> str | None:
-    """Why ``cache`` cannot take a scored context's keys and values without a forward (None: it can)."""
+def ingest_refusal(cache: Any, whole_windows: bool = False) -> str | None:
+    """Why ``cache`` cannot take a scored context's keys and values without a forward (None: it can). ``whole_windows``:
+    the scoring pass keeps every token of sliding-window layers too (the surrogate's plain forward does; KVzip's
+    repetitions run over the model's own windowed cache), so their layers can be fed as a forward would feed them."""
     engine = getattr(cache, "engine", None)
     if engine is None:
         return "not a kvweave cache"
@@ -33,7 +36,7 @@ def ingest_refusal(cache: Any) -> str | None:
         return "it reads the prompt's token ids during the forward"
     if engine.accumulates:
         return "its evictor accumulates the forward's attention"
-    if engine.sliding:
+    if engine.sliding and not whole_windows:
         return "the model has sliding-window layers, whose scoring cache keeps their window only"
     if getattr(cache, "shard", None) is not None:
         return "it holds a tensor-parallel share of the heads"
@@ -44,7 +47,7 @@ def ingest(cache: Any, layers: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
     """Feed ``layers`` (per layer, keys and values [B, H, T, D] as the model's forward made them, after RoPE) into the
     empty ``cache`` as its first forward: each layer's ``update`` and, where the cache waits for the model's attention
     to flush, the call that attention would have made."""
-    reason = ingest_refusal(cache)
+    reason = ingest_refusal(cache, whole_windows=True)  # a windowed layer shows as a shorter token count below
     if reason is not None:
         raise ValueError(f"pipeline '{cache.pipeline.name}' cannot take a context without a forward: {reason}")
     engine = cache.engine
@@ -52,7 +55,9 @@ def ingest(cache: Any, layers: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
         raise ValueError(f"ingest: {len(layers)} layers of keys and values for a cache of {engine.shape.num_layers} layers")
     tokens = {keys.shape[-2] for keys, _ in layers}
     if len(tokens) != 1:
-        raise ValueError(f"ingest: the layers hold different token counts {sorted(tokens)}")
+        raise ValueError(f"ingest: the layers hold different token counts {sorted(tokens)}" + (
+            " (a sliding-window layer's scoring cache kept its window only: ingest needs every token of every layer)"
+            if engine.sliding else ""))
     for index, (keys, values) in enumerate(layers):
         layer = cache.layers[index]
         if not layer.is_initialized:

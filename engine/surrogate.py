@@ -87,7 +87,8 @@ def surrogate_scores(model: Any, input_ids: torch.Tensor, data: dict[str, Any], 
                      keep: list | None = None, energy: Any = None) -> torch.Tensor:
     """Predicted log KVzip scores of ``input_ids`` [B, T]: float32 [L, B, H, T] on the model's device from one forward
     (``+inf`` for unscored layers and the first ``sinks`` positions). ``keep`` and ``energy`` as in
-    :func:`~kvweave.engine.importance.reconstruction_scores`."""
+    :func:`~kvweave.engine.importance.reconstruction_scores`; ``keep`` receives every token of every layer, those of
+    sliding-window layers too (they hold it only for this pass: ingesting keeps their windows)."""
     from transformers import DynamicCache
 
     if input_ids.dim() != 2 or input_ids.shape[-1] < 1:
@@ -109,7 +110,9 @@ def surrogate_scores(model: Any, input_ids: torch.Tensor, data: dict[str, Any], 
                 part = states[:, start:start + step].float() @ weight[layer] + bias[layer]
                 scores[layer, :, :, start:start + step] = part.transpose(1, 2)
 
-    cache = DynamicCache(config=model.config)
+    # kept for ingesting: every layer keeps every token (a sliding-window layer's too, as a cache's own forward feeds
+    # it them); else the model's own cache, windows and all
+    cache = DynamicCache() if keep is not None else DynamicCache(config=model.config)
     with torch.inference_mode(), HiddenTap(model, take), EnergyTap(model, energy, heads):
         model(input_ids=input_ids.to(device), use_cache=True, logits_to_keep=1, **cache_kwargs(model, cache))
     if keep is not None:

@@ -173,6 +173,74 @@ def test_a_surrogate_cache_reads_its_context_in_one_forward_and_keeps_the_cut_of
             assert kept[:SINKS] == list(range(SINKS)) and len(kept) < passed
 
 
+@pytest.mark.parametrize("sliding_tokens", [0, 24])  # the model's windows kept whole (39 tokens), or shortened
+def test_a_surrogate_cache_of_a_model_with_sliding_windows_ingests_what_a_forward_stores(tmp_path, sliding_tokens):
+    """Toy Gemma 3 (two sliding-window layers of 40 tokens before each full-attention one): the surrogate's scoring
+    pass keeps every layer's whole context, so the cache takes it without a second forward and holds what scoring
+    then a forward over the same tokens store (bytes, tokens, the question's logits). KVzip's repetitions run over the
+    model's windowed cache, so its pipeline still reads the context in a forward of its own."""
+    from conftest import GEMMA_TYPES, CharTokenizer, tiny_gemma
+    from kvweave.engine import cache_kwargs
+    from kvweave.engine.ingest import ingest, ingest_refusal
+
+    gemma = tiny_gemma()
+    scored = torch.tensor([kind == "full_attention" for kind in GEMMA_TYPES])
+    generator = torch.Generator().manual_seed(3)
+    torch.save({"format": surrogate.FORMAT, "weight": torch.randn(len(GEMMA_TYPES), 128, 2, generator=generator) * 0.1,
+                "bias": torch.zeros(len(GEMMA_TYPES), 2), "scored": scored, "hidden": 128}, tmp_path / "gemma.pt")
+    registry = load_registry(write_registry(tmp_path, "gemma-sg", f"""
+[pipelines.g-sg]
+extends = "full"
+compress = true
+recent_window = 16
+block_tokens = 16
+sliding_tokens = {sliding_tokens}
+
+[pipelines.g-sg.evictor]
+use = "kvzip"
+fraction = 0.5
+scorer = "surrogate"
+weights = "{tmp_path / 'gemma.pt'}"
+
+[pipelines.g-kz]
+extends = "g-sg"
+
+[pipelines.g-kz.evictor]
+scorer = "reconstruction"
+weights = ""
+"""))
+    ids = torch.randint(1, 128, (1, 150), generator=torch.Generator().manual_seed(8))
+    by_forward = build_cache(registry.resolve("g-sg"), gemma, tokenizer=CharTokenizer())
+    by_ingest = build_cache(registry.resolve("g-sg"), gemma, tokenizer=CharTokenizer())
+    assert "sliding-window" in ingest_refusal(by_ingest) and ingest_refusal(by_ingest, whole_windows=True) is None
+    with _fed_lengths(gemma) as fed, torch.no_grad():
+        importance.prefill(gemma, by_forward, ids[:, :-1])  # scored over the same 149 tokens, then a forward of them
+        gemma(input_ids=ids[:, -1:], **cache_kwargs(gemma, by_forward))
+        assert fed == [149, 149, 1]
+        fed.clear()
+        importance.prefill(gemma, by_ingest, ids, ingest=True)
+        assert fed == [149, 1]  # the context once, then the last token by the caller's forward
+    assert by_ingest.get_seq_length() == by_forward.get_seq_length() == 150
+    assert by_ingest.memory_bytes() == by_forward.memory_bytes()
+    windows = by_ingest.engine.windows
+    assert all(windows[layer].exact_tokens == (sliding_tokens or 39) for layer in by_ingest.engine.sliding)
+    full = [layer for layer, kind in enumerate(GEMMA_TYPES) if kind == "full_attention"]
+    assert all(windows[layer].compressed_tokens + windows[layer].exact_tokens < 150 for layer in full)  # evicted
+    question = torch.randint(1, 128, (1, 12), generator=torch.Generator().manual_seed(9))
+    with torch.no_grad():
+        a = gemma(input_ids=question, **cache_kwargs(gemma, by_forward)).logits
+        b = gemma(input_ids=question, **cache_kwargs(gemma, by_ingest)).logits
+    torch.testing.assert_close(a, b, atol=1e-4, rtol=0)
+    windowed = build_cache(registry.resolve("g-sg"), gemma, tokenizer=CharTokenizer())
+    short = torch.zeros(1, 2, 39, 64)
+    with pytest.raises(ValueError, match="different token counts .* sliding-window layer's scoring cache kept its window"):
+        ingest(windowed, [(short, short) if kind == "sliding_attention" else (torch.zeros(1, 2, 149, 64),) * 2 for kind in GEMMA_TYPES])
+    kvzip = build_cache(registry.resolve("g-kz"), gemma, tokenizer=CharTokenizer())
+    with _fed_lengths(gemma) as fed, torch.no_grad():
+        importance.prefill(gemma, kvzip, ids, ingest=True)
+    assert 150 in fed  # the prompt's own forward after KVzip's passes
+
+
 # ------------------------------------------------------------------------------------------------ refusals
 def test_bad_settings_and_files_are_refused_naming_what(tmp_path, weights_file):
     with pytest.raises(ValueError, match="needs 'weights'"):
