@@ -30,7 +30,8 @@ GRIDS = [  # (title, folder of the full cache, length, [(label, folder, pipeline
     ("SmolLM2-135M, 5,000 tokens, 30 cases", "smollm-needle-5000", 5000,
      [("KVzip (H200 cells)", H200, "kz-qa3-vl25-f48-cp"), ("surrogate", "smollm-needle-5000", SURROGATE)]),
     ("Gemma-3-270m, 2,000 tokens, 30 cases", "gemma-needle", 2000,
-     [("KVzip", "gemma-needle", "g-kz-qa35v3-f50-st192"), ("surrogate", "gemma-needle", "g-kzs-qa35v3-f50-st192")]),
+     [("KVzip", "gemma-needle", "g-kz-qa35v3-f50-st192"), ("surrogate", "gemma-needle", "g-kzs-qa35v3-f50-st192"),
+      ("surrogate, context read once", "gemma-needle-once", "g-kzs-qa35v3-f50-st192")]),
 ]
 
 
@@ -61,10 +62,12 @@ def main() -> None:
             by_depth = ", ".join(f"{d}: {sum(run[k]['hit'] for k in found if k[0] == d)}/{sum(1 for k in found if k[0] == d)}" for d in depths)
             print(f"| {label} | {hits}/{len(found)} ({100 * hits / max(1, len(found)):.1f}%) [{100 * low:.0f}-{100 * high:.0f}%] "
                   f"| {ratio:.2f}x | {seconds:.1f} | {by_depth} |")
-        (a, first), (b, second) = runs.items()
-        differ = [k for k in full if first[k]["hit"] != second[k]["hit"]]
-        print(f"answered differently: {len(differ)} cases, {sum(first[k]['hit'] for k in differ)} found by {a} alone, "
-              f"{sum(second[k]['hit'] for k in differ)} by {b} alone")
+        labels = list(runs)
+        for a, b in zip(labels, labels[1:]):  # each pipeline against the one before it
+            first, second = runs[a], runs[b]
+            differ = [k for k in full if first[k]["hit"] != second[k]["hit"]]
+            print(f"answered differently: {len(differ)} cases, {sum(first[k]['hit'] for k in differ)} found by {a} alone, "
+                  f"{sum(second[k]['hit'] for k in differ)} by {b} alone")
     cpu, h200 = cells("smollm-needle", "kvzip-qa3-vl25-smollm2", 2000), cells(H200, "kz-qa3-vl25-f48-cp", 2000)
     print(f"\nKVzip on this CPU and on the H200, the same 2,000-token cases: the same answer on "
           f"{sum(cpu[k]['hit'] == h200[k]['hit'] for k in cpu)} of {len(cpu)}; found {sum(c['hit'] for c in cpu.values())} "
