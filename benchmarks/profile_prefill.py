@@ -10,7 +10,7 @@ stage, calls, total seconds, share of the time to first token. The rest is the m
 (projections, MLPs, prefill attention) and whatever the stages do not cover. Also runs the full cache
 (DynamicCache) for the same prompt as the baseline. A pipeline whose evictor scores the context first (``kvzip``)
 is scored as ``kvweave generate`` scores it, before the prompt's forward, and the scoring is timed as its own stages
-(``importance.reconstruction_scores``: the repetition forwards; ``importance.copying_layers``: the induction probe; ``importance.surrogate_scores``: a surrogate scorer's one forward).
+(``importance.reconstruction_scores``: the repetition forwards; ``importance.copying_layers``: the induction probe; ``importance.surrogate_scores``: a surrogate scorer's one forward; ``importance.ingest_context``: the scoring pass's keys and values stored through the cache's flushes, after it and outside any forward).
 ``--ops N``: one more run under the torch profiler, then each stage's own device time (its operations' kernels,
 not its nested stages') and the N torch operations that took the most, each charged to the innermost stage it ran
 in (``forward`` outside every stage): where inside a stage its time goes. ``--smoke``: a tiny model of the same head shape on the CPU (checks the script).
@@ -83,7 +83,7 @@ def patch_module() -> None:
         for module in (engine_module, encoder_module):  # wherever the engine's steps call them from
             if hasattr(module, name):
                 setattr(module, name, timed(f"residuals.{name}", getattr(module, name)))
-    for name in ("reconstruction_scores", "surrogate_scores", "copying_layers"):  # context scoring (kvzip), called by score_for
+    for name in ("reconstruction_scores", "surrogate_scores", "copying_layers", "ingest_context"):  # context scoring (kvzip) and its storing, called by score_for
         setattr(importance_module, name, timed(f"importance.{name}", getattr(importance_module, name)))
 
 

@@ -290,6 +290,7 @@ def test_a_surrogate_pipeline_is_scored_by_one_forward_in_the_prefill_profile(tm
     assert done.returncode == 0, done.stderr[-2000:]
     stages = {line.split(" | ")[0].strip("| ") for line in done.stdout.splitlines() if line.startswith("| ")}
     assert "importance.surrogate_scores" in stages and "importance.reconstruction_scores" not in stages
+    assert "importance.ingest_context" in stages  # the context stored from the scoring pass, timed as a whole
     assert "engine._flush" in stages
     bad = subprocess.run([*write[:3], str(tmp_path / "bad"), "--smoke", "--pipelines", "nope"], capture_output=True,
                          text=True, timeout=300, cwd=ROOT)
