@@ -24,7 +24,7 @@ from kvweave.engine import importance
 from kvweave.plugins.evictors.kvzip import KVzipEvictor
 
 from test_kvzip import SINKS, TOK, context_ids
-from test_kvzip import model  # noqa: F401 - the sharpened tiny model fixture
+from test_kvzip import model, registry  # noqa: F401 - the sharpened tiny model fixture, the t-kz pipelines
 
 
 # ------------------------------------------------------------------------------ reconstruction scores
@@ -158,6 +158,44 @@ def test_model_share_keeps_the_fraction_overall_and_more_in_layers_read_more():
     per_layer = counts[:, 0].tolist()
     assert per_layer == sorted(per_layer) and per_layer[0] < per_layer[-1]
     assert bool((scores[..., :SINKS] >= cuts[..., None]).all())
+
+
+def test_cuts_are_each_heads_kth_largest_score_with_k_its_layers_kept_count():
+    """The cuts of every layer, row and head at once equal a top-k of each head's scored tokens, k being its layer's
+    kept count (+inf where it keeps none, -inf where nothing is scored), taken one head at a time."""
+    torch.manual_seed(3)
+    scores = torch.rand(5, 2, 3, 40)
+    scores[..., :SINKS] = float("inf")
+    scores[2] = float("inf")  # nothing scored
+    scores[3, 1, :, SINKS:] = torch.linspace(0, 1, 36)  # ties across heads
+    for share, fraction, window in (("model", 0.3, 0), ("layer", 0.5, 8), ("model", 0.01, 30)):
+        evictor = KVzipEvictor(fraction=fraction, share=share)
+        finite, counts, kept = evictor._scored(scores, window)
+        ranked = scores.masked_fill(~finite, -math.inf)
+        expect = torch.full(scores.shape[:3], -math.inf)
+        for layer in range(5):
+            for row in range(2):
+                n, k = int(counts[layer, row]), int(kept[layer, row])
+                if n:
+                    expect[layer, row] = ranked[layer, row].topk(k, dim=-1).values[:, -1] if k else math.inf
+        assert torch.equal(evictor.cuts(scores, window), expect)
+        assert torch.equal(evictor.cuts(scores, window, [4, 0]), expect[[4, 0]])
+
+
+def test_a_forward_ranks_the_models_scores_once_for_all_its_layers(model, registry, monkeypatch):  # noqa: F811
+    """Each layer's flush takes its cut from one ranking of the whole model's scores (the threshold is the model's),
+    made at the first flush: not one ranking a layer."""
+    from kvweave.engine.pipeline import build_cache
+
+    ranked: list[int] = []
+    original = KVzipEvictor._scored
+    monkeypatch.setattr(KVzipEvictor, "_scored", lambda self, *a, **k: ranked.append(1) or original(self, *a, **k))
+    cache = build_cache(registry.resolve("t-kz"), model, tokenizer=TOK)
+    with torch.no_grad():
+        importance.prefill(model, cache, context_ids(length=120, seed=9))
+    layers = len(cache.engine.windows)
+    assert layers > 1 and len(ranked) == 1
+    assert all(0 < w.compressed_tokens < w.passed_tokens for w in cache.engine.windows)  # every layer evicted
 
 
 def test_a_layer_with_only_infinite_scores_keeps_everything():

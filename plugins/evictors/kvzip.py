@@ -48,6 +48,10 @@ from kvweave.core.lazy import torch
 from kvweave.core.params import choice, int_tuple, integer
 
 
+#: each scores tensor's cuts for every layer, by (evictor, window): made at the first layer's flush, gone with the scores
+_CUTS: dict | None = None
+
+
 def _layer_list(_instance, attribute, value) -> None:
     if not isinstance(value, tuple) or not all(isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in value):
         raise ValueError(f"'{attribute.name}' must be a list of layer indices (integers >= 0), got {value!r}")
@@ -151,12 +155,26 @@ class KVzipEvictor(Evictor):
         if block.context_importance is None or bool(keep.all()):
             return torch.ones_like(keep)
         layers = list(block.layers)
+        cuts = self._every_cut(block.context_importance, block.window_tokens)[layers].to(block.importance.device)
         if self.spread == "segments":  # the cut of each token's segment of positions
-            cuts = self.segment_cuts(block.context_importance, block.window_tokens, layers).to(block.importance.device)
             at = block.positions.clamp(0, cuts.shape[-1] - 1).long()
             return block.importance >= cuts.gather(-1, at)
-        cuts = self.cuts(block.context_importance, block.window_tokens, layers).to(block.importance.device)  # [G, B, H]
-        return block.importance >= cuts[..., None]
+        return block.importance >= cuts[..., None]  # cuts [G, B, H]
+
+    def _every_cut(self, scores: torch.Tensor, window: int) -> torch.Tensor:
+        """Every layer's cuts (:meth:`cuts`, or :meth:`segment_cuts`) over ``scores``, made once for the forward those
+        scores serve: each layer's flush takes its own from them, where ranking the whole model's scores again for
+        each layer cost a threshold a layer (on Llama-3-8B's shape at 32K tokens, 8.4M scores each time)."""
+        global _CUTS
+        if _CUTS is None:  # by the tensor's identity (torch imported lazily)
+            from torch.utils.weak import WeakTensorKeyDictionary
+
+            _CUTS = WeakTensorKeyDictionary()
+        memo = _CUTS.setdefault(scores, {})
+        key = (self, window)
+        if key not in memo:
+            memo[key] = self.segment_cuts(scores, window) if self.spread == "segments" else self.cuts(scores, window)
+        return memo[key]
 
     def _scored(self, scores: torch.Tensor, window: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Which scores count (finite, not in the exact window after the scored forward) [L, B, H, T], how many
@@ -192,16 +210,11 @@ class KVzipEvictor(Evictor):
         those layers' cuts (the threshold still comes from every layer's scores)."""
         finite, counts, kept = self._select(self._scored(scores, window), layers)
         scores = scores if layers is None else scores[layers]
-        count, batch, heads, _ = scores.shape
-        cuts = torch.full((count, batch, heads), -math.inf, device=scores.device)
-        ranked = scores.masked_fill(~finite, -math.inf)
-        for layer in range(count):
-            for row in range(batch):
-                n, k = int(counts[layer, row]), int(kept[layer, row])
-                if n == 0:
-                    continue  # nothing scored: every token kept
-                cuts[layer, row] = ranked[layer, row].topk(k, dim=-1).values[:, -1] if k else math.inf
-        return cuts
+        ranked = scores.masked_fill(~finite, -math.inf).sort(dim=-1, descending=True).values  # [L, B, H, T]
+        at = (kept - 1).clamp(min=0).to(scores.device)[:, :, None, None].expand(*ranked.shape[:-1], 1)
+        cuts = ranked.gather(-1, at)[..., 0]  # each head's k-th largest scored token, k = its layer's kept count
+        cuts = torch.where((kept == 0).to(scores.device)[:, :, None], math.inf, cuts)  # scored, none kept
+        return torch.where((counts == 0).to(scores.device)[:, :, None], -math.inf, cuts)  # nothing scored: every token kept
 
     def segment_cuts(self, scores: torch.Tensor, window: int = 0, layers: list[int] | None = None) -> torch.Tensor:
         """``spread = "segments"``: each token's cut [L, B, H, T], the cut of its ``segment`` of positions, where
