@@ -18,6 +18,6 @@ step 180 ttft.txt python benchmarks/decode_e2e.py $S --registry $REG/registry.to
 cat /tmp/kvweave-ttft/decode_e2e.md >> "$OUT/ttft.txt" 2>/dev/null
 step 80 prefill-s.txt python benchmarks/profile_prefill.py $S --registry $REG/registry.toml --pipeline kzd-k4v2-f48-d128-s --tokens $T --ops 30
 step 80 prefill-dw.txt python benchmarks/profile_prefill.py $S --tokens $T --ops 40
-step 150 e2e-graphs.txt python benchmarks/decode_e2e.py $S --methods depthweave-kv@graphs --batches 1,8 --steps 72 --out /tmp/kvweave-e2e
+step 120 e2e-graphs.txt python benchmarks/decode_e2e.py $S --methods depthweave-kv@graphs --batches 1,8 --steps 72 --out /tmp/kvweave-e2e
 cat /tmp/kvweave-e2e/decode_e2e.md >> "$OUT/e2e-graphs.txt" 2>/dev/null
-step 80 flush-profile.txt python benchmarks/profile_decode.py $S --method depthweave-kv --batch 1 --steps 33 --warmup 3 --top 25
+step 60 flush-profile.txt python benchmarks/profile_decode.py $S --method depthweave-kv --batch 1 --steps 33 --warmup 3 --top 25
