@@ -176,7 +176,8 @@ class Eviction:
         if tokens <= 1 or keep.numel() == 0:
             return keep
         counts = keep.sum(-1, keepdim=True)
-        target = min(keep.shape[-1], -(-int(counts.max()) // tokens) * tokens)
+        # the largest count rounded up to whole token groups, at most the block: on the device (no host read)
+        target = ((counts.max() + tokens - 1) // tokens * tokens).clamp(max=keep.shape[-1])
         if route.importance is not None:
             priority = route.importance.double().clamp(-1e300, 1e300)
         else:

@@ -151,9 +151,9 @@ class KVzipEvictor(Evictor):
                 f"evictor '{self.name()}' chooses tokens by context importance, and this cache was filled without it: feed the "
                 "context with kvweave.engine.importance.prefill(model, cache, input_ids) (kvweave generate and kvweave eval do)"
             )
-        keep = torch.isinf(block.importance)
-        if block.context_importance is None or bool(keep.all()):
-            return torch.ones_like(keep)
+        if block.context_importance is None:
+            return torch.ones_like(block.importance, dtype=torch.bool)
+        # no host read here: a block scored +inf throughout (sinks, a copying layer) passes any cut, +inf included
         layers = list(block.layers)
         cuts = self._every_cut(block.context_importance, block.window_tokens)[layers].to(block.importance.device)
         if self.spread == "segments":  # the cut of each token's segment of positions
