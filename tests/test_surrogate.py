@@ -57,6 +57,14 @@ fraction = 0.5
 scorer = "surrogate"
 weights = "{weights_file}"
 
+[pipelines.t-sg-cg]
+extends = "t-sg"
+
+[pipelines.t-sg-cg.keys.quantizer]
+use = "channel-group"
+bits = 4
+group = 16
+
 [pipelines.t-sg-copying]
 extends = "t-sg"
 
@@ -239,6 +247,30 @@ weights = ""
     with _fed_lengths(gemma) as fed, torch.no_grad():
         importance.prefill(gemma, kvzip, ids, ingest=True)
     assert 150 in fed  # the prompt's own forward after KVzip's passes
+
+
+def test_storing_a_scored_context_reads_the_host_once_a_layer(model, registry, monkeypatch):  # noqa: F811
+    """With checks deferred as on a GPU, the flushes of an ingested context read the device twice a layer (how many
+    slots its kept tokens take; whether the slot index's bits hold its positions) and once for the deferred checks:
+    the cuts, the top-up to whole token groups and a block scored +inf throughout read nothing."""
+    from test_graphs_warm import _HostReads
+
+    cache = build_cache(registry.resolve("t-sg-cg"), model, tokenizer=TOK)  # keys in groups of 16 tokens: topped up
+    cache.engine.defer_checks = True
+    spy = _HostReads(twins=())
+    original = importance.ingest_context
+
+    def counted(*args):
+        with spy:
+            return original(*args)
+
+    monkeypatch.setattr(importance, "ingest_context", counted)
+    with torch.no_grad():
+        importance.prefill(model, cache, context_ids(length=200), ingest=True)
+    assert all(w.compressed_tokens < w.passed_tokens and w.compressed_tokens % 16 == 0 for w in cache.engine.windows)
+    reads = {site: n for site, n in spy.sites.items() if site[0] not in ("all", "any")}  # a tensor, unless bool() reads it
+    assert sum(reads.values()) <= 2 * LAYERS + 1, reads
+    assert not any(site in ("keep", "_whole_groups", "cuts", "_every_cut") for _, site in reads), reads
 
 
 # ------------------------------------------------------------------------------------------------ refusals
