@@ -249,7 +249,7 @@ weights = ""
     assert 150 in fed  # the prompt's own forward after KVzip's passes
 
 
-def test_storing_a_scored_context_reads_the_host_once_a_layer(model, registry, monkeypatch):  # noqa: F811
+def test_storing_a_scored_context_reads_the_host_twice_a_layer(model, registry, monkeypatch):  # noqa: F811
     """With checks deferred as on a GPU, the flushes of an ingested context read the device twice a layer (how many
     slots its kept tokens take; whether the slot index's bits hold its positions) and once for the deferred checks:
     the cuts, the top-up to whole token groups and a block scored +inf throughout read nothing."""
