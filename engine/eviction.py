@@ -244,7 +244,8 @@ class Eviction:
         (and between layers when they do not share rows), so the router sees one part per KV head (per layer
         and head when the layers kept different tokens), with its delimiter flags gathered to the part's
         tokens; the byte budget is split evenly between the parts."""
-        same = all(torch.equal(kept_index[g], kept_index[0]) for g in range(kept_index.shape[0]))
+        # one layer (a single-layer group) is the same as itself: no host read
+        same = kept_index.shape[0] == 1 or all(torch.equal(kept_index[g], kept_index[0]) for g in range(1, kept_index.shape[0]))
         heads = kept_index.shape[2]
         parts = [(slice(None), h) for h in range(heads)] if same else [
             (slice(g, g + 1), h) for g in range(kept_index.shape[0]) for h in range(heads)

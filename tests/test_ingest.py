@@ -75,6 +75,31 @@ def test_generate_ingests_and_gives_the_tokens_of_a_forward(model, registry):  #
     assert stats.prompt_tokens == 200 and stats.cached_tokens == 205
 
 
+def test_storing_a_context_with_its_sinks_restored_compares_no_layers_kept_tokens(model, registry, monkeypatch):  # noqa: F811
+    """kvzip-qa35v3 (the sinks router's residuals; single-layer groups), checks deferred as on a GPU: the router's parts
+    are split by KV head without comparing a group's layers' kept tokens, which a one-layer group cannot differ in
+    (each comparison was a host read a layer and kind)."""
+    from test_graphs_warm import _HostReads
+
+    cache = build_cache(_pipeline(registry, "kvzip-qa35v3"), model, tokenizer=CharTokenizer())
+    cache.engine.defer_checks = True
+    spy = _HostReads(twins=())
+    original = importance.ingest_context
+
+    def counted(*args):
+        with spy:
+            return original(*args)
+
+    monkeypatch.setattr(importance, "ingest_context", counted)
+    ids = torch.randint(1, 128, (1, 230), generator=torch.Generator().manual_seed(4))
+    with torch.no_grad():
+        importance.prefill(model, cache, ids, ingest=True)
+    assert cache.engine.windows[0].residuals["keys"], "the sinks' residual entries were stored"
+    layers = cache.shape.num_layers
+    assert spy.sites[("__int__", "_kept_index")] == layers  # the kept count: a read a layer
+    assert not any(name == "equal" and site != "_store" for name, site in spy.sites), spy.sites
+
+
 @pytest.mark.parametrize("name, why", [("snapkv", "recent queries"), ("h2o", "accumulates")])
 def test_caches_that_need_a_forward_are_refused_by_name(model, name, why):  # noqa: F811
     cache = build_cache(load_pipeline(name), model, tokenizer=CharTokenizer())
