@@ -108,3 +108,21 @@ def exact_cache(model: Any, ids: torch.Tensor) -> Any:
     cache = DynamicCache(config=model.config)
     prefill(model, cache, ids)
     return cache
+
+
+def spy_ingest(monkeypatch, cache: KVWeaveCache):
+    """The host reads (``test_graphs_warm._HostReads``, by site) of storing a scored context in ``cache``
+    (:func:`kvweave.engine.importance.ingest_context`), its checks deferred as on a GPU."""
+    from kvweave.engine import importance
+    from test_graphs_warm import _HostReads
+
+    cache.engine.defer_checks = True
+    spy = _HostReads(twins=())
+    original = importance.ingest_context
+
+    def counted(*args):
+        with spy:
+            return original(*args)
+
+    monkeypatch.setattr(importance, "ingest_context", counted)
+    return spy

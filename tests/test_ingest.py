@@ -79,18 +79,10 @@ def test_storing_a_context_with_its_sinks_restored_compares_no_layers_kept_token
     """kvzip-qa35v3 (the sinks router's residuals; single-layer groups), checks deferred as on a GPU: the router's parts
     are split by KV head without comparing a group's layers' kept tokens, which a one-layer group cannot differ in
     (each comparison was a host read a layer and kind)."""
-    from test_graphs_warm import _HostReads
+    from helpers import spy_ingest
 
     cache = build_cache(_pipeline(registry, "kvzip-qa35v3"), model, tokenizer=CharTokenizer())
-    cache.engine.defer_checks = True
-    spy = _HostReads(twins=())
-    original = importance.ingest_context
-
-    def counted(*args):
-        with spy:
-            return original(*args)
-
-    monkeypatch.setattr(importance, "ingest_context", counted)
+    spy = spy_ingest(monkeypatch, cache)
     ids = torch.randint(1, 128, (1, 230), generator=torch.Generator().manual_seed(4))
     with torch.no_grad():
         importance.prefill(model, cache, ids, ingest=True)

@@ -253,18 +253,10 @@ def test_storing_a_scored_context_reads_the_host_twice_a_layer(model, registry, 
     """With checks deferred as on a GPU, the flushes of an ingested context read the device twice a layer (how many
     slots its kept tokens take; whether the slot index's bits hold its positions) and once for the deferred checks:
     the cuts, the top-up to whole token groups and a block scored +inf throughout read nothing."""
-    from test_graphs_warm import _HostReads
+    from helpers import spy_ingest
 
     cache = build_cache(registry.resolve("t-sg-cg"), model, tokenizer=TOK)  # keys in groups of 16 tokens: topped up
-    cache.engine.defer_checks = True
-    spy = _HostReads(twins=())
-    original = importance.ingest_context
-
-    def counted(*args):
-        with spy:
-            return original(*args)
-
-    monkeypatch.setattr(importance, "ingest_context", counted)
+    spy = spy_ingest(monkeypatch, cache)
     with torch.no_grad():
         importance.prefill(model, cache, context_ids(length=200), ingest=True)
     assert all(w.compressed_tokens < w.passed_tokens and w.compressed_tokens % 16 == 0 for w in cache.engine.windows)
