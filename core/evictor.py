@@ -81,6 +81,13 @@ class Evictor(Component):
         entries must stay ``+inf``); the default takes them as they are."""
         return scores
 
+    def kept_leading(self) -> int:
+        """How many positions at the start of every sequence :meth:`keep` always keeps (0, the default: none
+        promised). The engine then knows, without reading the host, that an evicting flush's first slots hold those
+        positions in order, so a router's ranks fixed by position (``Router.fixed_ranks``) apply to them; a flush whose
+        ``keep`` breaks the promise is refused."""
+        return 0
+
     def check_window(self, recent_window: int, block_tokens: int, where: str) -> None:
         """Raise :class:`BudgetError` if the evictor's token budget cannot hold the pipeline's exact window."""
 

@@ -123,10 +123,11 @@ class BlockEncoder:
 
     def routed_head(self, kind: str, group_index: int, tokens: int, quantizer) -> int:
         """How many leading tokens of a ``tokens``-token block to reconstruct and route: every one where the
-        probe measures the block, where the kernel indexes residual tiles or where the block's tokens are not in
-        position order (an evicting flush); otherwise none without residual levels, else those the router may route
-        (:meth:`Router.routed_tokens`) rounded up to the quantizer's token groups, unless a residual basis is still
-        to be fitted from the whole block."""
+        probe measures the block, where the kernel indexes residual tiles or where the tokens the router may route are
+        not known to be in position order (an evicting flush's, past the first positions its evictor always keeps);
+        otherwise none without residual levels, else those the router may route (:meth:`Router.routed_tokens`)
+        rounded up to the quantizer's token groups, unless a residual basis is still to be fitted from the whole
+        block."""
         engine = self.engine
         if engine.probe.wants(engine.stores[group_index][kind].flushes):
             return tokens
@@ -137,34 +138,40 @@ class BlockEncoder:
         limit = engine.router.routed_tokens(kind, engine.windows[engine.groups[group_index][0]].passed_tokens)
         if limit == 0:
             return 0
-        if limit is None or limit >= tokens or not self._by_position(kind, group_index):
+        if limit is None or limit >= tokens or limit > self._by_position(kind, group_index, tokens):
             return tokens
         group = quantizer.tokens_per_group()
         return min(tokens, -(-limit // group) * group)
 
-    def _by_position(self, kind: str, group_index: int) -> bool:
-        """Whether a router's answer by positions holds for the block: its tokens are in position order (not an
-        evicting flush's kept tokens) and no residual basis waits to be fitted from the whole block."""
+    def _by_position(self, kind: str, group_index: int, tokens: int) -> int:
+        """How many leading tokens of a ``tokens``-token block a router's answer by positions holds for: all of them
+        where the block is in position order, the slots an evicting flush knows hold its first positions
+        (``placed``: the evictor's ``kept_leading``) where it drops tokens, none while a residual basis waits to be
+        fitted from the whole block."""
         engine = self.engine
-        if (engine._flush_info or {}).get("kept_index") is not None:
-            return False
-        return engine.settings.residual_mode != "basis" or all(
-            engine.windows[layer].residual_basis[kind] is not None for layer in engine.groups[group_index])
+        if engine.settings.residual_mode == "basis" and any(
+                engine.windows[layer].residual_basis[kind] is None for layer in engine.groups[group_index]):
+            return 0
+        info = engine._flush_info or {}
+        return tokens if info.get("kept_index") is None else int(info.get("placed", 0))
 
     def fixed_ranks(self, kind: str, group_index: int, tokens: int,
                     mixing: torch.Tensor | None) -> tuple[tuple[int, int, int], ...] | None:
         """The block's first ``tokens`` tokens' ranks where the router gives them without the block
         (:meth:`Router.fixed_ranks`: runs of positions, the same in every row and head, so the residual entries are
-        found without reading ranks on the host); None where it must read the block, the tokens are not in position
-        order (an evicting flush), rows are mixed across layers, or a residual basis is still to be fitted from the
-        block."""
+        found without reading ranks on the host); None where it must read the block, a run reaches tokens not in position
+        order (an evicting flush's kept tokens past the first positions its evictor always keeps), rows are mixed across
+        layers, or a residual basis is still to be fitted from the block."""
         engine = self.engine
-        if mixing is not None or not self._by_position(kind, group_index):
+        placed = 0 if mixing is not None else self._by_position(kind, group_index, tokens)
+        if placed == 0:
             return None
         runs = engine.router.fixed_ranks(kind, engine.windows[engine.groups[group_index][0]].passed_tokens, tokens)
         if runs is None:
             return None
         runs = tuple((int(start), int(stop), int(rank)) for start, stop, rank in runs)
+        if placed < tokens and any(stop > placed for _, stop, _ in runs):
+            return None  # a run past the slots known to hold their positions: the router reads the kept tokens
         ends = [0] + [bound for start, stop, _ in runs for bound in (start, stop)] + [tokens]
         if any(rank not in engine.levels or rank == 0 for _, _, rank in runs) or any(
                 later < earlier for earlier, later in zip(ends, ends[1:])) or any(start == stop for start, stop, _ in runs):

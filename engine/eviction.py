@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import torch
 
+from kvweave.core.deferred import check
 from kvweave.core.errors import CacheStateError, ComponentError
 from typing import TYPE_CHECKING
 
@@ -146,12 +147,14 @@ class Eviction:
         if route.shared_tokens:  # one coefficient row per token for the whole group
             keep = keep.any(0, keepdim=True).expand_as(keep)
         keep = self._whole_groups(group_index, keep, route)
+        placed = self._placed_leading(group_index, passed, keep)
         index, kept = self._kept_index(keep)
         slots = index.shape[-1]
         if slots:
             gathered = {kind: self._gather_tokens(blocks[kind], index) for kind in KINDS}
             kept_stats = None if stats is None else tuple(s.gather(-1, index) for s in stats)
-            self.engine._flush_info = {"count": count, "dropped": count - slots, "kept_index": index, "blocks": gathered}
+            self.engine._flush_info = {"count": count, "dropped": count - slots, "kept_index": index, "blocks": gathered,
+                                       "placed": min(placed, slots)}
             try:
                 for kind in KINDS:
                     self.engine.encoder.encode(kind, group_index, gathered[kind], kept_stats, logical.gather(-1, index))  # type: ignore[arg-type]
@@ -166,6 +169,25 @@ class Eviction:
                 picked = block_scores.gather(-1, index[member]) * kept[member]
                 window.scores = torch.cat((stored_scores, picked, rest), dim=-1)
             window.compressed_tokens += slots
+
+    def _placed_leading(self, group_index: int, passed: int, keep: torch.Tensor) -> int:
+        """How many of an evicting flush's first slots hold the block's first positions in order in every layer, row
+        and head, known without a host read: the positions the evictor always keeps (``Evictor.kept_leading``) within
+        this block, where no row is padded (a padded row's first positions are not its sequence's). The promise is
+        checked with the flush's other checks (deferred on a GPU): ``keep`` [G, B, H, n] must hold them."""
+        lead = min(max(0, int(self.evictor.kept_leading()) - passed), keep.shape[-1])
+        if lead == 0 or self.engine.padding is not None:
+            return 0
+        members = self.engine.groups[group_index]
+
+        def fail() -> None:
+            raise ComponentError(
+                f"pipeline '{self.engine.pipeline.name}', slot 'evictor' ('{self.engine.pipeline.use('evictor')}'): it promises "
+                f"to keep the first {self.evictor.kept_leading()} positions of every sequence (kept_leading), and its keep() "
+                f"dropped one of positions {passed}..{passed + lead - 1} in layers {list(members)}")
+
+        check(~keep[..., :lead].all(), fail)
+        return lead
 
     def _whole_groups(self, group_index: int, keep: torch.Tensor, route: EvictionBlock) -> torch.Tensor:
         """``keep`` [G, B, H, n] topped up so that every layer, row and head keeps the same multiple of the

@@ -177,3 +177,60 @@ def test_generate_reports_the_scorings_share_of_the_prefill(model, registry):  #
     assert 0 < kvzip.scoring_seconds <= kvzip.prefill_seconds
     assert plain.scoring_seconds < 0.05 * max(plain.prefill_seconds, 1e-3) + 1e-3
     assert kvzip.to_dict()["scoring_seconds"] == kvzip.scoring_seconds
+
+
+def _stored(cache) -> list[torch.Tensor]:
+    """Every layer's stored tokens decoded (coefficients and residuals) and its slots' cache indices."""
+    engine = cache.engine
+    out = []
+    for layer in range(engine.shape.num_layers):
+        out += [engine.materialize(layer, kind) for kind in ("keys", "values")]
+        out.append(engine.windows[layer].positions)
+    return out
+
+
+def test_the_sinks_an_evictor_always_keeps_get_their_ranks_without_the_router(model, registry, monkeypatch):  # noqa: F811
+    """kvzip keeps its first ``sinks`` positions whatever their score (``kept_leading``), so an evicting flush's first
+    slots hold them and the sinks router's ranks are known by position: the residual entries are found without calling
+    the router on the kept tokens or reading the ranks to the host, and the cache stores exactly what it stores when
+    the router reads them."""
+    from kvweave.engine.encoder import BlockEncoder
+    from kvweave.plugins.evictors.kvzip import KVzipEvictor
+    from helpers import spy_ingest
+
+    ids = torch.randint(1, 128, (1, 230), generator=torch.Generator().manual_seed(4))
+    fixed = build_cache(_pipeline(registry, "t-lowbit-sinks-kvzip"), model, tokenizer=CharTokenizer())
+    spy = spy_ingest(monkeypatch, fixed)
+    counted = {"rank_counts": 0}
+    rank_counts = BlockEncoder.rank_counts
+
+    def counting(self, *args):
+        counted["rank_counts"] += 1
+        return rank_counts(self, *args)
+
+    monkeypatch.setattr(BlockEncoder, "rank_counts", counting)
+    with torch.no_grad():
+        importance.prefill(model, fixed, ids, ingest=True)
+    assert counted["rank_counts"] == 0 and not any(site == "rank_counts" for _, site in spy.sites), spy.sites
+    assert all(fixed.engine.windows[layer].residuals["keys"][64] for layer in range(fixed.shape.num_layers))
+    monkeypatch.setattr(KVzipEvictor, "kept_leading", lambda self: 0)  # no promise: the router reads the kept tokens
+    routed = build_cache(_pipeline(registry, "t-lowbit-sinks-kvzip"), model, tokenizer=CharTokenizer())
+    with torch.no_grad():
+        importance.prefill(model, routed, ids, ingest=True)
+    assert counted["rank_counts"] > 0
+    assert fixed.memory_breakdown() == routed.memory_breakdown()
+    for a, b in zip(_stored(fixed), _stored(routed)):
+        assert torch.equal(a, b)
+
+
+def test_an_evictor_that_drops_a_position_it_promised_to_keep_is_refused(model, registry):  # noqa: F811
+    from kvweave.core.errors import ComponentError
+
+    cache = build_cache(_pipeline(registry, "t-lowbit-sinks-kvzip"), model, tokenizer=CharTokenizer())
+    heads = cache.shape.num_kv_heads
+    keep = torch.ones(1, 1, heads, 32, dtype=torch.bool)
+    assert cache.engine.eviction._placed_leading(0, 0, keep) == 4
+    assert cache.engine.eviction._placed_leading(0, 2, keep) == 2  # a block from position 2: two of the four left
+    keep[0, 0, heads - 1, 1] = False
+    with pytest.raises(ComponentError, match=r"promises to keep the first 4 positions .* dropped one of positions 0..3 in layers \[0\]"):
+        cache.engine.eviction._placed_leading(0, 0, keep)

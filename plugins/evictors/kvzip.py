@@ -145,6 +145,10 @@ class KVzipEvictor(Evictor):
         pooled = torch.nn.functional.max_pool1d(finite.reshape(-1, 1, shape[-1]), self.pool, stride=1, padding=self.pool // 2)
         return torch.where(infinite, scores, pooled.reshape(shape))
 
+    def kept_leading(self) -> int:
+        """The first ``sinks`` positions: their importance is ``+inf`` (:meth:`prepare_importance`), which passes any cut."""
+        return self.sinks
+
     def keep(self, block: EvictionBlock) -> torch.Tensor:
         if block.importance is None:
             raise ValueError(
