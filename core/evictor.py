@@ -72,6 +72,10 @@ class Evictor(Component):
     #: before the forward that fills the cache, with the evictor's ``chunk`` and ``sinks`` where it has them,
     #: else 2,048 and 4)
     needs_importance: ClassVar[bool] = False
+    #: whether ``keep`` decides each layer of a block on its own (what it keeps of one layer does not depend on the
+    #: block's other layers): the cache may then ask once for a block of several one-layer groups (a prompt's
+    #: flushes stored together, :mod:`kvweave.engine.together`)
+    layer_local: ClassVar[bool] = False
     #: whether stored tokens are offered again at every flush (they may then be dropped; needs a basis
     #: with single-layer groups and a router without residual levels)
     reselects: ClassVar[bool] = False

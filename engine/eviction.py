@@ -104,11 +104,12 @@ class Eviction:
             )
 
     def _eviction_block(
-        self, group_index: int, work: torch.Tensor, logical: torch.Tensor, stats, scores, stored: int
+        self, group_index: int, work: torch.Tensor, logical: torch.Tensor, stats, scores, stored: int,
+        members: tuple[int, ...] | None = None,
     ) -> EvictionBlock:
         """The block that decides which of ``work`` [G, B, H, n, D] (cache indices ``logical`` [G, B, H, n])
-        are dropped."""
-        members = self.engine.groups[group_index]
+        are dropped; ``members``: its layers where they are not one group's (several one-layer groups at once)."""
+        members = self.engine.groups[group_index] if members is None else members
         real, valid = self._real_positions(logical.transpose(0, 1))  # batch first
         mass, spike = stats if stats is not None else (None, None)
         first = self.engine.windows[members[0]]
@@ -170,7 +171,7 @@ class Eviction:
                 window.scores = torch.cat((stored_scores, picked, rest), dim=-1)
             window.compressed_tokens += slots
 
-    def _placed_leading(self, group_index: int, passed: int, keep: torch.Tensor) -> int:
+    def _placed_leading(self, group_index: int, passed: int, keep: torch.Tensor, members: tuple[int, ...] | None = None) -> int:
         """How many of an evicting flush's first slots hold the block's first positions in order in every layer, row
         and head, known without a host read: the positions the evictor always keeps (``Evictor.kept_leading``) within
         this block, where no row is padded (a padded row's first positions are not its sequence's). The promise is
@@ -178,7 +179,7 @@ class Eviction:
         lead = min(max(0, int(self.evictor.kept_leading()) - passed), keep.shape[-1])
         if lead == 0 or self.engine.padding is not None:
             return 0
-        members = self.engine.groups[group_index]
+        members = self.engine.groups[group_index] if members is None else members
 
         def fail() -> None:
             raise ComponentError(
@@ -189,17 +190,19 @@ class Eviction:
         check(~keep[..., :lead].all(), fail)
         return lead
 
-    def _whole_groups(self, group_index: int, keep: torch.Tensor, route: EvictionBlock) -> torch.Tensor:
+    def _whole_groups(self, group_index: int, keep: torch.Tensor, route: EvictionBlock, per_layer: bool = False) -> torch.Tensor:
         """``keep`` [G, B, H, n] topped up so that every layer, row and head keeps the same multiple of the
         quantizers' token group (a per-group quantizer packs whole groups): the slots a head would leave
         as fillers hold its best dropped tokens instead (by context importance where the block has it, else
-        the latest), so no slot is stored for nothing."""
+        the latest), so no slot is stored for nothing. ``per_layer``: each layer to its own count (a block of
+        several one-layer groups)."""
         tokens = max(self.engine.quantizer(group_index, kind).tokens_per_group() for kind in KINDS)
         if tokens <= 1 or keep.numel() == 0:
             return keep
         counts = keep.sum(-1, keepdim=True)
         # the largest count rounded up to whole token groups, at most the block: on the device (no host read)
-        target = ((counts.max() + tokens - 1) // tokens * tokens).clamp(max=keep.shape[-1])
+        most = counts.amax(dim=(1, 2), keepdim=True) if per_layer else counts.max()
+        target = ((most + tokens - 1) // tokens * tokens).clamp(max=keep.shape[-1])
         if route.importance is not None:
             priority = route.importance.double().clamp(-1e300, 1e300)
         else:

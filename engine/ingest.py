@@ -20,6 +20,8 @@ from typing import Any
 
 import torch
 
+from kvweave.engine.together import flush_together, layers_a_pass, together_refusal
+
 
 def ingest_refusal(cache: Any, whole_windows: bool = False) -> str | None:
     """Why ``cache`` cannot take a scored context's keys and values without a forward (None: it can). ``whole_windows``:
@@ -58,10 +60,28 @@ def ingest(cache: Any, layers: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
         raise ValueError(f"ingest: the layers hold different token counts {sorted(tokens)}" + (
             " (a sliding-window layer's scoring cache kept its window only: ingest needs every token of every layer)"
             if engine.sliding else ""))
+    # one-layer groups whose flushes can go together (engine/together.py) flush a few layers at a time, in one pass
+    flushing = [g for g, members in enumerate(engine.groups) if members[0] not in engine.kept_exact] if engine.settings.compress else []
+    together = engine.own_attention and together_refusal(engine, flushing) is None
+    batch, total = layers[0][0].shape[0], layers[0][0].shape[-2]
+    per_pass = layers_a_pass(engine, total, batch) if together else 0
+    waiting: list[int] = []
     for index, (keys, values) in enumerate(layers):
         layer = cache.layers[index]
         if not layer.is_initialized:
             layer.lazy_initialization(keys, values)
         engine.update(index, keys, values, materialize=False)
-        if engine.own_attention:
+        if not engine.own_attention:
+            continue
+        group = engine.group_of[index][0]
+        if together and group in engine.pending:
+            engine.pending.discard(group)
+            engine.returned_keys.pop(index, None)
+            waiting.append(group)
+            if len(waiting) == per_pass:
+                flush_together(engine, waiting)
+                waiting = []
+        else:
             engine.after_attention(index)
+    if waiting:
+        flush_together(engine, waiting)

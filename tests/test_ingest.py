@@ -76,11 +76,16 @@ def test_generate_ingests_and_gives_the_tokens_of_a_forward(model, registry):  #
 
 
 def test_storing_a_context_with_its_sinks_restored_compares_no_layers_kept_tokens(model, registry, monkeypatch):  # noqa: F811
-    """kvzip-qa35v3 (the sinks router's residuals; single-layer groups), checks deferred as on a GPU: the router's parts
+    """kvzip-qa35v3 (the sinks router's residuals; single-layer groups) flushed a layer at a time with the router reading
+    the kept tokens, checks deferred as on a GPU: the router's parts
     are split by KV head without comparing a group's layers' kept tokens, which a one-layer group cannot differ in
     (each comparison was a host read a layer and kind)."""
     from helpers import spy_ingest
+    from kvweave.engine import ingest as ingest_module
+    from kvweave.plugins.evictors.kvzip import KVzipEvictor
 
+    monkeypatch.setattr(ingest_module, "together_refusal", lambda *_: "layer by layer")  # a flush a layer
+    monkeypatch.setattr(KVzipEvictor, "kept_leading", lambda self: 0)  # the router reads the kept tokens
     cache = build_cache(_pipeline(registry, "kvzip-qa35v3"), model, tokenizer=CharTokenizer())
     spy = spy_ingest(monkeypatch, cache)
     ids = torch.randint(1, 128, (1, 230), generator=torch.Generator().manual_seed(4))

@@ -1,0 +1,223 @@
+"""A prompt's evicting flushes of one-layer groups stored in one pass instead of one pass a layer.
+
+Where a scored context is stored without a forward (:mod:`kvweave.engine.ingest`), every layer's block leaves the
+exact window at once. Flushed layer by layer, each layer's flush is a few hundred small torch operations and a host
+read, and on a GPU the host's time in them, not the device's, sets the time to first token (on Llama-3-8B's shape at
+32K tokens, ~20 ms a layer). :func:`flush_together` asks the evictor once for every layer (an evictor whose ``keep``
+is ``layer_local``), reads every layer's slot count in one host read, and stores layers of similar counts as one
+block: one gather, one quantizer call, one residual encoding for all of them. Each layer then keeps its own count of
+slots (the quantizer's ``leading_tokens``, copied out so no layer holds another's bytes), and the cache stores
+exactly what the layer-by-layer flushes store (tested bit for bit).
+
+:func:`together_refusal` says why a cache's flushes cannot go together (then they go layer by layer): what a flush
+reads beyond its block (attention statistics, a probe, accumulated scores), a basis that is not the
+identity, a router whose ranks are not fixed by position within the first positions the evictor always keeps, or
+quantizers that differ between layers.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+
+from kvweave.core.errors import CacheStateError
+from kvweave.core.interfaces import KINDS
+from kvweave.engine.checks import check_finite
+
+if TYPE_CHECKING:
+    from kvweave.engine.engine import CompressionEngine
+
+#: the most bytes of one kind's stacked blocks in one pass (a longer prompt's layers go a few at a time)
+PASS_BYTES = 1 << 30
+#: layers share a pass while the largest slot count is at most this much above the smallest (the smaller ones'
+#: padding is quantized and dropped)
+PAD_RATIO = 1.25
+
+
+def together_refusal(engine: CompressionEngine, groups: list[int]) -> str | None:
+    """Why the flushes of ``groups``, whose layers are about to receive the same tokens into empty windows, cannot be
+    stored in one pass (None: they can)."""
+    if not groups:
+        return "no group flushes"
+    if any(len(engine.groups[g]) != 1 for g in groups):
+        return "a basis group of several layers"
+    if not engine.evicts or engine.reselects or engine.accumulates or not engine.evictor.layer_local:
+        return "its evictor does not decide each layer alone at the flush"
+    if engine.evictor.needs_attention or (engine.router.needs_attention and engine.residual_levels):
+        return "it reads the recent queries' attention"
+    if engine.compress_sliding or engine.rows is not None or engine.padding is not None:
+        return "sliding, split or padded rows"
+    if not engine.basis.identity or engine.kernel.builds_residual_tiles:
+        return "its basis or its kernel's residual tiles work a group at a time"
+    if any(engine.probe.wants(engine.stores[g][kind].flushes) for g in groups for kind in KINDS):
+        return "its probe measures the block"
+    for kind in KINDS:
+        first = engine.quantizer(groups[0], kind)
+        if any(engine.quantizer(g, kind) != first for g in groups):
+            return f"its layers' {kind} quantizers differ"
+    if any(engine.windows[engine.groups[g][0]].passed_tokens or engine.windows[engine.groups[g][0]].exact_tokens for g in groups):
+        return "its layers hold tokens already"
+    if engine.residual_levels:
+        if engine.settings.residual_mode == "basis" or engine.basis.residual_mixing(1) is not None:
+            return "its residuals are fitted or mixed from whole blocks"
+        lead = max(0, int(engine.evictor.kept_leading()))
+        for kind in KINDS:
+            runs = engine.router.fixed_ranks(kind, 0, engine.settings.block_tokens)
+            if runs is None or any(int(stop) > lead for _, stop, _ in runs):
+                return "its router reads the kept tokens"
+    return None
+
+
+def flush_together(engine: CompressionEngine, groups: list[int]) -> None:
+    """Flush the ready block of every group in ``groups`` (one-layer groups for which :func:`together_refusal` says
+    None) as the engine's ``_flush`` would, one after another, with its checks read once at the end."""
+    with engine.deferred.collecting(engine._defers(engine.windows[engine.groups[groups[0]][0]].exact.device)):
+        _flush_together(engine, groups)
+    if engine.last_flushing in groups:
+        engine.deferred.resolve()
+
+
+def _flush_together(engine: CompressionEngine, groups: list[int]) -> None:
+    settings = engine.settings
+    layers = [engine.groups[g][0] for g in groups]
+    first = engine.windows[layers[0]]
+    if len({(engine.windows[layer].passed_tokens, engine.windows[layer].exact_tokens) for layer in layers}) != 1:
+        raise CacheStateError(f"flush_together: layers {layers} hold different tokens; their flushes cannot go together")
+    ready = first.exact_tokens - settings.recent_window
+    count = (ready // settings.block_tokens) * settings.block_tokens
+    if count <= 0:
+        return
+    eviction = engine.eviction
+    passed = first.passed_tokens
+    device = first.exact.device
+    per_pass = layers_a_pass(engine, count)
+    # which tokens every layer keeps, a few layers at a time (their float32 keys), and how many slots: one host read
+    keeps, placed = {}, count
+    for start in range(0, len(layers), per_pass):
+        part = tuple(layers[start : start + per_pass])
+        blocks = {(layer, kind): engine.windows[layer].exact.head(kind, count) for layer in part for kind in KINDS}
+        check_finite(engine, part, count, blocks)
+        work = torch.stack([blocks[(layer, "keys")] for layer in part]).float()
+        del blocks
+        logical = torch.arange(passed, passed + count, device=device).expand(work.shape[:-1])
+        route = eviction._eviction_block(groups[0], work, logical, None, None, 0, members=part)
+        keep = eviction.evictor.keep(route)
+        eviction._check_keep(keep, work.shape[:-1])
+        del work
+        keep = eviction._whole_groups(groups[0], keep, route, per_layer=True)
+        placed = min(placed, eviction._placed_leading(groups[0], passed, keep, members=part))
+        for index, layer in enumerate(part):
+            keeps[layer] = keep[index]
+    slots = dict(zip(layers, torch.stack([keeps[layer].sum(-1).max() for layer in layers]).tolist()))
+    for members in _passes(layers, slots, per_pass):
+        _store(engine, members, [slots[layer] for layer in members], keeps, count, passed, placed)
+    for layer in layers:
+        window = engine.windows[layer]
+        for kind in KINDS:
+            window.exact.drop_front(kind, count)
+        window.passed_tokens += count
+    engine.kernel.storage_changed(engine.kernel_state, tuple(layers))
+    engine.observer.forget_selection(tuple(layers))
+    engine.observer.forget_boundaries(min(w.passed_tokens for w in engine.windows))
+    if not engine.residual_levels and not engine.probe.needs_queries:
+        engine.observer.forget_queries(tuple(layers))
+    if engine.last_flushing in groups:
+        engine.encoder.apply_probe_shares()
+        engine._budget_warned = engine._budget_warned or engine.budget.check_met(engine)
+
+
+def layers_a_pass(engine: CompressionEngine, tokens: int, batch: int | None = None) -> int:
+    """How many layers' blocks of ``tokens`` tokens one pass holds: :data:`PASS_BYTES` of float32 keys."""
+    if batch is None:
+        batch = engine.windows[engine.groups[0][0]].exact.shape()[0]
+    layer = batch * engine.shape.num_kv_heads * tokens * engine.shape.head_dim * 4
+    return max(1, PASS_BYTES // max(1, layer))
+
+
+def _passes(layers: list[int], slots: dict[int, int], per_pass: int) -> list[tuple[int, ...]]:
+    """Layers of similar slot counts together (at most ``per_pass`` a pass); layers keeping nothing alone."""
+    order = sorted(layers, key=lambda layer: slots[layer])
+    out: list[list[int]] = []
+    for layer in order:
+        current = out[-1] if out else None
+        if (current is None or len(current) >= per_pass or slots[current[0]] == 0
+                or slots[layer] > PAD_RATIO * slots[current[0]]):
+            out.append([layer])
+        else:
+            current.append(layer)
+    return [tuple(members) for members in out]
+
+
+def _store(engine: CompressionEngine, members: tuple[int, ...], counts: list[int], keeps: dict, count: int,
+           passed: int, placed: int) -> None:
+    """Gather, encode and store the kept tokens of ``members`` (each keeping ``counts`` slots) as one block."""
+    eviction = engine.eviction
+    slots = max(counts)
+    groups = [engine.group_of[layer][0] for layer in members]
+    keep = torch.stack([keeps[layer] for layer in members])  # [G, B, H, n]
+    index = ((~keep).long() * count + torch.arange(count, device=keep.device)).argsort(dim=-1)[..., :slots]
+    kept = keep.gather(-1, index)
+    logical = torch.arange(passed, passed + count, device=keep.device).expand(keep.shape)
+    positions = torch.where(kept, logical.gather(-1, index), -1)
+    if slots:
+        blocks = {kind: torch.stack([engine.windows[layer].exact.head(kind, count) for layer in members]) for kind in KINDS}
+        gathered = {kind: eviction._gather_tokens(blocks[kind], index) for kind in KINDS}
+        del blocks
+        engine._flush_info = {"count": count, "dropped": count - slots, "kept_index": index, "blocks": gathered,
+                              "placed": min([placed, *counts])}
+        try:
+            for kind in KINDS:
+                _encode(engine, kind, groups, members, gathered[kind], counts, logical.gather(-1, index))
+        finally:
+            engine._flush_info = None
+    for member, layer in enumerate(members):
+        window = engine.windows[layer]
+        window.slot_index.append(positions[member, ..., : counts[member]], passed, count)
+        window.compressed_tokens += counts[member]
+
+
+def _encode(engine: CompressionEngine, kind: str, groups: list[int], members: tuple[int, ...], block: torch.Tensor,
+            counts: list[int], positions: torch.Tensor) -> None:
+    """What :meth:`kvweave.engine.encoder.BlockEncoder.encode` does for each one-layer group, for all of them at once:
+    ``block`` [G, B, H, k, D] holds member ``m``'s ``counts[m]`` slots first."""
+    encoder = engine.encoder
+    slots = block.shape[-2]
+    if engine.pre_rope and kind == "keys":
+        block = engine.rope_keys(block, members, positions, inverse=True).to(block.dtype)
+    quantizer = engine.quantizer(groups[0], kind)
+    if kind == "keys" and engine.energy is not None:  # channels weighed by each layer's query energy (engine/energy.py)
+        packed = quantizer.quantize(block, channel_weights=engine.energy.means(members))  # type: ignore[call-arg]
+    else:
+        packed = quantizer.quantize(block)
+    held = [engine.windows[layer].compressed_tokens for layer in members]
+    for member, group in enumerate(groups):
+        store = engine.stores[group][kind]
+        if store.state is None:
+            store.state = engine.basis.init_state(block[member : member + 1, ..., :0, :])
+        own = {name: field[member : member + 1] for name, field in packed.items()}
+        if counts[member] < slots:
+            own = quantizer.leading_tokens(own, counts[member], slots)
+        store.coefficients.append({name: field.clone(memory_format=torch.contiguous_format) for name, field in own.items()})
+        store.flushes += 1
+    if not engine.residual_levels:
+        return
+    head = encoder.routed_head(kind, groups[0], slots, quantizer)
+    if head == 0:
+        return
+    fixed = encoder.fixed_ranks(kind, groups[0], head, None)
+    if fixed is None:
+        raise AssertionError("together_refusal admitted a router whose ranks are not fixed")  # checked before the flush
+    rows = block.shape[1] * block.shape[2]
+    counted = {rank: rows * sum(stop - start for start, stop, level in fixed if level == rank) for rank in {level for *_, level in fixed}}
+    if head < slots:
+        packed = quantizer.leading_tokens(packed, head, slots)
+    work = block[..., :head, :].float()
+    missing = (work - quantizer.dequantize(packed, torch.float32)).to(block.dtype)
+    entries = encoder.encode_members(kind, members, missing, fixed, [counted] * len(members), engine.residual_quantizers[kind])
+    for member, layer in enumerate(members):
+        window = engine.windows[layer]
+        for rank, fields in entries[member].items():
+            end = max(stop for _, stop, level in fixed if level == rank)
+            window.residuals[kind][rank].append({**fields, "token": fields["token"] + held[member]}, held[member],
+                                                counts[member], rows, held[member] + end)

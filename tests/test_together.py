@@ -1,0 +1,110 @@
+"""A scored context's one-layer flushes stored in one pass (``kvweave.engine.together``): the cache holds bit for bit
+what the layer-by-layer flushes store (coefficients, residuals, slots, bytes, a question's logits), whatever the
+passes (a few layers at a time, layers of different slot counts padded in one pass); the host is read once a pass
+group; caches whose flushes cannot go together are named, and still ingest layer by layer."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kvweave.core.registry import load_pipeline
+from kvweave.engine import build_cache, cache_kwargs, importance, ingest, together
+
+from conftest import CharTokenizer, tiny_llama
+from test_ingest import _stored
+from test_lowbit_kernel import registry  # noqa: F401 - the same storages
+
+LAYERS = 6
+
+
+@pytest.fixture(scope="module")
+def model():
+    return tiny_llama(torch.float32, hidden=256, layers=LAYERS)  # head_dim 64, 2 KV heads
+
+
+def _pipeline(registry, name):  # noqa: F811
+    return registry.resolve(name) if name.startswith("t-") else load_pipeline(name)
+
+
+def _ingested(model, registry, name, ids, monkeypatch=None, alone=False):  # noqa: F811
+    cache = build_cache(_pipeline(registry, name), model, tokenizer=CharTokenizer())
+    if alone:
+        monkeypatch.setattr(ingest, "together_refusal", lambda *_: "layer by layer, for the comparison")
+    with torch.no_grad():
+        importance.prefill(model, cache, ids, ingest=True)
+    if alone:
+        monkeypatch.undo()
+    return cache
+
+
+@pytest.mark.parametrize("name", ["t-lowbit-sinks-kvzip", "t-lowbit-kvzip-cg", "kvzip-qa35v3"])
+@pytest.mark.parametrize("per_pass, pad", [(None, 1.25), (2, 1.25), (None, 100.0)])
+def test_flushes_stored_together_are_what_the_layer_by_layer_flushes_store(model, registry, monkeypatch, name, per_pass, pad):  # noqa: F811
+    """The sinks router's fixed residuals; channel-group keys stored before RoPE; keys weighed by each layer's query
+    energy (kvzip-qa35v3); passes of two layers; every layer in one pass (the smaller slot counts padded, then cut to
+    their own)."""
+    ids = torch.randint(1, 128, (1, 230), generator=torch.Generator().manual_seed(7))
+    alone = _ingested(model, registry, name, ids, monkeypatch, alone=True)
+    stores = []
+    original = together._store
+
+    def recording(engine, members, counts, *args):
+        stores.append(list(counts))
+        return original(engine, members, counts, *args)
+
+    monkeypatch.setattr(together, "_store", recording)
+    monkeypatch.setattr(together, "PAD_RATIO", pad)
+    if per_pass is not None:
+        monkeypatch.setattr(together, "layers_a_pass", lambda *_args: per_pass)
+    joined = _ingested(model, registry, name, ids)
+    assert stores and sum(len(counts) for counts in stores) == LAYERS
+    assert max(len(counts) for counts in stores) == (per_pass or LAYERS) if pad > 10 else True
+    if pad > 10 and per_pass is None:
+        assert len(set(stores[0])) > 1, stores  # layers keeping different counts in one pass
+    assert joined.memory_breakdown() == alone.memory_breakdown()
+    for a, b in zip(_stored(joined), _stored(alone)):
+        assert torch.equal(a, b)
+    question = torch.randint(1, 128, (1, 9), generator=torch.Generator().manual_seed(8))
+    with torch.no_grad():
+        x = model(input_ids=question, **cache_kwargs(model, joined)).logits
+        y = model(input_ids=question, **cache_kwargs(model, alone)).logits
+    assert torch.equal(x, y)
+
+
+def test_storing_together_reads_the_host_once_a_pass_group(model, registry, monkeypatch):  # noqa: F811
+    from helpers import spy_ingest
+
+    ids = torch.randint(1, 128, (1, 230), generator=torch.Generator().manual_seed(7))
+    monkeypatch.setattr(together, "layers_a_pass", lambda *_args: 4)
+    cache = build_cache(_pipeline(registry, "t-lowbit-sinks-kvzip"), model, tokenizer=CharTokenizer())
+    spy = spy_ingest(monkeypatch, cache)
+    with torch.no_grad():
+        importance.prefill(model, cache, ids, ingest=True)
+    reads = {site: n for site, n in spy.sites.items() if site[0] not in ("all", "any")}
+    assert sum(reads.values()) <= 2 + 1, reads  # the slot counts of layers 0-3, then of 4-5; the deferred checks
+
+
+@pytest.mark.parametrize("name, why", [
+    ("t-lowbit-log8", "evictor"),  # nothing evicted
+    ("snapkv", "evictor"),  # chooses by the recent queries' attention
+])
+def test_caches_whose_flushes_cannot_go_together_say_why(model, registry, name, why):  # noqa: F811
+    cache = build_cache(_pipeline(registry, name), model, tokenizer=CharTokenizer())
+    assert why in (together.together_refusal(cache.engine, list(range(len(cache.engine.groups)))) or "")
+
+
+def test_a_router_that_reads_the_kept_tokens_keeps_the_flushes_apart(model, registry, monkeypatch):  # noqa: F811
+    """Sinks past the 4 positions kvzip always keeps: the router must read the kept tokens, so the context is stored
+    layer by layer."""
+    cache = build_cache(_pipeline(registry, "t-lowbit-sinks-kvzip"), model, tokenizer=CharTokenizer())
+    engine = cache.engine
+    object.__setattr__(engine, "router", type(engine.router)(sink_tokens=8, rank=64))
+    assert "router reads the kept tokens" in (together.together_refusal(engine, list(range(LAYERS))) or "")
+    called = []
+    monkeypatch.setattr(ingest, "flush_together", lambda *args: called.append(args))
+    ids = torch.randint(1, 128, (1, 230), generator=torch.Generator().manual_seed(7))
+    with torch.no_grad():
+        importance.prefill(model, cache, ids, ingest=True)
+    assert not called and all(w.compressed_tokens > 0 for w in engine.windows)
+    assert all(engine.windows[layer].residuals["keys"][64] for layer in range(LAYERS))
