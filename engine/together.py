@@ -93,7 +93,7 @@ def _flush_together(engine: CompressionEngine, groups: list[int]) -> None:
     device = first.exact.device
     per_pass = layers_a_pass(engine, count)
     # which tokens every layer keeps, a few layers at a time (their float32 keys), and how many slots: one host read
-    keeps, placed = {}, count
+    keeps, placed, counts = {}, count, []
     for start in range(0, len(layers), per_pass):
         part = tuple(layers[start : start + per_pass])
         blocks = {(layer, kind): engine.windows[layer].exact.head(kind, count) for layer in part for kind in KINDS}
@@ -107,9 +107,10 @@ def _flush_together(engine: CompressionEngine, groups: list[int]) -> None:
         del work
         keep = eviction._whole_groups(groups[0], keep, route, per_layer=True)
         placed = min(placed, eviction._placed_leading(groups[0], passed, keep, members=part))
+        counts.append(keep.sum(-1).amax(dim=(1, 2)))  # [G]: each layer's slots, its most kept of any row and head
         for index, layer in enumerate(part):
             keeps[layer] = keep[index]
-    slots = dict(zip(layers, torch.stack([keeps[layer].sum(-1).max() for layer in layers]).tolist()))
+    slots = dict(zip(layers, torch.cat(counts).tolist()))
     for members in _passes(layers, slots, per_pass):
         _store(engine, members, [slots[layer] for layer in members], keeps, count, passed, placed)
     for layer in layers:
