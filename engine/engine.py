@@ -199,17 +199,19 @@ class CompressionEngine:
             empty = window.exact.shape() is None and window.compressed_tokens == 0
             for kind, new in zip(KINDS, (keys, values)):
                 window.exact.append(kind, new)
-            if window.exact.lossy and materialize and empty:  # every token is this forward's own: as they arrived
+            if not materialize:  # nothing reads the layer's tokens back (an int8 window would decode them all)
+                full = (None, None)
+            elif window.exact.lossy and empty:  # every token is this forward's own: as they arrived
                 full = (keys, values)
             else:
-                full = tuple(self._materialize(layer, kind) if materialize else window.exact[kind] for kind in KINDS)
+                full = tuple(self._materialize(layer, kind) for kind in KINDS)
             if window.exact.lossy and materialize and not empty:  # this forward attends over its own tokens as they arrived
                 for tensor, new in zip(full, (keys, values)):
                     tensor[..., -new.shape[-2]:, :] = new
         if layer in self.kept_exact:  # the model's own attention reads its window
             slide(window, self.kept_exact[layer])
             return full if materialize else None  # type: ignore[return-value]
-        if self.own_attention:
+        if self.own_attention and materialize:
             self.returned_keys[layer] = full[0]  # lets the attention call tell it belongs to this cache
         group_index, member = self.group_of[layer]
         if self.settings.compress and member == len(self.groups[group_index]) - 1:
