@@ -64,7 +64,7 @@ def ingest(cache: Any, layers: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
     flushing = [g for g, members in enumerate(engine.groups) if members[0] not in engine.kept_exact] if engine.settings.compress else []
     together = engine.own_attention and together_refusal(engine, flushing) is None
     batch, total = layers[0][0].shape[0], layers[0][0].shape[-2]
-    per_pass = layers_a_pass(engine, total, batch) if together else 0
+    per_pass = layers_a_pass(engine, total, batch, layers[0][0].device) if together else 0
     waiting: list[int] = []
     for index, (keys, values) in enumerate(layers):
         layer = cache.layers[index]

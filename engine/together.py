@@ -28,8 +28,12 @@ from kvweave.engine.checks import check_finite
 if TYPE_CHECKING:
     from kvweave.engine.engine import CompressionEngine
 
-#: the most bytes of one kind's stacked blocks in one pass (a longer prompt's layers go a few at a time)
+#: the most bytes of float32 keys in one pass (a longer prompt's layers go a few at a time) on a GPU, where a pass's
+#: launches cost the host the same whatever its size
 PASS_BYTES = 1 << 30
+#: the same off a GPU, where the host runs the arithmetic too and a pass that outgrows the caches runs each operation
+#: at memory speed (on a 2-core CPU, 8 layers of 1,024 tokens quantized at once took 2.5x as long as one at a time)
+PASS_BYTES_HOST = 8 << 20
 #: layers share a pass while the largest slot count is at most this much above the smallest (the smaller ones'
 #: padding is quantized and dropped)
 PAD_RATIO = 1.25
@@ -91,7 +95,7 @@ def _flush_together(engine: CompressionEngine, groups: list[int]) -> None:
     eviction = engine.eviction
     passed = first.passed_tokens
     device = first.exact.device
-    per_pass = layers_a_pass(engine, count)
+    per_pass = layers_a_pass(engine, count, first.exact.shape()[0], device)
     # which tokens every layer keeps, a few layers at a time (their float32 keys), and how many slots: one host read
     keeps, placed, counts = {}, count, []
     for start in range(0, len(layers), per_pass):
@@ -128,12 +132,11 @@ def _flush_together(engine: CompressionEngine, groups: list[int]) -> None:
         engine._budget_warned = engine._budget_warned or engine.budget.check_met(engine)
 
 
-def layers_a_pass(engine: CompressionEngine, tokens: int, batch: int | None = None) -> int:
-    """How many layers' blocks of ``tokens`` tokens one pass holds: :data:`PASS_BYTES` of float32 keys."""
-    if batch is None:
-        batch = engine.windows[engine.groups[0][0]].exact.shape()[0]
+def layers_a_pass(engine: CompressionEngine, tokens: int, batch: int, device: torch.device) -> int:
+    """How many layers' blocks of ``tokens`` tokens one pass holds: :data:`PASS_BYTES` of float32 keys on a GPU,
+    :data:`PASS_BYTES_HOST` elsewhere."""
     layer = batch * engine.shape.num_kv_heads * tokens * engine.shape.head_dim * 4
-    return max(1, PASS_BYTES // max(1, layer))
+    return max(1, (PASS_BYTES if device.type == "cuda" else PASS_BYTES_HOST) // max(1, layer))
 
 
 def _passes(layers: list[int], slots: dict[int, int], per_pass: int) -> list[tuple[int, ...]]:
