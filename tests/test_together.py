@@ -108,3 +108,13 @@ def test_a_router_that_reads_the_kept_tokens_keeps_the_flushes_apart(model, regi
         importance.prefill(model, cache, ids, ingest=True)
     assert not called and all(w.compressed_tokens > 0 for w in engine.windows)
     assert all(engine.windows[layer].residuals["keys"][64] for layer in range(LAYERS))
+
+
+def test_a_pass_holds_at_most_its_bytes_of_float32_keys_and_a_gpus_pass_more_layers(model, registry):  # noqa: F811
+    cache = build_cache(_pipeline(registry, "t-lowbit-kvzip-cg"), model, tokenizer=CharTokenizer())
+    engine = cache.engine
+    layer = engine.shape.num_kv_heads * 4096 * engine.shape.head_dim * 4  # one row of 4,096 tokens as float32
+    for device, limit in ((torch.device("cpu"), together.PASS_BYTES_HOST), (torch.device("cuda"), together.PASS_BYTES)):
+        per_pass = together.layers_a_pass(engine, 4096, 1, device)
+        assert per_pass * layer <= limit < (per_pass + 1) * layer
+    assert together.layers_a_pass(engine, 1 << 24, 1, torch.device("cpu")) == 1  # a layer alone never refused
