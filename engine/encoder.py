@@ -285,11 +285,14 @@ class BlockEncoder:
         table = torch.tensor(levels, device=ranks.device, dtype=ranks.dtype)
         at = torch.searchsorted(table, ranks.contiguous()).clamp_max(len(levels) - 1)
         code = torch.where(table[at] == ranks, at, len(levels))
-        place = (torch.arange(shape[0], device=ranks.device).view(-1, *(1,) * (ranks.dim() - 1)) * width + code).reshape(-1)
-        counts = torch.bincount(place, minlength=shape[0] * width)
-        token = torch.arange(1, shape[-1] + 1, device=ranks.device).expand(shape).reshape(-1)
-        ends = torch.zeros(shape[0] * width, dtype=torch.long, device=ranks.device).scatter_reduce_(0, place, token, reduce="amax")
-        counts, ends = torch.stack((counts, ends)).view(2, shape[0], width).tolist()
+        # each member's count and last token by level as reductions over a one-hot of the codes: a scatter into the
+        # members' few places made every token contend for them (2.2 ms a flush of depthweave-kv's prompt at 32K, H200)
+        onehot = code.unsqueeze(-1) == torch.arange(width, device=ranks.device)  # [G, B, H, n, width]
+        token = torch.arange(1, shape[-1] + 1, device=ranks.device).view(-1, 1)  # [n, 1]
+        dims = tuple(range(1, ranks.dim()))
+        counts = onehot.sum(dim=dims)
+        ends = torch.where(onehot, token, 0).amax(dim=dims) if shape[-1] else torch.zeros_like(counts)
+        counts, ends = torch.stack((counts, ends)).tolist()
         if any(row[-1] for row in counts):
             stray = set(torch.unique(ranks).tolist()) - set(levels)
             raise ComponentError(
