@@ -210,8 +210,9 @@ def _encode(engine: CompressionEngine, kind: str, groups: list[int], members: tu
     if head == 0:
         return
     fixed = encoder.fixed_ranks(kind, groups[0], head, None)
-    if fixed is None:
-        raise AssertionError("together_refusal admitted a router whose ranks are not fixed")  # checked before the flush
+    if fixed is None:  # together_refusal checked the router's runs against the evictor's kept positions before
+        raise CacheStateError(f"pipeline '{engine.pipeline.name}': layers {list(members)} were flushed together, but their "
+                              f"router '{engine.pipeline.use('router')}' gives no ranks fixed within the positions the evictor keeps")
     rows = block.shape[1] * block.shape[2]
     counted = {rank: rows * sum(stop - start for start, stop, level in fixed if level == rank) for rank in {level for *_, level in fixed}}
     if head < slots:
