@@ -48,7 +48,7 @@ from kvweave.engine import build_cache, cache_kwargs
 from kvweave.engine.cache import KVWeaveCache
 from kvweave.engine.graphs import graph_decode
 from kvweave.core.registry import load_pipeline
-from kvweave.engine.importance import score_for
+from kvweave.engine.importance import score_for, score_whole
 from kvweave.engine.synthetic import fill_cache
 
 
@@ -288,9 +288,13 @@ def ttft(method: str, model, tokens: int, device: str, reps: int = 2) -> dict:
         sync()
         start = time.perf_counter()
         with torch.no_grad():
-            if isinstance(cache, KVWeaveCache):
-                score_for(model, cache, ids, ingest=True)  # KVzip scores the prompt first, stored from its context pass
-            model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=1, do_sample=False, **cache_kwargs(model, cache))
+            # a pipeline that scores its prompt (KVzip, a surrogate) stores it from the scoring pass and takes the first
+            # token from that pass's logits, as kvweave.engine.generation.generate does for greedy decoding
+            logits = score_whole(model, cache, ids) if isinstance(cache, KVWeaveCache) else None
+            if logits is not None:
+                int(logits.argmax(-1)[0])
+            else:
+                model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=1, do_sample=False, **cache_kwargs(model, cache))
         sync()
         times.append(time.perf_counter() - start)
         ratio = cache.compression_ratio() if isinstance(cache, KVWeaveCache) else 1.0

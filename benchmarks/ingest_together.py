@@ -1,7 +1,8 @@
 """Storing a scored context layer by layer against together (engine/together.py): time, peak memory, and whether the
 two caches hold the same bytes.
 
-    python benchmarks/ingest_together.py [--tokens 32768] [--pipeline kzd-k4v2-f48-d128-s] [--registry FILE] [--repeats 2] [--smoke]
+    python benchmarks/ingest_together.py [--tokens 32768] [--pipeline kzd-k4v2-f48-d128-s] [--registry FILE] [--repeats 2]
+        [--pass-mib 1024,256] [--smoke]
 
 On a Llama-3-8B-shaped model with random bf16 weights (``decode_e2e.llama3_8b``; ``--smoke``: the tiny CPU model of the
 same head shape), one prompt of random token ids is scored (the pipeline's evictor's scorer) and stored without a
@@ -9,7 +10,9 @@ second forward, once with the flushes a layer at a time and once together, ``--r
 store (``importance.ingest_context``) is timed alone, synchronized, and the peak of allocated memory during it is
 read. Then every layer's stored keys and values (decoded), slots and byte counts of the last two caches are compared:
 the script says ``identical`` or names the first difference. ``--registry``: e.g. the file
-``benchmarks/surrogate_registry.py`` writes.
+``benchmarks/surrogate_registry.py`` writes. ``--pass-mib``: the together store once for each of these pass sizes
+(MiB of float32 keys a pass, ``together.PASS_BYTES`` on a GPU and ``PASS_BYTES_HOST`` elsewhere; default: the
+shipped one).
 """
 
 from __future__ import annotations
@@ -21,12 +24,13 @@ import torch
 
 import kvweave.engine.importance as importance_module
 import kvweave.engine.ingest as ingest_module
+import kvweave.engine.together as together_module
 from kvweave.core.registry import load_pipeline
 from kvweave.engine import build_cache
 
 from decode_e2e import Ids, llama3_8b, random_model, smoke_config, sync
 
-MODES = ("layer by layer", "together")
+LAYERED = "layer by layer"
 
 
 def store(model, pipeline, ids, mode: str) -> tuple[object, float, int]:
@@ -47,7 +51,7 @@ def store(model, pipeline, ids, mode: str) -> tuple[object, float, int]:
         measured["peak"] = (torch.cuda.max_memory_allocated() - base) if ids.is_cuda else 0
 
     importance_module.ingest_context = timed
-    if mode == "layer by layer":
+    if mode == LAYERED:
         ingest_module.together_refusal = lambda *_: "layer by layer (benchmarks/ingest_together.py)"
     try:
         stored = importance_module.score_for(model, cache, ids, ingest=True)
@@ -79,29 +83,33 @@ def main() -> None:
     parser.add_argument("--registry", help="a user registry file read on top of the built-in one")
     parser.add_argument("--layers", type=int, default=32)
     parser.add_argument("--repeats", type=int, default=2)
+    parser.add_argument("--pass-mib", default="", help="pass sizes of the together store, MiB (comma-separated)")
     parser.add_argument("--smoke", action="store_true", help="a tiny model of the same head shape on the CPU (checks the script)")
     args = parser.parse_args()
     device = "cuda" if torch.cuda.is_available() and not args.smoke else "cpu"
     model = random_model(smoke_config(args.layers) if args.smoke else llama3_8b(args.layers), device)
     ids = torch.randint(0, model.config.vocab_size, (1, args.tokens), device=device, generator=None)
     pipeline = load_pipeline(args.pipeline, args.registry)
-    store(model, pipeline, ids, "together")  # warm-up (kernels compiled, allocator grown)
-    results: dict[str, list[tuple[float, int]]] = {mode: [] for mode in MODES}
+    shipped = together_module.PASS_BYTES if device == "cuda" else together_module.PASS_BYTES_HOST
+    sizes = [int(mib) << 20 for mib in args.pass_mib.split(",") if mib] or [shipped]
+    modes = [LAYERED] + [f"together, {size >> 20} MiB a pass" for size in sizes]
+    store(model, pipeline, ids, modes[-1])  # warm-up (kernels compiled, allocator grown)
+    results: dict[str, list[tuple[float, int]]] = {mode: [] for mode in modes}
     last = {}
     for _ in range(args.repeats):
-        for mode in MODES:
+        for mode, size in zip(modes, [0] + sizes):
+            together_module.PASS_BYTES = together_module.PASS_BYTES_HOST = size or shipped
             cache, seconds, peak = store(model, pipeline, ids, mode)
             results[mode].append((seconds, peak))
             last[mode] = cache
-        last_ratio = last["together"].compression_ratio()
-    print(f"{args.pipeline}, {args.tokens} tokens, {args.layers} layers, {device}: stored {last_ratio:.2f}x smaller")
+    print(f"{args.pipeline}, {args.tokens} tokens, {args.layers} layers, {device}: stored {last[modes[-1]].compression_ratio():.2f}x smaller")
     print("| store | best seconds | all | peak above the start (GiB) |")
     print("|---|---:|---|---:|")
-    for mode in MODES:
+    for mode in modes:
         times = [s for s, _ in results[mode]]
         print(f"| {mode} | {min(times):.3f} | {', '.join(f'{s:.3f}' for s in times)} | {max(p for _, p in results[mode]) / 2**30:.2f} |")
-    differs = difference(last["together"], last["layer by layer"])
-    print("stored state: " + ("identical (bytes, every layer's decoded keys and values, slots)" if differs is None else differs))
+    differs = next((d for d in (difference(last[mode], last[LAYERED]) for mode in modes[1:]) if d is not None), None)
+    print("stored state: " + ("identical to layer by layer (bytes, every layer's decoded keys and values, slots)" if differs is None else differs))
 
 
 if __name__ == "__main__":

@@ -30,6 +30,7 @@ from transformers import DynamicCache
 import kvweave.engine.encoder as encoder_module
 import kvweave.engine.engine as engine_module
 import kvweave.engine.importance as importance_module
+import kvweave.engine.together as together_module
 from kvweave.engine import build_cache, cache_kwargs
 from kvweave.core.registry import load_pipeline
 from kvweave.engine.residuals import ResidualList
@@ -79,6 +80,7 @@ def instrument(cache) -> None:
 
 def patch_module() -> None:
     engine_module.check_finite = timed("checks.check_finite", engine_module.check_finite)
+    together_module.check_finite = timed("checks.check_finite", together_module.check_finite)  # flushes stored together
     for name in ("fit_residual_basis", "encode_residuals", "add_residuals", "residual_rows", "mix_residuals"):
         for module in (engine_module, encoder_module):  # wherever the engine's steps call them from
             if hasattr(module, name):
@@ -91,9 +93,13 @@ def first_token(model, cache, ids) -> float:
     sync()
     start = time.perf_counter()
     with torch.no_grad():
-        if not isinstance(cache, DynamicCache):  # an evictor that needs the context's scores gets them first
-            importance_module.score_for(model, cache, ids, ingest=True)  # stored from the scoring's context pass
-        model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=1, do_sample=False, **cache_kwargs(model, cache))
+        # an evictor that needs the context's scores gets them first, the prompt stored from the scoring's context pass
+        # and the first token taken from its logits (kvweave.engine.generation.generate's greedy path)
+        logits = None if isinstance(cache, DynamicCache) else importance_module.score_whole(model, cache, ids)
+        if logits is not None:
+            int(logits.argmax(-1)[0])
+        else:
+            model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=1, do_sample=False, **cache_kwargs(model, cache))
     sync()
     return time.perf_counter() - start
 

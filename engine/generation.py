@@ -26,7 +26,7 @@ import torch
 from kvweave.core.errors import CacheStateError
 from kvweave.engine.cache import KVWeaveCache
 from kvweave.engine.graphs import ended_rows_padded, graph_decode, graph_refusal
-from kvweave.engine.importance import score_for
+from kvweave.engine.importance import score_for, score_whole
 from kvweave.engine.observation import cache_argument_name, cache_kwargs  # noqa: F401 (tools import them from here)
 
 
@@ -196,6 +196,10 @@ def generate(
     max_new = generate_kwargs.get("max_new_tokens")
     if cuda_graphs:
         refuse_graphs(cache, inputs, generate_kwargs)
+    # a cache that scores its prompt and can store all of it: the first token from the scoring pass's logits, where
+    # the options leave it the greedy argmax (first_token_refusal), so no forward of the prompt's last token follows
+    plain = first_token_refusal(model, inputs, generate_kwargs) is None
+    if cuda_graphs:
         generate_kwargs["max_new_tokens"] = 1  # the prompt and the first token; the steps after it from the graphs
 
     timer = _PrefillTimer()
@@ -210,22 +214,31 @@ def generate(
         torch.cuda.synchronize()
     start = time.perf_counter()
     # evictors by importance: the context scored, and stored from the scoring's own pass where the cache allows it
-    score_for(model, cache, inputs["input_ids"], progress is not None, inputs.get("attention_mask"), ingest=True)
+    logits = None
+    if plain:
+        logits = score_whole(model, cache, inputs["input_ids"], progress is not None, inputs.get("attention_mask"))
+    else:
+        score_for(model, cache, inputs["input_ids"], progress is not None, inputs.get("attention_mask"), ingest=True)
     if torch.cuda.is_available():
         torch.cuda.synchronize()
     scored = time.perf_counter()
+    config = model.generation_config
+    eos, pad = (generate_kwargs.get(name, getattr(config, name)) for name in ("eos_token_id", "pad_token_id"))
     with torch.inference_mode(), progress or contextlib.nullcontext():
-        output = model.generate(**inputs, logits_processor=processors, **cache_kwargs(model, cache), **generate_kwargs)
-        if cuda_graphs:
-            config = model.generation_config
-            eos, pad = (generate_kwargs.get(name, getattr(config, name)) for name in ("eos_token_id", "pad_token_id"))
-            output = torch.cat((output, _graph_steps(model, cache, output[:, prompt_tokens:], max_new - 1, eos, pad)), dim=1)
+        if logits is not None:
+            output, first_at = _after_first_token(model, inputs, cache, logits, processors, max_new, eos, pad, cuda_graphs,
+                                                  generate_kwargs, progress)
+        else:
+            output = model.generate(**inputs, logits_processor=processors, **cache_kwargs(model, cache), **generate_kwargs)
+            if cuda_graphs:
+                output = torch.cat((output, _graph_steps(model, cache, output[:, prompt_tokens:], max_new - 1, eos, pad)), dim=1)
+            first_at = None
     cache.settle()  # the last steps' int8 window range checks, which no later append or flush would raise
     if torch.cuda.is_available():
         torch.cuda.synchronize()
     end = time.perf_counter()
     new_tokens = output[:, prompt_tokens:]
-    first = timer.first_token_at or end
+    first = first_at or timer.first_token_at or end
     memory = cache.gathered_memory()  # summed over tensor-parallel ranks: one all-gather, after decoding
     stats = GenerationStats(
         pipeline=cache.pipeline.name,
@@ -244,6 +257,63 @@ def generate(
         scoring_seconds=scored - start,
     )
     return new_tokens, stats
+
+
+#: generation options and generation-config fields that leave greedy decoding's first token the argmax of the
+#: prompt's last logits (sampling fields are read only when sampling)
+PLAIN_GREEDY = frozenset({
+    "max_new_tokens", "do_sample", "num_beams", "eos_token_id", "pad_token_id", "bos_token_id", "decoder_start_token_id",
+    "temperature", "top_p", "top_k", "min_p", "typical_p", "use_cache", "transformers_version", "cache_implementation",
+    "_from_model_config",
+})
+
+
+def first_token_refusal(model: Any, inputs: dict[str, torch.Tensor], options: dict[str, Any]) -> str | None:
+    """Why :func:`generate` cannot take the first token as the argmax of the scoring pass's last logits (None: it can):
+    sampling or beams, a logits processor, stopping criteria or streamer of the caller's, a generation setting that
+    changes the first token's logits (a repetition penalty, a minimum length, forced or suppressed tokens, ...), inputs
+    other than ``input_ids`` and an ``attention_mask``, or no ``max_new_tokens`` of at least 1. Then the prompt's last
+    token is fed by ``model.generate`` as before, which applies them."""
+    config = getattr(model, "generation_config", None)
+    settings = {**(config.to_diff_dict() if config is not None else {}), **options}
+    if settings.get("do_sample") or settings.get("num_beams", 1) not in (None, 1):
+        return "sampling or beams"
+    other = sorted(name for name, value in settings.items() if name not in PLAIN_GREEDY and value not in (None, False, [], {}))
+    if other:
+        return f"generation settings {other}"
+    if set(inputs) - {"input_ids", "attention_mask"}:
+        return f"inputs {sorted(set(inputs) - {'input_ids', 'attention_mask'})}"
+    if not isinstance(options.get("max_new_tokens"), int) or options["max_new_tokens"] < 1:
+        return "no max_new_tokens of at least 1"
+    return None
+
+
+def _after_first_token(model: Any, inputs: dict[str, torch.Tensor], cache: KVWeaveCache, logits: torch.Tensor,
+                       processors: Any, max_new: int, eos: Any, pad: int | None, cuda_graphs: bool,
+                       options: dict[str, Any], progress: Any) -> tuple[torch.Tensor, float]:
+    """The prompt and its new tokens as ``model.generate`` returns them, the first one the argmax of ``logits`` [B, V]
+    (the cache holds the whole prompt), the rest decoded after it; and when the first was ready."""
+    first = logits.float().argmax(-1, keepdim=True).to(inputs["input_ids"].device)  # [B, 1], as greedy search takes it
+    if first.is_cuda:
+        torch.cuda.synchronize(first.device)
+    first_at = time.perf_counter()
+    if progress is not None:
+        progress.prefilled()
+    ids = inputs["input_ids"]
+    ends = torch.tensor([] if eos is None else eos, device=first.device).reshape(-1)
+    if max_new <= 1 or bool(torch.isin(first, ends).all()):
+        return torch.cat((ids, first), dim=1), first_at
+    if cuda_graphs:
+        rest = _graph_steps(model, cache, first, max_new - 1, eos, pad)
+    else:
+        mask = inputs.get("attention_mask")
+        fed = {"input_ids": torch.cat((ids, first), dim=1)}
+        if mask is not None:
+            fed["attention_mask"] = torch.cat((mask, torch.ones_like(first, dtype=mask.dtype)), dim=1)
+        out = model.generate(**fed, logits_processor=processors, **cache_kwargs(model, cache),
+                             **{**options, "max_new_tokens": max_new - 1})
+        rest = out[:, ids.shape[1] + 1:]
+    return torch.cat((ids, ended_rows_padded(torch.cat((first, rest), dim=1), eos, pad)), dim=1), first_at
 
 
 def refuse_graphs(cache: KVWeaveCache, inputs: dict[str, torch.Tensor], options: dict[str, Any]) -> None:

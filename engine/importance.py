@@ -166,7 +166,7 @@ def scoring_attention(model: Any) -> Iterator[None]:
 
 def reconstruction_scores(
     model: Any, tokenizer: Any, input_ids: torch.Tensor, *, chunk: int = 2048, sinks: int = 4, progress: bool = False,
-    backend: str = "auto", keep: list | None = None, energy: Any = None,
+    backend: str = "auto", keep: list | None = None, energy: Any = None, logits: list | None = None,
 ) -> torch.Tensor:
     """KVzip's importance of every cached token of ``input_ids`` [B, T] (no padding): float32
     [L, B, H, T] on the model's device, the largest attention probability a repetition query gives it
@@ -175,7 +175,8 @@ def reconstruction_scores(
     its twin, formed whole; "auto": Triton on a GPU where it is installed). ``keep``: a list that receives each layer's
     (keys, values) of the context pass (:func:`kvweave.engine.ingest.ingest` stores them without a second forward);
     ``energy``: a :class:`~kvweave.engine.energy.QueryEnergy` that records the context pass's queries, as a cache's
-    own forward over the context would have."""
+    own forward over the context would have; ``logits``: a list that receives the context pass's logits of the last
+    token [B, V]."""
     from transformers import DynamicCache
 
     if input_ids.dim() != 2 or input_ids.shape[-1] < 1:
@@ -215,7 +216,9 @@ def reconstruction_scores(
         bar = tqdm(total=len(starts), desc=f"scoring {total:,} tokens", unit="chunk", dynamic_ncols=True)
     with torch.inference_mode(), scoring_attention(model):
         with EnergyTap(model, energy, heads):
-            model(input_ids=ids, use_cache=True, logits_to_keep=1, **cache_kwargs(model, cache))
+            out = model(input_ids=ids, use_cache=True, logits_to_keep=1, **cache_kwargs(model, cache))
+        if logits is not None:
+            logits.append(out.logits[:, -1])
         saved = [copy.copy(layer) for layer in cache.layers]
         if keep is not None:
             keep.extend((layer.keys, layer.values) for layer in saved)
@@ -254,8 +257,25 @@ def score_for(model: Any, cache: Any, input_ids: torch.Tensor, progress: bool = 
     the cache can take them (:func:`kvweave.engine.ingest.ingest_refusal`), the first T - 1 tokens are scored and
     stored from the scoring's own context pass, so the caller's forward (``model.generate``, which feeds the tokens a
     cache does not hold yet) runs over the last token only. Returns the tokens of ``input_ids`` now in the cache."""
+    return _score(model, cache, input_ids, progress, attention_mask, ingest, whole=False)[0]
+
+
+def score_whole(model: Any, cache: Any, input_ids: torch.Tensor, progress: bool = False,
+                attention_mask: torch.Tensor | None = None) -> torch.Tensor | None:
+    """Score ``input_ids`` [B, T] for ``cache`` and store every one of its tokens from the scoring's own context pass,
+    where the evictor needs scores, the cache is empty and can take them: then the logits of the prompt's last token
+    [B, V] from that pass (the next token's, computed as a full cache computes them: the prompt attends to itself
+    exactly), so no forward of the prompt follows. None where it stored nothing (the caller then feeds the prompt)."""
+    stored, logits = _score(model, cache, input_ids, progress, attention_mask, True, whole=True)
+    return logits if stored == input_ids.shape[-1] else None
+
+
+def _score(model: Any, cache: Any, input_ids: torch.Tensor, progress: bool, attention_mask: torch.Tensor | None,
+           ingest: bool, whole: bool) -> tuple[int, torch.Tensor | None]:
+    """:func:`score_for` (``whole`` False: the last token left to the caller's forward) and :func:`score_whole`: the
+    tokens stored, and the scoring pass's last logits where ``whole`` stored them all."""
     if not needs_importance(cache) or cache.get_seq_length() != 0:
-        return 0
+        return 0, None
     if attention_mask is not None and not bool(attention_mask.bool().all()):
         raise CacheStateError(
             f"pipeline '{cache.pipeline.name}': its evictor scores whole rows of context; this batch is padded "
@@ -264,15 +284,17 @@ def score_for(model: Any, cache: Any, input_ids: torch.Tensor, progress: bool = 
     tokenizer = getattr(cache, "tokenizer", None)
     surrogate = getattr(evictor, "surrogate", None)
     ingesting = ingest and input_ids.shape[-1] >= 2 and ingest_refusal(cache, whole_windows=surrogate is not None) is None
-    scored = input_ids[:, :-1] if ingesting else input_ids
+    scored = input_ids[:, :-1] if ingesting and not whole else input_ids
     kept: list | None = [] if ingesting else None
     energy = cache.engine.energy if ingesting else None
+    logits: list | None = [] if ingesting and whole else None
     if surrogate is not None:  # one forward: its attention inputs mapped to predicted scores
-        scores = surrogate_scores(model, scored, surrogate, sinks=getattr(evictor, "sinks", 4), keep=kept, energy=energy)
+        scores = surrogate_scores(model, scored, surrogate, sinks=getattr(evictor, "sinks", 4), keep=kept, energy=energy,
+                                  logits=logits)
     else:
         scores = reconstruction_scores(model, tokenizer, scored, chunk=getattr(evictor, "chunk", 2048),
                                        sinks=getattr(evictor, "sinks", 4), progress=progress,  # an evictor's own, else KVzip's
-                                       keep=kept, energy=energy)
+                                       keep=kept, energy=energy, logits=logits)
     threshold = float(getattr(evictor, "copying", 0.0) or 0.0)
     if threshold:  # the copying layers keep every token: +inf is kept whatever the cut and not counted
         induction = surrogate.get("induction") if surrogate is not None else None  # measured when the map was fitted
@@ -284,9 +306,9 @@ def score_for(model: Any, cache: Any, input_ids: torch.Tensor, progress: bool = 
                   f"{', '.join(map(str, layers)) or 'none'}", file=sys.stderr, flush=True)
     cache.set_importance(scores)
     if kept is None:
-        return 0
+        return 0, None
     ingest_context(cache, kept)
-    return int(scored.shape[-1])
+    return int(scored.shape[-1]), logits[0] if logits else None
 
 
 def prefill(model: Any, cache: Any, input_ids: torch.Tensor, progress: bool = False, ingest: bool = False) -> None:

@@ -84,11 +84,12 @@ CHUNK_ELEMENTS = 1 << 25  # 128 MiB of float32 hidden states multiplied at a tim
 
 
 def surrogate_scores(model: Any, input_ids: torch.Tensor, data: dict[str, Any], *, sinks: int = 4,
-                     keep: list | None = None, energy: Any = None) -> torch.Tensor:
+                     keep: list | None = None, energy: Any = None, logits: list | None = None) -> torch.Tensor:
     """Predicted log KVzip scores of ``input_ids`` [B, T]: float32 [L, B, H, T] on the model's device from one forward
     (``+inf`` for unscored layers and the first ``sinks`` positions). ``keep`` and ``energy`` as in
     :func:`~kvweave.engine.importance.reconstruction_scores`; ``keep`` receives every token of every layer, those of
-    sliding-window layers too (they hold it only for this pass: ingesting keeps their windows)."""
+    sliding-window layers too (they hold it only for this pass: ingesting keeps their windows); ``logits`` receives the
+    forward's logits of the last token [B, V]."""
     from transformers import DynamicCache
 
     if input_ids.dim() != 2 or input_ids.shape[-1] < 1:
@@ -114,9 +115,11 @@ def surrogate_scores(model: Any, input_ids: torch.Tensor, data: dict[str, Any], 
     # it them); else the model's own cache, windows and all
     cache = DynamicCache() if keep is not None else DynamicCache(config=model.config)
     with torch.inference_mode(), HiddenTap(model, take), EnergyTap(model, energy, heads):
-        model(input_ids=input_ids.to(device), use_cache=True, logits_to_keep=1, **cache_kwargs(model, cache))
+        out = model(input_ids=input_ids.to(device), use_cache=True, logits_to_keep=1, **cache_kwargs(model, cache))
     if keep is not None:
         keep.extend((layer.keys, layer.values) for layer in cache.layers)
+    if logits is not None:
+        logits.append(out.logits[:, -1])
     if sinks:
         scores[..., :sinks] = math.inf
     return scores

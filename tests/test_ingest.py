@@ -59,6 +59,9 @@ def test_an_ingested_context_is_what_a_forward_stores(model, registry, name):  #
 
 
 def test_generate_ingests_and_gives_the_tokens_of_a_forward(model, registry):  # noqa: F811
+    """Greedy generation stores the whole prompt from the scoring pass and takes the first token from that pass's
+    logits: no forward of the prompt follows, only the steps of the tokens after the first; the tokens are those of a
+    cache filled by one forward of the prompt (which attends to itself exactly, as the scoring pass does)."""
     from kvweave.engine.generation import generate
 
     ids = torch.randint(1, 128, (1, 200), generator=torch.Generator().manual_seed(6))
@@ -66,13 +69,19 @@ def test_generate_ingests_and_gives_the_tokens_of_a_forward(model, registry):  #
     cache = build_cache(registry.resolve("t-lowbit-sinks-kvzip"), model, tokenizer=CharTokenizer())
     with _fed_lengths(model) as fed:
         tokens, stats = generate(model, dict(inputs), cache, max_new_tokens=6, do_sample=False)
-    assert max(fed[-6:]) == 1  # no forward of the whole prompt after the scoring's
+    assert fed[0] == 200 and fed.count(1) == 5 and fed[-5:] == [1] * 5  # the context pass, repetitions, 5 steps
     reference = build_cache(registry.resolve("t-lowbit-sinks-kvzip"), model, tokenizer=CharTokenizer())
+    expected = []
     with torch.no_grad():
-        importance.prefill(model, reference, ids[:, :-1])
-        out = model(input_ids=ids[:, -1:], **cache_kwargs(model, reference))
-    assert int(out.logits[0, -1].argmax()) == int(tokens[0, 0])
+        importance.score_for(model, reference, ids)  # scored, then one forward of the whole prompt
+        step = ids
+        for _ in range(6):
+            out = model(input_ids=step, **cache_kwargs(model, reference))
+            step = out.logits[:, -1:].argmax(-1)
+            expected.append(int(step[0, 0]))
+    assert tokens[0].tolist() == expected
     assert stats.prompt_tokens == 200 and stats.cached_tokens == 205
+    assert cache.memory_bytes() == reference.memory_bytes()
 
 
 def test_storing_a_context_with_its_sinks_restored_compares_no_layers_kept_tokens(model, registry, monkeypatch):  # noqa: F811
