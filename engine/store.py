@@ -66,6 +66,16 @@ class ExactTokens:
         codes, scale = held  # int8 codes times float32 scales in one pass
         return (codes[..., :count, :] * scale[..., :count, :].float()).to(self._dtype)
 
+    def finite(self, kind: str, count: int) -> torch.Tensor:
+        """Whether each of the first ``count`` tokens of ``kind`` is finite, bool [B, H, count]: an int8 window's from its
+        scales alone (a vector with NaN or infinity is stored with a NaN scale), without decoding the tokens."""
+        held = self._held[kind]
+        if held is None:
+            raise CacheStateError(f"the exact window holds no {kind}")
+        if self.lossy:
+            return torch.isfinite(held[1][..., :count, 0])
+        return torch.isfinite(torch.linalg.vector_norm(held[0][..., :count, :], float("inf"), dim=-1))
+
     def __setitem__(self, kind: str, tensor: torch.Tensor | None) -> None:
         self._not_static("replaced")
         self._held[kind] = None if tensor is None else self._encode(tensor)

@@ -118,3 +118,21 @@ def test_a_pass_holds_at_most_its_bytes_of_float32_keys_and_a_gpus_pass_more_lay
         per_pass = together.layers_a_pass(engine, 4096, 1, device)
         assert per_pass * layer <= limit < (per_pass + 1) * layer
     assert together.layers_a_pass(engine, 1 << 24, 1, torch.device("cpu")) == 1  # a layer alone never refused
+
+
+@pytest.mark.parametrize("name", ["t-lowbit-sinks-kvzip", "t-lowbit-kvzip-cg"])  # an int8 window (its scales); a bf16 one
+def test_a_non_finite_token_stored_together_is_named(model, registry, name):  # noqa: F811
+    from kvweave.core.errors import CacheStateError
+
+    ids = torch.randint(1, 128, (1, 230), generator=torch.Generator().manual_seed(7))
+    cache = build_cache(_pipeline(registry, name), model, tokenizer=CharTokenizer())
+    kept: list = []
+    with torch.no_grad():
+        scores = importance.reconstruction_scores(model, CharTokenizer(), ids, keep=kept, energy=cache.engine.energy)
+    cache.set_importance(scores)
+    keys, values = kept[3]
+    values = values.clone()
+    values[0, 1, 40, 5] = float("nan")
+    kept[3] = (keys, values)
+    with pytest.raises(CacheStateError, match=r"layer 3 sent non-finite values \(first at batch row 0, KV head 1, token 40\)"):
+        ingest.ingest(cache, kept)

@@ -15,8 +15,8 @@ python -m pip install -q --no-deps --no-build-isolation -e . >/dev/null 2>&1
 REG=/tmp/kvweave-surrogate-registry
 python benchmarks/surrogate_registry.py --out $REG $S > /dev/null
 step() { local limit=$1 file=$2; shift 2; echo "\$ $*" >> "$OUT/$file"; timeout "$limit" "$@" 2>&1 | grep -v -i warn >> "$OUT/$file"; echo "exit $? after ${SECONDS}s" >> "$OUT/$file"; }
-step 120 together.txt python benchmarks/ingest_together.py $S --registry $REG/registry.toml --tokens $T --pass-mib 1024,256
-step 190 ttft.txt python benchmarks/decode_e2e.py $S --registry $REG/registry.toml --methods full,kzd-k4v2-f48-d128-s,depthweave-kv,kzd-k4v2-f48-d128 --ttft $T --batches "" --out /tmp/kvweave-ttft
+step 120 together.txt python benchmarks/ingest_together.py $S --registry $REG/registry.toml --tokens $T --pass-mib 1024,512,256
+step 190 ttft.txt python benchmarks/decode_e2e.py $S --registry $REG/registry.toml --methods full,kzd-k4v2-f48-d128-s,depthweave-kv --ttft $T --batches "" --out /tmp/kvweave-ttft
 cat /tmp/kvweave-ttft/decode_e2e.md >> "$OUT/ttft.txt" 2>/dev/null
 step 80 prefill-s.txt python benchmarks/profile_prefill.py $S --registry $REG/registry.toml --pipeline kzd-k4v2-f48-d128-s --tokens $T --ops 30
 if [ -n "$BEFORE" ]; then  # the tree before, imported as kvweave from a folder of its own
