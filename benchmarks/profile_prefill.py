@@ -30,6 +30,7 @@ from transformers import DynamicCache
 import kvweave.engine.encoder as encoder_module
 import kvweave.engine.engine as engine_module
 import kvweave.engine.importance as importance_module
+import kvweave.engine.ingest as ingest_module
 import kvweave.engine.together as together_module
 from kvweave.engine import build_cache, cache_kwargs
 from kvweave.core.registry import load_pipeline
@@ -85,6 +86,7 @@ def patch_module() -> None:
         for module in (engine_module, encoder_module):  # wherever the engine's steps call them from
             if hasattr(module, name):
                 setattr(module, name, timed(f"residuals.{name}", getattr(module, name)))
+    ingest_module.flush_together = timed("together.flush_together", ingest_module.flush_together)  # an ingest's flushes
     for name in ("reconstruction_scores", "surrogate_scores", "copying_layers", "ingest_context"):  # context scoring (kvzip) and its storing, called by score_for
         setattr(importance_module, name, timed(f"importance.{name}", getattr(importance_module, name)))
 
@@ -169,8 +171,9 @@ def main() -> None:
     print("|---|---|---|---|")
     for name, (calls, seconds) in sorted(TOTALS.items(), key=lambda item: -item[1][1]):
         print(f"| {name} | {calls} | {seconds:.3f} | {seconds / total:.0%} |")
-    print("(stages nest: engine._flush contains the others; importance.* run before the prompt's forward; the model's "
-          "forward is TTFT minus engine._flush and importance.*)")
+    print("(stages nest: engine._flush, or together.flush_together where an ingest's flushes go together, contains the "
+          "others; importance.* run before the prompt's forward; the model's forward is TTFT minus engine._flush and "
+          "importance.*)")
     if args.ops:
         unit = "device" if ids.is_cuda else "CPU"
         print(f"\n| stage | operation | calls | {unit} seconds (own kernels) |")

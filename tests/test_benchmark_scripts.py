@@ -272,7 +272,7 @@ def test_profile_prefill_scores_the_context_of_a_kvzip_pipeline_and_times_the_sc
     head = done.stdout.splitlines()[0]
     assert head.startswith("prompt 256 tokens, 2 layers, cpu: full cache") and "kvzip-qa35v3" in head
     stages = {line.split(" | ")[0].strip("| ") for line in done.stdout.splitlines() if line.startswith("| ")}
-    assert {"importance.reconstruction_scores", "engine._flush", "quantizer.quantize"} <= stages
+    assert {"importance.reconstruction_scores", "together.flush_together", "quantizer.quantize"} <= stages  # stored together
 
 
 def test_a_surrogate_pipeline_is_scored_by_one_forward_in_the_prefill_profile(tmp_path):
@@ -291,7 +291,7 @@ def test_a_surrogate_pipeline_is_scored_by_one_forward_in_the_prefill_profile(tm
     stages = {line.split(" | ")[0].strip("| ") for line in done.stdout.splitlines() if line.startswith("| ")}
     assert "importance.surrogate_scores" in stages and "importance.reconstruction_scores" not in stages
     assert "importance.ingest_context" in stages  # the context stored from the scoring pass, timed as a whole
-    assert "engine._flush" in stages
+    assert "together.flush_together" in stages  # its one-layer flushes a few layers a pass
     bad = subprocess.run([*write[:3], str(tmp_path / "bad"), "--smoke", "--pipelines", "nope"], capture_output=True,
                          text=True, timeout=300, cwd=ROOT)
     assert bad.returncode != 0 and "nope" in bad.stderr and not (tmp_path / "bad").exists()
