@@ -67,8 +67,7 @@ class ExactTokens:
         return (codes[..., :count, :] * scale[..., :count, :].float()).to(self._dtype)
 
     def finite(self, kind: str, count: int) -> torch.Tensor:
-        """Whether each of the first ``count`` tokens of ``kind`` is finite, bool [B, H, count]: an int8 window's from its
-        scales alone (a vector with NaN or infinity is stored with a NaN scale), without decoding the tokens."""
+        """Whether each of the first ``count`` tokens of ``kind`` is finite, bool [B, H, count] (int8: from the scales)."""
         held = self._held[kind]
         if held is None:
             raise CacheStateError(f"the exact window holds no {kind}")
