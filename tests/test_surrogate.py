@@ -247,6 +247,22 @@ weights = ""
     with _fed_lengths(gemma) as fed, torch.no_grad():
         importance.prefill(gemma, kvzip, ids, ingest=True)
     assert 150 in fed  # the prompt's own forward after KVzip's passes
+    # greedy generation: the context read once, the first token from that pass, the tokens of a forward-filled cache
+    from kvweave.engine.generation import generate
+
+    whole = build_cache(registry.resolve("g-sg"), gemma, tokenizer=CharTokenizer())
+    with _fed_lengths(gemma) as fed:
+        tokens, _ = generate(gemma, {"input_ids": ids, "attention_mask": torch.ones_like(ids)}, whole, max_new_tokens=4,
+                             do_sample=False)
+    assert fed == [150, 1, 1, 1]
+    reference = build_cache(registry.resolve("g-sg"), gemma, tokenizer=CharTokenizer())
+    expected, step = [], ids
+    with torch.no_grad():
+        importance.score_for(gemma, reference, ids)
+        for _ in range(4):
+            step = gemma(input_ids=step, **cache_kwargs(gemma, reference)).logits[:, -1:].argmax(-1)
+            expected.append(int(step[0, 0]))
+    assert tokens[0].tolist() == expected and whole.memory_bytes() == reference.memory_bytes()
 
 
 def test_storing_a_scored_context_reads_the_host_once_for_its_slots(model, registry, monkeypatch):  # noqa: F811
