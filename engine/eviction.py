@@ -172,10 +172,9 @@ class Eviction:
             window.compressed_tokens += slots
 
     def _placed_leading(self, group_index: int, passed: int, keep: torch.Tensor, members: tuple[int, ...] | None = None) -> int:
-        """How many of an evicting flush's first slots hold the block's first positions in order in every layer, row
-        and head, known without a host read: the positions the evictor always keeps (``Evictor.kept_leading``) within
-        this block, where no row is padded (a padded row's first positions are not its sequence's). The promise is
-        checked with the flush's other checks (deferred on a GPU): ``keep`` [G, B, H, n] must hold them."""
+        """How many of an evicting flush's first slots hold the block's first positions in every layer, row and head,
+        known without a host read: those the evictor always keeps (``Evictor.kept_leading``), where no row is padded;
+        ``keep`` [G, B, H, n] must hold them (checked with the flush's other checks, deferred on a GPU)."""
         lead = min(max(0, int(self.evictor.kept_leading()) - passed), keep.shape[-1])
         if lead == 0 or self.engine.padding is not None:
             return 0
