@@ -63,3 +63,16 @@ def test_an_end_of_sequence_first_token_ends_the_generation(model, registry):  #
     tokens, _ = generate(model, dict(inputs), one, max_new_tokens=5, do_sample=False, eos_token_id=int(first[0, 0]), pad_token_id=0)
     if int(first[1, 0]) != int(first[0, 0]):  # row 0 ended with its first token: padded after it while row 1 goes on
         assert tokens[0, 0] == first[0, 0] and (tokens[0, 1:] == 0).all() and tokens.shape[1] > 1
+
+
+def test_graph_decoding_after_a_first_token_from_the_scoring_pass_decodes_what_generate_does(model, registry):  # noqa: F811
+    """``cuda_graphs`` (eager steps here, off a GPU): the steps after the first token start from the stored prompt
+    (KVzip over channel-group keys stored before RoPE)."""
+    inputs = _inputs(seed=9)
+    plain = build_cache(registry.resolve("t-lowbit-kvzip-cg"), model, tokenizer=CharTokenizer())
+    expected, _ = generate(model, dict(inputs), plain, max_new_tokens=7, do_sample=False)
+    graphed = build_cache(registry.resolve("t-lowbit-kvzip-cg"), model, tokenizer=CharTokenizer())
+    with _fed_lengths(model) as fed:
+        tokens, stats = generate(model, dict(inputs), graphed, max_new_tokens=7, do_sample=False, cuda_graphs=True)
+    assert tokens.tolist() == expected.tolist() and fed.count(1) == 6
+    assert stats.cached_tokens == plain.get_seq_length() == 206
