@@ -48,21 +48,17 @@ def check_block_groups(engine: CompressionEngine, where: str) -> None:
             )
 
 
-def check_finite(engine: CompressionEngine, members: tuple[int, ...], count: int,
-                 blocks: dict[tuple[int, str], torch.Tensor] | None = None) -> None:
+def check_finite(engine: CompressionEngine, members: tuple[int, ...], count: int) -> None:
     """Refuse a block holding NaN or infinite keys or values (the first ``count`` tokens of each (layer, kind) of the
-    exact windows; ``blocks``: those tokens as the flush read them, where it did): quantizing them would corrupt whole
-    scale groups silently. Within a flush the check reads the host with the forward's other checks
-    (:mod:`kvweave.core.deferred`; the engine resolves them before any of the block is read back), elsewhere at
-    once."""
+    exact windows): quantizing them would corrupt whole scale groups silently. Within a flush the check reads the host
+    with the forward's other checks (:mod:`kvweave.core.deferred`; the engine resolves them before any of the block is
+    read back), elsewhere at once."""
     for layer in members:  # decode steps' tokens beyond an int8 window's range, named before they read back as NaN
         engine.windows[layer].exact.settle()
     names = [(layer, kind) for layer in members for kind in KINDS]
     # [B, H, count] per block, kept to name the first offender (the blocks themselves are not): an int8 window's scales
-    # (NaN for a vector holding NaN or infinity), else each vector's largest magnitude, one pass over it (NaN and
-    # infinity carry through the maximum)
-    tokens = [engine.windows[layer].exact.finite(kind, count) if blocks is None or engine.windows[layer].exact.lossy
-              else torch.isfinite(torch.linalg.vector_norm(blocks[(layer, kind)], float("inf"), dim=-1)) for layer, kind in names]
+    # (NaN for a vector holding NaN or infinity), else each vector's largest magnitude (ExactTokens.finite)
+    tokens = [engine.windows[layer].exact.finite(kind, count) for layer, kind in names]
     passed = engine.windows[members[0]].passed_tokens
 
     def fail() -> None:

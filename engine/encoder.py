@@ -58,10 +58,7 @@ class BlockEncoder:
         quantizer = self.engine.quantizer(group_index, kind)
         residual_quantizer = self.engine.residual_quantizers[kind]
         coefficients = block if identity else self.engine.basis.encode(store.state, work).to(block.dtype)
-        if kind == "keys" and self.engine.energy is not None:  # channels weighed by the queries' energy (engine/energy.py)
-            packed = quantizer.quantize(coefficients, channel_weights=self.engine.energy.means(members))  # type: ignore[call-arg]
-        else:
-            packed = quantizer.quantize(coefficients)
+        packed = self.quantize(kind, quantizer, members, coefficients)
         store.coefficients.append(packed)
         store.flushes += 1
         tokens = block.shape[-2]
@@ -91,8 +88,7 @@ class BlockEncoder:
                 ranks = self.engine.router.assign(route) if kept_index is None else self.engine.eviction.rank_kept(self.engine.router, route, kept_index)
                 counts, ends = self.rank_counts(ranks, work.shape[:-1])
             else:
-                counts = [{rank: block.shape[1] * block.shape[2] * sum(stop - start for start, stop, level in fixed if level == rank)
-                           for rank in {level for _, _, level in fixed}}] * len(members)
+                counts, ends = self.fixed_counts(fixed, block.shape[1] * block.shape[2], len(members))
             if fixed is None and self.engine.settings.residual_mode == "basis" and any(self.engine.windows[layer].residual_basis[kind] is None for layer in members):
                 # every member's residual basis from its first block, fitted in one batched call
                 fitted = fit_residual_basis(rows, max(self.engine.levels))  # rows: the misses, or their mixed rows
@@ -101,17 +97,11 @@ class BlockEncoder:
                         self.engine.windows[layer].residual_basis[kind] = fitted[member].clone()
             missing = (work - approx if rows is None else rows).to(block.dtype)  # [G, B, H, n, D]
             entries = self.encode_members(kind, members, missing, ranks if fixed is None else fixed, counts, residual_quantizer)
-            for member, layer in enumerate(members):
-                window = self.engine.windows[layer]
-                basis = window.residual_basis[kind]
-                if mixing is None:
-                    approx[member] = add_residuals(approx[member], entries[member], residual_quantizer, self.engine.router.gates(layer, kind), basis)
-                held = window.compressed_tokens
-                for rank, fields in entries[member].items():
-                    end = ends[member][rank] if fixed is None else max(stop for _, stop, level in fixed if level == rank)
-                    last = held + end
-                    window.residuals[kind][rank].append({**fields, "token": fields["token"] + held}, held, tokens,
-                                                        block.shape[1] * block.shape[2], last)
+            if mixing is None:
+                for member, layer in enumerate(members):
+                    approx[member] = add_residuals(approx[member], entries[member], residual_quantizer,
+                                                   self.engine.router.gates(layer, kind), self.engine.windows[layer].residual_basis[kind])
+            self.append_entries(kind, members, entries, ends, [tokens] * len(members), block.shape[1] * block.shape[2])
             if mixing is not None and self.engine.probe.wants(store.flushes):  # rows of the whole group, mixed per layer
                 gates = [self.engine.router.gates(layer, kind) for layer in members]
                 bases = [self.engine.windows[layer].residual_basis[kind] for layer in members]
@@ -120,6 +110,33 @@ class BlockEncoder:
             if self.engine.pre_rope and kind == "keys":  # the probe compares attention, which sees rotated keys
                 approx = self.engine.rope_keys(approx, members, positions, inverse=False)
             self.probe(kind, group_index, exact_block, approx)
+
+    def quantize(self, kind: str, quantizer, members: tuple[int, ...], coefficients: torch.Tensor) -> TensorMap:
+        """``coefficients`` [G, B, H, n, r] of ``members`` packed by ``quantizer``: keys with each layer's channels
+        weighed by its queries' energy where the pipeline records it (engine/energy.py)."""
+        if kind == "keys" and self.engine.energy is not None:
+            return quantizer.quantize(coefficients, channel_weights=self.engine.energy.means(members))  # type: ignore[call-arg]
+        return quantizer.quantize(coefficients)
+
+    @staticmethod
+    def fixed_counts(fixed: tuple[tuple[int, int, int], ...], rows: int, members: int) -> tuple[list[dict[int, int]], list[dict[int, int]]]:
+        """What :meth:`rank_counts` reads for ranks fixed by position (runs ``(start, stop, rank)`` in every one of a
+        block's ``rows`` rows and heads), on the host: each member's entry count by rank, and where its entries end."""
+        levels = {level for _, _, level in fixed}
+        counts = {rank: rows * sum(stop - start for start, stop, level in fixed if level == rank) for rank in levels}
+        ends = {rank: max(stop for _, stop, level in fixed if level == rank) for rank in levels}
+        return [counts] * members, [ends] * members
+
+    def append_entries(self, kind: str, members: tuple[int, ...], entries: list[dict[int, TensorMap]],
+                       ends: list[dict[int, int]], tokens: list[int], rows: int) -> None:
+        """Each member's residual entries of a block (tokens relative to it) appended to its lists after the slots it
+        holds already: ``ends`` where each rank's entries end in the block, ``tokens`` the block's slots, per member."""
+        for member, layer in enumerate(members):
+            window = self.engine.windows[layer]
+            held = window.compressed_tokens
+            for rank, fields in entries[member].items():
+                window.residuals[kind][rank].append({**fields, "token": fields["token"] + held}, held, tokens[member], rows,
+                                                    held + ends[member][rank])
 
     def routed_head(self, kind: str, group_index: int, tokens: int, quantizer) -> int:
         """How many leading tokens of a ``tokens``-token block to reconstruct and route: every one where the

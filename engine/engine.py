@@ -288,8 +288,7 @@ class CompressionEngine:
         count = (ready // self.settings.block_tokens) * self.settings.block_tokens
         if count <= 0:
             return
-        blocks = {(layer, kind): self.windows[layer].exact.head(kind, count) for layer in members for kind in KINDS}
-        check_finite(self, members, count, blocks)
+        check_finite(self, members, count)
         # attention statistics need the keys as they are before this block is encoded (once for K and V)
         wants_stats = (self.router.needs_attention and self.residual_levels) or (self.evicts and self.evictor.needs_attention)
         stats = self._attention_stats(members, count) if wants_stats else None
@@ -301,24 +300,30 @@ class CompressionEngine:
             passed = self.windows[members[0]].passed_tokens
             positions = torch.arange(passed, passed + count, device=self.windows[members[0]].exact.device)
             for kind in KINDS:
-                parts = [blocks[(layer, kind)] for layer in members]
+                parts = [self.windows[layer].exact.head(kind, count) for layer in members]
                 block = parts[0].unsqueeze(0) if len(parts) == 1 else torch.stack(parts)  # one layer: no copy
                 self.encoder.encode(kind, group_index, block, stats, positions)
             for layer in members:
                 self.windows[layer].compressed_tokens += count
+        self._flushed(members, count, group_index == self.last_flushing, group_index)
+
+    def _flushed(self, members: tuple[int, ...], count: int, last: bool, group_index: int | None = None) -> None:
+        """After ``members``' first ``count`` window tokens are stored (or dropped): they leave the windows, what kept
+        their previous storage is dropped, and after the forward's ``last`` flush the probes' shares and the budget
+        move. ``group_index``: the group of a sliding-window layer compressed too (its window drops older blocks)."""
         for layer in members:
             window = self.windows[layer]
             for kind in KINDS:
                 window.exact.drop_front(kind, count)
             window.passed_tokens += count
-        if self.compress_sliding and members[0] in self.sliding:
+        if group_index is not None and self.compress_sliding and members[0] in self.sliding:
             drop_outside_window(self, group_index)
         self.kernel.storage_changed(self.kernel_state, members)
         self.observer.forget_selection(members)
         self.observer.forget_boundaries(min(w.passed_tokens for w in self.windows))
         if self.evicts and not self.residual_levels and not self.probe.needs_queries:
             self.observer.forget_queries(members)  # eviction uses only the queries of the forward that flushes
-        if group_index == self.last_flushing:
+        if last:
             self.encoder.apply_probe_shares()
             self._budget_warned = self._budget_warned or self.budget.check_met(self)
 

@@ -135,7 +135,7 @@ class Eviction:
     def evict(self, group_index: int, count: int, stats: tuple[torch.Tensor, torch.Tensor] | None) -> None:
         """Flush ``count`` tokens of a group whose evictor may drop some: the dropped ones are not stored."""
         members = self.engine.groups[group_index]
-        blocks = {kind: torch.stack([self.engine.windows[layer].exact[kind][..., :count, :] for layer in members]) for kind in KINDS}
+        blocks = {kind: torch.stack([self.engine.windows[layer].exact.head(kind, count) for layer in members]) for kind in KINDS}
         work = blocks["keys"].float()
         passed = self.engine.windows[members[0]].passed_tokens
         logical = torch.arange(passed, passed + count, device=work.device).expand(work.shape[:-1])

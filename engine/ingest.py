@@ -76,7 +76,6 @@ def ingest(cache: Any, layers: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
         group = engine.group_of[index][0]
         if together and group in engine.pending:
             engine.pending.discard(group)
-            engine.returned_keys.pop(index, None)
             waiting.append(group)
             if len(waiting) == per_pass:
                 flush_together(engine, waiting)
