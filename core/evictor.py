@@ -76,6 +76,10 @@ class Evictor(Component):
     #: block's other layers): the cache may then ask once for a block of several one-layer groups (a prompt's
     #: flushes stored together, :mod:`kvweave.engine.together`)
     layer_local: ClassVar[bool] = False
+    #: whether ``keep`` reads the block's keys; False: the cache may decide for layers whose keys it does not hold
+    #: yet (a scored context's layers, all at once: :mod:`kvweave.engine.together`), handing a block whose ``keys``
+    #: have no channels [G, B, H, n, 0]
+    reads_keys: ClassVar[bool] = True
     #: whether stored tokens are offered again at every flush (they may then be dropped; needs a basis
     #: with single-layer groups and a router without residual levels)
     reselects: ClassVar[bool] = False

@@ -20,7 +20,7 @@ from typing import Any
 
 import torch
 
-from kvweave.engine.together import flush_together, layers_a_pass, together_refusal
+from kvweave.engine.together import Plan, flush_together, layers_a_pass, together_refusal
 
 
 def ingest_refusal(cache: Any, whole_windows: bool = False) -> str | None:
@@ -65,6 +65,7 @@ def ingest(cache: Any, layers: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
     together = engine.own_attention and together_refusal(engine, flushing) is None
     batch, total = layers[0][0].shape[0], layers[0][0].shape[-2]
     per_pass = layers_a_pass(engine, total, batch, layers[0][0].device) if together else 0
+    plan = Plan(flushing)  # what every layer keeps, decided at the first flush where the evictor reads no keys
     waiting: list[int] = []
     for index, (keys, values) in enumerate(layers):
         layer = cache.layers[index]
@@ -78,9 +79,9 @@ def ingest(cache: Any, layers: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
             engine.pending.discard(group)
             waiting.append(group)
             if len(waiting) == per_pass:
-                flush_together(engine, waiting)
+                flush_together(engine, waiting, plan)
                 waiting = []
         else:
             engine.after_attention(index)
     if waiting:
-        flush_together(engine, waiting)
+        flush_together(engine, waiting, plan)

@@ -17,6 +17,7 @@ quantizers that differ between layers.
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 import torch
@@ -38,6 +39,9 @@ PASS_BYTES_HOST = 8 << 20
 #: layers share a pass while the largest slot count is at most this much above the smallest (the smaller ones'
 #: padding is quantized and dropped)
 PAD_RATIO = 1.25
+#: bytes a token and head of one layer's decision holds without its keys (its scores as float64, their order and
+#: ranks as int64, the masks), for how many layers are decided at once
+DECISION_BYTES = 40
 
 
 def together_refusal(engine: CompressionEngine, groups: list[int]) -> str | None:
@@ -74,56 +78,97 @@ def together_refusal(engine: CompressionEngine, groups: list[int]) -> str | None
     return None
 
 
-def flush_together(engine: CompressionEngine, groups: list[int]) -> None:
+@dataclass
+class Plan:
+    """What every layer of an ingest's flushes keeps, decided once: ``groups``, the one-layer groups the ingest will
+    flush together (in calls of a few); where the evictor does not read the keys (``Evictor.reads_keys``), the first
+    call decides for all of them, with one host read for the whole context, so the later calls store without waiting
+    on the device."""
+
+    groups: list[int]
+    passed: int = -1
+    count: int = -1
+    exact: int = -1
+    placed: int = 0
+    keeps: dict[int, torch.Tensor] = field(default_factory=dict)
+    slots: dict[int, int] = field(default_factory=dict)
+
+
+def flush_together(engine: CompressionEngine, groups: list[int], plan: Plan | None = None) -> None:
     """Flush the ready block of every group in ``groups`` (one-layer groups for which :func:`together_refusal` says
-    None) as the engine's ``_flush`` would, one after another, with its checks read once at the end."""
+    None) as the engine's ``_flush`` would, one after another, with its checks read once at the end; ``plan``: the
+    decisions of an ingest's earlier calls, kept for its later ones (None: these groups decide alone)."""
     with engine.deferred.collecting(engine._defers(engine.windows[engine.groups[groups[0]][0]].exact.device)):
-        _flush_together(engine, groups)
+        _flush_together(engine, groups, Plan(list(groups)) if plan is None else plan)
     if engine.last_flushing in groups:
         engine.deferred.resolve()
 
 
-def _flush_together(engine: CompressionEngine, groups: list[int]) -> None:
+def _flush_together(engine: CompressionEngine, groups: list[int], plan: Plan) -> None:
     settings = engine.settings
     layers = [engine.groups[g][0] for g in groups]
     first = engine.windows[layers[0]]
-    if len({(engine.windows[layer].passed_tokens, engine.windows[layer].exact_tokens) for layer in layers}) != 1:
+    held = {(engine.windows[layer].passed_tokens, engine.windows[layer].exact_tokens) for layer in layers}
+    if len(held) != 1 or (plan.slots and held != {(plan.passed, plan.exact)}):
         raise CacheStateError(f"flush_together: layers {layers} hold different tokens; their flushes cannot go together")
     ready = first.exact_tokens - settings.recent_window
     count = (ready // settings.block_tokens) * settings.block_tokens
     if count <= 0:
         return
+    per_pass = layers_a_pass(engine, count, first.exact.shape()[0], first.exact.device)
+    if any(layer not in plan.slots for layer in layers):
+        ahead = [] if engine.evictor.reads_keys else [engine.groups[g][0] for g in plan.groups if g not in groups]
+        _decide(engine, groups[0], layers, ahead, count, per_pass, plan)
+    check_finite(engine, tuple(layers), count)  # an int8 window's from its scales: no token decoded for it
+    for members in _passes(layers, plan.slots, per_pass):
+        _store(engine, members, [plan.slots[layer] for layer in members], plan.keeps, count, plan.passed, plan.placed)
+    engine._flushed(tuple(layers), count, engine.last_flushing in groups)
+
+
+def _decide(engine: CompressionEngine, group: int, layers: list[int], ahead: list[int], count: int, per_pass: int,
+            plan: Plan) -> None:
+    """Which tokens ``layers`` (their windows holding the context) and ``ahead`` (whose windows will hold the same
+    tokens: decided from the context's scores, the evictor reading no keys) keep, a few layers at a time, and how many
+    slots each stores: one host read."""
     eviction = engine.eviction
-    passed = first.passed_tokens
-    device = first.exact.device
-    per_pass = layers_a_pass(engine, count, first.exact.shape()[0], device)
-    # which tokens every layer keeps, a few layers at a time (their float32 keys), and how many slots: one host read
-    keeps, placed, counts = {}, count, []
-    for start in range(0, len(layers), per_pass):
-        part = tuple(layers[start : start + per_pass])
-        check_finite(engine, part, count)  # an int8 window's from its scales: no token decoded for it
-        work = torch.stack([engine.windows[layer].exact.head("keys", count) for layer in part]).float()
+    first = engine.windows[layers[0]]
+    passed, device = first.passed_tokens, first.exact.device
+    batch, heads = first.exact.shape()[0], engine.shape.num_kv_heads
+    every = layers + ahead
+    keyless = not engine.evictor.reads_keys
+    # without keys a layer's decision holds a few float64 and int64 copies of its scores, not its float32 keys
+    at_once = max(1, _limit(device) // max(1, batch * heads * count * DECISION_BYTES)) if keyless else per_pass
+    counts = []
+    for start in range(0, len(every), at_once):
+        part = tuple(every[start : start + at_once])
+        if keyless:
+            work = torch.empty((len(part), batch, heads, count, 0), device=device)
+        else:
+            work = torch.stack([engine.windows[layer].exact.head("keys", count) for layer in part]).float()
         logical = torch.arange(passed, passed + count, device=device).expand(work.shape[:-1])
-        route = eviction._eviction_block(groups[0], work, logical, None, None, 0, members=part)
+        route = eviction._eviction_block(group, work, logical, None, None, 0, members=part)
         keep = eviction.evictor.keep(route)
         eviction._check_keep(keep, work.shape[:-1])
         del work
-        keep = eviction._whole_groups(groups[0], keep, route, per_layer=True)
-        placed = min(placed, eviction._placed_leading(groups[0], passed, keep, members=part))
+        keep = eviction._whole_groups(group, keep, route, per_layer=True)
+        placed = eviction._placed_leading(group, passed, keep, members=part)
+        plan.placed = placed if not plan.keeps else min(plan.placed, placed)
         counts.append(keep.sum(-1).amax(dim=(1, 2)))  # [G]: each layer's slots, its most kept of any row and head
         for index, layer in enumerate(part):
-            keeps[layer] = keep[index]
-    slots = dict(zip(layers, torch.cat(counts).tolist()))
-    for members in _passes(layers, slots, per_pass):
-        _store(engine, members, [slots[layer] for layer in members], keeps, count, passed, placed)
-    engine._flushed(tuple(layers), count, engine.last_flushing in groups)
+            plan.keeps[layer] = keep[index]
+    plan.slots.update(zip(every, torch.cat(counts).tolist()))
+    plan.passed, plan.count, plan.exact = passed, count, first.exact_tokens
 
 
 def layers_a_pass(engine: CompressionEngine, tokens: int, batch: int, device: torch.device) -> int:
     """How many layers' blocks of ``tokens`` tokens one pass holds: :data:`PASS_BYTES` of float32 keys on a GPU,
     :data:`PASS_BYTES_HOST` elsewhere."""
     layer = batch * engine.shape.num_kv_heads * tokens * engine.shape.head_dim * 4
-    return max(1, (PASS_BYTES if device.type == "cuda" else PASS_BYTES_HOST) // max(1, layer))
+    return max(1, _limit(device) // max(1, layer))
+
+
+def _limit(device: torch.device) -> int:
+    return PASS_BYTES if device.type == "cuda" else PASS_BYTES_HOST
 
 
 def _passes(layers: list[int], slots: dict[int, int], per_pass: int) -> list[tuple[int, ...]]:

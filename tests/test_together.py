@@ -55,8 +55,9 @@ def test_flushes_stored_together_are_what_the_layer_by_layer_flushes_store(model
 
     monkeypatch.setattr(together, "_store", recording)
     monkeypatch.setattr(together, "PAD_RATIO", pad)
-    if per_pass is not None:
+    if per_pass is not None:  # the ingest's calls and their passes
         monkeypatch.setattr(together, "layers_a_pass", lambda *_args: per_pass)
+        monkeypatch.setattr(ingest, "layers_a_pass", lambda *_args: per_pass)
     joined = _ingested(model, registry, name, ids)
     assert stores and sum(len(counts) for counts in stores) == LAYERS
     assert max(len(counts) for counts in stores) == (per_pass or LAYERS) if pad > 10 else True
@@ -72,17 +73,62 @@ def test_flushes_stored_together_are_what_the_layer_by_layer_flushes_store(model
     assert torch.equal(x, y)
 
 
-def test_storing_together_reads_the_host_once_a_pass_group(model, registry, monkeypatch):  # noqa: F811
+@pytest.mark.parametrize("reads_keys", [False, True])
+def test_storing_together_reads_the_host_once_for_the_whole_context(model, registry, monkeypatch, reads_keys):  # noqa: F811
+    """kvzip reads no keys: the first call (layers 0-3) decides every layer's slots from the scores, the second (4-5)
+    only stores. An evictor that reads them decides each call's layers from their keys, a host read a call; both
+    store the same bytes."""
     from helpers import spy_ingest
 
+    from kvweave.plugins.evictors.kvzip import KVzipEvictor
+
     ids = torch.randint(1, 128, (1, 230), generator=torch.Generator().manual_seed(7))
-    monkeypatch.setattr(together, "layers_a_pass", lambda *_args: 4)
+    for module in (together, ingest):  # calls of 4 and 2 layers
+        monkeypatch.setattr(module, "layers_a_pass", lambda *_args: 4)
+    monkeypatch.setattr(KVzipEvictor, "reads_keys", reads_keys)
+    warm = _ingested(model, registry, "t-lowbit-sinks-kvzip", ids)  # one-time constants (a quantizer's levels) made
     cache = build_cache(_pipeline(registry, "t-lowbit-sinks-kvzip"), model, tokenizer=CharTokenizer())
+    blocks = []
+    keep = KVzipEvictor.keep
+    monkeypatch.setattr(KVzipEvictor, "keep", lambda self, block: blocks.append(block.keys.shape) or keep(self, block))
     spy = spy_ingest(monkeypatch, cache)
     with torch.no_grad():
         importance.prefill(model, cache, ids, ingest=True)
     reads = {site: n for site, n in spy.sites.items() if site[0] not in ("all", "any")}
-    assert sum(reads.values()) <= 2 + 1, reads  # the slot counts of layers 0-3, then of 4-5; the deferred checks
+    head_dim = cache.engine.shape.head_dim
+    if reads_keys:  # the slot counts of layers 0-3, then of 4-5; the deferred checks
+        assert sum(reads.values()) <= 2 + 1 and reads[("tolist", "_decide")] == 2, reads
+        assert [shape[0] for shape in blocks] == [4, 2] and all(shape[-1] == head_dim for shape in blocks), blocks
+    else:  # every layer's slot counts; the deferred checks
+        assert sum(reads.values()) <= 1 + 1 and reads[("tolist", "_decide")] == 1, reads
+        assert [shape[0] for shape in blocks] == [LAYERS] and blocks[0][-1] == 0, blocks
+    assert cache.memory_breakdown() == warm.memory_breakdown()
+    for a, b in zip(_stored(cache), _stored(warm)):
+        assert torch.equal(a, b)
+
+
+def test_layers_decided_ahead_must_receive_the_tokens_they_were_decided_for(model, registry):  # noqa: F811
+    from kvweave.core.errors import CacheStateError
+
+    ids = torch.randint(1, 128, (1, 230), generator=torch.Generator().manual_seed(7))
+    cache = build_cache(_pipeline(registry, "t-lowbit-sinks-kvzip"), model, tokenizer=CharTokenizer())
+    kept: list = []
+    with torch.no_grad():
+        scores = importance.reconstruction_scores(model, CharTokenizer(), ids, keep=kept, energy=cache.engine.energy)
+    cache.set_importance(scores)
+    engine = cache.engine
+    plan = together.Plan(list(range(LAYERS)))
+    for layer in range(LAYERS):
+        keys, values = kept[layer]
+        if layer >= 3:  # the later layers given fewer tokens than the first ones
+            keys, values = keys[..., :-1, :], values[..., :-1, :]
+        cache.layers[layer].lazy_initialization(keys, values)
+        engine.update(layer, keys, values, materialize=False)
+        engine.pending.discard(layer)
+    together.flush_together(engine, [0, 1, 2], plan)
+    assert set(plan.slots) == set(range(LAYERS))
+    with pytest.raises(CacheStateError, match=r"layers \[3, 4, 5\] hold different tokens"):
+        together.flush_together(engine, [3, 4, 5], plan)
 
 
 @pytest.mark.parametrize("name, why", [

@@ -76,6 +76,7 @@ class KVzipEvictor(Evictor):
     head_sharding: ClassVar[str] = "head-local"
     needs_importance: ClassVar[bool] = True
     layer_local: ClassVar[bool] = True  # each layer's cut is its own (taken from the whole model's scores)
+    reads_keys: ClassVar[bool] = False  # the context's scores only
 
     fraction: float = attrs.field(default=0.5, validator=_fraction,
                                   metadata={"doc": "share of the scored context's tokens kept (per layer and KV head on average)"})
