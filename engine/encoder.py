@@ -135,7 +135,7 @@ class BlockEncoder:
             window = self.engine.windows[layer]
             held = window.compressed_tokens
             for rank, fields in entries[member].items():
-                window.residuals[kind][rank].append({**fields, "token": fields["token"] + held}, held, tokens[member], rows,
+                window.residuals[kind][rank].append({**fields, "token": fields["token"] + held} if held else fields, held, tokens[member], rows,
                                                     held + ends[member][rank])
 
     def routed_head(self, kind: str, group_index: int, tokens: int, quantizer) -> int:

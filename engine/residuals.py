@@ -78,7 +78,7 @@ class ResidualList:
         ``tiles``, the tile index (``tokens`` a multiple of 32 then)."""
         words = -(-tokens // TILE_TOKENS)
         if self.bits is None:
-            self.bits = torch.zeros(rows, 0, dtype=torch.int32, device=device)
+            self.bits = torch.zeros(rows, words, dtype=torch.int32, device=device)
         held = self.bits.shape[1]
         if self.bits.shape[0] != rows:
             raise ValueError(f"residual list of rank {self.rank} holds {self.bits.shape[0]} rows, asked for {rows}")
@@ -99,7 +99,7 @@ class ResidualList:
         cover the tokens up to the block's last entry, ``last`` (its token index + 1) where the caller knows it, else
         read from ``token`` (a host read): a level whose entries are the first tokens (attention sinks) keeps a word a
         row, not a bit for every token after them."""
-        row, token = fields["row"].long(), fields["token"].long()
+        row, token = fields["row"], fields["token"]  # int32
         device = row.device
         if self.tiles:
             self.extend(rows, first + tokens, device)
@@ -109,20 +109,22 @@ class ResidualList:
             self.extend(rows, 0, device)
         assert self.bits is not None
         words = self.bits.shape[1]
-        if row.numel():  # the block's words only: those before it hold earlier blocks' bits and stay as they are
-            low = first // TILE_TOKENS
-            span = words - low
-            at = row * span + token // TILE_TOKENS - low
-            touched = torch.zeros(rows * span, dtype=torch.int64, device=device)
-            touched.index_add_(0, at, torch.ones_like(at) << (token % TILE_TOKENS))  # distinct bits: the sum is the OR
-            self.bits[:, low:] = _as_int32((self.bits[:, low:].long() & 0xFFFFFFFF) | touched.view(rows, span))
-        start = torch.tensor([first], dtype=torch.int32, device=device)
-        self.chunks = start if self.chunks is None else torch.cat((self.chunks, start))
+        if row.numel():
+            # the block's tokens come after every earlier block's, so their bits are clear: adding a token's bit sets
+            # it (bits are distinct; bit 31 wraps to int32's sign bit), and the other words stay as they are
+            tile = token // TILE_TOKENS
+            self.bits.view(-1).index_add_(0, row * words + tile, torch.bitwise_left_shift(1, token % TILE_TOKENS))
+        if self.chunks is None:
+            self.chunks = torch.full((1,), first, dtype=torch.int32, device=device)  # no host-to-device copy
+        else:
+            self.chunks = torch.cat((self.chunks, torch.full((1,), first, dtype=torch.int32, device=device)))
         if self.tiles and row.numel():  # the block's tiles' first entries: its entries sit after those held
             if first % TILE_TOKENS:
                 raise ValueError(f"a residual tile index needs blocks that start on a {TILE_TOKENS}-token tile; this one starts at {first}")
             assert self.tile_start is not None
-            found = _first_entries(at, self.entries, rows * span).view(rows, span)
+            low = first // TILE_TOKENS
+            span = words - low
+            found = _first_entries(row.long() * span + tile - low, self.entries, rows * span).view(rows, span)
             self.tile_start[:, low:] = torch.where(found >= 0, found, self.tile_start[:, low:])
         kept = {name: t for name, t in fields.items() if name not in LOCATION}
         if not self.fields:
