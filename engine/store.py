@@ -66,14 +66,15 @@ class ExactTokens:
         codes, scale = held  # int8 codes times float32 scales in one pass
         return (codes[..., :count, :] * scale[..., :count, :].float()).to(self._dtype)
 
-    def finite(self, kind: str, count: int) -> torch.Tensor:
-        """Whether each of the first ``count`` tokens of ``kind`` is finite, bool [B, H, count] (int8: from the scales)."""
+    def magnitude(self, kind: str, count: int) -> torch.Tensor:
+        """[B, H, count], finite exactly where the first ``count`` tokens of ``kind`` are: an int8 window's scales (NaN
+        for a vector holding NaN or infinity), else each vector's largest magnitude."""
         held = self._held[kind]
         if held is None:
             raise CacheStateError(f"the exact window holds no {kind}")
         if self.lossy:
-            return torch.isfinite(held[1][..., :count, 0])
-        return torch.isfinite(torch.linalg.vector_norm(held[0][..., :count, :], float("inf"), dim=-1))
+            return held[1][..., :count, 0]
+        return torch.linalg.vector_norm(held[0][..., :count, :], float("inf"), dim=-1)
 
     def __setitem__(self, kind: str, tensor: torch.Tensor | None) -> None:
         self._not_static("replaced")
