@@ -1,6 +1,6 @@
 """What storing a scored context costs the host: operations dispatched and host reads, by flush stage.
 
-    python benchmarks/ingest_ops.py [--pipeline kzd-k4v2-f48-d128-s] [--registry FILE] [--tokens 256] [--layers 32]
+    python benchmarks/ingest_ops.py [--pipeline kzd-k4v2-f48-d128-s] [--registry FILE] [--tokens 256] [--layers 32] [--per-pass 4]
 
 A pipeline whose evictor takes a surrogate's scores stores its prompt after the scoring forward, layer by layer
 (:func:`kvweave.engine.ingest.ingest`). On a GPU those flushes wait on the host (each torch operation is a launch,
@@ -115,7 +115,15 @@ def main() -> None:
     parser.add_argument("--layers", type=int, default=32)
     parser.add_argument("--sites", action="store_true", help="also list where each host read was made")
     parser.add_argument("--names", type=int, default=0, help="also list the N most dispatched operations, by stage")
+    parser.add_argument("--per-pass", type=int, default=0,
+                        help="layers a pass of the together store (0: as the CPU sizes it; 4: a GPU's at 32K on Llama-3-8B's shape)")
     args = parser.parse_args()
+    if args.per_pass:
+        import kvweave.engine.ingest as ingest_module
+        import kvweave.engine.together as together_module
+
+        for module in (ingest_module, together_module):
+            module.layers_a_pass = lambda *_args: args.per_pass
     model = random_model(smoke_config(args.layers), "cpu")
     ids = torch.randint(0, model.config.vocab_size, (1, args.tokens), generator=torch.Generator().manual_seed(0))
     pipeline = load_pipeline(args.pipeline, args.registry)

@@ -63,8 +63,23 @@ class ExactTokens:
             return None
         if not self.lossy:
             return held[0] if count is None else held[0][..., :count, :]
+        return self.decoded(self.encoded(kind, count))
+
+    def encoded(self, kind: str, count: int | None = None) -> tuple[torch.Tensor, ...]:
+        """The first ``count`` tokens of ``kind`` as held: (int8 codes, float32 scales) [..., count, D] and [..., count,
+        1], or (tokens,) where the window holds them as they arrived. Gathered or stacked, :meth:`decoded` reads them as
+        :meth:`head` would."""
+        held = self._held[kind]
+        if held is None:
+            raise CacheStateError(f"the exact window holds no {kind}")
+        return tuple(part if count is None else part[..., :count, :] for part in held)
+
+    def decoded(self, held: tuple[torch.Tensor, ...]) -> torch.Tensor:
+        """Tokens in the layout :meth:`encoded` gives, as the attention reads them."""
+        if not self.lossy:
+            return held[0]
         codes, scale = held  # int8 codes times float32 scales in one pass
-        return (codes[..., :count, :] * scale[..., :count, :].float()).to(self._dtype)
+        return (codes * scale.float()).to(self._dtype)
 
     def magnitude(self, kind: str, count: int) -> torch.Tensor:
         """[B, H, count], finite exactly where the first ``count`` tokens of ``kind`` are: an int8 window's scales (NaN

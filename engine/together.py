@@ -188,29 +188,36 @@ def _passes(layers: list[int], slots: dict[int, int], per_pass: int) -> list[tup
 def _store(engine: CompressionEngine, members: tuple[int, ...], counts: list[int], keeps: dict, count: int,
            passed: int, placed: int) -> None:
     """Gather, encode and store the kept tokens of ``members`` (each keeping ``counts`` slots) as one block."""
-    eviction = engine.eviction
     slots = max(counts)
     groups = [engine.group_of[layer][0] for layer in members]
     keep = torch.stack([keeps[layer] for layer in members])  # [G, B, H, n]
     index = ((~keep).long() * count + torch.arange(count, device=keep.device)).argsort(dim=-1)[..., :slots]
     kept = keep.gather(-1, index)
-    logical = torch.arange(passed, passed + count, device=keep.device).expand(keep.shape)
-    positions = torch.where(kept, logical.gather(-1, index), -1)
+    at = torch.arange(passed, passed + count, device=keep.device).expand(keep.shape).gather(-1, index)  # kept positions
+    positions = torch.where(kept, at, -1)
     if slots:
-        blocks = {kind: torch.stack([engine.windows[layer].exact.head(kind, count) for layer in members]) for kind in KINDS}
-        gathered = {kind: eviction._gather_tokens(blocks[kind], index) for kind in KINDS}
-        del blocks
+        gathered = {kind: _kept_tokens(engine, members, kind, count, index) for kind in KINDS}
         engine._flush_info = {"count": count, "dropped": count - slots, "kept_index": index, "blocks": gathered,
                               "placed": min([placed, *counts])}
         try:
             for kind in KINDS:
-                _encode(engine, kind, groups, members, gathered[kind], counts, logical.gather(-1, index))
+                _encode(engine, kind, groups, members, gathered[kind], counts, at)
         finally:
             engine._flush_info = None
     for member, layer in enumerate(members):
         window = engine.windows[layer]
         window.slot_index.append(positions[member, ..., : counts[member]], passed, count)
         window.compressed_tokens += counts[member]
+
+
+def _kept_tokens(engine: CompressionEngine, members: tuple[int, ...], kind: str, count: int,
+                 index: torch.Tensor) -> torch.Tensor:
+    """The window tokens ``index`` [G, B, H, k] names among the first ``count`` of each of ``members`` [G, B, H, k, D],
+    gathered as the window holds them (an int8 window's codes and scales) and only those decoded: what gathering the
+    decoded windows gives, bit for bit, at a fraction of the passes over the block."""
+    windows = [engine.windows[layer].exact for layer in members]
+    held = [torch.stack(parts) for parts in zip(*(window.encoded(kind, count) for window in windows))]
+    return windows[0].decoded(tuple(engine.eviction._gather_tokens(part, index) for part in held))
 
 
 def _encode(engine: CompressionEngine, kind: str, groups: list[int], members: tuple[int, ...], block: torch.Tensor,
