@@ -11,6 +11,7 @@ import torch
 from kvweave.kernels import pack
 from kvweave.plugins.quantizers._bitpack import normal_edges
 from kvweave.plugins.quantizers.channel_alloc import ChannelAllocQuantizer
+from kvweave.plugins.quantizers.channel_group import ChannelGroupQuantizer
 from kvweave.plugins.quantizers.rotated_token import RotatedTokenQuantizer
 
 from test_lowbit_kernel_host import _nvidia_backend, compile_for_gpu
@@ -54,6 +55,31 @@ def test_channel_alloc_packs_the_same_bytes_with_the_kernel(monkeypatch, setting
     _same(by_torch, by_kernel)
     assert bool((by_kernel["bits"] == 0).any()) or settings.get("mean_bits", 3.5) >= 3.5  # zero-width channels met
     assert torch.equal(quantizer.dequantize(by_kernel, torch.float32), quantizer.dequantize(by_torch, torch.float32))
+
+
+@pytest.mark.interpreter
+@pytest.mark.parametrize("settings", [
+    dict(bits=4, group=64, outliers=0), dict(bits=3, group=32), dict(bits=2, group=16, outliers=2),
+])
+@pytest.mark.parametrize("dtype, width", [(torch.bfloat16, 128), (torch.float32, 64)])
+def test_channel_group_packs_the_same_bytes_with_the_kernel(monkeypatch, settings, dtype, width):
+    """Uniform levels, every channel ``bits`` wide: the channel-alloc kernel's stream is ``pack``'s layout."""
+    quantizer = ChannelGroupQuantizer(**settings)
+    x = _keys((2, 3, 128, width), dtype, seed=width + settings["bits"])
+    called = []
+    monkeypatch.setattr(pack, "affine_varwidth", lambda *a, original=pack.affine_varwidth: called.append(1) or original(*a))
+    by_torch, by_kernel = _both(monkeypatch, quantizer, x)
+    assert called == [1]  # the kernel's path only
+    _same(by_torch, by_kernel)
+    assert torch.equal(quantizer.dequantize(by_kernel, torch.float32), quantizer.dequantize(by_torch, torch.float32))
+
+
+@pytest.mark.interpreter
+def test_channel_group_normal_levels_and_odd_groups_keep_the_torch_path(monkeypatch):
+    monkeypatch.setattr(pack, "affine_varwidth", lambda *a, **k: pytest.fail("the kernel was called"))
+    x = torch.randn(1, 2, 72, 64)
+    for quantizer in (ChannelGroupQuantizer(bits=4, group=24), ChannelGroupQuantizer(bits=3, group=32, levels="normal")):
+        _same(*_both(monkeypatch, quantizer, x[..., : 72 if quantizer.group == 24 else 64, :]))
 
 
 @pytest.mark.interpreter
@@ -125,5 +151,6 @@ def test_on_the_gpu_the_quantizers_pack_the_same_bytes_with_the_kernels(monkeypa
     x = _keys((1, 8, 4096, 128), torch.bfloat16, seed=5).cuda()
     weights = torch.rand(1, 8, 128, device="cuda")
     _same(*_both(monkeypatch, ChannelAllocQuantizer(mean_bits=3.5, query_weight=0.5), x, channel_weights=weights))
-    for quantizer in (RotatedTokenQuantizer(bits=3, scale_format="log8"), RotatedTokenQuantizer(bits=2, symmetric=False)):
+    for quantizer in (RotatedTokenQuantizer(bits=3, scale_format="log8"), RotatedTokenQuantizer(bits=2, symmetric=False),
+                      ChannelGroupQuantizer(bits=4, group=64, outliers=0)):
         _same(*_both(monkeypatch, quantizer, x))

@@ -241,7 +241,7 @@ class RotatedTokenQuantizer(Quantizer):
         rotated = x.to(work) @ self._matrix(width, x.device).to(work).T
         grouped = rotated.float().reshape(*x.shape[:-1], width // group, group)
         check_magnitude(
-            "rotated-token", grouped.abs().amax(dim=-1), FLOAT16_MAX,
+            "rotated-token", torch.linalg.vector_norm(grouped, float("inf"), dim=-1), FLOAT16_MAX,  # abs().amax() in one pass
             "the largest float16, for the elements of the rotated vectors: their float16 scales and zero points "
             "hold that range",
             source=rotated,
@@ -270,7 +270,8 @@ class RotatedTokenQuantizer(Quantizer):
         if not self.symmetric:
             fields["zero"] = grouped.mean(dim=-1).to(torch.float16)
             center = fields["zero"].float()
-        scale, stored = self._stored_scale((grouped - center.unsqueeze(-1)).square().mean(dim=-1).sqrt(), up=False)
+        centered = grouped if self.symmetric else grouped - center.unsqueeze(-1)  # a center of 0 subtracts nothing
+        scale, stored = self._stored_scale(centered.square().mean(dim=-1).sqrt(), up=False)
         return center, scale, {**stored, **fields}
 
     def _uniform(self, grouped: torch.Tensor) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
