@@ -105,14 +105,14 @@ class Eviction:
 
     def _eviction_block(
         self, group_index: int, work: torch.Tensor, logical: torch.Tensor, stats, scores, stored: int,
-        members: tuple[int, ...] | None = None,
+        members: tuple[int, ...] | None = None, like: int | None = None,
     ) -> EvictionBlock:
-        """The block that decides which of ``work`` [G, B, H, n, D] (cache indices ``logical`` [G, B, H, n])
-        are dropped; ``members``: its layers where they are not one group's (several one-layer groups at once)."""
+        """The block that decides which of ``work`` [G, B, H, n, D] (cache indices ``logical`` [G, B, H, n]) are dropped;
+        ``members``: its layers if not one group's; ``like``: a layer holding what theirs will (else the first member)."""
         members = self.engine.groups[group_index] if members is None else members
         real, valid = self._real_positions(logical.transpose(0, 1))  # batch first
         mass, spike = stats if stats is not None else (None, None)
-        first = self.engine.windows[members[0]]
+        first = self.engine.windows[members[0] if like is None else like]
         return EvictionBlock(
             layers=tuple(members),
             keys=work,

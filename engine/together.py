@@ -146,7 +146,7 @@ def _decide(engine: CompressionEngine, group: int, layers: list[int], ahead: lis
         else:
             work = torch.stack([engine.windows[layer].exact.head("keys", count) for layer in part]).float()
         logical = torch.arange(passed, passed + count, device=device).expand(work.shape[:-1])
-        route = eviction._eviction_block(group, work, logical, None, None, 0, members=part)
+        route = eviction._eviction_block(group, work, logical, None, None, 0, members=part, like=layers[0])
         keep = eviction.evictor.keep(route)
         eviction._check_keep(keep, work.shape[:-1])
         del work

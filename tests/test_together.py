@@ -39,11 +39,13 @@ def _ingested(model, registry, name, ids, monkeypatch=None, alone=False):  # noq
 
 
 @pytest.mark.parametrize("name", ["t-lowbit-sinks-kvzip", "t-lowbit-kvzip-cg", "kvzip-qa35v3"])
-@pytest.mark.parametrize("per_pass, pad", [(None, 1.25), (2, 1.25), (None, 100.0)])
-def test_flushes_stored_together_are_what_the_layer_by_layer_flushes_store(model, registry, monkeypatch, name, per_pass, pad):  # noqa: F811
+@pytest.mark.parametrize("per_pass, pad, one_by_one", [(None, 1.25, False), (2, 1.25, False), (None, 100.0, False), (2, 1.25, True)])
+def test_flushes_stored_together_are_what_the_layer_by_layer_flushes_store(model, registry, monkeypatch, name, per_pass, pad,  # noqa: F811
+                                                                           one_by_one):
     """The sinks router's fixed residuals; channel-group keys stored before RoPE; keys weighed by each layer's query
     energy (kvzip-qa35v3); passes of two layers; every layer in one pass (the smaller slot counts padded, then cut to
-    their own)."""
+    their own); the layers ahead (their tokens not arrived yet) decided one at a time, each as the first layer's window
+    holds its tokens."""
     ids = torch.randint(1, 128, (1, 230), generator=torch.Generator().manual_seed(7))
     alone = _ingested(model, registry, name, ids, monkeypatch, alone=True)
     stores = []
@@ -55,6 +57,8 @@ def test_flushes_stored_together_are_what_the_layer_by_layer_flushes_store(model
 
     monkeypatch.setattr(together, "_store", recording)
     monkeypatch.setattr(together, "PAD_RATIO", pad)
+    if one_by_one:
+        monkeypatch.setattr(together, "DECISION_BYTES", 1 << 40)
     if per_pass is not None:  # the ingest's calls and their passes
         monkeypatch.setattr(together, "layers_a_pass", lambda *_args: per_pass)
         monkeypatch.setattr(ingest, "layers_a_pass", lambda *_args: per_pass)
