@@ -12,7 +12,7 @@ mkdir -p "$OUT"
 S=${SMOKE:+--smoke}
 T=${SMOKE:+256}; T=${T:-32768}
 python -m pip install -q --no-deps --no-build-isolation -e . >/dev/null 2>&1
-{ nvidia-smi --query-gpu=name,memory.total --format=csv 2>/dev/null; python -c "import torch, triton; print(torch.__version__, triton.__version__)"; git log --oneline -1 2>/dev/null; } > "$OUT/gpu.txt"
+{ nvidia-smi --query-gpu=name,memory.total --format=csv 2>/dev/null; python -c "import torch, triton; print(torch.__version__, triton.__version__)"; } > "$OUT/gpu.txt"
 REG=/tmp/kvweave-surrogate-registry
 python benchmarks/surrogate_registry.py --out $REG $S > /dev/null
 step() { local limit=$1 file=$2; shift 2; echo "\$ $*" >> "$OUT/$file"; timeout "$limit" "$@" 2>&1 | grep -v -i warn >> "$OUT/$file"; echo "exit $? after ${SECONDS}s" >> "$OUT/$file"; }
