@@ -76,3 +76,25 @@ def test_graph_decoding_after_a_first_token_from_the_scoring_pass_decodes_what_g
         tokens, stats = generate(model, dict(inputs), graphed, max_new_tokens=7, do_sample=False, cuda_graphs=True)
     assert tokens.tolist() == expected.tolist() and fed.count(1) == 6
     assert stats.cached_tokens == plain.get_seq_length() == 206
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="captures CUDA graphs on a GPU")
+def test_graphs_captured_on_a_gpu_after_the_scoring_pass_decode_what_generate_does(monkeypatch):
+    """bfloat16, head_dim 128, the d128 frontier pipeline (KVzip's scores), two rows: the first token from the scoring
+    pass, then 120 steps over two flushes, most replayed from graphs; the same tokens as without graphs."""
+    from kvweave.core.registry import load_registry
+
+    from test_graphs import FRONTIER, _gpu_llama
+
+    net, ids = _gpu_llama(512, 3)
+    registry = load_registry(FRONTIER)
+    inputs = {"input_ids": ids, "attention_mask": torch.ones_like(ids)}
+    plain = build_cache(registry.resolve("kzd-k4v2-f48-d128"), net, tokenizer=CharTokenizer())
+    expected, _ = generate(net, dict(inputs), plain, max_new_tokens=121, do_sample=False)
+    replays = []
+    original = torch.cuda.CUDAGraph.replay
+    monkeypatch.setattr(torch.cuda.CUDAGraph, "replay", lambda self: replays.append(1) or original(self))
+    graphed = build_cache(registry.resolve("kzd-k4v2-f48-d128"), net, tokenizer=CharTokenizer())
+    tokens, _ = generate(net, dict(inputs), graphed, max_new_tokens=121, do_sample=False, cuda_graphs=True)
+    assert torch.equal(tokens, expected)
+    assert len(replays) > 80
