@@ -4,7 +4,7 @@ A decode step of a small batch is bound by the host: the model's ~15 launches a 
 kernel's launch planning take longer than the GPU's work (docs/kernels.md, "A decode step, broken down"). A CUDA graph
 replays a step's kernels without the host, but only if every step launches the same kernels on the same addresses.
 Between two flushes a kvweave cache's packed storage does not change, so what changes is the exact window, one token
-longer each step: :meth:`kvweave.engine.store.ExactTokens.make_static` keeps it in buffers of the block's capacity, each
+longer each step: :meth:`kvweave.engine.exact.ExactTokens.make_static` keeps it in buffers of the block's capacity, each
 step's token goes in at a device counter (``fill``), and the kernel that reads the packed storage in place (``lowbit``,
 ``fused``) reads the window's length from that counter. So a block is decoded as: one eager step (it builds and compiles what the
 step needs), the capture of the next, then replays; the step that flushes (every ``block_tokens`` steps) runs eagerly,

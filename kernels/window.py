@@ -1,4 +1,4 @@
-"""One decode token appended to an int8 exact window (:class:`kvweave.engine.store.ExactTokens`, ``window_storage =
+"""One decode token appended to an int8 exact window (:class:`kvweave.engine.exact.ExactTokens`, ``window_storage =
 "int8"``) and the window read back for that step's attention, by one Triton kernel per kind
 (:mod:`kvweave.kernels.window_triton`) instead of the ~25 small torch operations of encoding, concatenating and
 dequantizing: on a GPU a decode step is bound by the host's launches where the batch is small (docs/kernels.md).

@@ -18,7 +18,7 @@ from kvweave.core.registry import load_registry
 from kvweave.engine import build_cache, cache_kwargs, importance
 from kvweave.engine.graphs import MIN_GRAPH_STEPS, _Step, begin_static, end_static, graph_decode, graph_refusal, steps_before_flush
 from kvweave.engine.importance import score_for
-from kvweave.engine.store import ExactTokens
+from kvweave.engine.exact import ExactTokens
 from kvweave.kernels.lowbit_decode import lowbit_decode, torch_lowbit_decode
 
 from conftest import CharTokenizer, tiny_llama, write_registry
@@ -182,7 +182,7 @@ def test_graph_decoding_decodes_and_stores_what_generate_does(monkeypatch):
     from kvweave.kernels import window
 
     original = window.put_int8
-    monkeypatch.setattr("kvweave.engine.store.put_int8", lambda *a: puts.append(1) or original(*a))
+    monkeypatch.setattr("kvweave.engine.exact.put_int8", lambda *a: puts.append(1) or original(*a))
     for layer in cache.engine.windows:  # the put kernel (in the interpreter), as on a GPU; off a GPU torch puts
         layer.exact.fused = True
     before = steps_before_flush(cache.engine)

@@ -123,7 +123,7 @@ def test_values_in_tiles_give_the_token_major_output_at_real_sizes(flat):
 def test_the_window_append_kernel_matches_the_torch_path_on_the_gpu(dtype):
     """The int8 window's append kernel (kvweave.kernels.window) compiled: codes, scales and read-back equal to the
     window's torch path at a real size (B = 8, 8 KV heads, head_dim 128, 70 held tokens), non-finite vectors too."""
-    from kvweave.engine.store import ExactTokens
+    from kvweave.engine.exact import ExactTokens
 
     torch.manual_seed(0)
     windows = [ExactTokens("int8"), ExactTokens("int8")]

@@ -9,7 +9,7 @@ import torch
 
 from kvweave.core.registry import load_pipeline
 from kvweave.engine import build_cache, cache_kwargs
-from kvweave.engine.store import ExactTokens
+from kvweave.engine.exact import ExactTokens
 from kvweave.kernels import window
 from kvweave.kernels.window import plan_append
 
@@ -99,7 +99,7 @@ group = 32
     ids = torch.randint(1, 128, (2, 90))
     calls = []
     original = window.append_int8
-    monkeypatch.setattr("kvweave.engine.store.append_int8", lambda *a: calls.append(1) or original(*a))
+    monkeypatch.setattr("kvweave.engine.exact.append_int8", lambda *a: calls.append(1) or original(*a))
     runs = {}
     for fused in (False, True):
         cache = build_cache(load_pipeline("w-int8-lowbit", registry), model)
@@ -132,7 +132,7 @@ def test_a_decode_token_costs_the_window_a_few_host_operations(monkeypatch):
     handful of host operations for both kinds (allocations and the launch), against ~50 small torch operations."""
     from torch.profiler import ProfilerActivity, profile
 
-    monkeypatch.setattr("kvweave.engine.store.append_int8", lambda *a: plan_append(*a).outputs)  # planned, not run
+    monkeypatch.setattr("kvweave.engine.exact.append_int8", lambda *a: plan_append(*a).outputs)  # planned, not run
     counts = {}
     for fused in (False, True):
         held = ExactTokens("int8")

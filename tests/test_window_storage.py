@@ -9,7 +9,7 @@ import torch
 from kvweave.core.errors import CacheStateError
 from kvweave.core.registry import load_pipeline
 from kvweave.engine import build_cache, cache_kwargs
-from kvweave.engine.store import ExactTokens
+from kvweave.engine.exact import ExactTokens
 
 from conftest import tiny_llama, write_registry
 
