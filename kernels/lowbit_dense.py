@@ -33,6 +33,9 @@ NARROW_MAX_BLOCK = 32
 LEVEL_SELECT_MUL, LEVEL_SELECT_ADD = 0x22, 0x10
 UNIFORM4_BASE, UNIFORM4_OFFSET = 0x3F80, 0xBFBC
 
+#: warps a program the dense kernel's output was checked against its twin with on a GPU (4 is the launch's; 2 matched
+#: too; 8 gave attention 0.78 away, H100, 2026-12-05: docs/perf/h100-2026-12-05-plan/kernel-k4v4e77t-b32-warps8.txt)
+DENSE_WARPS = (2, 4)
 #: registers a thread of the dense kernel may take at head_dims up to 128: 96 lets 5 programs of 4 warps share an SM of an
 #: H100/H200 (65,536 registers; Triton 3.6's sm_90 build takes 118 unbounded, 96 with 22 more loop instructions and no
 #: stack), 4.5-15% faster than 4 programs at 128 (H200, 2026-12-04, docs/kernels.md "Five programs an SM")
@@ -241,6 +244,9 @@ def dense_launch(view: Any, args: tuple, constants: dict, kind: int, l0: float, 
     """The "dense" kernel's launch (kernel, grid, arguments, constants) from the arguments and constants
     :func:`kvweave.kernels.lowbit_decode.plan_launch` made for the others: the codes as 32-bit words (the same bytes),
     no rotary or channel-width arguments; ``group``: the query heads of a KV head (``PAD``: :func:`query_pad`)."""
+    if constants["num_warps"] not in DENSE_WARPS:
+        raise ValueError(f"the lowbit 'dense' kernel runs with {' or '.join(map(str, DENSE_WARPS))} warps a program, got "
+                         f"{constants['num_warps']} (at 8 its output was 0.78 away from the torch twin on an H100)")
     (padded, _, k_zero, k_scale, k_oi, k_ov, _, _, v_scale, v_max, v_levels, _, start, positions, hidden, m, l, acc,
      tokens, heads, splits, split_len, first, _, scaling) = args
     table16 = view.v_levels16 if view.v_levels16 is not None else view.v_levels.to(torch.bfloat16)

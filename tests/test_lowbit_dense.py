@@ -101,8 +101,8 @@ def test_the_tiled_values_operands_are_fenced_only_where_the_products_are_ampere
 
 
 def test_the_dense_kernel_refuses_what_it_cannot_read(model, registry):
-    """Keys before RoPE, channel-alloc widths, 3-bit codes, steps that do not divide the token group, and the TF32 key
-    products are refused, each saying why; the wide kernel reads them all."""
+    """Keys before RoPE, channel-alloc widths, 3-bit codes, steps that do not divide the token group, the TF32 key
+    products and 8 warps a program are refused, each saying why; the wide kernel reads them all."""
     q = torch.randn(2, 4, 64)
     cache = build_cache(registry.resolve("prerope-k4v2-lowbit"), model)
     with torch.no_grad():
@@ -121,6 +121,9 @@ def test_the_dense_kernel_refuses_what_it_cannot_read(model, registry):
             resolve_variant(post, "dense", block)
     with pytest.raises(ValueError, match="not 'ktf32'"):
         plan_launch(post, q, None, 0.125, variant="dense", lowp=True, tricks="ktf32")
+    with pytest.raises(ValueError, match="runs with 2 or 4 warps a program, got 8"):  # wrong attention at 8 on a GPU
+        plan_launch(post, q, None, 0.125, variant="dense", num_warps=8)
+    assert plan_launch(post, q, None, 0.125, variant="dense", num_warps=2).constants["num_warps"] == 2
     for name, match in (("t-lowbit-alloc-post", "channel-group keys"), ("t-lowbit-k3v3", "channel-group keys")):
         view, _ = _post_rope_view(model, registry, name)
         with pytest.raises(ValueError, match=match):
