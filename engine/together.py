@@ -3,9 +3,11 @@
 Where a scored context is stored without a forward (:mod:`kvweave.engine.ingest`), every layer's block leaves the
 exact window at once. Flushed layer by layer, each layer's flush is a few hundred small torch operations and a host
 read, and on a GPU the host's time in them, not the device's, sets the time to first token (on Llama-3-8B's shape at
-32K tokens, ~20 ms a layer). :func:`flush_together` asks the evictor once for every layer (an evictor whose ``keep``
-is ``layer_local``), reads every layer's slot count in one host read, and stores layers of similar counts as one
-block: one gather, one quantizer call, one residual encoding for all of them. Each layer then keeps its own count of
+32K tokens, ~20 ms a layer). :func:`flush_together` asks the evictor once for the layers of a call (an evictor whose
+``keep`` is ``layer_local``), reads their slot counts in one host read, and stores layers of similar counts as one
+block. An ingest's calls share a :class:`Plan`: an evictor that reads no keys (kvzip's cut comes from the context's
+scores) is asked for every layer at the first call, so the context costs one host read and the later calls never wait
+on the device. A pass stores the layers as one block: one gather, one quantizer call, one residual encoding for all of them. Each layer then keeps its own count of
 slots (the quantizer's ``leading_tokens``, copied out so no layer holds another's bytes), and the cache stores
 exactly what the layer-by-layer flushes store (tested bit for bit).
 
@@ -87,7 +89,6 @@ class Plan:
 
     groups: list[int]
     passed: int = -1
-    count: int = -1
     exact: int = -1
     placed: int = 0
     keeps: dict[int, torch.Tensor] = field(default_factory=dict)
@@ -122,6 +123,8 @@ def _flush_together(engine: CompressionEngine, groups: list[int], plan: Plan) ->
     check_finite(engine, tuple(layers), count)  # an int8 window's from its scales: no token decoded for it
     for members in _passes(layers, plan.slots, per_pass):
         _store(engine, members, [plan.slots[layer] for layer in members], plan.keeps, count, plan.passed, plan.placed)
+    for layer in layers:  # stored: its mask of kept tokens is not needed again
+        del plan.keeps[layer]
     engine._flushed(tuple(layers), count, engine.last_flushing in groups)
 
 
@@ -157,7 +160,7 @@ def _decide(engine: CompressionEngine, group: int, layers: list[int], ahead: lis
         for index, layer in enumerate(part):
             plan.keeps[layer] = keep[index]
     plan.slots.update(zip(every, torch.cat(counts).tolist()))
-    plan.passed, plan.count, plan.exact = passed, count, first.exact_tokens
+    plan.passed, plan.exact = passed, first.exact_tokens
 
 
 def layers_a_pass(engine: CompressionEngine, tokens: int, batch: int, device: torch.device) -> int:
