@@ -9,7 +9,7 @@ same head shape), one prompt of random token ids is scored (the pipeline's evict
 second forward, once with the flushes a layer at a time and once together, ``--repeats`` times each, alternating. The
 store (``importance.ingest_context``) is timed alone, synchronized, and the peak of allocated memory during it is
 read. Then every layer's stored keys and values (decoded), slots and byte counts of the last two caches are compared:
-the script says ``identical`` or names the first difference. ``--registry``: e.g. the file
+the script says ``identical`` or names the first difference (and exits with status 1). ``--registry``: e.g. the file
 ``benchmarks/surrogate_registry.py`` writes. ``--pass-mib``: the together store once for each of these pass sizes
 (MiB of float32 keys a pass, ``together.PASS_BYTES`` on a GPU and ``PASS_BYTES_HOST`` elsewhere; default: the
 shipped one).
@@ -110,6 +110,8 @@ def main() -> None:
         print(f"| {mode} | {min(times):.3f} | {', '.join(f'{s:.3f}' for s in times)} | {max(p for _, p in results[mode]) / 2**30:.2f} |")
     differs = next((d for d in (difference(last[mode], last[LAYERED]) for mode in modes[1:]) if d is not None), None)
     print("stored state: " + ("identical to layer by layer (bytes, every layer's decoded keys and values, slots)" if differs is None else differs))
+    if differs is not None:
+        raise SystemExit(1)  # the together store must hold what the layer-by-layer flushes hold
 
 
 if __name__ == "__main__":

@@ -59,10 +59,7 @@ def check_finite(engine: CompressionEngine, members: tuple[int, ...], count: int
     # [blocks, B, H, count], kept to name the first offender (the blocks themselves are not): an int8 window's scales
     # (NaN for a vector holding NaN or infinity), else each vector's largest magnitude (ExactTokens.magnitude); one
     # test for all of them
-    parts = [engine.windows[layer].exact.magnitude(kind, count) for layer, kind in names]
-    if len({part.dtype for part in parts}) > 1:
-        parts = [part.float() for part in parts]
-    finite = torch.isfinite(torch.stack(parts))
+    finite = torch.isfinite(torch.stack([engine.windows[layer].exact.magnitude(kind, count) for layer, kind in names]))
     passed = engine.windows[members[0]].passed_tokens
 
     def fail() -> None:
