@@ -10,7 +10,8 @@ The arithmetic is the quantizers' own (their torch paths are the twins the tests
   2**width - 1``, 0 at a token's outlier channels, packed as one little-endian stream per token
   (:func:`kvweave.kernels.formats.unpack_varwidth` reads it).
 - :func:`nearest_levels` (``rotated-token``, normal levels): the number of cell edges ``center + spread * edge`` below
-  each element, packed ``bits`` a code (:func:`kvweave.kernels.formats.unpack_codes` reads it).
+  each element, packed ``bits`` a code (:func:`kvweave.kernels.formats.unpack_codes` reads it); :func:`nearest_level_codes`
+  the same codes a byte each, for values stored in tiles of tokens (tiled and packed by torch on bytes).
 
 A quantizer takes the kernel where :func:`fused` says so: on a CUDA device with Triton, or anywhere when
 :data:`FORCE` is set (the tests run the kernels in Triton's interpreter that way).
@@ -102,9 +103,17 @@ def nearest_levels(y: torch.Tensor, spread: torch.Tensor, center: torch.Tensor |
     return launch.run()[0] if launch.outputs[0].numel() else launch.outputs[0]
 
 
+def nearest_level_codes(y: torch.Tensor, spread: torch.Tensor, center: torch.Tensor | None, edges: tuple[float, ...],
+                        bits: int) -> torch.Tensor:
+    """The codes :func:`nearest_levels` packs, a code a byte: uint8 [..., C] (for a layout packed after them, values in
+    tiles of tokens)."""
+    launch = plan_nearest_levels(y, spread, center, edges, bits, raw=True)
+    return launch.run()[0] if launch.outputs[0].numel() else launch.outputs[0]
+
+
 def plan_nearest_levels(y: torch.Tensor, spread: torch.Tensor, center: torch.Tensor | None, edges: tuple[float, ...],
-                        bits: int) -> Launch:
-    """The launch :func:`nearest_levels` makes (one program per tile of 16 tokens)."""
+                        bits: int, raw: bool = False) -> Launch:
+    """The launch :func:`nearest_levels` makes (one program per tile of 16 tokens); ``raw``: a code a byte."""
     if jit.triton is None:
         raise RuntimeError("the packing kernels need Triton")
     width, groups = y.shape[-1], spread.shape[-1]
@@ -116,11 +125,11 @@ def plan_nearest_levels(y: torch.Tensor, spread: torch.Tensor, center: torch.Ten
                          f"{len(edges)} edges")
     flat = y.reshape(-1, width).contiguous()
     size = width * bits // 8
-    out = torch.empty(*y.shape[:-1], size, dtype=torch.uint8, device=y.device)
+    out = torch.empty(*y.shape[:-1], width if raw else size, dtype=torch.uint8, device=y.device)
     spread = spread.float().contiguous()
     args = (flat, spread if center is None else center.float().contiguous(), spread,
             _edge_table(tuple(edges), str(y.device)), out, flat.shape[0])
     constants = dict(C=width, BC=_tile(width), WIDTH=width // groups, BT=TOKEN_TILE, BITS=bits,
-                     CENTERED=center is not None, NB=size, BNB=_bytes_tile(size),
+                     CENTERED=center is not None, NB=size, BNB=_bytes_tile(size), RAW=raw,
                      enable_fp_fusion=False)  # each edge as torch makes it: a product rounded, then a sum
     return Launch(jit._nearest_level_kernel, (max(1, -(-flat.shape[0] // TOKEN_TILE)),), args, constants, (out,))

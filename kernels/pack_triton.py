@@ -66,13 +66,13 @@ if triton is not None:
     def _nearest_level_kernel(
         y_ptr, center_ptr, spread_ptr, edges_ptr, out_ptr, count,
         C: tl.constexpr, BC: tl.constexpr, WIDTH: tl.constexpr, BT: tl.constexpr, BITS: tl.constexpr,
-        CENTERED: tl.constexpr, NB: tl.constexpr, BNB: tl.constexpr,
+        CENTERED: tl.constexpr, NB: tl.constexpr, BNB: tl.constexpr, RAW: tl.constexpr,
     ):
         """``rotated-token``'s normal-level codes of ``BT`` of the ``count`` tokens (one program): ``y`` [count, C] float32
         (the rotated vectors), per token and group of ``WIDTH`` channels ``spread`` (and, with ``CENTERED``, ``center``)
         float32 [count, C / WIDTH]; a code counts the cell edges ``center + spread * edge`` (``edges`` float32
         [2**BITS - 1]) below the element; packed ``BITS`` a code, code ``c`` at bit ``c * BITS`` of the token's ``NB``
-        bytes."""
+        bytes, or with ``RAW`` a code a byte."""
         tokens = tl.program_id(0) * BT + tl.arange(0, BT)
         live = tokens < count
         chan = tl.arange(0, BC)
@@ -89,4 +89,7 @@ if triton is not None:
         for e in tl.static_range((1 << BITS) - 1):
             codes += (y > center + spread * tl.load(edges_ptr + e)).to(tl.int32)
         codes = tl.where(inside, codes, 0)
-        _store_stream(codes, tl.arange(0, BC) * BITS, out_ptr, tokens, live, NB, BNB)
+        if RAW:  # a code a byte [count, C], for a layout packed after (values in tiles of tokens)
+            tl.store(out_ptr + tokens[:, None] * C + chan[None, :], codes.to(tl.uint8), mask=inside)
+        else:
+            _store_stream(codes, tl.arange(0, BC) * BITS, out_ptr, tokens, live, NB, BNB)

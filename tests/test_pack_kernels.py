@@ -108,11 +108,29 @@ def test_rotated_token_packs_the_same_bytes_with_the_kernel(monkeypatch, setting
 
 
 @pytest.mark.interpreter
-def test_the_tiled_and_uniform_layouts_keep_the_torch_path(monkeypatch):
-    """Values in tiles of 64 tokens, or uniform levels, are packed by torch whatever the switch (same bytes)."""
-    monkeypatch.setattr(pack, "nearest_levels", lambda *a, **k: pytest.fail("the kernel was called"))
+@pytest.mark.parametrize("settings", [dict(bits=2, token_tiles=64), dict(bits=4, token_tiles=64, scale_format="log8"),
+                                      dict(bits=2, token_tiles=64, symmetric=False)])
+def test_values_in_tiles_take_their_codes_from_the_kernel_and_store_the_same_bytes(monkeypatch, settings):
+    """Values in tiles of 64 tokens: the kernel's codes a byte each (``nearest_level_codes``), tiled and packed by torch;
+    the token-by-token packing kernel is not called."""
+    monkeypatch.setattr(pack, "nearest_levels", lambda *a, **k: pytest.fail("the token-by-token kernel was called"))
+    called = []
+    monkeypatch.setattr(pack, "nearest_level_codes", lambda *a, original=pack.nearest_level_codes: called.append(1) or original(*a))
+    quantizer = RotatedTokenQuantizer(**settings)
+    x = torch.randn(2, 3, 128, 128, generator=torch.Generator().manual_seed(settings["bits"])).to(torch.bfloat16)
+    by_torch, by_kernel = _both(monkeypatch, quantizer, x)
+    assert called == [1]
+    _same(by_torch, by_kernel)
+    assert torch.equal(quantizer.dequantize(by_kernel, torch.float32), quantizer.dequantize(by_torch, torch.float32))
+
+
+@pytest.mark.interpreter
+def test_the_uniform_levels_keep_the_torch_path(monkeypatch):
+    """Uniform levels are coded and packed by torch whatever the switch (same bytes)."""
+    for name in ("nearest_levels", "nearest_level_codes"):
+        monkeypatch.setattr(pack, name, lambda *a, **k: pytest.fail("a kernel was called"))
     x = torch.randn(1, 2, 64, 64)
-    for quantizer in (RotatedTokenQuantizer(bits=2, token_tiles=64), RotatedTokenQuantizer(bits=3, levels="uniform")):
+    for quantizer in (RotatedTokenQuantizer(bits=3, levels="uniform"), RotatedTokenQuantizer(bits=2, levels="uniform", token_tiles=64)):
         _same(*_both(monkeypatch, quantizer, x))
 
 
@@ -152,5 +170,6 @@ def test_on_the_gpu_the_quantizers_pack_the_same_bytes_with_the_kernels(monkeypa
     weights = torch.rand(1, 8, 128, device="cuda")
     _same(*_both(monkeypatch, ChannelAllocQuantizer(mean_bits=3.5, query_weight=0.5), x, channel_weights=weights))
     for quantizer in (RotatedTokenQuantizer(bits=3, scale_format="log8"), RotatedTokenQuantizer(bits=2, symmetric=False),
-                      ChannelGroupQuantizer(bits=4, group=64, outliers=0)):
+                      ChannelGroupQuantizer(bits=4, group=64, outliers=0), RotatedTokenQuantizer(bits=2, token_tiles=64),
+                      RotatedTokenQuantizer(bits=4, token_tiles=64, scale_format="log8")):
         _same(*_both(monkeypatch, quantizer, x))

@@ -37,6 +37,10 @@ def _check(bits: int, width: int) -> tuple[int, int]:
 def pack(codes: torch.Tensor, bits: int) -> torch.Tensor:
     """Integer codes [..., C] in ``0 .. 2**bits - 1`` -> uint8 [..., C * bits / 8] (layout above)."""
     per_chunk, chunk_bytes = _check(bits, codes.shape[-1])
+    if chunk_bytes == 1:  # 1, 2, 4 or 8 bits: a byte's codes shifted and summed in bytes (disjoint bits: the sum is the or)
+        grouped = codes.to(torch.uint8).reshape(*codes.shape[:-1], codes.shape[-1] // per_chunk, per_chunk)
+        shifts = torch.arange(0, 8, bits, device=codes.device, dtype=torch.uint8)
+        return (grouped << shifts).sum(dim=-1, dtype=torch.uint8)
     grouped = codes.to(torch.int64).reshape(*codes.shape[:-1], codes.shape[-1] // per_chunk, per_chunk)
     shifts = torch.arange(per_chunk, device=codes.device, dtype=torch.int64) * bits
     words = (grouped << shifts).sum(dim=-1, keepdim=True)  # disjoint bits: the sum is the bitwise or

@@ -248,10 +248,14 @@ class RotatedTokenQuantizer(Quantizer):
         )
         if self.levels == "normal":
             center, spread, fields = self._normal(grouped)
-            if not self.token_tiles and pack_kernels.fused(x):  # codes and packing in one kernel
-                packed = pack_kernels.nearest_levels(rotated.float(), spread, fields.get("zero"), normal_edges(self.bits), self.bits)
-                return {"codes": packed, **fields}
-            codes = nearest_level_codes(grouped, center.unsqueeze(-1), spread.unsqueeze(-1), self.bits)
+            if pack_kernels.fused(x):  # codes (and, token by token, their packing) in one kernel
+                edges = normal_edges(self.bits)
+                if not self.token_tiles:
+                    return {"codes": pack_kernels.nearest_levels(rotated.float(), spread, fields.get("zero"), edges, self.bits),
+                            **fields}
+                codes = pack_kernels.nearest_level_codes(rotated.float(), spread, fields.get("zero"), edges, self.bits)
+            else:
+                codes = nearest_level_codes(grouped, center.unsqueeze(-1), spread.unsqueeze(-1), self.bits)
         else:
             codes, fields = self._uniform(grouped)
         codes = codes.clamp_(0, (1 << self.bits) - 1).reshape(*x.shape[:-1], width)
