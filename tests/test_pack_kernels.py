@@ -161,6 +161,9 @@ def test_the_packing_kernels_compile_for_the_gpu():
     compile_for_gpu(pack.plan_affine_varwidth(x, zero, zero, bits, 384, torch.zeros(1, 8, 128, 1, dtype=torch.uint8)))
     built = compile_for_gpu(pack.plan_nearest_levels(x.float(), torch.ones(1, 8, 128, 2), None, normal_edges(3), 3))
     assert built["cubin"] > 0
+    raw = compile_for_gpu(pack.plan_nearest_levels(x.float(), torch.ones(1, 8, 128, 2), torch.zeros(1, 8, 128, 2),
+                                                   normal_edges(2), 2, raw=True))  # a code a byte (values in tiles)
+    assert raw["cubin"] > 0
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="compares the compiled kernels with torch on a CUDA GPU")
