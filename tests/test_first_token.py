@@ -84,7 +84,8 @@ def test_graphs_captured_on_a_gpu_after_the_scoring_pass_decode_what_generate_do
     pass, then 120 steps over two flushes, most replayed from graphs; the same tokens as without graphs."""
     from kvweave.core.registry import load_registry
 
-    from test_graphs import FRONTIER, _gpu_llama
+    from test_graphs import FRONTIER
+    from test_graphs_gpu import _gpu_llama
 
     net, ids = _gpu_llama(512, 3)
     registry = load_registry(FRONTIER)
