@@ -48,7 +48,7 @@ from kvweave.engine import build_cache, cache_kwargs
 from kvweave.engine.cache import KVWeaveCache
 from kvweave.engine.graphs import graph_decode
 from kvweave.core.registry import load_pipeline
-from kvweave.engine.importance import score_for, score_whole
+from kvweave.engine.importance import score_whole
 from kvweave.engine.synthetic import fill_cache
 
 
@@ -275,6 +275,19 @@ def run(method: str, model, batch: int, tokens: int, steps: int, device: str, fi
 LOG: Path | None = None  # rows are appended here as they are measured (a long run keeps what it finished)
 
 
+def first_token(model, cache, ids: torch.Tensor) -> int:
+    """The prompt ``ids`` [1, T] into ``cache`` and its greedy first token. A pipeline that scores its prompt (KVzip, a
+    surrogate) stores it from the scoring pass and takes the first token from that pass's logits, as
+    kvweave.engine.generation.generate does for greedy decoding; any other cache by ``model.generate``."""
+    with torch.no_grad():
+        logits = score_whole(model, cache, ids) if isinstance(cache, KVWeaveCache) else None
+        if logits is not None:
+            return int(logits.argmax(-1)[0])
+        out = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=1, do_sample=False,
+                             **cache_kwargs(model, cache))
+        return int(out[0, -1])
+
+
 def ttft(method: str, model, tokens: int, device: str, reps: int = 2) -> dict:
     method = method.removesuffix(GRAPHS)  # the first token comes from a prefill either way
     times = []
@@ -287,14 +300,7 @@ def ttft(method: str, model, tokens: int, device: str, reps: int = 2) -> dict:
             cache = build_cache(load_pipeline(method, REGISTRY), model, tokenizer=Ids(model.config.vocab_size))
         sync()
         start = time.perf_counter()
-        with torch.no_grad():
-            # a pipeline that scores its prompt (KVzip, a surrogate) stores it from the scoring pass and takes the first
-            # token from that pass's logits, as kvweave.engine.generation.generate does for greedy decoding
-            logits = score_whole(model, cache, ids) if isinstance(cache, KVWeaveCache) else None
-            if logits is not None:
-                int(logits.argmax(-1)[0])
-            else:
-                model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=1, do_sample=False, **cache_kwargs(model, cache))
+        first_token(model, cache, ids)
         sync()
         times.append(time.perf_counter() - start)
         ratio = cache.compression_ratio() if isinstance(cache, KVWeaveCache) else 1.0

@@ -32,10 +32,11 @@ import kvweave.engine.engine as engine_module
 import kvweave.engine.importance as importance_module
 import kvweave.engine.ingest as ingest_module
 import kvweave.engine.together as together_module
-from kvweave.engine import build_cache, cache_kwargs
+from kvweave.engine import build_cache
 from kvweave.core.registry import load_pipeline
 from kvweave.engine.residuals import ResidualList
 
+import decode_e2e
 from decode_e2e import Ids, llama3_8b, random_model, smoke_config, sync
 
 TOTALS: dict[str, list[float]] = defaultdict(lambda: [0, 0.0])
@@ -94,14 +95,7 @@ def patch_module() -> None:
 def first_token(model, cache, ids) -> float:
     sync()
     start = time.perf_counter()
-    with torch.no_grad():
-        # an evictor that needs the context's scores gets them first, the prompt stored from the scoring's context pass
-        # and the first token taken from its logits (kvweave.engine.generation.generate's greedy path)
-        logits = None if isinstance(cache, DynamicCache) else importance_module.score_whole(model, cache, ids)
-        if logits is not None:
-            int(logits.argmax(-1)[0])
-        else:
-            model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=1, do_sample=False, **cache_kwargs(model, cache))
+    decode_e2e.first_token(model, cache, ids)  # the scoring pass's first token where the cache scores its prompt
     sync()
     return time.perf_counter() - start
 

@@ -81,12 +81,8 @@ class ExactTokens:
     def magnitude(self, kind: str, count: int) -> torch.Tensor:
         """[B, H, count], finite exactly where the first ``count`` tokens of ``kind`` are: an int8 window's scales (NaN
         for a vector holding NaN or infinity), else each vector's largest magnitude."""
-        held = self._held[kind]
-        if held is None:
-            raise CacheStateError(f"the exact window holds no {kind}")
-        if self.lossy:
-            return held[1][..., :count, 0]
-        return torch.linalg.vector_norm(held[0][..., :count, :], float("inf"), dim=-1)
+        held = self.encoded(kind, count)
+        return held[1][..., 0] if self.lossy else torch.linalg.vector_norm(held[0], float("inf"), dim=-1)
 
     def __setitem__(self, kind: str, tensor: torch.Tensor | None) -> None:
         self._not_static("replaced")

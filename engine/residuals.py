@@ -48,11 +48,6 @@ def _first_entries(at: torch.Tensor, first: int, size: int) -> torch.Tensor:
     return torch.where(found < none, found, -1)
 
 
-def _as_int32(bits: torch.Tensor) -> torch.Tensor:
-    """Unsigned 32-bit words held in int64 as int32 with the same bits."""
-    return torch.where(bits >= 2**31, bits - 2**32, bits).to(torch.int32)
-
-
 class ResidualList:
     """The residual entries of one layer at one rank level (the module's docstring gives the layout).
 
@@ -114,10 +109,8 @@ class ResidualList:
             # it (bits are distinct; bit 31 wraps to int32's sign bit), and the other words stay as they are
             tile = token // TILE_TOKENS
             self.bits.view(-1).index_add_(0, row * words + tile, torch.bitwise_left_shift(1, token % TILE_TOKENS))
-        if self.chunks is None:
-            self.chunks = torch.full((1,), first, dtype=torch.int32, device=device)  # no host-to-device copy
-        else:
-            self.chunks = torch.cat((self.chunks, torch.full((1,), first, dtype=torch.int32, device=device)))
+        start = torch.full((1,), first, dtype=torch.int32, device=device)  # filled on the device: no host-to-device copy
+        self.chunks = start if self.chunks is None else torch.cat((self.chunks, start))
         if self.tiles and row.numel():  # the block's tiles' first entries: its entries sit after those held
             if first % TILE_TOKENS:
                 raise ValueError(f"a residual tile index needs blocks that start on a {TILE_TOKENS}-token tile; this one starts at {first}")

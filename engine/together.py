@@ -154,8 +154,8 @@ def _decide(engine: CompressionEngine, group: int, layers: list[int], ahead: lis
         eviction._check_keep(keep, work.shape[:-1])
         del work
         keep = eviction._whole_groups(group, keep, route, per_layer=True)
-        placed = eviction._placed_leading(group, passed, keep, members=part)
-        plan.placed = placed if not plan.keeps else min(plan.placed, placed)
+        # the same for every part (the evictor's promise at this block's start); each part's keep is checked against it
+        plan.placed = eviction._placed_leading(group, passed, keep, members=part)
         counts.append(keep.sum(-1).amax(dim=(1, 2)))  # [G]: each layer's slots, its most kept of any row and head
         for index, layer in enumerate(part):
             plan.keeps[layer] = keep[index]
