@@ -63,10 +63,9 @@ def timed(fn, reps: int) -> float:
     return times[len(times) // 2]
 
 
-def device_us(fn, reps: int) -> float:
-    """Microseconds of GPU kernel time per call of ``fn``: the sum of its kernels' device time from the torch
-    profiler over ``reps`` calls (after 3 warm-up calls), divided by ``reps``. Host launch time is not in
-    it (:func:`host_us` reports that)."""
+def device_us_parts(fn, reps: int) -> dict[str, float]:
+    """Microseconds of GPU time per call of ``fn`` for each kernel it launches (by name): the torch profiler's device
+    time over ``reps`` calls (after 3 warm-up calls), divided by ``reps``. Host launch time is not in it."""
     from torch.profiler import ProfilerActivity, profile
 
     for _ in range(3):
@@ -76,10 +75,18 @@ def device_us(fn, reps: int) -> float:
         for _ in range(reps):
             fn()
         torch.cuda.synchronize()
-    total = 0.0
+    parts: dict[str, float] = {}
     for event in prof.key_averages():
-        total += getattr(event, "self_device_time_total", None) or getattr(event, "self_cuda_time_total", 0.0)
-    return total / reps
+        spent = getattr(event, "self_device_time_total", None) or getattr(event, "self_cuda_time_total", 0.0)
+        if spent:
+            parts[event.key] = parts.get(event.key, 0.0) + spent / reps
+    return parts
+
+
+def device_us(fn, reps: int) -> float:
+    """Microseconds of GPU kernel time per call of ``fn``: the sum of its kernels' device time
+    (:func:`device_us_parts`). Host launch time is not in it (:func:`host_us` reports that)."""
+    return sum(device_us_parts(fn, reps).values())
 
 
 def host_us(fn, reps: int = 20) -> float:

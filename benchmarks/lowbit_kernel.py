@@ -33,7 +33,7 @@ import attrs
 import torch
 import torch.nn.functional as F
 
-from decode_kernel import copy_bandwidth, device_us, timed  # the same timing as the fused kernel's benchmark
+from decode_kernel import copy_bandwidth, device_us, device_us_parts, timed  # the same timing as the fused kernel's benchmark
 from kvweave.kernels.lowbit_decode import (TRICKS, VARIANTS, LowbitView, level_kind, lowbit_decode, plan_launch,
                                            torch_lowbit_decode)
 from kvweave.plugins.quantizers.channel_alloc import ChannelAllocQuantizer
@@ -196,8 +196,8 @@ def main() -> None:
         launch = plan_launch(small, q_small, None, scale, block, warps, variant, programs, tricks=tricks)
         print(f"{name}: largest difference from the torch twin (T = 4096, B = 1) {twins[name]:.2e}; compiled: {kernel_stats(launch.kernel)}")
     rows = []
-    print("\n| T | B | kernel | SDPA us (GPU) | lowbit us (GPU) | lowbit us (wall) | speed-up (GPU) | bytes read | GB/s | % of copy bw | bytes ratio |")
-    print("|---:|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|")
+    print("\n| T | B | kernel | SDPA us (GPU) | lowbit us (GPU) | of which combine | lowbit us (wall) | speed-up (GPU) | bytes read | GB/s | % of copy bw | bytes ratio |")
+    print("|---:|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
     for tokens in (int(t) for t in args.tokens.split(",")):
         for batch in (int(b) for b in args.batches.split(",")):
             full_bytes = 2 * batch * KV_HEADS * (tokens + WINDOW) * HEAD_DIM * 2
@@ -218,13 +218,16 @@ def main() -> None:
             read = view_bytes(view)
             for variant, block, warps, programs, tricks in configs:
                 call = lambda: lowbit_decode(view, q, start, scale, block, warps, variant, programs, tricks)  # noqa: E731
-                kernel = device_us(call, args.reps)
+                parts = device_us_parts(call, args.reps)
+                kernel = sum(parts.values())
+                combine = sum(us for name, us in parts.items() if "combine" in name)
                 wall = timed(call, args.reps)
                 row = {"tokens": tokens, "batch": batch, "kernel": config_name(variant, block, warps, programs, tricks), "sdpa_us": sdpa, "kernel_us": kernel,
+                       "packed_us": kernel - combine, "combine_us": combine,
                        "wall_us": wall, "speedup": sdpa / kernel, "bytes_read": read, "gbps": read / kernel / 1e3,
                        "of_copy": read / (kernel * 1e-6) / bandwidth, "bytes_ratio": full_bytes / read}
                 rows.append(row)
-                print(f"| {tokens} | {batch} | {row['kernel']} | {sdpa:.1f} | {kernel:.1f} | {wall:.1f} | {row['speedup']:.2f}x | "
+                print(f"| {tokens} | {batch} | {row['kernel']} | {sdpa:.1f} | {kernel:.1f} | {combine:.1f} | {wall:.1f} | {row['speedup']:.2f}x | "
                       f"{read / 1e6:.1f} MB | {row['gbps']:.0f} | {100 * row['of_copy']:.0f}% | {row['bytes_ratio']:.2f}x |", flush=True)
             del view, keys, values
             torch.cuda.empty_cache()
