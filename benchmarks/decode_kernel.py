@@ -89,6 +89,35 @@ def device_us(fn, reps: int) -> float:
     return sum(device_us_parts(fn, reps).values())
 
 
+def graph_us(fn, reps: int, calls: int = 20) -> float:
+    """Microseconds of GPU time per call of ``fn`` as a CUDA graph replays it: ``calls`` calls captured in one graph
+    (after 3 warm-up calls on a side stream), the median over ``reps`` replays (CUDA events) divided by ``calls``. What
+    a decode step replayed from a graph sees: the kernels, the gaps between them and any overlap (a kernel launched as a
+    programmatic dependent starts before the one it follows ends, which the profiler's per-kernel times count twice)."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(3):
+            fn()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(calls):
+            fn()
+    graph.replay()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(reps):
+        start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        graph.replay()
+        stop.record()
+        stop.synchronize()
+        times.append(start.elapsed_time(stop) * 1000 / calls)
+    times.sort()
+    return times[len(times) // 2]
+
+
 def host_us(fn, reps: int = 20) -> float:
     """Microseconds the host spends per call (launches queued, no synchronization)."""
     torch.cuda.synchronize()

@@ -15,8 +15,10 @@ token per sequence. The packed storage is written by the real quantizers (``chan
 one outlier; ``rotated-token`` 2-bit, normal levels) from random keys and values; the exact window holds
 16 tokens. Reported per (T, B) and kernel configuration (``variant:block:warps[:programs[:tricks]]``, the Triton kernels
 of ``kvweave.kernels.lowbit_decode.VARIANTS``, tricks "+"-separated names of its ``TRICKS``): SDPA and kernel GPU time (the kernels' device time from the torch
-profiler per call, combine and exact-window merge included; host time left out), the kernel's wall time per
-call (CUDA events, host included), speed-up on GPU time, the bytes the kernel reads (``nbytes`` of every packed
+profiler per call, combine and exact-window merge included, and of it the combine's; host time left out), the kernel's
+wall time per call (CUDA events, host included), speed-up on GPU time, both timed again as 20 calls replayed from a CUDA
+graph (``decode_kernel.graph_us``: the gaps between kernels in, a combine launched before the packed pass ends counted
+once) and that speed-up, the bytes the kernel reads (``nbytes`` of every packed
 tensor and the exact window), the bandwidth that implies and its share of the measured copy bandwidth, the
 bytes ratio against the bf16 cache; before that, each configuration's largest difference from the torch twin
 (T = 4096) and the compiled kernel's registers and spills. A table on stdout, JSON in ``--out``.
@@ -33,7 +35,7 @@ import attrs
 import torch
 import torch.nn.functional as F
 
-from decode_kernel import copy_bandwidth, device_us, device_us_parts, timed  # the same timing as the fused kernel's benchmark
+from decode_kernel import copy_bandwidth, device_us, device_us_parts, graph_us, timed  # the same timing as the fused kernel's benchmark
 from kvweave.kernels.lowbit_decode import (TRICKS, VARIANTS, LowbitView, level_kind, lowbit_decode, plan_launch,
                                            torch_lowbit_decode)
 from kvweave.plugins.quantizers.channel_alloc import ChannelAllocQuantizer
@@ -196,8 +198,8 @@ def main() -> None:
         launch = plan_launch(small, q_small, None, scale, block, warps, variant, programs, tricks=tricks)
         print(f"{name}: largest difference from the torch twin (T = 4096, B = 1) {twins[name]:.2e}; compiled: {kernel_stats(launch.kernel)}")
     rows = []
-    print("\n| T | B | kernel | SDPA us (GPU) | lowbit us (GPU) | of which combine | lowbit us (wall) | speed-up (GPU) | bytes read | GB/s | % of copy bw | bytes ratio |")
-    print("|---:|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+    print("\n| T | B | kernel | SDPA us (GPU) | lowbit us (GPU) | of which combine | lowbit us (wall) | speed-up (GPU) | SDPA / lowbit us (graph) | speed-up (graph) | bytes read | GB/s | % of copy bw | bytes ratio |")
+    print("|---:|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
     for tokens in (int(t) for t in args.tokens.split(",")):
         for batch in (int(b) for b in args.batches.split(",")):
             full_bytes = 2 * batch * KV_HEADS * (tokens + WINDOW) * HEAD_DIM * 2
@@ -215,6 +217,7 @@ def main() -> None:
             values = torch.randn_like(keys)
             sdpa_call = lambda: F.scaled_dot_product_attention(q[:, :, None], keys, values, enable_gqa=True)  # noqa: E731
             sdpa = device_us(sdpa_call, args.reps)
+            sdpa_graph = graph_us(sdpa_call, args.reps)
             read = view_bytes(view)
             for variant, block, warps, programs, tricks in configs:
                 call = lambda: lowbit_decode(view, q, start, scale, block, warps, variant, programs, tricks)  # noqa: E731
@@ -222,12 +225,15 @@ def main() -> None:
                 kernel = sum(parts.values())
                 combine = sum(us for name, us in parts.items() if "combine" in name)
                 wall = timed(call, args.reps)
+                graph = graph_us(call, args.reps)
                 row = {"tokens": tokens, "batch": batch, "kernel": config_name(variant, block, warps, programs, tricks), "sdpa_us": sdpa, "kernel_us": kernel,
                        "packed_us": kernel - combine, "combine_us": combine,
+                       "sdpa_graph_us": sdpa_graph, "graph_us": graph, "graph_speedup": sdpa_graph / graph,
                        "wall_us": wall, "speedup": sdpa / kernel, "bytes_read": read, "gbps": read / kernel / 1e3,
                        "of_copy": read / (kernel * 1e-6) / bandwidth, "bytes_ratio": full_bytes / read}
                 rows.append(row)
                 print(f"| {tokens} | {batch} | {row['kernel']} | {sdpa:.1f} | {kernel:.1f} | {combine:.1f} | {wall:.1f} | {row['speedup']:.2f}x | "
+                      f"{sdpa_graph:.1f} / {graph:.1f} | {row['graph_speedup']:.2f}x | "
                       f"{read / 1e6:.1f} MB | {row['gbps']:.0f} | {100 * row['of_copy']:.0f}% | {row['bytes_ratio']:.2f}x |", flush=True)
             del view, keys, values
             torch.cuda.empty_cache()

@@ -19,7 +19,7 @@ TRITON_TYPES = {"float32": "fp32", "float16": "fp16", "bfloat16": "bf16", "uint8
 
 def launch_job(kernel: Any, args: tuple, constants: dict) -> dict:
     """What building ``kernel[grid](*args, **constants)`` needs, as plain data: the kernel's name and module, the
-    arguments' Triton types, the constants (``num_warps``, ``maxnreg``, ``enable_fp_fusion`` and ``num_stages`` apart), as a GPU build takes them: the hardware
+    arguments' Triton types, the constants (``num_warps``, ``maxnreg``, ``enable_fp_fusion``, ``num_stages`` and ``launch_pdl`` apart), as a GPU build takes them: the hardware
     cos/sin (``APPROX``) and inline assembly (``ASM``) wherever the tile operands are the GPU's (``LOWP``), whatever the
     process planning it runs in; and, as a
     launch specializes them, which arguments are multiples of 16 (pointers by their address, integers by their value)."""
@@ -38,12 +38,14 @@ def launch_job(kernel: Any, args: tuple, constants: dict) -> dict:
     registers = constants.pop("maxnreg", None)
     fusion = constants.pop("enable_fp_fusion", True)
     stages = constants.pop("num_stages", None)
+    pdl = constants.pop("launch_pdl", False)
     for name in ("APPROX", "ASM"):  # the GPU's arithmetic wherever the operands are bfloat16 (an ASM of 2 kept)
         if name in constants:
             constants[name] = (constants[name] or True) if constants.get("LOWP") else False
     fn = getattr(kernel, "fn", kernel)
     return {"kernel": fn.__name__, "module": fn.__module__, "types": types, "constants": constants, "num_warps": warps,
-            "maxnreg": registers, "aligned": aligned, "enable_fp_fusion": fusion, "num_stages": stages}
+            "maxnreg": registers, "aligned": aligned, "enable_fp_fusion": fusion, "num_stages": stages,
+            "launch_pdl": pdl}
 
 
 def build(module: Any, job: dict, arch: int = 90) -> Any:
@@ -60,6 +62,7 @@ def build(module: Any, job: dict, arch: int = 90) -> Any:
     return triton.compile(ASTSource(fn, signature, constexprs=constexprs, attrs=attrs), target=GPUTarget("cuda", arch, 32),
                           options={"num_warps": job["num_warps"], "maxnreg": job.get("maxnreg"),
                                    "enable_fp_fusion": job.get("enable_fp_fusion", True),
+                                   **({"launch_pdl": True} if job.get("launch_pdl") else {}),
                                    **({"num_stages": job["num_stages"]} if job.get("num_stages") else {})})
 
 

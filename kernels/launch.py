@@ -3,6 +3,8 @@ many splits of each row's tokens a packed pass takes."""
 
 from __future__ import annotations
 
+import functools
+import os
 from typing import Any
 
 import attrs
@@ -25,6 +27,35 @@ class Launch:
     def run(self) -> tuple:
         self.kernel[self.grid](*self.args, **self.constants)
         return self.outputs
+
+
+#: launch the lowbit combine as a programmatic dependent of the packed pass where the GPU and Triton can (Hopper and
+#: later, Triton 3.4 and later): its programs start while the packed pass's last ones run, attend the exact window and
+#: load the rotation, and wait for the packed pass only before they read its splits (docs/kernels.md "The combine
+#: launched before the packed pass ends"); the environment's KVWEAVE_PROGRAMMATIC_COMBINE=0 turns it off (to time both)
+PROGRAMMATIC_COMBINE = os.environ.get("KVWEAVE_PROGRAMMATIC_COMBINE", "1") != "0"
+
+
+@functools.lru_cache(maxsize=None)
+def _capability(index: int) -> tuple:
+    return torch.cuda.get_device_capability(index)
+
+
+@functools.lru_cache(maxsize=None)
+def _triton_has_gdc() -> bool:
+    try:
+        from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def programmatic(device: Any) -> bool:
+    """Whether a kernel on ``device`` may be launched as a programmatic dependent of the kernel before it
+    (:data:`PROGRAMMATIC_COMBINE`; a CUDA GPU of compute capability 9 or more, a Triton with grid dependency control)."""
+    if not PROGRAMMATIC_COMBINE or device.type != "cuda" or not _triton_has_gdc():
+        return False
+    return _capability(device.index if device.index is not None else torch.cuda.current_device())[0] >= 9
 
 
 def default_programs(rows: int) -> int:

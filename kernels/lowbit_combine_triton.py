@@ -17,7 +17,24 @@ except ImportError:  # pragma: no cover - exercised where triton is missing
     triton = None
 
 if triton is not None:
+    try:  # programmatic dependent launch (Triton 3.4 and later; kvweave.kernels.launch.programmatic)
+        from triton.language.extra.cuda import gdc_wait
+    except ImportError:  # pragma: no cover - an older Triton: the combine is launched without it
+        gdc_wait = None
     from kvweave.kernels.window_triton import _rounded
+
+    @triton.jit
+    def _joined(m1, t1, o1, m2, t2, o2, GROUPED: tl.constexpr):
+        """Two running (max, sum, output) states of one attention merged by their log-sum-exp: the exact tokens' and the
+        packed pass's. ``GROUPED``: maxima and sums [QR], outputs [QR, D]; else scalars and [D]."""
+        m = tl.maximum(m1, m2)
+        m_safe = tl.where(m == float("-inf"), 0.0, m)
+        a1, a2 = tl.exp(m1 - m_safe), tl.exp(m2 - m_safe)
+        if GROUPED:
+            out = o1 * a1[:, None] + o2 * a2[:, None]
+        else:
+            out = o1 * a1 + o2 * a2
+        return m, a1 * t1 + a2 * t2, out
 
     @triton.jit
     def _merge_tokens(k_ptr, v_ptr, slot, ok, chan, q, m, total, out, D: tl.constexpr, GROUPED: tl.constexpr):
@@ -70,12 +87,13 @@ if triton is not None:
         return m, total, out
 
     @triton.jit
-    def _splits_merged(m_ptr, l_ptr, acc_ptr, rot_ptr, bh, g, splits, chan, D: tl.constexpr, G: tl.constexpr,
+    def _splits_merged(m_ptr, l_ptr, acc_ptr, rot_ptr, rot, bh, g, splits, chan, D: tl.constexpr, G: tl.constexpr,
                        SB: tl.constexpr, CB: tl.constexpr, WHOLE: tl.constexpr):
         """Query row ``g`` of row ``bh``: the running max, sum and output [D] (rotated back by ``rot``) of the packed
-        pass's splits. ``WHOLE``: every split in one tile of ``SB`` and the rotation in one of ``CB`` = ``D`` rows, so
-        the loads have no loop between them and go out together (at one batch row the chunked loops' chain of loads
-        took 7 of the 24 us of a layer call at 32K on the H200); else ``SB`` splits and ``CB`` rotation rows at a time."""
+        pass's splits. ``WHOLE``: every split in one tile of ``SB``, and the rotation ``rot`` [D, D] loaded by the caller
+        (:func:`_whole_rotation`), so the loads have no loop between them and go out together (at one batch row the
+        chunked loops' chain of loads took 7 of the 24 us of a layer call at 32K on the H200); else ``SB`` splits and
+        ``CB`` rotation rows at a time from ``rot_ptr``."""
         s_idx = tl.arange(0, SB)
         c_idx = tl.arange(0, CB)
         out = tl.zeros([D], tl.float32)
@@ -85,7 +103,6 @@ if triton is not None:
             tops = tl.load(m_ptr + at, mask=ok, other=float("-inf"))
             sums = tl.load(l_ptr + at, mask=ok, other=0.0)
             acc = tl.load(acc_ptr + at[:, None] * D + c_idx[None, :], mask=ok[:, None], other=0.0)
-            rot = tl.load(rot_ptr + c_idx[:, None] * D + chan[None, :])
             m = tl.max(tops, 0)
             w = tl.exp(tops - tl.where(m == float("-inf"), 0.0, m))
             total = tl.sum(w * sums, 0)
@@ -113,19 +130,29 @@ if triton is not None:
         return m, total, out
 
     @triton.jit
+    def _whole_rotation(rot_ptr, chan, D: tl.constexpr, WHOLE: tl.constexpr):
+        """The rotation [D, D] in one tile where :func:`_splits_merged` reads it whole (``WHOLE``), else 0."""
+        rot = 0.0
+        if WHOLE:
+            rot = tl.load(rot_ptr + chan[:, None] * D + chan[None, :])
+        return rot
+
+    @triton.jit
     def _lowbit_combine_kernel(
         m_ptr, l_ptr, acc_ptr, rot_ptr, q_ptr, ek_ptr, ev_ptr, rk_ptr, rv_ptr, rpos_ptr, start_ptr, fill_ptr, out_ptr,
         splits, exact, restored, exact_first, scaling,
         D: tl.constexpr, G: tl.constexpr, HEADS: tl.constexpr, GROUP: tl.constexpr, HAS_START: tl.constexpr,
         HAS_REST: tl.constexpr, HAS_FILL: tl.constexpr, SB: tl.constexpr, CB: tl.constexpr, EB: tl.constexpr,
-        WHOLE: tl.constexpr,
+        WHOLE: tl.constexpr, PDL: tl.constexpr,
     ):
         """One query head of one row: the splits of the packed pass combined (``m``, ``l``, ``acc`` [BH, S, G(, D)]),
         their output rotated back once (``rot`` [D, D]), then the exact window [B, H, n, D] (positions ``exact_first
         ..``) and the tokens full-rank residuals restore ([B, H, r, D], positions ``rpos``, -1: none) attended
         exactly and merged by their log-sum-exp: ``out`` [B, Hq, D] float32 (what ``_merge_exact`` computes). ``HAS_FILL``:
         the window rows are buffers of ``exact`` tokens, of which the first ``fill + 1`` (``fill_ptr``, int32 [1]) are
-        attended (a window kept for a CUDA graph)."""
+        attended (a window kept for a CUDA graph). The exact and restored tokens and the rotation come first, the splits
+        last: with ``PDL`` the kernel is launched as a programmatic dependent of the packed pass and waits for that pass
+        only before it reads the splits."""
         row = tl.program_id(0)  # batch * query heads
         batch = row // (HEADS * GROUP)
         head = (row // GROUP) % HEADS
@@ -133,9 +160,15 @@ if triton is not None:
         bh = (batch * HEADS + head).to(tl.int64)
         chan = tl.arange(0, D)
         q = tl.load(q_ptr + row.to(tl.int64) * D + chan).to(tl.float32) * scaling
-        m, total, out = _splits_merged(m_ptr, l_ptr, acc_ptr, rot_ptr, bh, g, splits, chan, D, G, SB, CB, WHOLE)
-        m, total, out = _exact_tokens(m, total, out, q, chan, bh, batch, start_ptr, rk_ptr, rv_ptr, rpos_ptr, ek_ptr, ev_ptr,
-                                      fill_ptr, restored, exact, exact_first, D, HAS_START, HAS_REST, HAS_FILL, EB, False)
+        rot = _whole_rotation(rot_ptr, chan, D, WHOLE)
+        m_e, total_e, out_e = _exact_tokens(tl.full([], float("-inf"), tl.float32), tl.zeros([], tl.float32),
+                                            tl.zeros([D], tl.float32), q, chan, bh, batch, start_ptr,
+                                            rk_ptr, rv_ptr, rpos_ptr, ek_ptr, ev_ptr, fill_ptr, restored, exact,
+                                            exact_first, D, HAS_START, HAS_REST, HAS_FILL, EB, False)
+        if PDL:  # the packed pass's splits are complete and visible past this
+            gdc_wait()
+        m, total, out = _splits_merged(m_ptr, l_ptr, acc_ptr, rot_ptr, rot, bh, g, splits, chan, D, G, SB, CB, WHOLE)
+        m, total, out = _joined(m, total, out, m_e, total_e, out_e, False)
         tl.store(out_ptr + row.to(tl.int64) * D + chan, _rounded(out / total, out_ptr.dtype.element_ty))
 
     @triton.jit
@@ -144,7 +177,7 @@ if triton is not None:
         splits, exact, restored, exact_first, scaling,
         D: tl.constexpr, G: tl.constexpr, HEADS: tl.constexpr, GROUP: tl.constexpr, HAS_START: tl.constexpr,
         HAS_REST: tl.constexpr, HAS_FILL: tl.constexpr, SB: tl.constexpr, CB: tl.constexpr, EB: tl.constexpr,
-        QR: tl.constexpr,
+        QR: tl.constexpr, PDL: tl.constexpr,
     ):
         """The query heads of one KV head of one row: the splits of the packed pass combined (``m``, ``l``, ``acc``
         [BH, S, G(, D)], the heads in rows ``0 .. GROUP``), their output rotated back once (``rot`` [D, D], ``CB`` rows
@@ -152,12 +185,20 @@ if triton is not None:
         restore ([B, H, r, D], positions ``rpos``, -1: none) attended exactly and merged by their log-sum-exp: ``out``
         [B, Hq, D] float32 (what ``_merge_exact`` computes). ``HAS_FILL``: the window rows are buffers of ``exact``
         tokens, of which the first ``fill + 1`` (``fill_ptr``, int32 [1]) are attended (a window kept for a CUDA
-        graph)."""
+        graph). The exact and restored tokens come first, the splits last (with ``PDL`` waited for only there)."""
         bh = tl.program_id(0).to(tl.int64)  # batch * KV heads
         batch = bh // HEADS
         gq = tl.arange(0, QR)
         real = gq < GROUP
         chan = tl.arange(0, D)
+        rows = batch * HEADS * GROUP + (bh % HEADS) * GROUP + gq  # [QR]: the query heads' rows of q and out
+        q = tl.load(q_ptr + rows[:, None] * D + chan[None, :], mask=real[:, None], other=0.0).to(tl.float32) * scaling
+        m_e, total_e, out_e = _exact_tokens(tl.full([QR], float("-inf"), tl.float32), tl.zeros([QR], tl.float32),
+                                            tl.zeros([QR, D], tl.float32), q, chan, bh, batch, start_ptr, rk_ptr, rv_ptr,
+                                            rpos_ptr, ek_ptr, ev_ptr, fill_ptr, restored, exact, exact_first, D,
+                                            HAS_START, HAS_REST, HAS_FILL, EB, True)
+        if PDL:  # the packed pass's splits are complete and visible past this
+            gdc_wait()
         s_idx = tl.arange(0, SB)
         c_idx = tl.arange(0, CB)
         top = tl.full([SB, QR], float("-inf"), tl.float32)
@@ -184,9 +225,6 @@ if triton is not None:
                 part += tl.sum(w[:, :, None] * a, 0)  # [QR, CB]
             rot = tl.load(rot_ptr + (c0 + c_idx)[:, None] * D + chan[None, :])  # rows c0 .. of the rotation
             out += tl.sum(part[:, :, None] * rot[None, :, :], 1)
-        rows = batch * HEADS * GROUP + (bh % HEADS) * GROUP + gq  # [QR]: the query heads' rows of q and out
-        q = tl.load(q_ptr + rows[:, None] * D + chan[None, :], mask=real[:, None], other=0.0).to(tl.float32) * scaling
-        m, total, out = _exact_tokens(m, total, out, q, chan, bh, batch, start_ptr, rk_ptr, rv_ptr, rpos_ptr, ek_ptr, ev_ptr,
-                                      fill_ptr, restored, exact, exact_first, D, HAS_START, HAS_REST, HAS_FILL, EB, True)
+        m, total, out = _joined(m, total, out, m_e, total_e, out_e, True)
         tl.store(out_ptr + rows[:, None] * D + chan[None, :], _rounded(out / total[:, None], out_ptr.dtype.element_ty),
                  mask=real[:, None])

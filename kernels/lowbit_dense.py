@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING, Any
 
 from kvweave.core.lazy import lazy_module, torch
 from kvweave.kernels.formats import VALUE_TILE
+from kvweave.kernels.launch import programmatic
 from kvweave.kernels.lowbit_tricks import whole_byte_keys, wide_groups
 
 if TYPE_CHECKING:
@@ -263,6 +264,7 @@ def dense_launch(view: Any, args: tuple, constants: dict, kind: int, l0: float, 
     dense_constants["PAD"] = query_pad(group, constants["G"])
     dense_constants["QG"] = group
     dense_constants["FIX"], dense_constants["FIX_LIMIT"] = DENSE_FIXED_MAX, DENSE_FIXED_LIMIT
+    dense_constants["PDL"] = programmatic(padded.device)  # let the combine start before the last programs end
     if offset_out(dense_constants):  # 4-bit uniform levels as 1 + code / 16, the offset taken off at the end
         dense_constants["LEVELS"] = 3
     dense_constants["KPF"] = (dense_constants["KPLANES"] and DENSE_PLANE_PREFETCH and k_scale.dtype == torch.float16

@@ -21,6 +21,10 @@ except ImportError:  # pragma: no cover - exercised where triton is missing
     triton = None
 
 if triton is not None:
+    try:  # programmatic dependent launch (Triton 3.4 and later; kvweave.kernels.launch.programmatic)
+        from triton.language.extra.cuda import gdc_launch_dependents
+    except ImportError:  # pragma: no cover - an older Triton: the combine is launched after the kernel ends
+        gdc_launch_dependents = None
     from kvweave.kernels.lowbit_codes_triton import _plus128
     from kvweave.kernels.lowbit_rows_triton import _pair_channels, _quad_channels, _value_step, _words_codes
     from kvweave.kernels.lowbit_step_triton import (_over, _plane_logits, _plane_queries, _scale_of, _softmax_step,
@@ -244,7 +248,7 @@ if triton is not None:
         VBITS: tl.constexpr, VGROUP: tl.constexpr, HAS_START: tl.constexpr, BLOCK: tl.constexpr, LOWP: tl.constexpr,
         LEVELS: tl.constexpr, VLOG: tl.constexpr, VST: tl.constexpr, HAS_POS: tl.constexpr, HID: tl.constexpr,
         ASM: tl.constexpr, KPLANES: tl.constexpr, KPF: tl.constexpr, VTILE: tl.constexpr, PAD: tl.constexpr,
-        QG: tl.constexpr, FIX: tl.constexpr, FIX_LIMIT: tl.constexpr,
+        QG: tl.constexpr, FIX: tl.constexpr, FIX_LIMIT: tl.constexpr, PDL: tl.constexpr,
     ):
         """One program per (batch row x KV head, split of the packed tokens); the split is whole steps of ``BLOCK``
         tokens (``BLOCK`` divides ``KGROUP``), so nothing is masked but slots that are fillers, before the row's first
@@ -254,7 +258,11 @@ if triton is not None:
         Writes the split's maximum (with ``FIX``: its reference), sum and output in the rotated space, for the combine;
         the steps take each field from the row's first token (the pointers are moved there first). ``KPLANES``: 4-bit keys
         read by code places (:func:`_plane_logits`); ``KPF``: their scales and zero points loaded a step ahead as int32
-        words; ``PAD`` = 2: the ``G / 2`` real query rows each fill two columns (:func:`_steps`), only they written."""
+        words; ``PAD`` = 2: the ``G / 2`` real query rows each fill two columns (:func:`_steps`), only they written.
+        ``PDL``: the combine may be launched once every program has begun (it waits for this kernel's end before it
+        reads the splits)."""
+        if PDL:
+            gdc_launch_dependents()
         bh = tl.program_id(0)
         split = tl.program_id(1)
         batch = bh // heads

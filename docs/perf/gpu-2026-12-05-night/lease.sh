@@ -4,7 +4,9 @@
 # combine (k4v2e48t, k4v4e77t; 32K and 128K; B = 1 and 8; the launch's programs and two other counts at B = 1); the
 # first token at 32K of the full cache and the 8x storage scored by a surrogate, values token by token and in tiles.
 # PART=k: the kernel grid only (CONFIGS=..., STORAGES=..., TOKENS=..., BATCHES=...).
-# Run from the repository's root: OUT=folder PART=a|k bash docs/perf/gpu-2026-12-05-night/lease.sh
+# PART=p: the combine launched early: its GPU tests and the lowbit and graph GPU tests, then the grid with it and
+# without it (KVWEAVE_PROGRAMMATIC_COMBINE=0) in turn.
+# Run from the repository's root: OUT=folder PART=a|k|p bash docs/perf/gpu-2026-12-05-night/lease.sh
 set -o pipefail
 OUT=${OUT:-$PWD/results/lease}
 mkdir -p "$OUT"
@@ -13,8 +15,8 @@ python -m pip install -q --no-deps --no-build-isolation -e . >/dev/null 2>&1
 step() { local limit=$1 file=$2; shift 2; echo "\$ $*" >> "$OUT/$file"; timeout "$limit" "$@" 2>&1 | grep -v -i warn >> "$OUT/$file"; echo "exit $? after ${SECONDS}s" >> "$OUT/$file"; }
 grid() {
   for storage in ${STORAGES:-k4v2e48t k4v4e77t}; do
-    step 200 "kernel-$storage.txt" python benchmarks/lowbit_kernel.py --post-rope --reps 10 --storage "$storage" \
-      --configs "${CONFIGS:-dense:64:4}" --tokens "${TOKENS:-32768,131072}" --batches "${BATCHES:-1,8}" --out "$OUT/json-$storage"
+    step 200 "kernel-$storage${TAG}.txt" python benchmarks/lowbit_kernel.py --post-rope --reps 10 --storage "$storage" \
+      --configs "${CONFIGS:-dense:64:4}" --tokens "${TOKENS:-32768,131072}" --batches "${BATCHES:-1,8}" --out "$OUT/json-$storage${TAG}"
   done
 }
 if [ "${PART:-a}" = a ]; then
@@ -24,6 +26,11 @@ if [ "${PART:-a}" = a ]; then
   python benchmarks/surrogate_registry.py --out $REG --pipelines kzd-k4v2-f48-d128,kzd-k4v2t-f48-d128 > /dev/null
   step 200 ttft.txt python benchmarks/decode_e2e.py --registry $REG/registry.toml --methods full,kzd-k4v2-f48-d128-s,kzd-k4v2t-f48-d128-s --ttft 32768 --batches "" --out /tmp/kvweave-ttft
   cat /tmp/kvweave-ttft/decode_e2e.md >> "$OUT/ttft.txt" 2>/dev/null
+elif [ "$PART" = p ]; then
+  step 120 gpu-tests.txt python -m pytest -q -p no:cacheprovider tests/test_lowbit_pdl.py tests/test_graphs_gpu.py
+  KVWEAVE_GPU_VARIANTS=dense,auto step 200 gpu-tests.txt python -m pytest -q -p no:cacheprovider tests/test_lowbit_gpu.py
+  BATCHES=${BATCHES:-1,8,32} TAG=-early grid
+  KVWEAVE_PROGRAMMATIC_COMBINE=0 BATCHES=${BATCHES:-1,8,32} TAG=-after grid
 else
   grid
 fi
