@@ -7,7 +7,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 from kvweave.core.lazy import lazy_module, torch
-from kvweave.kernels.launch import Launch, programmatic
+from kvweave.kernels.launch import Launch
 
 if TYPE_CHECKING:
     from kvweave.kernels import lowbit_combine_triton as jit
@@ -35,8 +35,8 @@ def plan_combine(view: Any, q: torch.Tensor, start: torch.Tensor | None, scaling
     """The launch that combines the splits of ``packed`` (a :class:`kvweave.kernels.lowbit_decode.LowbitView`'s packed
     pass), rotates their output back and merges the exact window and restored tokens (``_merge_exact``'s arithmetic),
     a program per query head (per KV head past :data:`COMBINE_GROUP_ROWS` rows): [B, Hq, D] float32, or rounded to
-    nearest even in ``out_dtype`` (the model's, saving a conversion). Where :func:`kvweave.kernels.launch.programmatic`
-    allows, launched as a programmatic dependent of the packed pass (``PDL``)."""
+    nearest even in ``out_dtype`` (the model's, saving a conversion). Launched as a programmatic dependent of the
+    packed pass where that pass asks for it (its ``PDL``: :data:`kvweave.kernels.lowbit_dense.EARLY_COMBINE_WAVES`)."""
     batch, q_heads, dim = q.shape
     heads = view.exact_k.shape[1]
     m, l, acc = packed.outputs
@@ -50,7 +50,7 @@ def plan_combine(view: Any, q: torch.Tensor, start: torch.Tensor | None, scaling
         view.restored_pos.contiguous() if rest else m, start if start is not None else m, fill if fill is not None else m, out,
         splits, view.exact_k.shape[-2], view.restored_k.shape[-2] if rest else 0, exact_start(view), float(scaling),
     )
-    pdl = programmatic(q.device)
+    pdl = bool(packed.constants.get("PDL"))  # the packed pass lets it start early (the dense kernel, one wave)
     constants = dict(D=dim, G=m.shape[-1], HEADS=heads, GROUP=q_heads // heads, HAS_START=start is not None, HAS_REST=rest,
                      HAS_FILL=fill is not None, SB=32, CB=min(32, dim), EB=16, PDL=pdl)
     if pdl:  # started while the packed pass runs; its programs wait for it before they read the splits

@@ -192,6 +192,20 @@ def multiprocessors(device: Any) -> int:
     return _multiprocessors(device.index if device.index is not None else torch.cuda.current_device())
 
 
+def dense_slots(sms: int, dim: int, hidden: bool, num_warps: int = 4) -> int:
+    """The dense kernel's programs that ``sms`` multiprocessors hold at once (by their registers,
+    :func:`dense_registers`): one wave."""
+    registers = dense_registers(dim, hidden) or 128
+    return sms * max(1, 65536 // (registers * 32 * num_warps))
+
+
+#: launch the combine early (:func:`kvweave.kernels.launch.programmatic`) only where the dense kernel's programs fit in
+#: one wave: there the SMs have room for the combine's programs beside the packed pass's, and B = 1 gained 7-11% (H100,
+#: 2026-12-05); with several waves its programs took slots and bandwidth from the last wave, -2% to +3% (docs/kernels.md
+#: "The combine launched before the packed pass ends")
+EARLY_COMBINE_WAVES = 1
+
+
 def dense_splits(rows: int, steps: int, sms: int, dim: int, hidden: bool, num_warps: int = 4) -> int:
     """The splits of each of ``rows`` rows' ``steps`` steps that the dense kernel runs in where the launch chooses: about
     :data:`DENSE_WAVES` waves of the programs ``sms`` multiprocessors hold at once (their registers:
@@ -200,8 +214,7 @@ def dense_splits(rows: int, steps: int, sms: int, dim: int, hidden: bool, num_wa
     (:data:`DENSE_WHOLE_WAVES`). One wave of few long programs leaves SMs idle at its end; many short ones pay each
     program's loads before its steps and a longer combine (a batch of one row took 16% longer in 165 splits than in
     66)."""
-    registers = dense_registers(dim, hidden) or 128
-    slots = sms * max(1, 65536 // (registers * 32 * num_warps))
+    slots = dense_slots(sms, dim, hidden, num_warps)
     wanted = max(DENSE_MIN_SPLITS, min(DENSE_MAX_SPLITS, -(-DENSE_WAVES * slots // max(1, rows))))
     most = max(1, steps // DENSE_SPLIT_STEPS)
     if not DENSE_WHOLE_WAVES or wanted >= most or wanted > DENSE_MIN_SPLITS:
@@ -264,7 +277,9 @@ def dense_launch(view: Any, args: tuple, constants: dict, kind: int, l0: float, 
     dense_constants["PAD"] = query_pad(group, constants["G"])
     dense_constants["QG"] = group
     dense_constants["FIX"], dense_constants["FIX_LIMIT"] = DENSE_FIXED_MAX, DENSE_FIXED_LIMIT
-    dense_constants["PDL"] = programmatic(padded.device)  # let the combine start before the last programs end
+    programs = m.shape[0] * splits  # the combine starts before the last programs end where they are one wave
+    dense_constants["PDL"] = programmatic(padded.device) and programs <= EARLY_COMBINE_WAVES * dense_slots(
+        multiprocessors(padded.device), constants["D"], constants["HID"] > 0, constants["num_warps"])
     if offset_out(dense_constants):  # 4-bit uniform levels as 1 + code / 16, the offset taken off at the end
         dense_constants["LEVELS"] = 3
     dense_constants["KPF"] = (dense_constants["KPLANES"] and DENSE_PLANE_PREFETCH and k_scale.dtype == torch.float16

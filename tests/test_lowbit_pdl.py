@@ -1,7 +1,7 @@
 """The lowbit combine launched as a programmatic dependent of the packed pass (``kvweave.kernels.launch.programmatic``):
-where the device allows it, the combine's launch asks for it and its programs wait for the packed pass before they read
-the splits, and the dense kernel lets it start; elsewhere neither kernel holds the grid dependency instructions
-(compiled for sm_90 on this CPU; the GPU tests of test_lowbit_gpu.py run both on a GPU)."""
+where the device allows it and the dense kernel's programs fit in one wave, the combine's launch asks for it and its
+programs wait for the packed pass before they read the splits, and the dense kernel lets it start; elsewhere neither kernel holds the grid dependency instructions
+(compiled for sm_90 on this CPU; on a GPU the output is the same bits either way)."""
 
 from __future__ import annotations
 
@@ -37,29 +37,47 @@ def test_only_a_cuda_device_of_capability_9_launches_the_combine_early(monkeypat
     assert not launch_module.programmatic(torch.device("cuda", 0))
 
 
+def _with_restored(view):
+    """``view`` with two tokens a row restored by residuals (what a sinks router keeps), for the combine's merge."""
+    import attrs
+
+    batch, heads, _, dim = view.exact_k.shape
+    gen = torch.Generator().manual_seed(8)
+    return attrs.evolve(view, restored_k=torch.randn(batch, heads, 2, dim, generator=gen),
+                        restored_v=torch.randn(batch, heads, 2, dim, generator=gen),
+                        restored_pos=torch.tensor([0, 1]).expand(batch, heads, 2).contiguous())
+
+
 @pytest.mark.skipif(not _nvidia_backend(), reason="Triton without its CUDA backend cannot compile for a GPU here")
-@pytest.mark.parametrize("name, group_rows", [("t-lowbit-post", 256), ("t-lowbit-sinks", 256), ("t-lowbit-sinks", 0)])
-def test_the_combine_waits_for_the_packed_pass_only_where_it_is_launched_early(model, registry, monkeypatch, name,  # noqa: F811
+@pytest.mark.parametrize("restored, group_rows", [(False, 256), (True, 256), (True, 0)])
+def test_the_combine_waits_for_the_packed_pass_only_where_it_is_launched_early(model, registry, monkeypatch, restored,  # noqa: F811
                                                                               group_rows):
-    """With the early launch the combine's build holds ``griddepcontrol.wait`` (before it reads the splits) and asks
-    for the launch; the dense kernel's holds ``griddepcontrol.launch_dependents``; without it, neither. Per query head
-    and by KV head (``group_rows`` 0), with tokens restored by residuals (sinks) and without."""
-    view = _view(model, registry, name)
+    """Where the device allows it and the dense kernel's programs are one wave, its build holds
+    ``griddepcontrol.launch_dependents`` and the combine's launch asks to start early, its build holding
+    ``griddepcontrol.wait`` (before it reads the splits); where they are more (here a GPU holding one program at a
+    time) or the device does not allow it, neither. Per query head and by KV head (``group_rows`` 0), with restored tokens and without."""
+    view = _view(model, registry, "t-lowbit-post")
+    view = _with_restored(view) if restored else view
     monkeypatch.setattr(lowbit_combine, "COMBINE_GROUP_ROWS", group_rows)
     q = torch.randn(view.exact_k.shape[0], 4, view.exact_k.shape[-1])
-    for early in (True, False):
-        monkeypatch.setattr(lowbit_combine, "programmatic", lambda device: early)
-        monkeypatch.setattr(lowbit_dense, "programmatic", lambda device: early)
-        packed = plan_launch(view, q, None, 0.125, variant="auto", lowp=True)
+    for allowed, slots, early in ((True, 660, True), (False, 660, False), (True, 1, False)):
+        monkeypatch.setattr(lowbit_dense, "programmatic", lambda device: allowed)
+        monkeypatch.setattr(lowbit_dense, "dense_slots", lambda *args, **kwargs: slots)
+        packed = plan_launch(view, q, None, 0.125, variant="dense", programs=None, lowp=True)
+        assert 1 < packed.grid[0] * packed.grid[1] <= 660
         combine = plan_combine(view, q, None, 0.125, packed, torch.bfloat16)
-        assert combine.constants["PDL"] is early and combine.constants.get("launch_pdl", False) is early
-        waits = compile_for_gpu(combine)["ptx_text"]
-        assert ("griddepcontrol.wait" in waits) is early
-        if packed.kernel.fn.__name__ == "_lowbit_dense_kernel":
-            lets = compile_for_gpu(packed)["ptx_text"]
-            assert ("griddepcontrol.launch_dependents" in lets) is early
-        else:  # the other variants end before the combine starts (the dependency's implicit trigger)
-            assert name != "t-lowbit-post"
+        assert packed.constants["PDL"] is early and combine.constants["PDL"] is early
+        assert combine.constants.get("launch_pdl", False) is early
+        assert ("griddepcontrol.wait" in compile_for_gpu(combine)["ptx_text"]) is early
+        if group_rows:  # the packed pass's build is the same for both combines
+            assert ("griddepcontrol.launch_dependents" in compile_for_gpu(packed)["ptx_text"]) is early
+
+
+def test_the_other_kernels_combine_after_the_packed_pass(model, registry):  # noqa: F811
+    view = _view(model, registry, "t-lowbit-kvzip")
+    q = torch.randn(view.exact_k.shape[0], 4, view.exact_k.shape[-1])
+    packed = plan_launch(view, q, None, 0.125, variant="wide", programs=None)
+    assert not plan_combine(view, q, None, 0.125, packed).constants["PDL"]
 
 
 def _gpu_programmatic() -> bool:
@@ -67,12 +85,12 @@ def _gpu_programmatic() -> bool:
 
 
 @pytest.mark.skipif(not _gpu_programmatic(), reason="launches the combine early on a CUDA GPU of capability 9 or more")
-@pytest.mark.parametrize("batch", [1, 8])
-def test_on_a_gpu_the_combine_launched_early_gives_the_bits_of_the_combine_after(monkeypatch, batch):
-    """The 8x storage (4-bit keys after RoPE, 2-bit values in tiles, 48% kept) at 32,768 tokens: the combine launched
-    early is the same arithmetic as the one launched after the packed pass, so its output is the same bits, call after
-    call, with two queries in turn (a combine that read the splits before the pass wrote them would meet the other
-    query's splits)."""
+@pytest.mark.parametrize("batch, tokens, early", [(1, 32768, True), (1, 131072, True), (8, 32768, False)])
+def test_on_a_gpu_the_combine_launched_early_gives_the_bits_of_the_combine_after(monkeypatch, batch, tokens, early):
+    """The 8x storage (4-bit keys after RoPE, 2-bit values in tiles, 48% kept): at B = 1 the dense kernel's programs are
+    one wave and the combine is launched early, at B = 8 they are three and it is not. Launched early it is the same
+    arithmetic, so its output is the same bits, call after call, with two queries in turn (a combine that read the
+    splits before the pass wrote them would meet the other query's splits)."""
     import sys
     from pathlib import Path
 
@@ -83,7 +101,7 @@ def test_on_a_gpu_the_combine_launched_early_gives_the_bits_of_the_combine_after
     sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
     from lowbit_kernel import HEAD_DIM, Q_HEADS, packed_view
 
-    view = attrs.evolve(packed_view(batch, 32768, device="cuda", storage="k4v2e48t"), inv_freq=None)
+    view = attrs.evolve(packed_view(batch, tokens, device="cuda", storage="k4v2e48t"), inv_freq=None)
     gen = torch.Generator().manual_seed(3)
     queries = [torch.randn(batch, Q_HEADS, HEAD_DIM, generator=gen).cuda().bfloat16() for _ in range(2)]
 
@@ -93,7 +111,7 @@ def test_on_a_gpu_the_combine_launched_early_gives_the_bits_of_the_combine_after
     monkeypatch.setattr(launch_module, "PROGRAMMATIC_COMBINE", False)
     after = [call(q) for q in queries]
     monkeypatch.setattr(launch_module, "PROGRAMMATIC_COMBINE", True)
-    assert plan_launch(view, queries[0], None, HEAD_DIM ** -0.5, variant="auto", programs=None).constants["PDL"]
+    assert plan_launch(view, queries[0], None, HEAD_DIM ** -0.5, variant="auto", programs=None).constants["PDL"] is early
     for turn in range(20):
         early = call(queries[turn % 2])
         assert torch.equal(early, after[turn % 2]), (turn, float((early.float() - after[turn % 2].float()).abs().max()))

@@ -6,7 +6,8 @@
 # PART=k: the kernel grid only (CONFIGS=..., STORAGES=..., TOKENS=..., BATCHES=...).
 # PART=p: the combine launched early: its GPU tests and the lowbit and graph GPU tests, then the grid with it and
 # without it (KVWEAVE_PROGRAMMATIC_COMBINE=0) in turn.
-# Run from the repository's root: OUT=folder PART=a|k|p bash docs/perf/gpu-2026-12-05-night/lease.sh
+# PART=q: the same with the combine launched early only where the packed pass is one wave: its GPU test, the grid.
+# Run from the repository's root: OUT=folder PART=a|k|p|q bash docs/perf/gpu-2026-12-05-night/lease.sh
 set -o pipefail
 OUT=${OUT:-$PWD/results/lease}
 mkdir -p "$OUT"
@@ -26,6 +27,9 @@ if [ "${PART:-a}" = a ]; then
   python benchmarks/surrogate_registry.py --out $REG --pipelines kzd-k4v2-f48-d128,kzd-k4v2t-f48-d128 > /dev/null
   step 200 ttft.txt python benchmarks/decode_e2e.py --registry $REG/registry.toml --methods full,kzd-k4v2-f48-d128-s,kzd-k4v2t-f48-d128-s --ttft 32768 --batches "" --out /tmp/kvweave-ttft
   cat /tmp/kvweave-ttft/decode_e2e.md >> "$OUT/ttft.txt" 2>/dev/null
+elif [ "$PART" = q ]; then
+  step 120 gpu-tests.txt python -m pytest -q -p no:cacheprovider tests/test_lowbit_pdl.py
+  BATCHES=${BATCHES:-1,8} TAG=-wave grid
 elif [ "$PART" = p ]; then
   step 120 gpu-tests.txt python -m pytest -q -p no:cacheprovider tests/test_lowbit_pdl.py tests/test_graphs_gpu.py
   KVWEAVE_GPU_VARIANTS=dense,auto step 200 gpu-tests.txt python -m pytest -q -p no:cacheprovider tests/test_lowbit_gpu.py
