@@ -9,7 +9,8 @@ from synthetic cross-layer-structured K/V (:mod:`kvweave.engine.synthetic`); the
 K/V of the same size. A smaller batch uses the first rows of the largest batch's storage.
 
 Reported per (T, B): SDPA time and kernel time (GPU time: the kernels' device time from the torch profiler,
-mean of ``--reps`` calls),
+mean of ``--reps`` calls, and of it the exact-window pass's and the combine's), speed-up, both again as 20 calls
+replayed from a CUDA graph (:func:`graph_us`; the passes may overlap there, as they do in a decode step) and that
 speed-up, the host time per kernel call (three launches, outside any graph), the bytes the
 kernel reads (``nbytes`` of every stored tensor of the layer it attends over, residual tile index, bases
 and exact window included), the bandwidth that implies, its share of the measured copy bandwidth, the
@@ -214,29 +215,39 @@ def main() -> None:
             q4 = q.unsqueeze(2)
             sdpa = lambda: F.scaled_dot_product_attention(q4, k_full, v_full, scale=scale, enable_gqa=True)  # noqa: E731
             sdpa_us = device_us(sdpa, args.reps)
+            sdpa_graph_us = graph_us(sdpa, args.reps)
             full_bytes = 2 * k_full.nbytes
             del k_full, v_full
             twin = torch_decode(view, q, None, scale).float()
             for variant in args.variants.split(","):
-                rows.append(_timed_row(view, q, scale, variant, args, twin, read, sdpa_us, full_bytes, copy_bw, total,
-                                       batch, ratio))
+                rows.append(_timed_row(view, q, scale, variant, args, twin, read, (sdpa_us, sdpa_graph_us), full_bytes,
+                                       copy_bw, total, batch, ratio))
                 print(rows[-1], flush=True)
         del cache, engine, full_view
         torch.cuda.empty_cache()
     _write(rows, args, copy_bw, out)
 
 
-def _timed_row(view, q, scale, variant, args, twin, read, sdpa_us, full_bytes, copy_bw, total, batch, ratio) -> dict:
-    """One (T, B, variant) row: the kernel's device and host time against SDPA's, its bandwidth and its error."""
+def _timed_row(view, q, scale, variant, args, twin, read, sdpa, full_bytes, copy_bw, total, batch, ratio) -> dict:
+    """One (T, B, variant) row: the kernel's device time (and of it the exact-window pass's and the combine's), its
+    time replayed from a CUDA graph and its host time, against SDPA's (``sdpa``: device and graph time), its bandwidth
+    and its error."""
+    sdpa_us, sdpa_graph_us = sdpa
     fused = lambda: fused_decode(view, q, None, scale, split=args.split, block_tokens=args.block_tokens,  # noqa: E731
                                  num_warps=args.num_warps, variant=variant)
-    kernel_us = device_us(fused, args.reps)
+    parts = device_us_parts(fused, args.reps)
+    kernel_us = sum(parts.values())
+    kernel_graph_us = graph_us(fused, args.reps)
     kernel_host_us = host_us(fused)
     error = (fused().float() - twin).abs().max().item()
     bandwidth = read / (kernel_us * 1e-6)
     return {
         "tokens": total, "batch": batch, "variant": variant, "sdpa_us": round(sdpa_us, 1),
         "kernel_us": round(kernel_us, 1), "speedup": round(sdpa_us / kernel_us, 2),
+        "exact_us": round(sum(us for name, us in parts.items() if "_exact_split" in name), 1),
+        "combine_us": round(sum(us for name, us in parts.items() if "_combine_kernel" in name), 1),
+        "sdpa_graph_us": round(sdpa_graph_us, 1), "kernel_graph_us": round(kernel_graph_us, 1),
+        "graph_speedup": round(sdpa_graph_us / kernel_graph_us, 2),
         "kernel_host_us": round(kernel_host_us, 1), "kernel_bytes": read, "full_bytes": full_bytes,
         "bytes_ratio": round(full_bytes / read, 2), "cache_ratio": round(ratio, 2),
         "kernel_TBps": round(bandwidth / 1e12, 2), "copy_share": round(bandwidth / copy_bw, 3),
@@ -246,7 +257,8 @@ def _timed_row(view, q, scale, variant, args, twin, read, sdpa_us, full_bytes, c
 
 def _write(rows: list[dict], args, copy_bw: float, out: Path) -> None:
     """The rows as a markdown table and JSON under ``out``."""
-    header = ["T", "B", "pass", "SDPA (us)", "fused (us)", "speed-up", "fused host (us)", "bytes read (MB)", "full bf16 (MB)", "fused TB/s", "% of copy BW", "SDPA TB/s", "max |diff| vs torch"]
+    header = ["T", "B", "pass", "SDPA (us)", "fused (us)", "of it exact / combine", "speed-up", "SDPA / fused (us, graph)",
+              "speed-up (graph)", "fused host (us)", "bytes read (MB)", "full bf16 (MB)", "fused TB/s", "% of copy BW", "SDPA TB/s", "max |diff| vs torch"]
     lines = [
         f"# decode attention, Llama-3-8B shape (32 q heads, 8 KV heads, d=128), pipeline {args.pipeline}",
         f"# {datetime.date.today()} {torch.cuda.get_device_name()} torch {torch.__version__}; copy bandwidth {copy_bw / 1e12:.2f} TB/s",
@@ -254,7 +266,8 @@ def _write(rows: list[dict], args, copy_bw: float, out: Path) -> None:
     ]
     for r in rows:
         lines.append(
-            f"| {r['tokens']} | {r['batch']} | {r['variant']} | {r['sdpa_us']} | {r['kernel_us']} | {r['speedup']}x | {r['kernel_host_us']} | {r['kernel_bytes'] / 1e6:.1f} | "
+            f"| {r['tokens']} | {r['batch']} | {r['variant']} | {r['sdpa_us']} | {r['kernel_us']} | {r['exact_us']} / {r['combine_us']} | "
+            f"{r['speedup']}x | {r['sdpa_graph_us']} / {r['kernel_graph_us']} | {r['graph_speedup']}x | {r['kernel_host_us']} | {r['kernel_bytes'] / 1e6:.1f} | "
             f"{r['full_bytes'] / 1e6:.1f} | {r['kernel_TBps']} | {100 * r['copy_share']:.0f} % | {r['sdpa_TBps']} | {r['max_abs_diff_vs_torch']:.2e} |"
         )
     (out / "decode_kernel.md").write_text("\n".join(lines) + "\n")

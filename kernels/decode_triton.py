@@ -19,6 +19,10 @@ except ImportError:  # pragma: no cover - triton is a dependency on Linux
 
 
 if triton is not None:
+    try:  # programmatic dependent launch (Triton 3.4 and later; kvweave.kernels.launch.programmatic)
+        from triton.language.extra.cuda import gdc_launch_dependents
+    except ImportError:  # pragma: no cover - an older Triton: the passes run one after the other
+        gdc_launch_dependents = None
 
     @triton.jit
     def _popcount(x):
@@ -246,13 +250,17 @@ if triton is not None:
     # window's keys and values [B, H, W, D] (model dtype, one layout: e_s* strides, contiguous along D),
     # window = W, offset = T (the window's first logical position); it writes the partial slot_index of
     # each query head, as the packed-token pass writes its segments'. HAS_FILL: the window is kept for a CUDA
-    # graph, W rows of buffer of which the first fill + 1 (fill: int32 at fill_ptr) are attended.
+    # graph, W rows of buffer of which the first fill + 1 (fill: int32 at fill_ptr) are attended. PDL: it runs before
+    # the packed-token pass, which is launched as its programmatic dependent (kvweave.kernels.launch.PROGRAMMATIC_EXACT).
     @triton.jit
     def _exact_split_kernel(
         q_ptr, start_ptr, ek_ptr, ev_ptr, e_sb, e_sh, e_st, window, offset,
         m_ptr, l_ptr, acc_ptr, partials, slot_index, H, qk_scale, fill_ptr,
         GQ: tl.constexpr, GQP: tl.constexpr, D: tl.constexpr, BLOCK: tl.constexpr, HAS_FILL: tl.constexpr,
+        PDL: tl.constexpr = False,
     ):
+        if PDL:  # the packed-token pass, launched after this one as its programmatic dependent, may start at once
+            gdc_launch_dependents()
         bh = tl.program_id(0)
         b = bh // H
         h = bh % H

@@ -38,6 +38,7 @@ from typing import TYPE_CHECKING, Any
 
 from kvweave.core.lazy import lazy_module, torch
 from kvweave.kernels.decode_view import MAX_LEVELS, TILE, DecodeView, ResidualLevel, check_view, placeholder, resplit
+from kvweave.kernels.launch import programmatic
 
 if TYPE_CHECKING:
     from kvweave.kernels import decode_triton as jit
@@ -78,7 +79,9 @@ def fused_decode(
     faster for ``gather`` on the H200 at 128K tokens: ``benchmarks/kernel_tuning.py --stages``). ``variant``: the
     packed-token pass, ``tiles`` (:mod:`kvweave.kernels.depthweave_tiles_triton`: token-major, residual entries read
     as words), ``gather`` (one warp, residual coordinates gathered one by one) or ``auto`` (``tiles`` where the
-    residual layout allows it, :func:`tiles_refusal`)."""
+    residual layout allows it, :func:`tiles_refusal`). On a GPU that allows it
+    (:func:`kvweave.kernels.launch.programmatic`) the exact-window pass goes first and the tiles pass is launched as
+    its programmatic dependent, so the two run at once."""
     batch, q_heads, dim = query.shape
     heads = view.exact_k.shape[1]
     gq = q_heads // heads
@@ -96,21 +99,34 @@ def fused_decode(
     m, l, acc = _prepare(view, query, partials)
     qk_scale = float(scale) * LOG2E
     tiles = pick_variant(view, variant) == "tiles"
-    if n_seg:
-        block = 64 if block_tokens is None else block_tokens
-        warps = 1 if num_warps is None else num_warps
-        launch = _launch_tiles if tiles else _launch_packed
-        launch(view, query, segments, start, m, l, acc, partials, heads, gq, dim, qk_scale, block, warps, num_stages)
     exact, fill = view.exact_k, view.exact_fill
     if exact.stride(-1) != 1 or exact.stride() != view.exact_v.stride():
         raise ValueError("the exact window's keys and values must share one layout, contiguous along head_dim")
     if fill is not None and (fill.dtype != torch.int32 or fill.numel() != 1 or fill.device != device):
         raise ValueError(f"the window's fill must be int32 [1] on {device}; got {fill.dtype} {tuple(fill.shape)} on {fill.device}")
-    jit._exact_split_kernel[(batch * heads,)](
-        query, start, exact, view.exact_v, exact.stride(0), exact.stride(1), exact.stride(2), exact.shape[-2], tokens,
-        m, l, acc, partials, n_seg, heads, qk_scale, placeholder(device) if fill is None else fill,
-        GQ=gq, GQP=_pow2(gq, 16), D=dim, BLOCK=32, HAS_FILL=fill is not None,
-    )
+    # the tiles pass launched as a programmatic dependent of the exact-window pass, which then goes first: both at once
+    early = bool(n_seg) and tiles and programmatic(device, "exact")
+
+    def exact_pass() -> None:
+        jit._exact_split_kernel[(batch * heads,)](
+            query, start, exact, view.exact_v, exact.stride(0), exact.stride(1), exact.stride(2), exact.shape[-2], tokens,
+            m, l, acc, partials, n_seg, heads, qk_scale, placeholder(device) if fill is None else fill,
+            GQ=gq, GQP=_pow2(gq, 16), D=dim, BLOCK=32, HAS_FILL=fill is not None, PDL=early,
+        )
+
+    if early:
+        exact_pass()
+    if n_seg:
+        block = 64 if block_tokens is None else block_tokens
+        warps = 1 if num_warps is None else num_warps
+        if tiles:
+            _launch_tiles(view, query, segments, start, m, l, acc, partials, heads, gq, dim, qk_scale, block, warps,
+                          num_stages, early=early)
+        else:
+            _launch_packed(view, query, segments, start, m, l, acc, partials, heads, gq, dim, qk_scale, block, warps,
+                           num_stages)
+    if not early:
+        exact_pass()
     out = torch.empty(batch, q_heads, dim, dtype=query.dtype, device=device)
     jit._combine_kernel[(batch * q_heads,)](m, l, acc, out, partials, D=dim, CHUNK=16)
     return out
@@ -267,9 +283,10 @@ def pick_variant(view: DecodeView, variant: str) -> str:
 
 
 def _launch_tiles(view, query, segments, start, m, l, acc, partials, heads, gq, dim, qk_scale, block_tokens, num_warps,
-                  num_stages=None, values: bool = True) -> None:
+                  num_stages=None, values: bool = True, early: bool = False) -> None:
     """Launch the ``tiles`` packed-token pass over ``segments`` (:mod:`kvweave.kernels.depthweave_tiles_triton`);
-    without ``values`` it writes only each slot's maximum and sum (``acc`` is not written)."""
+    without ``values`` it writes only each slot's maximum and sum (``acc`` is not written); ``early``: as a
+    programmatic dependent of the exact-window pass launched just before it (:data:`kvweave.kernels.launch.PROGRAMMATIC_EXACT`)."""
     if block_tokens not in (32, 64):
         raise ValueError(f"the tiles pass steps over 32 or 64 tokens (one or two tiles of the index), not {block_tokens}")
     grid, args, constants, levels, _ = _packed_args(view, query, segments, start, m, l, acc, partials, heads, gq, dim,
@@ -279,6 +296,6 @@ def _launch_tiles(view, query, segments, start, m, l, acc, partials, heads, gq, 
     tiles_jit._tiles_kernel[grid](
         *args, G=_pow2(gq, 8), RP=_pow2(max(rmax, 1), 16), RMAX=rmax, GROUP=group, **constants, BLOCK=block_tokens,
         ASM=query.is_cuda and os.environ.get("TRITON_INTERPRET") != "1", COLUMNS=TILES_COLUMNS, AHEAD=TILES_AHEAD,
-        VALUES=values, num_warps=num_warps,
+        VALUES=values, PDL=early, num_warps=num_warps, **({"launch_pdl": True} if early else {}),
         **({} if num_stages is None else {"num_stages": num_stages}),
     )

@@ -22,6 +22,10 @@ except ImportError:  # pragma: no cover - exercised where triton is missing
     triton = None
 
 if triton is not None:
+    try:  # programmatic dependent launch (Triton 3.4 and later; kvweave.kernels.launch.programmatic)
+        from triton.language.extra.cuda import gdc_wait
+    except ImportError:  # pragma: no cover - an older Triton: the passes run one after the other
+        gdc_wait = None
     from kvweave.kernels.decode_triton import _level_rows, _popcount, _program, _rows
 
     @triton.jit
@@ -125,6 +129,7 @@ if triton is not None:
         RP: tl.constexpr, RMAX: tl.constexpr, RANK0: tl.constexpr, RANK1: tl.constexpr, RANK2: tl.constexpr,
         GROUP: tl.constexpr, K_GATES: tl.constexpr, V_GATES: tl.constexpr, BLOCK: tl.constexpr,
         ASM: tl.constexpr, COLUMNS: tl.constexpr, AHEAD: tl.constexpr, VALUES: tl.constexpr = True,
+        PDL: tl.constexpr = False,
     ):
         """One program per (segment, batch row x KV head), as the gather kernel's (its arguments, in the same order,
         are documented there); ``G`` tile columns for the ``GQ`` query heads, ``RMAX`` the largest level's rank,
@@ -244,3 +249,6 @@ if triton is not None:
                 vres = _level_rows(vrb_ptr + b64 * rb_sb + h * rb_sh, rb_sr, RMAX, RP, D).to(tl.float16)
                 out = tl.dot(tl.trans(vres), (acc_r * v_gate).to(tl.float16), out)
             tl.store(acc_ptr + slot[None, :] * D + d[:, None], out, mask=g_ok[None, :])
+        if PDL:  # launched as the exact-window pass's programmatic dependent: done only once that pass is (the combine
+            # after this kernel then reads both passes' partials)
+            gdc_wait()

@@ -32,9 +32,14 @@ class Launch:
 #: launch the lowbit combine as a programmatic dependent of the dense kernel's packed pass where the GPU and Triton can
 #: (Hopper and later, Triton 3.4 and later) and that pass is one wave (kvweave.kernels.lowbit_dense.EARLY_COMBINE_WAVES):
 #: its programs start while the packed pass's last ones run, attend the exact window and load the rotation, and wait for
-#: the packed pass only before they read its splits (docs/kernels.md "The combine
-#: launched before the packed pass ends"); the environment's KVWEAVE_PROGRAMMATIC_COMBINE=0 turns it off (to time both)
+#: the packed pass only before they read its splits (docs/kernels.md "The combine launched before the packed pass
+#: ends"); the environment's KVWEAVE_PROGRAMMATIC_COMBINE=0 turns it off (to time both)
 PROGRAMMATIC_COMBINE = os.environ.get("KVWEAVE_PROGRAMMATIC_COMBINE", "1") != "0"
+
+#: launch depthweave-kv's packed-token pass (``tiles``) as a programmatic dependent of its exact-window pass, which now
+#: goes first: the two run at once, the packed pass waiting for the exact one only as it ends (the same section);
+#: KVWEAVE_PROGRAMMATIC_EXACT=0 turns it off
+PROGRAMMATIC_EXACT = os.environ.get("KVWEAVE_PROGRAMMATIC_EXACT", "1") != "0"
 
 
 @functools.lru_cache(maxsize=None)
@@ -51,10 +56,13 @@ def _triton_has_gdc() -> bool:
     return True
 
 
-def programmatic(device: Any) -> bool:
-    """Whether a kernel on ``device`` may be launched as a programmatic dependent of the kernel before it
-    (:data:`PROGRAMMATIC_COMBINE`; a CUDA GPU of compute capability 9 or more, a Triton with grid dependency control)."""
-    if not PROGRAMMATIC_COMBINE or device.type != "cuda" or not _triton_has_gdc():
+def programmatic(device: Any, use: str = "combine") -> bool:
+    """Whether a kernel on ``device`` may be launched as a programmatic dependent of the kernel before it for ``use``
+    ("combine": :data:`PROGRAMMATIC_COMBINE`, "exact": :data:`PROGRAMMATIC_EXACT`): a CUDA GPU of compute capability 9
+    or more and a Triton with grid dependency control."""
+    if not {"combine": PROGRAMMATIC_COMBINE, "exact": PROGRAMMATIC_EXACT}[use]:
+        return False
+    if device.type != "cuda" or not _triton_has_gdc():
         return False
     return _capability(device.index if device.index is not None else torch.cuda.current_device())[0] >= 9
 

@@ -7,7 +7,9 @@
 # PART=p: the combine launched early: its GPU tests and the lowbit and graph GPU tests, then the grid with it and
 # without it (KVWEAVE_PROGRAMMATIC_COMBINE=0) in turn.
 # PART=q: the same with the combine launched early only where the packed pass is one wave: its GPU test, the grid.
-# Run from the repository's root: OUT=folder PART=a|k|p|q bash docs/perf/gpu-2026-12-05-night/lease.sh
+# PART=d: depthweave-kv's tiles pass launched as the exact pass's dependent: the early launches' tests and the graph
+# tests on the GPU, then decode_kernel.py with it (-together) and without it (-in-turn, KVWEAVE_PROGRAMMATIC_EXACT=0).
+# Run from the repository's root: OUT=folder PART=a|k|p|q|d bash docs/perf/gpu-2026-12-05-night/lease.sh
 set -o pipefail
 OUT=${OUT:-$PWD/results/lease}
 mkdir -p "$OUT"
@@ -27,6 +29,12 @@ if [ "${PART:-a}" = a ]; then
   python benchmarks/surrogate_registry.py --out $REG --pipelines kzd-k4v2-f48-d128,kzd-k4v2t-f48-d128 > /dev/null
   step 200 ttft.txt python benchmarks/decode_e2e.py --registry $REG/registry.toml --methods full,kzd-k4v2-f48-d128-s,kzd-k4v2t-f48-d128-s --ttft 32768 --batches "" --out /tmp/kvweave-ttft
   cat /tmp/kvweave-ttft/decode_e2e.md >> "$OUT/ttft.txt" 2>/dev/null
+elif [ "$PART" = d ]; then
+  step 200 gpu-tests.txt python -m pytest -q -p no:cacheprovider tests/test_programmatic_launch.py tests/test_graphs_gpu.py
+  for way in together in-turn; do
+    flag=1; [ $way = in-turn ] && flag=0
+    KVWEAVE_PROGRAMMATIC_EXACT=$flag step 200 "fused-$way.txt" python benchmarks/decode_kernel.py --tokens ${TOKENS:-32768,131072} --batches ${BATCHES:-1,8} --reps 20 --out "$OUT/json-fused-$way"
+  done
 elif [ "$PART" = q ]; then
   step 120 gpu-tests.txt python -m pytest -q -p no:cacheprovider tests/test_lowbit_pdl.py
   BATCHES=${BATCHES:-1,8} TAG=-wave grid

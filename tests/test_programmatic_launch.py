@@ -115,3 +115,92 @@ def test_on_a_gpu_the_combine_launched_early_gives_the_bits_of_the_combine_after
     for turn in range(20):
         early = call(queries[turn % 2])
         assert torch.equal(early, after[turn % 2]), (turn, float((early.float() - after[turn % 2].float()).abs().max()))
+
+
+class _Recorder:
+    """A kernel stand-in that records its launches (name, arguments, constants) in order."""
+
+    def __init__(self, name, launches):
+        self.name, self.launches = name, launches
+
+    def __getitem__(self, grid):
+        return lambda *args, **constants: self.launches.append((self.name, args, constants))
+
+
+def _depthweave_launches(tmp_path, monkeypatch, early: bool) -> list:
+    from kvweave.kernels import decode_triton, depthweave_decode, depthweave_tiles_triton
+
+    from test_kernels import DEVICE, decode_view, filled
+
+    launches: list = []
+    monkeypatch.setattr(depthweave_decode, "programmatic", lambda device, use: early and use == "exact")
+    monkeypatch.setattr(depthweave_tiles_triton, "_tiles_kernel", _Recorder("tiles", launches))
+    monkeypatch.setattr(decode_triton, "_exact_split_kernel", _Recorder("exact", launches))
+    monkeypatch.setattr(decode_triton, "_combine_kernel", _Recorder("combine", launches))
+    view = decode_view(filled(tmp_path, 8, 2, 128, 320), 1)
+    depthweave_decode.fused_decode(view, torch.randn(2, 8, 128, device=DEVICE), None, 0.125, variant="tiles")
+    monkeypatch.undo()
+    return launches
+
+
+def test_depthweave_s_exact_pass_goes_first_only_where_the_packed_pass_is_launched_early(tmp_path, monkeypatch):
+    """With the early launch the exact-window pass is launched first and lets the tiles pass start (``PDL``), which is
+    launched as its programmatic dependent; without it the tiles pass goes first, as before; the combine last."""
+    early = _depthweave_launches(tmp_path, monkeypatch, True)
+    assert [name for name, _, _ in early] == ["exact", "tiles", "combine"]
+    assert early[0][2]["PDL"] and early[1][2]["PDL"] and early[1][2]["launch_pdl"]
+    after = _depthweave_launches(tmp_path, monkeypatch, False)
+    assert [name for name, _, _ in after] == ["tiles", "exact", "combine"]
+    assert not after[0][2]["PDL"] and not after[1][2]["PDL"] and "launch_pdl" not in after[0][2]
+
+
+@pytest.mark.skipif(not _nvidia_backend(), reason="Triton without its CUDA backend cannot compile for a GPU here")
+def test_depthweave_s_passes_build_for_the_gpu_with_their_grid_dependency(tmp_path, monkeypatch):
+    """Built for sm_90 as launched early: the exact-window pass holds ``griddepcontrol.launch_dependents``, the tiles
+    pass ``griddepcontrol.wait`` (after its stores: it ends only once the exact pass has); as launched after, neither."""
+    from kvweave.kernels import decode_triton, depthweave_tiles_triton
+    from kvweave.kernels.gpu_build import launch_job
+
+    from test_lowbit_kernel_host import compile_job
+
+    modules = {"exact": (decode_triton, "_exact_split_kernel", "griddepcontrol.launch_dependents"),
+               "tiles": (depthweave_tiles_triton, "_tiles_kernel", "griddepcontrol.wait")}
+    for early in (True, False):
+        for name, args, constants in _depthweave_launches(tmp_path, monkeypatch, early):
+            if name in modules:
+                module, kernel, instruction = modules[name]
+                job = launch_job(getattr(module, kernel), args, constants)
+                if name == "tiles":  # the GPU's population counts, as a launch on a GPU passes
+                    job["constants"]["ASM"] = True
+                assert (instruction in compile_job(job)["ptx_text"]) is early, (name, early)
+
+
+@pytest.mark.skipif(not _gpu_programmatic(), reason="launches depthweave-kv's passes at once on a CUDA GPU of capability 9 or more")
+@pytest.mark.parametrize("batch", [1, 4])
+def test_on_a_gpu_depthweave_s_passes_launched_together_give_the_bits_of_the_passes_in_turn(monkeypatch, batch):
+    """depthweave-kv's storage of a 32K-token context written by the engine (Llama-3-8B attention shape): the tiles pass
+    launched as the exact pass's dependent writes the same partials, so the output is the same bits as with the passes
+    in turn, call after call, with two queries in turn (a combine that read a partial before its pass wrote it would
+    meet the other query's)."""
+    import sys
+    from pathlib import Path
+
+    from kvweave.core.registry import load_pipeline
+    from kvweave.engine.cache import KVWeaveCache
+    from kvweave.engine.synthetic import fill_cache
+    from kvweave.kernels.depthweave_decode import fused_decode
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+    from decode_kernel import HEAD_DIM, Q_HEADS, llama3_window_config
+
+    cache = KVWeaveCache(load_pipeline("depthweave-kv"), llama3_window_config())
+    fill_cache(cache, batch, 32768, chunk=8192, device="cuda", seed=5)
+    view = cache.engine.kernel.decode_view(cache.engine.view(1), torch.device("cuda"))
+    gen = torch.Generator().manual_seed(6)
+    queries = [torch.randn(batch, Q_HEADS, HEAD_DIM, generator=gen).cuda().bfloat16() for _ in range(2)]
+    monkeypatch.setattr(launch_module, "PROGRAMMATIC_EXACT", False)
+    in_turn = [fused_decode(view, q, None, HEAD_DIM ** -0.5) for q in queries]
+    monkeypatch.setattr(launch_module, "PROGRAMMATIC_EXACT", True)
+    for turn in range(20):
+        together = fused_decode(view, queries[turn % 2], None, HEAD_DIM ** -0.5)
+        assert torch.equal(together, in_turn[turn % 2]), turn
