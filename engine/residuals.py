@@ -94,7 +94,7 @@ class ResidualList:
         cover the tokens up to the block's last entry, ``last`` (its token index + 1) where the caller knows it, else
         read from ``token`` (a host read): a level whose entries are the first tokens (attention sinks) keeps a word a
         row, not a bit for every token after them."""
-        row, token = fields["row"], fields["token"]  # int32
+        row, token = fields["row"], fields["token"]  # int32 (int64 taken too)
         device = row.device
         if self.tiles:
             self.extend(rows, first + tokens, device)
@@ -108,7 +108,8 @@ class ResidualList:
             # the block's tokens come after every earlier block's, so their bits are clear: adding a token's bit sets
             # it (bits are distinct; bit 31 wraps to int32's sign bit), and the other words stay as they are
             tile = token // TILE_TOKENS
-            self.bits.view(-1).index_add_(0, row * words + tile, torch.bitwise_left_shift(1, token % TILE_TOKENS))
+            bit = torch.bitwise_left_shift(1, (token % TILE_TOKENS).to(torch.int32))  # int32 whatever the tokens' type
+            self.bits.view(-1).index_add_(0, row * words + tile, bit)
         start = torch.full((1,), first, dtype=torch.int32, device=device)  # filled on the device: no host-to-device copy
         self.chunks = start if self.chunks is None else torch.cat((self.chunks, start))
         if self.tiles and row.numel():  # the block's tiles' first entries: its entries sit after those held

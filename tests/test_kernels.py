@@ -172,7 +172,8 @@ def test_kernel_after_the_batch_grows_and_flushes_again(tmp_path):
 def test_a_residual_list_holds_where_its_entries_are_as_bits_and_finds_them_again():
     """Entries appended block by block store no row or token: the list's bits and block starts give back each entry's
     (row, token) in the order held, blocks of any length included, and the tile index kept as blocks arrive equals the
-    one rebuilt from scratch. nbytes is the values, the bits, the block starts and the tile starts."""
+    one rebuilt from scratch (from int64 rows and tokens, as a re-indexing gives them). nbytes is the values, the bits,
+    the block starts and the tile starts."""
     torch.manual_seed(0)
     rows, tile, cpu = 6, 32, torch.device("cpu")
     kept, rebuilt, loose = ResidualList(4, tiles=True), ResidualList(4), ResidualList(4)
@@ -182,8 +183,8 @@ def test_a_residual_list_holds_where_its_entries_are_as_bits_and_finds_them_agai
         row = torch.tensor([r for r, _ in picked], dtype=torch.int32)
         token = torch.tensor([t + 64 * block for _, t in picked], dtype=torch.int32)
         values = torch.randint(0, 255, (len(picked), 2), dtype=torch.uint8)
-        for lists in (kept, rebuilt):
-            lists.append({"row": row, "token": token, "q_packed": values}, 64 * block, 64, rows)
+        kept.append({"row": row, "token": token, "q_packed": values}, 64 * block, 64, rows)
+        rebuilt.append({"row": row.long(), "token": token.long(), "q_packed": values}, 64 * block, 64, rows)  # int64 too
         appended.append((row, token, values))
     row_of, token_of = (torch.cat([a[i] for a in appended]) for i in range(2))
     assert kept.entries == row_of.numel() and "row" not in kept.fields and "token" not in kept.fields

@@ -132,12 +132,12 @@ def _depthweave_launches(tmp_path, monkeypatch, early: bool) -> list:
 
     from test_kernels import DEVICE, decode_view, filled
 
+    view = decode_view(filled(tmp_path, 8, 2, 128, 320), 1)  # (on a GPU the flushes launch the tiles pass too)
     launches: list = []
     monkeypatch.setattr(depthweave_decode, "programmatic", lambda device, use: early and use == "exact")
     monkeypatch.setattr(depthweave_tiles_triton, "_tiles_kernel", _Recorder("tiles", launches))
     monkeypatch.setattr(decode_triton, "_exact_split_kernel", _Recorder("exact", launches))
     monkeypatch.setattr(decode_triton, "_combine_kernel", _Recorder("combine", launches))
-    view = decode_view(filled(tmp_path, 8, 2, 128, 320), 1)
     depthweave_decode.fused_decode(view, torch.randn(2, 8, 128, device=DEVICE), None, 0.125, variant="tiles")
     monkeypatch.undo()
     return launches
