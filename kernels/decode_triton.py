@@ -296,41 +296,25 @@ if triton is not None:
         tl.store(acc_ptr + slot[:, None] * D + d[None, :], acc, mask=g_ok[:, None])
 
     # The combine pass: one program per (batch row, query head), grid (B * Hq,): merges its `partials`
-    # (max, sum, output) slots into out_ptr [B, Hq, D] (zeros where nothing is attended). WHOLE > 0 (partials padded to
-    # a power of two): every slot's max and sum in one tile, the outputs CHUNK slots at a time in an unrolled loop whose
-    # loads do not wait on one another; else CHUNK at a time in two loops (max, then sums and outputs).
+    # (max, sum, output) slots, CHUNK at a time, into out_ptr [B, Hq, D] (zeros where nothing is attended).
     @triton.jit
-    def _combine_kernel(m_ptr, l_ptr, acc_ptr, out_ptr, partials, D: tl.constexpr, CHUNK: tl.constexpr,
-                        WHOLE: tl.constexpr = 0):
+    def _combine_kernel(m_ptr, l_ptr, acc_ptr, out_ptr, partials, D: tl.constexpr, CHUNK: tl.constexpr):
         row = tl.program_id(0)
         c = tl.arange(0, CHUNK)
         d = tl.arange(0, D)
+        top = tl.full((CHUNK,), -1.0e30, dtype=tl.float32)
+        for c0 in range(0, partials, CHUNK):
+            top = tl.maximum(top, tl.load(m_ptr + row * partials + c0 + c, mask=c0 + c < partials, other=-1.0e30))
+        big = tl.max(top, axis=0)
+        total = tl.zeros((CHUNK,), dtype=tl.float32)
         acc = tl.zeros((D,), dtype=tl.float32)
-        if WHOLE > 0:
-            s = tl.arange(0, WHOLE)
-            ok = s < partials
-            m_all = tl.load(m_ptr + row * partials + s, mask=ok, other=-1.0e30)
-            big = tl.max(m_all, axis=0)
-            total = tl.where(ok, tl.exp2(m_all - big), 0.0) * tl.load(l_ptr + row * partials + s, mask=ok, other=0.0)
-            for c0 in tl.static_range(0, WHOLE, CHUNK):
-                inside = c0 + c < partials
-                m = tl.load(m_ptr + row * partials + c0 + c, mask=inside, other=-1.0e30)
-                weight = tl.where(inside, tl.exp2(m - big), 0.0)
-                part = tl.load(acc_ptr + (row * partials + c0 + c)[:, None] * D + d[None, :], mask=inside[:, None], other=0.0)
-                acc += tl.sum(weight[:, None] * part, axis=0)
-        else:
-            top = tl.full((CHUNK,), -1.0e30, dtype=tl.float32)
-            for c0 in range(0, partials, CHUNK):
-                top = tl.maximum(top, tl.load(m_ptr + row * partials + c0 + c, mask=c0 + c < partials, other=-1.0e30))
-            big = tl.max(top, axis=0)
-            total = tl.zeros((CHUNK,), dtype=tl.float32)
-            for c0 in range(0, partials, CHUNK):
-                inside = c0 + c < partials
-                m = tl.load(m_ptr + row * partials + c0 + c, mask=inside, other=-1.0e30)
-                weight = tl.where(inside, tl.exp2(m - big), 0.0)
-                total += weight * tl.load(l_ptr + row * partials + c0 + c, mask=inside, other=0.0)
-                part = tl.load(acc_ptr + (row * partials + c0 + c)[:, None] * D + d[None, :], mask=inside[:, None], other=0.0)
-                acc += tl.sum(weight[:, None] * part, axis=0)
+        for c0 in range(0, partials, CHUNK):
+            inside = c0 + c < partials
+            m = tl.load(m_ptr + row * partials + c0 + c, mask=inside, other=-1.0e30)
+            weight = tl.where(inside, tl.exp2(m - big), 0.0)
+            total += weight * tl.load(l_ptr + row * partials + c0 + c, mask=inside, other=0.0)
+            part = tl.load(acc_ptr + (row * partials + c0 + c)[:, None] * D + d[None, :], mask=inside[:, None], other=0.0)
+            acc += tl.sum(weight[:, None] * part, axis=0)
         denominator = tl.sum(total, axis=0)
         result = tl.where(denominator > 0, acc / tl.where(denominator > 0, denominator, 1.0), 0.0)
         tl.store(out_ptr + row * D + d, result.to(out_ptr.dtype.element_ty))

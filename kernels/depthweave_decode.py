@@ -49,11 +49,6 @@ else:  # the @triton.jit kernels, imported (with triton) when a kernel is first 
 
 LOG2E = 1.4426950408889634
 
-#: the most partials a row (segments and the exact window) whose combine reads them without a loop between its loads
-#: (an unrolled one): at B = 1 the looped combine, two chains of 9 loads over ~130 partials, took 9.1 of a call's
-#: 30 us at 32K on an H100 (docs/kernels.md "The combine launched before the packed pass ends")
-COMBINE_WHOLE_PARTIALS = 256
-
 
 def _pow2(n: int, least: int = 2) -> int:
     """The smallest power of two >= ``n``, at least ``least`` (Triton block sizes)."""
@@ -133,8 +128,7 @@ def fused_decode(
     if not early:
         exact_pass()
     out = torch.empty(batch, q_heads, dim, dtype=query.dtype, device=device)
-    whole = _pow2(partials, 16) if partials <= COMBINE_WHOLE_PARTIALS else 0
-    jit._combine_kernel[(batch * q_heads,)](m, l, acc, out, partials, D=dim, CHUNK=16, WHOLE=whole)
+    jit._combine_kernel[(batch * q_heads,)](m, l, acc, out, partials, D=dim, CHUNK=16)
     return out
 
 
