@@ -49,6 +49,12 @@ else:  # the @triton.jit kernels, imported (with triton) when a kernel is first 
 
 LOG2E = 1.4426950408889634
 
+#: the batch rows x KV heads up to which the exact-window pass goes first with the tiles pass launched as its
+#: programmatic dependent (:data:`kvweave.kernels.launch.PROGRAMMATIC_EXACT`): at B = 1 (8 rows) a call took 5-14% less
+#: on an H100 in two runs, at B = 8 from 3% less to 8% more (docs/kernels.md "The combine launched before the packed
+#: pass ends")
+EARLY_EXACT_ROWS = 8
+
 
 def _pow2(n: int, least: int = 2) -> int:
     """The smallest power of two >= ``n``, at least ``least`` (Triton block sizes)."""
@@ -80,8 +86,8 @@ def fused_decode(
     packed-token pass, ``tiles`` (:mod:`kvweave.kernels.depthweave_tiles_triton`: token-major, residual entries read
     as words), ``gather`` (one warp, residual coordinates gathered one by one) or ``auto`` (``tiles`` where the
     residual layout allows it, :func:`tiles_refusal`). On a GPU that allows it
-    (:func:`kvweave.kernels.launch.programmatic`) the exact-window pass goes first and the tiles pass is launched as
-    its programmatic dependent, so the two run at once."""
+    (:func:`kvweave.kernels.launch.programmatic`), up to :data:`EARLY_EXACT_ROWS` rows, the exact-window pass goes first
+    and the tiles pass is launched as its programmatic dependent, so the two run at once."""
     batch, q_heads, dim = query.shape
     heads = view.exact_k.shape[1]
     gq = q_heads // heads
@@ -105,7 +111,7 @@ def fused_decode(
     if fill is not None and (fill.dtype != torch.int32 or fill.numel() != 1 or fill.device != device):
         raise ValueError(f"the window's fill must be int32 [1] on {device}; got {fill.dtype} {tuple(fill.shape)} on {fill.device}")
     # the tiles pass launched as a programmatic dependent of the exact-window pass, which then goes first: both at once
-    early = bool(n_seg) and tiles and programmatic(device, "exact")
+    early = bool(n_seg) and tiles and batch * heads <= EARLY_EXACT_ROWS and programmatic(device, "exact")
 
     def exact_pass() -> None:
         jit._exact_split_kernel[(batch * heads,)](

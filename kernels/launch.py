@@ -36,9 +36,9 @@ class Launch:
 #: ends"); the environment's KVWEAVE_PROGRAMMATIC_COMBINE=0 turns it off (to time both)
 PROGRAMMATIC_COMBINE = os.environ.get("KVWEAVE_PROGRAMMATIC_COMBINE", "1") != "0"
 
-#: launch depthweave-kv's packed-token pass (``tiles``) as a programmatic dependent of its exact-window pass, which now
-#: goes first: the two run at once, the packed pass waiting for the exact one only as it ends (the same section);
-#: KVWEAVE_PROGRAMMATIC_EXACT=0 turns it off
+#: launch depthweave-kv's packed-token pass (``tiles``) as a programmatic dependent of its exact-window pass, which then
+#: goes first, at few rows (kvweave.kernels.depthweave_decode.EARLY_EXACT_ROWS): the two run at once, the packed pass
+#: waiting for the exact one only as it ends (the same section); KVWEAVE_PROGRAMMATIC_EXACT=0 turns it off
 PROGRAMMATIC_EXACT = os.environ.get("KVWEAVE_PROGRAMMATIC_EXACT", "1") != "0"
 
 
