@@ -36,10 +36,10 @@ elif [ "$PART" = d ]; then
     KVWEAVE_PROGRAMMATIC_EXACT=$flag step 200 "fused-$way.txt" python benchmarks/decode_kernel.py --tokens ${TOKENS:-32768,131072} --batches ${BATCHES:-1,8} --reps 20 --out "$OUT/json-fused-$way"
   done
 elif [ "$PART" = q ]; then
-  step 120 gpu-tests.txt python -m pytest -q -p no:cacheprovider tests/test_lowbit_pdl.py
+  step 120 gpu-tests.txt python -m pytest -q -p no:cacheprovider tests/test_programmatic_launch.py
   BATCHES=${BATCHES:-1,8} TAG=-wave grid
 elif [ "$PART" = p ]; then
-  step 120 gpu-tests.txt python -m pytest -q -p no:cacheprovider tests/test_lowbit_pdl.py tests/test_graphs_gpu.py
+  step 120 gpu-tests.txt python -m pytest -q -p no:cacheprovider tests/test_programmatic_launch.py tests/test_graphs_gpu.py
   KVWEAVE_GPU_VARIANTS=dense,auto step 200 gpu-tests.txt python -m pytest -q -p no:cacheprovider tests/test_lowbit_gpu.py
   BATCHES=${BATCHES:-1,8,32} TAG=-early grid
   KVWEAVE_PROGRAMMATIC_COMBINE=0 BATCHES=${BATCHES:-1,8,32} TAG=-after grid
