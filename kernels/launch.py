@@ -34,12 +34,22 @@ class Launch:
 #: its programs start while the packed pass's last ones run, attend the exact window and load the rotation, and wait for
 #: the packed pass only before they read its splits (docs/kernels.md "The combine launched before the packed pass
 #: ends"); the environment's KVWEAVE_PROGRAMMATIC_COMBINE=0 turns it off (to time both)
-PROGRAMMATIC_COMBINE = os.environ.get("KVWEAVE_PROGRAMMATIC_COMBINE", "1") != "0"
+def _switch(name: str) -> bool:
+    """The environment's on/off switch ``name`` (unset: on); a value that is neither is refused by name."""
+    value = os.environ.get(name, "1").strip().lower()
+    if value in ("1", "on", "true", "yes"):
+        return True
+    if value in ("0", "off", "false", "no"):
+        return False
+    raise ValueError(f"environment variable {name}={os.environ[name]!r}: expected 1/on/true/yes or 0/off/false/no")
+
+
+PROGRAMMATIC_COMBINE = _switch("KVWEAVE_PROGRAMMATIC_COMBINE")
 
 #: launch depthweave-kv's packed-token pass (``tiles``) as a programmatic dependent of its exact-window pass, which then
 #: goes first, at few rows (kvweave.kernels.depthweave_decode.EARLY_EXACT_ROWS): the two run at once, the packed pass
 #: waiting for the exact one only as it ends (the same section); KVWEAVE_PROGRAMMATIC_EXACT=0 turns it off
-PROGRAMMATIC_EXACT = os.environ.get("KVWEAVE_PROGRAMMATIC_EXACT", "1") != "0"
+PROGRAMMATIC_EXACT = _switch("KVWEAVE_PROGRAMMATIC_EXACT")
 
 
 @functools.lru_cache(maxsize=None)
@@ -59,10 +69,10 @@ def _triton_has_gdc() -> bool:
 def programmatic(device: Any, use: str = "combine") -> bool:
     """Whether a kernel on ``device`` may be launched as a programmatic dependent of the kernel before it for ``use``
     ("combine": :data:`PROGRAMMATIC_COMBINE`, "exact": :data:`PROGRAMMATIC_EXACT`): a CUDA GPU of compute capability 9
-    or more and a Triton with grid dependency control."""
+    or more (NVIDIA's: a ROCm build reports its GPUs as "cuda" too) and a Triton with grid dependency control."""
     if not {"combine": PROGRAMMATIC_COMBINE, "exact": PROGRAMMATIC_EXACT}[use]:
         return False
-    if device.type != "cuda" or not _triton_has_gdc():
+    if device.type != "cuda" or torch.version.hip is not None or not _triton_has_gdc():
         return False
     return _capability(device.index if device.index is not None else torch.cuda.current_device())[0] >= 9
 

@@ -33,8 +33,25 @@ def test_only_a_cuda_device_of_capability_9_launches_the_combine_early(monkeypat
     assert not launch_module.programmatic(torch.device("cuda", 0))  # an A100: no grid dependency control
     monkeypatch.setattr(launch_module, "_capability", lambda index: (9, 0))
     assert launch_module.programmatic(torch.device("cuda", 0))
+    monkeypatch.setattr(launch_module, "PROGRAMMATIC_EXACT", False)  # each use has its own switch
+    assert launch_module.programmatic(torch.device("cuda", 0), "combine")
+    assert not launch_module.programmatic(torch.device("cuda", 0), "exact")
     monkeypatch.setattr(launch_module, "PROGRAMMATIC_COMBINE", False)
     assert not launch_module.programmatic(torch.device("cuda", 0))
+    monkeypatch.setattr(launch_module.torch.version, "hip", "6.2")  # a ROCm build: its "cuda" devices are AMD's
+    monkeypatch.setattr(launch_module, "PROGRAMMATIC_COMBINE", True)
+    assert not launch_module.programmatic(torch.device("cuda", 0))
+
+
+def test_the_environment_switches_take_on_and_off_and_refuse_anything_else(monkeypatch):
+    for value, on in (("0", False), ("off", False), ("False", False), ("1", True), (" yes ", True)):
+        monkeypatch.setenv("KVWEAVE_PROGRAMMATIC_EXACT", value)
+        assert launch_module._switch("KVWEAVE_PROGRAMMATIC_EXACT") is on
+    monkeypatch.delenv("KVWEAVE_PROGRAMMATIC_EXACT")
+    assert launch_module._switch("KVWEAVE_PROGRAMMATIC_EXACT")
+    monkeypatch.setenv("KVWEAVE_PROGRAMMATIC_EXACT", "nope")
+    with pytest.raises(ValueError, match="KVWEAVE_PROGRAMMATIC_EXACT='nope'"):
+        launch_module._switch("KVWEAVE_PROGRAMMATIC_EXACT")
 
 
 def _with_restored(view):
