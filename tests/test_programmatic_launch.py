@@ -65,7 +65,8 @@ def _with_restored(view):
                         restored_pos=torch.tensor([0, 1]).expand(batch, heads, 2).contiguous())
 
 
-@pytest.mark.skipif(not _nvidia_backend(), reason="Triton without its CUDA backend cannot compile for a GPU here")
+@pytest.mark.skipif(not _nvidia_backend() or not launch_module._triton_has_gdc(),
+                    reason="needs Triton's CUDA backend with grid dependency control (Triton 3.4 and later)")
 @pytest.mark.parametrize("restored, group_rows", [(False, 256), (True, 256), (True, 0)])
 def test_the_combine_waits_for_the_packed_pass_only_where_it_is_launched_early(model, registry, monkeypatch, restored,  # noqa: F811
                                                                               group_rows):
@@ -78,8 +79,8 @@ def test_the_combine_waits_for_the_packed_pass_only_where_it_is_launched_early(m
     monkeypatch.setattr(lowbit_combine, "COMBINE_GROUP_ROWS", group_rows)
     q = torch.randn(view.exact_k.shape[0], 4, view.exact_k.shape[-1])
     for allowed, slots, early in ((True, 660, True), (False, 660, False), (True, 1, False)):
-        monkeypatch.setattr(lowbit_dense, "programmatic", lambda device: allowed)
-        monkeypatch.setattr(lowbit_dense, "dense_slots", lambda *args, **kwargs: slots)
+        monkeypatch.setattr(lowbit_dense, "programmatic", lambda device, allowed=allowed: allowed)
+        monkeypatch.setattr(lowbit_dense, "dense_slots", lambda *args, slots=slots, **kwargs: slots)
         packed = plan_launch(view, q, None, 0.125, variant="dense", programs=None, lowp=True)
         assert 1 < packed.grid[0] * packed.grid[1] <= 660
         combine = plan_combine(view, q, None, 0.125, packed, torch.bfloat16)
@@ -177,7 +178,8 @@ def test_depthweave_s_exact_pass_goes_first_only_where_the_packed_pass_is_launch
     assert [name for name, _, _ in many] == ["tiles", "exact", "combine"] and not many[0][2]["PDL"]
 
 
-@pytest.mark.skipif(not _nvidia_backend(), reason="Triton without its CUDA backend cannot compile for a GPU here")
+@pytest.mark.skipif(not _nvidia_backend() or not launch_module._triton_has_gdc(),
+                    reason="needs Triton's CUDA backend with grid dependency control (Triton 3.4 and later)")
 def test_depthweave_s_passes_build_for_the_gpu_with_their_grid_dependency(tmp_path, monkeypatch):
     """Built for sm_90 as launched early: the exact-window pass holds ``griddepcontrol.launch_dependents``, the tiles
     pass ``griddepcontrol.wait`` (after its stores: it ends only once the exact pass has); as launched after, neither."""
