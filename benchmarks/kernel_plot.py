@@ -1,14 +1,16 @@
 """The decode kernel against the bar, as a plot and a table: from ``benchmarks/lowbit_kernel.py``'s JSON files.
 
-    python benchmarks/kernel_plot.py [LABEL=]RESULTS.json [[LABEL=]RESULTS.json ...] [--out PNG] [--fraction 0.7] [--bandwidth 0.7]
+    python benchmarks/kernel_plot.py [LABEL=]RESULTS.json [[LABEL=]RESULTS.json ...] [--out PNG] [--fraction 0.7] [--bandwidth 0.7] [--graph]
 
 Each file is what one ``lowbit_kernel.py --out DIR`` run wrote (``DIR/lowbit_kernel.json``); ``LABEL`` names its storage
 (default: the file's ``storage`` field, which runs since 2026-12-04 write, else its folder's name). Files with the same
 label are one storage measured in parts (e.g. ``--tokens 65536 --batches 128`` apart). Left: the kernel's speed-up over
 SDPA on a full bfloat16 cache against the batch, one line per context length, and the bar of docs/kernels.md (speed-up
 at least ``--fraction`` times the bytes ratio; dashed, one per storage). Right: the share of the copy bandwidth the
-kernel reaches on the bytes it reads, and the ``--bandwidth`` bar. The table on stdout says per row whether each bar is
-met. The plot needs matplotlib; the table does not.
+kernel reaches on the bytes it reads, and the ``--bandwidth`` bar. ``--graph``: both from the calls' time replayed
+from a CUDA graph, against SDPA's the same way (the runs since 2026-12-05, night, write it: a combine launched before the
+packed pass ends overlaps it, which the profiler's per-kernel sum counts twice). The table on stdout says per row
+whether each bar is met. The plot needs matplotlib; the table does not.
 """
 
 from __future__ import annotations
@@ -19,8 +21,13 @@ import sys
 from pathlib import Path
 
 
-def load(specs: list[str]) -> dict[str, list[dict]]:
-    """Rows by storage label from ``[LABEL=]PATH`` specs; a file that is not a lowbit_kernel.py result is refused."""
+GRAPH_FIELDS = {"graph_us", "graph_speedup", "bytes_read"}
+
+
+def load(specs: list[str], graph: bool = False) -> dict[str, list[dict]]:
+    """Rows by storage label from ``[LABEL=]PATH`` specs; a file that is not a lowbit_kernel.py result is refused, and
+    with ``graph`` one without graph times (or its copy bandwidth). With ``graph`` each row's ``speedup`` and
+    ``of_copy`` become the graph time's."""
     storages: dict[str, list[dict]] = {}
     for spec in specs:
         label, _, path = spec.rpartition("=") if "=" in spec else ("", "", spec)
@@ -32,6 +39,12 @@ def load(specs: list[str]) -> dict[str, list[dict]]:
         needed = {"tokens", "batch", "speedup", "of_copy", "bytes_ratio"}
         if not rows or any(not needed <= set(row) for row in rows):
             raise SystemExit(f"kernel_plot.py: {path} holds no lowbit_kernel.py rows (each needs {', '.join(sorted(needed))})")
+        if graph:
+            if any(not GRAPH_FIELDS <= set(row) for row in rows) or not data.get("copy_bandwidth"):
+                raise SystemExit(f"kernel_plot.py: {path} holds no graph times (a lowbit_kernel.py run before 2026-12-05, "
+                                 f"night); plot it without --graph")
+            rows = [{**row, "speedup": row["graph_speedup"],
+                     "of_copy": row["bytes_read"] / (row["graph_us"] * 1e-6) / data["copy_bandwidth"]} for row in rows]
         name = label or data.get("storage") or Path(path).resolve().parent.name
         storages.setdefault(name, []).extend(rows)
     return storages
@@ -50,7 +63,7 @@ def table(storages: dict[str, list[dict]], fraction: float, bandwidth: float) ->
     return lines
 
 
-def plot(lines: list[dict], out: Path, fraction: float, bandwidth: float) -> None:
+def plot(lines: list[dict], out: Path, fraction: float, bandwidth: float, graph: bool = False) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -83,7 +96,8 @@ def plot(lines: list[dict], out: Path, fraction: float, bandwidth: float) -> Non
         ax.set_ylabel(what)
         ax.set_ylim(bottom=0)
         ax.grid(True, alpha=0.3)
-    speed.set_title(f"speed-up; dashed: {fraction:g} x the bytes ratio")
+    timed = "calls replayed from a CUDA graph" if graph else "device time"
+    speed.set_title(f"speed-up ({timed}); dashed: {fraction:g} x the bytes ratio", fontsize=10)
     share.set_title("memory bandwidth reached")
     share.legend(fontsize=8, loc="lower right")
     fig.tight_layout()
@@ -98,17 +112,18 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--out", type=Path, default=None, help="plot file (default: beside the first file, kernel.png)")
     parser.add_argument("--fraction", type=float, default=0.7, help="the speed bar as a share of the bytes ratio")
     parser.add_argument("--bandwidth", type=float, default=0.7, help="the bandwidth bar as a share of the copy bandwidth")
+    parser.add_argument("--graph", action="store_true", help="speed-up and bandwidth from the calls' graph time")
     args = parser.parse_args(argv)
     if not 0 < args.fraction <= 1 or not 0 < args.bandwidth <= 1:
         raise SystemExit(f"kernel_plot.py: --fraction and --bandwidth are shares in (0, 1], got {args.fraction} and {args.bandwidth}")
-    lines = table(load(args.results), args.fraction, args.bandwidth)
+    lines = table(load(args.results, args.graph), args.fraction, args.bandwidth)
     print("| storage | T | B | speed-up | bar | met | % of copy bandwidth | met |")
     print("|---|---:|---:|---:|---:|---|---:|---|")
     for line in lines:
         print(f"| {line['storage']} | {line['tokens']} | {line['batch']} | {line['speedup']:.2f}x | {line['bar']:.2f}x | "
               f"{'yes' if line['speed_met'] else 'no'} | {100 * line['of_copy']:.0f}% | {'yes' if line['bandwidth_met'] else 'no'} |")
     out = args.out or Path(args.results[0].rpartition("=")[2]).resolve().parent / "kernel.png"
-    plot(lines, out, args.fraction, args.bandwidth)
+    plot(lines, out, args.fraction, args.bandwidth, args.graph)
     print(f"plot: {out}", file=sys.stderr)
 
 

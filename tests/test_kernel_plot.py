@@ -55,3 +55,20 @@ def test_a_file_without_kernel_rows_and_bars_outside_zero_to_one_are_refused(tmp
     (tmp_path / "y.json").write_text(json.dumps({"rows": [_row(1024, 1, 1.0, 0.5, 2.0)]}))
     with pytest.raises(SystemExit, match="shares in"):
         plot.main([str(tmp_path / "y.json"), "--fraction", "1.5"])
+
+
+def test_with_graph_the_bars_are_judged_on_the_graph_time_and_older_files_are_refused(tmp_path, capsys):
+    """``--graph``: the speed-up is SDPA's graph time over the kernel's and the bandwidth the bytes over the kernel's
+    graph time; a row slower on the profiler but faster from a graph meets the bar only with it; a file without graph
+    times is refused by name."""
+    plot = _script()
+    row = {**_row(32768, 1, 6.0, 0.60, 10.0), "bytes_read": 14_000_000, "graph_us": 5.0, "graph_speedup": 7.5}
+    (tmp_path / "g.json").write_text(json.dumps({"copy_bandwidth": 4.0e12, "rows": [row]}))
+    for graph, met, share in ((False, "no", "60%"), (True, "yes", "70%")):  # 14 MB in 5 us: 2.8 TB/s of 4.0
+        plot.main([f"g={tmp_path / 'g.json'}", "--out", str(tmp_path / "g.png")] + (["--graph"] if graph else []))
+        line = [line for line in capsys.readouterr().out.splitlines() if line.startswith("| g ")][0]
+        cells = [cell.strip() for cell in line.strip("|").split("|")]
+        assert (cells[3], cells[5], cells[6]) == (f"{7.5 if graph else 6.0:.2f}x", met, share)
+    (tmp_path / "old.json").write_text(json.dumps({"rows": [_row(32768, 1, 6.0, 0.6, 10.0)]}))
+    with pytest.raises(SystemExit, match="no graph times"):
+        plot.main([str(tmp_path / "old.json"), "--graph"])
