@@ -19,10 +19,7 @@ except ImportError:  # pragma: no cover - triton is a dependency on Linux
 
 
 if triton is not None:
-    try:  # programmatic dependent launch (Triton 3.4 and later; kvweave.kernels.launch.programmatic)
-        from triton.language.extra.cuda import gdc_launch_dependents
-    except ImportError:  # pragma: no cover - an older Triton: the passes run one after the other
-        gdc_launch_dependents = None
+    from kvweave.kernels.grid_dependency_triton import gdc_launch_dependents
 
     @triton.jit
     def _popcount(x):

@@ -22,10 +22,7 @@ except ImportError:  # pragma: no cover - exercised where triton is missing
     triton = None
 
 if triton is not None:
-    try:  # programmatic dependent launch (Triton 3.4 and later; kvweave.kernels.launch.programmatic)
-        from triton.language.extra.cuda import gdc_wait
-    except ImportError:  # pragma: no cover - an older Triton: the passes run one after the other
-        gdc_wait = None
+    from kvweave.kernels.grid_dependency_triton import gdc_wait
     from kvweave.kernels.decode_triton import _level_rows, _popcount, _program, _rows
 
     @triton.jit

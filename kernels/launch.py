@@ -29,11 +29,6 @@ class Launch:
         return self.outputs
 
 
-#: launch the lowbit combine as a programmatic dependent of the dense kernel's packed pass where the GPU and Triton can
-#: (Hopper and later, Triton 3.4 and later) and that pass is one wave (kvweave.kernels.lowbit_dense.EARLY_COMBINE_WAVES):
-#: its programs start while the packed pass's last ones run, attend the exact window and load the rotation, and wait for
-#: the packed pass only before they read its splits (docs/kernels.md "The combine launched before the packed pass
-#: ends"); the environment's KVWEAVE_PROGRAMMATIC_COMBINE=0 turns it off (to time both)
 def _switch(name: str) -> bool:
     """The environment's on/off switch ``name`` (unset: on); a value that is neither is refused by name."""
     value = os.environ.get(name, "1").strip().lower()
@@ -44,6 +39,11 @@ def _switch(name: str) -> bool:
     raise ValueError(f"environment variable {name}={os.environ[name]!r}: expected 1/on/true/yes or 0/off/false/no")
 
 
+#: launch the lowbit combine as a programmatic dependent of the dense kernel's packed pass where the GPU and Triton can
+#: (Hopper and later, Triton 3.4 and later) and that pass is one wave (kvweave.kernels.lowbit_dense.EARLY_COMBINE_WAVES):
+#: its programs start while the packed pass's last ones run, attend the exact window and load the rotation, and wait for
+#: the packed pass only before they read its splits (docs/kernels.md "The combine launched before the packed pass
+#: ends"); the environment's KVWEAVE_PROGRAMMATIC_COMBINE=0 turns it off (to time both)
 PROGRAMMATIC_COMBINE = _switch("KVWEAVE_PROGRAMMATIC_COMBINE")
 
 #: launch depthweave-kv's packed-token pass (``tiles``) as a programmatic dependent of its exact-window pass, which then
@@ -53,17 +53,22 @@ PROGRAMMATIC_EXACT = _switch("KVWEAVE_PROGRAMMATIC_EXACT")
 
 
 @functools.lru_cache(maxsize=None)
-def _capability(index: int) -> tuple:
+def _device_capability(index: int) -> tuple:
     return torch.cuda.get_device_capability(index)
+
+
+def capability(device: Any) -> tuple:
+    """The compute capability of CUDA ``device`` (the current device where it names no index)."""
+    return _device_capability(device.index if device.index is not None else torch.cuda.current_device())
 
 
 @functools.lru_cache(maxsize=None)
 def _triton_has_gdc() -> bool:
     try:
-        from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait  # noqa: F401
-    except ImportError:
+        from kvweave.kernels import grid_dependency_triton
+    except ImportError:  # no Triton at all
         return False
-    return True
+    return grid_dependency_triton.gdc_wait is not None
 
 
 def programmatic(device: Any, use: str = "combine") -> bool:
@@ -74,7 +79,7 @@ def programmatic(device: Any, use: str = "combine") -> bool:
         return False
     if device.type != "cuda" or torch.version.hip is not None or not _triton_has_gdc():
         return False
-    return _capability(device.index if device.index is not None else torch.cuda.current_device())[0] >= 9
+    return capability(device)[0] >= 9
 
 
 def default_programs(rows: int) -> int:

@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING, Any
 
 from kvweave.core.lazy import lazy_module, torch
 from kvweave.kernels.formats import VALUE_TILE
-from kvweave.kernels.launch import programmatic
+from kvweave.kernels.launch import capability, programmatic
 from kvweave.kernels.lowbit_tricks import whole_byte_keys, wide_groups
 
 if TYPE_CHECKING:
@@ -156,11 +156,6 @@ DENSE_PAIR_ROWS = True
 WARPGROUP_TRITON = (3, 8)
 
 
-@functools.lru_cache(maxsize=None)
-def _capability(index: int) -> tuple:
-    return torch.cuda.get_device_capability(index)
-
-
 def ampere_products(device: Any) -> bool:
     """Whether the dense kernel's tensor-core products build as Ampere ``mma.sync`` ones for ``device``: a GPU before
     Hopper, or a Triton before :data:`WARPGROUP_TRITON`; for a CPU tensor (benchmarks/kernel_sass.py builds for
@@ -170,7 +165,7 @@ def ampere_products(device: Any) -> bool:
 
     if tuple(int(part) for part in triton.__version__.split(".")[:2]) < WARPGROUP_TRITON:
         return True
-    return device.type == "cuda" and _capability(device.index if device.index is not None else torch.cuda.current_device())[0] < 9
+    return device.type == "cuda" and capability(device)[0] < 9
 
 
 def dense_registers(dim: int, hidden: bool) -> int | None:

@@ -21,10 +21,7 @@ except ImportError:  # pragma: no cover - exercised where triton is missing
     triton = None
 
 if triton is not None:
-    try:  # programmatic dependent launch (Triton 3.4 and later; kvweave.kernels.launch.programmatic)
-        from triton.language.extra.cuda import gdc_launch_dependents
-    except ImportError:  # pragma: no cover - an older Triton: the combine is launched after the kernel ends
-        gdc_launch_dependents = None
+    from kvweave.kernels.grid_dependency_triton import gdc_launch_dependents
     from kvweave.kernels.lowbit_codes_triton import _plus128
     from kvweave.kernels.lowbit_rows_triton import _pair_channels, _quad_channels, _value_step, _words_codes
     from kvweave.kernels.lowbit_step_triton import (_over, _plane_logits, _plane_queries, _scale_of, _softmax_step,

@@ -94,9 +94,9 @@ def test_the_tiled_values_operands_are_fenced_only_where_the_products_are_ampere
         monkeypatch.setattr(triton, "__version__", version)
         assert lowbit_dense.ampere_products(cpu) is ampere, version
     monkeypatch.setattr(triton, "__version__", "3.9.0")
-    monkeypatch.setattr(lowbit_dense, "_capability", lambda index: (8, 0))
+    monkeypatch.setattr(lowbit_dense, "capability", lambda device: (8, 0))
     assert lowbit_dense.ampere_products(torch.device("cuda", 0))
-    monkeypatch.setattr(lowbit_dense, "_capability", lambda index: (9, 0))
+    monkeypatch.setattr(lowbit_dense, "capability", lambda device: (9, 0))
     assert not lowbit_dense.ampere_products(torch.device("cuda", 0))
 
 

@@ -29,9 +29,9 @@ def _view(model, registry, name):  # noqa: F811 - the fixtures
 def test_only_a_cuda_device_of_capability_9_launches_the_combine_early(monkeypatch):
     assert not launch_module.programmatic(torch.device("cpu"))
     monkeypatch.setattr(launch_module, "_triton_has_gdc", lambda: True)
-    monkeypatch.setattr(launch_module, "_capability", lambda index: (8, 0))
+    monkeypatch.setattr(launch_module, "capability", lambda device: (8, 0))
     assert not launch_module.programmatic(torch.device("cuda", 0))  # an A100: no grid dependency control
-    monkeypatch.setattr(launch_module, "_capability", lambda index: (9, 0))
+    monkeypatch.setattr(launch_module, "capability", lambda device: (9, 0))
     assert launch_module.programmatic(torch.device("cuda", 0))
     monkeypatch.setattr(launch_module, "PROGRAMMATIC_EXACT", False)  # each use has its own switch
     assert launch_module.programmatic(torch.device("cuda", 0), "combine")
