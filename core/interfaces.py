@@ -286,6 +286,9 @@ class Probe(Component):
     needs_boundaries: ClassVar[bool] = False
     #: whether the probe picks query positions of each forward for the router (``select_queries``)
     selects_queries: ClassVar[bool] = False
+    #: whether ``measure_group`` takes ``shared``: a dict the engine hands to the keys measurement of a block and then
+    #: to the values measurement of the same block, layers and queries, where products both need can be kept
+    shares_products: ClassVar[bool] = False
 
     def select_queries(
         self, query: torch.Tensor, keys: torch.Tensor, boundary: torch.Tensor | None, scale: float | None
@@ -314,7 +317,10 @@ class Probe(Component):
 
     def measure_group(self, queries, keys, values, approx_keys, approx_values, context_keys, context_values, scale=None):
         """:meth:`measure` for a group's layers at once, [G, H]: every argument with a leading layer axis G (``queries``
-        [G, B, Hq, q, D], the rest [G, B, H, ., D]). One call a layer unless a probe does better."""
+        [G, B, Hq, q, D], the rest [G, B, H, ., D]). One call a layer unless a probe does better. A probe declaring
+        ``shares_products`` takes one more keyword, ``shared`` (a dict, or None where the keys' measurement left none):
+        the engine measures a block's keys with ``approx_values`` the exact values, then its values with ``approx_keys``
+        the exact keys (the same object as ``keys``)."""
         return torch.stack([self.measure(*(t[g] for t in (queries, keys, values, approx_keys, approx_values, context_keys,
                                                            context_values)), scale) for g in range(keys.shape[0])])
 

@@ -36,6 +36,9 @@ class BlockEncoder:
 
     def __init__(self, engine: CompressionEngine) -> None:
         self.engine = engine
+        #: what the probe's keys measurement of the block being encoded left for its values measurement, by (group,
+        #: flush, first layer of the part); one block's at a time
+        self.probe_shared: dict[tuple[int, int, int], dict] = {}
 
     def encode(
         self, kind: str, group_index: int, block: torch.Tensor, stats: tuple[torch.Tensor, torch.Tensor] | None = None,
@@ -256,6 +259,9 @@ class BlockEncoder:
         # layers at a time: all of them for a decode step's block, fewer for a long prompt's (its float32 copies)
         step = max(1, min(len(members), PROBE_BYTES // max(1, block[0].numel() * 4 * 3)))
         errors = []
+        shares = self.engine.probe.shares_products
+        if kind == "keys":
+            self.probe_shared.clear()
         for first in range(0, len(members), step):
             part = slice(first, first + step)
             other = info["blocks"][other_kind][part] if info else torch.stack([exact[other_kind][..., :n, :] for exact in windows[part]])
@@ -265,8 +271,12 @@ class BlockEncoder:
                 (exact_block, approx_block, other, other) if kind == "keys" else (other, other, exact_block, approx_block))
             queries = torch.stack([self.engine.observer.queries(layer) for layer in members[part]]).to(dtype)
             context = [torch.stack([exact[k][..., start:, :] for exact in windows[part]]).to(dtype) for k in ("keys", "values")]
+            extra = {}
+            if shares:  # the keys' measurement fills a dict, the values' one of the same block takes it
+                place = (group_index, store.flushes, first)
+                extra["shared"] = self.probe_shared.setdefault(place, {}) if kind == "keys" else self.probe_shared.pop(place, None)
             errors.append(self.engine.probe.measure_group(queries, keys, values, approx_keys, approx_values, *context,
-                                                          self.engine.observer.scaling))
+                                                          self.engine.observer.scaling, **extra))
         store.probe_error = errors[0] if len(errors) == 1 else torch.cat(errors)
         store.pending_errors.append(store.probe_error)  # the share moves once every group has encoded (no host read here)
 

@@ -255,8 +255,13 @@ class Eviction:
         index, kept = self._kept_index(keep[0])
         self.engine.stores[group_index] = {kind: GroupStore() for kind in KINDS}
         if index.shape[-1]:
-            for kind in KINDS:
-                self.engine.encoder.encode(kind, group_index, self._gather_tokens(candidates[kind], index)[None])
+            gathered = {kind: self._gather_tokens(candidates[kind], index)[None] for kind in KINDS}
+            self.engine._flush_info = {"count": count, "blocks": gathered}  # a probe pairs the kept keys and values
+            try:
+                for kind in KINDS:
+                    self.engine.encoder.encode(kind, group_index, gathered[kind])
+            finally:
+                self.engine._flush_info = None
         window.slot_index.replace(torch.where(kept, logical.gather(-1, index), -1), window.passed_tokens + count)
         if scores is not None:
             window.scores = torch.cat((scores.gather(-1, index) * kept, rest), dim=-1)

@@ -258,3 +258,122 @@ def test_a_long_blocks_probe_taken_a_few_layers_at_a_time_measures_the_same(monk
     assert ratio == ratio_apart
     assert all(a.shape == b.shape and torch.allclose(a, b, atol=1e-6) for a, b in zip(together, apart))
     assert any(bool((a > 0).any()) for a in together)
+
+
+class _Products(torch.overrides.TorchFunctionMode):
+    """Counts the matrix products run inside it."""
+
+    def __init__(self):
+        super().__init__()
+        self.count = 0
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        if getattr(func, "__name__", "") in ("matmul", "__matmul__", "bmm", "mm", "einsum"):
+            self.count += 1
+        return func(*args, **(kwargs or {}))
+
+
+def _probe_case(seed=5):
+    gen = torch.Generator().manual_seed(seed)
+    layers, batch, q_heads, heads, observed, n, m, dim = 2, 2, 4, 2, 3, 13, 6, 8
+    queries = torch.randn(layers, batch, q_heads, observed, dim, generator=gen)
+    keys, values = (torch.randn(layers, batch, heads, n, dim, generator=gen) for _ in range(2))
+    approx_keys, approx_values = keys + 0.3 * torch.randn_like(keys), values + 0.2 * torch.randn_like(values)
+    context = tuple(torch.randn(layers, batch, heads, m, dim, generator=gen) for _ in range(2))
+    return queries, keys, values, approx_keys, approx_values, context
+
+
+@pytest.mark.parametrize("keep", ["weights", "normalizers"])
+def test_the_values_probe_takes_the_keys_probes_products_and_measures_the_same(monkeypatch, keep):
+    import kvweave.plugins.probes.attention_output as probe_module
+
+    if keep == "normalizers":  # weights past the limit: the values' measurement recomputes the block's logits
+        monkeypatch.setattr(probe_module, "KEEP_WEIGHTS_BYTES", 0)
+    queries, keys, values, approx_keys, approx_values, context = _probe_case()
+    probe, scale = AttentionOutputProbe(), 0.3
+    shared: dict = {}
+    keys_error = probe.measure_group(queries, keys, values, approx_keys, values, *context, scale, shared=shared)
+    assert ("weights" in shared) == (keep == "weights")
+    assert torch.allclose(keys_error, probe.measure_group(queries, keys, values, approx_keys, values, *context, scale))
+    with _Products() as products:
+        values_error = probe.measure_group(queries, keys, values, keys, approx_values, *context, scale, shared=shared)
+    assert products.count == (1 if keep == "weights" else 2)  # the block's difference (and its logits)
+    for g in range(queries.shape[0]):  # against attention over the joined keys and values, written out
+        joined_keys = torch.cat((keys[g], context[0][g]), -2)
+        exact = _joined_attention(queries[g], joined_keys, torch.cat((values[g], context[1][g]), -2), scale)
+        approx = _joined_attention(queries[g], joined_keys, torch.cat((approx_values[g], context[1][g]), -2), scale)
+        expected = ((exact - approx).flatten(2).norm(dim=-1) / (exact.flatten(2).norm(dim=-1) + 1e-6)).mean(0)
+        assert torch.allclose(values_error[g], expected, atol=1e-5), (g, values_error[g], expected)
+    with _Products() as products:
+        alone = probe.measure_group(queries, keys, values, keys, approx_values, *context, scale)
+    assert products.count > 2 and torch.allclose(alone, values_error, atol=1e-6)
+    assert bool((values_error > 0.01).all())
+
+
+def test_products_shared_from_a_block_of_other_shapes_are_refused():
+    queries, keys, values, approx_keys, approx_values, context = _probe_case()
+    probe, shared = AttentionOutputProbe(), {}
+    probe.measure_group(queries, keys, values, approx_keys, values, *context, 0.3, shared=shared)
+    shorter = keys[..., :-1, :]
+    with pytest.raises(ValueError, match="attention-output.*made for shapes"):
+        probe.measure_group(queries, shorter, values[..., :-1, :], shorter, approx_values[..., :-1, :], *context, 0.3, shared=shared)
+
+
+def test_a_flushs_values_probe_reuses_its_keys_probes_products_and_measures_what_it_measured_alone(monkeypatch):
+    from conftest import tiny_llama
+    from helpers import build_test_cache, random_ids, run
+
+    handed = []
+    measure_group = AttentionOutputProbe.measure_group
+
+    def watched(self, *args, shared=None, **kwargs):
+        handed.append(None if shared is None else dict(shared))
+        return measure_group(self, *args, shared=shared, **kwargs)
+
+    def errors():
+        model = tiny_llama(torch.float32, layers=4, hidden=256)
+        cache = run(model, build_test_cache("t-dw", model), random_ids(2, 600, seed=1), decode=40)
+        return [group[kind].probe_error for group in cache.engine.stores for kind in ("keys", "values")]
+
+    monkeypatch.setattr(AttentionOutputProbe, "measure_group", watched)
+    sharing = errors()
+    assert handed and handed[0] == {}  # the keys' measurement gets an empty dict, the values' one what it left
+    assert all(a == {} and "weights" in b for a, b in zip(handed[::2], handed[1::2]))
+    monkeypatch.setattr(AttentionOutputProbe, "shares_products", False)
+    handed.clear()
+    alone = errors()
+    assert handed and all(h is None for h in handed)
+    assert all(a.shape == b.shape and torch.allclose(a, b, atol=1e-5) for a, b in zip(sharing, alone))
+    assert any(bool((a > 0).any()) for a in sharing)
+
+
+@pytest.mark.parametrize("name", ["t-dw", "h2o-probed"])
+def test_a_blocks_keys_and_values_probes_see_the_same_exact_block_and_context(monkeypatch, tmp_path, name):
+    """Both measurements of a block take its exact keys and values from one place, also where the kept tokens are
+    re-selected (H2O), so what the keys' measurement leaves holds for the values'."""
+    from conftest import tiny_llama
+    from helpers import TEST_PIPELINES, ToyTokenizer, random_ids, run
+
+    from kvweave.core.registry import load_pipeline
+    from kvweave.engine import build_cache
+
+    registry = tmp_path / "probed.toml"
+    registry.write_text('[pipelines.h2o-probed]\nextends = "h2o"\nrecent_window = 8\nobserve_queries = 4\n'
+                        '[pipelines.h2o-probed.evictor]\nuse = "h2o"\nbudget = 20\n'
+                        '[pipelines.h2o-probed.quantizer]\nuse = "int8-block"\nblock = 16\n'
+                        '[pipelines.h2o-probed.probe]\nuse = "attention-output"\n')
+    seen = []
+    measure_group = AttentionOutputProbe.measure_group
+
+    def watched(self, queries, keys, values, approx_keys, approx_values, context_keys, context_values, scale=None, shared=None):
+        seen.append((approx_keys is keys, keys.clone(), values.clone(), context_keys.clone(), context_values.clone()))
+        return measure_group(self, queries, keys, values, approx_keys, approx_values, context_keys, context_values, scale, shared=shared)
+
+    monkeypatch.setattr(AttentionOutputProbe, "measure_group", watched)
+    model = tiny_llama(torch.float32, layers=2, hidden=256)
+    pipeline = load_pipeline(name, registry if name == "h2o-probed" else TEST_PIPELINES)
+    run(model, build_cache(pipeline, model, tokenizer=ToyTokenizer()), random_ids(1, 120, seed=2), decode=30)
+    assert len(seen) >= 4 and [s[0] for s in seen[:2]] == [False, True]
+    for keys_call, values_call in zip(seen[::2], seen[1::2]):
+        assert not keys_call[0] and values_call[0]
+        assert all(torch.equal(a, b) for a, b in zip(keys_call[1:], values_call[1:]))

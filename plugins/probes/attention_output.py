@@ -33,12 +33,17 @@ def _logits(queries: torch.Tensor, keys: torch.Tensor, scale: float) -> torch.Te
     return queries.reshape(*lead, heads, q_heads // heads * observed, dim) @ keys.transpose(-1, -2) * scale
 
 
-def _outputs(block_logits: torch.Tensor, block_values: torch.Tensor, context_logits: torch.Tensor,
-             context_values: torch.Tensor) -> torch.Tensor:
-    """Attention output over [block + context] from the two parts' logits, without joining the keys or values."""
-    weights = torch.cat((block_logits, context_logits), -1).softmax(dim=-1)
-    n = block_logits.shape[-1]
-    return weights[..., :n] @ block_values + weights[..., n:] @ context_values
+#: the largest block weights [G, B, H, rows, n] (float32 bytes) a keys measurement keeps for the values one of the same
+#: block; larger ones keep only their log-normalizers, and the values measurement recomputes the block's logits
+KEEP_WEIGHTS_BYTES = 128 << 20
+
+
+def _weights(block_logits: torch.Tensor, context_logits: torch.Tensor, normalizer: bool = False):
+    """Softmax over [block + context] from the two parts' logits: the block's weights and the context's (views of one
+    tensor), and where asked the log-normalizer [..., rows] (else None)."""
+    logits = torch.cat((block_logits, context_logits), -1)
+    weights, n = logits.softmax(dim=-1), block_logits.shape[-1]
+    return weights[..., :n], weights[..., n:], logits.logsumexp(-1) if normalizer else None
 
 
 def _context_logits(queries: torch.Tensor, context_keys: torch.Tensor, scale: float) -> torch.Tensor:
@@ -51,6 +56,11 @@ def _context_logits(queries: torch.Tensor, context_keys: torch.Tensor, scale: fl
     return logits.masked_fill(torch.arange(total, device=context_keys.device)[None, :] > query_pos[:, None], float("-inf"))
 
 
+def _heads_norm(output: torch.Tensor) -> torch.Tensor:
+    """Per (layer, row, KV head): the norm of an output [..., H, rows, D] over its query heads and queries."""
+    return output.flatten(-2).norm(dim=-1)
+
+
 @attrs.frozen
 class AttentionOutputProbe(Probe):
     """Relative attention-output error of each encoded block, steering the budget between windows."""
@@ -58,6 +68,7 @@ class AttentionOutputProbe(Probe):
     head_sharding: ClassVar[str] = "rank-budget"
 
     needs_queries = True
+    shares_products = True
 
     interval: int = attrs.field(default=1, validator=integer(1), metadata={"doc": "probe every n-th block of a window"})
     tolerance: float = attrs.field(default=0.05, validator=number(0.0, 10.0), metadata={"doc": "error above which a window gets more budget"})
@@ -70,19 +81,64 @@ class AttentionOutputProbe(Probe):
         return flush_index % self.interval == 0
 
     def measure(self, queries, keys, values, approx_keys, approx_values, context_keys, context_values, scale=None):
-        tensors = (queries, keys, values, approx_keys, approx_values, context_keys, context_values)
-        return self.measure_group(*(t.unsqueeze(0) for t in tensors), scale)[0]
+        grouped = [t.unsqueeze(0) for t in (queries, keys, values, context_keys, context_values)]
+        approx = [grouped[1] if approx_keys is keys else approx_keys.unsqueeze(0),
+                  grouped[2] if approx_values is values else approx_values.unsqueeze(0)]
+        return self.measure_group(*grouped[:3], *approx, *grouped[3:], scale)[0]
 
-    def measure_group(self, queries, keys, values, approx_keys, approx_values, context_keys, context_values, scale=None):
-        """Every layer of the group in one pass; the context's logits are computed once for both attentions."""
+    def measure_group(self, queries, keys, values, approx_keys, approx_values, context_keys, context_values, scale=None,
+                      shared=None):
+        """Every layer of the group in one pass; the context's logits are computed once for both attentions. Where the
+        keys are exact (``approx_keys is keys``: the values measured) the outputs differ only in the block's part, the
+        same weights times the other values. ``shared`` (a dict) keeps from the keys' measurement what the values' one
+        takes: the exact attention's block weights (or their log-normalizers, past ``KEEP_WEIGHTS_BYTES``), the block's
+        part of its output and the output's norm; the values' measurement is then one product with the block."""
         scale = scale or queries.shape[-1] ** -0.5
-        context = _context_logits(queries, context_keys, scale)
-        block = _logits(queries, keys, scale)
-        approx_block = block if approx_keys is keys else _logits(queries, approx_keys, scale)  # values probed: keys exact
-        exact = _outputs(block, values, context, context_values)
-        approx = _outputs(approx_block, approx_values, context, context_values)
-        error = (exact - approx).flatten(-2).norm(dim=-1) / (exact.flatten(-2).norm(dim=-1) + 1e-6)  # [G, B, H]
+        kept = self._kept(shared, queries, keys, context_keys)
+        if approx_keys is keys and kept is not None:
+            weights = kept.get("weights")
+            if weights is None:
+                weights = (_logits(queries, keys, scale) - kept["norm"][..., None]).exp()
+            difference, exact_norm = kept["exact_block"] - weights @ approx_values, kept["exact_norm"]
+        else:
+            context = _context_logits(queries, context_keys, scale)
+            block = _logits(queries, keys, scale)
+            keep = shared is not None and block.numel() * block.element_size() <= KEEP_WEIGHTS_BYTES
+            weights, context_weights, norm = _weights(block, context, normalizer=shared is not None and not keep)
+            del block
+            exact_block = weights @ values
+            exact = exact_block + context_weights @ context_values
+            if approx_keys is keys:
+                difference = exact_block - weights @ approx_values
+            else:
+                approx_weights, approx_context, _ = _weights(_logits(queries, approx_keys, scale), context)
+                del context
+                difference = exact - (approx_weights @ approx_values + approx_context @ context_values)
+            exact_norm = _heads_norm(exact)
+            if shared is not None:
+                shared.clear()
+                shared.update(shapes=self._shapes(queries, keys, context_keys), exact_block=exact_block, exact_norm=exact_norm)
+                if keep:
+                    shared["weights"] = weights
+                else:
+                    shared["norm"] = norm
+        error = _heads_norm(difference) / (exact_norm + 1e-6)  # [G, B, H]
         return error.mean(dim=1)
+
+    @staticmethod
+    def _shapes(queries, keys, context_keys) -> tuple:
+        return tuple(queries.shape), tuple(keys.shape), tuple(context_keys.shape)
+
+    def _kept(self, shared, queries, keys, context_keys) -> dict | None:
+        """What an earlier measurement of the same block left in ``shared`` (None: nothing); refuses a dict left by a
+        block of other shapes, which would give another block's weights."""
+        if not shared:
+            return None
+        if shared.get("shapes") != self._shapes(queries, keys, context_keys):
+            raise ValueError(f"probe 'attention-output': the products shared between a block's keys and values were "
+                             f"made for shapes {shared.get('shapes')}, not {self._shapes(queries, keys, context_keys)} "
+                             "(queries, block, context)")
+        return shared
 
     def adjust(self, share: float, errors: torch.Tensor, state: dict[str, float]) -> float:
         worst = float(errors.max())
