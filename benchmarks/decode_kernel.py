@@ -1,6 +1,7 @@
 """Decode attention alone: the fused DepthWeave-KV kernel against SDPA over a full bf16 cache.
 
-    python benchmarks/decode_kernel.py [--tokens 16384,65536,131072] [--batches 1,8] [--variants tiles,gather] [--out DIR]
+    python benchmarks/decode_kernel.py [--tokens 16384,65536,131072] [--batches 1,8] [--variants tiles,gather]
+        [--combines two-pass,one-pass] [--out DIR]
 
 Shape: Llama-3-8B attention (32 query heads, 8 KV heads, head_dim 128), one new query token per sequence.
 For each context length the storage is written by the real engine with ``depthweave-kv``'s settings
@@ -14,7 +15,8 @@ replayed from a CUDA graph (:func:`graph_us`; the passes may overlap there, as t
 speed-up, the host time per kernel call (three launches, outside any graph), the bytes the
 kernel reads (``nbytes`` of every stored tensor of the layer it attends over, residual tile index, bases
 and exact window included), the bandwidth that implies, its share of the measured copy bandwidth, the
-layer's compression ratio against 16 bits, and the largest difference from the torch twin.
+layer's compression ratio against 16 bits, and the largest difference from the torch twin. A row per packed-token
+pass (``--variants``) and combine pass (``--combines``, :data:`kvweave.kernels.depthweave_decode.COMBINES`).
 """
 
 from __future__ import annotations
@@ -35,7 +37,7 @@ from kvweave.engine.residuals import ResidualList
 from kvweave.engine.synthetic import fill_cache
 from kvweave.kernels.decode_torch import torch_decode
 from kvweave.kernels.decode_view import TILE, DecodeView, ResidualLevel, choose_split, resplit
-from kvweave.kernels.depthweave_decode import fused_decode
+from kvweave.kernels.depthweave_decode import COMBINE, COMBINES, fused_decode
 
 Q_HEADS, KV_HEADS, HEAD_DIM = 32, 8, 128
 
@@ -186,8 +188,13 @@ def main() -> None:
     parser.add_argument("--num-warps", type=int, default=None, help="warps per kernel program (default: fused_decode's, 1 for either pass)")
     parser.add_argument("--variants", default="tiles", help="packed-token passes to time, comma-separated: tiles, gather")
     parser.add_argument("--split", type=int, default=None, help="tokens per program (default: the cache's segments)")
+    parser.add_argument("--combines", default=COMBINE,
+                        help=f"combine passes to time, comma-separated: {', '.join(COMBINES)} (default: fused_decode's, {COMBINE})")
     parser.add_argument("--out", default="results/decode_kernel")
     args = parser.parse_args()
+    unknown = sorted(set(args.combines.split(",")) - set(COMBINES))
+    if unknown:
+        parser.error(f"--combines: unknown {', '.join(unknown)}; expected a list of {', '.join(COMBINES)}")
     if not torch.cuda.is_available():
         raise SystemExit("decode_kernel.py times CUDA kernels; run it on a GPU machine")
     out = Path(args.out)
@@ -220,21 +227,23 @@ def main() -> None:
             del k_full, v_full
             twin = torch_decode(view, q, None, scale).float()
             for variant in args.variants.split(","):
-                rows.append(_timed_row(view, q, scale, variant, args, twin, read, (sdpa_us, sdpa_graph_us), full_bytes,
-                                       copy_bw, total, batch, ratio))
-                print(rows[-1], flush=True)
+                for combine in args.combines.split(","):
+                    rows.append(_timed_row(view, q, scale, (variant, combine), args, twin, read, (sdpa_us, sdpa_graph_us),
+                                           full_bytes, copy_bw, total, batch, ratio))
+                    print(rows[-1], flush=True)
         del cache, engine, full_view
         torch.cuda.empty_cache()
     _write(rows, args, copy_bw, out)
 
 
-def _timed_row(view, q, scale, variant, args, twin, read, sdpa, full_bytes, copy_bw, total, batch, ratio) -> dict:
-    """One (T, B, variant) row: the kernel's device time (and of it the exact-window pass's and the combine's), its
-    time replayed from a CUDA graph and its host time, against SDPA's (``sdpa``: device and graph time), its bandwidth
-    and its error."""
+def _timed_row(view, q, scale, passes, args, twin, read, sdpa, full_bytes, copy_bw, total, batch, ratio) -> dict:
+    """One (T, B, variant, combine) row (``passes``: the packed-token pass and the combine): the kernel's device time
+    (and of it the exact-window pass's and the combine's), its time replayed from a CUDA graph and its host time, against
+    SDPA's (``sdpa``: device and graph time), its bandwidth and its error."""
     sdpa_us, sdpa_graph_us = sdpa
+    variant, combine = passes
     fused = lambda: fused_decode(view, q, None, scale, split=args.split, block_tokens=args.block_tokens,  # noqa: E731
-                                 num_warps=args.num_warps, variant=variant)
+                                 num_warps=args.num_warps, variant=variant, combine=combine)
     parts = device_us_parts(fused, args.reps)
     kernel_us = sum(parts.values())
     kernel_graph_us = graph_us(fused, args.reps)
@@ -242,10 +251,10 @@ def _timed_row(view, q, scale, variant, args, twin, read, sdpa, full_bytes, copy
     error = (fused().float() - twin).abs().max().item()
     bandwidth = read / (kernel_us * 1e-6)
     return {
-        "tokens": total, "batch": batch, "variant": variant, "sdpa_us": round(sdpa_us, 1),
+        "tokens": total, "batch": batch, "variant": variant, "combine": combine, "sdpa_us": round(sdpa_us, 1),
         "kernel_us": round(kernel_us, 1), "speedup": round(sdpa_us / kernel_us, 2),
         "exact_us": round(sum(us for name, us in parts.items() if "_exact_split" in name), 1),
-        "combine_us": round(sum(us for name, us in parts.items() if "_combine_kernel" in name), 1),
+        "combine_us": round(sum(us for name, us in parts.items() if "_combine" in name), 1),
         "sdpa_graph_us": round(sdpa_graph_us, 1), "kernel_graph_us": round(kernel_graph_us, 1),
         "graph_speedup": round(sdpa_graph_us / kernel_graph_us, 2),
         "kernel_host_us": round(kernel_host_us, 1), "kernel_bytes": read, "full_bytes": full_bytes,
@@ -266,7 +275,7 @@ def _write(rows: list[dict], args, copy_bw: float, out: Path) -> None:
     ]
     for r in rows:
         lines.append(
-            f"| {r['tokens']} | {r['batch']} | {r['variant']} | {r['sdpa_us']} | {r['kernel_us']} | {r['exact_us']} / {r['combine_us']} | "
+            f"| {r['tokens']} | {r['batch']} | {r['variant']}, {r['combine']} | {r['sdpa_us']} | {r['kernel_us']} | {r['exact_us']} / {r['combine_us']} | "
             f"{r['speedup']}x | {r['sdpa_graph_us']} / {r['kernel_graph_us']} | {r['graph_speedup']}x | {r['kernel_host_us']} | {r['kernel_bytes'] / 1e6:.1f} | "
             f"{r['full_bytes'] / 1e6:.1f} | {r['kernel_TBps']} | {100 * r['copy_share']:.0f} % | {r['sdpa_TBps']} | {r['max_abs_diff_vs_torch']:.2e} |"
         )

@@ -3,7 +3,8 @@
 
 Three passes: the packed-token pass (:func:`_packed_split_kernel`, one program per segment of packed
 tokens and per batch row x KV head), the exact-window pass (:func:`_exact_split_kernel`) and the combine
-pass (:func:`_combine_kernel`) that merges their partial (max, sum, output) triples. The packed formats
+pass that merges their partial (max, sum, output) triples (:func:`_combine_kernel`, two loops over a query head's
+slots; or :func:`_combine_columns_kernel`, one step over them for a slice of the columns). The packed formats
 read are ``int8-block.v1`` (coefficients) and ``int4-group.v1`` (residual coordinates), described in
 :mod:`kvweave.kernels.formats`. Without triton installed the module defines no kernel (``triton`` is None).
 """
@@ -314,4 +315,31 @@ if triton is not None:
             acc += tl.sum(weight[:, None] * part, axis=0)
         denominator = tl.sum(total, axis=0)
         result = tl.where(denominator > 0, acc / tl.where(denominator > 0, denominator, 1.0), 0.0)
+        tl.store(out_ptr + row * D + d, result.to(out_ptr.dtype.element_ty))
+
+    # The one-pass combine: grid (B * Hq, D // DC); each program merges the `partials` slots of one query head for DC
+    # of its D output columns, CHUNK slots a step with a running maximum (one read of each slot's max, sum and
+    # columns); with CHUNK >= partials a single step, whose loads do not wait on each other.
+    @triton.jit
+    def _combine_columns_kernel(m_ptr, l_ptr, acc_ptr, out_ptr, partials, D: tl.constexpr, DC: tl.constexpr,
+                                CHUNK: tl.constexpr):
+        row = tl.program_id(0)
+        c = tl.arange(0, CHUNK)
+        d = tl.program_id(1) * DC + tl.arange(0, DC)
+        big = tl.max(tl.full((CHUNK,), -1.0e30, dtype=tl.float32), axis=0)
+        total = tl.sum(tl.zeros((CHUNK,), dtype=tl.float32), axis=0)
+        acc = tl.zeros((DC,), dtype=tl.float32)
+        for c0 in range(0, partials, CHUNK):
+            slot = row * partials + c0 + c
+            inside = c0 + c < partials
+            m = tl.load(m_ptr + slot, mask=inside, other=-1.0e30)
+            sums = tl.load(l_ptr + slot, mask=inside, other=0.0)
+            part = tl.load(acc_ptr + slot[:, None] * D + d[None, :], mask=inside[:, None], other=0.0)
+            top = tl.maximum(big, tl.max(m, axis=0))
+            rescale = tl.exp2(big - top)
+            weight = tl.where(inside, tl.exp2(m - top), 0.0)
+            total = total * rescale + tl.sum(weight * sums, axis=0)
+            acc = acc * rescale + tl.sum(weight[:, None] * part, axis=0)
+            big = top
+        result = tl.where(total > 0, acc / tl.where(total > 0, total, 1.0), 0.0)
         tl.store(out_ptr + row * D + d, result.to(out_ptr.dtype.element_ty))

@@ -55,6 +55,16 @@ LOG2E = 1.4426950408889634
 #: pass ends")
 EARLY_EXACT_ROWS = 8
 
+#: the combine pass :func:`fused_decode` launches by default: ``two-pass`` (a query head's slots read twice, 16 at a
+#: time: their maxima, then their sums and outputs) or ``one-pass`` (:data:`COMBINE_SLICES` programs a query head, each
+#: merging every slot for a slice of the columns in one step with a running maximum)
+COMBINE = "two-pass"
+COMBINES = ("two-pass", "one-pass")
+#: the one-pass combine's programs a query head (each D / COMBINE_SLICES columns), and the slots times columns it
+#: reads a step (more slots than that are merged in several steps)
+COMBINE_SLICES = 4
+COMBINE_ELEMENTS = 4096
+
 
 def _pow2(n: int, least: int = 2) -> int:
     """The smallest power of two >= ``n``, at least ``least`` (Triton block sizes)."""
@@ -77,6 +87,7 @@ def _prepare(view: DecodeView, query: torch.Tensor, partials: int, outputs: bool
 def fused_decode(
     view: DecodeView, query: torch.Tensor, start: torch.Tensor | None, scale: float, split: int | None = None,
     block_tokens: int | None = None, num_warps: int | None = None, num_stages: int | None = 1, variant: str = "auto",
+    combine: str | None = None,
 ) -> torch.Tensor:
     """The Triton kernel: ``query`` [B, Hq, D] -> [B, Hq, D] (query dtype). ``split``: tokens per segment
     (default: the view's segments); ``block_tokens``: tokens per loop iteration (a multiple of 32; default 64);
@@ -87,7 +98,11 @@ def fused_decode(
     as words), ``gather`` (one warp, residual coordinates gathered one by one) or ``auto`` (``tiles`` where the
     residual layout allows it, :func:`tiles_refusal`). On a GPU that allows it
     (:func:`kvweave.kernels.launch.programmatic`), up to :data:`EARLY_EXACT_ROWS` rows, the exact-window pass goes first
-    and the tiles pass is launched as its programmatic dependent, so the two run at once."""
+    and the tiles pass is launched as its programmatic dependent, so the two run at once. ``combine``: the combine pass,
+    one of :data:`COMBINES` (None: :data:`COMBINE`)."""
+    combine = COMBINE if combine is None else combine
+    if combine not in COMBINES:
+        raise ValueError(f"fused_decode: combine {combine!r} is not one of {', '.join(COMBINES)}")
     batch, q_heads, dim = query.shape
     heads = view.exact_k.shape[1]
     gq = q_heads // heads
@@ -134,7 +149,12 @@ def fused_decode(
     if not early:
         exact_pass()
     out = torch.empty(batch, q_heads, dim, dtype=query.dtype, device=device)
-    jit._combine_kernel[(batch * q_heads,)](m, l, acc, out, partials, D=dim, CHUNK=16)
+    if combine == "one-pass":
+        slices = min(COMBINE_SLICES, dim)
+        chunk = min(_pow2(partials, 4), max(4, COMBINE_ELEMENTS * slices // dim))
+        jit._combine_columns_kernel[(batch * q_heads, slices)](m, l, acc, out, partials, D=dim, DC=dim // slices, CHUNK=chunk)
+    else:
+        jit._combine_kernel[(batch * q_heads,)](m, l, acc, out, partials, D=dim, CHUNK=16)
     return out
 
 

@@ -37,6 +37,7 @@ from test_kernels import DEVICE, filled, llama_config
         ('[pipelines.bad.basis]\nuse = "identity"', RegistryError, "slot 'basis' .*no factor_bases"),
         ('[pipelines.bad.kernel]\nsplit_tokens = 48', Exception, "multiple of 32"),
         ('[pipelines.bad.kernel]\nvariant = "fast"', Exception, "variant"),
+        ('[pipelines.bad.kernel]\ncombine = "three-pass"', Exception, "combine"),
         # refused when the cache is built for a model
         ('[pipelines.bad.basis]\nrank = 80\n[pipelines.bad.router]\ntarget_reduction = 1.5', ComponentError, "above the kernel's 64"),
     ],
@@ -213,17 +214,17 @@ def test_attend_reads_only_the_layer_view(tmp_path):
     assert all(level.group == min(2, level.rank) for level in engine.kernel.decode_view(view, torch.device(DEVICE)).k_levels)
 
 
-@pytest.mark.parametrize("variant", ["gather", "tiles"])
-def test_the_kernel_setting_variant_picks_the_packed_token_pass(tmp_path, monkeypatch, variant):
-    """``[kernel] variant`` reaches the Triton launch, and both passes decode what the torch twin decodes."""
+@pytest.mark.parametrize("variant,combine", [("gather", "two-pass"), ("tiles", "one-pass")])
+def test_the_kernel_setting_variant_picks_the_packed_token_pass(tmp_path, monkeypatch, variant, combine):
+    """``[kernel] variant`` and ``combine`` reach the Triton launch, and the passes decode what the torch twin decodes."""
     import kvweave.plugins.kernels.fused as fused_plugin
 
     registry = write_registry(tmp_path, "v", f'[pipelines.v]\nextends = "depthweave-kv"\n[pipelines.v.kernel]\n'
-                                             f'backend = "triton"\nvariant = "{variant}"\n')
+                                             f'backend = "triton"\nvariant = "{variant}"\ncombine = "{combine}"\n')
     model = tiny_llama(layers=4, hidden=256).to(DEVICE)
     cache = build_cache(load_pipeline("v", registry), model, tokenizer=ToyTokenizer())
     seen, launch = [], fused_plugin.fused_decode
-    monkeypatch.setattr(fused_plugin, "fused_decode", lambda *a, **k: seen.append(k["variant"]) or launch(*a, **k))
+    monkeypatch.setattr(fused_plugin, "fused_decode", lambda *a, **k: seen.append((k["variant"], k["combine"])) or launch(*a, **k))
     ids = torch.randint(1, 128, (1, 150), device=DEVICE)
     with torch.no_grad():
         token = model(input_ids=ids, **cache_kwargs(model, cache)).logits[:, -1:].argmax(-1)
@@ -231,6 +232,6 @@ def test_the_kernel_setting_variant_picks_the_packed_token_pass(tmp_path, monkey
         query = torch.randn(1, 4, 1, 64, device=DEVICE)
         out = cache.engine.kernel.attend(view, query, None, 0.125)
     decode = cache.engine.kernel.decode_view(view, torch.device(DEVICE))
-    assert seen and set(seen) == {variant}
+    assert seen and set(seen) == {(variant, combine)}
     assert (out[:, 0] - torch_decode(decode, query[:, :, 0], None, 0.125)).abs().max().item() < 1e-3
     del token

@@ -35,7 +35,7 @@ from kvweave.core.params import choice, integer
 from kvweave.core.view import KindView, LayerView, ResidualLevelView
 from kvweave.kernels.decode_torch import torch_decode, torch_packed_logsumexp
 from kvweave.kernels.decode_view import MAX_LEVELS, TILE, DecodeView, ResidualLevel, choose_split, placeholder, version_segments
-from kvweave.kernels.depthweave_decode import VARIANTS, fused_decode, fused_packed_logsumexp
+from kvweave.kernels.depthweave_decode import COMBINE, COMBINES, VARIANTS, fused_decode, fused_packed_logsumexp
 from kvweave.kernels.formats import INT4_GROUP, INT8_BLOCK, int4_group_width
 
 BACKENDS = ("auto", "triton", "torch")
@@ -58,6 +58,7 @@ class FusedKernel(AttentionKernel):
     backend: str = attrs.field(default="auto", validator=choice(BACKENDS), metadata={"doc": "'auto' (Triton on CUDA, the torch twin elsewhere), 'triton' or 'torch'"})
     split_tokens: int = attrs.field(default=0, validator=integer(0), metadata={"doc": "packed tokens per kernel program (a multiple of 32); 0 chooses enough programs to fill the GPU"})
     variant: str = attrs.field(default="auto", validator=choice(VARIANTS), metadata={"doc": "the Triton packed-token pass: 'tiles' (token-major, a residual entry read as two words), 'gather' (one warp, residual coordinates gathered one by one) or 'auto' ('tiles' where the residual layout allows it)"})
+    combine: str = attrs.field(default=COMBINE, validator=choice(COMBINES), metadata={"doc": "the Triton combine pass: 'two-pass' (a query head's partials read twice, their maxima first) or 'one-pass' (a slice of the columns a program, every partial in one step)"})
 
     @split_tokens.validator
     def _tile_multiple(self, attribute, value) -> None:
@@ -231,7 +232,7 @@ class FusedKernel(AttentionKernel):
         decode = self.decode_view(view, query.device)
         start = first_positions(view.scratch, attention_mask, query.device)
         q = query[:, :, 0, :]
-        out = fused_decode(decode, q, start, scaling, variant=self.variant) if self._triton(query) else torch_decode(decode, q, start, scaling)
+        out = fused_decode(decode, q, start, scaling, variant=self.variant, combine=self.combine) if self._triton(query) else torch_decode(decode, q, start, scaling)
         return out.unsqueeze(1)  # [B, 1, Hq, D], as the model's attention returns it
 
     def packed_logsumexp(self, view: LayerView, queries: torch.Tensor, scaling: float) -> torch.Tensor:
