@@ -285,6 +285,7 @@ class BlockEncoder:
         effect together, renormalized to average 1 so the total budget holds. The probe's ``adjust`` runs here, for
         each error in the order measured, so reading the errors to the host waits for the device once a forward, not
         once a block."""
+        self.probe_shared.clear()  # a keys' measurement whose values' one did not come holds nothing past the forward
         for kind in KINDS:
             stores = [group[kind] for group in self.engine.stores]
             for s in stores:
