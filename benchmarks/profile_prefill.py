@@ -34,7 +34,7 @@ import kvweave.engine.ingest as ingest_module
 import kvweave.engine.together as together_module
 from kvweave.engine import build_cache
 from kvweave.core.registry import load_pipeline
-from kvweave.engine.residuals import ResidualList
+from kvweave.engine.residuals import ResidualFit, ResidualList
 
 import decode_e2e
 from decode_e2e import Ids, llama3_8b, random_model, smoke_config, sync
@@ -71,6 +71,7 @@ def instrument(cache) -> None:
     classes += [(f"encoder.{m}", type(engine.encoder), m) for m in ("encode", "probe", "route_block", "rank_counts", "encode_members")]
     classes.append(("probe.measure", type(engine.probe), "measure"))
     classes.append(("residuals.ResidualList.append", ResidualList, "append"))
+    classes.append(("residuals.ResidualFit.basis", ResidualFit, "basis"))  # a residual basis fit's end (and any fallback)
     if engine.evicts:  # an evictor's flush: its choice, the slots topped up to whole groups, the kept tokens gathered
         classes.append(("evictor.keep", type(engine.evictor), "keep"))
         classes += [(f"eviction.{m}", type(engine.eviction), m) for m in ("evict", "_eviction_block", "_whole_groups", "_kept_index", "_gather_tokens")]
@@ -83,7 +84,7 @@ def instrument(cache) -> None:
 def patch_module() -> None:
     engine_module.check_finite = timed("checks.check_finite", engine_module.check_finite)
     together_module.check_finite = timed("checks.check_finite", together_module.check_finite)  # flushes stored together
-    for name in ("fit_residual_basis", "encode_residuals", "add_residuals", "residual_rows", "mix_residuals"):
+    for name in ("begin_residual_fit", "encode_residuals", "add_residuals", "residual_rows", "mix_residuals"):
         for module in (engine_module, encoder_module):  # wherever the engine's steps call them from
             if hasattr(module, name):
                 setattr(module, name, timed(f"residuals.{name}", getattr(module, name)))

@@ -8,7 +8,8 @@ functions here are built from those:
 - :func:`cholesky_qr`: orthonormal columns of a tall ``A`` (CholeskyQR2, float64 Gram matrices), with a
   flag per matrix saying whether it worked (a rank-deficient ``A`` fails: callers fall back);
 - :func:`top_eigenvectors`: the top eigenvectors of symmetric PSD matrices by subspace iteration with a
-  Rayleigh-Ritz step on a <= 32 x 32 matrix.
+  Rayleigh-Ritz step on a <= 32 x 32 matrix; :func:`subspace_eigenvectors` the same without reading whether it
+  worked (no host read: the caller reads the flag where it reads the host anyway).
 """
 
 from __future__ import annotations
@@ -31,13 +32,12 @@ def cholesky_qr(a: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return q, ok
 
 
-def top_eigenvectors(
+def subspace_eigenvectors(
     moment: torch.Tensor, rank: int, *, extra: int = 24, iterations: int = 10, seed: int = 0
-) -> tuple[torch.Tensor, torch.Tensor] | None:
-    """Top-``rank`` eigenvectors [..., rank, D] (rows, largest eigenvalue first, float64) and eigenvalues
-    [..., rank] of symmetric positive semi-definite ``moment`` [..., D, D], by ``iterations`` rounds of
-    subspace iteration on ``rank + extra`` columns (at most 32 and D) and a Rayleigh-Ritz step. ``None``
-    when some matrix's iteration broke down (rank below the subspace's width): callers use ``eigh``."""
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+    """:func:`top_eigenvectors` without the host read: ``(vectors, values, ok)``, ``ok`` [...] false for each matrix
+    whose iteration broke down (its vectors are then meaningless); ``None`` only where ``rank`` exceeds the subspace's
+    width."""
     dim = moment.shape[-1]
     width = min(rank + extra, 32, dim)
     if width < rank:
@@ -51,7 +51,18 @@ def top_eigenvectors(
         ok &= step_ok
     small = q.transpose(-1, -2) @ m @ q  # [..., width, width]
     values, vectors = torch.linalg.eigh((small + small.transpose(-1, -2)) / 2)  # ascending
-    if not bool(ok.all()):
-        return None
     top = vectors.flip(-1)[..., :rank]  # [..., width, rank], largest first
-    return (q @ top).transpose(-1, -2), values.flip(-1)[..., :rank]
+    return (q @ top).transpose(-1, -2), values.flip(-1)[..., :rank], ok
+
+
+def top_eigenvectors(
+    moment: torch.Tensor, rank: int, *, extra: int = 24, iterations: int = 10, seed: int = 0
+) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """Top-``rank`` eigenvectors [..., rank, D] (rows, largest eigenvalue first, float64) and eigenvalues
+    [..., rank] of symmetric positive semi-definite ``moment`` [..., D, D], by ``iterations`` rounds of
+    subspace iteration on ``rank + extra`` columns (at most 32 and D) and a Rayleigh-Ritz step. ``None``
+    when some matrix's iteration broke down (rank below the subspace's width): callers use ``eigh``."""
+    found = subspace_eigenvectors(moment, rank, extra=extra, iterations=iterations, seed=seed)
+    if found is None or not bool(found[2].all()):
+        return None
+    return found[0], found[1]

@@ -17,7 +17,7 @@ import torch
 from kvweave.core.errors import ComponentError
 from kvweave.core.interfaces import KINDS, RouteBlock
 from kvweave.core.storage import TensorMap
-from kvweave.engine.residuals import add_residuals, encode_residuals, fit_residual_basis, mix_residuals, residual_rows
+from kvweave.engine.residuals import add_residuals, begin_residual_fit, encode_residuals, mix_residuals, residual_rows
 
 if TYPE_CHECKING:
     from kvweave.engine.engine import CompressionEngine
@@ -86,18 +86,22 @@ class BlockEncoder:
                 miss = difference.norm(dim=-1) / work.norm(dim=-1).clamp_min(1e-9)
                 rows = residual_rows(difference, mixing)
                 del difference
+                fit = None
+                if self.engine.settings.residual_mode == "basis" and any(self.engine.windows[layer].residual_basis[kind] is None for layer in members):
+                    # every member's residual basis from its first block, in one batched call queued before the ranks'
+                    # host read (whether it worked is read after it): rows are the misses, or their mixed rows
+                    fit = begin_residual_fit(rows, max(self.engine.levels))
                 route = self.route_block(kind, group_index, work, miss, stats, approx, rows, mixing, tokens)
                 kept_index = (self.engine._flush_info or {}).get("kept_index")
                 ranks = self.engine.router.assign(route) if kept_index is None else self.engine.eviction.rank_kept(self.engine.router, route, kept_index)
                 counts, ends = self.rank_counts(ranks, work.shape[:-1])
+                if fit is not None:
+                    fitted = fit.basis()
+                    for member, layer in enumerate(members):
+                        if self.engine.windows[layer].residual_basis[kind] is None:
+                            self.engine.windows[layer].residual_basis[kind] = fitted[member].clone()
             else:
                 counts, ends = self.fixed_counts(fixed, block.shape[1] * block.shape[2], len(members))
-            if fixed is None and self.engine.settings.residual_mode == "basis" and any(self.engine.windows[layer].residual_basis[kind] is None for layer in members):
-                # every member's residual basis from its first block, fitted in one batched call
-                fitted = fit_residual_basis(rows, max(self.engine.levels))  # rows: the misses, or their mixed rows
-                for member, layer in enumerate(members):
-                    if self.engine.windows[layer].residual_basis[kind] is None:
-                        self.engine.windows[layer].residual_basis[kind] = fitted[member].clone()
             missing = (work - approx if rows is None else rows).to(block.dtype)  # [G, B, H, n, D]
             entries = self.encode_members(kind, members, missing, ranks if fixed is None else fixed, counts, residual_quantizer)
             if mixing is None:

@@ -29,7 +29,7 @@ from __future__ import annotations
 import torch
 
 from kvweave.core.interfaces import Quantizer
-from kvweave.core.linalg import top_eigenvectors
+from kvweave.core.linalg import subspace_eigenvectors
 from kvweave.core.storage import TensorMap, tensor_bytes
 
 TILE_TOKENS = 32  # tokens per word of a list's bits, and per tile of the kernels' tile index
@@ -203,22 +203,40 @@ class ResidualList:
             self.tile_index(self.bits.shape[0], self.bits.shape[1], self.bits.device)
 
 
+class ResidualFit:
+    """A residual basis being fitted (:func:`begin_residual_fit`): the device work is queued, and :meth:`basis` reads
+    whether it worked only when asked, so an encoder can queue the fit before the host read its routing makes anyway
+    and ask after it (a prompt's flush then waits on the device once, not twice)."""
+
+    def __init__(self, moment: torch.Tensor, rank: int, found: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None):
+        self.moment, self.rank, self.found = moment, rank, found
+
+    def basis(self) -> torch.Tensor:
+        """The basis [..., rank, D] (float16): the subspace iteration's where it worked for every matrix, else ``eigh``
+        of every matrix's second moment."""
+        if self.found is not None and bool(self.found[2].all()):
+            return self.found[0].to(torch.float16).contiguous()
+        _, vectors = torch.linalg.eigh(self.moment)  # ascending eigenvalues; columns are eigenvectors
+        return vectors.flip(-1)[..., : self.rank].transpose(-1, -2).to(torch.float16).contiguous()  # largest first
+
+
+def begin_residual_fit(missing: torch.Tensor, rank: int) -> ResidualFit:
+    """:func:`fit_residual_basis` with nothing read by the host until :meth:`ResidualFit.basis`."""
+    if missing.dim() < 3:
+        raise ValueError(f"residuals must be [..., n, D] with at least one leading dimension, got {tuple(missing.shape)}")
+    # [..., D, D], one leading index at a time: a prompt's block in float32 would be several GB at once
+    moment = torch.stack([part.float().transpose(-1, -2) @ part.float() for part in missing])
+    found = subspace_eigenvectors(moment, rank) if moment.is_cuda and moment.shape[-1] > 32 else None
+    return ResidualFit(moment, rank, found)
+
+
 def fit_residual_basis(missing: torch.Tensor, rank: int) -> torch.Tensor:
     """A per-head orthonormal residual basis [..., rank, D] (float16) for residuals ``missing`` [..., n, D]:
     the top right singular vectors of the block, found as the top eigenvectors of its ``D x D`` second
     moment ``missing^T missing`` (the prompt's block can hold tens of thousands of tokens): ``eigh`` on a
     CPU; on a GPU, which runs ``eigh`` of a 128 x 128 matrix one matrix at a time, batched subspace
-    iteration (:func:`kvweave.core.linalg.top_eigenvectors`), or ``eigh`` when that breaks down or D <= 32."""
-    if missing.dim() < 3:
-        raise ValueError(f"residuals must be [..., n, D] with at least one leading dimension, got {tuple(missing.shape)}")
-    # [..., D, D], one leading index at a time: a prompt's block in float32 would be several GB at once
-    moment = torch.stack([part.float().transpose(-1, -2) @ part.float() for part in missing])
-    found = top_eigenvectors(moment, rank) if moment.is_cuda and moment.shape[-1] > 32 else None
-    if found is not None:
-        return found[0].to(torch.float16).contiguous()
-    _, vectors = torch.linalg.eigh(moment)  # ascending eigenvalues; columns are eigenvectors
-    basis = vectors.flip(-1)[..., :rank].transpose(-1, -2)  # [..., rank, D], largest first
-    return basis.to(torch.float16).contiguous()
+    iteration (:func:`kvweave.core.linalg.subspace_eigenvectors`), or ``eigh`` when that breaks down or D <= 32."""
+    return begin_residual_fit(missing, rank).basis()
 
 
 def _fixed_choice(runs: tuple[tuple[int, int, int], ...], rank: int, rows: int, tokens: int, device: torch.device) -> torch.Tensor:
