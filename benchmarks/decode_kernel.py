@@ -1,7 +1,7 @@
 """Decode attention alone: the fused DepthWeave-KV kernel against SDPA over a full bf16 cache.
 
     python benchmarks/decode_kernel.py [--tokens 16384,65536,131072] [--batches 1,8] [--variants tiles,gather]
-        [--combines two-pass,one-pass] [--out DIR]
+        [--combines two-pass,one-pass,one-pass/8] [--out DIR]
 
 Shape: Llama-3-8B attention (32 query heads, 8 KV heads, head_dim 128), one new query token per sequence.
 For each context length the storage is written by the real engine with ``depthweave-kv``'s settings
@@ -16,7 +16,8 @@ speed-up, the host time per kernel call (three launches, outside any graph), the
 kernel reads (``nbytes`` of every stored tensor of the layer it attends over, residual tile index, bases
 and exact window included), the bandwidth that implies, its share of the measured copy bandwidth, the
 layer's compression ratio against 16 bits, and the largest difference from the torch twin. A row per packed-token
-pass (``--variants``) and combine pass (``--combines``, :data:`kvweave.kernels.depthweave_decode.COMBINES`).
+pass (``--variants``) and combine pass (``--combines``, :data:`kvweave.kernels.depthweave_decode.COMBINES`; ``one-pass/N``:
+the one-pass combine with N programs a query head instead of ``COMBINE_SLICES``).
 """
 
 from __future__ import annotations
@@ -37,9 +38,12 @@ from kvweave.engine.residuals import ResidualList
 from kvweave.engine.synthetic import fill_cache
 from kvweave.kernels.decode_torch import torch_decode
 from kvweave.kernels.decode_view import TILE, DecodeView, ResidualLevel, choose_split, resplit
+from kvweave.kernels import depthweave_decode
 from kvweave.kernels.depthweave_decode import COMBINE, COMBINES, fused_decode
 
 Q_HEADS, KV_HEADS, HEAD_DIM = 32, 8, 128
+#: the one-pass combine's programs a query head that ``--combines one-pass/N`` takes (at least 8 columns a program)
+MAX_SLICES_LIST = (1, 2, 4, 8, 16)
 
 
 def llama3_window_config(layers: int = 4) -> LlamaConfig:
@@ -189,12 +193,14 @@ def main() -> None:
     parser.add_argument("--variants", default="tiles", help="packed-token passes to time, comma-separated: tiles, gather")
     parser.add_argument("--split", type=int, default=None, help="tokens per program (default: the cache's segments)")
     parser.add_argument("--combines", default=COMBINE,
-                        help=f"combine passes to time, comma-separated: {', '.join(COMBINES)} (default: fused_decode's, {COMBINE})")
+                        help=f"combine passes to time, comma-separated: {', '.join(COMBINES)}, or one-pass/N for N programs a "
+                             f"query head (default: fused_decode's, {COMBINE})")
     parser.add_argument("--out", default="results/decode_kernel")
     args = parser.parse_args()
-    unknown = sorted(set(args.combines.split(",")) - set(COMBINES))
+    unknown = [entry for entry in args.combines.split(",") if combine_slices(entry) is None]
     if unknown:
-        parser.error(f"--combines: unknown {', '.join(unknown)}; expected a list of {', '.join(COMBINES)}")
+        parser.error(f"--combines: unknown {', '.join(unknown)}; expected a list of {', '.join(COMBINES)} or one-pass/N "
+                     f"(N in {', '.join(map(str, MAX_SLICES_LIST))})")
     if not torch.cuda.is_available():
         raise SystemExit("decode_kernel.py times CUDA kernels; run it on a GPU machine")
     out = Path(args.out)
@@ -236,19 +242,37 @@ def main() -> None:
     _write(rows, args, copy_bw, out)
 
 
+def combine_slices(entry: str) -> int | None:
+    """The programs a query head of a ``--combines`` entry (``one-pass/N``: N; otherwise ``COMBINE_SLICES``); None for an
+    entry that names no combine."""
+    name, _, slices = entry.partition("/")
+    if name not in COMBINES or (slices and name != "one-pass"):
+        return None
+    if not slices:
+        return depthweave_decode.COMBINE_SLICES
+    if not slices.isdigit() or int(slices) not in MAX_SLICES_LIST:
+        return None
+    return int(slices)
+
+
 def _timed_row(view, q, scale, passes, args, twin, read, sdpa, full_bytes, copy_bw, total, batch, ratio) -> dict:
     """One (T, B, variant, combine) row (``passes``: the packed-token pass and the combine): the kernel's device time
     (and of it the exact-window pass's and the combine's), its time replayed from a CUDA graph and its host time, against
     SDPA's (``sdpa``: device and graph time), its bandwidth and its error."""
     sdpa_us, sdpa_graph_us = sdpa
     variant, combine = passes
+    name, slices = combine.split("/")[0], combine_slices(combine)
     fused = lambda: fused_decode(view, q, None, scale, split=args.split, block_tokens=args.block_tokens,  # noqa: E731
-                                 num_warps=args.num_warps, variant=variant, combine=combine)
-    parts = device_us_parts(fused, args.reps)
-    kernel_us = sum(parts.values())
-    kernel_graph_us = graph_us(fused, args.reps)
-    kernel_host_us = host_us(fused)
-    error = (fused().float() - twin).abs().max().item()
+                                 num_warps=args.num_warps, variant=variant, combine=name)
+    default_slices, depthweave_decode.COMBINE_SLICES = depthweave_decode.COMBINE_SLICES, slices
+    try:
+        parts = device_us_parts(fused, args.reps)
+        kernel_us = sum(parts.values())
+        kernel_graph_us = graph_us(fused, args.reps)
+        kernel_host_us = host_us(fused)
+        error = (fused().float() - twin).abs().max().item()
+    finally:
+        depthweave_decode.COMBINE_SLICES = default_slices
     bandwidth = read / (kernel_us * 1e-6)
     return {
         "tokens": total, "batch": batch, "variant": variant, "combine": combine, "sdpa_us": round(sdpa_us, 1),

@@ -397,3 +397,19 @@ def test_decode_e2e_smoke_warm_times_graph_steps_after_as_many_untimed_ones(tmp_
                "--methods", "full", "--out", str(tmp_path / "refused")]
     done = subprocess.run(command, capture_output=True, text=True, timeout=600, cwd=ROOT / "benchmarks")
     assert done.returncode != 0 and "--warm takes NAME@graphs methods only" in done.stderr and "full" in done.stderr
+
+
+def test_decode_kernel_takes_each_combine_and_the_one_pass_combines_programs(monkeypatch):
+    """``--combines`` entries: each combine by name, ``one-pass/N`` for N programs a query head; anything else is
+    refused before a GPU is asked for."""
+    monkeypatch.syspath_prepend(str(ROOT / "benchmarks"))
+    import decode_kernel
+
+    from kvweave.kernels import depthweave_decode
+
+    assert decode_kernel.combine_slices("one-pass") == decode_kernel.combine_slices("two-pass") == depthweave_decode.COMBINE_SLICES
+    assert decode_kernel.combine_slices("one-pass/8") == 8 and decode_kernel.combine_slices("one-pass/1") == 1
+    assert all(decode_kernel.combine_slices(bad) is None for bad in ("one-pass/3", "one-pass/32", "two-pass/4", "three-pass", "one-pass/x"))
+    done = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "decode_kernel.py"), "--combines", "one-pass/8,fast"],
+                          capture_output=True, text=True, timeout=120, cwd=ROOT)
+    assert done.returncode == 2 and "--combines: unknown fast" in done.stderr
