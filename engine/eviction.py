@@ -154,13 +154,8 @@ class Eviction:
         if slots:
             gathered = {kind: self._gather_tokens(blocks[kind], index) for kind in KINDS}
             kept_stats = None if stats is None else tuple(s.gather(-1, index) for s in stats)
-            self.engine._flush_info = {"count": count, "dropped": count - slots, "kept_index": index, "blocks": gathered,
-                                       "placed": min(placed, slots)}
-            try:
-                for kind in KINDS:
-                    self.engine.encoder.encode(kind, group_index, gathered[kind], kept_stats, logical.gather(-1, index))  # type: ignore[arg-type]
-            finally:
-                self.engine._flush_info = None
+            info = {"count": count, "dropped": count - slots, "kept_index": index, "blocks": gathered, "placed": min(placed, slots)}
+            self._encode_kept(group_index, info, kept_stats, logical.gather(-1, index))
         positions = torch.where(kept, logical.gather(-1, index), -1)
         for member, layer in enumerate(members):
             window = self.engine.windows[layer]
@@ -228,6 +223,16 @@ class Eviction:
         stored = window.compressed_tokens
         return scores[..., :stored], scores[..., stored : stored + count], scores[..., stored + count :]
 
+    def _encode_kept(self, group_index: int, info: dict, stats=None, positions: torch.Tensor | None = None) -> None:
+        """Encode the kept tokens ``info["blocks"]`` of both kinds, with ``info`` the flush in progress (what the encoder
+        and its probe read: the block's kept keys and values, ``count`` tokens leaving the window)."""
+        self.engine._flush_info = info
+        try:
+            for kind in KINDS:
+                self.engine.encoder.encode(kind, group_index, info["blocks"][kind], stats, positions)
+        finally:
+            self.engine._flush_info = None
+
     def reselect(self, group_index: int, count: int) -> None:
         """Flush for a router that re-selects among the stored tokens and the ``count`` leaving the window:
         the kept set is re-encoded from the stored values (bit-exact with the `none` quantizer)."""
@@ -255,13 +260,7 @@ class Eviction:
         index, kept = self._kept_index(keep[0])
         self.engine.stores[group_index] = {kind: GroupStore() for kind in KINDS}
         if index.shape[-1]:
-            gathered = {kind: self._gather_tokens(candidates[kind], index)[None] for kind in KINDS}
-            self.engine._flush_info = {"count": count, "blocks": gathered}  # a probe pairs the kept keys and values
-            try:
-                for kind in KINDS:
-                    self.engine.encoder.encode(kind, group_index, gathered[kind])
-            finally:
-                self.engine._flush_info = None
+            self._encode_kept(group_index, {"count": count, "blocks": {kind: self._gather_tokens(candidates[kind], index)[None] for kind in KINDS}})
         window.slot_index.replace(torch.where(kept, logical.gather(-1, index), -1), window.passed_tokens + count)
         if scores is not None:
             window.scores = torch.cat((scores.gather(-1, index) * kept, rest), dim=-1)
