@@ -1,7 +1,7 @@
 #!/bin/bash
 # depthweave-kv's one-pass combine against the two-pass one, and its first token with the probe's shared products.
 # PART=c: the combine's tests and the fused kernel's on the GPU, then decode_kernel.py with both combines in one run,
-#         the one-pass one with 4 and 8 programs a query head (32K and 128K, B = 1, 8 and 32; TOKENS=..., BATCHES=...,
+#         the one-pass one with 4 and 8 programs a query head (32K and 128K, B = 1 and 8; TOKENS=..., BATCHES=...,
 #         COMBINES=... to change).
 # PART=t: depthweave-kv's first token at 32K, profiled by stage (profile_prefill.py: the probe is `encoder.probe`),
 #         and against the full cache's (decode_e2e.py --ttft).
@@ -14,8 +14,8 @@ python -m pip install -q --no-deps --no-build-isolation -e . >/dev/null 2>&1
 # each step's output without Triton's and torch's warnings; pytest's summary line is kept
 step() { local limit=$1 file=$2; shift 2; echo "\$ $*" >> "$OUT/$file"; timeout "$limit" "$@" 2>&1 | grep -v -i -E "warn(ing)?:|warnings.warn" >> "$OUT/$file"; echo "exit $? after ${SECONDS}s" >> "$OUT/$file"; }
 if [ "${PART:-c}" = c ]; then
-  step 240 gpu-tests.txt python -m pytest -q -p no:cacheprovider tests/test_combine_pass.py tests/test_kernels.py tests/test_fused_contract.py tests/test_programmatic_launch.py
-  step 400 fused-combines.txt python benchmarks/decode_kernel.py --tokens "${TOKENS:-32768,131072}" --batches "${BATCHES:-1,8,32}" \
+  step 200 gpu-tests.txt python -m pytest -q -p no:cacheprovider tests/test_combine_pass.py tests/test_kernels.py tests/test_fused_contract.py tests/test_programmatic_launch.py
+  step 330 fused-combines.txt python benchmarks/decode_kernel.py --tokens "${TOKENS:-32768,131072}" --batches "${BATCHES:-1,8}" \
     --combines "${COMBINES:-two-pass,one-pass,one-pass/8}" --reps 20 --out "$OUT/json-combines"
 elif [ "$PART" = t ]; then
   step 300 prefill-dw.txt python benchmarks/profile_prefill.py --tokens 32768 --ops 40
