@@ -57,8 +57,10 @@ EARLY_EXACT_ROWS = 8
 
 #: the combine pass :func:`fused_decode` launches by default: ``two-pass`` (a query head's slots read twice, 16 at a
 #: time: their maxima, then their sums and outputs) or ``one-pass`` (:data:`COMBINE_SLICES` programs a query head, each
-#: merging every slot for a slice of the columns in one step with a running maximum)
-COMBINE = "two-pass"
+#: merging every slot for a slice of the columns in one step with a running maximum). One-pass took the combine from
+#: 9.0 to 2.9 us at B = 1, 32K, and a call from 28.9 to 22.6 us replayed from a graph; at B = 8 it was no slower
+#: (H100; docs/kernels.md "The probe's values measured from its keys' products, ...")
+COMBINE = "one-pass"
 COMBINES = ("two-pass", "one-pass")
 #: the one-pass combine's programs a query head (each D / COMBINE_SLICES columns), and the slots times columns it
 #: reads a step (more slots than that are merged in several steps)

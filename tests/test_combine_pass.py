@@ -78,8 +78,9 @@ def test_fused_decode_with_the_one_pass_combine_is_the_two_pass_ones(tmp_path, m
     for out in (one_pass, stepped):
         assert torch.allclose(out, two_pass, atol=1e-5, rtol=1e-5), (out - two_pass).abs().max()
     assert (one_pass - twin).abs().max().item() < 1e-3
-    monkeypatch.setattr(depthweave_decode, "COMBINE", "one-pass")  # the default taken from the module
-    assert torch.equal(fused_decode(view, query, start, scale, split=32), stepped)
+    assert torch.equal(fused_decode(view, query, start, scale, split=32), stepped)  # the default: one-pass
+    monkeypatch.setattr(depthweave_decode, "COMBINE", "two-pass")  # the default taken from the module
+    assert torch.equal(fused_decode(view, query, start, scale, split=32), two_pass)
 
 
 def test_an_unknown_combine_is_refused_by_name(tmp_path):

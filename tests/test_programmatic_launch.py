@@ -156,6 +156,7 @@ def _depthweave_launches(tmp_path, monkeypatch, early: bool) -> list:
     monkeypatch.setattr(depthweave_tiles_triton, "_tiles_kernel", _Recorder("tiles", launches))
     monkeypatch.setattr(decode_triton, "_exact_split_kernel", _Recorder("exact", launches))
     monkeypatch.setattr(decode_triton, "_combine_kernel", _Recorder("combine", launches))
+    monkeypatch.setattr(decode_triton, "_combine_columns_kernel", _Recorder("combine", launches))
     depthweave_decode.fused_decode(view, torch.randn(2, 8, 128, device=DEVICE), None, 0.125, variant="tiles")
     monkeypatch.undo()  # (the caller's patches too, once the call is made)
     return launches
