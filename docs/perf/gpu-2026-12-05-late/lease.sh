@@ -4,9 +4,10 @@
 #         the one-pass one with 4 and 8 programs a query head (32K and 128K, B = 1 and 8; TOKENS=..., BATCHES=...,
 #         COMBINES=... to change).
 # PART=g: with the one-pass combine the default, its tests, the fused kernel's and the graph tests on the GPU.
+# PART=b: depthweave-kv's first token at 32K with the tree before (BEFORE=folder) and this one, in turn, twice.
 # PART=t: depthweave-kv's first token at 32K, profiled by stage (profile_prefill.py: the probe is `encoder.probe`),
 #         and against the full cache's (decode_e2e.py --ttft).
-# Run from the repository's root: OUT=folder PART=c|g|t bash docs/perf/gpu-2026-12-05-late/lease.sh
+# Run from the repository's root: OUT=folder PART=c|g|b|t [BEFORE=folder] bash docs/perf/gpu-2026-12-05-late/lease.sh
 set -o pipefail
 OUT=${OUT:-$PWD/results/lease}
 mkdir -p "$OUT"
@@ -20,6 +21,12 @@ if [ "${PART:-c}" = c ]; then
     --combines "${COMBINES:-two-pass,one-pass,one-pass/8}" --reps 20 --out "$OUT/json-combines"
 elif [ "$PART" = g ]; then
   step 200 gpu-tests.txt python -m pytest -q -p no:cacheprovider tests/test_combine_pass.py tests/test_kernels.py tests/test_fused_contract.py tests/test_programmatic_launch.py tests/test_graphs_gpu.py
+elif [ "$PART" = b ]; then  # the tree before (BEFORE=folder holding it, imported as kvweave) and this one, in turn
+  mkdir -p /tmp/kvweave-before && ln -sfn "$(cd "$BEFORE" && pwd)" /tmp/kvweave-before/kvweave
+  for round in 1 2; do
+    step 150 ab-ttft.txt env PYTHONPATH=/tmp/kvweave-before:$BEFORE/benchmarks python $BEFORE/benchmarks/decode_e2e.py --methods full,depthweave-kv --ttft 32768 --batches "" --out /tmp/kvweave-before-ttft
+    step 150 ab-ttft.txt python benchmarks/decode_e2e.py --methods full,depthweave-kv --ttft 32768 --batches "" --out /tmp/kvweave-ttft
+  done
 elif [ "$PART" = t ]; then
   step 300 prefill-dw.txt python benchmarks/profile_prefill.py --tokens 32768 --ops 40
   step 300 ttft.txt python benchmarks/decode_e2e.py --methods full,depthweave-kv --ttft 32768 --batches "" --out /tmp/kvweave-ttft
