@@ -12,7 +12,7 @@ set -o pipefail
 OUT=${OUT:-$PWD/results/lease}
 mkdir -p "$OUT"
 python -m pip install -q --no-deps --no-build-isolation -e . >/dev/null 2>&1
-{ nvidia-smi --query-gpu=name,memory.total --format=csv 2>/dev/null; python -c "import torch, triton; print(torch.__version__, triton.__version__)"; git log -1 --format=%h 2>/dev/null; } > "$OUT/gpu.txt"
+{ nvidia-smi --query-gpu=name,memory.total --format=csv 2>/dev/null; python -c "import torch, triton; print(torch.__version__, triton.__version__)"; } > "$OUT/gpu.txt"
 # each step's output without Triton's and torch's warnings; pytest's summary line is kept
 step() { local limit=$1 file=$2; shift 2; echo "\$ $*" >> "$OUT/$file"; timeout "$limit" "$@" 2>&1 | grep -v -i -E "warn(ing)?:|warnings.warn" >> "$OUT/$file"; echo "exit $? after ${SECONDS}s" >> "$OUT/$file"; }
 if [ "${PART:-c}" = c ]; then
