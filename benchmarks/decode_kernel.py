@@ -261,9 +261,9 @@ def _timed_row(view, q, scale, passes, args, twin, read, sdpa, full_bytes, copy_
     SDPA's (``sdpa``: device and graph time), its bandwidth and its error."""
     sdpa_us, sdpa_graph_us = sdpa
     variant, combine = passes
-    name, slices = combine.split("/")[0], combine_slices(combine)
+    combine_name, slices = combine.partition("/")[0], combine_slices(combine)
     fused = lambda: fused_decode(view, q, None, scale, split=args.split, block_tokens=args.block_tokens,  # noqa: E731
-                                 num_warps=args.num_warps, variant=variant, combine=name)
+                                 num_warps=args.num_warps, variant=variant, combine=combine_name)
     default_slices, depthweave_decode.COMBINE_SLICES = depthweave_decode.COMBINE_SLICES, slices
     try:
         parts = device_us_parts(fused, args.reps)

@@ -90,8 +90,8 @@ def test_a_flush_queues_the_fit_before_the_ranks_host_read_and_reads_its_flag_af
 
     def begin(rows, rank):  # the GPU's fit (subspace iteration), taken on the CPU
         mark("begin")
-        moment = torch.stack([part.float().transpose(-1, -2) @ part.float() for part in rows])
-        return ResidualFit(moment, rank, subspace_eigenvectors(moment, rank))
+        fit = begin_residual_fit(rows, rank)
+        return ResidualFit(fit.moment, rank, subspace_eigenvectors(fit.moment, rank))
 
     basis, rank_counts = ResidualFit.basis, encoder_module.BlockEncoder.rank_counts
     monkeypatch.setattr(encoder_module, "begin_residual_fit", begin)
