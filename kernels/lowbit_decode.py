@@ -338,9 +338,10 @@ def plan_launch(view: LowbitView, q: torch.Tensor, start: torch.Tensor | None, s
         return Launch(jit._lowbit_kernel, (batch * heads, splits), args, {**constants, "MAGIC": trick["MAGIC"]}, (m, l, acc))
     kind, l0, l1 = view.level_kind or level_kind(view.v_levels.tolist())
     if variant == "dense":
-        return Launch(*dense_launch(view, args, constants, kind, l0, l1, group), (m, l, acc))
+        return Launch(*dense_launch(view, args, constants, kind, l0, l1, group, trick), (m, l, acc))
     fast_k, fast_v = whole_byte_codes(view)
-    constants = {**constants, "FASTK": fast_k, "FASTV": fast_v, "LEVELS": kind, **trick}
+    conversions = {name: trick[name] for name in ("MAGIC", "VB16", "KTF32", "KFOLD")}
+    constants = {**constants, "FASTK": fast_k, "FASTV": fast_v, "LEVELS": kind, **conversions}
     table16 = view.v_levels
     if trick["VB16"] and kind == 0:
         table16 = view.v_levels16 if view.v_levels16 is not None else view.v_levels.to(torch.bfloat16)

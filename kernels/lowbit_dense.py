@@ -187,11 +187,30 @@ def multiprocessors(device: Any) -> int:
     return _multiprocessors(device.index if device.index is not None else torch.cuda.current_device())
 
 
-def dense_slots(sms: int, dim: int, hidden: bool, num_warps: int = 4) -> int:
-    """The dense kernel's programs that ``sms`` multiprocessors hold at once (by their registers,
+def dense_slots(sms: int, dim: int, hidden: bool, num_warps: int = 4, registers: int | None = None) -> int:
+    """The dense kernel's programs that ``sms`` multiprocessors hold at once (by their registers: ``registers``, or
     :func:`dense_registers`): one wave."""
-    registers = dense_registers(dim, hidden) or 128
+    registers = registers or dense_registers(dim, hidden) or 128
     return sms * max(1, 65536 // (registers * 32 * num_warps))
+
+
+#: where the dense kernel's programs are one wave even at :data:`DENSE_AHEAD_REGISTERS` registers a thread (a batch of
+#: one row at Llama-3-8B's shape), take those registers and load each step's codes a step before the step that reads
+#: them (its key words; with values in tiles of at most two channel groups, their words too): with few programs an SM,
+#: the registers cost no program, and a program's next loads are in flight while it computes
+DENSE_AHEAD_WAVE = False
+DENSE_AHEAD_REGISTERS = 128
+
+
+def dense_ahead(view: Any, programs: int, sms: int, dim: int, hidden: bool, num_warps: int, trick: dict) -> tuple[int, bool]:
+    """The dense kernel's ``AHEAD`` (1: key words a step ahead, 2: value tiles' words, 3: both) and whether it takes
+    :data:`DENSE_AHEAD_REGISTERS` registers: the launch's rule (:data:`DENSE_AHEAD_WAVE`) for ``programs``, or the
+    ``trick`` settings asked for (``KAHEAD``, ``VAHEAD``, ``R128``)."""
+    values = view.v_tiled and dim // view.v_group <= 2
+    if DENSE_AHEAD_WAVE and dense_registers(dim, hidden) is not None and programs <= dense_slots(
+            sms, dim, hidden, num_warps, DENSE_AHEAD_REGISTERS):
+        return 1 + 2 * int(values), True
+    return int(trick.get("KAHEAD", False)) + 2 * int(trick.get("VAHEAD", False) and values), trick.get("R128", False)
 
 
 #: launch the combine early (:func:`kvweave.kernels.launch.programmatic`) only where the dense kernel's programs fit in
@@ -249,10 +268,12 @@ def query_pad(group: int, rows: int) -> int:
     return 2 if DENSE_PAIR_ROWS and rows == 2 * real else 1
 
 
-def dense_launch(view: Any, args: tuple, constants: dict, kind: int, l0: float, l1: float, group: int) -> tuple:
+def dense_launch(view: Any, args: tuple, constants: dict, kind: int, l0: float, l1: float, group: int,
+                 trick: dict | None = None) -> tuple:
     """The "dense" kernel's launch (kernel, grid, arguments, constants) from the arguments and constants
     :func:`kvweave.kernels.lowbit_decode.plan_launch` made for the others: the codes as 32-bit words (the same bytes),
-    no rotary or channel-width arguments; ``group``: the query heads of a KV head (``PAD``: :func:`query_pad`)."""
+    no rotary or channel-width arguments; ``group``: the query heads of a KV head (``PAD``: :func:`query_pad`);
+    ``trick``: :func:`kvweave.kernels.lowbit_tricks.parse_tricks`'s constants (its launch settings: :func:`dense_ahead`)."""
     if constants["num_warps"] not in DENSE_WARPS:
         raise ValueError(f"the lowbit 'dense' kernel runs with {' or '.join(map(str, DENSE_WARPS))} warps a program, got "
                          f"{constants['num_warps']} (at 8 its output was 0.78 away from the torch twin on an H100)")
@@ -273,13 +294,18 @@ def dense_launch(view: Any, args: tuple, constants: dict, kind: int, l0: float, 
     dense_constants["QG"] = group
     dense_constants["FIX"], dense_constants["FIX_LIMIT"] = DENSE_FIXED_MAX, DENSE_FIXED_LIMIT
     programs = m.shape[0] * splits  # the combine starts before the last programs end where they are one wave
+    sms, hid = multiprocessors(padded.device), constants["HID"] > 0
+    registers = dense_registers(constants["D"], hid)
+    dense_constants["AHEAD"], wide = dense_ahead(view, programs, sms, constants["D"], hid, constants["num_warps"],
+                                                 trick or {})
+    if wide and registers is not None:
+        registers = max(registers, DENSE_AHEAD_REGISTERS)
     dense_constants["PDL"] = programmatic(padded.device) and programs <= EARLY_COMBINE_WAVES * dense_slots(
-        multiprocessors(padded.device), constants["D"], constants["HID"] > 0, constants["num_warps"])
+        sms, constants["D"], hid, constants["num_warps"], registers)
     if offset_out(dense_constants):  # 4-bit uniform levels as 1 + code / 16, the offset taken off at the end
         dense_constants["LEVELS"] = 3
     dense_constants["KPF"] = (dense_constants["KPLANES"] and DENSE_PLANE_PREFETCH and k_scale.dtype == torch.float16
                               and k_zero.dtype == torch.float16)
-    registers = dense_registers(constants["D"], constants["HID"] > 0)
     if registers is not None:  # unbounded, the steps that check hidden slots took 155: 3 programs an SM (15% slower)
         dense_constants["maxnreg"] = registers
     return jit_dense._lowbit_dense_kernel, (m.shape[0], splits), dense_args, dense_constants

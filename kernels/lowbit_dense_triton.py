@@ -26,21 +26,38 @@ if triton is not None:
     from kvweave.kernels.lowbit_rows_triton import _pair_channels, _quad_channels, _value_step, _words_codes
     from kvweave.kernels.lowbit_step_triton import (_over, _plane_logits, _plane_queries, _scale_of, _softmax_step,
                                                      _step_loads)
-    from kvweave.kernels.lowbit_tile_triton import _operand, _tile_value_step
+    from kvweave.kernels.lowbit_tile_triton import _operand, _tile_value_step, _tile_words
     from kvweave.kernels.lowbit_triton import _hide, _outlier_logits
 
     @triton.jit
-    def _group_step(acc, pg, alpha, vstep, g: tl.constexpr, t_loc, jv, lut, vlev_ptr, vlev16_ptr, l0, l1, VW: tl.constexpr,
-                    GW: tl.constexpr, VBITS: tl.constexpr, LEVELS: tl.constexpr, LOWP: tl.constexpr, ASM: tl.constexpr,
-                    VTILE: tl.constexpr):
+    def _group_step(acc, pg, alpha, vstep, g: tl.constexpr, a0, a1, b0, b1, t_loc, jv, lut, vlev_ptr, vlev16_ptr, l0, l1,
+                    VW: tl.constexpr, GW: tl.constexpr, VBITS: tl.constexpr, LEVELS: tl.constexpr, LOWP: tl.constexpr,
+                    ASM: tl.constexpr, VTILE: tl.constexpr, VAH: tl.constexpr):
         """Value channel group ``g``'s running output after a step's probabilities ``pg`` (times its scales): from the
-        step's tile (``VTILE``, :func:`_tile_value_step`) or from its token-major words (:func:`_value_step`)."""
+        step's tile (``VTILE``, :func:`_tile_value_step`; with ``VAH`` its words ``a0 .. b1`` loaded a step before, else
+        loaded here) or from its token-major words (:func:`_value_step`)."""
         if VTILE:
-            acc = _tile_value_step(acc, pg, alpha, vstep, g, lut, vlev_ptr, vlev16_ptr, VBITS, LEVELS, LOWP, ASM)
+            if not VAH:
+                a0, a1, b0, b1 = _tile_words(vstep, g, VBITS)
+            acc = _tile_value_step(acc, pg, alpha, a0, a1, b0, b1, lut, vlev_ptr, vlev16_ptr, VBITS, LEVELS, LOWP, ASM)
         else:
             vwords = tl.load(vstep + g * GW + t_loc[:, None] * VW + jv[None, :]).to(tl.uint32, bitcast=True)
             acc = _value_step(acc, pg, alpha, vwords, lut, vlev_ptr, vlev16_ptr, l0, l1, VBITS, LEVELS, LOWP, ASM)
         return acc
+
+    @triton.jit
+    def _ahead_words(t0, kc_ptr, vc_ptr, t_loc, jk, KW: tl.constexpr, VW: tl.constexpr, VBITS: tl.constexpr,
+                     KAH: tl.constexpr, VAH: tl.constexpr):
+        """Step ``t0``'s codes loaded before the step that reads them: its key words [BLOCK, KW] with ``KAH``, its
+        value tile's words for channel groups 0 and 1 (:func:`_tile_words`) with ``VAH``; zeros for what is not."""
+        kwords = 0
+        if KAH:
+            kwords = tl.load(kc_ptr + t0 * KW + t_loc[:, None] * KW + jk[None, :]).to(tl.uint32, bitcast=True)
+        u0, u1, u2, u3, w0, w1, w2, w3 = 0, 0, 0, 0, 0, 0, 0, 0
+        if VAH:
+            u0, u1, u2, u3 = _tile_words(vc_ptr + t0 * VW, 0, VBITS)
+            w0, w1, w2, w3 = _tile_words(vc_ptr + t0 * VW, 1, VBITS)
+        return kwords, u0, u1, u2, u3, w0, w1, w2, w3
 
     @triton.jit
     def _value_channels(cg, VBITS: tl.constexpr, LEVELS: tl.constexpr, VTILE: tl.constexpr):
@@ -98,7 +115,7 @@ if triton is not None:
                D: tl.constexpr, G: tl.constexpr, KBITS: tl.constexpr, KGROUP: tl.constexpr, KO: tl.constexpr,
                VBITS: tl.constexpr, VGROUP: tl.constexpr, HAS_START: tl.constexpr, BLOCK: tl.constexpr,
                LOWP: tl.constexpr, LEVELS: tl.constexpr, VLOG: tl.constexpr, VST: tl.constexpr, HAS_POS: tl.constexpr,
-               HID: tl.constexpr, HIDE: tl.constexpr, ASM: tl.constexpr, KPLANES: tl.constexpr, KPF: tl.constexpr,
+               HID: tl.constexpr, HIDE: tl.constexpr, ASM: tl.constexpr, KPLANES: tl.constexpr, KPF: tl.constexpr, AHEAD: tl.constexpr,
                VTILE: tl.constexpr, PAD: tl.constexpr, QG: tl.constexpr, top, probe, t_first, FIX: tl.constexpr):
         """The packed pass over steps ``t_lo .. t_hi`` of a program's tokens: its running maximum (or reference), sums
         and outputs carried on; ``HIDE``: these steps hold hidden slots (the list is checked in them only, so the steps without keep the
@@ -119,9 +136,13 @@ if triton is not None:
         jv = tl.arange(0, GW)
         t_loc = tl.arange(0, BLOCK)
         t_ok = t_loc < BLOCK  # every slot of a step is stored
+        KAH: tl.constexpr = AHEAD % 2 == 1  # the key words a step ahead
+        VAH: tl.constexpr = AHEAD >= 2  # the value tiles' words a step ahead
+        t_in = tl.maximum(tl.minimum(t_lo, t_hi - BLOCK), 0)
         ks, kz, kw0, kw1, kw2, kw3, zw0, zw1, zw2, zw3, s0, m0, s1, m1, s2, m2, s3, m3, pos_in = _step_loads(
-            tl.maximum(tl.minimum(t_lo, t_hi - BLOCK), 0), ch, jk, t_loc, ks_ptr, kz_ptr, vs_row, vmax_row, pos_ptr,
-            D, KGROUP, VGROUPS, VLOG, VST, HAS_POS, KPLANES, KPF)
+            t_in, ch, jk, t_loc, ks_ptr, kz_ptr, vs_row, vmax_row, pos_ptr, D, KGROUP, VGROUPS, VLOG, VST, HAS_POS, KPLANES,
+            KPF)
+        kwords, u0, u1, u2, u3, w0, w1, w2, w3 = _ahead_words(t_in, kc_ptr, vc_ptr, t_loc, jk, KW, VW, VBITS, KAH, VAH)
         lut = 0
         if ASM and VBITS == 2:
             lut = _level_table(vlev16_ptr)
@@ -133,9 +154,14 @@ if triton is not None:
             (ks_n, kz_n, kw0_n, kw1_n, kw2_n, kw3_n, zw0_n, zw1_n, zw2_n, zw3_n, s0_n, m0_n, s1_n, m1_n, s2_n, m2_n, s3_n,
              m3_n, pos_n) = _step_loads(tl.minimum(t0 + BLOCK, t_hi - BLOCK), ch, jk, t_loc, ks_ptr, kz_ptr, vs_row,
                                         vmax_row, pos_ptr, D, KGROUP, VGROUPS, VLOG, VST, HAS_POS, KPLANES, KPF)
+            (kwords_n, u0_n, u1_n, u2_n, u3_n, w0_n, w1_n, w2_n, w3_n) = _ahead_words(
+                tl.minimum(t0 + BLOCK, t_hi - BLOCK), kc_ptr, vc_ptr, t_loc, jk, KW, VW, VBITS, KAH, VAH)
             tok = t0 + t_loc
             meta = _over(t0, KGROUP) * D
-            words = tl.load(kc_ptr + t0 * KW + t_loc[:, None] * KW + jk[None, :]).to(tl.uint32, bitcast=True)
+            if KAH:
+                words = kwords
+            else:
+                words = tl.load(kc_ptr + t0 * KW + t_loc[:, None] * KW + jk[None, :]).to(tl.uint32, bitcast=True)
             if KPLANES:
                 s = _plane_logits(words, q0, q1, q2, q3, q4, q5, q6, q7, ks_ptr, kz_ptr, meta, kw0, kw1, kw2, kw3, zw0, zw1,
                                   zw2, zw3, jk, LOWP, KPF, ASM)
@@ -173,23 +199,24 @@ if triton is not None:
                 w_i = w_i + pa.to(tl.float32)
             elif LEVELS == 3:
                 w_i = w_i * alpha[None, :] + pa.to(tl.float32)
-            acc0 = _group_step(acc0, pa, alpha, vstep, 0, t_loc, jv, lut, vlev_ptr, vlev16_ptr, l0, l1, VW, GW, VBITS,
-                               LEVELS, LOWP, ASM, VTILE)
+            acc0 = _group_step(acc0, pa, alpha, vstep, 0, u0, u1, u2, u3, t_loc, jv, lut, vlev_ptr, vlev16_ptr, l0, l1,
+                               VW, GW, VBITS, LEVELS, LOWP, ASM, VTILE, VAH)
             if VGROUPS > 1:
                 if PAD == 1:
                     pa = _probabilities(p * _scale_of(s1, m1, VLOG, ASM)[:, None], LOWP, ASM, VTILE)
-                acc1 = _group_step(acc1, pa, alpha, vstep, 1, t_loc, jv, lut, vlev_ptr, vlev16_ptr, l0, l1, VW, GW, VBITS,
-                                   LEVELS, LOWP, ASM, VTILE)
+                acc1 = _group_step(acc1, pa, alpha, vstep, 1, w0, w1, w2, w3, t_loc, jv, lut, vlev_ptr, vlev16_ptr, l0, l1,
+                                   VW, GW, VBITS, LEVELS, LOWP, ASM, VTILE, VAH)
             if VGROUPS > 2:
                 pb = _probabilities(_pair(p * _scale_of(s2, m2, VLOG, ASM)[:, None],
                                           p * _scale_of(s3, m3, VLOG, ASM)[:, None], PAD), LOWP, ASM, VTILE)
-                acc2 = _group_step(acc2, pb, alpha, vstep, 2, t_loc, jv, lut, vlev_ptr, vlev16_ptr, l0, l1, VW, GW, VBITS,
-                                   LEVELS, LOWP, ASM, VTILE)
+                acc2 = _group_step(acc2, pb, alpha, vstep, 2, 0, 0, 0, 0, t_loc, jv, lut, vlev_ptr, vlev16_ptr, l0, l1,
+                                   VW, GW, VBITS, LEVELS, LOWP, ASM, VTILE, False)
                 if PAD == 1:
                     pb = _probabilities(p * _scale_of(s3, m3, VLOG, ASM)[:, None], LOWP, ASM, VTILE)
-                acc3 = _group_step(acc3, pb, alpha, vstep, 3, t_loc, jv, lut, vlev_ptr, vlev16_ptr, l0, l1, VW, GW, VBITS,
-                                   LEVELS, LOWP, ASM, VTILE)
+                acc3 = _group_step(acc3, pb, alpha, vstep, 3, 0, 0, 0, 0, t_loc, jv, lut, vlev_ptr, vlev16_ptr, l0, l1,
+                                   VW, GW, VBITS, LEVELS, LOWP, ASM, VTILE, False)
             ks, kz, kw0, kw1, kw2, kw3, zw0, zw1, zw2, zw3 = ks_n, kz_n, kw0_n, kw1_n, kw2_n, kw3_n, zw0_n, zw1_n, zw2_n, zw3_n
+            kwords, u0, u1, u2, u3, w0, w1, w2, w3 = kwords_n, u0_n, u1_n, u2_n, u3_n, w0_n, w1_n, w2_n, w3_n
             s0, m0, s1, m1, s2, m2, s3, m3, pos_in = s0_n, m0_n, s1_n, m1_n, s2_n, m2_n, s3_n, m3_n, pos_n
         return m_i, l_i, w_i, acc0, acc1, acc2, acc3, top
 
@@ -199,7 +226,7 @@ if triton is not None:
                 vmax_row, vlev_ptr, vlev16_ptr, pos_ptr, hid_ptr, probe, D: tl.constexpr, KBITS: tl.constexpr,
                 KGROUP: tl.constexpr, KO: tl.constexpr, VBITS: tl.constexpr, HAS_START: tl.constexpr, LOWP: tl.constexpr,
                 LEVELS: tl.constexpr, VLOG: tl.constexpr, VST: tl.constexpr, HAS_POS: tl.constexpr, HID: tl.constexpr,
-                ASM: tl.constexpr, KPLANES: tl.constexpr, KPF: tl.constexpr, VTILE: tl.constexpr, PAD: tl.constexpr,
+                ASM: tl.constexpr, KPLANES: tl.constexpr, KPF: tl.constexpr, AHEAD: tl.constexpr, VTILE: tl.constexpr, PAD: tl.constexpr,
                 QG: tl.constexpr, FIX: tl.constexpr):
         """A program's steps ``lo .. hi`` from a fresh start (``m_i``: the reference with ``FIX``, else -inf): its
         maximum or reference, sums, outputs and each slot's largest logit."""
@@ -217,23 +244,23 @@ if triton is not None:
                 lo, t_a, m_i, l_i, w_i, acc0, acc1, acc2, acc3, q, q_row, bh, start, first, scaling, l0, l1,
                 kc_ptr, kz_ptr, ks_ptr, koi_ptr, kov_ptr, vc_ptr, vs_row, vmax_row, vlev_ptr, vlev16_ptr, pos_ptr,
                 hid_ptr, D, G, KBITS, KGROUP, KO, VBITS, VGROUP, HAS_START, BLOCK, LOWP, LEVELS, VLOG, VST, HAS_POS, HID,
-                False, ASM, KPLANES, KPF, VTILE, PAD, QG, top, probe, lo, FIX)
+                False, ASM, KPLANES, KPF, AHEAD, VTILE, PAD, QG, top, probe, lo, FIX)
             m_i, l_i, w_i, acc0, acc1, acc2, acc3, top = _steps(
                 t_a, t_b, m_i, l_i, w_i, acc0, acc1, acc2, acc3, q, q_row, bh, start, first, scaling, l0, l1,
                 kc_ptr, kz_ptr, ks_ptr, koi_ptr, kov_ptr, vc_ptr, vs_row, vmax_row, vlev_ptr, vlev16_ptr, pos_ptr,
                 hid_ptr, D, G, KBITS, KGROUP, KO, VBITS, VGROUP, HAS_START, BLOCK, LOWP, LEVELS, VLOG, VST, HAS_POS, HID,
-                True, ASM, KPLANES, KPF, VTILE, PAD, QG, top, probe, lo, FIX)
+                True, ASM, KPLANES, KPF, AHEAD, VTILE, PAD, QG, top, probe, lo, FIX)
             m_i, l_i, w_i, acc0, acc1, acc2, acc3, top = _steps(
                 t_b, hi, m_i, l_i, w_i, acc0, acc1, acc2, acc3, q, q_row, bh, start, first, scaling, l0, l1,
                 kc_ptr, kz_ptr, ks_ptr, koi_ptr, kov_ptr, vc_ptr, vs_row, vmax_row, vlev_ptr, vlev16_ptr, pos_ptr,
                 hid_ptr, D, G, KBITS, KGROUP, KO, VBITS, VGROUP, HAS_START, BLOCK, LOWP, LEVELS, VLOG, VST, HAS_POS, HID,
-                False, ASM, KPLANES, KPF, VTILE, PAD, QG, top, probe, lo, FIX)
+                False, ASM, KPLANES, KPF, AHEAD, VTILE, PAD, QG, top, probe, lo, FIX)
         else:
             m_i, l_i, w_i, acc0, acc1, acc2, acc3, top = _steps(
                 lo, hi, m_i, l_i, w_i, acc0, acc1, acc2, acc3, q, q_row, bh, start, first, scaling, l0, l1,
                 kc_ptr, kz_ptr, ks_ptr, koi_ptr, kov_ptr, vc_ptr, vs_row, vmax_row, vlev_ptr, vlev16_ptr, pos_ptr,
                 hid_ptr, D, G, KBITS, KGROUP, KO, VBITS, VGROUP, HAS_START, BLOCK, LOWP, LEVELS, VLOG, VST, HAS_POS, HID,
-                False, ASM, KPLANES, KPF, VTILE, PAD, QG, top, probe, lo, FIX)
+                False, ASM, KPLANES, KPF, AHEAD, VTILE, PAD, QG, top, probe, lo, FIX)
         return m_i, l_i, w_i, acc0, acc1, acc2, acc3, top
 
     @triton.jit
@@ -244,7 +271,7 @@ if triton is not None:
         D: tl.constexpr, G: tl.constexpr, KBITS: tl.constexpr, KGROUP: tl.constexpr, KO: tl.constexpr,
         VBITS: tl.constexpr, VGROUP: tl.constexpr, HAS_START: tl.constexpr, BLOCK: tl.constexpr, LOWP: tl.constexpr,
         LEVELS: tl.constexpr, VLOG: tl.constexpr, VST: tl.constexpr, HAS_POS: tl.constexpr, HID: tl.constexpr,
-        ASM: tl.constexpr, KPLANES: tl.constexpr, KPF: tl.constexpr, VTILE: tl.constexpr, PAD: tl.constexpr,
+        ASM: tl.constexpr, KPLANES: tl.constexpr, KPF: tl.constexpr, AHEAD: tl.constexpr, VTILE: tl.constexpr, PAD: tl.constexpr,
         QG: tl.constexpr, FIX: tl.constexpr, FIX_LIMIT: tl.constexpr, PDL: tl.constexpr,
     ):
         """One program per (batch row x KV head, split of the packed tokens); the split is whole steps of ``BLOCK``
@@ -301,7 +328,7 @@ if triton is not None:
                         lo, hi, phi, BLOCK, R, G, VGROUP, q, q_row, bh, start, first, scaling, l0, l1, tokens,
                         kc_ptr, kz_ptr, ks_ptr, koi_ptr, kov_ptr, vc_ptr, vs_row, vmax_row, vlev_ptr, vlev16_ptr, pos_ptr,
                         hid_ptr, probe, D, KBITS, KGROUP, KO, VBITS, HAS_START, LOWP, LEVELS, VLOG, VST, HAS_POS, HID, ASM,
-                        KPLANES, KPF, VTILE, PAD, QG, True)
+                        KPLANES, KPF, AHEAD, VTILE, PAD, QG, True)
                     seen = tl.max(top, 0)
                     again = probe * tl.max((~(seen - m_i <= FIX_LIMIT)).to(tl.int32), 0)
                     probe, phi = 0, seen
@@ -309,7 +336,7 @@ if triton is not None:
             m_i, l_i, w_i, acc0, acc1, acc2, acc3, top = _ranges(
                 lo, hi, m_i, BLOCK, R, G, VGROUP, q, q_row, bh, start, first, scaling, l0, l1, tokens, kc_ptr, kz_ptr,
                 ks_ptr, koi_ptr, kov_ptr, vc_ptr, vs_row, vmax_row, vlev_ptr, vlev16_ptr, pos_ptr, hid_ptr, 0, D, KBITS,
-                KGROUP, KO, VBITS, HAS_START, LOWP, LEVELS, VLOG, VST, HAS_POS, HID, ASM, KPLANES, KPF, VTILE, PAD, QG,
+                KGROUP, KO, VBITS, HAS_START, LOWP, LEVELS, VLOG, VST, HAS_POS, HID, ASM, KPLANES, KPF, AHEAD, VTILE, PAD, QG,
                 False)
         out = (bh * splits + split) * G
         tl.store(m_ptr + out + ri, m_i * 0.6931471805599453)

@@ -125,22 +125,32 @@ if triton is not None:
         return tl.permute(levels, (0, 4, 2, 3, 1, 5)).reshape(R, 64)  # [R, w, s, h, q, e]: t = 32 w + 16 s + 8 h + 2 q + e
 
     @triton.jit
-    def _tile_levels(vtile, g: tl.constexpr, lut, vlev_ptr, vlev16_ptr, VBITS: tl.constexpr, LEVELS: tl.constexpr,
-                     LOWP: tl.constexpr, ASM: tl.constexpr):
-        """Channel group ``g``'s levels [64 channels, 64 slots] of the tile at int32 pointer ``vtile`` (``2 VBITS``
-        words a channel): rows ``r`` with bit 3 clear, then set, one word a thread a load."""
+    def _tile_words(vtile, g: tl.constexpr, VBITS: tl.constexpr):
+        """Channel group ``g``'s words of the tile at int32 pointer ``vtile`` (``2 VBITS`` words a channel), as
+        :func:`_words_levels` takes them: rows ``r`` with bit 3 clear (``a0``, ``a1``), then set (``b0``, ``b1``), one
+        word a thread a load; 2-bit codes fill ``a0`` and ``b0`` (``a1``, ``b1`` repeat them)."""
         i = tl.arange(0, 32)
         q = tl.arange(0, 4)
         WPC: tl.constexpr = 2 * VBITS  # words a channel
         half = vtile + (g * 64 + i % 8 + 16 * (i // 8))[:, None] * WPC + q[None, :]  # rows 16 k + r, r < 8
+        a0 = tl.load(half).to(tl.uint32, bitcast=True)
+        b0 = tl.load(half + 8 * WPC).to(tl.uint32, bitcast=True)
+        a1, b1 = a0, b0
+        if VBITS == 4:
+            a1 = tl.load(half + 4).to(tl.uint32, bitcast=True)
+            b1 = tl.load(half + 8 * WPC + 4).to(tl.uint32, bitcast=True)
+        return a0, a1, b0, b1
+
+    @triton.jit
+    def _words_levels(a0, a1, b0, b1, lut, vlev_ptr, vlev16_ptr, VBITS: tl.constexpr, LEVELS: tl.constexpr,
+                      LOWP: tl.constexpr, ASM: tl.constexpr):
+        """A channel group's levels [64 channels, 64 slots] from its tile's words (:func:`_tile_words`)."""
         if VBITS == 2:
-            la = _half_levels(tl.load(half).to(tl.uint32, bitcast=True), lut, vlev_ptr, vlev16_ptr, LOWP, ASM)
-            lb = _half_levels(tl.load(half + 8 * WPC).to(tl.uint32, bitcast=True), lut, vlev_ptr, vlev16_ptr, LOWP, ASM)
+            la = _half_levels(a0, lut, vlev_ptr, vlev16_ptr, LOWP, ASM)
+            lb = _half_levels(b0, lut, vlev_ptr, vlev16_ptr, LOWP, ASM)
         else:
-            la = _half_levels4(tl.load(half).to(tl.uint32, bitcast=True), tl.load(half + 4).to(tl.uint32, bitcast=True),
-                               vlev_ptr, vlev16_ptr, LEVELS, LOWP, ASM)
-            lb = _half_levels4(tl.load(half + 8 * WPC).to(tl.uint32, bitcast=True),
-                               tl.load(half + 8 * WPC + 4).to(tl.uint32, bitcast=True), vlev_ptr, vlev16_ptr, LEVELS, LOWP, ASM)
+            la = _half_levels4(a0, a1, vlev_ptr, vlev16_ptr, LEVELS, LOWP, ASM)
+            lb = _half_levels4(b0, b1, vlev_ptr, vlev16_ptr, LEVELS, LOWP, ASM)
         both = tl.join(la, lb).reshape(4, 8, 64, 2)  # [k, r, t, bit 3]
         return tl.permute(both, (0, 3, 1, 2)).reshape(64, 64)
 
@@ -158,11 +168,11 @@ if triton is not None:
         return x
 
     @triton.jit
-    def _tile_value_step(acc, pg, alpha, vtile, g: tl.constexpr, lut, vlev_ptr, vlev16_ptr, VBITS: tl.constexpr,
+    def _tile_value_step(acc, pg, alpha, a0, a1, b0, b1, lut, vlev_ptr, vlev16_ptr, VBITS: tl.constexpr,
                          LEVELS: tl.constexpr, LOWP: tl.constexpr, ASM: tl.constexpr):
-        """Channel group ``g``'s running output [64 channels, G] (rows in channel order) after the probabilities ``pg``
-        [64 slots, G] (times the group's scales) meet the tile's levels."""
-        levels = _tile_levels(vtile, g, lut, vlev_ptr, vlev16_ptr, VBITS, LEVELS, LOWP, ASM)
+        """A channel group's running output [64 channels, G] (rows in channel order) after the probabilities ``pg``
+        [64 slots, G] (times the group's scales) meet the levels of its tile's words (:func:`_tile_words`)."""
+        levels = _words_levels(a0, a1, b0, b1, lut, vlev_ptr, vlev16_ptr, VBITS, LEVELS, LOWP, ASM)
         acc = acc * alpha[None, :]
         if LOWP:
             acc = tl.dot(_operand(levels.to(tl.bfloat16), ASM), pg.to(tl.bfloat16), acc)  # pg: _probabilities

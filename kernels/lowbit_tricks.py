@@ -33,12 +33,19 @@ def fast_path(view: Any) -> bool:
 #: codes made float32 by their bits (keys, uniform value levels; the general kernel's keys too), "vb16" the "wide"
 #: kernel's value operands made bfloat16 without converting (128 + code, bfloat16 constants or table), "ktf32" its key
 #: products on TF32 (no bfloat16 conversion of the rotated keys), "kfold" (keys stored after RoPE in whole-byte
-#: channel-group codes) each channel's scale and minimum folded into the query, the codes fed to the products as they are.
-TRICKS = ("magic", "vb16", "ktf32", "kfold")
+#: channel-group codes) each channel's scale and minimum folded into the query, the codes fed to the products as they are;
+#: and the "dense" kernel's :data:`DENSE_SETTINGS`.
+TRICKS = ("magic", "vb16", "ktf32", "kfold", "kahead", "vahead", "r128")
+
+#: the launch settings of the "dense" kernel named like tricks, to time them against its rule in one run: "kahead" its key
+#: words and "vahead" its value tiles' words loaded a step before the step that reads them, "r128" 128 registers a
+#: thread instead of 96 (:func:`kvweave.kernels.lowbit_dense.dense_launch` takes them where its rule would not)
+DENSE_SETTINGS = ("kahead", "vahead", "r128")
 
 
 def parse_tricks(tricks: str, variant: str, lowp: bool, view: Any = None) -> dict:
-    """The kernel constants ``MAGIC``, ``VB16``, ``KTF32``, ``KFOLD`` of ``tricks`` ("+"-separated :data:`TRICKS`, ""
+    """The kernel constants ``MAGIC``, ``VB16``, ``KTF32``, ``KFOLD`` of ``tricks``, and the dense kernel's settings
+    ``KAHEAD``, ``VAHEAD``, ``R128`` ("+"-separated :data:`TRICKS`, ""
     none); a name not in :data:`TRICKS`, or one the launch cannot take, refused."""
     names = [t for t in tricks.split("+") if t]
     unknown = [t for t in names if t not in TRICKS]
@@ -46,6 +53,12 @@ def parse_tricks(tricks: str, variant: str, lowp: bool, view: Any = None) -> dic
         raise ValueError(f"lowbit kernel tricks {unknown}: expected '+'-separated names of {', '.join(TRICKS)}")
     if variant == "general" and set(names) - {"magic"}:
         raise ValueError(f"the lowbit 'general' kernel takes only the 'magic' trick, got {tricks!r}")
+    if variant != "dense" and set(names) & set(DENSE_SETTINGS):
+        raise ValueError(f"lowbit kernel tricks {sorted(set(names) & set(DENSE_SETTINGS))} are launch settings of the "
+                         f"'dense' kernel, not of the '{variant}' one")
+    if "vahead" in names and (view is None or not view.v_tiled or view.exact_k.shape[-1] // view.v_group > 2):
+        raise ValueError("the lowbit 'vahead' trick loads value tiles' words a step ahead: it takes values stored in tiles "
+                         "(token_tiles) in at most 2 channel groups")
     if variant == "dense" and "ktf32" in names:
         raise ValueError("the lowbit 'dense' kernel's key products take the codes as bfloat16 (128 + code), not 'ktf32'")
     if not lowp and set(names) & {"vb16", "ktf32"}:
@@ -54,4 +67,5 @@ def parse_tricks(tricks: str, variant: str, lowp: bool, view: Any = None) -> dic
     if "kfold" in names and (view is None or view.inv_freq is not None or not whole_byte_keys(view) or "ktf32" in names):
         raise ValueError("the lowbit 'kfold' trick folds channel scales into the query: it takes keys stored after RoPE "
                          "in 2- or 4-bit channel-group codes, without 'ktf32'")
-    return {"MAGIC": "magic" in names, "VB16": "vb16" in names, "KTF32": "ktf32" in names, "KFOLD": "kfold" in names}
+    return {"MAGIC": "magic" in names, "VB16": "vb16" in names, "KTF32": "ktf32" in names, "KFOLD": "kfold" in names,
+            "KAHEAD": "kahead" in names, "VAHEAD": "vahead" in names, "R128": "r128" in names}

@@ -1,0 +1,26 @@
+#!/bin/bash
+# The dense kernel's codes loaded a step ahead and its 128-register build, against the launch's build, in one run.
+# PART=a: the GPU tests of the early loads and of the early combine; then lowbit_kernel.py over the 8x and ~5x classes'
+# storages (values in tiles), T = 32K and 128K, B = 1 and 8, four configurations: the launch's, r128, r128+kahead,
+# r128+kahead+vahead.
+# PART=k: the grid only (CONFIGS=..., STORAGES=..., TOKENS=..., BATCHES=..., TAG=...).
+# Run from the repository's root: OUT=folder PART=a|k bash docs/perf/gpu-2026-12-05-ahead/lease.sh
+set -o pipefail
+OUT=${OUT:-$PWD/results/lease}
+mkdir -p "$OUT"
+python -m pip install -q --no-deps --no-build-isolation -e . >/dev/null 2>&1
+{ nvidia-smi --query-gpu=name,memory.total --format=csv 2>/dev/null; python -c "import torch, triton; print(torch.__version__, triton.__version__)"; } > "$OUT/gpu.txt"
+step() { local limit=$1 file=$2; shift 2; echo "\$ $*" >> "$OUT/$file"; timeout "$limit" "$@" 2>&1 | grep -v -i warn >> "$OUT/$file"; echo "exit $? after ${SECONDS}s" >> "$OUT/$file"; }
+AHEAD=dense:64:4,dense:64:4:0:r128,dense:64:4:0:r128+kahead,dense:64:4:0:r128+kahead+vahead
+grid() {
+  for storage in ${STORAGES:-k4v2e48t k4v4e77t}; do
+    step 240 "kernel-$storage${TAG}.txt" python benchmarks/lowbit_kernel.py --post-rope --reps 10 --storage "$storage" \
+      --configs "${CONFIGS:-$AHEAD}" --tokens "${TOKENS:-32768,131072}" --batches "${BATCHES:-1,8}" --out "$OUT/json-$storage${TAG}"
+  done
+}
+if [ "${PART:-a}" = a ]; then
+  step 150 gpu-tests.txt python -m pytest -q -p no:cacheprovider tests/test_dense_ahead.py tests/test_programmatic_launch.py
+  grid
+else
+  grid
+fi

@@ -1,0 +1,116 @@
+"""The ``dense`` kernel's codes loaded a step before the step that reads them (``AHEAD``: key words, value tiles' words)
+and its 128-register build: the same output as the kernel that loads each step's codes where it reads them, under
+Triton's interpreter (CI) and on a GPU at a real size; the launch's rule (one wave at 128 registers a thread) and the
+settings' refusals."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import attrs
+import pytest
+import torch
+
+from kvweave.core.registry import load_registry
+from kvweave.engine import build_cache, importance
+from kvweave.kernels import lowbit_dense
+from kvweave.kernels.lowbit_decode import lowbit_decode, plan_launch, torch_lowbit_decode
+
+from conftest import CharTokenizer, tiny_llama
+
+SWEEP = Path(__file__).resolve().parents[1] / "benchmarks" / "dense_sweep.toml"
+
+
+@pytest.fixture(scope="module")
+def tiled_views():
+    """Layer 1 of a 300-token prompt through the 8x and ~5x storages with values in tiles (head_dim 128), and the 8x
+    storage with its values token by token."""
+    registry = load_registry(SWEEP)
+    net = tiny_llama(layers=2, hidden=512)
+    ids = torch.randint(1, 128, (1, 300), generator=torch.Generator().manual_seed(4))
+    views = {}
+    for name in ("kzd-k4v2t-f48-d128", "kzd-k4v4t-f77-d128", "kzd-k4v2-f48-d128"):
+        cache = build_cache(registry.resolve(name), net, tokenizer=CharTokenizer())
+        with torch.no_grad():
+            importance.prefill(net, cache, ids)
+        views[name] = cache.engine.kernel.lowbit_view(cache.engine.view(1), torch.device("cpu"))
+    return views
+
+
+@pytest.mark.interpreter
+@pytest.mark.parametrize("name", ["kzd-k4v2t-f48-d128", "kzd-k4v4t-f77-d128"])
+def test_codes_loaded_a_step_ahead_give_the_same_output(tiled_views, name):
+    """Keys' and values' words loaded a step ahead are the same words: the same output bit for bit, in splits of one
+    step (the next step's load re-reads the last) and of several, with a list of hidden slots (whose steps run in three
+    stretches, each loading its first step before its loop), and within the twin's float32 rounding."""
+    view = tiled_views[name]
+    steps = view.tokens // 64
+    assert view.v_tiled and steps >= 2
+    q = torch.randn(1, 8, 128, generator=torch.Generator().manual_seed(5))
+    heads = view.exact_k.shape[1]
+    assert view.hidden_below is not None  # the sinks: the packed pass's first visible position
+    hidden = torch.full((heads, 8), -1, dtype=torch.int32)  # the sinks' slots and two more, as a list the steps check
+    hidden[:, :4] = view.hidden_slots
+    hidden[:, 4], hidden[0, 5] = 70, view.tokens - 3
+    for stored in (view, attrs.evolve(view, hidden_slots=hidden, hidden_below=None)):
+        twin = torch_lowbit_decode(stored, q, None, 128 ** -0.5)
+        for programs in (heads, heads * steps):  # one split a row of every step, and a split a step
+            plain = lowbit_decode(stored, q, None, 128 ** -0.5, variant="dense", programs=programs)
+            assert torch.allclose(plain, twin, atol=1e-5)
+            for tricks in ("kahead", "vahead", "kahead+vahead+r128"):
+                out = lowbit_decode(stored, q, None, 128 ** -0.5, variant="dense", programs=programs, tricks=tricks)
+                assert torch.equal(out, plain), (tricks, programs, (out - plain).abs().max())
+
+
+def test_the_launch_loads_ahead_where_its_programs_are_one_wave_at_128_registers(tiled_views, monkeypatch):
+    """With the rule on (``DENSE_AHEAD_WAVE``), a launch whose programs fit the SMs at 128 registers a thread, 4 of 4
+    warps an SM, loads keys and (tiled, two value groups) values ahead at 128 registers, and says so to the early
+    combine's wave count; more programs keep the 96-register build and load where they read; values token by token
+    are loaded where they are read. The rule off, only the settings asked for by name apply."""
+    tiled, flat = tiled_views["kzd-k4v2t-f48-d128"], tiled_views["kzd-k4v2-f48-d128"]
+    q = torch.randn(1, 8, 128)
+    scale = 128 ** -0.5
+    monkeypatch.setattr(lowbit_dense, "DENSE_AHEAD_WAVE", True)
+    slots = lowbit_dense.dense_slots(lowbit_dense.DEFAULT_SMS, 128, False, 4, 128)
+    assert slots == 4 * lowbit_dense.DEFAULT_SMS
+    one_wave = plan_launch(tiled, q, None, scale, variant="dense", programs=8)
+    assert one_wave.constants["AHEAD"] == 3 and one_wave.constants["maxnreg"] == 128
+    assert plan_launch(flat, q, None, scale, variant="dense", programs=8).constants["AHEAD"] == 1
+    many = attrs.evolve(tiled, tokens=tiled.tokens * slots, k_codes=tiled.k_codes.repeat(1, slots, 1))
+    waves = plan_launch(many, q, None, scale, variant="dense", programs=2 * slots)
+    assert waves.grid[0] * waves.grid[1] > slots
+    assert waves.constants["AHEAD"] == 0 and waves.constants["maxnreg"] == lowbit_dense.DENSE_MAX_REGISTERS
+    monkeypatch.setattr(lowbit_dense, "DENSE_AHEAD_WAVE", False)
+    assert plan_launch(tiled, q, None, scale, variant="dense", programs=8).constants["AHEAD"] == 0
+    asked = plan_launch(tiled, q, None, scale, variant="dense", programs=8, tricks="vahead+r128")
+    assert asked.constants["AHEAD"] == 2 and asked.constants["maxnreg"] == 128
+
+
+def test_the_settings_refuse_what_they_cannot_change(tiled_views):
+    q = torch.randn(1, 8, 128)
+    with pytest.raises(ValueError, match="loads value tiles' words a step ahead: it takes values stored in tiles"):
+        plan_launch(tiled_views["kzd-k4v2-f48-d128"], q, None, 0.1, variant="dense", tricks="vahead")
+    with pytest.raises(ValueError, match=r"\['kahead'\] are launch settings of the 'dense' kernel, not of the 'wide'"):
+        lowbit_decode(attrs.evolve(tiled_views["kzd-k4v2-f48-d128"]), q, None, 0.1, variant="wide", tricks="kahead")
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="compiles the dense kernel for a CUDA GPU")
+@pytest.mark.parametrize("storage", ["k4v2e48t", "k4v4e77t"])
+def test_codes_loaded_ahead_agree_with_the_kernel_that_loads_them_in_place_on_the_gpu(storage):
+    """32,768 packed tokens, one row and two (one wave and several): the build with codes loaded ahead at 128 registers
+    gives the other build's output to the float32 sums' rounding and both stay within the twin's bound."""
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+    from lowbit_kernel import HEAD_DIM, Q_HEADS, packed_view
+
+    for rows in (1, 2):
+        view = attrs.evolve(packed_view(rows, 32768, device="cuda", storage=storage), inv_freq=None)
+        q = torch.randn(rows, Q_HEADS, HEAD_DIM, generator=torch.Generator().manual_seed(9)).cuda()
+        twin = torch_lowbit_decode(view, q, None, HEAD_DIM ** -0.5)
+        noise = float((torch_lowbit_decode(view, q.bfloat16().float(), None, HEAD_DIM ** -0.5) - twin).abs().max())
+        bound = 0.03 * float(twin.abs().max()) + 6 * noise
+        plain = lowbit_decode(view, q, None, HEAD_DIM ** -0.5, variant="dense", programs=None)
+        ahead = lowbit_decode(view, q, None, HEAD_DIM ** -0.5, variant="dense", programs=None,
+                              tricks="kahead+vahead+r128")
+        assert float((plain - twin).abs().max()) < bound and float((ahead - twin).abs().max()) < bound
+        assert torch.allclose(ahead, plain, rtol=1e-4, atol=1e-5), float((ahead - plain).abs().max())
