@@ -39,6 +39,14 @@ def _switch(name: str) -> bool:
     raise ValueError(f"environment variable {name}={os.environ[name]!r}: expected 1/on/true/yes or 0/off/false/no")
 
 
+def env_setting(name: str, default: int, allowed: tuple[int, ...]) -> int:
+    """The environment's setting ``name`` (unset: ``default``), one of ``allowed``; another value is refused by name."""
+    value = os.environ.get(name, str(default)).strip()
+    if value.isdigit() and int(value) in allowed:
+        return int(value)
+    raise ValueError(f"environment variable {name}={value!r}: expected one of {', '.join(map(str, allowed))}")
+
+
 #: launch the lowbit combine as a programmatic dependent of the dense kernel's packed pass where the GPU and Triton can
 #: (Hopper and later, Triton 3.4 and later) and that pass is one wave (kvweave.kernels.lowbit_dense.EARLY_COMBINE_WAVES):
 #: its programs start while the packed pass's last ones run, attend the exact window and load the rotation, and wait for

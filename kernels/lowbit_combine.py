@@ -7,7 +7,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 from kvweave.core.lazy import lazy_module, torch
-from kvweave.kernels.launch import Launch
+from kvweave.kernels.launch import Launch, env_setting
 
 if TYPE_CHECKING:
     from kvweave.kernels import lowbit_combine_triton as jit
@@ -25,6 +25,16 @@ COMBINE_WHOLE_SPLITS = 64
 COMBINE_WHOLE_DIM = 128
 
 
+#: the programs a query head the per-query-head combine runs in, each writing a slice of the output's channels (the
+#: splits' and exact tokens' weights computed in each, only the slice's values, outputs and rotation columns read):
+#: more, shorter programs where the rows are few; KVWEAVE_COMBINE_SLICES sets it (1, 2, 4 or 8; at most one slice a 16
+#: channels)
+COMBINE_SLICES = env_setting("KVWEAVE_COMBINE_SLICES", 1, (1, 2, 4, 8))
+
+#: warps a program of the per-query-head combine; KVWEAVE_COMBINE_WARPS sets it (2, 4, 8 or 16)
+COMBINE_WARPS = env_setting("KVWEAVE_COMBINE_WARPS", 4, (2, 4, 8, 16))
+
+
 def exact_start(view: Any) -> int:
     """The cache index of the exact window's first token."""
     return view.first + view.tokens if view.exact_first is None else view.exact_first
@@ -34,8 +44,8 @@ def plan_combine(view: Any, q: torch.Tensor, start: torch.Tensor | None, scaling
                  out_dtype: Any = None) -> Launch:
     """The launch that combines the splits of ``packed`` (a :class:`kvweave.kernels.lowbit_decode.LowbitView`'s packed
     pass), rotates their output back and merges the exact window and restored tokens (``_merge_exact``'s arithmetic),
-    a program per query head (per KV head past :data:`COMBINE_GROUP_ROWS` rows): [B, Hq, D] float32, or rounded to
-    nearest even in ``out_dtype`` (the model's, saving a conversion). Launched as a programmatic dependent of the
+    :data:`COMBINE_SLICES` programs a query head (one per KV head past :data:`COMBINE_GROUP_ROWS` rows): [B, Hq, D]
+    float32, or rounded to nearest even in ``out_dtype`` (the model's, saving a conversion). Launched as a programmatic dependent of the
     packed pass where that pass asks for it (its ``PDL``: :data:`kvweave.kernels.lowbit_dense.EARLY_COMBINE_WAVES`)."""
     batch, q_heads, dim = q.shape
     heads = view.exact_k.shape[1]
@@ -59,7 +69,9 @@ def plan_combine(view: Any, q: torch.Tensor, start: torch.Tensor | None, scaling
         whole = splits <= COMBINE_WHOLE_SPLITS and dim <= COMBINE_WHOLE_DIM
         if whole:
             constants.update(SB=max(16, 1 << (splits - 1).bit_length()), CB=dim)
-        return Launch(jit._lowbit_combine_kernel, (batch * q_heads,), args, {**constants, "WHOLE": whole}, (out,))
+        slices = max(1, min(COMBINE_SLICES, dim // 16))
+        constants.update(WHOLE=whole, SLICES=slices, num_warps=COMBINE_WARPS)
+        return Launch(jit._lowbit_combine_kernel, (batch * q_heads * slices,), args, constants, (out,))
     rows = 1 << (q_heads // heads - 1).bit_length()  # tiles [rows, CB, D] and [EB, rows, D] of 32 x D each
     return Launch(jit._lowbit_combine_group_kernel, (batch * heads,), args,
                   {**constants, "QR": rows, "CB": max(1, 32 // rows), "EB": max(1, 32 // rows)}, (out,))

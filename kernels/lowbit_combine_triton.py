@@ -34,10 +34,11 @@ if triton is not None:
         return m, a1 * t1 + a2 * t2, out
 
     @triton.jit
-    def _merge_tokens(k_ptr, v_ptr, slot, ok, chan, q, m, total, out, D: tl.constexpr, GROUPED: tl.constexpr):
+    def _merge_tokens(k_ptr, v_ptr, slot, ok, chan, vchan, q, m, total, out, D: tl.constexpr, GROUPED: tl.constexpr):
         """Tokens ``slot`` [EB] (rows of [.., D] keys and values; ``ok``: attended) merged into a running max, sum and
         output by their exact attention (``q`` already scaled): the new (max, sum, output). ``GROUPED``: ``q`` is [QR, D]
-        query rows with max and sum [QR] and output [QR, D]; else one row, [D] and scalars."""
+        query rows with max and sum [QR] and output [QR, D]; else one row, [D] and scalars, the output's channels
+        ``vchan`` (all ``chan``, or a slice of them)."""
         keys = tl.load(k_ptr + slot[:, None] * D + chan[None, :], mask=ok[:, None], other=0.0).to(tl.float32)
         if GROUPED:
             logits = tl.where(ok[:, None], tl.sum(keys[:, None, :] * q[None, :, :], 2), float("-inf"))  # [EB, QR]
@@ -50,7 +51,7 @@ if triton is not None:
             p = tl.exp(logits - m_safe[None, :])
         else:
             p = tl.exp(logits - m_safe)
-        values = tl.load(v_ptr + slot[:, None] * D + chan[None, :], mask=ok[:, None], other=0.0).to(tl.float32)
+        values = tl.load(v_ptr + slot[:, None] * D + vchan[None, :], mask=ok[:, None], other=0.0).to(tl.float32)
         total = total * alpha + tl.sum(p, 0)
         if GROUPED:
             out = out * alpha[:, None] + tl.sum(p[:, :, None] * values[:, None, :], 0)
@@ -59,7 +60,7 @@ if triton is not None:
         return m_new, total, out
 
     @triton.jit
-    def _exact_tokens(m, total, out, q, chan, bh, batch, start_ptr, rk_ptr, rv_ptr, rpos_ptr, ek_ptr, ev_ptr, fill_ptr,
+    def _exact_tokens(m, total, out, q, chan, vchan, bh, batch, start_ptr, rk_ptr, rv_ptr, rpos_ptr, ek_ptr, ev_ptr, fill_ptr,
                       restored, exact, exact_first, D: tl.constexpr, HAS_START: tl.constexpr, HAS_REST: tl.constexpr,
                       HAS_FILL: tl.constexpr, EB: tl.constexpr, GROUPED: tl.constexpr):
         """The restored tokens, then the exact window, merged into the running max, sum and output (the same online
@@ -73,27 +74,29 @@ if triton is not None:
                 j = j0 + e_idx
                 pos = tl.load(rpos_ptr + bh * restored + j, mask=j < restored, other=-1)
                 ok = (j < restored) & (pos >= 0) & (pos >= start)
-                m, total, out = _merge_tokens(rk_ptr, rv_ptr, bh * restored + j, ok, chan, q, m, total, out, D, GROUPED)
+                m, total, out = _merge_tokens(rk_ptr, rv_ptr, bh * restored + j, ok, chan, vchan, q, m, total, out, D,
+                                              GROUPED)
         held = exact
         if HAS_FILL:
             held = tl.load(fill_ptr) + 1
         for j0 in range(0, held, EB):
             j = j0 + e_idx
             ok = (j < held) & (exact_first + j >= start)
-            m, total, out = _merge_tokens(ek_ptr, ev_ptr, bh * exact + j, ok, chan, q, m, total, out, D, GROUPED)
+            m, total, out = _merge_tokens(ek_ptr, ev_ptr, bh * exact + j, ok, chan, vchan, q, m, total, out, D, GROUPED)
         return m, total, out
 
     @triton.jit
-    def _splits_merged(m_ptr, l_ptr, acc_ptr, rot_ptr, rot, bh, g, splits, chan, D: tl.constexpr, G: tl.constexpr,
-                       SB: tl.constexpr, CB: tl.constexpr, WHOLE: tl.constexpr):
-        """Query row ``g`` of row ``bh``: the running max, sum and output [D] (rotated back by ``rot``) of the packed
-        pass's splits. ``WHOLE``: every split in one tile of ``SB``, and the rotation ``rot`` [D, D] loaded by the caller
+    def _splits_merged(m_ptr, l_ptr, acc_ptr, rot_ptr, rot, bh, g, splits, ochan, D: tl.constexpr, G: tl.constexpr,
+                       SB: tl.constexpr, CB: tl.constexpr, WHOLE: tl.constexpr, DS: tl.constexpr):
+        """Query row ``g`` of row ``bh``: the running max, sum and output channels ``ochan`` [DS] (rotated back by
+        ``rot``; ``DS``: all ``D`` or a slice) of the packed
+        pass's splits. ``WHOLE``: every split in one tile of ``SB``, and the rotation's columns ``rot`` [D, DS] loaded by the caller
         (:func:`_whole_rotation`), so the loads have no loop between them and go out together (at one batch row the
         chunked loops' chain of loads took 7 of the 24 us of a layer call at 32K on the H200); else ``SB`` splits and
         ``CB`` rotation rows at a time from ``rot_ptr``."""
         s_idx = tl.arange(0, SB)
         c_idx = tl.arange(0, CB)
-        out = tl.zeros([D], tl.float32)
+        out = tl.zeros([DS], tl.float32)
         if WHOLE:
             ok = s_idx < splits
             at = (bh * splits + s_idx) * G + g
@@ -122,16 +125,17 @@ if triton is not None:
                         total += tl.sum(w * tl.load(l_ptr + at, mask=ok, other=0.0), 0)
                     a = tl.load(acc_ptr + at[:, None] * D + c0 + c_idx[None, :], mask=ok[:, None], other=0.0)
                     part += tl.sum(w[:, None] * a, 0)
-                rot = tl.load(rot_ptr + (c0 + c_idx)[:, None] * D + chan[None, :])  # rows c0 .. of the rotation
+                rot = tl.load(rot_ptr + (c0 + c_idx)[:, None] * D + ochan[None, :])  # rows c0 .. of the rotation
                 out += tl.sum(part[:, None] * rot, 0)
         return m, total, out
 
     @triton.jit
-    def _whole_rotation(rot_ptr, chan, D: tl.constexpr, WHOLE: tl.constexpr):
-        """The rotation [D, D] in one tile where :func:`_splits_merged` reads it whole (``WHOLE``), else 0."""
+    def _whole_rotation(rot_ptr, chan, ochan, D: tl.constexpr, WHOLE: tl.constexpr):
+        """The rotation's columns ``ochan`` [D, DS] in one tile where :func:`_splits_merged` reads it whole
+        (``WHOLE``), else 0."""
         rot = 0.0
         if WHOLE:
-            rot = tl.load(rot_ptr + chan[:, None] * D + chan[None, :])
+            rot = tl.load(rot_ptr + chan[:, None] * D + ochan[None, :])
         return rot
 
     @triton.jit
@@ -140,9 +144,11 @@ if triton is not None:
         splits, exact, restored, exact_first, scaling,
         D: tl.constexpr, G: tl.constexpr, HEADS: tl.constexpr, GROUP: tl.constexpr, HAS_START: tl.constexpr,
         HAS_REST: tl.constexpr, HAS_FILL: tl.constexpr, SB: tl.constexpr, CB: tl.constexpr, EB: tl.constexpr,
-        WHOLE: tl.constexpr, PDL: tl.constexpr,
+        WHOLE: tl.constexpr, PDL: tl.constexpr, SLICES: tl.constexpr,
     ):
-        """One query head of one row: the splits of the packed pass combined (``m``, ``l``, ``acc`` [BH, S, G(, D)]),
+        """One query head of one row (with ``SLICES`` > 1, one of its ``SLICES`` slices of output channels: the
+        splits' and exact tokens' weights computed in each slice's program, only its channels' values, outputs and
+        rotation columns read): the splits of the packed pass combined (``m``, ``l``, ``acc`` [BH, S, G(, D)]),
         their output rotated back once (``rot`` [D, D]), then the exact window [B, H, n, D] (positions ``exact_first
         ..``) and the tokens full-rank residuals restore ([B, H, r, D], positions ``rpos``, -1: none) attended
         exactly and merged by their log-sum-exp: ``out`` [B, Hq, D] float32 (what ``_merge_exact`` computes). ``HAS_FILL``:
@@ -150,23 +156,26 @@ if triton is not None:
         attended (a window kept for a CUDA graph). The exact and restored tokens and the rotation come first, the splits
         last: with ``PDL`` the kernel is launched as a programmatic dependent of the packed pass and waits for that pass
         only before it reads the splits."""
-        row = tl.program_id(0)  # batch * query heads
+        DS: tl.constexpr = D // SLICES  # the output channels a program writes
+        row = tl.program_id(0) // SLICES  # batch * query heads
+        ochan = tl.program_id(0) % SLICES * DS + tl.arange(0, DS)
         batch = row // (HEADS * GROUP)
         head = (row // GROUP) % HEADS
         g = row % GROUP
         bh = (batch * HEADS + head).to(tl.int64)
         chan = tl.arange(0, D)
         q = tl.load(q_ptr + row.to(tl.int64) * D + chan).to(tl.float32) * scaling
-        rot = _whole_rotation(rot_ptr, chan, D, WHOLE)
+        rot = _whole_rotation(rot_ptr, chan, ochan, D, WHOLE)
         m_e, total_e, out_e = _exact_tokens(tl.full([], float("-inf"), tl.float32), tl.zeros([], tl.float32),
-                                            tl.zeros([D], tl.float32), q, chan, bh, batch, start_ptr,
+                                            tl.zeros([DS], tl.float32), q, chan, ochan, bh, batch, start_ptr,
                                             rk_ptr, rv_ptr, rpos_ptr, ek_ptr, ev_ptr, fill_ptr, restored, exact,
                                             exact_first, D, HAS_START, HAS_REST, HAS_FILL, EB, False)
         if PDL:  # the packed pass's splits are complete and visible past this
             gdc_wait()
-        m, total, out = _splits_merged(m_ptr, l_ptr, acc_ptr, rot_ptr, rot, bh, g, splits, chan, D, G, SB, CB, WHOLE)
+        m, total, out = _splits_merged(m_ptr, l_ptr, acc_ptr, rot_ptr, rot, bh, g, splits, ochan, D, G, SB, CB, WHOLE,
+                                       DS)
         m, total, out = _joined(m, total, out, m_e, total_e, out_e, False)
-        tl.store(out_ptr + row.to(tl.int64) * D + chan, _rounded(out / total, out_ptr.dtype.element_ty))
+        tl.store(out_ptr + row.to(tl.int64) * D + ochan, _rounded(out / total, out_ptr.dtype.element_ty))
 
     @triton.jit
     def _lowbit_combine_group_kernel(
@@ -191,7 +200,7 @@ if triton is not None:
         rows = batch * HEADS * GROUP + (bh % HEADS) * GROUP + gq  # [QR]: the query heads' rows of q and out
         q = tl.load(q_ptr + rows[:, None] * D + chan[None, :], mask=real[:, None], other=0.0).to(tl.float32) * scaling
         m_e, total_e, out_e = _exact_tokens(tl.full([QR], float("-inf"), tl.float32), tl.zeros([QR], tl.float32),
-                                            tl.zeros([QR, D], tl.float32), q, chan, bh, batch, start_ptr, rk_ptr, rv_ptr,
+                                            tl.zeros([QR, D], tl.float32), q, chan, chan, bh, batch, start_ptr, rk_ptr, rv_ptr,
                                             rpos_ptr, ek_ptr, ev_ptr, fill_ptr, restored, exact, exact_first, D,
                                             HAS_START, HAS_REST, HAS_FILL, EB, True)
         if PDL:  # the packed pass's splits are complete and visible past this

@@ -3,8 +3,11 @@
 # PART=a: the GPU tests of the early loads and of the early combine; then lowbit_kernel.py over the 8x and ~5x classes'
 # storages (values in tiles), T = 32K and 128K, B = 1 and 8, four configurations: the launch's, r128, r128+kahead,
 # r128+kahead+vahead.
+# PART=c: the combine in slices of a query head's channels and with more warps (KVWEAVE_COMBINE_SLICES /
+# KVWEAVE_COMBINE_WARPS), each setting a run of the grid over the 8x class (the first with the values' words ahead at 96
+# and 128 registers too), then the ~5x class at two settings; their GPU tests first.
 # PART=k: the grid only (CONFIGS=..., STORAGES=..., TOKENS=..., BATCHES=..., TAG=...).
-# Run from the repository's root: OUT=folder PART=a|k bash docs/perf/gpu-2026-12-05-ahead/lease.sh
+# Run from the repository's root: OUT=folder PART=a|c|k bash docs/perf/gpu-2026-12-05-ahead/lease.sh
 set -o pipefail
 OUT=${OUT:-$PWD/results/lease}
 mkdir -p "$OUT"
@@ -21,6 +24,16 @@ grid() {
 if [ "${PART:-a}" = a ]; then
   step 150 gpu-tests.txt python -m pytest -q -p no:cacheprovider tests/test_dense_ahead.py tests/test_programmatic_launch.py
   grid
+elif [ "$PART" = c ]; then
+  step 200 gpu-tests.txt python -m pytest -q -p no:cacheprovider tests/test_combine_slices.py tests/test_programmatic_launch.py
+  for setting in ${SETTINGS:-1/4 4/4 8/4 4/8 2/4}; do
+    slices=${setting%/*} warps=${setting#*/} configs=dense:64:4
+    [ "$setting" = 1/4 ] && configs=dense:64:4,dense:64:4:0:vahead,dense:64:4:0:r128+vahead
+    KVWEAVE_COMBINE_SLICES=$slices KVWEAVE_COMBINE_WARPS=$warps STORAGES=k4v2e48t CONFIGS=$configs TAG=-s$slices-w$warps grid
+  done
+  for setting in 1/4 4/4; do
+    KVWEAVE_COMBINE_SLICES=${setting%/*} KVWEAVE_COMBINE_WARPS=${setting#*/} CONFIGS=dense:64:4 STORAGES=k4v4e77t TAG=-s${setting%/*}-w${setting#*/} grid
+  done
 else
   grid
 fi
