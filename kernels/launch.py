@@ -29,7 +29,7 @@ class Launch:
         return self.outputs
 
 
-def _switch(name: str) -> bool:
+def env_switch(name: str) -> bool:
     """The environment's on/off switch ``name`` (unset: on); a value that is neither is refused by name."""
     value = os.environ.get(name, "1").strip().lower()
     if value in ("1", "on", "true", "yes"):
@@ -52,12 +52,12 @@ def env_setting(name: str, default: int, allowed: tuple[int, ...]) -> int:
 #: its programs start while the packed pass's last ones run, attend the exact window and load the rotation, and wait for
 #: the packed pass only before they read its splits (docs/kernels.md "The combine launched before the packed pass
 #: ends"); the environment's KVWEAVE_PROGRAMMATIC_COMBINE=0 turns it off (to time both)
-PROGRAMMATIC_COMBINE = _switch("KVWEAVE_PROGRAMMATIC_COMBINE")
+PROGRAMMATIC_COMBINE = env_switch("KVWEAVE_PROGRAMMATIC_COMBINE")
 
 #: launch depthweave-kv's packed-token pass (``tiles``) as a programmatic dependent of its exact-window pass, which then
 #: goes first, at few rows (kvweave.kernels.depthweave_decode.EARLY_EXACT_ROWS): the two run at once, the packed pass
 #: waiting for the exact one only as it ends (the same section); KVWEAVE_PROGRAMMATIC_EXACT=0 turns it off
-PROGRAMMATIC_EXACT = _switch("KVWEAVE_PROGRAMMATIC_EXACT")
+PROGRAMMATIC_EXACT = env_switch("KVWEAVE_PROGRAMMATIC_EXACT")
 
 
 @functools.lru_cache(maxsize=None)

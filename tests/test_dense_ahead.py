@@ -1,10 +1,12 @@
 """The ``dense`` kernel's codes loaded a step before the step that reads them (``AHEAD``: key words, value tiles' words)
 and its 128-register build: the same output as the kernel that loads each step's codes where it reads them, under
-Triton's interpreter (CI) and on a GPU at a real size; the launch's rule (one wave at 128 registers a thread) and the
-settings' refusals."""
+Triton's interpreter (CI) and on a GPU at a real size; the launch's rule (the values' words ahead at 128 registers
+where the programs are one wave at those registers), its switch and the settings' refusals."""
 
 from __future__ import annotations
 
+import os
+import subprocess
 import sys
 from pathlib import Path
 
@@ -63,11 +65,11 @@ def test_codes_loaded_a_step_ahead_give_the_same_output(tiled_views, name):
                 assert torch.equal(out, plain), (tricks, programs, (out - plain).abs().max())
 
 
-def test_the_launch_loads_ahead_where_its_programs_are_one_wave_at_128_registers(tiled_views, monkeypatch):
-    """With the rule on (``DENSE_AHEAD_WAVE``), a launch whose programs fit the SMs at 128 registers a thread, 4 of 4
-    warps an SM, loads keys and (tiled, two value groups) values ahead at 128 registers, and says so to the early
-    combine's wave count; more programs keep the 96-register build and load where they read; values token by token
-    are loaded where they are read. The rule off, only the settings asked for by name apply."""
+def test_the_launch_loads_values_ahead_where_its_programs_are_one_wave_at_128_registers(tiled_views, monkeypatch):
+    """The rule (``DENSE_AHEAD_WAVE``, on unless KVWEAVE_DENSE_AHEAD=0): a launch whose programs fit the SMs at 128
+    registers a thread (4 programs of 4 warps an SM) loads the value tiles' words ahead at 128 registers, and counts
+    its wave for the early combine at those registers; more programs keep the 96-register build and load where they
+    read; values token by token are loaded where they are read. The rule off, only the settings asked for apply."""
     tiled, flat = tiled_views["kzd-k4v2t-f48-d128"], tiled_views["kzd-k4v2-f48-d128"]
     q = torch.randn(1, 8, 128)
     scale = 128 ** -0.5
@@ -75,16 +77,28 @@ def test_the_launch_loads_ahead_where_its_programs_are_one_wave_at_128_registers
     slots = lowbit_dense.dense_slots(lowbit_dense.DEFAULT_SMS, 128, False, 4, 128)
     assert slots == 4 * lowbit_dense.DEFAULT_SMS
     one_wave = plan_launch(tiled, q, None, scale, variant="dense", programs=8)
-    assert one_wave.constants["AHEAD"] == 3 and one_wave.constants["maxnreg"] == 128
-    assert plan_launch(flat, q, None, scale, variant="dense", programs=8).constants["AHEAD"] == 1
+    assert one_wave.constants["AHEAD"] == 2 and one_wave.constants["maxnreg"] == 128
+    token_major = plan_launch(flat, q, None, scale, variant="dense", programs=8)
+    assert token_major.constants["AHEAD"] == 0 and token_major.constants["maxnreg"] == lowbit_dense.DENSE_MAX_REGISTERS
     many = attrs.evolve(tiled, tokens=tiled.tokens * slots, k_codes=tiled.k_codes.repeat(1, slots, 1))
     waves = plan_launch(many, q, None, scale, variant="dense", programs=2 * slots)
     assert waves.grid[0] * waves.grid[1] > slots
     assert waves.constants["AHEAD"] == 0 and waves.constants["maxnreg"] == lowbit_dense.DENSE_MAX_REGISTERS
     monkeypatch.setattr(lowbit_dense, "DENSE_AHEAD_WAVE", False)
     assert plan_launch(tiled, q, None, scale, variant="dense", programs=8).constants["AHEAD"] == 0
-    asked = plan_launch(tiled, q, None, scale, variant="dense", programs=8, tricks="vahead+r128")
-    assert asked.constants["AHEAD"] == 2 and asked.constants["maxnreg"] == 128
+    asked = plan_launch(tiled, q, None, scale, variant="dense", programs=8, tricks="kahead+vahead+r128")
+    assert asked.constants["AHEAD"] == 3 and asked.constants["maxnreg"] == 128
+
+
+def test_the_rule_is_switched_off_from_the_environment_and_a_wrong_value_refused():
+    script = "from kvweave.kernels import lowbit_dense; print(lowbit_dense.DENSE_AHEAD_WAVE)"
+    for value, expected in (("0", "False"), ("on", "True")):
+        run = subprocess.run([sys.executable, "-c", script], env={**os.environ, "KVWEAVE_DENSE_AHEAD": value},
+                             capture_output=True, text=True)
+        assert run.stdout.strip() == expected, run.stderr
+    run = subprocess.run([sys.executable, "-c", script], env={**os.environ, "KVWEAVE_DENSE_AHEAD": "sometimes"},
+                         capture_output=True, text=True)
+    assert run.returncode != 0 and "KVWEAVE_DENSE_AHEAD='sometimes'" in run.stderr
 
 
 def test_the_settings_refuse_what_they_cannot_change(tiled_views):
@@ -97,9 +111,9 @@ def test_the_settings_refuse_what_they_cannot_change(tiled_views):
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="compiles the dense kernel for a CUDA GPU")
 @pytest.mark.parametrize("storage", ["k4v2e48t", "k4v4e77t"])
-def test_codes_loaded_ahead_agree_with_the_kernel_that_loads_them_in_place_on_the_gpu(storage):
-    """32,768 packed tokens, one row and two (one wave and several): the build with codes loaded ahead at 128 registers
-    gives the other build's output to the float32 sums' rounding and both stay within the twin's bound."""
+def test_codes_loaded_ahead_agree_with_the_kernel_that_loads_them_in_place_on_the_gpu(storage, monkeypatch):
+    """32,768 packed tokens, one row (the launch's rule: values ahead at 128 registers) and two, and every setting
+    by name: each build gives the in-place build's output to the float32 sums' rounding, all within the twin's bound."""
     sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
     from lowbit_kernel import HEAD_DIM, Q_HEADS, packed_view
 
@@ -109,8 +123,14 @@ def test_codes_loaded_ahead_agree_with_the_kernel_that_loads_them_in_place_on_th
         twin = torch_lowbit_decode(view, q, None, HEAD_DIM ** -0.5)
         noise = float((torch_lowbit_decode(view, q.bfloat16().float(), None, HEAD_DIM ** -0.5) - twin).abs().max())
         bound = 0.03 * float(twin.abs().max()) + 6 * noise
+        assert plan_launch(view, q, None, HEAD_DIM ** -0.5, variant="dense", programs=None).constants["AHEAD"] == (
+            2 if rows == 1 else 0)
+        rule = lowbit_decode(view, q, None, HEAD_DIM ** -0.5, variant="dense", programs=None)
+        monkeypatch.setattr(lowbit_dense, "DENSE_AHEAD_WAVE", False)
         plain = lowbit_decode(view, q, None, HEAD_DIM ** -0.5, variant="dense", programs=None)
-        ahead = lowbit_decode(view, q, None, HEAD_DIM ** -0.5, variant="dense", programs=None,
-                              tricks="kahead+vahead+r128")
-        assert float((plain - twin).abs().max()) < bound and float((ahead - twin).abs().max()) < bound
-        assert torch.allclose(ahead, plain, rtol=1e-4, atol=1e-5), float((ahead - plain).abs().max())
+        assert float((plain - twin).abs().max()) < bound
+        for out in (rule, *(lowbit_decode(view, q, None, HEAD_DIM ** -0.5, variant="dense", programs=None, tricks=t)
+                            for t in ("kahead+vahead+r128", "vahead"))):
+            assert float((out - twin).abs().max()) < bound
+            assert torch.allclose(out, plain, rtol=1e-4, atol=1e-5), float((out - plain).abs().max())
+        monkeypatch.undo()

@@ -46,12 +46,12 @@ def test_only_a_cuda_device_of_capability_9_launches_the_combine_early(monkeypat
 def test_the_environment_switches_take_on_and_off_and_refuse_anything_else(monkeypatch):
     for value, on in (("0", False), ("off", False), ("False", False), ("1", True), (" yes ", True)):
         monkeypatch.setenv("KVWEAVE_PROGRAMMATIC_EXACT", value)
-        assert launch_module._switch("KVWEAVE_PROGRAMMATIC_EXACT") is on
+        assert launch_module.env_switch("KVWEAVE_PROGRAMMATIC_EXACT") is on
     monkeypatch.delenv("KVWEAVE_PROGRAMMATIC_EXACT")
-    assert launch_module._switch("KVWEAVE_PROGRAMMATIC_EXACT")
+    assert launch_module.env_switch("KVWEAVE_PROGRAMMATIC_EXACT")
     monkeypatch.setenv("KVWEAVE_PROGRAMMATIC_EXACT", "nope")
     with pytest.raises(ValueError, match="KVWEAVE_PROGRAMMATIC_EXACT='nope'"):
-        launch_module._switch("KVWEAVE_PROGRAMMATIC_EXACT")
+        launch_module.env_switch("KVWEAVE_PROGRAMMATIC_EXACT")
 
 
 def _with_restored(view):
