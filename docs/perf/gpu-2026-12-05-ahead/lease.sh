@@ -7,7 +7,8 @@
 # KVWEAVE_COMBINE_WARPS), each setting a run of the grid over the 8x class (the first with the values' words ahead at 96
 # and 128 registers too), then the ~5x class at two settings; their GPU tests first.
 # PART=r: the rule on (the values' words ahead at 128 registers where the programs are one wave at 128): its GPU
-# tests, then the grid over both classes with the rule on and off (KVWEAVE_DENSE_AHEAD=0), in turn, twice.
+# tests, then the grid over both classes with the rule on and off (KVWEAVE_DENSE_AHEAD=0), in turn, twice (B = 1 only
+# the second time).
 # PART=k: the grid only (CONFIGS=..., STORAGES=..., TOKENS=..., BATCHES=..., TAG=...).
 # Run from the repository's root: OUT=folder PART=a|c|r|k bash docs/perf/gpu-2026-12-05-ahead/lease.sh
 set -o pipefail
@@ -39,8 +40,9 @@ elif [ "$PART" = c ]; then
 elif [ "$PART" = r ]; then
   step 200 gpu-tests.txt python -m pytest -q -p no:cacheprovider tests/test_dense_ahead.py tests/test_graphs_gpu.py
   for round in 1 2; do
-    KVWEAVE_DENSE_AHEAD=1 CONFIGS=dense:64:4 TAG=-on$round grid
-    KVWEAVE_DENSE_AHEAD=0 CONFIGS=dense:64:4 TAG=-off$round grid
+    batches=1,8; [ $round = 2 ] && batches=1
+    KVWEAVE_DENSE_AHEAD=1 BATCHES=$batches CONFIGS=dense:64:4 TAG=-on$round grid
+    KVWEAVE_DENSE_AHEAD=0 BATCHES=$batches CONFIGS=dense:64:4 TAG=-off$round grid
   done
 else
   grid
