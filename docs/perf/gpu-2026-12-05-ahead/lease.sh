@@ -8,7 +8,7 @@
 # and 128 registers too), then the ~5x class at two settings; their GPU tests first.
 # PART=r: the rule on (the values' words ahead at 128 registers where the programs are one wave at 128): its GPU
 # tests, then the grid over both classes with the rule on and off (KVWEAVE_DENSE_AHEAD=0), in turn, twice (B = 1 only
-# the second time).
+# the second time; ROUNDS=1 once; GRAPH_TESTS= without the graph tests).
 # PART=k: the grid only (CONFIGS=..., STORAGES=..., TOKENS=..., BATCHES=..., TAG=...).
 # Run from the repository's root: OUT=folder PART=a|c|r|k bash docs/perf/gpu-2026-12-05-ahead/lease.sh
 set -o pipefail
@@ -38,8 +38,8 @@ elif [ "$PART" = c ]; then
     KVWEAVE_COMBINE_SLICES=${setting%/*} KVWEAVE_COMBINE_WARPS=${setting#*/} CONFIGS=dense:64:4 STORAGES=k4v4e77t TAG=-s${setting%/*}-w${setting#*/} grid
   done
 elif [ "$PART" = r ]; then
-  step 200 gpu-tests.txt python -m pytest -q -p no:cacheprovider tests/test_dense_ahead.py tests/test_graphs_gpu.py
-  for round in 1 2; do
+  step 200 gpu-tests.txt python -m pytest -q -p no:cacheprovider tests/test_dense_ahead.py ${GRAPH_TESTS-tests/test_graphs_gpu.py}
+  for round in ${ROUNDS:-1 2}; do
     batches=1,8; [ $round = 2 ] && batches=1
     KVWEAVE_DENSE_AHEAD=1 BATCHES=$batches CONFIGS=dense:64:4 TAG=-on$round grid
     KVWEAVE_DENSE_AHEAD=0 BATCHES=$batches CONFIGS=dense:64:4 TAG=-off$round grid
