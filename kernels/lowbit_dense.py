@@ -195,22 +195,27 @@ def dense_slots(sms: int, dim: int, hidden: bool, num_warps: int = 4, registers:
 
 
 #: where the dense kernel's programs are one wave even at :data:`DENSE_AHEAD_REGISTERS` registers a thread (a batch of
-#: one row at Llama-3-8B's shape) and its values are in tiles of at most two channel groups, take those registers and
-#: load each step's value tiles' words a step before the step that reads them: with about 4 programs an SM the registers
-#: cost no program, and a program's next values are in flight while it computes (H100, 2026-12-05: 4-7% off a call of
-#: the 8x class at B = 1; the key words loaded so cost 10-25%, so they are not; docs/kernels.md "Codes a step ahead,
-#: 128 registers, the combine in slices"); KVWEAVE_DENSE_AHEAD=0 turns it off (to time both)
+#: one row at Llama-3-8B's shape) and its values are in tiles of at most two channel groups (of the widths
+#: :data:`DENSE_AHEAD_BITS`), take those registers and load each step's value tiles' words a step before the step that
+#: reads them: with about 4 programs an SM the registers cost no program, and a program's next values are in flight
+#: while it computes (H100, 2026-12-05: 4-7% off a call of the 8x class at B = 1; the key words loaded so cost 10-25%,
+#: so they are not; docs/kernels.md "Codes a step ahead, 128 registers, the combine in slices"); KVWEAVE_DENSE_AHEAD=0
+#: turns it off (to time both)
 DENSE_AHEAD_WAVE = env_switch("KVWEAVE_DENSE_AHEAD")
 DENSE_AHEAD_REGISTERS = 128
+#: the value codes' widths the rule takes: those it was timed on (2-bit, the 8x class; 4-bit values were timed only with
+#: the key words ahead too, slower, or with 128 registers alone)
+DENSE_AHEAD_BITS = (2,)
 
 
-def dense_ahead(view: Any, programs: int, sms: int, dim: int, hidden: bool, num_warps: int, trick: dict) -> tuple[int, bool]:
+def dense_ahead(view: Any, programs: int, sms: int, dim: int, hidden: bool, num_warps: int,
+                trick: dict) -> tuple[int, bool]:
     """The dense kernel's ``AHEAD`` (1: key words a step ahead, 2: value tiles' words, 3: both) and whether it takes
     :data:`DENSE_AHEAD_REGISTERS` registers: the launch's rule (:data:`DENSE_AHEAD_WAVE`: the values' words, at 128
     registers) for ``programs``, else the ``trick`` settings asked for (``KAHEAD``, ``VAHEAD``, ``R128``)."""
     values = view.v_tiled and dim // view.v_group <= 2
-    if DENSE_AHEAD_WAVE and values and dense_registers(dim, hidden) is not None and programs <= dense_slots(
-            sms, dim, hidden, num_warps, DENSE_AHEAD_REGISTERS):
+    fits = programs <= dense_slots(sms, dim, hidden, num_warps, DENSE_AHEAD_REGISTERS)
+    if DENSE_AHEAD_WAVE and values and view.v_bits in DENSE_AHEAD_BITS and dense_registers(dim, hidden) and fits:
         return 2, True
     return int(trick.get("KAHEAD", False)) + 2 * int(trick.get("VAHEAD", False) and values), trick.get("R128", False)
 

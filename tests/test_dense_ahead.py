@@ -42,10 +42,11 @@ def tiled_views():
 
 @pytest.mark.interpreter
 @pytest.mark.parametrize("name", ["kzd-k4v2t-f48-d128", "kzd-k4v4t-f77-d128"])
-def test_codes_loaded_a_step_ahead_give_the_same_output(tiled_views, name):
+def test_codes_loaded_a_step_ahead_give_the_same_output(tiled_views, name, monkeypatch):
     """Keys' and values' words loaded a step ahead are the same words: the same output bit for bit, in splits of one
     step (the next step's load re-reads the last) and of several, with a list of hidden slots (whose steps run in three
     stretches, each loading its first step before its loop), and within the twin's float32 rounding."""
+    monkeypatch.setattr(lowbit_dense, "DENSE_AHEAD_WAVE", False)  # the launch's build loads each step's codes in place
     view = tiled_views[name]
     steps = view.tokens // 64
     assert view.v_tiled and steps >= 2
@@ -67,9 +68,10 @@ def test_codes_loaded_a_step_ahead_give_the_same_output(tiled_views, name):
 
 def test_the_launch_loads_values_ahead_where_its_programs_are_one_wave_at_128_registers(tiled_views, monkeypatch):
     """The rule (``DENSE_AHEAD_WAVE``, on unless KVWEAVE_DENSE_AHEAD=0): a launch whose programs fit the SMs at 128
-    registers a thread (4 programs of 4 warps an SM) loads the value tiles' words ahead at 128 registers, and counts
-    its wave for the early combine at those registers; more programs keep the 96-register build and load where they
-    read; values token by token are loaded where they are read. The rule off, only the settings asked for apply."""
+    registers a thread (4 programs of 4 warps an SM) loads the 2-bit value tiles' words ahead at 128 registers, and
+    counts its wave for the early combine at those registers; more programs keep the 96-register build and load where
+    they read; 4-bit values (not timed with the rule) and values token by token are loaded where they are read. The
+    rule off, only the settings asked for apply."""
     tiled, flat = tiled_views["kzd-k4v2t-f48-d128"], tiled_views["kzd-k4v2-f48-d128"]
     q = torch.randn(1, 8, 128)
     scale = 128 ** -0.5
@@ -78,6 +80,8 @@ def test_the_launch_loads_values_ahead_where_its_programs_are_one_wave_at_128_re
     assert slots == 4 * lowbit_dense.DEFAULT_SMS
     one_wave = plan_launch(tiled, q, None, scale, variant="dense", programs=8)
     assert one_wave.constants["AHEAD"] == 2 and one_wave.constants["maxnreg"] == 128
+    four_bit = plan_launch(tiled_views["kzd-k4v4t-f77-d128"], q, None, scale, variant="dense", programs=8)
+    assert four_bit.constants["AHEAD"] == 0 and 4 not in lowbit_dense.DENSE_AHEAD_BITS  # not timed with the rule
     token_major = plan_launch(flat, q, None, scale, variant="dense", programs=8)
     assert token_major.constants["AHEAD"] == 0 and token_major.constants["maxnreg"] == lowbit_dense.DENSE_MAX_REGISTERS
     many = attrs.evolve(tiled, tokens=tiled.tokens * slots, k_codes=tiled.k_codes.repeat(1, slots, 1))
@@ -124,7 +128,7 @@ def test_codes_loaded_ahead_agree_with_the_kernel_that_loads_them_in_place_on_th
         noise = float((torch_lowbit_decode(view, q.bfloat16().float(), None, HEAD_DIM ** -0.5) - twin).abs().max())
         bound = 0.03 * float(twin.abs().max()) + 6 * noise
         assert plan_launch(view, q, None, HEAD_DIM ** -0.5, variant="dense", programs=None).constants["AHEAD"] == (
-            2 if rows == 1 else 0)
+            2 if rows == 1 and view.v_bits in lowbit_dense.DENSE_AHEAD_BITS else 0)
         rule = lowbit_decode(view, q, None, HEAD_DIM ** -0.5, variant="dense", programs=None)
         monkeypatch.setattr(lowbit_dense, "DENSE_AHEAD_WAVE", False)
         plain = lowbit_decode(view, q, None, HEAD_DIM ** -0.5, variant="dense", programs=None)
