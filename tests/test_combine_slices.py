@@ -4,6 +4,7 @@ head, under Triton's interpreter (CI) and on a GPU at a real size; its settings 
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -73,7 +74,7 @@ def test_the_slices_are_one_a_16_channels_at_most(sinks_view, monkeypatch):
 @pytest.mark.parametrize("name, value", [("KVWEAVE_COMBINE_SLICES", "3"), ("KVWEAVE_COMBINE_WARPS", "many")])
 def test_a_wrong_setting_in_the_environment_is_refused_by_name(name, value):
     script = "import kvweave.kernels.lowbit_combine"
-    run = subprocess.run([sys.executable, "-c", script], env={**__import__("os").environ, name: value},
+    run = subprocess.run([sys.executable, "-c", script], env={**os.environ, name: value},
                          capture_output=True, text=True)
     assert run.returncode != 0 and f"environment variable {name}={value!r}: expected one of" in run.stderr
 
