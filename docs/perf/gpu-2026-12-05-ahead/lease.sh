@@ -8,7 +8,7 @@
 # and 128 registers too), then the ~5x class at two settings; their GPU tests first.
 # PART=r: the rule on (the values' words ahead at 128 registers where the programs are one wave at 128): its GPU
 # tests, then the grid over both classes with the rule on and off (KVWEAVE_DENSE_AHEAD=0), in turn, twice (B = 1 only
-# the second time; ROUNDS=1 once; GRAPH_TESTS= without the graph tests).
+# the second time; ROUNDS=1 once; GRAPH_TESTS= without the graph tests); then the ~5x class with `r128+vahead`.
 # PART=k: the grid only (CONFIGS=..., STORAGES=..., TOKENS=..., BATCHES=..., TAG=...).
 # Run from the repository's root: OUT=folder PART=a|c|r|k bash docs/perf/gpu-2026-12-05-ahead/lease.sh
 set -o pipefail
@@ -44,6 +44,8 @@ elif [ "$PART" = r ]; then
     KVWEAVE_DENSE_AHEAD=1 BATCHES=$batches CONFIGS=dense:64:4 TAG=-on$round grid
     KVWEAVE_DENSE_AHEAD=0 BATCHES=$batches CONFIGS=dense:64:4 TAG=-off$round grid
   done
+  # the ~5x class's 4-bit values (not in the rule's DENSE_AHEAD_BITS) with the values' words ahead at 128 registers
+  STORAGES=k4v4e77t CONFIGS=dense:64:4,dense:64:4:0:r128+vahead TAG=-v4 grid
 else
   grid
 fi
