@@ -29,6 +29,7 @@ from kvweave.core.errors import ComponentError, RegistryError
 from kvweave.core.groups import DEFAULT_SLOTS, KIND_SLOTS, SLOT_GROUPS
 from kvweave.core.interfaces import KINDS, Component
 from kvweave.core.params import choice, integer
+from kvweave.core.precision import PRODUCTS
 
 BUILTIN_REGISTRY = Path(__file__).with_name("registry.toml").resolve()
 PIPELINE_KEYS = ("description", "extends")
@@ -74,6 +75,10 @@ class StorageSettings:
     observe_queries: int = attrs.field(
         default=16, validator=integer(1, 4096),
         metadata={"doc": "recent queries per layer kept for attention features and probes (when used)"},
+    )
+    products: str = attrs.field(
+        default="float32", validator=choice(PRODUCTS),
+        metadata={"doc": "float32 matrix products of a block's storage (bases, residual fit, probe) on a CUDA GPU: exact, or on TF32 tensor cores (faster first token; moves the stored bases by a fraction of a degree)"},
     )
 
     @compress.validator

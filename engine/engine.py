@@ -31,6 +31,7 @@ from kvweave.core.deferred import DeferredChecks
 from kvweave.core.errors import CacheStateError, ComponentError, ModelError
 from kvweave.core.evictor import Evictor
 from kvweave.core.interfaces import KINDS, AttentionKernel, BasisBuilder, ModelShape, Probe, Quantizer, Router
+from kvweave.core.precision import float32_products
 from kvweave.core.registry import ResolvedPipeline
 from kvweave.core.view import LayerView
 from kvweave.engine.accounting import memory_breakdown
@@ -274,10 +275,12 @@ class CompressionEngine:
 
     # ------------------------------------------------------------------------------- compress
     def _flush(self, group_index: int) -> None:
-        """Encode the group's ready block. On a GPU (or with ``defer_checks``) its checks read the host with the forward's
-        others, after its last flush (:mod:`kvweave.core.deferred`), or before any other error of the flush propagates;
-        elsewhere each at once."""
-        with self.deferred.collecting(self._defers(self.windows[self.groups[group_index][0]].exact.device)):
+        """Encode the group's ready block, its float32 products as the pipeline's ``products`` says
+        (:func:`kvweave.core.precision.float32_products`). On a GPU (or with ``defer_checks``) its checks read the host
+        with the forward's others, after its last flush (:mod:`kvweave.core.deferred`), or before any other error of the
+        flush propagates; elsewhere each at once."""
+        device = self.windows[self.groups[group_index][0]].exact.device
+        with self.deferred.collecting(self._defers(device)), float32_products(self.settings.products):
             self._flush_block(group_index)
         if group_index == self.last_flushing:
             self.deferred.resolve()
