@@ -101,3 +101,14 @@ def _matmul_setting() -> str:
         return "tf32" if matmul.allow_tf32 else "ieee"
     except RuntimeError:
         return matmul.fp32_precision
+
+
+def test_the_sweep_file_asks_depthweave_for_tf32_products():
+    """benchmarks/products_sweep.toml, which frontier_eval.sh and decode_e2e.py read to decide the default."""
+    from pathlib import Path
+
+    registry = load_registry(Path(__file__).resolve().parents[1] / "benchmarks" / "products_sweep.toml")
+    tf32, plain = registry.resolve("depthweave-kv-tf32"), registry.resolve("depthweave-kv")
+    assert tf32.settings.products == "tf32" and plain.settings.products == "float32"
+    assert {slot: cfg.use for slot, cfg in tf32.slots.items()} == {slot: cfg.use for slot, cfg in plain.slots.items()}
+
