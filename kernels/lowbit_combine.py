@@ -45,8 +45,9 @@ def plan_combine(view: Any, q: torch.Tensor, start: torch.Tensor | None, scaling
     """The launch that combines the splits of ``packed`` (a :class:`kvweave.kernels.lowbit_decode.LowbitView`'s packed
     pass), rotates their output back and merges the exact window and restored tokens (``_merge_exact``'s arithmetic),
     :data:`COMBINE_SLICES` programs a query head (one per KV head past :data:`COMBINE_GROUP_ROWS` rows): [B, Hq, D]
-    float32, or rounded to nearest even in ``out_dtype`` (the model's, saving a conversion). Launched as a programmatic dependent of the
-    packed pass where that pass asks for it (its ``PDL``: :data:`kvweave.kernels.lowbit_dense.EARLY_COMBINE_WAVES`)."""
+    float32, or rounded to nearest even in ``out_dtype`` (the model's, saving a conversion). Launched as a programmatic
+    dependent of the packed pass where that pass asks for it (its ``PDL``:
+    :data:`kvweave.kernels.lowbit_dense.EARLY_COMBINE_WAVES`)."""
     batch, q_heads, dim = q.shape
     heads = view.exact_k.shape[1]
     m, l, acc = packed.outputs

@@ -60,8 +60,8 @@ if triton is not None:
         return m_new, total, out
 
     @triton.jit
-    def _exact_tokens(m, total, out, q, chan, vchan, bh, batch, start_ptr, rk_ptr, rv_ptr, rpos_ptr, ek_ptr, ev_ptr, fill_ptr,
-                      restored, exact, exact_first, D: tl.constexpr, HAS_START: tl.constexpr, HAS_REST: tl.constexpr,
+    def _exact_tokens(m, total, out, q, chan, vchan, bh, batch, start_ptr, rk_ptr, rv_ptr, rpos_ptr, ek_ptr, ev_ptr,
+                      fill_ptr, restored, exact, exact_first, D: tl.constexpr, HAS_START: tl.constexpr, HAS_REST: tl.constexpr,
                       HAS_FILL: tl.constexpr, EB: tl.constexpr, GROUPED: tl.constexpr):
         """The restored tokens, then the exact window, merged into the running max, sum and output (the same online
         merge, :func:`_merge_tokens`)."""
@@ -89,11 +89,11 @@ if triton is not None:
     def _splits_merged(m_ptr, l_ptr, acc_ptr, rot_ptr, rot, bh, g, splits, ochan, D: tl.constexpr, G: tl.constexpr,
                        SB: tl.constexpr, CB: tl.constexpr, WHOLE: tl.constexpr, DS: tl.constexpr):
         """Query row ``g`` of row ``bh``: the running max, sum and output channels ``ochan`` [DS] (rotated back by
-        ``rot``; ``DS``: all ``D`` or a slice) of the packed
-        pass's splits. ``WHOLE``: every split in one tile of ``SB``, and the rotation's columns ``rot`` [D, DS] loaded by the caller
-        (:func:`_whole_rotation`), so the loads have no loop between them and go out together (at one batch row the
-        chunked loops' chain of loads took 7 of the 24 us of a layer call at 32K on the H200); else ``SB`` splits and
-        ``CB`` rotation rows at a time from ``rot_ptr``."""
+        ``rot``; ``DS``: all ``D`` or a slice) of the packed pass's splits. ``WHOLE``: every split in one tile of
+        ``SB``, and the rotation's columns ``rot`` [D, DS] loaded by the caller (:func:`_whole_rotation`), so the loads
+        have no loop between them and go out together (at one batch row the chunked loops' chain of loads took 7 of
+        the 24 us of a layer call at 32K on the H200); else ``SB`` splits and ``CB`` rotation rows at a time from
+        ``rot_ptr``."""
         s_idx = tl.arange(0, SB)
         c_idx = tl.arange(0, CB)
         out = tl.zeros([DS], tl.float32)
@@ -200,8 +200,8 @@ if triton is not None:
         rows = batch * HEADS * GROUP + (bh % HEADS) * GROUP + gq  # [QR]: the query heads' rows of q and out
         q = tl.load(q_ptr + rows[:, None] * D + chan[None, :], mask=real[:, None], other=0.0).to(tl.float32) * scaling
         m_e, total_e, out_e = _exact_tokens(tl.full([QR], float("-inf"), tl.float32), tl.zeros([QR], tl.float32),
-                                            tl.zeros([QR, D], tl.float32), q, chan, chan, bh, batch, start_ptr, rk_ptr, rv_ptr,
-                                            rpos_ptr, ek_ptr, ev_ptr, fill_ptr, restored, exact, exact_first, D,
+                                            tl.zeros([QR, D], tl.float32), q, chan, chan, bh, batch, start_ptr, rk_ptr,
+                                            rv_ptr, rpos_ptr, ek_ptr, ev_ptr, fill_ptr, restored, exact, exact_first, D,
                                             HAS_START, HAS_REST, HAS_FILL, EB, True)
         if PDL:  # the packed pass's splits are complete and visible past this
             gdc_wait()

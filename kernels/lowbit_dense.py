@@ -9,8 +9,8 @@ from typing import TYPE_CHECKING, Any
 
 from kvweave.core.lazy import lazy_module, torch
 from kvweave.kernels.formats import VALUE_TILE
-from kvweave.kernels.launch import env_switch, capability, programmatic
-from kvweave.kernels.lowbit_tricks import whole_byte_keys, wide_groups
+from kvweave.kernels.launch import capability, env_switch, programmatic
+from kvweave.kernels.lowbit_tricks import tiled_pairs, whole_byte_keys, wide_groups
 
 if TYPE_CHECKING:
     from kvweave.kernels import lowbit_dense_triton as jit_dense
@@ -213,11 +213,11 @@ def dense_ahead(view: Any, programs: int, sms: int, dim: int, hidden: bool, num_
     """The dense kernel's ``AHEAD`` (1: key words a step ahead, 2: value tiles' words, 3: both) and whether it takes
     :data:`DENSE_AHEAD_REGISTERS` registers: the launch's rule (:data:`DENSE_AHEAD_WAVE`: the values' words, at 128
     registers) for ``programs``, else the ``trick`` settings asked for (``KAHEAD``, ``VAHEAD``, ``R128``)."""
-    values = view.v_tiled and dim // view.v_group <= 2
     fits = programs <= dense_slots(sms, dim, hidden, num_warps, DENSE_AHEAD_REGISTERS)
-    if DENSE_AHEAD_WAVE and values and view.v_bits in DENSE_AHEAD_BITS and dense_registers(dim, hidden) and fits:
+    timed = tiled_pairs(view) and view.v_bits in DENSE_AHEAD_BITS and dense_registers(dim, hidden) is not None
+    if DENSE_AHEAD_WAVE and timed and fits:
         return 2, True
-    return int(trick.get("KAHEAD", False)) + 2 * int(trick.get("VAHEAD", False) and values), trick.get("R128", False)
+    return int(trick.get("KAHEAD", False)) + 2 * int(trick.get("VAHEAD", False)), trick.get("R128", False)
 
 
 #: launch the combine early (:func:`kvweave.kernels.launch.programmatic`) only where the dense kernel's programs fit in

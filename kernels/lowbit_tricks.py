@@ -12,6 +12,12 @@ def wide_groups(view: Any) -> bool:
     return 16 <= view.v_group and view.exact_k.shape[-1] // view.v_group <= 4
 
 
+def tiled_pairs(view: Any) -> bool:
+    """Whether ``view``'s values are stored in tiles (``token_tiles``) of at most two channel groups: what the "dense"
+    kernel can load a step ahead (its ``vahead``)."""
+    return bool(view.v_tiled) and view.exact_k.shape[-1] // view.v_group <= 2
+
+
 def whole_byte_keys(view: Any) -> bool:
     """Whether ``view``'s key codes fill whole bytes (2 or 4 bits, ``channel-group`` keys: no per-channel widths)."""
     return view.k_widths is None and view.k_bits in (2, 4)
@@ -45,8 +51,8 @@ DENSE_SETTINGS = ("kahead", "vahead", "r128")
 
 def parse_tricks(tricks: str, variant: str, lowp: bool, view: Any = None) -> dict:
     """The kernel constants ``MAGIC``, ``VB16``, ``KTF32``, ``KFOLD`` of ``tricks``, and the dense kernel's settings
-    ``KAHEAD``, ``VAHEAD``, ``R128`` ("+"-separated :data:`TRICKS`, ""
-    none); a name not in :data:`TRICKS`, or one the launch cannot take, refused."""
+    ``KAHEAD``, ``VAHEAD``, ``R128`` ("+"-separated :data:`TRICKS`, "" none); a name not in :data:`TRICKS`, or one the
+    launch cannot take, refused."""
     names = [t for t in tricks.split("+") if t]
     unknown = [t for t in names if t not in TRICKS]
     if unknown:
@@ -56,7 +62,7 @@ def parse_tricks(tricks: str, variant: str, lowp: bool, view: Any = None) -> dic
     if variant != "dense" and set(names) & set(DENSE_SETTINGS):
         raise ValueError(f"lowbit kernel tricks {sorted(set(names) & set(DENSE_SETTINGS))} are launch settings of the "
                          f"'dense' kernel, not of the '{variant}' one")
-    if "vahead" in names and (view is None or not view.v_tiled or view.exact_k.shape[-1] // view.v_group > 2):
+    if "vahead" in names and (view is None or not tiled_pairs(view)):
         raise ValueError("the lowbit 'vahead' trick loads value tiles' words a step ahead: it takes values stored in tiles "
                          "(token_tiles) in at most 2 channel groups")
     if variant == "dense" and "ktf32" in names:
