@@ -9,12 +9,64 @@ functions here are built from those:
   flag per matrix saying whether it worked (a rank-deficient ``A`` fails: callers fall back);
 - :func:`top_eigenvectors`: the top eigenvectors of symmetric PSD matrices by subspace iteration with a
   Rayleigh-Ritz step on a <= 32 x 32 matrix; :func:`subspace_eigenvectors` the same without reading whether it
-  worked (no host read: the caller reads the flag where it reads the host anyway).
+  worked (no host read: the caller reads the flag where it reads the host anyway);
+- :func:`tall_product`: ``A^T B`` summed over a long token axis (a block's second moment, a sketch's projections, a
+  probe's weighted values). cuBLAS runs a batch of such products one tile of the small output per program, so 8 heads'
+  128 x 128 second moments over 32K tokens keep 8 of an H100's 132 SMs busy; cut into chunks of the token axis, each
+  chunk a matrix of the batch, and summed after, they fill the GPU.
 """
 
 from __future__ import annotations
 
+from kvweave.core.environment import env_setting
 from kvweave.core.lazy import torch
+
+#: tokens a chunk of :func:`tall_product` on a CUDA GPU (0: one product over the whole axis, as before); the
+#: environment's KVWEAVE_TALL_CHUNK sets it, to time the two ways in one run
+TALL_CHUNK = env_setting("KVWEAVE_TALL_CHUNK", 1024, (0, 256, 512, 1024, 2048, 4096, 8192))
+
+
+def tall_chunk(device: torch.device, tokens: int) -> int:
+    """The chunk :func:`tall_product` cuts ``tokens`` into on ``device``: :data:`TALL_CHUNK` on a CUDA GPU where that
+    makes two chunks or more, else 0 (one product: a CPU's BLAS splits the long axis itself)."""
+    if device.type != "cuda" or not TALL_CHUNK or tokens < 2 * TALL_CHUNK:
+        return 0
+    return TALL_CHUNK
+
+
+def _chunks(tokens: int, chunk: int) -> tuple[int, int]:
+    """``(parts, length)`` of :func:`tall_product`'s chunks: a count that divides ``tokens`` into chunks of ``chunk`` to
+    ``2 chunk`` tokens where there is one (a contiguous input is then a view of whole chunks, no copy), else whole
+    chunks of ``chunk`` tokens and a rest."""
+    for parts in range(tokens // chunk, tokens // (2 * chunk), -1):
+        if tokens % parts == 0:
+            return parts, tokens // parts
+    return tokens // chunk, chunk
+
+
+def tall_product(a: torch.Tensor, b: torch.Tensor, chunk: int | None = None) -> torch.Tensor:
+    """``a^T b`` [..., p, q] for ``a`` [..., n, p] and ``b`` [..., n, q] (leading dimensions broadcast), summed over the
+    token axis ``n`` in chunks of about ``chunk`` tokens (None: :func:`tall_chunk`'s; 0: one product): the chunks as one
+    batched product whose partial results are summed in the inputs' dtype, a rest of the axis (where no count of chunks
+    of ``chunk`` to ``2 chunk`` tokens divides it) as one product more. A transposed ``a`` (``w.transpose(-1, -2)``
+    for ``w @ b``) is read where it lies if torch can, else copied once."""
+    if a.shape[-2] != b.shape[-2]:
+        raise ValueError(f"tall_product: the token axes differ, {tuple(a.shape)} against {tuple(b.shape)}")
+    tokens = a.shape[-2]
+    if chunk is None:
+        chunk = tall_chunk(a.device, tokens)
+    if chunk < 0:
+        raise ValueError(f"tall_product: chunk must be >= 0, got {chunk}")
+    if not chunk or tokens < 2 * chunk:
+        return a.transpose(-1, -2) @ b
+    parts, length = _chunks(tokens, chunk)
+    whole = parts * length
+    a_chunks = a[..., :whole, :].unflatten(-2, (parts, length))  # [..., S, c, p]
+    b_chunks = b[..., :whole, :].unflatten(-2, (parts, length))
+    out = (a_chunks.transpose(-1, -2) @ b_chunks).sum(dim=-3)
+    if whole < tokens:
+        out = out + a[..., whole:, :].transpose(-1, -2) @ b[..., whole:, :]
+    return out
 
 
 def cholesky_qr(a: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -24,7 +76,7 @@ def cholesky_qr(a: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     q = a.double()
     ok = torch.ones(a.shape[:-2], dtype=torch.bool, device=a.device)
     for _ in range(2):
-        gram = q.transpose(-1, -2) @ q
+        gram = tall_product(q, q)
         factor, info = torch.linalg.cholesky_ex(gram)
         ok &= info == 0
         q = torch.linalg.solve_triangular(factor, q.transpose(-1, -2), upper=False).transpose(-1, -2)

@@ -29,7 +29,7 @@ from __future__ import annotations
 import torch
 
 from kvweave.core.interfaces import Quantizer
-from kvweave.core.linalg import subspace_eigenvectors
+from kvweave.core.linalg import subspace_eigenvectors, tall_product
 from kvweave.core.storage import TensorMap, tensor_bytes
 
 TILE_TOKENS = 32  # tokens per word of a list's bits, and per tile of the kernels' tile index
@@ -225,7 +225,8 @@ def begin_residual_fit(missing: torch.Tensor, rank: int) -> ResidualFit:
     if missing.dim() < 3:
         raise ValueError(f"residuals must be [..., n, D] with at least one leading dimension, got {tuple(missing.shape)}")
     # [..., D, D], one leading index at a time: a prompt's block in float32 would be several GB at once
-    moment = torch.stack([part.float().transpose(-1, -2) @ part.float() for part in missing])
+    # the token axis in chunks on a GPU (:func:`kvweave.core.linalg.tall_product`: 8 heads' products filled 8 SMs)
+    moment = torch.stack([tall_product(part.float(), part.float()) for part in missing])
     found = subspace_eigenvectors(moment, rank) if moment.is_cuda and moment.shape[-1] > 32 else None
     return ResidualFit(moment, rank, found)
 

@@ -4,12 +4,14 @@ many splits of each row's tokens a packed pass takes."""
 from __future__ import annotations
 
 import functools
-import os
 from typing import Any
 
 import attrs
 
+from kvweave.core.environment import env_setting, env_switch
 from kvweave.core.lazy import torch
+
+__all__ = ["Launch", "env_setting", "env_switch"]
 
 
 @attrs.frozen
@@ -27,24 +29,6 @@ class Launch:
     def run(self) -> tuple:
         self.kernel[self.grid](*self.args, **self.constants)
         return self.outputs
-
-
-def env_switch(name: str) -> bool:
-    """The environment's on/off switch ``name`` (unset: on); a value that is neither is refused by name."""
-    value = os.environ.get(name, "1").strip().lower()
-    if value in ("1", "on", "true", "yes"):
-        return True
-    if value in ("0", "off", "false", "no"):
-        return False
-    raise ValueError(f"environment variable {name}={os.environ[name]!r}: expected 1/on/true/yes or 0/off/false/no")
-
-
-def env_setting(name: str, default: int, allowed: tuple[int, ...]) -> int:
-    """The environment's setting ``name`` (unset: ``default``), one of ``allowed``; another value is refused by name."""
-    value = os.environ.get(name, str(default)).strip()
-    if value.isdigit() and int(value) in allowed:
-        return int(value)
-    raise ValueError(f"environment variable {name}={value!r}: expected one of {', '.join(map(str, allowed))}")
 
 
 #: launch the lowbit combine as a programmatic dependent of the dense kernel's packed pass where the GPU and Triton can

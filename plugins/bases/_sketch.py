@@ -20,7 +20,7 @@ batch row's result depends only on that row's data.
 from __future__ import annotations
 
 from kvweave.core.lazy import torch
-from kvweave.core.linalg import cholesky_qr
+from kvweave.core.linalg import cholesky_qr, tall_product
 
 
 def consecutive_windows(num_layers: int, window: int) -> list[tuple[int, ...]]:
@@ -89,10 +89,10 @@ def _range_finder_gram(
     """:func:`randomized_top_right` by Cholesky QR and a small ``eigh``; ``None`` where it breaks down."""
     q, ok = cholesky_qr(y @ omega)
     for _ in range(power_iterations):
-        w, w_ok = cholesky_qr(y.transpose(-1, -2) @ q.float())
+        w, w_ok = cholesky_qr(tall_product(y, q.float()))  # the long token axis summed in chunks on a GPU
         q, q_ok = cholesky_qr(y @ w.float())
         ok &= w_ok & q_ok
-    small = (q.float().transpose(-1, -2) @ y).double()  # [..., k, C]
+    small = tall_product(q.float(), y).double()  # [..., k, C]
     values, vectors = torch.linalg.eigh(small @ small.transpose(-1, -2))  # ascending
     values, vectors = values.flip(-1)[..., :rank], vectors.flip(-1)[..., :rank]
     sigma = values.clamp_min(0).sqrt()

@@ -23,6 +23,7 @@ import attrs
 from kvweave.core import hookimpl
 from kvweave.core.interfaces import Probe
 from kvweave.core.lazy import torch
+from kvweave.core.linalg import tall_product
 from kvweave.core.params import integer, number
 
 
@@ -54,6 +55,12 @@ def _context_logits(queries: torch.Tensor, context_keys: torch.Tensor, scale: fl
     logits = _logits(queries, context_keys, scale)
     query_pos = (total - observed + torch.arange(observed, device=context_keys.device)).repeat(q_heads // heads)
     return logits.masked_fill(torch.arange(total, device=context_keys.device)[None, :] > query_pos[:, None], float("-inf"))
+
+
+def _weighted(weights: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
+    """``weights`` [..., rows, n] times the block's ``values`` [..., n, D]: few rows over a long block, so summed over
+    the block in chunks on a GPU (:func:`kvweave.core.linalg.tall_product`)."""
+    return tall_product(weights.transpose(-1, -2), values)
 
 
 def _heads_norm(output: torch.Tensor) -> torch.Tensor:
@@ -99,21 +106,21 @@ class AttentionOutputProbe(Probe):
             weights = kept.get("weights")
             if weights is None:
                 weights = (_logits(queries, keys, scale) - kept["norm"][..., None]).exp()
-            difference, exact_norm = kept["exact_block"] - weights @ approx_values, kept["exact_norm"]
+            difference, exact_norm = kept["exact_block"] - _weighted(weights, approx_values), kept["exact_norm"]
         else:
             context = _context_logits(queries, context_keys, scale)
             block = _logits(queries, keys, scale)
             keep = shared is not None and block.numel() * block.element_size() <= KEEP_WEIGHTS_BYTES
             weights, context_weights, norm = _weights(block, context, normalizer=shared is not None and not keep)
             del block
-            exact_block = weights @ values
+            exact_block = _weighted(weights, values)
             exact = exact_block + context_weights @ context_values
             if approx_keys is keys:
-                difference = exact_block - weights @ approx_values
+                difference = exact_block - _weighted(weights, approx_values)
             else:
                 approx_weights, approx_context, _ = _weights(_logits(queries, approx_keys, scale), context)
                 del context
-                difference = exact - (approx_weights @ approx_values + approx_context @ context_values)
+                difference = exact - (_weighted(approx_weights, approx_values) + approx_context @ context_values)
             exact_norm = _heads_norm(exact)
             if shared is not None:
                 shared.clear()
