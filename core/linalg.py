@@ -69,13 +69,15 @@ def tall_product(a: torch.Tensor, b: torch.Tensor, chunk: int | None = None) -> 
     return out
 
 
-def cholesky_qr(a: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def cholesky_qr(a: torch.Tensor, rounds: int = 2) -> tuple[torch.Tensor, torch.Tensor]:
     """``(Q, ok)``: ``Q`` [..., m, k] (float64) with orthonormal columns spanning those of ``a`` [..., m, k]
-    (``m >= k``), by two rounds of ``Q = A R^-1`` with ``R^T R = A^T A``; ``ok`` [...] is false where a
-    Cholesky factorization failed or the result is not finite (then ``Q`` is meaningless there)."""
+    (``m >= k``), by ``rounds`` rounds of ``Q = A R^-1`` with ``R^T R = A^T A``; ``ok`` [...] is false where a
+    Cholesky factorization failed or the result is not finite (then ``Q`` is meaningless there). One round spans the
+    same columns, orthonormal to about ``eps cond(A)^2`` only: enough inside an iteration whose next step only needs
+    the span (the steps of a subspace iteration), two (CholeskyQR2) where the columns themselves are used."""
     q = a.double()
     ok = torch.ones(a.shape[:-2], dtype=torch.bool, device=a.device)
-    for _ in range(2):
+    for _ in range(rounds):
         gram = tall_product(q, q)
         factor, info = torch.linalg.cholesky_ex(gram)
         ok &= info == 0
@@ -89,7 +91,10 @@ def subspace_eigenvectors(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
     """:func:`top_eigenvectors` without the host read: ``(vectors, values, ok)``, ``ok`` [...] false for each matrix
     whose iteration broke down (its vectors are then meaningless); ``None`` only where ``rank`` exceeds the subspace's
-    width."""
+    width. The iteration's span after its steps is ``moment^(iterations + 1)`` times the start whatever the steps
+    orthonormalize in between, so it steps by ``moment^2`` and orthonormalizes each step by one Cholesky round, the
+    last twice: 7 rounds for 10 iterations where a round of two a power took 22 (each round a few small kernels, and
+    the prompt's flush bound by the host issuing them)."""
     dim = moment.shape[-1]
     width = min(rank + extra, 32, dim)
     if width < rank:
@@ -97,10 +102,16 @@ def subspace_eigenvectors(
     m = moment.double()
     generator = torch.Generator(device="cpu").manual_seed(seed)
     q = torch.randn(dim, width, generator=generator, dtype=torch.float64).to(m.device)
-    q, ok = cholesky_qr(m @ q)
-    for _ in range(iterations):
-        q, step_ok = cholesky_qr(m @ q)
+    q, ok = cholesky_qr(m @ q, rounds=1)
+    square = m @ m
+    for _ in range(iterations // 2):
+        q, step_ok = cholesky_qr(square @ q, rounds=1)
         ok &= step_ok
+    if iterations % 2:
+        q, step_ok = cholesky_qr(m @ q, rounds=1)
+        ok &= step_ok
+    q, step_ok = cholesky_qr(q, rounds=1)  # the last step's second round: orthonormal columns for Rayleigh-Ritz
+    ok &= step_ok
     small = q.transpose(-1, -2) @ m @ q  # [..., width, width]
     values, vectors = torch.linalg.eigh((small + small.transpose(-1, -2)) / 2)  # ascending
     top = vectors.flip(-1)[..., :rank]  # [..., width, rank], largest first

@@ -5,9 +5,10 @@ eigh results the CPU path gives."""
 
 from __future__ import annotations
 
+import pytest
 import torch
 
-from kvweave.core.linalg import cholesky_qr, top_eigenvectors
+from kvweave.core.linalg import cholesky_qr, subspace_eigenvectors, top_eigenvectors
 from kvweave.plugins.bases._sketch import _gaussian, _range_finder_gram, randomized_top_right
 
 
@@ -69,3 +70,43 @@ def test_gram_range_finder_equals_the_householder_one():
 def test_gram_range_finder_declines_a_block_with_too_few_directions():
     y = torch.randn(1, 2, 200, 3) @ torch.randn(1, 2, 3, 40)  # rank 3, sketch of 12 columns
     assert _range_finder_gram(y, _gaussian((40, 12), 0, y.device), 8, 2) is None
+
+
+def sine_angle(a: torch.Tensor, b: torch.Tensor) -> float:
+    """Largest principal angle (degrees) between the row spaces of ``a`` and ``b`` [..., r, C] (orthonormal rows), from
+    its sine, which resolves angles far below what the arccos of a cosine near 1 can."""
+    a, b = a.double(), b.double()
+    outside = b - (b @ a.transpose(-1, -2)) @ a
+    return float(torch.rad2deg(torch.arcsin(torch.linalg.matrix_norm(outside, ord=2).max().clamp(max=1.0))))
+
+
+def test_one_cholesky_round_spans_the_columns_and_two_make_them_orthonormal():
+    torch.manual_seed(3)
+    a = torch.randn(2, 4000, 24, dtype=torch.float64) * torch.logspace(0, 3, 24, dtype=torch.float64)
+    one, ok_one = cholesky_qr(a, rounds=1)
+    two, ok_two = cholesky_qr(a, rounds=2)
+    assert ok_one.all() and ok_two.all()
+    eye = torch.eye(24, dtype=torch.float64)
+    assert (one.transpose(-1, -2) @ one - eye).abs().max() < 1e-6
+    assert (two.transpose(-1, -2) @ two - eye).abs().max() < 1e-13
+    assert sine_angle(one.transpose(-1, -2), two.transpose(-1, -2)) < 1e-8  # the same span
+
+
+@pytest.mark.parametrize("iterations", [10, 5, 0])
+def test_subspace_iteration_by_squares_spans_what_single_powers_did(iterations):
+    """``moment^2`` steps and one Cholesky round a step give the span of ``iterations + 1`` powers, as stepping by
+    ``moment`` with two rounds a step did (written out here)."""
+    torch.manual_seed(4)
+    x = torch.randn(4, 3000, 128, dtype=torch.float64) * torch.linspace(3.0, 0.3, 128, dtype=torch.float64)
+    moment = x.transpose(-1, -2) @ x
+    vectors, values, ok = subspace_eigenvectors(moment, 8, iterations=iterations)
+    assert ok.all()
+    generator = torch.Generator(device="cpu").manual_seed(0)
+    q = torch.randn(128, 32, generator=generator, dtype=torch.float64)
+    for _ in range(iterations + 1):
+        q, _ = cholesky_qr(moment @ q, rounds=2)
+    small = q.transpose(-1, -2) @ moment @ q
+    ref_values, ref_vectors = torch.linalg.eigh((small + small.transpose(-1, -2)) / 2)
+    reference = (q @ ref_vectors.flip(-1)[..., :8]).transpose(-1, -2)
+    assert sine_angle(vectors, reference) < 1e-6
+    torch.testing.assert_close(values, ref_values.flip(-1)[..., :8], rtol=1e-10, atol=0)

@@ -87,10 +87,11 @@ def _range_finder_gram(
     y: torch.Tensor, omega: torch.Tensor, rank: int, power_iterations: int
 ) -> tuple[torch.Tensor, torch.Tensor] | None:
     """:func:`randomized_top_right` by Cholesky QR and a small ``eigh``; ``None`` where it breaks down."""
-    q, ok = cholesky_qr(y @ omega)
-    for _ in range(power_iterations):
-        w, w_ok = cholesky_qr(tall_product(y, q.float()))  # the long token axis summed in chunks on a GPU
-        q, q_ok = cholesky_qr(y @ w.float())
+    # the steps need only their spans (one Cholesky round each); the last tall basis orthonormal (two rounds)
+    q, ok = cholesky_qr(y @ omega, rounds=1 if power_iterations else 2)
+    for step in range(power_iterations):
+        w, w_ok = cholesky_qr(tall_product(y, q.float()), rounds=1)  # the long token axis summed in chunks on a GPU
+        q, q_ok = cholesky_qr(y @ w.float(), rounds=2 if step == power_iterations - 1 else 1)
         ok &= w_ok & q_ok
     small = tall_product(q.float(), y).double()  # [..., k, C]
     values, vectors = torch.linalg.eigh(small @ small.transpose(-1, -2))  # ascending

@@ -3,7 +3,10 @@
 # PART=a: the GPU tests of the chunked products and of the stages that use them, then tall_products.py (the three
 #         stages at each chunk length, against one product), then the first token at 32K with the chunks off
 #         (KVWEAVE_TALL_CHUNK=0) and on, in turn, twice; then the first token profiled by stage with the chunks on.
-# Run from the repository's root: OUT=folder PART=a bash docs/perf/gpu-2026-12-06-tall/lease.sh
+# PART=b: the subspace iterations by fewer Cholesky rounds: their GPU tests (and the dense kernel's early loads'), then
+#         tall_products.py, then the first token at 32K with the tree before (BEFORE=folder) and this one, in turn,
+#         twice; then this tree's first token profiled by stage.
+# Run from the repository's root: OUT=folder PART=a|b [BEFORE=folder] bash docs/perf/gpu-2026-12-06-tall/lease.sh
 set -o pipefail
 OUT=${OUT:-$PWD/results/lease}
 mkdir -p "$OUT"
@@ -20,6 +23,20 @@ if [ "${PART:-a}" = a ]; then
       step 120 ab-ttft.txt env KVWEAVE_TALL_CHUNK=$chunk python benchmarks/decode_e2e.py --methods full,depthweave-kv \
         --ttft 32768 --batches "" --out /tmp/kvweave-ttft-$chunk
     done
+  done
+  step 150 prefill-dw.txt python benchmarks/profile_prefill.py --tokens 32768 --ops 30
+elif [ "$PART" = b ]; then  # the tree before (BEFORE=folder holding it, imported as kvweave) and this one, in turn
+  step 200 gpu-tests.txt python -m pytest -q -p no:cacheprovider tests/test_tall_product.py tests/test_linalg.py \
+    tests/test_residual_fit.py tests/test_dense_ahead.py
+  step 120 tall-products.txt python benchmarks/tall_products.py --tokens 32640 --chunks 0,1024
+  mkdir -p /tmp/kvweave-before && ln -sfn "$(cd "$BEFORE" && pwd)" /tmp/kvweave-before/kvweave
+  for round in 1 2; do
+    echo "before, round $round" >> "$OUT/ab-ttft.txt"
+    step 120 ab-ttft.txt env PYTHONPATH=/tmp/kvweave-before:$BEFORE/benchmarks python $BEFORE/benchmarks/decode_e2e.py \
+      --methods full,depthweave-kv --ttft 32768 --batches "" --out /tmp/kvweave-before-ttft
+    echo "this tree, round $round" >> "$OUT/ab-ttft.txt"
+    step 120 ab-ttft.txt python benchmarks/decode_e2e.py --methods full,depthweave-kv --ttft 32768 --batches "" \
+      --out /tmp/kvweave-ttft
   done
   step 150 prefill-dw.txt python benchmarks/profile_prefill.py --tokens 32768 --ops 30
 fi
