@@ -26,6 +26,26 @@ from kvweave.core.lazy import torch
 TALL_CHUNK = env_setting("KVWEAVE_TALL_CHUNK", 1024, (0, 256, 512, 1024, 2048, 4096, 8192))
 
 
+#: device copies of the seeded Gaussian matrices (:func:`seeded_gaussian`), by shape, seed, dtype and device
+_GAUSSIANS: dict[tuple, torch.Tensor] = {}
+
+
+def seeded_gaussian(shape: tuple[int, ...], seed: int, device: torch.device, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """A standard Gaussian matrix from a CPU generator seeded with ``seed`` (the same numbers on every device), on
+    ``device``; read-only, as it is shared. On a GPU it is made once and sent from pinned memory without waiting: a
+    tensor sent from ordinary host memory waits for every kernel queued before it, and a prompt's flush would then wait
+    for the model's queued layers before it queued its own first product."""
+    key = (tuple(shape), seed, dtype, str(device))
+    made = _GAUSSIANS.get(key)
+    if made is None:
+        generator = torch.Generator(device="cpu").manual_seed(seed)
+        made = torch.randn(shape, generator=generator, dtype=dtype)
+        if torch.device(device).type == "cuda":
+            made = made.pin_memory().to(device, non_blocking=True)
+            _GAUSSIANS[key] = made
+    return made
+
+
 def tall_chunk(device: torch.device, tokens: int) -> int:
     """The chunk :func:`tall_product` cuts ``tokens`` into on ``device``: :data:`TALL_CHUNK` on a CUDA GPU where that
     makes two chunks or more, else 0 (one product: a CPU's BLAS splits the long axis itself)."""
@@ -100,8 +120,7 @@ def subspace_eigenvectors(
     if width < rank:
         return None
     m = moment.double()
-    generator = torch.Generator(device="cpu").manual_seed(seed)
-    q = torch.randn(dim, width, generator=generator, dtype=torch.float64).to(m.device)
+    q = seeded_gaussian((dim, width), seed, m.device, torch.float64)
     q, ok = cholesky_qr(m @ q, rounds=1)
     square = m @ m
     for _ in range(iterations // 2):

@@ -20,7 +20,7 @@ batch row's result depends only on that row's data.
 from __future__ import annotations
 
 from kvweave.core.lazy import torch
-from kvweave.core.linalg import cholesky_qr, tall_product
+from kvweave.core.linalg import cholesky_qr, seeded_gaussian, tall_product
 
 
 def consecutive_windows(num_layers: int, window: int) -> list[tuple[int, ...]]:
@@ -29,8 +29,8 @@ def consecutive_windows(num_layers: int, window: int) -> list[tuple[int, ...]]:
 
 
 def _gaussian(shape: tuple[int, ...], seed: int, device: torch.device) -> torch.Tensor:
-    generator = torch.Generator(device="cpu").manual_seed(seed)
-    return torch.randn(shape, generator=generator, dtype=torch.float32).to(device)
+    """The float32 Gaussian test matrix of ``seed`` on ``device`` (:func:`kvweave.core.linalg.seeded_gaussian`)."""
+    return seeded_gaussian(shape, seed, device)
 
 
 def _orthonormal_rows(rows: torch.Tensor) -> torch.Tensor:

@@ -5,7 +5,7 @@
 #         (KVWEAVE_TALL_CHUNK=0) and on, in turn, twice; then the first token profiled by stage with the chunks on.
 # PART=b: the subspace iterations by fewer Cholesky rounds: their GPU tests (and the dense kernel's early loads'), then
 #         tall_products.py, then the first token at 32K with the tree before (BEFORE=folder) and this one, in turn,
-#         twice; then this tree's first token profiled by stage.
+#         twice; then this tree's first token profiled by stage, and where its flushes wait for the GPU (8 layers).
 # Run from the repository's root: OUT=folder PART=a|b [BEFORE=folder] bash docs/perf/gpu-2026-12-06-tall/lease.sh
 set -o pipefail
 OUT=${OUT:-$PWD/results/lease}
@@ -39,4 +39,5 @@ elif [ "$PART" = b ]; then  # the tree before (BEFORE=folder holding it, importe
       --out /tmp/kvweave-ttft
   done
   step 150 prefill-dw.txt python benchmarks/profile_prefill.py --tokens 32768 --ops 30
+  step 120 syncs.txt python docs/perf/h200-2026-12-04-ttft/prefill_syncs.py --pipeline depthweave-kv --layers 8
 fi
