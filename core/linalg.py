@@ -19,6 +19,7 @@ functions here are built from those:
 from __future__ import annotations
 
 from kvweave.core.environment import env_setting
+from kvweave.core.host_to_device import send
 from kvweave.core.lazy import torch
 
 #: tokens a chunk of :func:`tall_product` on a CUDA GPU (0: one product over the whole axis, as before); the
@@ -41,7 +42,7 @@ def seeded_gaussian(shape: tuple[int, ...], seed: int, device: torch.device, dty
         generator = torch.Generator(device="cpu").manual_seed(seed)
         made = torch.randn(shape, generator=generator, dtype=dtype)
         if torch.device(device).type == "cuda":
-            made = made.pin_memory().to(device, non_blocking=True)
+            made = send(made, device)
             _GAUSSIANS[key] = made
     return made
 

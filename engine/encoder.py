@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from kvweave.core.errors import ComponentError
+from kvweave.core.host_to_device import device_constant
 from kvweave.core.interfaces import KINDS, RouteBlock
 from kvweave.core.storage import TensorMap
 from kvweave.engine.residuals import add_residuals, begin_residual_fit, encode_residuals, mix_residuals, residual_rows
@@ -314,7 +315,7 @@ class BlockEncoder:
                 f"router '{self.engine.pipeline.use('router')}' returned ranks shaped {tuple(ranks.shape)}; expected {tuple(shape)}")
         levels = sorted(self.engine.levels)
         width = len(levels) + 1  # the levels, then one place for a stray rank
-        table = torch.tensor(levels, device=ranks.device, dtype=ranks.dtype)
+        table = device_constant(levels, ranks.dtype, ranks.device)
         at = torch.searchsorted(table, ranks.contiguous()).clamp_max(len(levels) - 1)
         code = torch.where(table[at] == ranks, at, len(levels))
         # each member's count and last token by level as reductions over a one-hot of the codes: a scatter into the

@@ -33,6 +33,7 @@ import attrs
 
 from kvweave.core import hookimpl
 from kvweave.core.errors import ModelError
+from kvweave.core.host_to_device import device_constant
 from kvweave.core.interfaces import ModelShape, RouteBlock, Router
 from kvweave.core.lazy import torch
 from kvweave.core.params import choice, int_tuple, number, shipped_path
@@ -170,13 +171,13 @@ class SigmoidMultilevelRouter(Router):
         if self.scoring == "random":  # same budget, ranks not conditioned on the token
             generator = torch.Generator().manual_seed(block.layers[0] * 7919 + block.vectors.shape[-2])
             return torch.rand(block.vectors.shape[:-1], generator=generator).to(block.vectors.device)
-        u = torch.tensor(self._trained["u"] if self._trained else DEFAULT_WEIGHTS, device=block.vectors.device)
+        u = device_constant(self._trained["u"] if self._trained else DEFAULT_WEIGHTS, torch.float32, block.vectors.device)
         bias = self._trained["bias"] if self._trained else DEFAULT_BIAS
         return torch.sigmoid(self.features(block) @ u + bias)
 
     def assign(self, block: RouteBlock) -> torch.Tensor:
         scores = self.scores(block)
-        levels = torch.tensor(self.levels_, device=scores.device)
+        levels = device_constant(self.levels_, torch.int64, scores.device)
         thresholds = torch.linspace(0, 1, len(self.levels_) + 1, device=scores.device)[1:-1]
         over = scores.unsqueeze(-1) - thresholds  # a token reaches level j + 1 where its shift is below over[..., j]
         if block.budget_bytes is None:
@@ -197,12 +198,12 @@ def budget_shift(over: torch.Tensor, cost: list[float], budget: float) -> torch.
         raise ValueError(f"sigmoid-multilevel: residual entry bytes by level {cost} fall as the rank rises; the "
                          "budget's shift needs them non-decreasing")
     crossings = over.reshape(-1, len(added))
-    steps = torch.tensor(added, dtype=torch.float64, device=over.device).expand(crossings.shape).reshape(-1)
+    steps = device_constant(added, torch.float64, over.device).expand(crossings.shape).reshape(-1)
     ordered, order = torch.sort(crossings.reshape(-1), descending=True, stable=True)
     spent = torch.cumsum(steps[order], dim=0)
-    fits = torch.searchsorted(spent, torch.tensor([float(budget)], dtype=torch.float64, device=over.device), right=True)[0]
+    fits = torch.searchsorted(spent, float(budget), right=True)  # a 0-d tensor; the budget sent as a scalar argument
     last = ordered.numel() - 1
-    return torch.where(fits > last, torch.tensor(float("-inf"), device=over.device), ordered[fits.clamp(max=last)])
+    return ordered[fits.clamp(max=last)].masked_fill(fits > last, float("-inf"))
 
 
 @hookimpl

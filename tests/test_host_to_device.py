@@ -1,0 +1,54 @@
+"""Small host tensors sent to the device without a wait (core/host_to_device.py), the seeded Gaussian matrices
+(core/linalg.py ``seeded_gaussian``) and the router's budget shift after its constants moved there."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kvweave.core.host_to_device import device_constant, send
+from kvweave.core.linalg import seeded_gaussian
+from kvweave.plugins.routers.sigmoid_multilevel import budget_shift
+
+
+def test_device_constant_holds_the_numbers_once_per_dtype():
+    first = device_constant([0, 2, 4, 8], torch.int64, "cpu")
+    assert first.dtype == torch.int64 and first.tolist() == [0, 2, 4, 8]
+    assert device_constant((0, 2, 4, 8), torch.int64, torch.device("cpu")) is first  # made once
+    wider = device_constant((0, 2, 4, 8), torch.float64, "cpu")
+    assert wider is not first and wider.dtype == torch.float64
+
+
+def test_send_keeps_values_and_dtype():
+    host = torch.arange(6, dtype=torch.int16).view(2, 3)
+    sent = send(host, "cpu")
+    assert torch.equal(sent, host) and sent.dtype == torch.int16
+
+
+def test_seeded_gaussian_is_the_generators_numbers():
+    generator = torch.Generator(device="cpu").manual_seed(11)
+    expected = torch.randn(5, 3, generator=generator, dtype=torch.float64)
+    assert torch.equal(seeded_gaussian((5, 3), 11, torch.device("cpu"), torch.float64), expected)
+    assert not torch.equal(seeded_gaussian((5, 3), 12, torch.device("cpu"), torch.float64), expected)
+
+
+@pytest.mark.parametrize("budget", [0.0, 3.0, 7.5, 40.0, 1e9])
+def test_budget_shift_spends_at_most_the_budget_and_no_less_than_one_crossing_more_would(budget):
+    """The shift lets the levels ``(over > shift).sum(-1)`` cost at most ``budget``; one crossing further would pass
+    it, unless every crossing fits (then the shift is -inf)."""
+    torch.manual_seed(0)
+    scores = torch.rand(2, 3, 50)  # as the router makes them: each token's score less each level's threshold
+    over = scores.unsqueeze(-1) - torch.tensor([0.25, 0.5, 0.75])
+    cost = [0.0, 1.0, 2.5, 4.0]
+    shift = budget_shift(over, cost, budget)
+    assert shift.dim() == 0 and shift.dtype == over.dtype
+
+    def spent(delta):
+        levels = (over > delta).sum(-1)
+        return torch.tensor(cost)[levels].sum().item()
+
+    assert spent(shift) <= budget + 1e-9
+    if torch.isinf(shift):
+        assert spent(float("-inf")) <= budget
+    else:
+        assert spent(shift - 1e-6) > budget  # the next crossing down would pass the budget
