@@ -31,11 +31,12 @@ TALL_CHUNK = env_setting("KVWEAVE_TALL_CHUNK", 1024, (0, 256, 512, 1024, 2048, 4
 _GAUSSIANS: dict[tuple, torch.Tensor] = {}
 
 
-def seeded_gaussian(shape: tuple[int, ...], seed: int, device: torch.device, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+def seeded_gaussian(shape: tuple[int, ...], seed: int, device: torch.device, dtype: torch.dtype | None = None) -> torch.Tensor:
     """A standard Gaussian matrix from a CPU generator seeded with ``seed`` (the same numbers on every device), on
-    ``device``; read-only, as it is shared. On a GPU it is made once and sent from pinned memory without waiting: a
+    ``device``, float32 unless ``dtype`` says; read-only, as it is shared. On a GPU it is made once and sent from pinned memory without waiting: a
     tensor sent from ordinary host memory waits for every kernel queued before it, and a prompt's flush would then wait
     for the model's queued layers before it queued its own first product."""
+    dtype = torch.float32 if dtype is None else dtype  # (a default of torch.float32 would import torch with the module)
     key = (tuple(shape), seed, dtype, str(device))
     made = _GAUSSIANS.get(key)
     if made is None:

@@ -148,10 +148,8 @@ class SketchEmaBasis(BasisBuilder):
         return x.permute(1, 2, 0, 3, 4).reshape(b, h, g * n, d)
 
     def _fit(self, rows: torch.Tensor, version: int) -> tuple[torch.Tensor, torch.Tensor]:
-        # the rows' singular vectors, their values scaled by 1 / sqrt(rows) after (one pass less over the block than
-        # scaling the rows: the prompt's block is [B, H, ~32K, G*D] float32)
-        p, sigma = randomized_top_right(rows, self.rank, self.oversample, self.power_iterations, self.seed + version)
-        return p, sigma / rows.shape[-2] ** 0.5
+        scaled = rows / rows.shape[-2] ** 0.5
+        return randomized_top_right(scaled, self.rank, self.oversample, self.power_iterations, self.seed + version)
 
     # ------------------------------------------------------------------------------ state
     def init_state(self, x: torch.Tensor) -> dict[str, torch.Tensor]:
