@@ -52,3 +52,38 @@ def test_budget_shift_spends_at_most_the_budget_and_no_less_than_one_crossing_mo
         assert spent(float("-inf")) <= budget
     else:
         assert spent(shift - 1e-6) > budget  # the next crossing down would pass the budget
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="counts the host's waits for a CUDA GPU")
+def test_depthweave_kv_prompt_flush_first_waits_for_the_gpu_at_its_rank_counts():
+    """Within the flushes of depthweave-kv's prompt, the first call that makes the host wait for the GPU is the rank
+    counts' read (``torch.cuda.set_sync_debug_mode``): nothing sent from ordinary host memory before it, so the flush
+    queues its products behind the model's layers without waiting for them."""
+    import traceback
+    import warnings
+
+    from kvweave.engine import build_cache, cache_kwargs
+    from test_graphs import _Vocabulary
+    from test_graphs_gpu import _gpu_llama
+
+    net, ids = _gpu_llama(128, 4)
+
+    def prompt(cache):
+        with torch.no_grad():
+            net.generate(input_ids=ids, max_new_tokens=1, do_sample=False, **cache_kwargs(net, cache))
+
+    prompt(build_cache("depthweave-kv", net, tokenizer=_Vocabulary()))  # what is made once a device, made
+    torch.cuda.synchronize()
+    stacks: list[list[str]] = []
+    cache = build_cache("depthweave-kv", net, tokenizer=_Vocabulary())
+    with warnings.catch_warnings():
+        warnings.simplefilter("always")
+        warnings.showwarning = lambda *args, **kwargs: stacks.append([f.name for f in traceback.extract_stack()])
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            prompt(cache)
+        finally:
+            torch.cuda.set_sync_debug_mode(0)
+    in_flushes = [names for names in stacks if "_flush" in names]
+    assert in_flushes, "the prompt was not flushed, or its flushes never waited for the GPU"
+    assert "rank_counts" in in_flushes[0], in_flushes[0][-8:]
