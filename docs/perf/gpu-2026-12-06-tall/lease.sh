@@ -26,7 +26,7 @@ if [ "${PART:-a}" = a ]; then
   done
   step 150 prefill-dw.txt python benchmarks/profile_prefill.py --tokens 32768 --ops 30
 elif [ "$PART" = b ]; then  # the tree before (BEFORE=folder holding it, imported as kvweave) and this one, in turn
-  step 200 gpu-tests.txt python -m pytest -q -p no:cacheprovider tests/test_tall_product.py tests/test_linalg.py \
+  step 200 gpu-tests.txt python -m pytest -q -p no:cacheprovider tests/test_tall_product.py tests/test_linalg.py tests/test_host_to_device.py \
     tests/test_residual_fit.py tests/test_dense_ahead.py
   step 120 tall-products.txt python benchmarks/tall_products.py --tokens 32640 --chunks 0,1024
   mkdir -p /tmp/kvweave-before && ln -sfn "$(cd "$BEFORE" && pwd)" /tmp/kvweave-before/kvweave
