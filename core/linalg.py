@@ -113,10 +113,26 @@ def subspace_eigenvectors(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
     """:func:`top_eigenvectors` without the host read: ``(vectors, values, ok)``, ``ok`` [...] false for each matrix
     whose iteration broke down (its vectors are then meaningless); ``None`` only where ``rank`` exceeds the subspace's
-    width. The iteration's span after its steps is ``moment^(iterations + 1)`` times the start whatever the steps
-    orthonormalize in between, so it steps by ``moment^2`` and orthonormalizes each step by one Cholesky round, the
-    last twice: 7 rounds for 10 iterations where a round of two a power took 22 (each round a few small kernels, and
-    the prompt's flush bound by the host issuing them)."""
+    width. :func:`subspace_iteration`, then :func:`rayleigh_ritz` (whose small ``eigh`` makes the host wait for the
+    GPU: torch reads its convergence on the host)."""
+    found = subspace_iteration(moment, rank, extra=extra, iterations=iterations, seed=seed)
+    if found is None:
+        return None
+    q, ok = found
+    vectors, values = rayleigh_ritz(moment, q, rank)
+    return vectors, values, ok
+
+
+def subspace_iteration(
+    moment: torch.Tensor, rank: int, *, extra: int = 24, iterations: int = 10, seed: int = 0
+) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """The orthonormal columns ``q`` [..., D, width] (float64) of ``iterations`` rounds of subspace iteration on
+    ``moment`` [..., D, D] from a seeded start, and ``ok`` [...] (false where it broke down); ``None`` where ``rank``
+    exceeds the width (``rank + extra``, at most 32 and D). Nothing read by the host. The span after the steps is
+    ``moment^(iterations + 1)`` times the start whatever the steps orthonormalize in between, so it steps by
+    ``moment^2`` and orthonormalizes each step by one Cholesky round, the last twice: 7 rounds for 10 iterations where a
+    round of two a power took 22 (each round a few small kernels, and the prompt's flush bound by the host issuing
+    them)."""
     dim = moment.shape[-1]
     width = min(rank + extra, 32, dim)
     if width < rank:
@@ -132,11 +148,17 @@ def subspace_eigenvectors(
         q, step_ok = cholesky_qr(m @ q, rounds=1)
         ok &= step_ok
     q, step_ok = cholesky_qr(q, rounds=1)  # the last step's second round: orthonormal columns for Rayleigh-Ritz
-    ok &= step_ok
+    return q, ok & step_ok
+
+
+def rayleigh_ritz(moment: torch.Tensor, q: torch.Tensor, rank: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The top-``rank`` eigenvectors [..., rank, D] (rows, float64, largest first) and eigenvalues of ``moment``
+    [..., D, D] within the span of the orthonormal columns ``q`` [..., D, width]."""
+    m = moment.double()
     small = q.transpose(-1, -2) @ m @ q  # [..., width, width]
     values, vectors = torch.linalg.eigh((small + small.transpose(-1, -2)) / 2)  # ascending
     top = vectors.flip(-1)[..., :rank]  # [..., width, rank], largest first
-    return (q @ top).transpose(-1, -2), values.flip(-1)[..., :rank], ok
+    return (q @ top).transpose(-1, -2), values.flip(-1)[..., :rank]
 
 
 def top_eigenvectors(

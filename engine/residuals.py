@@ -29,7 +29,7 @@ from __future__ import annotations
 import torch
 
 from kvweave.core.interfaces import Quantizer
-from kvweave.core.linalg import subspace_eigenvectors, tall_product
+from kvweave.core.linalg import rayleigh_ritz, subspace_iteration, tall_product
 from kvweave.core.storage import TensorMap, tensor_bytes
 
 TILE_TOKENS = 32  # tokens per word of a list's bits, and per tile of the kernels' tile index
@@ -208,14 +208,16 @@ class ResidualFit:
     whether it worked only when asked, so an encoder can queue the fit before the host read its routing makes anyway
     and ask after it (a prompt's flush then waits on the device once, not twice)."""
 
-    def __init__(self, moment: torch.Tensor, rank: int, found: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None):
+    def __init__(self, moment: torch.Tensor, rank: int, found: tuple[torch.Tensor, torch.Tensor] | None):
         self.moment, self.rank, self.found = moment, rank, found
 
     def basis(self) -> torch.Tensor:
-        """The basis [..., rank, D] (float16): the subspace iteration's where it worked for every matrix, else ``eigh``
-        of every matrix's second moment."""
-        if self.found is not None and bool(self.found[2].all()):
-            return self.found[0].to(torch.float16).contiguous()
+        """The basis [..., rank, D] (float16): the subspace iteration's (its Rayleigh-Ritz step here: its small ``eigh``
+        makes the host wait for the GPU) where it worked for every matrix, else ``eigh`` of every matrix's second
+        moment."""
+        if self.found is not None and bool(self.found[1].all()):
+            vectors, _ = rayleigh_ritz(self.moment, self.found[0], self.rank)
+            return vectors.to(torch.float16).contiguous()
         _, vectors = torch.linalg.eigh(self.moment)  # ascending eigenvalues; columns are eigenvectors
         return vectors.flip(-1)[..., : self.rank].transpose(-1, -2).to(torch.float16).contiguous()  # largest first
 
@@ -227,7 +229,8 @@ def begin_residual_fit(missing: torch.Tensor, rank: int) -> ResidualFit:
     # [..., D, D], one leading index at a time: a prompt's block in float32 would be several GB at once
     # the token axis in chunks on a GPU (:func:`kvweave.core.linalg.tall_product`: 8 heads' products filled 8 SMs)
     moment = torch.stack([tall_product(part.float(), part.float()) for part in missing])
-    found = subspace_eigenvectors(moment, rank) if moment.is_cuda and moment.shape[-1] > 32 else None
+    # the iteration queued; its Rayleigh-Ritz step waits for ResidualFit.basis, after the routing's own host read
+    found = subspace_iteration(moment, rank) if moment.is_cuda and moment.shape[-1] > 32 else None
     return ResidualFit(moment, rank, found)
 
 

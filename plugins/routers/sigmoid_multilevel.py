@@ -203,7 +203,9 @@ def budget_shift(over: torch.Tensor, cost: list[float], budget: float) -> torch.
     spent = torch.cumsum(steps[order], dim=0)
     fits = torch.searchsorted(spent, float(budget), right=True)  # a 0-d tensor; the budget sent as a scalar argument
     last = ordered.numel() - 1
-    return ordered[fits.clamp(max=last)].masked_fill(fits > last, float("-inf"))
+    # index_select, not ordered[fits]: indexing by a 0-d tensor reads it on the host
+    shift = ordered.index_select(0, fits.clamp(max=last).view(1)).squeeze(0)
+    return shift.masked_fill(fits > last, float("-inf"))
 
 
 @hookimpl
