@@ -17,14 +17,7 @@ from kvweave.engine.residuals import begin_residual_fit
 from kvweave.plugins.bases._sketch import _gaussian, _range_finder_gram
 from kvweave.plugins.probes.attention_output import AttentionOutputProbe
 
-
-def largest_angle(a: torch.Tensor, b: torch.Tensor) -> float:
-    """Largest principal angle (degrees) between the row spaces of ``a`` and ``b`` [..., r, C] (orthonormal rows), from
-    its sine: what of ``b`` lies outside ``a``'s span (an arccos of cosines near 1 cannot tell 0.01 degrees from 0 in
-    float32)."""
-    a, b = a.double(), b.double()
-    outside = b - (b @ a.transpose(-1, -2)) @ a
-    return float(torch.rad2deg(torch.arcsin(torch.linalg.matrix_norm(outside, ord=2).max().clamp(max=1.0))))
+from test_linalg import sine_angle as largest_angle
 
 
 @pytest.mark.parametrize("tokens", [4096, 4099, 3000, 1500])
