@@ -133,3 +133,24 @@ def test_the_probe_measures_the_same_errors_in_chunks(monkeypatch):
     parts = pair()
     assert (whole > 1e-3).all()  # the errors measured are not zero
     torch.testing.assert_close(parts, whole, rtol=1e-5, atol=1e-7)
+
+
+def test_the_benchmark_builds_its_block_measures_angles_and_refuses_a_machine_without_a_gpu():
+    """benchmarks/tall_products.py: its block and angle on this CPU; without CUDA it says so instead of timing."""
+    import pathlib
+
+    root = pathlib.Path(__file__).resolve().parents[1]
+    sys.path.insert(0, str(root / "benchmarks"))
+    import tall_products
+
+    case = tall_products.block_case(96, device="cpu")
+    assert case["work"].shape == (4, 1, 8, 96, 128) and case["queries"].shape == (4, 1, 32, 8, 128)
+    assert torch.equal(case["work"], case["work"].bfloat16().float())  # bfloat16 values, as a model's keys
+    torch.manual_seed(5)
+    basis = torch.linalg.qr(torch.randn(2, 64, 6, dtype=torch.float64))[0].transpose(-1, -2)
+    turned = torch.linalg.qr((basis + 0.001 * torch.randn_like(basis)).transpose(-1, -2))[0].transpose(-1, -2)
+    assert tall_products.angle(basis, basis) < 1e-6 < tall_products.angle(basis, turned) < 5
+    if not torch.cuda.is_available():
+        run = subprocess.run([sys.executable, str(root / "benchmarks" / "tall_products.py"), "--tokens", "64"],
+                             capture_output=True, text=True)
+        assert run.returncode != 0 and "no CUDA GPU" in run.stderr
