@@ -9,7 +9,10 @@ functions here are built from those:
   flag per matrix saying whether it worked (a rank-deficient ``A`` fails: callers fall back);
 - :func:`top_eigenvectors`: the top eigenvectors of symmetric PSD matrices by subspace iteration with a
   Rayleigh-Ritz step on a <= 32 x 32 matrix; :func:`subspace_eigenvectors` the same without reading whether it
-  worked (no host read: the caller reads the flag where it reads the host anyway);
+  worked (no host read: the caller reads the flag where it reads the host anyway), in two parts:
+  :func:`subspace_iteration` (nothing read by the host) and :func:`rayleigh_ritz` (its small ``eigh`` is: torch
+  reads its convergence there);
+- :func:`seeded_gaussian`: a seeded Gaussian matrix, on a GPU made once and sent without a wait;
 - :func:`tall_product`: ``A^T B`` summed over a long token axis (a block's second moment, a sketch's projections, a
   probe's weighted values). cuBLAS runs a batch of such products one tile of the small output per program, so 8 heads'
   128 x 128 second moments over 32K tokens keep 8 of an H100's 132 SMs busy; cut into chunks of the token axis, each
@@ -31,11 +34,13 @@ TALL_CHUNK = env_setting("KVWEAVE_TALL_CHUNK", 1024, (0, 256, 512, 1024, 2048, 4
 _GAUSSIANS: dict[tuple, torch.Tensor] = {}
 
 
-def seeded_gaussian(shape: tuple[int, ...], seed: int, device: torch.device, dtype: torch.dtype | None = None) -> torch.Tensor:
+def seeded_gaussian(
+    shape: tuple[int, ...], seed: int, device: torch.device, dtype: torch.dtype | None = None
+) -> torch.Tensor:
     """A standard Gaussian matrix from a CPU generator seeded with ``seed`` (the same numbers on every device), on
-    ``device``, float32 unless ``dtype`` says; read-only, as it is shared. On a GPU it is made once and sent from pinned memory without waiting: a
-    tensor sent from ordinary host memory waits for every kernel queued before it, and a prompt's flush would then wait
-    for the model's queued layers before it queued its own first product."""
+    ``device``, float32 unless ``dtype`` says; read-only, as it is shared. On a GPU it is made once and sent from
+    pinned memory without waiting: a tensor sent from ordinary host memory waits for every kernel queued before it, and
+    a prompt's flush would then wait for the model's queued layers before it queued its own first product."""
     dtype = torch.float32 if dtype is None else dtype  # (a default of torch.float32 would import torch with the module)
     key = (tuple(shape), seed, dtype, str(device))
     made = _GAUSSIANS.get(key)

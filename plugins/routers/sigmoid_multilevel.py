@@ -171,7 +171,8 @@ class SigmoidMultilevelRouter(Router):
         if self.scoring == "random":  # same budget, ranks not conditioned on the token
             generator = torch.Generator().manual_seed(block.layers[0] * 7919 + block.vectors.shape[-2])
             return torch.rand(block.vectors.shape[:-1], generator=generator).to(block.vectors.device)
-        u = device_constant(self._trained["u"] if self._trained else DEFAULT_WEIGHTS, torch.float32, block.vectors.device)
+        weights = self._trained["u"] if self._trained else DEFAULT_WEIGHTS
+        u = device_constant(weights, torch.float32, block.vectors.device)
         bias = self._trained["bias"] if self._trained else DEFAULT_BIAS
         return torch.sigmoid(self.features(block) @ u + bias)
 
