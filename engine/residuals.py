@@ -213,8 +213,7 @@ class ResidualFit:
 
     def basis(self) -> torch.Tensor:
         """The basis [..., rank, D] (float16): the subspace iteration's (its Rayleigh-Ritz step here: its small ``eigh``
-        makes the host wait for the GPU) where it worked for every matrix, else ``eigh`` of every matrix's second
-        moment."""
+        makes the host wait for the GPU) where it worked for every matrix, else ``eigh`` of every second moment."""
         if self.found is not None and bool(self.found[1].all()):
             vectors, _ = rayleigh_ritz(self.moment, self.found[0], self.rank)
             return vectors.to(torch.float16).contiguous()
@@ -226,8 +225,8 @@ def begin_residual_fit(missing: torch.Tensor, rank: int) -> ResidualFit:
     """:func:`fit_residual_basis` with nothing read by the host until :meth:`ResidualFit.basis`."""
     if missing.dim() < 3:
         raise ValueError(f"residuals must be [..., n, D] with at least one leading dimension, got {tuple(missing.shape)}")
-    # [..., D, D], one leading index at a time: a prompt's block in float32 would be several GB at once
-    # the token axis in chunks on a GPU (:func:`kvweave.core.linalg.tall_product`: 8 heads' products filled 8 SMs)
+    # [..., D, D], one leading index at a time (a prompt's block in float32 would be several GB at once), the token
+    # axis in chunks on a GPU (kvweave.core.linalg.tall_product: 8 heads' products filled 8 SMs)
     moment = torch.stack([tall_product(part.float(), part.float()) for part in missing])
     # the iteration queued; its Rayleigh-Ritz step waits for ResidualFit.basis, after the routing's own host read
     found = subspace_iteration(moment, rank) if moment.is_cuda and moment.shape[-1] > 32 else None
