@@ -7,7 +7,8 @@ the GPU has caught up, and the GPU then idles while the host issues it. Copied f
 the copy takes its place in the queue and the host goes on.
 
 - :func:`send`: a host tensor on ``device``, through pinned memory where ``device`` is a GPU;
-- :func:`device_constant`: a tuple of numbers as a tensor on ``device``, made once per (numbers, dtype, device).
+- :func:`device_constant`: a tuple of numbers as a tensor on ``device``, made once per (numbers, dtype, device);
+- :func:`on_device`: a small host tensor of constants on ``device`` through :func:`device_constant`.
 """
 
 from __future__ import annotations
@@ -33,3 +34,13 @@ def _constant(values: tuple, dtype: torch.dtype, device: str) -> torch.Tensor:
 def device_constant(values, dtype: torch.dtype, device: torch.device | str) -> torch.Tensor:
     """``values`` (numbers) as a 1-d ``dtype`` tensor on ``device``, made once and shared: read-only."""
     return _constant(tuple(values), dtype, str(device))
+
+
+def on_device(values: torch.Tensor | None, device: torch.device | str) -> torch.Tensor | None:
+    """A small host tensor of constants (a router's residual gates) on ``device``: for the same numbers the same tensor,
+    made once (a CUDA graph replays the address it captured; a kernel cannot read host memory); a tensor on a device
+    already, or on the host for a host ``device``, as it is; None stays None."""
+    if values is None or values.device.type != "cpu" or torch.device(device).type == "cpu":
+        return values
+    made = device_constant(values.flatten().tolist(), values.dtype, device)
+    return made if values.dim() == 1 else made.view(values.shape)

@@ -6,6 +6,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from kvweave.core.errors import CacheStateError
+from kvweave.core.host_to_device import on_device
 from kvweave.core.interfaces import KINDS
 from kvweave.core.view import KindView, LayerView, ResidualLevelView
 from kvweave.engine.residuals import TILE_TOKENS
@@ -52,7 +53,7 @@ def layer_view(engine: CompressionEngine, layer: int) -> LayerView:
             residuals=tuple(levels),
             residual_format=engine.residual_quantizers[kind].packed_format,
             residual_basis=window.residual_basis[kind],
-            gates=engine.router.gates(layer, kind),
+            gates=on_device(engine.router.gates(layer, kind), device),
             exact=attending[KINDS.index(kind)] if attending is not None else window.exact[kind],
             quantizer=engine.quantizer(group_index, kind),
         )

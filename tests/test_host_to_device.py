@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kvweave.core.host_to_device import device_constant, send
+from kvweave.core.host_to_device import device_constant, on_device, send
 from kvweave.core.linalg import seeded_gaussian
 from kvweave.plugins.routers.sigmoid_multilevel import budget_shift
 
@@ -101,3 +101,38 @@ def test_depthweave_kv_prompt_flush_waits_for_the_gpu_only_where_it_must():
     innermost = [names[-1] if names[-1] != "rayleigh_ritz" else f"{names[-2]}/rayleigh_ritz" for names in ours]
     assert set(innermost) <= FLUSH_WAITS, innermost
     assert "rank_counts" in innermost
+
+
+def test_on_device_makes_a_hosts_constants_once_and_leaves_the_rest():
+    gates = torch.tensor([0.25, 0.75])
+    assert on_device(None, "meta") is None
+    assert on_device(gates, "cpu") is gates  # a host tensor for the host
+    sent = on_device(gates, "meta")  # a device without data stands in for a GPU here
+    assert sent.device.type == "meta" and sent.shape == (2,) and sent.dtype == torch.float32
+    assert on_device(torch.tensor([0.25, 0.75]), "meta") is sent  # the same numbers: the tensor made before
+    assert on_device(sent, "cpu") is sent  # already on a device: as it is
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="decodes with a trained router on a CUDA GPU")
+def test_a_trained_routers_gates_reach_the_gpu(tmp_path):
+    """A depthweave-kv pipeline with a weights file (residual gates per layer and head, made on the host) stores and
+    decodes on the GPU: the gates reach the flush's reconstruction and the fused kernel on the cache's device."""
+    import json
+
+    from kvweave.core.registry import load_registry
+    from kvweave.engine import build_cache, cache_kwargs
+    from kvweave.plugins.routers.sigmoid_multilevel import FEATURES
+    from test_graphs import _Vocabulary
+    from test_graphs_gpu import _gpu_llama
+
+    net, ids = _gpu_llama(128, 4)
+    weights = tmp_path / "weights.json"
+    rows = [[0.5, 0.9]] * 4  # 4 layers x 2 KV heads
+    weights.write_text(json.dumps({"features": list(FEATURES), "u": [1.0, 1.0, 0.5, 0.5, 2.0], "bias": -1.0,
+                                   "gates": {"keys": rows, "values": rows}}))
+    registry = tmp_path / "registry.toml"
+    registry.write_text(f'[pipelines.gated]\nextends = "depthweave-kv"\n\n[pipelines.gated.router]\nweights = "{weights}"\n')
+    cache = build_cache(load_registry(registry).resolve("gated"), net, tokenizer=_Vocabulary())
+    with torch.no_grad():
+        out = net.generate(input_ids=ids, max_new_tokens=40, do_sample=False, **cache_kwargs(net, cache))
+    assert out.shape == (2, 340) and cache.engine.windows[0].compressed_tokens > 0
