@@ -21,6 +21,8 @@ functions here are built from those:
 
 from __future__ import annotations
 
+import functools
+
 from kvweave.core.environment import env_setting
 from kvweave.core.host_to_device import send
 from kvweave.core.lazy import torch
@@ -30,27 +32,28 @@ from kvweave.core.lazy import torch
 TALL_CHUNK = env_setting("KVWEAVE_TALL_CHUNK", 1024, (0, 256, 512, 1024, 2048, 4096, 8192))
 
 
-#: device copies of the seeded Gaussian matrices (:func:`seeded_gaussian`), by shape, seed, dtype and device
-_GAUSSIANS: dict[tuple, torch.Tensor] = {}
-
-
 def seeded_gaussian(
     shape: tuple[int, ...], seed: int, device: torch.device, dtype: torch.dtype | None = None
 ) -> torch.Tensor:
     """A standard Gaussian matrix from a CPU generator seeded with ``seed`` (the same numbers on every device), on
-    ``device``, float32 unless ``dtype`` says; read-only, as it is shared. On a GPU it is made once and sent from
-    pinned memory without waiting: a tensor sent from ordinary host memory waits for every kernel queued before it, and
-    a prompt's flush would then wait for the model's queued layers before it queued its own first product."""
+    ``device``, float32 unless ``dtype`` says; read-only, as it is shared. On a GPU it is made once (the last 64 kept:
+    a basis takes a new seed with each version) and sent from pinned memory without waiting: a tensor sent from
+    ordinary host memory waits for every kernel queued before it, and a prompt's flush would then wait for the model's
+    queued layers before it queued its own first product."""
     dtype = torch.float32 if dtype is None else dtype  # (a default of torch.float32 would import torch with the module)
-    key = (tuple(shape), seed, dtype, str(device))
-    made = _GAUSSIANS.get(key)
-    if made is None:
-        generator = torch.Generator(device="cpu").manual_seed(seed)
-        made = torch.randn(shape, generator=generator, dtype=dtype)
-        if torch.device(device).type == "cuda":
-            made = send(made, device)
-            _GAUSSIANS[key] = made
-    return made
+    if torch.device(device).type != "cuda":
+        return _gaussian_on_host(tuple(shape), seed, dtype).to(device)
+    return _gaussian_on_gpu(tuple(shape), seed, dtype, str(device))
+
+
+def _gaussian_on_host(shape: tuple[int, ...], seed: int, dtype: torch.dtype) -> torch.Tensor:
+    generator = torch.Generator(device="cpu").manual_seed(seed)
+    return torch.randn(shape, generator=generator, dtype=dtype)
+
+
+@functools.lru_cache(maxsize=64)
+def _gaussian_on_gpu(shape: tuple[int, ...], seed: int, dtype: torch.dtype, device: str) -> torch.Tensor:
+    return send(_gaussian_on_host(shape, seed, dtype), device)
 
 
 def tall_chunk(device: torch.device, tokens: int) -> int:
