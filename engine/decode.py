@@ -8,7 +8,6 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from kvweave.core.host_to_device import on_device
 from kvweave.engine.residuals import add_residuals, mix_residuals
 
 if TYPE_CHECKING:
@@ -26,14 +25,13 @@ def reconstruct(engine: CompressionEngine, layer: int, kind: str, dtype: torch.d
     if mixing is not None:  # residual rows of the whole group (e.g. depth frequencies)
         members = engine.groups[group_index]
         lists = [{rank: r.located_fields() for rank, r in windows[other].residuals[kind].items()} for other in members]
-        gates = [on_device(router.gates(other, kind), vectors.device) for other in members]
+        gates = [router.gates(other, kind) for other in members]
         bases = [windows[other].residual_basis[kind] for other in members]
         vectors = mix_residuals(vectors, member, lists, engine.residual_quantizers[kind], mixing, gates, bases)
     elif engine.residual_levels:
         lists = {rank: r.located_fields() for rank, r in windows[layer].residuals[kind].items()}
         vectors = add_residuals(
-            vectors, lists, engine.residual_quantizers[kind], on_device(router.gates(layer, kind), vectors.device),
-            windows[layer].residual_basis[kind]
+            vectors, lists, engine.residual_quantizers[kind], router.gates(layer, kind), windows[layer].residual_basis[kind]
         )
     if engine.pre_rope and kind == "keys":
         window = windows[layer]

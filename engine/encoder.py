@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from kvweave.core.errors import ComponentError
-from kvweave.core.host_to_device import device_constant, on_device
+from kvweave.core.host_to_device import device_constant
 from kvweave.core.interfaces import KINDS, RouteBlock
 from kvweave.core.storage import TensorMap
 from kvweave.engine.residuals import add_residuals, begin_residual_fit, encode_residuals, mix_residuals, residual_rows
@@ -108,11 +108,10 @@ class BlockEncoder:
             if mixing is None:
                 for member, layer in enumerate(members):
                     approx[member] = add_residuals(approx[member], entries[member], residual_quantizer,
-                                                   on_device(self.engine.router.gates(layer, kind), approx.device),
-                                                   self.engine.windows[layer].residual_basis[kind])
+                                                   self.engine.router.gates(layer, kind), self.engine.windows[layer].residual_basis[kind])
             self.append_entries(kind, members, entries, ends, [tokens] * len(members), block.shape[1] * block.shape[2])
             if mixing is not None and self.engine.probe.wants(store.flushes):  # rows of the whole group, mixed per layer
-                gates = [on_device(self.engine.router.gates(layer, kind), approx.device) for layer in members]
+                gates = [self.engine.router.gates(layer, kind) for layer in members]
                 bases = [self.engine.windows[layer].residual_basis[kind] for layer in members]
                 approx = torch.stack([mix_residuals(approx[m], m, entries, residual_quantizer, mixing, gates, bases) for m in range(len(members))])  # tokens relative to the block
         if self.engine.probe.wants(store.flushes):

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import torch
 
+from kvweave.core.host_to_device import on_device
 from kvweave.core.interfaces import Quantizer
 from kvweave.core.linalg import rayleigh_ritz, subspace_iteration, tall_product
 from kvweave.core.storage import TensorMap, tensor_bytes
@@ -212,8 +213,8 @@ class ResidualFit:
         self.moment, self.rank, self.found = moment, rank, found
 
     def basis(self) -> torch.Tensor:
-        """The basis [..., rank, D] (float16): the subspace iteration's (its Rayleigh-Ritz step here: its small ``eigh``
-        makes the host wait for the GPU) where it worked for every matrix, else ``eigh`` of every second moment."""
+        """The basis [..., rank, D] (float16): the subspace iteration's (its Rayleigh-Ritz step here, whose ``eigh`` waits
+        for the GPU) where it worked for every matrix, else ``eigh`` of every second moment."""
         if self.found is not None and bool(self.found[1].all()):
             vectors, _ = rayleigh_ritz(self.moment, self.found[0], self.rank)
             return vectors.to(torch.float16).contiguous()
@@ -225,20 +226,18 @@ def begin_residual_fit(missing: torch.Tensor, rank: int) -> ResidualFit:
     """:func:`fit_residual_basis` with nothing read by the host until :meth:`ResidualFit.basis`."""
     if missing.dim() < 3:
         raise ValueError(f"residuals must be [..., n, D] with at least one leading dimension, got {tuple(missing.shape)}")
-    # [..., D, D], one leading index at a time (a prompt's block in float32 would be several GB at once), the token
-    # axis in chunks on a GPU (kvweave.core.linalg.tall_product: 8 heads' products filled 8 SMs)
+    # [..., D, D] a leading index at a time (GBs in float32 at once), tokens in chunks on a GPU; only the iteration
+    # queued here, its Rayleigh-Ritz step in ResidualFit.basis, after the routing's own host read
     moment = torch.stack([tall_product(part.float(), part.float()) for part in missing])
-    # the iteration queued; its Rayleigh-Ritz step waits for ResidualFit.basis, after the routing's own host read
     found = subspace_iteration(moment, rank) if moment.is_cuda and moment.shape[-1] > 32 else None
     return ResidualFit(moment, rank, found)
 
 
 def fit_residual_basis(missing: torch.Tensor, rank: int) -> torch.Tensor:
-    """A per-head orthonormal residual basis [..., rank, D] (float16) for residuals ``missing`` [..., n, D]:
-    the top right singular vectors of the block, found as the top eigenvectors of its ``D x D`` second
-    moment ``missing^T missing`` (the prompt's block can hold tens of thousands of tokens): ``eigh`` on a
-    CPU; on a GPU, which runs ``eigh`` of a 128 x 128 matrix one matrix at a time, batched subspace
-    iteration (:func:`kvweave.core.linalg.subspace_eigenvectors`), or ``eigh`` when that breaks down or D <= 32."""
+    """A per-head orthonormal residual basis [..., rank, D] (float16) for residuals ``missing`` [..., n, D]: the top
+    eigenvectors of its ``D x D`` second moment, by ``eigh`` on a CPU; on a GPU (one cuSOLVER ``eigh`` a 128 x 128
+    matrix) by batched subspace iteration (``kvweave.core.linalg.subspace_iteration``, ``rayleigh_ritz``), or ``eigh``
+    where that breaks down or D <= 32."""
     return begin_residual_fit(missing, rank).basis()
 
 
@@ -304,10 +303,11 @@ def add_residuals(
     vectors: torch.Tensor, lists: dict[int, TensorMap], quantizer: Quantizer, gates: torch.Tensor | None = None,
     basis: torch.Tensor | None = None, weight: float = 1.0,
 ) -> torch.Tensor:
-    """``vectors`` [B, H, T, D] plus ``weight`` times the residual entries ``lists`` (rank -> fields), each
-    value scaled by its head's gate (``gates`` [H] in [0, 1]; None = 1), on channels or on ``basis``
-    [B, H, R, D] as they were encoded. Returns a new tensor."""
+    """``vectors`` [B, H, T, D] plus ``weight`` times the residual entries ``lists`` (rank -> fields), each value
+    scaled by its head's gate (``gates`` [H] in [0, 1], put on the device once; None = 1), on channels or on
+    ``basis`` [B, H, R, D] as they were encoded. Returns a new tensor."""
     batch, heads, tokens, dim = vectors.shape
+    gates = on_device(gates, vectors.device)
     if basis is not None:
         return _add_on_basis(vectors, lists, quantizer, gates, basis, weight)
     out = vectors.clone()

@@ -8,10 +8,8 @@ from typing import Any
 
 import attrs
 
-from kvweave.core.environment import env_setting, env_switch
+from kvweave.core.environment import env_switch
 from kvweave.core.lazy import torch
-
-__all__ = ["Launch", "env_setting", "env_switch"]
 
 
 @attrs.frozen

@@ -6,8 +6,9 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
+from kvweave.core.environment import env_setting
 from kvweave.core.lazy import lazy_module, torch
-from kvweave.kernels.launch import Launch, env_setting
+from kvweave.kernels.launch import Launch
 
 if TYPE_CHECKING:
     from kvweave.kernels import lowbit_combine_triton as jit

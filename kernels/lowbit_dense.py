@@ -7,9 +7,10 @@ from __future__ import annotations
 import functools
 from typing import TYPE_CHECKING, Any
 
+from kvweave.core.environment import env_switch
 from kvweave.core.lazy import lazy_module, torch
 from kvweave.kernels.formats import VALUE_TILE
-from kvweave.kernels.launch import capability, env_switch, programmatic
+from kvweave.kernels.launch import capability, programmatic
 from kvweave.kernels.lowbit_tricks import tiled_pairs, whole_byte_keys, wide_groups
 
 if TYPE_CHECKING:
