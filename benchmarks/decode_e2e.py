@@ -290,7 +290,7 @@ def first_token(model, cache, ids: torch.Tensor) -> int:
 
 def ttft(method: str, model, tokens: int, device: str, reps: int = 2) -> dict:
     method = method.removesuffix(GRAPHS)  # the first token comes from a prefill either way
-    times = []
+    times, peaks = [], []
     for _ in range(reps):
         ids = torch.randint(0, model.config.vocab_size, (1, tokens), device=device)
         if method == "full":
@@ -299,16 +299,23 @@ def ttft(method: str, model, tokens: int, device: str, reps: int = 2) -> dict:
         else:
             cache = build_cache(load_pipeline(method, REGISTRY), model, tokenizer=Ids(model.config.vocab_size))
         sync()
+        if torch.cuda.is_available():
+            torch.cuda.reset_peak_memory_stats()
         start = time.perf_counter()
         first_token(model, cache, ids)
         sync()
         times.append(time.perf_counter() - start)
+        if torch.cuda.is_available():  # the prompt's peak above the weights (allocated, and held by the allocator)
+            peaks.append((torch.cuda.max_memory_allocated(), torch.cuda.max_memory_reserved()))
         ratio = cache.compression_ratio() if isinstance(cache, KVWeaveCache) else 1.0
         del cache
         gc.collect()
         if torch.cuda.is_available():
             torch.cuda.empty_cache()
     result = {"method": method, "prompt": tokens, "ttft_s": round(min(times), 3), "ttft_all_s": [round(x, 3) for x in times], "ratio": round(ratio, 2)}
+    if peaks:
+        result["peak_allocated_gb"] = round(max(a for a, _ in peaks) / 2**30, 2)
+        result["peak_reserved_gb"] = round(max(r for _, r in peaks) / 2**30, 2)
     print(result, flush=True)
     if LOG is not None:
         with LOG.open("a") as handle:
@@ -394,8 +401,10 @@ def main() -> None:
             f"{r['tokens_per_s_mean']} | {r['cache_gb']} | {r['peak_gb']} | {r['fill_s']} |"
         )
     if ttfts:
-        lines += ["", "| method | prompt | time to first token (s) | runs (s) | ratio |", "|---|---|---|---|---|"]
-        lines += [f"| {t['method']} | {t['prompt']} | {t['ttft_s']} | {t['ttft_all_s']} | {t['ratio']} |" for t in ttfts]
+        lines += ["", "| method | prompt | time to first token (s) | runs (s) | ratio | peak allocated / reserved (GB) |",
+                  "|---|---|---|---|---|---|"]
+        lines += [f"| {t['method']} | {t['prompt']} | {t['ttft_s']} | {t['ttft_all_s']} | {t['ratio']} | "
+                  f"{t.get('peak_allocated_gb', '')} / {t.get('peak_reserved_gb', '')} |" for t in ttfts]
     (out / "decode_e2e.md").write_text("\n".join(lines) + "\n")
     (out / "decode_e2e.json").write_text(json.dumps({"weights_gb": weights_gb, "rows": rows, "ttft": ttfts}, indent=1))
     print("\n".join(lines))

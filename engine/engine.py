@@ -42,6 +42,7 @@ from kvweave.engine.encoder import BlockEncoder
 from kvweave.engine.energy import QueryEnergy, weighs_by_energy
 from kvweave.engine.eviction import Eviction
 from kvweave.engine.observation import ATTENTION_NAME, Observer
+from kvweave.engine.overlap import FlushOverlap
 from kvweave.engine.quantizers import group_quantizers
 from kvweave.engine.rotary import RotaryInverse
 from kvweave.engine.rows import RowSplit, left_padding
@@ -98,6 +99,7 @@ class CompressionEngine:
         self.eviction = Eviction(self, self.evictor)
         self.encoder = BlockEncoder(self)
         self.deferred = DeferredChecks()  # a forward's flushes' checks, read once (core/deferred.py)
+        self.overlap = FlushOverlap(self)  # a prompt's flushes behind its forward on a GPU (engine/overlap.py)
         self.defer_checks: bool | None = None  # None: on a GPU; True / False: always / never
         if self.evicts:
             self.eviction.check(where)
@@ -180,6 +182,7 @@ class CompressionEngine:
         if self.rows is not None:
             return self.rows.update(layer, keys, values, materialize)
         if layer == 0:
+            self.overlap.start_forward(keys, materialize)  # flushes an interrupted forward left queued go first
             self.deferred.resolve()  # a check left by a forward whose last group did not flush
             self.observer.start_forward(keys.shape[-2], self.windows[0].exact.fill)
             self.forward_tokens = keys.shape[-2]
@@ -219,7 +222,7 @@ class CompressionEngine:
             if self.own_attention:
                 self.pending.add(group_index)  # flushed by after_attention, once the attention has run
             else:
-                self._flush(group_index)
+                self.overlap.request(group_index)
         return full if materialize else None  # type: ignore[return-value]
 
     def _splits_rows(self, keys: torch.Tensor) -> bool:
@@ -252,7 +255,7 @@ class CompressionEngine:
         group_index, member = self.group_of[layer]
         if group_index in self.pending and member == len(self.groups[group_index]) - 1:
             self.pending.discard(group_index)
-            self._flush(group_index)
+            self.overlap.request(group_index)
 
     def replace_router(self, router: Router) -> Router:
         """Route with ``router`` from the next flush on (same levels; training swaps in routers that record what they see)."""
@@ -432,6 +435,7 @@ class CompressionEngine:
     def reset(self) -> None:
         """Drop every stored token (the state a new engine starts from)."""
         self.deferred.clear()
+        self.overlap.clear()
         self.windows = [self._new_window() for _ in range(self.shape.num_layers)]
         self.stores = [{kind: GroupStore() for kind in KINDS} for _ in self.groups]
         self.pending: set[int] = set()
