@@ -32,6 +32,14 @@ PROBE_BYTES = 1 << 30
 _EXACT_IN_FLOAT32 = (torch.bfloat16, torch.float16, torch.float32)
 
 
+def _owns(tensor: torch.Tensor, others: tuple) -> bool:
+    """Whether ``tensor`` holds memory of its own, none of ``others``' (tensors among them)."""
+    if tensor._base is not None:
+        return False
+    place = tensor.untyped_storage().data_ptr()
+    return all(place != t.untyped_storage().data_ptr() for t in others if isinstance(t, torch.Tensor))
+
+
 class BlockEncoder:
     """Encodes flushed blocks into the engine's store (one per engine)."""
 
@@ -106,9 +114,12 @@ class BlockEncoder:
             missing = (work - approx if rows is None else rows).to(block.dtype)  # [G, B, H, n, D]
             entries = self.encode_members(kind, members, missing, ranks if fixed is None else fixed, counts, residual_quantizer)
             if mixing is None:
+                own = _owns(approx, (block, work, decoded, *packed.values()))  # else a decode may hand back what is stored
                 for member, layer in enumerate(members):
-                    approx[member] = add_residuals(approx[member], entries[member], residual_quantizer,
-                                                   self.engine.router.gates(layer, kind), self.engine.windows[layer].residual_basis[kind])
+                    added = add_residuals(approx[member], entries[member], residual_quantizer, self.engine.router.gates(layer, kind),
+                                          self.engine.windows[layer].residual_basis[kind], inplace=own)
+                    if not own:
+                        approx[member] = added
             self.append_entries(kind, members, entries, ends, [tokens] * len(members), block.shape[1] * block.shape[2])
             if mixing is not None and self.engine.probe.wants(store.flushes):  # rows of the whole group, mixed per layer
                 gates = [self.engine.router.gates(layer, kind) for layer in members]
@@ -117,7 +128,9 @@ class BlockEncoder:
         if self.engine.probe.wants(store.flushes):
             if self.engine.pre_rope and kind == "keys":  # the probe compares attention, which sees rotated keys
                 approx = self.engine.rope_keys(approx, members, positions, inverse=False)
-            self.probe(kind, group_index, exact_block, approx)
+            # the block's float32 copy made above, where it holds the same values (no second copy of the block)
+            same = exact_block is block and work.shape == block.shape and work.dtype == torch.float32
+            self.probe(kind, group_index, work if same else exact_block, approx)
 
     def quantize(self, kind: str, quantizer, members: tuple[int, ...], coefficients: torch.Tensor) -> TensorMap:
         """``coefficients`` [G, B, H, n, r] of ``members`` packed by ``quantizer``: keys with each layer's channels

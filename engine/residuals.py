@@ -301,16 +301,17 @@ def encode_residuals(
 
 def add_residuals(
     vectors: torch.Tensor, lists: dict[int, TensorMap], quantizer: Quantizer, gates: torch.Tensor | None = None,
-    basis: torch.Tensor | None = None, weight: float = 1.0,
+    basis: torch.Tensor | None = None, weight: float = 1.0, inplace: bool = False,
 ) -> torch.Tensor:
     """``vectors`` [B, H, T, D] plus ``weight`` times the residual entries ``lists`` (rank -> fields), each value
     scaled by its head's gate (``gates`` [H] in [0, 1], put on the device once; None = 1), on channels or on
-    ``basis`` [B, H, R, D] as they were encoded. Returns a new tensor."""
+    ``basis`` [B, H, R, D] as they were encoded. Returns a new tensor, or ``vectors`` added to in place (the same
+    values: a block's reconstruction is one pass over its tokens fewer)."""
     batch, heads, tokens, dim = vectors.shape
     gates = on_device(gates, vectors.device)
     if basis is not None:
-        return _add_on_basis(vectors, lists, quantizer, gates, basis, weight)
-    out = vectors.clone()
+        return _add_on_basis(vectors, lists, quantizer, gates, basis, weight, inplace)
+    out = vectors if inplace else vectors.clone()
     flat = out.view(-1, dim)
     for rank, fields in lists.items():
         if not fields or fields["row"].numel() == 0:
@@ -333,7 +334,7 @@ def add_residuals(
 
 def _add_on_basis(
     vectors: torch.Tensor, lists: dict[int, TensorMap], quantizer: Quantizer, gates: torch.Tensor | None,
-    basis: torch.Tensor, weight: float,
+    basis: torch.Tensor, weight: float, inplace: bool = False,
 ) -> torch.Tensor:
     """:func:`add_residuals` on a residual basis [B, H, R, D]: every entry's coordinates written into a dense
     [B * H, T, R] table (zeros where a token has none; a token has one rank, so one entry at most), then one
@@ -354,7 +355,7 @@ def _add_on_basis(
     if weight != 1.0:
         table = table * weight
     directions = basis.reshape(batch, heads, width, dim).to(vectors.dtype)
-    return vectors + table @ directions
+    return vectors.add_(table @ directions) if inplace else vectors + table @ directions
 
 
 def entry_bytes(rank: int, quantizer: Quantizer, with_indices: bool = True) -> float:

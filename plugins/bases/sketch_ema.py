@@ -137,26 +137,35 @@ class SketchEmaBasis(BasisBuilder):
             )
 
     # ------------------------------------------------------------------------------ rows
-    def _rows(self, x: torch.Tensor) -> torch.Tensor:
-        """[G, B, H, n, D] -> rows [B, H, m, C] (token-factor: m = n, C = G*D; basis: m = G*n, C = D)."""
+    def _rows(self, x: torch.Tensor, scaled: bool = False) -> torch.Tensor:
+        """[G, B, H, n, D] -> rows [B, H, m, C] (token-factor: m = n, C = G*D; basis: m = G*n, C = D); ``scaled``:
+        divided by ``sqrt(m)`` in the same pass as the copy into the rows' order (what the sketch fits)."""
         if x.dim() != 5:
             raise ValueError(f"sketch-ema expects x shaped [G, B, H, n, D], got {tuple(x.shape)}")
         g, b, h, n, d = x.shape
         x = x.float()
         if self.share == "token-factor":
-            return x.permute(1, 2, 3, 0, 4).reshape(b, h, n, g * d)
-        return x.permute(1, 2, 0, 3, 4).reshape(b, h, g * n, d)
+            order, shape = (1, 2, 3, 0, 4), (b, h, n, g * d)
+        else:
+            order, shape = (1, 2, 0, 3, 4), (b, h, g * n, d)
+        if not scaled:
+            return x.permute(*order).reshape(shape)
+        moved = x.permute(*order)
+        out = torch.empty(moved.shape, dtype=torch.float32, device=x.device)
+        return torch.div(moved, shape[-2] ** 0.5, out=out).view(shape)
 
-    def _fit(self, rows: torch.Tensor, version: int) -> tuple[torch.Tensor, torch.Tensor]:
-        scaled = rows / rows.shape[-2] ** 0.5
-        return randomized_top_right(scaled, self.rank, self.oversample, self.power_iterations, self.seed + version)
+    def _fit(self, rows: torch.Tensor, version: int, scaled: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+        """The top-``rank`` sketch of ``rows`` divided by ``sqrt(m)`` (``scaled``: they are already)."""
+        scaled_rows = rows if scaled else rows / rows.shape[-2] ** 0.5
+        return randomized_top_right(scaled_rows, self.rank, self.oversample, self.power_iterations, self.seed + version)
 
     # ------------------------------------------------------------------------------ state
     def init_state(self, x: torch.Tensor) -> dict[str, torch.Tensor]:
-        rows = self._rows(x)
+        rows = self._rows(x, scaled=True)
         if self.rank > rows.shape[-1]:
             raise ModelError(f"sketch-ema: rank {self.rank} exceeds the {self.share} channel width {rows.shape[-1]}")
-        p, sigma = self._fit(rows, 0)
+        p, sigma = self._fit(rows, 0, scaled=True)
+        del rows
         batch, device = x.shape[1], x.device
         state = {
             "bases": p.to(torch.float16).unsqueeze(2).contiguous(),
@@ -244,9 +253,32 @@ class SketchEmaBasis(BasisBuilder):
         """Token factors: every layer's channels from one product with the whole [r, G*D] basis."""
         if self.share != "token-factor" or "bases" not in state or members != _group_layers(state):
             return super().decode_group(state, coefficients, members, start)
-        joined = self._through_versions(state, coefficients[0], state["bases"], start)  # [B, H, T, G*D]
-        batch, heads, tokens, _ = joined.shape
-        return joined.view(batch, heads, tokens, members, -1).permute(3, 0, 1, 2, 4).to(coefficients.dtype).contiguous()
+        coeffs, bases = coefficients[0], state["bases"]
+        version = self._one_version(state, start, coeffs.shape[-2])
+        if version is None:  # tokens of several versions: one product a version, then the layers apart
+            joined = self._through_versions(state, coeffs, bases, start)  # [B, H, T, G*D]
+            batch, heads, tokens, _ = joined.shape
+            return joined.view(batch, heads, tokens, members, -1).permute(3, 0, 1, 2, 4).to(coefficients.dtype).contiguous()
+        # one version: each layer's product written in its place, no copy of the block into the layers' order
+        batch, heads, tokens, _ = coeffs.shape
+        width = bases.shape[-1] // members
+        chunk, basis = coeffs.float().contiguous(), bases[:, :, version].float()
+        out = torch.empty(members, batch, heads, tokens, width, dtype=torch.float32, device=coeffs.device)
+        for member in range(members):
+            torch.matmul(chunk, basis[..., member * width : (member + 1) * width].contiguous(), out=out[member])
+        return out.to(coefficients.dtype)
+
+    @staticmethod
+    def _one_version(state: dict[str, torch.Tensor], start: int, tokens: int) -> int | None:
+        """The basis version every one of tokens ``start .. start + tokens`` was encoded with (None: several, or none)."""
+        end = 0
+        for version, count in enumerate(_host(state["version_tokens"])):
+            begin, end = end, end + count
+            if begin <= start and start + tokens <= end and tokens:
+                return version
+            if begin < start + tokens and start < end:
+                return None
+        return None
 
     def _through_versions(self, state: dict[str, torch.Tensor], coeffs: torch.Tensor, bases: torch.Tensor, start: int) -> torch.Tensor:
         """Tokens ``start ..`` of ``coeffs`` [B, H, T, r], each through the basis version it was encoded with (``bases``
