@@ -5,9 +5,9 @@
 #         stream's priority up (KVWEAVE_FLUSH_PRIORITY=1), in turn.
 # PART=b: the same first tokens a second time, then the CUDA graphs' GPU tests (decode steps after an overlapped prompt).
 # PART=c: the block's float32 copies cut (the sketch's rows scaled in their copy, the residuals added in place, the
-#         probe reading the encoder's copy, the token factors decoded layer by layer): the GPU tests, then the first
-#         token at 32K with the tree before (BEFORE=folder, the overlap's first tree, its priority up) and this one, in
-#         turn, twice.
+#         probe reading the encoder's copy, the token factors decoded layer by layer): the first token at 32K with the
+#         tree before (BEFORE=folder, the overlap's first tree, its priority up) and this one, in turn, twice, the GPU
+#         tests between the rounds.
 # Run from the repository's root: OUT=folder PART=a|b|c [BEFORE=folder] bash docs/perf/gpu-2026-12-06-overlap/lease.sh
 set -o pipefail
 OUT=${OUT:-$PWD/results/lease}
@@ -32,8 +32,6 @@ elif [ "$PART" = b ]; then
   ROUND=2 ttft_round
   step 300 gpu-graphs.txt python -m pytest -q -p no:cacheprovider tests/test_graphs_gpu.py
 elif [ "$PART" = c ]; then  # the tree before (BEFORE=folder holding it, imported as kvweave) and this one, in turn
-  step 200 gpu-tests.txt python -m pytest -q -p no:cacheprovider tests/test_flush_overlap.py tests/test_host_to_device.py \
-    tests/test_tall_product.py tests/test_residual_fit.py
   mkdir -p /tmp/kvweave-before && ln -sfn "$(cd "$BEFORE" && pwd)" /tmp/kvweave-before/kvweave
   for round in 1 2; do
     echo "before, round $round" >> "$OUT/ab-ttft.txt"
@@ -42,5 +40,7 @@ elif [ "$PART" = c ]; then  # the tree before (BEFORE=folder holding it, importe
     echo "this tree, round $round" >> "$OUT/ab-ttft.txt"
     step 150 ab-ttft.txt python benchmarks/decode_e2e.py --methods full,depthweave-kv --ttft 32768 --batches "" \
       --out /tmp/kvweave-ttft
+    [ "$round" = 1 ] && step 200 gpu-tests.txt python -m pytest -q -p no:cacheprovider tests/test_flush_overlap.py \
+      tests/test_host_to_device.py
   done
 fi
