@@ -8,7 +8,7 @@
 #         probe reading the encoder's copy, the token factors decoded layer by layer): the first token at 32K with the
 #         tree before (BEFORE=folder, the overlap's first tree, its priority up) and this one, in turn, twice, the GPU
 #         tests between the rounds.
-# Run from the repository's root: OUT=folder PART=a|b|c [BEFORE=folder] bash docs/perf/gpu-2026-12-06-overlap/lease.sh
+# Run from the repository's root: OUT=folder PART=a|b|c [BEFORE=folder] [ROUNDS=1|2] bash docs/perf/gpu-2026-12-06-overlap/lease.sh
 set -o pipefail
 OUT=${OUT:-$PWD/results/lease}
 mkdir -p "$OUT"
@@ -33,7 +33,7 @@ elif [ "$PART" = b ]; then
   step 300 gpu-graphs.txt python -m pytest -q -p no:cacheprovider tests/test_graphs_gpu.py
 elif [ "$PART" = c ]; then  # the tree before (BEFORE=folder holding it, imported as kvweave) and this one, in turn
   mkdir -p /tmp/kvweave-before && ln -sfn "$(cd "$BEFORE" && pwd)" /tmp/kvweave-before/kvweave
-  for round in 1 2; do
+  for round in $(seq 1 "${ROUNDS:-2}"); do
     echo "before, round $round" >> "$OUT/ab-ttft.txt"
     step 150 ab-ttft.txt env KVWEAVE_FLUSH_PRIORITY=1 PYTHONPATH=/tmp/kvweave-before:$BEFORE/benchmarks python \
       $BEFORE/benchmarks/decode_e2e.py --methods full,depthweave-kv --ttft 32768 --batches "" --out /tmp/kvweave-before-ttft
