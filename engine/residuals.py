@@ -305,8 +305,7 @@ def add_residuals(
 ) -> torch.Tensor:
     """``vectors`` [B, H, T, D] plus ``weight`` times the residual entries ``lists`` (rank -> fields), each value
     scaled by its head's gate (``gates`` [H] in [0, 1], put on the device once; None = 1), on channels or on
-    ``basis`` [B, H, R, D] as they were encoded. Returns a new tensor, or ``vectors`` added to in place (the same
-    values: a block's reconstruction is one pass over its tokens fewer)."""
+    ``basis`` [B, H, R, D] as they were encoded. Returns a new tensor, or ``vectors`` added to ``inplace``."""
     batch, heads, tokens, dim = vectors.shape
     gates = on_device(gates, vectors.device)
     if basis is not None:

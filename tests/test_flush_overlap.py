@@ -170,3 +170,17 @@ def test_flushes_on_the_side_stream_store_what_flushes_at_once_store(pipeline):
     assert overlapped.memory_breakdown() == at_once.memory_breakdown()
     for got, want in zip(_reconstructed(overlapped), _reconstructed(at_once)):
         torch.testing.assert_close(got, want, rtol=1e-2, atol=1e-2)
+
+
+@pytest.mark.parametrize("variable, value", [("KVWEAVE_FLUSH_OVERLAP", "sometimes"), ("KVWEAVE_FLUSH_PRIORITY", "2")])
+def test_a_wrong_setting_is_refused_by_name(variable, value):
+    """The overlap's environment settings are read at import; a value they do not take is refused naming the
+    variable."""
+    import os
+    import subprocess
+    import sys
+
+    done = subprocess.run([sys.executable, "-c", "import kvweave.engine.overlap"], capture_output=True, text=True,
+                          env={**os.environ, variable: value})
+    assert done.returncode != 0
+    assert f"{variable}={value!r}" in done.stderr
