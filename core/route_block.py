@@ -22,7 +22,8 @@ class RouteBlock:
     the relative error ``||x - x_hat|| / ||x||`` of each vector after its packed coefficients.
 
     Also, for routers that work on logits or on the basis's residual rows: ``approx`` [G, B, H, n, D] the
-    vectors as decoded from the packed coefficients (before residuals); ``rows`` [G, B, H, n, D] what the
+    vectors as decoded from the packed coefficients (before residuals; read it inside ``assign``: the engine then adds
+    the block's residuals into the same tensor); ``rows`` [G, B, H, n, D] what the
     ranks apply to (the misses, or ``M^-1`` of them when the basis has a ``residual_mixing`` ``mixing``
     [G, G]; a row whose column of ``mixing`` is constant over the layers is a depth-constant part, e.g.
     the DC row of a DCT); ``queries``
