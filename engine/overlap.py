@@ -56,11 +56,13 @@ def side_stream(device: torch.device) -> Any:
 class FlushOverlap:
     """The engine's queue of flushes for the forward in progress (one per engine)."""
 
+    #: None: as the environment and the device say; "queue": queued on the current stream, also off a GPU (tests);
+    #: "stream": on the side stream (a GPU); "off": never. Set on an engine's overlap, or on the class for engines made
+    #: later (a left-padded batch's rows)
+    forced: str | None = None
+
     def __init__(self, engine: CompressionEngine) -> None:
         self.engine = engine
-        #: None: as the environment and the device say; "queue": queued on the current stream, also off a GPU (tests);
-        #: "stream": on the side stream (a GPU); "off": never
-        self.forced: str | None = None
         #: this forward's way: None (each flush at once), "queue" or "stream"
         self.mode: str | None = None
         #: (group, the event of the forward's stream after its layers' attention; None: issued on the current stream)

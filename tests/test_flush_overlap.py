@@ -184,3 +184,26 @@ def test_a_wrong_setting_is_refused_by_name(variable, value):
                           env={**os.environ, variable: value})
     assert done.returncode != 0
     assert f"{variable}={value!r}" in done.stderr
+
+
+def test_a_left_padded_batchs_rows_queue_their_flushes_alike(twelve_layers, registry, monkeypatch):
+    """Each row of a left-padded batch is stored by an engine of its own, made at the first forward: with the class's
+    setting those engines queue too, and the batch decodes the same tokens from the same bytes as flushes at once."""
+    ids = torch.randint(1, 128, (2, PROMPT), generator=torch.Generator().manual_seed(3))
+    mask = torch.ones_like(ids)
+    mask[0, :40] = 0
+
+    def run(forced):
+        monkeypatch.setattr(FlushOverlap, "forced", forced)
+        cache = build_cache(registry.resolve(DEPTHWEAVE), twelve_layers, tokenizer=_Vocabulary())
+        with torch.no_grad():
+            out = twelve_layers.generate(input_ids=ids, attention_mask=mask, max_new_tokens=12, do_sample=False,
+                                         pad_token_id=0, **cache_kwargs(twelve_layers, cache))
+        return cache, out[:, PROMPT:]
+
+    at_once, expected = run("off")
+    queued, tokens = run("queue")
+    assert queued.engine.rows is not None and all(engine.overlap.issued > 0 for engine in queued.engine.rows.engines)
+    assert all(engine.overlap.issued == 0 for engine in at_once.engine.rows.engines)
+    assert torch.equal(tokens, expected)
+    assert queued.memory_bytes() == at_once.memory_bytes()
