@@ -148,23 +148,22 @@ class SketchEmaBasis(BasisBuilder):
             order, shape = (1, 2, 3, 0, 4), (b, h, n, g * d)
         else:
             order, shape = (1, 2, 0, 3, 4), (b, h, g * n, d)
-        if not scaled:
-            return x.permute(*order).reshape(shape)
         moved = x.permute(*order)
+        if not scaled:
+            return moved.reshape(shape)
         out = torch.empty(moved.shape, dtype=torch.float32, device=x.device)
         return torch.div(moved, shape[-2] ** 0.5, out=out).view(shape)
 
-    def _fit(self, rows: torch.Tensor, version: int, scaled: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
-        """The top-``rank`` sketch of ``rows`` divided by ``sqrt(m)`` (``scaled``: they are already)."""
-        scaled_rows = rows if scaled else rows / rows.shape[-2] ** 0.5
-        return randomized_top_right(scaled_rows, self.rank, self.oversample, self.power_iterations, self.seed + version)
+    def _fit(self, scaled: torch.Tensor, version: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The top-``rank`` sketch of rows already divided by ``sqrt(m)``."""
+        return randomized_top_right(scaled, self.rank, self.oversample, self.power_iterations, self.seed + version)
 
     # ------------------------------------------------------------------------------ state
     def init_state(self, x: torch.Tensor) -> dict[str, torch.Tensor]:
         rows = self._rows(x, scaled=True)
         if self.rank > rows.shape[-1]:
             raise ModelError(f"sketch-ema: rank {self.rank} exceeds the {self.share} channel width {rows.shape[-1]}")
-        p, sigma = self._fit(rows, 0, scaled=True)
+        p, sigma = self._fit(rows, 0)
         del rows
         batch, device = x.shape[1], x.device
         state = {
@@ -183,7 +182,7 @@ class SketchEmaBasis(BasisBuilder):
     def _new_version(self, state: dict[str, torch.Tensor], rows: torch.Tensor) -> None:
         bases = state["bases"]
         version = bases.shape[2]
-        p_new, sigma_new = self._fit(rows, version)
+        p_new, sigma_new = self._fit(rows / rows.shape[-2] ** 0.5, version)
         p, sigma = ema_subspace(
             bases[:, :, -1], state["singular_values"], p_new, sigma_new, self.ema, self.seed + version
         )
