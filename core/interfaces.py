@@ -182,6 +182,9 @@ class BasisBuilder(Component):
     #: ``encode`` returns its input and ``decode`` member ``m``'s coefficients: the engine then quantizes the block as
     #: it came, without a float32 copy of it
     identity: ClassVar[bool] = False
+    #: ``init_state`` takes the group's first block as the model stored it (its dtype; the builder converts what it
+    #: needs), not the engine's float32 copy
+    reads_block: ClassVar[bool] = False
 
     def layer_groups(self, shape: ModelShape) -> list[tuple[int, ...]]:
         """The groups of layers encoded together; each layer in exactly one group. Default: one each."""

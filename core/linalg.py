@@ -16,7 +16,8 @@ functions here are built from those:
 - :func:`tall_product`: ``A^T B`` summed over a long token axis (a block's second moment, a sketch's projections, a
   probe's weighted values). cuBLAS runs a batch of such products one tile of the small output per program, so 8 heads'
   128 x 128 second moments over 32K tokens keep 8 of an H100's 132 SMs busy; cut into chunks of the token axis, each
-  chunk a matrix of the batch, and summed after, they fill the GPU.
+  chunk a matrix of the batch, and summed after, they fill the GPU; :func:`tall_gram`: ``A^T A`` in float32, a 16-bit
+  ``A`` on a GPU multiplied as it is.
 """
 
 from __future__ import annotations
@@ -97,6 +98,42 @@ def tall_product(a: torch.Tensor, b: torch.Tensor, chunk: int | None = None) -> 
     if whole < tokens:
         out = out + a[..., whole:, :].transpose(-1, -2) @ b[..., whole:, :]
     return out
+
+
+def _multiprocessors(device: torch.device) -> int:
+    return _sm_count(device.index if device.index is not None else torch.cuda.current_device())
+
+
+@functools.cache
+def _sm_count(index: int) -> int:
+    return torch.cuda.get_device_properties(index).multi_processor_count
+
+
+def tall_gram(a: torch.Tensor) -> torch.Tensor:
+    """``a^T a`` [..., p, p] (float32) for ``a`` [..., n, p], summed over the token axis ``n``.
+
+    A 16-bit ``a`` on a CUDA GPU is multiplied as it is: cuBLAS forms each product of two 16-bit numbers exactly and
+    sums in float32 (``bmm``'s ``out_dtype``), the float32 copy's result without the copy's bytes, read at half the
+    bytes and on tensor cores. The token axis is cut into as many chunks as it takes for the products' 128 x 128 tiles
+    to fill the GPU twice, the chunks' results summed after. Otherwise :func:`tall_product` of the float32 values."""
+    if not (a.is_cuda and a.dtype in (torch.float16, torch.bfloat16)):
+        a = a.float()
+        return tall_product(a, a)
+    tokens, width = a.shape[-2:]
+    flat = a.reshape(-1, tokens, width)
+    tiles = flat.shape[0] * (-(-width // 128)) ** 2
+    parts = max(1, min(tokens // TALL_CHUNK if TALL_CHUNK else 1, -(-2 * _multiprocessors(a.device) // tiles)))
+    if parts > 1:
+        parts, length = _chunks(tokens, tokens // parts)
+        whole = parts * length
+        chunks = flat[:, :whole].reshape(-1, length, width)  # [batch x parts, length, p]
+        out = torch.bmm(chunks.transpose(1, 2), chunks, out_dtype=torch.float32).view(-1, parts, width, width).sum(1)
+        if whole < tokens:
+            rest = flat[:, whole:]
+            out += torch.bmm(rest.transpose(1, 2), rest, out_dtype=torch.float32)
+    else:
+        out = torch.bmm(flat.transpose(1, 2), flat, out_dtype=torch.float32)
+    return out.view(*a.shape[:-2], width, width)
 
 
 def cholesky_qr(a: torch.Tensor, rounds: int = 2) -> tuple[torch.Tensor, torch.Tensor]:

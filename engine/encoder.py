@@ -65,7 +65,7 @@ class BlockEncoder:
         identity = self.engine.basis.identity and block.dtype in _EXACT_IN_FLOAT32
         work = block if identity else block.float()
         if store.state is None:
-            store.state = self.engine.basis.init_state(work)
+            store.state = self.engine.basis.init_state(block if self.engine.basis.reads_block else work)
         first = store.coefficients.tokens
         quantizer = self.engine.quantizer(group_index, kind)
         residual_quantizer = self.engine.residual_quantizers[kind]
@@ -111,8 +111,11 @@ class BlockEncoder:
                             self.engine.windows[layer].residual_basis[kind] = fitted[member].clone()
             else:
                 counts, ends = self.fixed_counts(fixed, block.shape[1] * block.shape[2], len(members))
-            missing = (work - approx if rows is None else rows).to(block.dtype)  # [G, B, H, n, D]
-            entries = self.encode_members(kind, members, missing, ranks if fixed is None else fixed, counts, residual_quantizer)
+            missing = work - approx if rows is None else rows  # [G, B, H, n, D], float32
+            if any(self.engine.windows[layer].residual_basis[kind] is None for layer in members):
+                missing = missing.to(block.dtype)  # channels kept as they are: in the block's dtype
+            entries = self.encode_members(kind, members, missing, ranks if fixed is None else fixed, counts, residual_quantizer,
+                                          block.dtype)
             if mixing is None:
                 own = _owns(approx, (block, work, decoded, *packed.values()))  # else a decode may hand back what is stored
                 for member, layer in enumerate(members):
@@ -350,20 +353,23 @@ class BlockEncoder:
     def encode_members(
         self, kind: str, members: tuple[int, ...], missing: torch.Tensor,
         ranks: torch.Tensor | tuple[tuple[int, int, int], ...], counts: list[dict[int, int]], quantizer,
+        dtype: torch.dtype | None = None,
     ) -> list[dict[int, TensorMap]]:
         """Every member's residual entries (rank -> fields, rows and tokens relative to the member and block) from the
         group's ``missing`` [G, B, H, n, D]: one :func:`encode_residuals` call for the group where the residual
-        quantizer packs each entry alone (one token a group), split by the host's ``counts``; one a member otherwise."""
+        quantizer packs each entry alone (one token a group), split by the host's ``counts``; one a member otherwise.
+        ``dtype`` (the block's): what the values are quantized from, a float32 ``missing`` projected on residual bases as
+        it is."""
         windows = [self.engine.windows[layer] for layer in members]
         bases = [w.residual_basis[kind] for w in windows]
         if quantizer.tokens_per_group() != 1 or len(members) == 1 or len({b is None for b in bases}) > 1:
             return [encode_residuals(missing[m], ranks if not isinstance(ranks, torch.Tensor) else ranks[m], quantizer,
-                                     bases[m], counts[m]) for m in range(len(members))]
+                                     bases[m], counts[m], dtype) for m in range(len(members))]
         group, batch, heads = missing.shape[:3]
         basis = None if bases[0] is None else torch.stack(bases).flatten(0, 1)
         flat_ranks = ranks.flatten(0, 1) if isinstance(ranks, torch.Tensor) else ranks
         totals = {rank: sum(c.get(rank, 0) for c in counts) for rank in set().union(*counts)}
-        joint = encode_residuals(missing.flatten(0, 1), flat_ranks, quantizer, basis, totals)
+        joint = encode_residuals(missing.flatten(0, 1), flat_ranks, quantizer, basis, totals, dtype)
         out: list[dict[int, TensorMap]] = [{} for _ in members]
         for rank, fields in joint.items():
             sizes = [c.get(rank, 0) for c in counts]

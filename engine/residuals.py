@@ -251,7 +251,7 @@ def _fixed_choice(runs: tuple[tuple[int, int, int], ...], rank: int, rows: int, 
 
 def encode_residuals(
     missing: torch.Tensor, ranks: torch.Tensor | tuple[tuple[int, int, int], ...], quantizer: Quantizer,
-    basis: torch.Tensor | None = None, counts: dict[int, int] | None = None,
+    basis: torch.Tensor | None = None, counts: dict[int, int] | None = None, dtype: torch.dtype | None = None,
 ) -> dict[int, TensorMap]:
     """The residual entries of one block, by rank level: ``missing`` [B, H, n, D] (x minus its
     reconstruction), ``ranks`` [B, H, n], or fixed ranks known on the host, the same in every row and head: runs
@@ -260,7 +260,9 @@ def encode_residuals(
 
     Without ``basis``: the ``rho`` largest channels, with their indices. With ``basis`` [B, H, R, D]
     (a per-layer residual basis): the first ``rho`` coordinates on it, no indices needed. ``counts`` (rank -> entries,
-    as the host knows them) spares the reads of the ranks present and of each level's entry count."""
+    as the host knows them) spares the reads of the ranks present and of each level's entry count. ``dtype`` (default
+    ``missing``'s): what the entries' values are quantized from; a float32 ``missing`` on a basis is projected as it
+    is (no 16-bit copy of the block and float32 copy of that to project)."""
     batch, heads, tokens, dim = missing.shape
     if basis is not None:
         coordinates = torch.einsum("bhnd,bhkd->bhnk", missing.float(), basis.float())
@@ -286,14 +288,14 @@ def encode_residuals(
             chosen = (flat_ranks == rank).nonzero().squeeze(1)
         fields = {"row": (chosen // tokens).to(torch.int32), "token": (chosen % tokens).to(torch.int32)}
         if basis is None and rank >= dim:  # full rank: the whole vector, no channel indices
-            values = flat_missing.index_select(0, chosen)
+            values = flat_missing.index_select(0, chosen).to(dtype or missing.dtype)
         elif basis is None:
             picked = flat_missing.index_select(0, chosen)
             top = picked.abs().topk(rank, dim=-1).indices
             fields["index"] = top.to(torch.uint8)
-            values = picked.gather(-1, top)
+            values = picked.gather(-1, top).to(dtype or missing.dtype)
         else:
-            values = flat_coordinates.index_select(0, chosen)[:, :rank].to(missing.dtype)
+            values = flat_coordinates.index_select(0, chosen)[:, :rank].to(dtype or missing.dtype)
         fields.update({f"q_{name}": t for name, t in quantizer.quantize(values).items()})
         entries[rank] = fields
     return entries
@@ -353,8 +355,15 @@ def _add_on_basis(
         table = table * gates.to(vectors.dtype).view(1, heads, 1, 1)
     if weight != 1.0:
         table = table * weight
-    directions = basis.reshape(batch, heads, width, dim).to(vectors.dtype)
-    return vectors.add_(table @ directions) if inplace else vectors + table @ directions
+    directions = basis.reshape(batch * heads, width, dim).to(vectors.dtype)
+    # the product added as cuBLAS writes it (beta = 1): one pass over the vectors, not a product, then a sum
+    table = table.view(batch * heads, tokens, width)
+    if not inplace:
+        return torch.baddbmm(vectors.reshape(batch * heads, tokens, dim), table, directions).view(batch, heads, tokens, dim)
+    if vectors.is_contiguous():
+        vectors.view(batch * heads, tokens, dim).baddbmm_(table, directions)
+        return vectors
+    return vectors.add_((table @ directions).view(batch, heads, tokens, dim))
 
 
 def entry_bytes(rank: int, quantizer: Quantizer, with_indices: bool = True) -> float:

@@ -55,10 +55,11 @@ def test_budget_shift_spends_at_most_the_budget_and_no_less_than_one_crossing_mo
 
 
 #: where a flush of depthweave-kv's prompt may make the host wait for the GPU (the innermost kvweave function, with its
-#: caller where that says more): the sketch's small eigendecomposition (torch reads eigh's convergence on the host; the
-#: basis is needed before anything else of the block), the rank counts' read, the residual fit's flag and its
-#: Rayleigh-Ritz step after it, the probe's shares after the block is stored, the deferred checks
-FLUSH_WAITS = {"_range_finder_gram", "rank_counts", "basis", "basis/rayleigh_ritz", "adjust", "resolve"}
+#: caller where that says more): the sketch's flag and its small eigendecomposition (torch reads eigh's convergence on
+#: the host; the basis is needed before anything else of the block), the rank counts' read, the residual fit's flag and
+#: its Rayleigh-Ritz step after it, the probe's shares after the block is stored, the deferred checks
+FLUSH_WAITS = {"gram_top_right", "gram_top_right/rayleigh_ritz", "rank_counts", "basis", "basis/rayleigh_ritz", "adjust",
+               "resolve"}
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="counts the host's waits for a CUDA GPU")

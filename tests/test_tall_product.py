@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from kvweave.core import linalg
-from kvweave.core.linalg import _chunks, tall_chunk, tall_product
+from kvweave.core.linalg import _chunks, tall_chunk, tall_gram, tall_product
 from kvweave.engine.residuals import begin_residual_fit
 from kvweave.plugins.bases._sketch import _gaussian, _range_finder_gram
 from kvweave.plugins.probes.attention_output import AttentionOutputProbe
@@ -45,6 +45,27 @@ def test_tall_product_refuses_bad_input():
         tall_product(torch.zeros(10, 2), torch.zeros(11, 2))
     with pytest.raises(ValueError, match="chunk must be >= 0"):
         tall_product(torch.zeros(10, 2), torch.zeros(10, 2), -4)
+
+
+def test_tall_gram_is_the_float32_gram_matrix_of_any_dtype_on_a_cpu():
+    torch.manual_seed(1)
+    a = torch.randn(2, 3, 700, 24).to(torch.bfloat16)
+    out = tall_gram(a)
+    assert out.dtype == torch.float32 and out.shape == (2, 3, 24, 24)
+    assert torch.equal(out, tall_product(a.float(), a.float()))
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="the 16-bit products run on a CUDA GPU")
+@pytest.mark.parametrize("batch,tokens,width", [(8, 32768, 512), (32, 32771, 128), (1, 3000, 64), (8, 200, 512)])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_tall_gram_of_a_16_bit_block_on_a_gpu_is_its_float32_gram_matrix(batch, tokens, width, dtype):
+    """Chunked or not, with a rest or not: the exact Gram matrix of the 16-bit values to float32 summation."""
+    torch.manual_seed(tokens)
+    a = torch.randn(batch, tokens, width, device="cuda").to(dtype)
+    out = tall_gram(a)
+    assert out.dtype == torch.float32 and out.shape == (batch, width, width)
+    exact = tall_product(a.double(), a.double(), 0)
+    assert ((out.double() - exact).abs().max() / exact.abs().max()).item() < 1e-5
 
 
 @pytest.mark.parametrize("tokens", [32640, 32767, 32768, 32771, 2048, 3001])

@@ -7,6 +7,9 @@
   rows) and singular values ``sigma`` [..., r]. When ``Y`` has fewer than ``r`` independent directions
   (e.g. a block of fewer than ``r`` rows), ``P`` is completed with random orthonormal rows whose
   singular value is 0, so ``P`` always has exactly ``r`` orthonormal rows.
+- :func:`gram_top_right` is the same range finder run on the rows' Gram matrix ``Y^T Y`` [..., C, C] instead of
+  the rows: the span ``(Y^T Y)^(q + 1) Omega`` of ``q`` power iterations, then a Rayleigh-Ritz step. One pass over
+  the rows (the Gram matrix) where the range finder makes ``2 q + 2``, and every step after it on ``C x C`` matrices.
 - :func:`ema_subspace` merges an old basis with a new one: the top-``r`` right singular vectors of
   ``[sqrt(ema) diag(sigma_old) P_old ; sqrt(1 - ema) diag(sigma_new) P_new]``, i.e. of the
   exponential moving average of the two rank-``r`` second-moment matrices ``P^T diag(sigma^2) P``.
@@ -20,7 +23,7 @@ batch row's result depends only on that row's data.
 from __future__ import annotations
 
 from kvweave.core.lazy import torch
-from kvweave.core.linalg import cholesky_qr, seeded_gaussian, tall_product
+from kvweave.core.linalg import cholesky_qr, rayleigh_ritz, seeded_gaussian, tall_product
 
 
 def consecutive_windows(num_layers: int, window: int) -> list[tuple[int, ...]]:
@@ -103,6 +106,34 @@ def _range_finder_gram(
         return None
     p = (vectors.transpose(-1, -2) @ small) / sigma.unsqueeze(-1)  # [..., rank, C], orthonormal rows
     return p.float(), sigma.float()
+
+
+def gram_top_right(
+    gram: torch.Tensor, rank: int, oversample: int, power_iterations: int, seed: int
+) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """:func:`randomized_top_right` of rows ``Y`` [..., m, C] from their Gram matrix ``gram`` = ``Y^T Y`` [..., C, C]:
+    ``(P [..., rank, C], sigma [..., rank])``, float32, or ``None`` where a Cholesky QR breaks down (fewer independent
+    rows than the sketch's ``k = min(rank + oversample, C)`` columns: callers run the range finder on the rows).
+
+    The same sketch (``Omega`` of ``seed``) and the same span as the range finder's ``power_iterations`` rounds,
+    ``gram^(power_iterations + 1) Omega``, each step one Cholesky round in float64, the last two (CholeskyQR2); then
+    the top eigenvectors of ``gram`` within that span (Rayleigh-Ritz), whose eigenvalues are ``sigma^2``. Vectors
+    come from an ``eigh``: orthonormal whatever their energy, so a direction with none needs no completion."""
+    channels = gram.shape[-1]
+    if rank > channels:
+        raise ValueError(f"rank {rank} exceeds the channel width {channels}")
+    k = min(rank + oversample, channels)
+    moment = gram.double()
+    omega = _gaussian((channels, k), seed, gram.device).double()
+    q, ok = cholesky_qr(moment @ omega, rounds=1)
+    for _ in range(power_iterations):
+        q, step_ok = cholesky_qr(moment @ q, rounds=1)
+        ok &= step_ok
+    q, step_ok = cholesky_qr(q, rounds=1)
+    if not bool((ok & step_ok).all()):  # read before the small eigh, which refuses what is not finite
+        return None
+    vectors, values = rayleigh_ritz(moment, q, rank)
+    return vectors.float(), values.clamp_min(0).sqrt().float()
 
 
 def ema_subspace(

@@ -38,7 +38,11 @@ Decisions (DESIGN.md, "DepthWeave-KV: how the paper's gaps are closed"):
 
 The randomized range finder (Halko et al., 2011) uses a Gaussian test matrix from a CPU
 ``torch.Generator`` seeded with ``seed + version``, ``oversample`` extra columns and ``power_iterations``
-re-orthonormalized power iterations, then an SVD of the small projected matrix; batched over (B, H).
+re-orthonormalized power iterations; batched over (B, H). It runs on the rows' Gram matrix ``Y^T Y``
+[C, C], formed in one pass over the block (a 16-bit block on a GPU multiplied as it is, its products
+summed in float32): the same span as power iterations on the rows, which pass over them ``2 q + 2``
+times, then the top eigenvectors within it (Rayleigh-Ritz). A block with fewer rows than the sketch's
+columns, or whose Gram steps break down, takes the range finder on the rows (Householder QR and an SVD).
 
 State (one per window and per K/V; batch on dim 0, counted in the cache's bytes):
 
@@ -65,9 +69,10 @@ from kvweave.core import hookimpl
 from kvweave.core.errors import CacheStateError, ModelError
 from kvweave.core.interfaces import BasisBuilder, ModelShape
 from kvweave.core.lazy import torch
+from kvweave.core.linalg import tall_gram
 from kvweave.core.params import choice, integer, number
 
-from ._sketch import consecutive_windows, ema_subspace, randomized_top_right
+from ._sketch import consecutive_windows, ema_subspace, gram_top_right, randomized_top_right
 
 SHARES = ("token-factor", "basis")
 
@@ -108,6 +113,7 @@ class SketchEmaBasis(BasisBuilder):
     """Rank-``rank`` bases per window of ``window`` layers, head and K/V; versioned EMA updates."""
 
     head_sharding: ClassVar[str] = "head-local"
+    reads_block: ClassVar[bool] = True
 
     window: int = attrs.field(default=4, validator=integer(1), metadata={"doc": "layers per depth window (consecutive; the last window may be shorter)"})
     rank: int = attrs.field(default=16, validator=integer(1), metadata={"doc": "r, coefficients per token (per window for token-factor, per layer for basis)"})
@@ -155,16 +161,37 @@ class SketchEmaBasis(BasisBuilder):
         return torch.div(moved, shape[-2] ** 0.5, out=out).view(shape)
 
     def _fit(self, scaled: torch.Tensor, version: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """The top-``rank`` sketch of rows already divided by ``sqrt(m)``."""
+        """The top-``rank`` sketch of rows already divided by ``sqrt(m)`` (the range finder on the rows)."""
         return randomized_top_right(scaled, self.rank, self.oversample, self.power_iterations, self.seed + version)
+
+    def _width(self, x: torch.Tensor) -> int:
+        if x.dim() != 5:
+            raise ValueError(f"sketch-ema expects x shaped [G, B, H, n, D], got {tuple(x.shape)}")
+        return x.shape[0] * x.shape[-1] if self.share == "token-factor" else x.shape[-1]
+
+    def _fit_block(self, x: torch.Tensor, version: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The top-``rank`` sketch of the block ``x`` [G, B, H, n, D]'s rows (:meth:`_rows`), in any float dtype: from
+        their Gram matrix (:func:`gram_top_right`; one pass over the block, a 16-bit block on a GPU read as it is), or
+        the range finder on the rows where the block has fewer rows than the sketch's columns or the Gram steps break
+        down."""
+        g, b, h, n, d = x.shape
+        width = self._width(x)
+        rows = n if self.share == "token-factor" else g * n
+        found = None
+        if rows >= min(self.rank + self.oversample, width):
+            if self.share == "token-factor":  # [B, H, n, G*D]: a copy in the block's own dtype
+                gram = tall_gram(x.permute(1, 2, 3, 0, 4).reshape(b, h, n, width))
+            else:  # every layer's tokens are rows of the one basis: the layers' Gram matrices summed, no copy
+                gram = tall_gram(x).sum(0)
+            found = gram_top_right(gram.div_(rows), self.rank, self.oversample, self.power_iterations, self.seed + version)
+        return found if found is not None else self._fit(self._rows(x, scaled=True), version)
 
     # ------------------------------------------------------------------------------ state
     def init_state(self, x: torch.Tensor) -> dict[str, torch.Tensor]:
-        rows = self._rows(x, scaled=True)
-        if self.rank > rows.shape[-1]:
-            raise ModelError(f"sketch-ema: rank {self.rank} exceeds the {self.share} channel width {rows.shape[-1]}")
-        p, sigma = self._fit(rows, 0)
-        del rows
+        """The first version's bases from the group's first block ``x`` in the model's dtype (``reads_block``)."""
+        if self.rank > self._width(x):
+            raise ModelError(f"sketch-ema: rank {self.rank} exceeds the {self.share} channel width {self._width(x)}")
+        p, sigma = self._fit_block(x, 0)
         batch, device = x.shape[1], x.device
         state = {
             "bases": p.to(torch.float16).unsqueeze(2).contiguous(),
@@ -179,10 +206,10 @@ class SketchEmaBasis(BasisBuilder):
         _remember(state["blocks_since_update"], [0])
         return state
 
-    def _new_version(self, state: dict[str, torch.Tensor], rows: torch.Tensor) -> None:
+    def _new_version(self, state: dict[str, torch.Tensor], x: torch.Tensor) -> None:
         bases = state["bases"]
         version = bases.shape[2]
-        p_new, sigma_new = self._fit(rows / rows.shape[-2] ** 0.5, version)
+        p_new, sigma_new = self._fit_block(x, version)
         p, sigma = ema_subspace(
             bases[:, :, -1], state["singular_values"], p_new, sigma_new, self.ema, self.seed + version
         )
@@ -197,17 +224,25 @@ class SketchEmaBasis(BasisBuilder):
 
     # ------------------------------------------------------------------------------ encode / decode
     def encode(self, state: dict[str, torch.Tensor], x: torch.Tensor) -> torch.Tensor:
-        rows = self._rows(x)
-        if rows.shape[-1] != state["bases"].shape[-1]:
+        width = self._width(x)
+        if width != state["bases"].shape[-1]:
             raise CacheStateError(
-                f"sketch-ema: block has channel width {rows.shape[-1]} but the state's bases have {state['bases'].shape[-1]}"
+                f"sketch-ema: block has channel width {width} but the state's bases have {state['bases'].shape[-1]}"
             )
         if self.ema > 0 and _host(state["blocks_since_update"])[0] >= self.update_every:
-            self._new_version(state, rows)
+            self._new_version(state, x)
         # [B, H, r, C], exactly the stored float16 values; contiguous so results do not depend on layout
         basis = state["bases"][:, :, -1].float().contiguous()
-        coefficients = rows @ basis.transpose(-1, -2)  # [B, H, m, r]
-        g, b, h, n, _ = x.shape
+        x = x.float()
+        g, b, h, n, d = x.shape
+        if self.share == "token-factor":  # each layer's channels times its slice of the basis, summed: no copy of the block
+            slices = basis.view(b * h, self.rank, g, d).permute(2, 0, 3, 1)  # [G, B*H, D, r]
+            coefficients = torch.bmm(x[0].reshape(b * h, n, d), slices[0])
+            for member in range(1, g):
+                coefficients.baddbmm_(x[member].reshape(b * h, n, d), slices[member])
+            coefficients = coefficients.view(b, h, n, self.rank)
+        else:  # one basis for every layer: [G, B, H, n, r] as it is returned
+            coefficients = x @ basis.transpose(-1, -2)
         counts, since = _host(state["version_tokens"]), _host(state["blocks_since_update"])[0]
         tokens = state["version_tokens"].clone()
         tokens[:, -1] += n
@@ -217,7 +252,7 @@ class SketchEmaBasis(BasisBuilder):
         _remember(state["blocks_since_update"], [since + 1])
         if self.share == "token-factor":
             return coefficients.unsqueeze(0)
-        return coefficients.reshape(b, h, g, n, self.rank).permute(2, 0, 1, 3, 4)
+        return coefficients
 
     def coefficient_rows(self, group_size: int) -> int:
         return 1 if self.share == "token-factor" else group_size
