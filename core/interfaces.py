@@ -327,6 +327,12 @@ class Probe(Component):
         return torch.stack([self.measure(*(t[g] for t in (queries, keys, values, approx_keys, approx_values, context_keys,
                                                            context_values)), scale) for g in range(keys.shape[0])])
 
+    def reads_other(self, kind: str, shared: dict | None) -> bool:
+        """Whether measuring a block of ``kind`` reads the other kind's exact block, given what the keys' measurement
+        left in ``shared`` (a ``shares_products`` probe). Where not, the engine passes None for it (the values'
+        measurement: ``keys`` and ``approx_keys``) and makes no float32 copy of it."""
+        return True
+
     def adjust(self, share: float, errors: torch.Tensor, state: dict[str, float]) -> float:
         """A group's new budget share (1.0 = fair) from its latest errors [G, H]; ``state`` persists."""
         return share

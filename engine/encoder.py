@@ -48,6 +48,9 @@ class BlockEncoder:
         #: what the probe's keys measurement of the block being encoded left for its values measurement, by (group,
         #: flush, first layer of the part); one block's at a time
         self.probe_shared: dict[tuple[int, int, int], dict] = {}
+        #: (group, float32 values) the keys' probe of a block made, which the values' encode of the block takes as its
+        #: float32 copy; taken or dropped by the next encode
+        self.values_work: tuple[int, torch.Tensor] | None = None
 
     def encode(
         self, kind: str, group_index: int, block: torch.Tensor, stats: tuple[torch.Tensor, torch.Tensor] | None = None,
@@ -63,7 +66,11 @@ class BlockEncoder:
             block = self.engine.rope_keys(block, members, positions, inverse=True).to(block.dtype)
         # a basis storing the vectors as they are: the block is its own coefficients, in float32 only where reconstructed
         identity = self.engine.basis.identity and block.dtype in _EXACT_IN_FLOAT32
-        work = block if identity else block.float()
+        made, self.values_work = self.values_work, None
+        if kind == "values" and not identity and made is not None and made[0] == group_index and made[1].shape == block.shape:
+            work = made[1]  # the keys' probe made this float32 copy of these values
+        else:
+            work = block if identity else block.float()
         if store.state is None:
             store.state = self.engine.basis.init_state(block if self.engine.basis.reads_block else work)
         first = store.coefficients.tokens
@@ -281,21 +288,33 @@ class BlockEncoder:
         step = max(1, min(len(members), PROBE_BYTES // max(1, block[0].numel() * 4 * 3)))
         errors = []
         shares = self.engine.probe.shares_products
+        values_work = None
         if kind == "keys":
             self.probe_shared.clear()
+            if not info:  # the exact values in float32 for every part, kept as the values' encode's own copy (work)
+                values_work = torch.empty((len(members), *windows[0]["values"][..., :n, :].shape), dtype=dtype, device=block.device)
+                for member, exact in enumerate(windows):
+                    values_work[member].copy_(exact["values"][..., :n, :])
+                self.values_work = (group_index, values_work)
         for first in range(0, len(members), step):
             part = slice(first, first + step)
-            other = info["blocks"][other_kind][part] if info else torch.stack([exact[other_kind][..., :n, :] for exact in windows[part]])
-            other = other.to(dtype)
+            extra = {}
+            if shares:  # the keys' measurement fills a dict, the values' one of the same block takes it
+                place = (group_index, store.flushes, first)
+                extra["shared"] = self.probe_shared.setdefault(place, {}) if kind == "keys" else self.probe_shared.pop(place, None)
+            if info:
+                other = info["blocks"][other_kind][part].to(dtype)
+            elif values_work is not None:
+                other = values_work[part]
+            elif shares and not self.engine.probe.reads_other(kind, extra["shared"]):
+                other = None  # the keys' measurement kept what the values' one would have read the keys for
+            else:
+                other = torch.stack([exact[other_kind][..., :n, :] for exact in windows[part]]).to(dtype)
             exact_block, approx_block = block[part].to(dtype), approx[part].to(dtype)
             keys, approx_keys, values, approx_values = (
                 (exact_block, approx_block, other, other) if kind == "keys" else (other, other, exact_block, approx_block))
             queries = torch.stack([self.engine.observer.queries(layer) for layer in members[part]]).to(dtype)
             context = [torch.stack([exact[k][..., start:, :] for exact in windows[part]]).to(dtype) for k in ("keys", "values")]
-            extra = {}
-            if shares:  # the keys' measurement fills a dict, the values' one of the same block takes it
-                place = (group_index, store.flushes, first)
-                extra["shared"] = self.probe_shared.setdefault(place, {}) if kind == "keys" else self.probe_shared.pop(place, None)
             errors.append(self.engine.probe.measure_group(queries, keys, values, approx_keys, approx_values, *context,
                                                           self.engine.observer.scaling, **extra))
         store.probe_error = errors[0] if len(errors) == 1 else torch.cat(errors)
@@ -307,6 +326,7 @@ class BlockEncoder:
         each error in the order measured, so reading the errors to the host waits for the device once a forward, not
         once a block."""
         self.probe_shared.clear()  # a keys' measurement whose values' one did not come holds nothing past the forward
+        self.values_work = None
         for kind in KINDS:
             stores = [group[kind] for group in self.engine.stores]
             for s in stores:

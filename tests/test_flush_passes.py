@@ -310,6 +310,29 @@ def test_the_values_probe_takes_the_keys_probes_products_and_measures_the_same(m
     assert bool((values_error > 0.01).all())
 
 
+@pytest.mark.parametrize("keep", ["weights", "normalizers"])
+def test_the_values_probe_needs_no_keys_where_the_keys_probe_kept_their_weights(monkeypatch, keep):
+    """``reads_other``: false for the values' measurement where the keys' one kept the block's weights, and then the
+    values' measurement without the keys (None) is the one with them; where only normalizers were kept it needs the
+    keys, and refuses to measure without them."""
+    import kvweave.plugins.probes.attention_output as probe_module
+
+    if keep == "normalizers":
+        monkeypatch.setattr(probe_module, "KEEP_WEIGHTS_BYTES", 0)
+    queries, keys, values, approx_keys, approx_values, context = _probe_case()
+    probe, shared = AttentionOutputProbe(), {}
+    assert probe.reads_other("keys", None) and probe.reads_other("values", None)
+    probe.measure_group(queries, keys, values, approx_keys, values, *context, 0.3, shared=shared)
+    assert probe.reads_other("keys", shared) and probe.reads_other("values", shared) == (keep == "normalizers")
+    with_keys = probe.measure_group(queries, keys, values, keys, approx_values, *context, 0.3, shared=dict(shared))
+    if keep == "weights":
+        assert torch.equal(probe.measure_group(queries, None, values, None, approx_values, *context, 0.3, shared=shared),
+                           with_keys)
+    else:
+        with pytest.raises(ValueError, match="without the keys needs the block's weights"):
+            probe.measure_group(queries, None, values, None, approx_values, *context, 0.3, shared=shared)
+
+
 def test_products_shared_from_a_block_of_other_shapes_are_refused():
     queries, keys, values, approx_keys, approx_values, context = _probe_case()
     probe, shared = AttentionOutputProbe(), {}
@@ -366,7 +389,9 @@ def test_a_blocks_keys_and_values_probes_see_the_same_exact_block_and_context(mo
     measure_group = AttentionOutputProbe.measure_group
 
     def watched(self, queries, keys, values, approx_keys, approx_values, context_keys, context_values, scale=None, shared=None):
-        seen.append((approx_keys is keys, keys.clone(), values.clone(), context_keys.clone(), context_values.clone()))
+        # the values' measurement may come without the keys (reads_other: the keys' measurement kept their weights)
+        seen.append((approx_keys is keys, None if keys is None else keys.clone(), values.clone(), context_keys.clone(),
+                     context_values.clone()))
         return measure_group(self, queries, keys, values, approx_keys, approx_values, context_keys, context_values, scale, shared=shared)
 
     monkeypatch.setattr(AttentionOutputProbe, "measure_group", watched)
@@ -376,4 +401,5 @@ def test_a_blocks_keys_and_values_probes_see_the_same_exact_block_and_context(mo
     assert len(seen) >= 4 and [s[0] for s in seen[:2]] == [False, True]
     for keys_call, values_call in zip(seen[::2], seen[1::2]):
         assert not keys_call[0] and values_call[0]
-        assert all(torch.equal(a, b) for a, b in zip(keys_call[1:], values_call[1:]))
+        assert all(b is None and a is keys_call[1] or torch.equal(a, b) for a, b in zip(keys_call[1:], values_call[1:]))
+    assert any(call[1] is None for call in seen[1::2]) == (name == "t-dw")  # H2O's re-selected blocks take no reuse

@@ -59,13 +59,16 @@ def test_tall_gram_is_the_float32_gram_matrix_of_any_dtype_on_a_cpu():
 @pytest.mark.parametrize("batch,tokens,width", [(8, 32768, 512), (32, 32771, 128), (1, 3000, 64), (8, 200, 512)])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_tall_gram_of_a_16_bit_block_on_a_gpu_is_its_float32_gram_matrix(batch, tokens, width, dtype):
-    """Chunked or not, with a rest or not: the exact Gram matrix of the 16-bit values to float32 summation."""
+    """Chunked or not, with a rest or not: the exact Gram matrix of the 16-bit values to float32 summation, as near it
+    as the float32 copy's product (16-bit sums over 32K tokens would be off by ~1e-2)."""
     torch.manual_seed(tokens)
     a = torch.randn(batch, tokens, width, device="cuda").to(dtype)
     out = tall_gram(a)
     assert out.dtype == torch.float32 and out.shape == (batch, width, width)
     exact = tall_product(a.double(), a.double(), 0)
-    assert ((out.double() - exact).abs().max() / exact.abs().max()).item() < 1e-5
+    error = ((out.double() - exact).abs().max() / exact.abs().max()).item()
+    copy = ((tall_product(a.float(), a.float()).double() - exact).abs().max() / exact.abs().max()).item()
+    assert error < 2e-4 and error < 10 * copy + 1e-6, (error, copy)
 
 
 @pytest.mark.parametrize("tokens", [32640, 32767, 32768, 32771, 2048, 3001])

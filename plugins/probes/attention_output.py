@@ -87,6 +87,11 @@ class AttentionOutputProbe(Probe):
     def wants(self, flush_index: int) -> bool:
         return flush_index % self.interval == 0
 
+    def reads_other(self, kind: str, shared: dict | None) -> bool:
+        """The values' measurement reads the exact keys only to recompute the block's weights, which the keys'
+        measurement keeps up to ``KEEP_WEIGHTS_BYTES``."""
+        return not (kind == "values" and shared is not None and "weights" in shared)
+
     def measure(self, queries, keys, values, approx_keys, approx_values, context_keys, context_values, scale=None):
         grouped = [t.unsqueeze(0) for t in (queries, keys, values, context_keys, context_values)]
         approx = [grouped[1] if approx_keys is keys else approx_keys.unsqueeze(0),
@@ -101,7 +106,11 @@ class AttentionOutputProbe(Probe):
         takes: the exact attention's block weights (or their log-normalizers, past ``KEEP_WEIGHTS_BYTES``), the block's
         part of its output and the output's norm; the values' measurement is then one product with the block."""
         scale = scale or queries.shape[-1] ** -0.5
-        kept = self._kept(shared, queries, keys, context_keys)
+        # the values' measurement may come without the keys (``reads_other``): the block's shape is the values'
+        kept = self._kept(shared, queries, keys if keys is not None else values, context_keys)
+        if keys is None and (kept is None or kept.get("weights") is None):
+            raise ValueError("probe 'attention-output': a values' measurement without the keys needs the block's weights "
+                             "kept by the keys' measurement of the same block (reads_other)")
         if approx_keys is keys and kept is not None:
             weights = kept.get("weights")
             if weights is None:
@@ -141,9 +150,10 @@ class AttentionOutputProbe(Probe):
         block of other shapes, which would give another block's weights."""
         if not shared:
             return None
-        if shared.get("shapes") != self._shapes(queries, keys, context_keys):
+        made = shared.get("shapes")
+        if made != self._shapes(queries, keys, context_keys):
             raise ValueError(f"probe 'attention-output': the products shared between a block's keys and values were "
-                             f"made for shapes {shared.get('shapes')}, not {self._shapes(queries, keys, context_keys)} "
+                             f"made for shapes {made}, not {self._shapes(queries, keys, context_keys)} "
                              "(queries, block, context)")
         return shared
 
