@@ -17,7 +17,7 @@ functions here are built from those:
   probe's weighted values). cuBLAS runs a batch of such products one tile of the small output per program, so 8 heads'
   128 x 128 second moments over 32K tokens keep 8 of an H100's 132 SMs busy; cut into chunks of the token axis, each
   chunk a matrix of the batch, and summed after, they fill the GPU; :func:`tall_gram`: ``A^T A`` in float32, a 16-bit
-  ``A`` on a GPU multiplied as it is.
+  ``A`` on a GPU multiplied as it is; :func:`float32_product`: ``A B`` in float32, 16-bit operands on a GPU as they are.
 """
 
 from __future__ import annotations
@@ -134,6 +134,17 @@ def tall_gram(a: torch.Tensor) -> torch.Tensor:
     else:
         out = torch.bmm(flat.transpose(1, 2), flat, out_dtype=torch.float32)
     return out.view(*a.shape[:-2], width, width)
+
+
+def float32_product(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """``a @ b`` [..., m, n] in float32 for ``a`` [..., m, k] and ``b`` [..., k, n] of the same leading shape: two
+    16-bit operands of one dtype on a CUDA GPU multiplied as they are (``bmm``'s ``out_dtype``: products exact in
+    float32, summed in float32, no float32 copies), else the product of their float32 values."""
+    if a.is_cuda and a.dtype == b.dtype and a.dtype in (torch.float16, torch.bfloat16) and a.shape[:-2] == b.shape[:-2]:
+        lead = a.shape[:-2]
+        out = torch.bmm(a.reshape(-1, *a.shape[-2:]), b.reshape(-1, *b.shape[-2:]), out_dtype=torch.float32)
+        return out.view(*lead, a.shape[-2], b.shape[-1])
+    return a.float() @ b.float()
 
 
 def cholesky_qr(a: torch.Tensor, rounds: int = 2) -> tuple[torch.Tensor, torch.Tensor]:

@@ -21,6 +21,7 @@ import torch
 
 from kvweave.core.errors import CacheStateError, ModelError
 from kvweave.core.interfaces import ModelShape
+from kvweave.core.linalg import float32_product
 from kvweave.core.storage import tensor_bytes
 
 ATTENTION_NAME = "kvweave-observe"
@@ -318,12 +319,12 @@ class Observer:
     def _recent_logits(self, layer: int, keys: torch.Tensor) -> torch.Tensor:
         """Logits [B, H, (Hq/H) * o, T] of the recent queries on ``keys`` [B, H, T, D] (the queries being the
         last ``o`` of those tokens), a key after its query masked to -inf."""
-        queries = self._queries[layer].float()
+        queries = self._queries[layer]
         batch, q_heads, observed, dim = queries.shape
         heads = keys.shape[1]
         grouped = queries.reshape(batch, heads, q_heads // heads * observed, dim)
         scale = self.scaling or dim**-0.5
-        logits = grouped @ keys.float().transpose(-1, -2) * scale
+        logits = float32_product(grouped, keys.transpose(-1, -2)).mul_(scale)  # a 16-bit window on a GPU read as it is
         total = keys.shape[-2]
         query_pos = (total - observed + torch.arange(observed, device=keys.device)).repeat(q_heads // heads)
         key_pos = torch.arange(total, device=keys.device)

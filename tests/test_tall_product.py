@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from kvweave.core import linalg
-from kvweave.core.linalg import _chunks, tall_chunk, tall_gram, tall_product
+from kvweave.core.linalg import _chunks, float32_product, tall_chunk, tall_gram, tall_product
 from kvweave.engine.residuals import begin_residual_fit
 from kvweave.plugins.bases._sketch import _gaussian, _range_finder_gram
 from kvweave.plugins.probes.attention_output import AttentionOutputProbe
@@ -69,6 +69,22 @@ def test_tall_gram_of_a_16_bit_block_on_a_gpu_is_its_float32_gram_matrix(batch, 
     error = ((out.double() - exact).abs().max() / exact.abs().max()).item()
     copy = ((tall_product(a.float(), a.float()).double() - exact).abs().max() / exact.abs().max()).item()
     assert error < 2e-4 and error < 10 * copy + 1e-6, (error, copy)
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="the 16-bit products run on a CUDA GPU"))])
+def test_float32_product_of_16_bit_operands_is_their_float32_values_product(device):
+    """The observer's logits: 16-bit queries times a 16-bit window's keys (transposed, as the window lies), float32
+    out; on a GPU multiplied as they are, to float32 summation of their exact products."""
+    torch.manual_seed(2)
+    queries = torch.randn(2, 8, 32, 128, device=device).bfloat16()
+    keys = torch.randn(2, 8, 5000, 128, device=device).bfloat16()
+    out = float32_product(queries, keys.transpose(-1, -2))
+    assert out.dtype == torch.float32 and out.shape == (2, 8, 32, 5000)
+    exact = queries.double() @ keys.double().transpose(-1, -2)
+    if device == "cpu":
+        assert torch.equal(out, queries.float() @ keys.float().transpose(-1, -2))
+    assert ((out.double() - exact).abs().max() / exact.abs().max()).item() < 1e-5
 
 
 @pytest.mark.parametrize("tokens", [32640, 32767, 32768, 32771, 2048, 3001])
