@@ -378,8 +378,7 @@ class BlockEncoder:
         """Every member's residual entries (rank -> fields, rows and tokens relative to the member and block) from the
         group's ``missing`` [G, B, H, n, D]: one :func:`encode_residuals` call for the group where the residual
         quantizer packs each entry alone (one token a group), split by the host's ``counts``; one a member otherwise.
-        ``dtype`` (the block's): what the values are quantized from, a float32 ``missing`` projected on residual bases as
-        it is."""
+        ``dtype`` (the block's): what the values are quantized from."""
         windows = [self.engine.windows[layer] for layer in members]
         bases = [w.residual_basis[kind] for w in windows]
         if quantizer.tokens_per_group() != 1 or len(members) == 1 or len({b is None for b in bases}) > 1:

@@ -261,8 +261,7 @@ def encode_residuals(
     Without ``basis``: the ``rho`` largest channels, with their indices. With ``basis`` [B, H, R, D]
     (a per-layer residual basis): the first ``rho`` coordinates on it, no indices needed. ``counts`` (rank -> entries,
     as the host knows them) spares the reads of the ranks present and of each level's entry count. ``dtype`` (default
-    ``missing``'s): what the entries' values are quantized from; a float32 ``missing`` on a basis is projected as it
-    is (no 16-bit copy of the block and float32 copy of that to project)."""
+    ``missing``'s): what values are quantized from (a float32 ``missing`` on a basis is projected with no 16-bit copy)."""
     batch, heads, tokens, dim = missing.shape
     if basis is not None:
         coordinates = torch.einsum("bhnd,bhkd->bhnk", missing.float(), basis.float())
@@ -337,10 +336,9 @@ def _add_on_basis(
     vectors: torch.Tensor, lists: dict[int, TensorMap], quantizer: Quantizer, gates: torch.Tensor | None,
     basis: torch.Tensor, weight: float, inplace: bool = False,
 ) -> torch.Tensor:
-    """:func:`add_residuals` on a residual basis [B, H, R, D]: every entry's coordinates written into a dense
-    [B * H, T, R] table (zeros where a token has none; a token has one rank, so one entry at most), then one
-    batched product with the basis. Gathering each entry's ``rank x D`` directions instead would move R x D values
-    an entry (a prompt's block: hundreds of MB)."""
+    """:func:`add_residuals` on a residual basis [B, H, R, D]: every entry's coordinates in a dense [B * H, T, R] table
+    (zeros where a token has none; a token has one rank, so one entry at most), then one batched product with the basis
+    (each entry's ``rank x D`` directions gathered would move R x D values an entry: hundreds of MB a prompt's block)."""
     batch, heads, tokens, dim = vectors.shape
     width = basis.shape[-2]
     table = torch.zeros(batch * heads * tokens, width, dtype=vectors.dtype, device=vectors.device)
@@ -350,20 +348,13 @@ def _add_on_basis(
         packed = {name[2:]: tensor for name, tensor in fields.items() if name.startswith("q_")}
         values = quantizer.dequantize(packed, vectors.dtype)
         table[fields["row"].long() * tokens + fields["token"].long(), :rank] = values
-    table = table.view(batch, heads, tokens, width)
     if gates is not None:
-        table = table * gates.to(vectors.dtype).view(1, heads, 1, 1)
-    if weight != 1.0:
-        table = table * weight
+        table = (table.view(batch, heads, tokens, width) * gates.to(vectors.dtype).view(1, heads, 1, 1)).view(-1, width)
     directions = basis.reshape(batch * heads, width, dim).to(vectors.dtype)
-    # the product added as cuBLAS writes it (beta = 1): one pass over the vectors, not a product, then a sum
-    table = table.view(batch * heads, tokens, width)
-    if not inplace:
-        return torch.baddbmm(vectors.reshape(batch * heads, tokens, dim), table, directions).view(batch, heads, tokens, dim)
-    if vectors.is_contiguous():
-        vectors.view(batch * heads, tokens, dim).baddbmm_(table, directions)
-        return vectors
-    return vectors.add_((table @ directions).view(batch, heads, tokens, dim))
+    # the product added as cuBLAS writes it (beta = 1): one pass over the vectors, not a product and then a sum
+    out = vectors if inplace and vectors.is_contiguous() else vectors.clone(memory_format=torch.contiguous_format)
+    out.view(batch * heads, tokens, dim).baddbmm_(table.view(batch * heads, tokens, width), directions, alpha=weight)
+    return vectors.copy_(out) if inplace and out is not vectors else out
 
 
 def entry_bytes(rank: int, quantizer: Quantizer, with_indices: bool = True) -> float:
