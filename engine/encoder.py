@@ -66,11 +66,9 @@ class BlockEncoder:
             block = self.engine.rope_keys(block, members, positions, inverse=True).to(block.dtype)
         # a basis storing the vectors as they are: the block is its own coefficients, in float32 only where reconstructed
         identity = self.engine.basis.identity and block.dtype in _EXACT_IN_FLOAT32
-        made, self.values_work = self.values_work, None
-        if kind == "values" and not identity and made is not None and made[0] == group_index and made[1].shape == block.shape:
-            work = made[1]  # the keys' probe made this float32 copy of these values
-        else:
-            work = block if identity else block.float()
+        made, self.values_work = self.values_work, None  # the keys' probe's float32 copy of these values, if it made one
+        reuse = kind == "values" and not identity and made is not None and made[0] == group_index and made[1].shape == block.shape
+        work = made[1] if reuse else block if identity else block.float()
         if store.state is None:
             store.state = self.engine.basis.init_state(block if self.engine.basis.reads_block else work)
         first = store.coefficients.tokens
@@ -98,8 +96,9 @@ class BlockEncoder:
             fixed = self.fixed_ranks(kind, group_index, work.shape[-2], mixing)
             rows = None
             if fixed is None:  # the router reads the block
-                difference = work - approx
-                miss = difference.norm(dim=-1) / work.norm(dim=-1).clamp_min(1e-9)
+                source = block[..., : work.shape[-2], :]  # work's values as the block holds them: fewer bytes to read
+                difference = torch.sub(source, approx)
+                miss = difference.norm(dim=-1) / torch.linalg.vector_norm(source, dim=-1, dtype=torch.float32).clamp_min(1e-9)
                 rows = residual_rows(difference, mixing)
                 del difference
                 fit = None

@@ -10,6 +10,7 @@
 #         stages' kernels (residual_ops.py); the GPU tests; the prompt's stages by device time.
 # Run from the repository's root: OUT=folder PART=a BEFORE=folder [ROUNDS=2] bash docs/perf/gpu-2026-12-06-gram/lease.sh
 #                                 OUT=folder PART=b TREES="folder folder" [ROUNDS=2] bash docs/perf/gpu-2026-12-06-gram/lease.sh
+#                                 OUT=folder PART=c BEFORE=folder [ROUNDS=2] bash docs/perf/gpu-2026-12-06-gram/lease.sh
 set -o pipefail
 OUT=${OUT:-$PWD/results/lease}
 mkdir -p "$OUT"
@@ -43,4 +44,12 @@ elif [ "$PART" = b ]; then
   step 200 gpu-tests.txt python -m pytest -q -p no:cacheprovider tests/test_tall_product.py tests/test_host_to_device.py \
     tests/test_flush_overlap.py
   step 150 prefill-ops.txt env KVWEAVE_FLUSH_OVERLAP=0 python benchmarks/profile_prefill.py --tokens 32768 --ops 60
+fi
+# PART=c: the GPU tests; how near each sketch path's bases come to the exact subspace (sketch_angle.py); the first
+#         token at 32K with the tree before (BEFORE=folder) and this one, in turn, ROUNDS times.
+if [ "$PART" = c ]; then
+  step 200 gpu-tests.txt python -m pytest -q -p no:cacheprovider tests/test_tall_product.py tests/test_bases.py \
+    tests/test_host_to_device.py tests/test_flush_overlap.py
+  step 150 sketch-angle.txt python docs/perf/gpu-2026-12-06-gram/sketch_angle.py
+  for round in $(seq 1 "${ROUNDS:-2}"); do tree_ttft "$BEFORE"; this_ttft; done
 fi
