@@ -58,10 +58,10 @@ def timed(name: str, fn):
     return wrapper
 
 
-def instrument(cache) -> None:
+def instrument(cache, patch=setattr) -> None:
     """Wrap the compression stages of ``cache``'s engine with synchronized timers: the methods of its
     components' classes (components are frozen; the script's last run is the measured one) and the
-    engine's own steps."""
+    engine's own steps. ``patch`` sets each wrapper (a test passes ``monkeypatch.setattr``, which takes them off)."""
     engine = cache.engine
     classes = [(f"basis.{m}", type(engine.basis), m) for m in ("init_state", "encode", "decode")]
     classes.append(("router.assign", type(engine.router), "assign"))
@@ -78,19 +78,19 @@ def instrument(cache) -> None:
     for name, cls, method in classes:
         if hasattr(cls, method):
             wrapped = timed(name, getattr(cls, method))
-            setattr(cls, method, staticmethod(wrapped) if isinstance(inspect.getattr_static(cls, method), staticmethod) else wrapped)
+            patch(cls, method, staticmethod(wrapped) if isinstance(inspect.getattr_static(cls, method), staticmethod) else wrapped)
 
 
-def patch_module() -> None:
-    engine_module.check_finite = timed("checks.check_finite", engine_module.check_finite)
-    together_module.check_finite = timed("checks.check_finite", together_module.check_finite)  # flushes stored together
+def patch_module(patch=setattr) -> None:
+    patch(engine_module, "check_finite", timed("checks.check_finite", engine_module.check_finite))
+    patch(together_module, "check_finite", timed("checks.check_finite", together_module.check_finite))  # flushes stored together
     for name in ("begin_residual_fit", "encode_residuals", "add_residuals", "residual_rows", "mix_residuals"):
         for module in (engine_module, encoder_module):  # wherever the engine's steps call them from
             if hasattr(module, name):
-                setattr(module, name, timed(f"residuals.{name}", getattr(module, name)))
-    ingest_module.flush_together = timed("together.flush_together", ingest_module.flush_together)  # an ingest's flushes
+                patch(module, name, timed(f"residuals.{name}", getattr(module, name)))
+    patch(ingest_module, "flush_together", timed("together.flush_together", ingest_module.flush_together))  # an ingest's flushes
     for name in ("reconstruction_scores", "surrogate_scores", "copying_layers", "ingest_context"):  # context scoring (kvzip) and its storing, called by score_for
-        setattr(importance_module, name, timed(f"importance.{name}", getattr(importance_module, name)))
+        patch(importance_module, name, timed(f"importance.{name}", getattr(importance_module, name)))
 
 
 def first_token(model, cache, ids) -> float:
@@ -138,7 +138,9 @@ def op_table(model, cache, ids, top: int) -> list[tuple[str, str, int, float]]:
     return totals + [(stage, name, int(calls), seconds) for (stage, name), (calls, seconds) in ranked]
 
 
-def main() -> None:
+def main(patch=setattr) -> None:
+    """The command line's run; ``patch`` sets the stages' timers (see :func:`instrument`)."""
+    TOTALS.clear()  # a second run in one process times its own stages only
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--tokens", type=int, default=32768)
     parser.add_argument("--pipeline", default="depthweave-kv")
@@ -157,8 +159,8 @@ def main() -> None:
     first_token(model, fresh(), ids)  # warm-up (kernels compiled, allocator grown)
     plain = first_token(model, fresh(), ids)
     cache = fresh()
-    instrument(cache)
-    patch_module()
+    instrument(cache, patch)
+    patch_module(patch)
     total = first_token(model, cache, ids)
     print(f"prompt {args.tokens} tokens, {args.layers} layers, {device}: full cache {full:.3f} s, {args.pipeline} "
           f"{plain:.3f} s (uninstrumented), {total:.3f} s instrumented; stored {cache.compression_ratio():.2f}x smaller")

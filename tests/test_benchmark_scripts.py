@@ -1,32 +1,63 @@
 """The GPU benchmark scripts keep working: decode_e2e.py's ``--smoke`` mode runs the same code path on a
-tiny model on the CPU, including a batch grown from fewer encoder-filled rows."""
+tiny model on the CPU, including a batch grown from fewer encoder-filled rows. The scripts' ``main()`` runs in this
+process (each run in a process of its own would import torch and transformers again); the bash scripts, and a
+script that must turn Triton's interpreter on before it is imported, run in processes of their own."""
 
 from __future__ import annotations
 
+import importlib
 import json
 import os
 import subprocess
 import sys
+from collections.abc import Callable, Iterator
 from pathlib import Path
+from unittest import mock
 
 import attrs
 import pytest
 import torch
 
+from kvweave.core.errors import KvweaveError
+
 
 ROOT = Path(__file__).resolve().parents[1]
+BENCHMARKS = ROOT / "benchmarks"
 
 
-def decode_e2e_smoke(out: Path, *options: str) -> list[dict]:
+@pytest.fixture
+def run_main(monkeypatch) -> Iterator[Callable[..., None]]:
+    """``run_main(NAME, *args, cwd=benchmarks/, **kwargs)``: benchmarks/NAME.py's ``main(**kwargs)`` in this process with
+    the command line ``args``, run from ``cwd`` (a failure raises, a refusal is a SystemExit). What the scripts change in
+    the process is restored after the test: the environment (decode_e2e.py asks for the allocator's expandable segments
+    as it is imported), torch's random state (the models are seeded), decode_e2e's log and registry (module globals
+    that its main() sets and tp_capacity.py's caches read)."""
+    monkeypatch.syspath_prepend(str(BENCHMARKS))
+    state = torch.random.get_rng_state()
+    with mock.patch.dict(os.environ):
+        import decode_e2e
+
+        monkeypatch.setattr(decode_e2e, "LOG", None)
+        monkeypatch.setattr(decode_e2e, "REGISTRY", None)
+
+        def run(name: str, *args: str, cwd: Path = BENCHMARKS, **kwargs) -> None:
+            monkeypatch.chdir(cwd)
+            monkeypatch.setattr(sys, "argv", [str(BENCHMARKS / f"{name}.py"), *args])
+            importlib.import_module(name).main(**kwargs)
+
+        yield run
+    torch.random.set_rng_state(state)
+
+
+def decode_e2e_smoke(run_main, out: Path, *options: str) -> list[dict]:
     """benchmarks/decode_e2e.py --smoke with ``options`` (2 layers) writing to ``out``; the rows it logged."""
-    command = [sys.executable, str(ROOT / "benchmarks" / "decode_e2e.py"), "--smoke", "--layers", "2", *options, "--out", str(out)]
-    done = subprocess.run(command, capture_output=True, text=True, timeout=600, cwd=ROOT / "benchmarks")
-    assert done.returncode == 0, done.stderr[-2000:]
+    run_main("decode_e2e", "--smoke", "--layers", "2", *options, "--out", str(out))
     return [json.loads(line) for line in (out / "rows.jsonl").read_text().splitlines()]
 
 
-def test_decode_e2e_smoke_grows_a_batch_from_filled_rows(tmp_path):
-    rows = decode_e2e_smoke(tmp_path, "--context", "256", "--batches", "1,3", "--fill-rows", "2", "--methods", "depthweave-kv", "--steps", "34")
+def test_decode_e2e_smoke_grows_a_batch_from_filled_rows(tmp_path, run_main):
+    rows = decode_e2e_smoke(run_main, tmp_path, "--context", "256", "--batches", "1,3", "--fill-rows", "2", "--methods", "depthweave-kv",
+                            "--steps", "34")
     assert [r["batch"] for r in rows] == [1, 3]
     assert "filled_rows" not in rows[0] and rows[1]["filled_rows"] == 2
     # three rows store about three times the bytes of one (the grown rows are real copies; the rows'
@@ -36,11 +67,11 @@ def test_decode_e2e_smoke_grows_a_batch_from_filled_rows(tmp_path):
     assert "| depthweave-kv | 3 |" in (tmp_path / "decode_e2e.md").read_text()
 
 
-def test_decode_e2e_smoke_fills_times_and_scores_a_kvzip_pipeline(tmp_path):
+def test_decode_e2e_smoke_fills_times_and_scores_a_kvzip_pipeline(tmp_path, run_main):
     """A pipeline whose evictor chooses by context importance: the synthetic fill gives it random scores (it
     evicts: fewer bytes than the codec alone), and the time to first token includes scoring the prompt."""
-    rows = decode_e2e_smoke(tmp_path, "--context", "512", "--batches", "1", "--methods", "prerope-qa35v3,kvzip-qa35v3", "--steps", "3",
-                            "--ttft", "256")
+    rows = decode_e2e_smoke(run_main, tmp_path, "--context", "512", "--batches", "1", "--methods", "prerope-qa35v3,kvzip-qa35v3",
+                            "--steps", "3", "--ttft", "256")
     ttft = {r["method"]: r for r in rows if "ttft_s" in r}
     decode = {r["method"]: r for r in rows if "median_step_ms" in r}
     assert set(ttft) == set(decode) == {"prerope-qa35v3", "kvzip-qa35v3"}
@@ -49,12 +80,12 @@ def test_decode_e2e_smoke_fills_times_and_scores_a_kvzip_pipeline(tmp_path):
 
 
 @pytest.mark.interpreter
-def test_decode_e2e_smoke_decodes_a_pipeline_with_cuda_graphs_as_generate_does(tmp_path):
+def test_decode_e2e_smoke_decodes_a_pipeline_with_cuda_graphs_as_generate_does(tmp_path, run_main):
     """``NAME@graphs``: the same pipeline decoded by graph_decode (its steps eager on a CPU, the window's put in torch)
     over a flush: the same stored bytes as ``model.generate``'s run, every step timed; and
     ``full@graphs``, the full cache as a StaticCache, counts the tokens it holds, not its room."""
-    rows = decode_e2e_smoke(tmp_path, "--context", "512", "--batches", "1", "--steps", "40", "--registry", str(ROOT / "benchmarks" / "dense_sweep.toml"),
-                            "--methods", "full,full@graphs,kzd-k4v2-f48-d128,kzd-k4v2-f48-d128@graphs")
+    rows = decode_e2e_smoke(run_main, tmp_path, "--context", "512", "--batches", "1", "--steps", "40", "--registry",
+                            str(BENCHMARKS / "dense_sweep.toml"), "--methods", "full,full@graphs,kzd-k4v2-f48-d128,kzd-k4v2-f48-d128@graphs")
     full, full_graphs, eager, graphs = rows
     assert full_graphs["cache_bytes"] == full["cache_bytes"] > eager["cache_bytes"]
     assert graphs["method"] == "kzd-k4v2-f48-d128@graphs" and graphs["cache_bytes"] == eager["cache_bytes"]
@@ -62,17 +93,12 @@ def test_decode_e2e_smoke_decodes_a_pipeline_with_cuda_graphs_as_generate_does(t
     assert "| kzd-k4v2-f48-d128@graphs | 1 |" in (tmp_path / "decode_e2e.md").read_text()
 
 
-def test_tp_capacity_smoke_finds_a_larger_batch_for_a_smaller_cache(tmp_path, monkeypatch, capsys):
+def test_tp_capacity_smoke_finds_a_larger_batch_for_a_smaller_cache(tmp_path, run_main, capsys):
     """benchmarks/tp_capacity.py's ``--smoke`` path in this process (one rank): the largest batch follows the
     cache bytes per sequence, a refused pipeline is a row saying why, and ``table`` merges the rows."""
-    monkeypatch.syspath_prepend(str(ROOT / "benchmarks"))
-    import tp_capacity
-
     out = tmp_path / "one"
-    monkeypatch.setattr(sys, "argv", ["tp_capacity.py", "tp", "--smoke", "--layers", "2", "--contexts", "192", "--methods",
-                                      "full,int4,minicache", "--steps", "3", "--probe-batch", "2", "--smoke-limit", "2000000",
-                                      "--out", str(out)])
-    tp_capacity.main()
+    run_main("tp_capacity", "tp", "--smoke", "--layers", "2", "--contexts", "192", "--methods", "full,int4,minicache", "--steps", "3",
+             "--probe-batch", "2", "--smoke-limit", "2000000", "--out", str(out))
     rows = {r["method"]: r for r in map(json.loads, (out / "rows.jsonl").read_text().splitlines())}
     full, int4 = rows["full"], rows["int4"]
     assert full["seq_bytes_per_gpu"] == 2 * 2 * 2 * 192 * 128 * 2  # K and V, 2 layers, 2 KV heads, 192 tokens, d = 128, bf16
@@ -80,8 +106,7 @@ def test_tp_capacity_smoke_finds_a_larger_batch_for_a_smaller_cache(tmp_path, mo
     assert full["max_batch"] * full["seq_bytes_per_gpu"] <= 2_000_000 < (full["max_batch"] + 1) * full["seq_bytes_per_gpu"]
     assert "refused" in rows["minicache"] and "minicache" in rows["minicache"]["refused"]
     capsys.readouterr()
-    monkeypatch.setattr(sys, "argv", ["tp_capacity.py", "table", str(out)])
-    tp_capacity.main()
+    run_main("tp_capacity", "table", str(out))
     assert "| smoke | tp | 1 | 192 | int4 |" in capsys.readouterr().out
 
 
@@ -262,48 +287,52 @@ def test_frontier_eval_refuses_an_unknown_split(tmp_path):
     assert done.returncode == 2 and "SPLIT must be 'pipelines' or 'cells', got 'depths'" in done.stderr
 
 
-def test_profile_prefill_scores_the_context_of_a_kvzip_pipeline_and_times_the_scoring():
+def profile_prefill(run_main, monkeypatch, capsys, *options: str) -> str:
+    """benchmarks/profile_prefill.py --smoke with ``options`` in this process (its stages' timers taken off after the
+    test); what it printed."""
+    capsys.readouterr()
+    run_main("profile_prefill", "--smoke", *options, patch=monkeypatch.setattr)
+    return capsys.readouterr().out
+
+
+def surrogate_registry(run_main, out: Path, *options: str) -> None:
+    """benchmarks/surrogate_registry.py --smoke (2 layers) writing to ``out``, run from the repository's root (its
+    ``--base`` is benchmarks/dense_sweep.toml from there)."""
+    run_main("surrogate_registry", "--out", str(out), "--smoke", "--layers", "2", *options, cwd=ROOT)
+
+
+def test_profile_prefill_scores_the_context_of_a_kvzip_pipeline_and_times_the_scoring(run_main, monkeypatch, capsys):
     """benchmarks/profile_prefill.py --smoke on a KVzip pipeline: the context is scored before the prompt's forward
     (the cache refuses to evict without scores), and the scoring is a stage of its own in the table."""
-    command = [sys.executable, str(ROOT / "benchmarks" / "profile_prefill.py"), "--smoke", "--pipeline", "kvzip-qa35v3",
-               "--tokens", "256", "--layers", "2"]
-    done = subprocess.run(command, capture_output=True, text=True, timeout=300, cwd=ROOT / "benchmarks")
-    assert done.returncode == 0, done.stderr[-2000:]
-    head = done.stdout.splitlines()[0]
+    out = profile_prefill(run_main, monkeypatch, capsys, "--pipeline", "kvzip-qa35v3", "--tokens", "256", "--layers", "2")
+    head = out.splitlines()[0]
     assert head.startswith("prompt 256 tokens, 2 layers, cpu: full cache") and "kvzip-qa35v3" in head
-    stages = {line.split(" | ")[0].strip("| ") for line in done.stdout.splitlines() if line.startswith("| ")}
+    stages = {line.split(" | ")[0].strip("| ") for line in out.splitlines() if line.startswith("| ")}
     assert {"importance.reconstruction_scores", "together.flush_together", "quantizer.quantize"} <= stages  # stored together
 
 
-def test_a_surrogate_pipeline_is_scored_by_one_forward_in_the_prefill_profile(tmp_path):
+def test_a_surrogate_pipeline_is_scored_by_one_forward_in_the_prefill_profile(tmp_path, run_main, monkeypatch, capsys):
     """benchmarks/surrogate_registry.py writes a random surrogate of the smoke model's shape and NAME-s pipelines; in
     profile_prefill.py the context is then scored by the surrogate (a stage of its own) and KVzip's repetitions never
     run; an unknown base pipeline is refused before anything is written."""
-    write = [sys.executable, str(ROOT / "benchmarks" / "surrogate_registry.py"), "--out", str(tmp_path / "reg"), "--smoke",
-             "--layers", "2"]
-    done = subprocess.run(write, capture_output=True, text=True, timeout=300, cwd=ROOT)
-    assert done.returncode == 0, done.stderr[-2000:]
-    assert (tmp_path / "reg" / "surrogate.pt").is_file() and "kzd-k4v2-f48-d128-s" in done.stdout
-    command = [sys.executable, str(ROOT / "benchmarks" / "profile_prefill.py"), "--smoke", "--registry",
-               str(tmp_path / "reg" / "registry.toml"), "--pipeline", "kzd-k4v2-f48-d128-s", "--tokens", "256", "--layers", "2"]
-    done = subprocess.run(command, capture_output=True, text=True, timeout=300, cwd=ROOT / "benchmarks")
-    assert done.returncode == 0, done.stderr[-2000:]
-    stages = {line.split(" | ")[0].strip("| ") for line in done.stdout.splitlines() if line.startswith("| ")}
+    surrogate_registry(run_main, tmp_path / "reg")
+    assert (tmp_path / "reg" / "surrogate.pt").is_file() and "kzd-k4v2-f48-d128-s" in capsys.readouterr().out
+    out = profile_prefill(run_main, monkeypatch, capsys, "--registry", str(tmp_path / "reg" / "registry.toml"), "--pipeline",
+                          "kzd-k4v2-f48-d128-s", "--tokens", "256", "--layers", "2")
+    stages = {line.split(" | ")[0].strip("| ") for line in out.splitlines() if line.startswith("| ")}
     assert "importance.surrogate_scores" in stages and "importance.reconstruction_scores" not in stages
     assert "importance.ingest_context" in stages  # the context stored from the scoring pass, timed as a whole
     assert "together.flush_together" in stages  # its one-layer flushes a few layers a pass
-    bad = subprocess.run([*write[:3], str(tmp_path / "bad"), "--smoke", "--pipelines", "nope"], capture_output=True,
-                         text=True, timeout=300, cwd=ROOT)
-    assert bad.returncode != 0 and "nope" in bad.stderr and not (tmp_path / "bad").exists()
+    with pytest.raises(KvweaveError, match="nope"):
+        surrogate_registry(run_main, tmp_path / "bad", "--pipelines", "nope")
+    assert not (tmp_path / "bad").exists()
 
 
-def test_decode_e2e_times_the_first_token_of_every_method_named(tmp_path):
+def test_decode_e2e_times_the_first_token_of_every_method_named(tmp_path, run_main):
     """--ttft with --batches "": each method's prompt is timed once, however many are named (a NAME@graphs method
     shares its pipeline's prefill), the full cache's ratio is 1 and the surrogate pipeline's is the compressed one's."""
-    write = [sys.executable, str(ROOT / "benchmarks" / "surrogate_registry.py"), "--out", str(tmp_path / "reg"), "--smoke",
-             "--layers", "2"]
-    assert subprocess.run(write, capture_output=True, text=True, timeout=300, cwd=ROOT).returncode == 0
-    rows = decode_e2e_smoke(tmp_path / "e2e", "--registry", str(tmp_path / "reg" / "registry.toml"), "--batches", "",
+    surrogate_registry(run_main, tmp_path / "reg")
+    rows = decode_e2e_smoke(run_main, tmp_path / "e2e", "--registry", str(tmp_path / "reg" / "registry.toml"), "--batches", "",
                             "--methods", "full,prerope-qa35v3,prerope-qa35v3@graphs,kzd-k4v2-f48-d128-s", "--ttft", "128")
     assert [r["method"] for r in rows] == ["full", "prerope-qa35v3", "kzd-k4v2-f48-d128-s"]
     assert rows[0]["ratio"] == 1.0 and all(r["ratio"] > 1 and r["ttft_s"] > 0 for r in rows[1:])
@@ -368,41 +397,47 @@ def test_lowbit_kernel_configs_name_variant_steps_warps_programs_and_tricks(monk
             lowbit_kernel.parse_configs(bad, 528)
 
 
-def test_scoring_time_times_both_read_outs_and_compares_their_scores():
+def test_scoring_time_times_both_read_outs_and_compares_their_scores(run_main, capsys):
     """benchmarks/scoring_time.py --smoke: the scoring by each backend and the forwards alone, and the two backends'
     scores nearly equal (the kernels in Triton's interpreter)."""
-    command = [sys.executable, str(ROOT / "benchmarks" / "scoring_time.py"), "--smoke", "--tokens", "160", "--reps", "1"]
-    done = subprocess.run(command, capture_output=True, text=True, timeout=300, cwd=ROOT / "benchmarks")
-    assert done.returncode == 0, done.stderr[-2000:]
-    rows = {line.split(" | ")[0].strip("| "): line for line in done.stdout.splitlines() if line.startswith("| ")}
+    options = ["--smoke", "--tokens", "160", "--reps", "1"]
+    if os.environ.get("TRITON_INTERPRET") == "1":  # this process's kernels run in the interpreter (conftest, off a GPU)
+        run_main("scoring_time", *options)
+        out = capsys.readouterr().out
+    else:  # Triton decides when a kernel is defined: the script turns its interpreter on in a process of its own
+        done = subprocess.run([sys.executable, str(BENCHMARKS / "scoring_time.py"), *options], capture_output=True, text=True,
+                              timeout=300, cwd=BENCHMARKS)
+        assert done.returncode == 0, done.stderr[-2000:]
+        out = done.stdout
+    rows = {line.split(" | ")[0].strip("| "): line for line in out.splitlines() if line.startswith("| ")}
     assert {"scoring, read-out by torch", "scoring, read-out by the Triton kernels", "the forwards alone (context pass + repetitions)"} <= set(rows)
-    relative = float(done.stdout.strip().splitlines()[-1].split(",")[-1].split()[0])
+    relative = float(out.strip().splitlines()[-1].split(",")[-1].split()[0])
     assert relative < 1e-3
 
 
 @pytest.mark.interpreter
-def test_decode_e2e_smoke_warm_times_graph_steps_after_as_many_untimed_ones(tmp_path):
+def test_decode_e2e_smoke_warm_times_graph_steps_after_as_many_untimed_ones(tmp_path, run_main, capsys):
     """``--warm``: a ``NAME@graphs`` method is timed after as many untimed steps over the same cache (so it stores the
     tokens of both passes), its row marked; a method decoded by ``model.generate`` is refused by name."""
-    registry = str(ROOT / "benchmarks" / "dense_sweep.toml")
+    registry = str(BENCHMARKS / "dense_sweep.toml")
     method = "kzd-k4v2-f48-d128@graphs"
-    cold = decode_e2e_smoke(tmp_path / "cold", "--context", "512", "--batches", "1", "--steps", "40", "--registry", registry,
+    cold = decode_e2e_smoke(run_main, tmp_path / "cold", "--context", "512", "--batches", "1", "--steps", "40", "--registry", registry,
                             "--methods", method)
-    warm = decode_e2e_smoke(tmp_path / "warm", "--context", "512", "--batches", "1", "--steps", "40", "--registry", registry,
+    warm = decode_e2e_smoke(run_main, tmp_path / "warm", "--context", "512", "--batches", "1", "--steps", "40", "--registry", registry,
                             "--methods", method, "--warm")
     assert "warm" not in cold[0] and warm[0]["warm"] is True
     assert warm[0]["cache_bytes"] > cold[0]["cache_bytes"]  # 40 more tokens held (a block flushed)
     assert "(warm)" in (tmp_path / "warm" / "decode_e2e.md").read_text()
-    command = [sys.executable, str(ROOT / "benchmarks" / "decode_e2e.py"), "--smoke", "--layers", "2", "--warm",
-               "--methods", "full", "--out", str(tmp_path / "refused")]
-    done = subprocess.run(command, capture_output=True, text=True, timeout=600, cwd=ROOT / "benchmarks")
-    assert done.returncode != 0 and "--warm takes NAME@graphs methods only" in done.stderr and "full" in done.stderr
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as refused:
+        run_main("decode_e2e", "--smoke", "--layers", "2", "--warm", "--methods", "full", "--out", str(tmp_path / "refused"))
+    err = capsys.readouterr().err
+    assert refused.value.code != 0 and "--warm takes NAME@graphs methods only" in err and "full" in err
 
 
-def test_decode_kernel_takes_each_combine_and_the_one_pass_combines_programs(monkeypatch):
+def test_decode_kernel_takes_each_combine_and_the_one_pass_combines_programs(run_main, capsys):
     """``--combines`` entries: each combine by name, ``one-pass/N`` for N programs a query head; anything else is
     refused before a GPU is asked for."""
-    monkeypatch.syspath_prepend(str(ROOT / "benchmarks"))
     import decode_kernel
 
     from kvweave.kernels import depthweave_decode
@@ -410,6 +445,6 @@ def test_decode_kernel_takes_each_combine_and_the_one_pass_combines_programs(mon
     assert decode_kernel.combine_slices("one-pass") == decode_kernel.combine_slices("two-pass") == depthweave_decode.COMBINE_SLICES
     assert decode_kernel.combine_slices("one-pass/8") == 8 and decode_kernel.combine_slices("one-pass/1") == 1
     assert all(decode_kernel.combine_slices(bad) is None for bad in ("one-pass/3", "one-pass/32", "two-pass/4", "three-pass", "one-pass/x"))
-    done = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "decode_kernel.py"), "--combines", "one-pass/8,fast"],
-                          capture_output=True, text=True, timeout=120, cwd=ROOT)
-    assert done.returncode == 2 and "--combines: unknown fast" in done.stderr
+    with pytest.raises(SystemExit) as refused:
+        run_main("decode_kernel", "--combines", "one-pass/8,fast", cwd=ROOT)
+    assert refused.value.code == 2 and "--combines: unknown fast" in capsys.readouterr().err
