@@ -80,7 +80,8 @@ def tall_product(a: torch.Tensor, b: torch.Tensor, chunk: int | None = None) -> 
     token axis ``n`` in chunks of about ``chunk`` tokens (None: :func:`tall_chunk`'s; 0: one product): the chunks as one
     batched product whose partial results are summed in the inputs' dtype, a rest of the axis (where no count of chunks
     of ``chunk`` to ``2 chunk`` tokens divides it) as one product more. A transposed ``a`` (``w.transpose(-1, -2)``
-    for ``w @ b``) is read where it lies if torch can, else copied once."""
+    for ``w @ b``) is read where it lies if torch can, else copied once. Two 16-bit operands of one dtype and leading
+    shape on a CUDA GPU are multiplied as they are, into float32 (:func:`float32_product`)."""
     if a.shape[-2] != b.shape[-2]:
         raise ValueError(f"tall_product: the token axes differ, {tuple(a.shape)} against {tuple(b.shape)}")
     tokens = a.shape[-2]
@@ -88,53 +89,42 @@ def tall_product(a: torch.Tensor, b: torch.Tensor, chunk: int | None = None) -> 
         chunk = tall_chunk(a.device, tokens)
     if chunk < 0:
         raise ValueError(f"tall_product: chunk must be >= 0, got {chunk}")
+    times = float32_product if _sixteen_on_gpu(a, b) else torch.matmul
     if not chunk or tokens < 2 * chunk:
-        return a.transpose(-1, -2) @ b
+        return times(a.transpose(-1, -2), b)
     parts, length = _chunks(tokens, chunk)
     whole = parts * length
     a_chunks = a[..., :whole, :].unflatten(-2, (parts, length))  # [..., S, c, p]
     b_chunks = b[..., :whole, :].unflatten(-2, (parts, length))
-    out = (a_chunks.transpose(-1, -2) @ b_chunks).sum(dim=-3)
+    out = times(a_chunks.transpose(-1, -2), b_chunks).sum(dim=-3)
     if whole < tokens:
-        out = out + a[..., whole:, :].transpose(-1, -2) @ b[..., whole:, :]
+        out = out + times(a[..., whole:, :].transpose(-1, -2), b[..., whole:, :])
     return out
 
 
 def tall_gram(a: torch.Tensor) -> torch.Tensor:
-    """``a^T a`` [..., p, p] (float32) for ``a`` [..., n, p], summed over the token axis ``n``.
-
-    A 16-bit ``a`` on a CUDA GPU is multiplied as it is: cuBLAS forms each product of two 16-bit numbers exactly and
-    sums in float32 (``bmm``'s ``out_dtype``), without a float32 copy's bytes and on tensor cores. Their float32 sums
-    drift with the length summed (5.7e-5 of the largest entry over 16K tokens on an H100, against 1.6e-6 for the float32
-    copy's product in chunks), so the token axis is cut into :func:`tall_product`'s chunks here too and their results
-    summed after. Otherwise :func:`tall_product` of the float32 values."""
-    if not (a.is_cuda and a.dtype in (torch.float16, torch.bfloat16)):
+    """``a^T a`` [..., p, p] (float32) for ``a`` [..., n, p]: :func:`tall_product` of ``a`` with itself, a 16-bit ``a`` on
+    a CUDA GPU multiplied as it is (each product of two 16-bit numbers exact in float32, summed in float32), without a
+    float32 copy's bytes and on tensor cores. The chunks matter here too: the tensor cores' float32 sums drift with the
+    length summed (5.7e-5 of the largest entry over 16K tokens on an H100, against 1.6e-6 for the float32 copy's
+    product in chunks)."""
+    if not _sixteen_on_gpu(a, a):
         a = a.float()
-        return tall_product(a, a)
-    tokens, width = a.shape[-2:]
-    flat = a.reshape(-1, tokens, width)
-    chunk = tall_chunk(a.device, tokens)
-    if not chunk:
-        out = torch.bmm(flat.transpose(1, 2), flat, out_dtype=torch.float32)
-        return out.view(*a.shape[:-2], width, width)
-    parts, length = _chunks(tokens, chunk)
-    whole = parts * length
-    chunks = flat[:, :whole].reshape(-1, length, width)  # [batch x parts, length, p]: a view where no rest is left
-    out = torch.bmm(chunks.transpose(1, 2), chunks, out_dtype=torch.float32).view(-1, parts, width, width).sum(1)
-    if whole < tokens:
-        rest = flat[:, whole:]
-        out += torch.bmm(rest.transpose(1, 2), rest, out_dtype=torch.float32)
-    return out.view(*a.shape[:-2], width, width)
+    return tall_product(a, a)
+
+
+def _sixteen_on_gpu(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Whether ``a @ b`` can run on their 16-bit values into float32 (:func:`float32_product`'s first way)."""
+    return a.is_cuda and a.dtype == b.dtype and a.dtype in (torch.float16, torch.bfloat16) and a.shape[:-2] == b.shape[:-2]
 
 
 def float32_product(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     """``a @ b`` [..., m, n] in float32 for ``a`` [..., m, k] and ``b`` [..., k, n] of the same leading shape: two
     16-bit operands of one dtype on a CUDA GPU multiplied as they are (``bmm``'s ``out_dtype``: products exact in
     float32, summed in float32, no float32 copies), else the product of their float32 values."""
-    if a.is_cuda and a.dtype == b.dtype and a.dtype in (torch.float16, torch.bfloat16) and a.shape[:-2] == b.shape[:-2]:
-        lead = a.shape[:-2]
+    if _sixteen_on_gpu(a, b):
         out = torch.bmm(a.reshape(-1, *a.shape[-2:]), b.reshape(-1, *b.shape[-2:]), out_dtype=torch.float32)
-        return out.view(*lead, a.shape[-2], b.shape[-1])
+        return out.view(*a.shape[:-2], a.shape[-2], b.shape[-1])
     return a.float() @ b.float()
 
 

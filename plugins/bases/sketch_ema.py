@@ -144,12 +144,12 @@ class SketchEmaBasis(BasisBuilder):
 
     # ------------------------------------------------------------------------------ rows
     def _rows(self, x: torch.Tensor, scaled: bool = False) -> torch.Tensor:
-        """[G, B, H, n, D] -> rows [B, H, m, C] (token-factor: m = n, C = G*D; basis: m = G*n, C = D); ``scaled``:
-        divided by ``sqrt(m)`` in the same pass as the copy into the rows' order (what the sketch fits)."""
+        """[G, B, H, n, D] -> rows [B, H, m, C] (token-factor: m = n, C = G*D; basis: m = G*n, C = D) in ``x``'s dtype;
+        ``scaled``: float32, divided by ``sqrt(m)`` in the same pass as the copy into the rows' order (what the sketch
+        fits)."""
         if x.dim() != 5:
             raise ValueError(f"sketch-ema expects x shaped [G, B, H, n, D], got {tuple(x.shape)}")
         g, b, h, n, d = x.shape
-        x = x.float()
         if self.share == "token-factor":
             order, shape = (1, 2, 3, 0, 4), (b, h, n, g * d)
         else:
@@ -174,13 +174,12 @@ class SketchEmaBasis(BasisBuilder):
         their Gram matrix (:func:`gram_top_right`; one pass over the block, a 16-bit block on a GPU read as it is), or
         the range finder on the rows where the block has fewer rows than the sketch's columns or the Gram steps break
         down."""
-        g, b, h, n, d = x.shape
         width = self._width(x)
-        rows = n if self.share == "token-factor" else g * n
+        rows = x.shape[-2] * (1 if self.share == "token-factor" else x.shape[0])
         found = None
         if rows >= min(self.rank + self.oversample, width):
             if self.share == "token-factor":  # [B, H, n, G*D]: a copy in the block's own dtype
-                gram = tall_gram(x.permute(1, 2, 3, 0, 4).reshape(b, h, n, width))
+                gram = tall_gram(self._rows(x))
             else:  # every layer's tokens are rows of the one basis: the layers' Gram matrices summed, no copy
                 gram = tall_gram(x).sum(0)
             found = gram_top_right(gram.div_(rows), self.rank, self.oversample, self.power_iterations, self.seed + version)
