@@ -19,6 +19,7 @@ from kvweave.core.host_to_device import device_constant
 from kvweave.core.interfaces import KINDS, RouteBlock
 from kvweave.core.storage import TensorMap
 from kvweave.engine.residuals import add_residuals, begin_residual_fit, encode_residuals, mix_residuals, residual_rows
+from kvweave.kernels.miss import misses
 
 if TYPE_CHECKING:
     from kvweave.engine.engine import CompressionEngine
@@ -97,8 +98,7 @@ class BlockEncoder:
             rows = None
             if fixed is None:  # the router reads the block
                 source = block[..., : work.shape[-2], :]  # work's values as the block holds them: fewer bytes to read
-                difference = torch.sub(source, approx)
-                miss = difference.norm(dim=-1) / torch.linalg.vector_norm(source, dim=-1, dtype=torch.float32).clamp_min(1e-9)
+                difference, miss = misses(source, approx)  # on a GPU one kernel: the block read once
                 rows = residual_rows(difference, mixing)
                 del difference
                 fit = None

@@ -265,7 +265,8 @@ def encode_residuals(
     batch, heads, tokens, dim = missing.shape
     if basis is not None:
         coordinates = torch.einsum("bhnd,bhkd->bhnk", missing.float(), basis.float())
-        flat_coordinates = coordinates.reshape(batch * heads * tokens, -1)
+        # rank-major [R, B x H x n]: entries' single floats selected along the long axis (rows of R floats: a slow gather)
+        by_rank = coordinates.permute(3, 0, 1, 2).reshape(coordinates.shape[-1], -1)
     flat_missing = missing.reshape(-1, dim)
     fixed = not isinstance(ranks, torch.Tensor)
     if fixed and any(not 0 <= start < stop <= tokens for start, stop, _ in ranks):
@@ -294,7 +295,7 @@ def encode_residuals(
             fields["index"] = top.to(torch.uint8)
             values = picked.gather(-1, top).to(dtype or missing.dtype)
         else:
-            values = flat_coordinates.index_select(0, chosen)[:, :rank].to(dtype or missing.dtype)
+            values = by_rank[:rank].index_select(1, chosen).t().to(dtype or missing.dtype)
         fields.update({f"q_{name}": t for name, t in quantizer.quantize(values).items()})
         entries[rank] = fields
     return entries

@@ -244,6 +244,27 @@ def test_a_full_rank_residual_basis_restores_the_residual():
     assert (missing - partial).norm() < missing.norm()  # the first coordinates already help
 
 
+def test_entries_on_a_residual_basis_hold_their_own_tokens_first_coordinates():
+    """Levels 2, 4 and 8 mixed over rows and tokens: each entry's values are its (row, token)'s first ``rank``
+    coordinates on the row's basis, exactly, whichever way they are selected from the block's coordinates."""
+    from kvweave.engine.residuals import encode_residuals, fit_residual_basis
+    from kvweave.plugins.quantizers.passthrough import NoQuantizer
+
+    gen = torch.Generator().manual_seed(4)
+    missing = torch.randn(2, 3, 50, 16, generator=gen)
+    basis = fit_residual_basis(missing, 8)
+    ranks = torch.tensor([0, 2, 4, 8])[torch.randint(0, 4, (2, 3, 50), generator=gen)]
+    coordinates = torch.einsum("bhnd,bhkd->bhnk", missing, basis.float()).reshape(6, 50, 8)
+    entries = encode_residuals(missing, ranks, NoQuantizer(), basis)
+    assert sorted(entries) == [2, 4, 8]
+    for rank, fields in entries.items():
+        row, token = fields["row"].long(), fields["token"].long()
+        assert torch.equal(ranks.reshape(6, 50)[row, token], torch.full_like(row, rank))
+        assert int((ranks == rank).sum()) == row.numel()
+        assert torch.equal(NoQuantizer().dequantize({k[2:]: v for k, v in fields.items() if k.startswith("q_")}, torch.float32),
+                           coordinates[row, token, :rank])
+
+
 def test_keys_and_values_of_a_block_are_routed_on_the_same_attention_statistics():
     model = tiny_llama(torch.bfloat16, layers=4, hidden=256)
     cache = build_test_cache("t-dw", model)
