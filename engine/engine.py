@@ -33,6 +33,7 @@ from kvweave.core.evictor import Evictor
 from kvweave.core.interfaces import KINDS, AttentionKernel, BasisBuilder, ModelShape, Probe, Quantizer, Router
 from kvweave.core.precision import float32_products
 from kvweave.core.registry import ResolvedPipeline
+from kvweave.core.storage import stack_layers
 from kvweave.core.view import LayerView
 from kvweave.engine.accounting import memory_breakdown
 from kvweave.engine.budget import BudgetPlan
@@ -307,7 +308,7 @@ class CompressionEngine:
             positions = torch.arange(passed, passed + count, device=self.windows[members[0]].exact.device)
             for kind in KINDS:
                 parts = [self.windows[layer].exact.head(kind, count) for layer in members]
-                block = parts[0].unsqueeze(0) if len(parts) == 1 else torch.stack(parts)  # one layer: no copy
+                block = stack_layers(parts)  # one layer: no copy
                 self.encoder.encode(kind, group_index, block, stats, positions)
             for layer in members:
                 self.windows[layer].compressed_tokens += count

@@ -33,3 +33,7 @@ if [ "${PART:-a}" = a ]; then
 elif [ "$PART" = b ]; then
   step 150 prefill-ops.txt env KVWEAVE_FLUSH_OVERLAP=0 python benchmarks/profile_prefill.py --tokens 32768 --ops 60
 fi
+# PART=c: the flush's remaining copies and the residual moment's products, each way (flush_copies.py)
+if [ "$PART" = c ]; then
+  step 100 flush-copies.txt env PYTHONPATH=docs/perf/gpu-2026-12-06-miss python docs/perf/gpu-2026-12-06-miss/flush_copies.py
+fi
