@@ -4,8 +4,14 @@
 #         before (BEFORE=folder), this tree, and this tree with the kernel off (KVWEAVE_FUSED_MISS=0), in turn, ROUNDS
 #         times, each run with depthweave-kv-tf32 (benchmarks/products_sweep.toml: its block's float32 products on TF32).
 # PART=b: the prompt's stages by device time on this tree (the overlap off, so that each stage's time is its own).
+# PART=c: the flush's remaining copies and the residual moment's products, each way (flush_copies.py).
+# PART=d: the GPU tests of the overlap; where the first token waits (timeline.py) with the last flush at the forward's
+#         end and at its group's request (KVWEAVE_FLUSH_AT_END=0); the first token at 32K with the tree before
+#         (BEFORE=folder), this tree, and this tree with KVWEAVE_FLUSH_AT_END=0, in turn, ROUNDS times.
 # Run from the repository's root: OUT=folder PART=a BEFORE=folder [ROUNDS=2] bash docs/perf/gpu-2026-12-06-miss/lease.sh
 #                                 OUT=folder PART=b bash docs/perf/gpu-2026-12-06-miss/lease.sh
+#                                 OUT=folder PART=c bash docs/perf/gpu-2026-12-06-miss/lease.sh
+#                                 OUT=folder PART=d BEFORE=folder [ROUNDS=2] bash docs/perf/gpu-2026-12-06-miss/lease.sh
 set -o pipefail
 OUT=${OUT:-$PWD/results/lease}
 mkdir -p "$OUT"
@@ -33,7 +39,13 @@ if [ "${PART:-a}" = a ]; then
 elif [ "$PART" = b ]; then
   step 150 prefill-ops.txt env KVWEAVE_FLUSH_OVERLAP=0 python benchmarks/profile_prefill.py --tokens 32768 --ops 60
 fi
-# PART=c: the flush's remaining copies and the residual moment's products, each way (flush_copies.py)
 if [ "$PART" = c ]; then
   step 100 flush-copies.txt env PYTHONPATH=docs/perf/gpu-2026-12-06-miss python docs/perf/gpu-2026-12-06-miss/flush_copies.py
+fi
+if [ "$PART" = d ]; then
+  step 200 gpu-tests.txt python -m pytest -q -p no:cacheprovider tests/test_flush_overlap.py tests/test_host_to_device.py
+  step 100 timeline.txt python docs/perf/gpu-2026-12-06-miss/timeline.py
+  step 100 timeline.txt env KVWEAVE_FLUSH_AT_END=0 python docs/perf/gpu-2026-12-06-miss/timeline.py
+  METHODS="--methods full,depthweave-kv --ttft 32768 --batches"
+  for round in $(seq 1 "${ROUNDS:-2}"); do tree_ttft "$BEFORE"; this_ttft; this_ttft KVWEAVE_FLUSH_AT_END=0; done
 fi
