@@ -26,7 +26,6 @@ from kvweave.engine.engine import CompressionEngine
 from kvweave.core.errors import CacheStateError, ModelError
 from kvweave.core.interfaces import ModelShape
 from kvweave.engine.observation import bind_model, set_active
-from kvweave.engine.overlap import forward_tap
 from kvweave.engine.rotary import RotaryInverse
 from kvweave.core.registry import ResolvedPipeline
 from kvweave.engine.sharding import HeadShard, check_shardable, gather_counts
@@ -157,8 +156,6 @@ class KVWeaveCache(Cache):
     def bind(self, model: Any, tokenizer: Any = None) -> KVWeaveCache:
         """Let the cache observe ``model`` where its router or probe needs queries or token ids."""
         bind_model(model, self.engine, tokenizer)
-        if self.engine.settings.compress:  # a prompt's last flush beside the forward's tail (engine/overlap.py)
-            self.engine.overlap.tap = forward_tap(model)
         self.tokenizer = tokenizer  # context scoring (engine/importance.py) builds its repeat prompt with it
         if self.engine.evicts and self.engine.evictor.needs_importance and tokenizer is None:
             raise CacheStateError(

@@ -17,12 +17,6 @@ The flushes run in the order they would have run, each over the same tokens: a l
 layer's storage, and a forward's flushes change only their own group's layers (the probes' shares move after the last
 one), so the stored bytes are those of flushes issued at once (tested bit for bit, in the same order on a CPU).
 
-Where the cache is bound to the model (``build_cache(pipeline, model)``), the last flushing group's flush waits for the
-model's forward to end (:class:`ForwardTap`: hooks on the model's forward, the end's run whether or not it raised): the
-host queues the forward's tail first (the last layer's projections and MLP, the final norm, the logits), and the GPU
-runs that tail beside the flush, whose many small kernels leave it idle between them.
-``KVWEAVE_FLUSH_AT_END=0`` issues it at the group's request instead.
-
 It overlaps only a prompt into an empty cache on a GPU, through a forward that attends (a forward's ``update`` with
 ``materialize``): a decode step's flush (and a CUDA graph's) stays where it was. ``KVWEAVE_FLUSH_OVERLAP=0`` turns it
 off; the side stream runs at the higher priority (``KVWEAVE_FLUSH_PRIORITY=0``: the forward's); :attr:`FlushOverlap.forced`
@@ -45,9 +39,6 @@ OVERLAP = env_switch("KVWEAVE_FLUSH_OVERLAP")
 #: 1: the side stream at a higher priority than the forward's (its blocks scheduled first where both wait for the GPU:
 #: the host's reads inside a flush wait less; 0.06-0.13 s off depthweave-kv's first token at 32K on an H100)
 PRIORITY = env_setting("KVWEAVE_FLUSH_PRIORITY", 1, (0, 1))
-#: the last flushing group's flush issued when the model's forward ends, its tail queued first (``KVWEAVE_FLUSH_AT_END=0``:
-#: at the group's request)
-AT_END = env_switch("KVWEAVE_FLUSH_AT_END")
 #: flushes queued behind the forward: one group's (its flush waits for the next group's layers to be queued)
 LAG = 1
 #: the side streams, one per device (made once: a stream is a device resource, not a tensor)
@@ -78,8 +69,6 @@ class FlushOverlap:
         self.queued: list[tuple[int, Any]] = []
         #: queued flushes issued since the engine was made (what tests read)
         self.issued = 0
-        #: the hooks on the bound model's forward (:func:`forward_tap`); None: the last flush at its request
-        self.tap: ForwardTap | None = None
 
     def start_forward(self, keys: torch.Tensor, materialize: bool) -> None:
         """A forward's first layer arrives with ``keys`` [B, H, q, D]: issue what an interrupted forward left queued,
@@ -104,12 +93,7 @@ class FlushOverlap:
             event = torch.cuda.Event()
             event.record(torch.cuda.current_stream(device))
         self.queued.append((group_index, event))
-        last = group_index == self.engine.last_flushing
-        if last and AT_END and self.tap is not None and self.tap.depth > 0:  # inside the bound model's forward
-            self.tap.waiting.append(self)
-            self._issue_queued(1)  # the flushes before it now, the last when the forward ends
-            return
-        self._issue_queued(0 if last else LAG)
+        self._issue_queued(0 if group_index == self.engine.last_flushing else LAG)
 
     def settle(self) -> None:
         """Issue every queued flush (the forward's flushes are done)."""
@@ -145,34 +129,3 @@ class FlushOverlap:
                 self.engine._flush(group_index)
         finally:
             main.wait_stream(side)  # what the host queues next runs after the flush (the memory it freed, its bytes)
-
-
-class ForwardTap:
-    """Hooks on a model's forward (one tap a model, :func:`forward_tap`): how deep inside its forward the host is, and
-    the engines' overlaps whose last flush waits for it to end. The end's hook runs whether or not the forward raised
-    (what an interrupted forward left queued is issued there, as it would have been at the group's request)."""
-
-    def __init__(self) -> None:
-        self.depth = 0
-        self.waiting: list[FlushOverlap] = []
-
-    def enter(self, module: Any, args: tuple, kwargs: dict) -> None:
-        self.depth += 1
-
-    def leave(self, module: Any, args: tuple, kwargs: dict, output: Any) -> None:
-        self.depth = max(0, self.depth - 1)
-        if self.depth == 0:
-            waiting, self.waiting = self.waiting, []
-            for overlap in waiting:
-                overlap.settle()
-
-
-def forward_tap(model: Any) -> ForwardTap:
-    """``model``'s :class:`ForwardTap`, its hooks registered the first time."""
-    tap = getattr(model, "_kvweave_forward_tap", None)
-    if tap is None:
-        tap = ForwardTap()
-        model.register_forward_pre_hook(tap.enter, with_kwargs=True)
-        model.register_forward_hook(tap.leave, with_kwargs=True, always_call=True)
-        model._kvweave_forward_tap = tap
-    return tap

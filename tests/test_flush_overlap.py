@@ -96,52 +96,6 @@ def test_a_groups_flush_waits_for_the_next_groups_layers(twelve_layers, registry
     assert log == [(0, 3), (1, 7), (2, 11)]
 
 
-@pytest.mark.parametrize("at_end, bound", [(True, True), (False, True), (True, False)])
-def test_the_last_flush_waits_for_the_end_of_the_bound_models_forward(twelve_layers, registry, monkeypatch, at_end, bound):
-    """Group 2's flush (the last) is issued after the model's final norm has run, its tail queued first, where the
-    cache is bound to the model and the setting is on; at layer 11's request otherwise. The same stored tokens."""
-    import kvweave.engine.overlap as overlap_module
-
-    monkeypatch.setattr(overlap_module, "AT_END", at_end)
-    cache = build_cache(registry.resolve(DEPTHWEAVE), twelve_layers, tokenizer=_Vocabulary())
-    engine = cache.engine
-    engine.overlap.forced = "queue"
-    if not bound:
-        engine.overlap.tap = None
-    normed: list[bool] = []
-    log: list[tuple[int, bool]] = []  # (group flushed, whether the final norm had run)
-    norm, flush = twelve_layers.model.norm.forward, engine._flush
-    monkeypatch.setattr(twelve_layers.model.norm, "forward", lambda hidden: normed.append(True) or norm(hidden))
-    monkeypatch.setattr(engine, "_flush", lambda group: log.append((group, bool(normed))) or flush(group))
-    ids = torch.randint(1, 128, (1, PROMPT), generator=torch.Generator().manual_seed(1))
-    with torch.no_grad():
-        twelve_layers(input_ids=ids, use_cache=True, **cache_kwargs(twelve_layers, cache))
-    assert log == [(0, False), (1, False), (2, at_end and bound)]
-    assert engine.overlap.queued == [] and engine.overlap.mode is None
-    assert all(window.compressed_tokens == STORED for window in engine.windows)
-    tap = twelve_layers._kvweave_forward_tap
-    assert tap.depth == 0 and tap.waiting == []
-
-
-def test_a_forward_that_raises_after_its_last_layer_still_issues_the_last_flush(twelve_layers, registry, monkeypatch):
-    """The forward's end runs its hook when the forward raises: the last group's flush is issued there, and the error
-    reaches the caller."""
-    cache = build_cache(registry.resolve(DEPTHWEAVE), twelve_layers, tokenizer=_Vocabulary())
-    engine = cache.engine
-    engine.overlap.forced = "queue"
-
-    def broken(hidden):
-        raise RuntimeError("the final norm broke")
-
-    monkeypatch.setattr(twelve_layers.model.norm, "forward", broken)
-    ids = torch.randint(1, 128, (1, PROMPT), generator=torch.Generator().manual_seed(1))
-    with torch.no_grad(), pytest.raises(RuntimeError, match="the final norm broke"):
-        twelve_layers(input_ids=ids, use_cache=True, **cache_kwargs(twelve_layers, cache))
-    assert engine.overlap.queued == [] and engine.overlap.mode is None
-    assert all(window.compressed_tokens == STORED for window in engine.windows)
-    assert twelve_layers._kvweave_forward_tap.depth == 0
-
-
 def test_a_flush_that_raises_drops_the_queue(twelve_layers, registry, monkeypatch):
     """The error of a queued flush reaches the forward; the groups after it keep their tokens in their windows and
     the next prompt into a reset cache queues again."""
@@ -218,8 +172,7 @@ def test_flushes_on_the_side_stream_store_what_flushes_at_once_store(pipeline):
         torch.testing.assert_close(got, want, rtol=1e-2, atol=1e-2)
 
 
-@pytest.mark.parametrize("variable, value", [("KVWEAVE_FLUSH_OVERLAP", "sometimes"), ("KVWEAVE_FLUSH_PRIORITY", "2"),
-                                             ("KVWEAVE_FLUSH_AT_END", "later")])
+@pytest.mark.parametrize("variable, value", [("KVWEAVE_FLUSH_OVERLAP", "sometimes"), ("KVWEAVE_FLUSH_PRIORITY", "2")])
 def test_a_wrong_setting_is_refused_by_name(variable, value):
     """The overlap's environment settings are read at import; a value they do not take is refused naming the
     variable."""

@@ -7,7 +7,8 @@
 # PART=c: the flush's remaining copies and the residual moment's products, each way (flush_copies.py).
 # PART=d: the GPU tests of the overlap; where the first token waits (timeline.py) with the last flush at the forward's
 #         end and at its group's request (KVWEAVE_FLUSH_AT_END=0); the first token at 32K with the tree before
-#         (BEFORE=folder), this tree, and this tree with KVWEAVE_FLUSH_AT_END=0, in turn, ROUNDS times.
+#         (BEFORE=folder), this tree, and this tree with KVWEAVE_FLUSH_AT_END=0, in turn, ROUNDS times. Run on commit
+#         ee7a609, whose setting was measured and not kept (README.md): on a later tree the setting does nothing.
 # Run from the repository's root: OUT=folder PART=a BEFORE=folder [ROUNDS=2] bash docs/perf/gpu-2026-12-06-miss/lease.sh
 #                                 OUT=folder PART=b bash docs/perf/gpu-2026-12-06-miss/lease.sh
 #                                 OUT=folder PART=c bash docs/perf/gpu-2026-12-06-miss/lease.sh
