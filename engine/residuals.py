@@ -264,9 +264,8 @@ def encode_residuals(
     ``missing``'s): what values are quantized from (a float32 ``missing`` on a basis is projected with no 16-bit copy)."""
     batch, heads, tokens, dim = missing.shape
     if basis is not None:
-        coordinates = torch.einsum("bhnd,bhkd->bhnk", missing.float(), basis.float())
         # rank-major [R, B x H x n]: entries' single floats selected along the long axis (rows of R floats: a slow gather)
-        by_rank = coordinates.permute(3, 0, 1, 2).reshape(coordinates.shape[-1], -1)
+        by_rank = torch.einsum("bhnd,bhkd->kbhn", missing.float(), basis.float()).reshape(basis.shape[-2], -1)
     flat_missing = missing.reshape(-1, dim)
     fixed = not isinstance(ranks, torch.Tensor)
     if fixed and any(not 0 <= start < stop <= tokens for start, stop, _ in ranks):
