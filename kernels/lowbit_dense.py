@@ -200,13 +200,14 @@ def dense_slots(sms: int, dim: int, hidden: bool, num_warps: int = 4, registers:
 #: :data:`DENSE_AHEAD_BITS`), take those registers and load each step's value tiles' words a step before the step that
 #: reads them: with about 4 programs an SM the registers cost no program, and a program's next values are in flight
 #: while it computes (H100, 2026-12-05: 4-7% off a call of the 8x class at B = 1; the key words loaded so cost 10-25%,
-#: so they are not; docs/kernels.md "Codes a step ahead, 128 registers, the combine in slices"); KVWEAVE_DENSE_AHEAD=0
+#: so they are not; docs/kernels.md "Codes a step ahead, 128 registers, the combine in slices"; on and off in turn,
+#: 2026-12-06: 7% off at B = 1, the same at B = 8, "The dense kernel's rule timed on and off"); KVWEAVE_DENSE_AHEAD=0
 #: turns it off (to time both)
 DENSE_AHEAD_WAVE = env_switch("KVWEAVE_DENSE_AHEAD")
 DENSE_AHEAD_REGISTERS = 128
-#: the value codes' widths the rule takes: those it was timed on (2-bit, the 8x class; 4-bit values were timed only with
-#: the key words ahead too, slower, or with 128 registers alone)
-DENSE_AHEAD_BITS = (2,)
+#: the value codes' widths the rule takes: those it was timed on (2-bit, the 8x class; 4-bit, the ~5x class: 4-11% off
+#: a call at B = 1 on an H100, 2026-12-06)
+DENSE_AHEAD_BITS = (2, 4)
 
 
 def dense_ahead(view: Any, programs: int, sms: int, dim: int, hidden: bool, num_warps: int,

@@ -68,10 +68,10 @@ def test_codes_loaded_a_step_ahead_give_the_same_output(tiled_views, name, monke
 
 def test_the_launch_loads_values_ahead_where_its_programs_are_one_wave_at_128_registers(tiled_views, monkeypatch):
     """The rule (``DENSE_AHEAD_WAVE``, on unless KVWEAVE_DENSE_AHEAD=0): a launch whose programs fit the SMs at 128
-    registers a thread (4 programs of 4 warps an SM) loads the 2-bit value tiles' words ahead at 128 registers, and
+    registers a thread (4 programs of 4 warps an SM) loads the value tiles' words ahead at 128 registers, and
     counts its wave for the early combine at those registers; more programs keep the 96-register build and load where
-    they read; 4-bit values (not timed with the rule) and values token by token are loaded where they are read. The
-    rule off, only the settings asked for apply."""
+    they read; 2- and 4-bit value tiles take it (widths outside DENSE_AHEAD_BITS do not), values token by token are
+    loaded where they are read. The rule off, only the settings asked for apply."""
     tiled, flat = tiled_views["kzd-k4v2t-f48-d128"], tiled_views["kzd-k4v2-f48-d128"]
     q = torch.randn(1, 8, 128)
     scale = 128 ** -0.5
@@ -81,7 +81,10 @@ def test_the_launch_loads_values_ahead_where_its_programs_are_one_wave_at_128_re
     one_wave = plan_launch(tiled, q, None, scale, variant="dense", programs=8)
     assert one_wave.constants["AHEAD"] == 2 and one_wave.constants["maxnreg"] == 128
     four_bit = plan_launch(tiled_views["kzd-k4v4t-f77-d128"], q, None, scale, variant="dense", programs=8)
-    assert four_bit.constants["AHEAD"] == 0 and 4 not in lowbit_dense.DENSE_AHEAD_BITS  # not timed with the rule
+    assert four_bit.constants["AHEAD"] == 2 and four_bit.constants["maxnreg"] == 128  # the ~5x class's 4-bit values
+    monkeypatch.setattr(lowbit_dense, "DENSE_AHEAD_BITS", (2,))
+    four_bit = plan_launch(tiled_views["kzd-k4v4t-f77-d128"], q, None, scale, variant="dense", programs=8)
+    assert four_bit.constants["AHEAD"] == 0  # a width the rule does not take: loaded where read
     token_major = plan_launch(flat, q, None, scale, variant="dense", programs=8)
     assert token_major.constants["AHEAD"] == 0 and token_major.constants["maxnreg"] == lowbit_dense.DENSE_MAX_REGISTERS
     many = attrs.evolve(tiled, tokens=tiled.tokens * slots, k_codes=tiled.k_codes.repeat(1, slots, 1))
