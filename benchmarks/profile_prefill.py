@@ -29,6 +29,7 @@ from transformers import DynamicCache
 
 import kvweave.engine.encoder as encoder_module
 import kvweave.engine.engine as engine_module
+import kvweave.engine.flushing as flushing_module
 import kvweave.engine.importance as importance_module
 import kvweave.engine.ingest as ingest_module
 import kvweave.engine.together as together_module
@@ -82,7 +83,7 @@ def instrument(cache, patch=setattr) -> None:
 
 
 def patch_module(patch=setattr) -> None:
-    patch(engine_module, "check_finite", timed("checks.check_finite", engine_module.check_finite))
+    patch(flushing_module, "check_finite", timed("checks.check_finite", flushing_module.check_finite))
     patch(together_module, "check_finite", timed("checks.check_finite", together_module.check_finite))  # flushes stored together
     for name in ("begin_residual_fit", "encode_residuals", "add_residuals", "residual_rows", "mix_residuals"):
         for module in (engine_module, encoder_module):  # wherever the engine's steps call them from

@@ -1,24 +1,23 @@
 """The compression engine behind :class:`kvweave.engine.cache.KVWeaveCache`.
 
-Per layer, new tokens enter an exact window (model dtype). Once every layer of a basis group holds
-``recent_window + block_tokens`` exact tokens, the oldest whole blocks leave the window: the basis
-encodes them to coefficients ``[S, B, H, n, r]``, the quantizer packs those, the router gives every
-token a residual rank, and a token at rank ``rho > 0`` keeps the ``rho`` largest channels of what the
-packed coefficients miss (:mod:`kvweave.engine.residuals`). The exact copies are then dropped, so the
-memory is really freed.
+Per layer, new tokens enter an exact window (model dtype). Once every layer of a basis group holds ``recent_window +
+block_tokens`` exact tokens, the oldest whole blocks leave the window: the basis encodes them to coefficients ``[S, B,
+H, n, r]``, the quantizer packs those, the router gives every token a residual rank, and a token at rank ``rho > 0``
+keeps the ``rho`` largest channels of what the packed coefficients miss (:mod:`kvweave.engine.residuals`). The exact
+copies are then dropped, so the memory is really freed.
 
-``update`` returns the K/V the model attends over: the stored blocks reconstructed, then the exact
-window (the reference path). Tokens are compressed after the forward pass that added them, so a
-prompt attends to itself exactly during prefill and compressed afterwards.
+``update`` returns the K/V the model attends over: the stored blocks reconstructed, then the exact window (the reference
+path). Tokens are compressed after the forward pass that added them, so a prompt attends to itself exactly during
+prefill and compressed afterwards.
 
-Budget: when the router has a ``target_reduction``, each group's K (and V) storage is held to its share
-of ``16-bit bytes / target_reduction`` for the tokens cached so far, counting its coefficients, basis
-state, residuals and its layers' exact windows; the residuals of a block get what is left, and the probe
-moves budget between groups (shares stay 1 on average). See docs/depthweave.md.
+Budget: when the router has a ``target_reduction``, each group's K (and V) storage is held to its share of ``16-bit
+bytes / target_reduction`` for the tokens cached so far, counting its coefficients, basis state, residuals and its
+layers' exact windows; the residuals of a block get what is left, and the probe moves budget between groups (shares stay
+1 on average). See docs/depthweave.md.
 
 Eviction (a pipeline whose ``evictor`` slot drops tokens) is the engine's collaborator
-:class:`kvweave.engine.eviction.Eviction`; the stored state is in :mod:`kvweave.engine.store`.
-Keys and values may take different quantizers (``keys.quantizer`` / ``values.quantizer`` slots).
+:class:`kvweave.engine.eviction.Eviction`; the stored state is in :mod:`kvweave.engine.store`. Keys and values may take
+different quantizers (``keys.quantizer`` / ``values.quantizer`` slots).
 """
 
 from __future__ import annotations
@@ -33,11 +32,10 @@ from kvweave.core.evictor import Evictor
 from kvweave.core.interfaces import KINDS, AttentionKernel, BasisBuilder, ModelShape, Probe, Quantizer, Router
 from kvweave.core.precision import float32_products
 from kvweave.core.registry import ResolvedPipeline
-from kvweave.core.storage import stack_layers
 from kvweave.core.view import LayerView
 from kvweave.engine.accounting import memory_breakdown
 from kvweave.engine.budget import BudgetPlan
-from kvweave.engine.checks import check_block_groups, check_finite, check_widths
+from kvweave.engine.checks import check_block_groups, check_widths
 from kvweave.engine.decode import block_attention_stats, reconstruct
 from kvweave.engine.encoder import BlockEncoder
 from kvweave.engine.energy import QueryEnergy, weighs_by_energy
@@ -45,9 +43,10 @@ from kvweave.engine.eviction import Eviction
 from kvweave.engine.observation import ATTENTION_NAME, Observer
 from kvweave.engine.overlap import FlushOverlap
 from kvweave.engine.quantizers import group_quantizers
-from kvweave.engine.rotary import RotaryInverse
+from kvweave.engine.flushing import flush_block, flushed
+from kvweave.engine.rotary import RotaryInverse, turn_keys
 from kvweave.engine.rows import RowSplit, left_padding
-from kvweave.engine.sliding import check_compress_sliding, drop_outside_window, kept_tokens, slide, split_sliding
+from kvweave.engine.sliding import check_compress_sliding, kept_tokens, slide, split_sliding
 from kvweave.engine.store import GroupStore, LayerWindow, select_rows
 from kvweave.engine.views import layer_view
 
@@ -142,7 +141,6 @@ class CompressionEngine:
             raise ComponentError(f"pipeline '{self.pipeline.name}': layers {missing} are in no basis group")
         return group_of
 
-    # ----------------------------------------------------------------------------------- update
     def update(
         self, layer: int, keys: torch.Tensor, values: torch.Tensor, materialize: bool = True
     ) -> tuple[torch.Tensor, torch.Tensor] | None:
@@ -277,7 +275,6 @@ class CompressionEngine:
             return exact  # type: ignore[return-value]
         return torch.cat((self.reconstruct(layer, kind, exact.dtype), exact), dim=-2)  # type: ignore[union-attr]
 
-    # ------------------------------------------------------------------------------- compress
     def _flush(self, group_index: int) -> None:
         """Encode the group's ready block, its float32 products as the pipeline's ``products`` says
         (:func:`kvweave.core.precision.float32_products`). On a GPU (or with ``defer_checks``) its checks read the host
@@ -290,75 +287,22 @@ class CompressionEngine:
             self.deferred.resolve()
 
     def _flush_block(self, group_index: int) -> None:
-        members = self.groups[group_index]
-        ready = min(self.windows[layer].exact_tokens for layer in members) - self.settings.recent_window
-        count = (ready // self.settings.block_tokens) * self.settings.block_tokens
-        if count <= 0:
-            return
-        check_finite(self, members, count)
-        # attention statistics need the keys as they are before this block is encoded (once for K and V)
-        wants_stats = (self.router.needs_attention and self.residual_levels) or (self.evicts and self.evictor.needs_attention)
-        stats = self._attention_stats(members, count) if wants_stats else None
-        if self.reselects:
-            self.eviction.reselect(group_index, count)
-        elif self.evicts and not (self.compress_sliding and members[0] in self.sliding):  # a window bounds those
-            self.eviction.evict(group_index, count, stats)
-        else:
-            passed = self.windows[members[0]].passed_tokens
-            positions = torch.arange(passed, passed + count, device=self.windows[members[0]].exact.device)
-            for kind in KINDS:
-                parts = [self.windows[layer].exact.head(kind, count) for layer in members]
-                block = stack_layers(parts)  # one layer: no copy
-                self.encoder.encode(kind, group_index, block, stats, positions)
-            for layer in members:
-                self.windows[layer].compressed_tokens += count
-        self._flushed(members, count, group_index == self.last_flushing, group_index)
+        flush_block(self, group_index)
 
     def _flushed(self, members: tuple[int, ...], count: int, last: bool, group_index: int | None = None) -> None:
-        """After ``members``' first ``count`` window tokens are stored (or dropped): they leave the windows, what kept
-        their previous storage is dropped, and after the forward's ``last`` flush the probes' shares and the budget
-        move. ``group_index``: the group of a sliding-window layer compressed too (its window drops older blocks)."""
-        for layer in members:
-            window = self.windows[layer]
-            for kind in KINDS:
-                window.exact.drop_front(kind, count)
-            window.passed_tokens += count
-        if group_index is not None and self.compress_sliding and members[0] in self.sliding:
-            drop_outside_window(self, group_index)
-        self.kernel.storage_changed(self.kernel_state, members)
-        self.observer.forget_selection(members)
-        self.observer.forget_boundaries(min(w.passed_tokens for w in self.windows))
-        if self.evicts and not self.residual_levels and not self.probe.needs_queries:
-            self.observer.forget_queries(members)  # eviction uses only the queries of the forward that flushes
-        if last:
-            self.encoder.apply_probe_shares()
-            self._budget_warned = self._budget_warned or self.budget.check_met(self)
+        flushed(self, members, count, last, group_index)
 
     def _attention_stats(self, members: tuple[int, ...], count: int) -> tuple[torch.Tensor, torch.Tensor]:
         return block_attention_stats(self, members, count)
 
-    # -------------------------------------------------------------------------- reconstruct
     def reconstruct(self, layer: int, kind: str, dtype: torch.dtype) -> torch.Tensor:
         """The stored (packed) tokens of ``layer`` decoded to [B, H, T_packed, D] in ``dtype``."""
         return reconstruct(self, layer, kind, dtype)
 
     def rope_keys(self, keys: torch.Tensor, members: tuple[int, ...], positions: torch.Tensor | None, inverse: bool) -> torch.Tensor:
         """Keys [G, B, H, n, D] of the group's layers ``members`` un-rotated (``inverse``) or rotated at cache
-        indices ``positions`` (broadcast to [G, B, H, n]); float32."""
-        if self.rotary is None:
-            raise CacheStateError(
-                f"pipeline '{self.pipeline.name}' stores keys before the rotary embedding (key_space 'pre-rope'), which "
-                "needs the model's rotary module: build the cache with build_cache(pipeline, model)"
-            )
-        if positions is None:
-            raise CacheStateError(f"pipeline '{self.pipeline.name}': a key block reached the encoder without its positions")
-        if positions.dim() == 1:  # the same positions in every row and head: angles for those alone, broadcast
-            at = [positions] * len(members)
-        else:
-            at = list(positions.expand(keys.shape[:-1]) if positions.dim() < 4 else positions)
-        turn = self.rotary.unrotate if inverse else self.rotary.rotate
-        turned = [turn(keys[m] if keys.dtype == torch.float64 else keys[m].float(), layer, at[m]) for m, layer in enumerate(members)]
-        return turned[0].unsqueeze(0) if len(turned) == 1 else torch.stack(turned)
+        indices ``positions`` (broadcast to [G, B, H, n]); float32 (:func:`kvweave.engine.rotary.turn_keys`)."""
+        return turn_keys(self.rotary, f"pipeline '{self.pipeline.name}'", keys, members, positions, inverse)
 
     def note_padding(self, mask: torch.Tensor | None, batch: int) -> None:
         """Called by the observing attention where the kernel reads in place (no :meth:`prepare_attention`): the
@@ -373,7 +317,6 @@ class CompressionEngine:
         returned (see :meth:`kvweave.engine.eviction.Eviction.prepare_attention`)."""
         return self.eviction.prepare_attention(layer, query, key, mask, scaling)
 
-    # ---------------------------------------------------------------------------------- views
     def view(self, layer: int) -> LayerView:
         """``layer``'s packed storage, typed and read-only (:class:`kvweave.core.view.LayerView`)."""
         self._one_storage("view")
@@ -391,7 +334,6 @@ class CompressionEngine:
         self._one_storage("views")
         return [layer_view(self, layer) for layer in range(self.shape.num_layers)]
 
-    # ------------------------------------------------------------------------------ queries
     def seq_length(self, layer: int = 0) -> int:
         """Logical tokens cached for ``layer`` (dropped ones included: positions are derived from it)."""
         if self.rows is not None:
@@ -412,7 +354,6 @@ class CompressionEngine:
         shape = self.windows[0].exact.shape()
         return -1 if shape is None else shape[0]
 
-    # ---------------------------------------------------------------------------- batch ops
     def select_batch(self, index: torch.Tensor) -> None:
         """Keep batch rows ``index`` [B'] (reordering and repeats allowed) of every stored tensor."""
         if self.rows is not None:

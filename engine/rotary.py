@@ -27,7 +27,7 @@ from typing import Any
 
 import torch
 
-from kvweave.core.errors import ModelError
+from kvweave.core.errors import CacheStateError, ModelError
 
 #: RoPE variants whose angles depend only on the position (not on the sequence length seen so far)
 INVERTIBLE_ROPE = ("default", "linear", "llama3", "yarn", "proportional")
@@ -137,3 +137,23 @@ class RotaryInverse:
         if not torch.allclose(back, keys, atol=1e-4, rtol=1e-4):
             raise ModelError(f"{self.where}: the model's rotary embedding does not invert exactly "
                              f"(largest error {float((back - keys).abs().max()):.2e}); use key_space 'post-rope'")
+
+
+def turn_keys(rotary: RotaryInverse | None, where: str, keys: torch.Tensor, members: tuple[int, ...],
+              positions: torch.Tensor | None, inverse: bool) -> torch.Tensor:
+    """Keys [G, B, H, n, D] of the layers ``members`` un-rotated (``inverse``) or rotated by ``rotary`` at cache indices
+    ``positions`` (broadcast to [G, B, H, n]); float32 (float64 kept). ``where`` names the pipeline in errors."""
+    if rotary is None:
+        raise CacheStateError(
+            f"{where} stores keys before the rotary embedding (key_space 'pre-rope'), which needs the model's rotary "
+            "module: build the cache with build_cache(pipeline, model)"
+        )
+    if positions is None:
+        raise CacheStateError(f"{where}: a key block reached the encoder without its positions")
+    if positions.dim() == 1:  # the same positions in every row and head: angles for those alone, broadcast
+        at = [positions] * len(members)
+    else:
+        at = list(positions.expand(keys.shape[:-1]) if positions.dim() < 4 else positions)
+    turn = rotary.unrotate if inverse else rotary.rotate
+    turned = [turn(keys[m] if keys.dtype == torch.float64 else keys[m].float(), layer, at[m]) for m, layer in enumerate(members)]
+    return turned[0].unsqueeze(0) if len(turned) == 1 else torch.stack(turned)
