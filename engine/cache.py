@@ -25,7 +25,8 @@ from transformers.cache_utils import Cache, CacheLayerMixin
 from kvweave.engine.engine import CompressionEngine
 from kvweave.core.errors import CacheStateError, ModelError
 from kvweave.core.interfaces import ModelShape
-from kvweave.engine.observation import bind_model, set_active
+from kvweave.engine.binding import bind_model
+from kvweave.engine.observation import set_active
 from kvweave.engine.rotary import RotaryInverse
 from kvweave.core.registry import ResolvedPipeline
 from kvweave.engine.sharding import HeadShard, check_shardable, gather_counts

@@ -25,7 +25,7 @@ import torch
 
 from kvweave.core.errors import CacheStateError
 from kvweave.core.interfaces import KINDS
-from kvweave.engine.observation import TokenTap
+from kvweave.engine.binding import TokenTap
 
 
 def left_padding(mask: torch.Tensor) -> list[int] | None:
