@@ -1,24 +1,22 @@
-"""Eviction for :class:`kvweave.engine.engine.CompressionEngine`: pipelines whose ``evictor`` slot drops
-tokens (see docs/baselines.md).
+"""Eviction for :class:`kvweave.engine.engine.CompressionEngine`: pipelines whose ``evictor`` slot drops tokens (see
+docs/baselines.md).
 
-Dropped tokens are never stored; kept ones are gathered per batch row and KV head into slots with their
-cache index (``-1`` for a filler slot of a row that kept fewer). Attention over such a cache runs through
-kvweave's own attention, which turns transformers' mask into one over the slots actually returned
-(:meth:`Eviction.physical_mask`); routers that accumulate attention (H2O) get each slot's running
-score (:meth:`EvictionMixin._accumulate`). The methods here are the engine's; they live in their own
-module because they are one concept of it.
+Dropped tokens are never stored; kept ones are gathered per batch row and KV head into slots with their cache index
+(``-1`` for a filler slot of a row that kept fewer). Attention over such a cache runs through kvweave's own attention,
+which turns transformers' mask into one over the slots actually returned (:meth:`Eviction.physical_mask`); routers that
+accumulate attention (H2O) get each slot's running score (:meth:`Eviction._accumulate`). The methods here are the
+engine's; they live in their own module because they are one concept of it.
 """
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
+import attrs
 import torch
 
 from kvweave.core.deferred import check
 from kvweave.core.errors import CacheStateError, ComponentError
-from typing import TYPE_CHECKING
-
-import attrs
-
 from kvweave.core.evictor import EvictionBlock, Evictor
 from kvweave.core.interfaces import KINDS, RouteBlock, Router
 from kvweave.engine.context_importance import ContextImportance
@@ -114,22 +112,15 @@ class Eviction:
         mass, spike = stats if stats is not None else (None, None)
         first = self.engine.windows[members[0] if like is None else like]
         return EvictionBlock(
-            layers=tuple(members),
-            keys=work,
-            attention_mass=mass,
-            attention_spike=spike,
+            layers=tuple(members), keys=work, attention_mass=mass, attention_spike=spike,
             boundary=self.engine.observer.boundaries(first.passed_tokens, work.shape[-2] - stored, work.device),
-            valid=valid.transpose(0, 1),
-            positions=real.transpose(0, 1),
-            scores=scores,
+            valid=valid.transpose(0, 1), positions=real.transpose(0, 1), scores=scores,
             row_tokens=self._row_tokens(work.shape[1], first.passed_tokens + first.exact_tokens),
-            window_tokens=first.exact_tokens - (work.shape[-2] - stored),
-            stored=stored,
+            window_tokens=first.exact_tokens - (work.shape[-2] - stored), stored=stored,
             held=tuple(0 if stored else self.engine.windows[layer].compressed_tokens for layer in members),
             forward_tokens=self.engine.forward_tokens,
             shared_tokens=len(members) > 1 and self.engine.basis.coefficient_rows(len(members)) == 1,
-            importance=self.context.at(tuple(members), logical),
-            context_importance=self.context.scores,
+            importance=self.context.at(tuple(members), logical), context_importance=self.context.scores,
         )
 
     def evict(self, group_index: int, count: int, stats: tuple[torch.Tensor, torch.Tensor] | None) -> None:
@@ -304,9 +295,9 @@ class Eviction:
         return attrs.evolve(block, **changes)
 
     def physical_mask(self, layer: int, logical: torch.Tensor | None, queries: int, query_heads: int) -> torch.Tensor | None:
-        """The attention mask over what ``update`` returned for ``layer`` (stored slots, then the exact
-        window), from the model's mask over logical tokens ``logical`` [B|1, 1, q, T] (bool; None = causal, no
-        padding). Unchanged when the layer never dropped a token."""
+        """The attention mask over what ``update`` returned for ``layer`` (stored slots, then the exact window), from
+        the model's mask over logical tokens ``logical`` [B|1, 1, q, T] (bool; None = causal, no padding). Unchanged
+        when the layer never dropped a token."""
         window = self.engine.windows[layer]
         stored = window.positions
         if stored is None:
@@ -342,9 +333,9 @@ class Eviction:
     def prepare_attention(
         self, layer: int, query: torch.Tensor, key: torch.Tensor, mask: torch.Tensor | None, scaling: float | None
     ) -> torch.Tensor | None:
-        """Called by the observing attention before ``layer``'s attention: notes the padding (from the model's
-        mask), accumulates attention for routers that use it, and returns the mask for the K/V ``update``
-        returned (evicted tokens are not there)."""
+        """Called by the observing attention before ``layer``'s attention: notes the padding (from the model's mask),
+        accumulates attention for routers that use it, and returns the mask for the K/V ``update`` returned (evicted
+        tokens are not there)."""
         if not (self.engine.evicts or self.engine.accumulates):
             return mask
         self.note_padding(mask, query.shape[0])
