@@ -42,7 +42,7 @@ from kvweave.core.allocator import prefer_expandable_segments
 prefer_expandable_segments()  # before torch starts CUDA: the flushes' store growth without allocator round trips
 
 import torch
-from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM, StaticCache, StoppingCriteria, StoppingCriteriaList
+from transformers import DynamicCache, StaticCache, StoppingCriteria, StoppingCriteriaList
 
 from kvweave.engine import build_cache, cache_kwargs
 from kvweave.engine.cache import KVWeaveCache
@@ -51,31 +51,7 @@ from kvweave.core.registry import load_pipeline
 from kvweave.engine.importance import score_whole
 from kvweave.engine.synthetic import fill_cache
 
-
-class Ids:
-    """What a delimiter-aware router asks of a tokenizer, for random token ids: no id is a delimiter; and what
-    context scoring asks (text to ids: each character's code point, no chat template)."""
-
-    all_special_ids: list[int] = []
-    name_or_path = "random-ids"
-    chat_template = None
-
-    def __init__(self, vocab: int) -> None:
-        self.vocab = vocab
-
-    def __len__(self) -> int:
-        return self.vocab
-
-    def batch_decode(self, ids: list[list[int]]) -> list[str]:
-        return ["a"] * len(ids)
-
-    def __call__(self, text: str, add_special_tokens: bool = False, return_tensors: str = "pt") -> dict:
-        return {"input_ids": torch.tensor([[ord(c) % self.vocab for c in text]])}
-
-
-def sync() -> None:
-    if torch.cuda.is_available():
-        torch.cuda.synchronize()
+from bench_model import Ids, llama3_8b, random_model, smoke_config, sync  # noqa: F401 (the other scripts import them from here)
 
 
 def peak_bytes() -> int:
@@ -95,33 +71,6 @@ class StepClock(StoppingCriteria):
     def tick(self) -> None:
         sync()
         self.times.append(time.perf_counter())
-
-
-def llama3_8b(layers: int = 32, vocab: int = 128256) -> LlamaConfig:
-    return LlamaConfig(
-        vocab_size=vocab, hidden_size=4096, intermediate_size=14336, num_hidden_layers=layers,
-        num_attention_heads=32, num_key_value_heads=8, head_dim=128, rope_theta=500000.0,
-        max_position_embeddings=262144, torch_dtype="bfloat16",
-    )
-
-
-def smoke_config(layers: int) -> LlamaConfig:
-    """A tiny model of the Llama-3-8B head shape (head_dim 128, GQA 4), for checking the scripts on a CPU."""
-    return LlamaConfig(vocab_size=512, hidden_size=1024, intermediate_size=1024, num_hidden_layers=layers,
-                       num_attention_heads=8, num_key_value_heads=2, head_dim=128)
-
-
-def random_model(config: LlamaConfig, device: str) -> LlamaForCausalLM:
-    torch.manual_seed(0)
-    default = torch.get_default_dtype()
-    torch.set_default_dtype(torch.bfloat16)
-    try:
-        with torch.device(device):
-            model = LlamaForCausalLM(config)
-    finally:
-        torch.set_default_dtype(default)
-    model.config._attn_implementation = "sdpa"
-    return model.eval()
 
 
 def static_full_cache(model, batch: int, tokens: int, steps: int, device: str) -> StaticCache:
