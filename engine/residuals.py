@@ -294,7 +294,7 @@ def encode_residuals(
             fields["index"] = top.to(torch.uint8)
             values = picked.gather(-1, top).to(dtype or missing.dtype)
         else:
-            values = by_rank[:rank].index_select(1, chosen).t().to(dtype or missing.dtype)
+            values = by_rank[:rank].index_select(1, chosen).t().contiguous().to(dtype or missing.dtype)  # entries side by side
         fields.update({f"q_{name}": t for name, t in quantizer.quantize(values).items()})
         entries[rank] = fields
     return entries

@@ -263,6 +263,12 @@ def test_entries_on_a_residual_basis_hold_their_own_tokens_first_coordinates():
         assert int((ranks == rank).sum()) == row.numel()
         assert torch.equal(NoQuantizer().dequantize({k[2:]: v for k, v in fields.items() if k.startswith("q_")}, torch.float32),
                            coordinates[row, token, :rank])
+    # the entries as the kernels read them: each field contiguous, one entry after another, whatever the quantizer
+    from kvweave.plugins.quantizers.int4_group import Int4GroupQuantizer
+
+    for quantizer in (NoQuantizer(), Int4GroupQuantizer(group=2)):
+        for fields in encode_residuals(missing, ranks, quantizer, basis).values():
+            assert all(t.is_contiguous() for t in fields.values()), {k: t.stride() for k, t in fields.items()}
 
 
 def test_keys_and_values_of_a_block_are_routed_on_the_same_attention_statistics():
