@@ -19,6 +19,7 @@ from kvweave.core.deferred import check
 from kvweave.core.errors import CacheStateError, ComponentError
 from kvweave.core.evictor import EvictionBlock, Evictor
 from kvweave.core.interfaces import KINDS, RouteBlock, Router
+from kvweave.core.storage import stack_layers
 from kvweave.engine.context_importance import ContextImportance
 from kvweave.engine.store import GroupStore
 
@@ -126,7 +127,7 @@ class Eviction:
     def evict(self, group_index: int, count: int, stats: tuple[torch.Tensor, torch.Tensor] | None) -> None:
         """Flush ``count`` tokens of a group whose evictor may drop some: the dropped ones are not stored."""
         members = self.engine.groups[group_index]
-        blocks = {kind: torch.stack([self.engine.windows[layer].exact.head(kind, count) for layer in members]) for kind in KINDS}
+        blocks = {kind: stack_layers([self.engine.windows[layer].exact.head(kind, count) for layer in members]) for kind in KINDS}
         work = blocks["keys"].float()
         passed = self.engine.windows[members[0]].passed_tokens
         logical = torch.arange(passed, passed + count, device=work.device).expand(work.shape[:-1])

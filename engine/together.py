@@ -26,6 +26,7 @@ import torch
 
 from kvweave.core.errors import CacheStateError
 from kvweave.core.interfaces import KINDS
+from kvweave.core.storage import stack_layers
 from kvweave.engine.checks import check_finite
 
 if TYPE_CHECKING:
@@ -219,7 +220,7 @@ def _kept_tokens(engine: CompressionEngine, members: tuple[int, ...], kind: str,
     gathered as the window holds them (an int8 window's codes and scales) and only those decoded: what gathering the
     decoded windows gives, bit for bit, at a fraction of the passes over the block."""
     windows = [engine.windows[layer].exact for layer in members]
-    held = [torch.stack(parts) for parts in zip(*(window.encoded(kind, count) for window in windows))]
+    held = [stack_layers(list(parts)) for parts in zip(*(window.encoded(kind, count) for window in windows))]
     return windows[0].decoded(tuple(engine.eviction._gather_tokens(part, index) for part in held))
 
 

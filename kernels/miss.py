@@ -1,7 +1,7 @@
 """A block's difference from its reconstruction and each token's relative miss, by one Triton kernel
 (:mod:`kvweave.kernels.miss_triton`) where torch makes three passes: the subtraction (reading the block and its float32
 reconstruction, writing the difference), the difference's norms (reading it again) and the block's norms (reading the
-block again). A prompt's flush runs it once per kind and basis group (docs/kernels.md "The misses in one pass").
+block again). A prompt's flush runs it once per kind and basis group (docs/kernels.md "A block's misses in one pass, residual coordinates selected rank-major").
 
 :func:`block_miss_torch` is the twin the tests compare the kernel with, and the encoder's path where the kernel does
 not run (a CPU, or ``KVWEAVE_FUSED_MISS=0``).
