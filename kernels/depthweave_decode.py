@@ -298,6 +298,11 @@ VARIANTS = ("auto", "tiles", "gather")
 TILES_COLUMNS = True
 #: the ``tiles`` pass loads each step's residual words during the step before (the same section)
 TILES_AHEAD = True
+#: on a GPU the ``tiles`` pass makes its int8 coefficients float16 four a register by byte permutes, no conversion
+#: instruction a code, the same numbers (:func:`kvweave.kernels.depthweave_tiles_triton._coefficients`)
+TILES_BYTES = True
+#: the ``tiles`` pass loads its value coefficients token-major, as the keys', and transposes them once float16
+TILES_ROWS = True
 
 
 def pick_variant(view: DecodeView, variant: str) -> str:
@@ -321,9 +326,10 @@ def _launch_tiles(view, query, segments, start, m, l, acc, partials, heads, gq, 
                                                     qk_scale)
     rmax = max(levels, default=0)
     group = tiles_group(view)
+    asm = query.is_cuda and os.environ.get("TRITON_INTERPRET") != "1"
     tiles_jit._tiles_kernel[grid](
         *args, G=_pow2(gq, 8), RP=_pow2(max(rmax, 1), 16), RMAX=rmax, GROUP=group, **constants, BLOCK=block_tokens,
-        ASM=query.is_cuda and os.environ.get("TRITON_INTERPRET") != "1", COLUMNS=TILES_COLUMNS, AHEAD=TILES_AHEAD,
-        VALUES=values, PDL=early, num_warps=num_warps, **({"launch_pdl": True} if early else {}),
+        ASM=asm, COLUMNS=TILES_COLUMNS, AHEAD=TILES_AHEAD, VALUES=values, PDL=early, BYTES=asm and TILES_BYTES,
+        ROWS=TILES_ROWS, num_warps=num_warps, **({"launch_pdl": True} if early else {}),
         **({} if num_stages is None else {"num_stages": num_stages}),
     )

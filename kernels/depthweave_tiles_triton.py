@@ -114,6 +114,21 @@ if triton is not None:
         return tl.where(((c % step) == 0)[None, :], value, 0.0).to(tl.float16)
 
     @triton.jit
+    def _coefficients(code, BYTES: tl.constexpr):
+        """int8 codes as float16 operands. ``BYTES`` (a GPU): four codes a register made from their bits, without a
+        conversion instruction a code: the sign bits flipped (one exclusive or) make each byte the unsigned ``code +
+        128``, two byte permutes put each byte under the float16 exponent of 1024 (``0x6400 | byte``: ``1152 + code``),
+        and one paired float16 subtraction of 1152 a register leaves ``code``, exactly (integers to 2048 are float16
+        numbers). Else a conversion a code; both give the same bits."""
+        if BYTES:
+            return tl.inline_asm_elementwise(
+                "{ .reg .b32 t, b; xor.b32 t, $2, 0x80808080; mov.b32 b, 0x64806480; "
+                "prmt.b32 $0, t, 0x64646464, 0x4140; prmt.b32 $1, t, 0x64646464, 0x4342; "
+                "sub.rn.f16x2 $0, $0, b; sub.rn.f16x2 $1, $1, b; }",
+                "=r,=r,r", [code], dtype=tl.float16, is_pure=True, pack=4)
+        return code.to(tl.float16)
+
+    @triton.jit
     def _tiles_kernel(
         q_ptr, seg_ptr, start_ptr,
         kc_ptr, ks_ptr, vc_ptr, vs_ptr, c_sb, c_sh, c_st, s_sb, s_sh, s_st,
@@ -126,7 +141,7 @@ if triton is not None:
         RP: tl.constexpr, RMAX: tl.constexpr, RANK0: tl.constexpr, RANK1: tl.constexpr, RANK2: tl.constexpr,
         GROUP: tl.constexpr, K_GATES: tl.constexpr, V_GATES: tl.constexpr, BLOCK: tl.constexpr,
         ASM: tl.constexpr, COLUMNS: tl.constexpr, AHEAD: tl.constexpr, VALUES: tl.constexpr = True,
-        PDL: tl.constexpr = False,
+        PDL: tl.constexpr = False, BYTES: tl.constexpr = False, ROWS: tl.constexpr = False,
     ):
         """One program per (segment, batch row x KV head), as the gather kernel's (its arguments, in the same order,
         are documented there); ``G`` tile columns for the ``GQ`` query heads, ``RMAX`` the largest level's rank,
@@ -139,7 +154,10 @@ if triton is not None:
         entries it points to are two loads in a chain; read a step ahead, their latency overlaps a step's products).
         Without ``VALUES`` only each slot's maximum and sum are written (a flush's attention statistics,
         :func:`~kvweave.kernels.depthweave_decode.fused_packed_logsumexp`): no value coefficient, residual word or
-        output is read, multiplied or stored."""
+        output is read, multiplied or stored. ``BYTES`` (a GPU): the int8 coefficients made float16 four a register by
+        byte permutes (:func:`_coefficients`), the same numbers as a conversion a code. ``ROWS``: the value coefficients
+        loaded token-major as the keys' are and transposed once float16 (a 16-bit transpose is the matrix loads' own;
+        int8 codes loaded transposed move through shared memory a byte at a time)."""
         seg, bh, b, h, lo, hi, version, first_valid, k_gate, v_gate = _program(seg_ptr, start_ptr, kg_ptr, vg_ptr, H,
                                                                                K_GATES, V_GATES)
         ONE_SCALE: tl.constexpr = RB >= R
@@ -201,11 +219,11 @@ if triton is not None:
             ck = tl.load(kc + tok[:, None] * c_st + r[None, :], mask=inside[:, None] & (r < R)[None, :], other=0)
             if ONE_SCALE:
                 k_scale = tl.load(ks + tok * s_st, mask=inside, other=0.0).to(tl.float32)
-                s = tl.dot(ck.to(tl.float16), qp) * k_scale[:, None]  # [BLOCK, G]
+                s = tl.dot(_coefficients(ck, BYTES), qp) * k_scale[:, None]  # [BLOCK, G]
             else:
                 kbs = tl.load(ks + tok[:, None] * s_st + (r // RB)[None, :], mask=inside[:, None] & (r < R)[None, :],
                               other=0.0)
-                s = tl.dot(ck.to(tl.float16) * kbs.to(tl.float16), qp)
+                s = tl.dot(_coefficients(ck, BYTES) * kbs.to(tl.float16), qp)
             if RMAX > 0:
                 if not AHEAD:
                     k_cw, k_sw = _merged_words(k0_pk, k0_sc, k0_ts, k0_tm, k1_pk, k1_sc, k1_ts, k1_tm, k2_pk, k2_sc,
@@ -219,14 +237,19 @@ if triton is not None:
             l_i = l_i * alpha[None, :] + p
             m_i = m_new
             if VALUES:  # the values' coefficients and residuals times the probabilities
-                cv = tl.load(vc + tok[None, :] * c_st + r[:, None], mask=inside[None, :] & (r < R)[:, None], other=0)
+                if ROWS:  # loaded as the keys' are, made float16, then transposed (16-bit: by the matrix loads)
+                    cv16 = tl.trans(_coefficients(tl.load(vc + tok[:, None] * c_st + r[None, :],
+                                                          mask=inside[:, None] & (r < R)[None, :], other=0), BYTES))
+                else:
+                    cv = tl.load(vc + tok[None, :] * c_st + r[:, None], mask=inside[None, :] & (r < R)[:, None], other=0)
+                    cv16 = _coefficients(cv, BYTES)
                 if ONE_SCALE:
                     v_scale = tl.load(vs + tok * s_st, mask=inside, other=0.0).to(tl.float32)
-                    acc_c = tl.dot(cv.to(tl.float16), (p * v_scale[:, None]).to(tl.float16), acc_c * alpha[None, :])
+                    acc_c = tl.dot(cv16, (p * v_scale[:, None]).to(tl.float16), acc_c * alpha[None, :])
                 else:
                     vbs = tl.load(vs + tok[None, :] * s_st + (r // RB)[:, None],
                                   mask=inside[None, :] & (r < R)[:, None], other=0.0)
-                    acc_c = tl.dot(cv.to(tl.float16) * vbs.to(tl.float16), p.to(tl.float16), acc_c * alpha[None, :])
+                    acc_c = tl.dot(cv16 * vbs.to(tl.float16), p.to(tl.float16), acc_c * alpha[None, :])
                 if RMAX > 0:
                     if not AHEAD:
                         v_cw, v_sw = _merged_words(v0_pk, v0_sc, v0_ts, v0_tm, v1_pk, v1_sc, v1_ts, v1_tm, v2_pk,

@@ -1,0 +1,116 @@
+"""How the ``tiles`` pass (kernels/depthweave_tiles_triton.py) turns its int8 coefficients into float16 operands: four
+codes a register by byte permutes on a GPU (``TILES_BYTES``), its arithmetic replayed here for every code; the value
+coefficients loaded token-major and transposed once float16 (``TILES_ROWS``) against the transposed int8 load, under
+the interpreter; both on the GPU against the conversion a code, bit for bit."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from kvweave.kernels import depthweave_decode
+from kvweave.kernels.decode_torch import torch_decode
+from kvweave.kernels.depthweave_decode import fused_decode
+from kvweave.kernels.gpu_build import launch_job
+
+from test_kernels import DEVICE, decode_view, filled
+from test_lowbit_kernel_host import _nvidia_backend, compile_job
+from test_tiles_pass import _tiles_case
+
+#: the inline assembly's constants (kernels/depthweave_tiles_triton.py ``_coefficients``)
+FLIP, EXPONENT, LOW, HIGH, BIAS = 0x80808080, 0x64646464, 0x4140, 0x4342, 0x64806480
+
+
+def _prmt(a: int, b: int, selector: int) -> int:
+    """PTX ``prmt.b32`` (the default mode): byte ``i`` of the result is the byte of ``{b, a}`` named by nibble ``i`` of
+    ``selector`` (bits 0-2; bit 3 replicates that byte's sign bit)."""
+    pool = (b << 32) | a
+    out = 0
+    for i in range(4):
+        nibble = (selector >> (4 * i)) & 15
+        byte = (pool >> (8 * (nibble & 7))) & 0xFF
+        if nibble & 8:
+            byte = 0xFF if byte & 0x80 else 0
+        out |= byte << (8 * i)
+    return out
+
+
+def _halves(word: int) -> np.ndarray:
+    """The two float16 numbers of a 32-bit word, the low half first."""
+    return np.array([word & 0xFFFF, word >> 16], dtype=np.uint16).view(np.float16)
+
+
+def test_the_byte_permutes_make_every_int8_code_its_float16_number():
+    """Replayed for all 256 codes, four to a word in each byte place: the exclusive or, the two permutes and the paired
+    subtraction of 1152 give each code, in its place (elements 0, 1 in the first output register, 2, 3 in the
+    second), as the float16 number a conversion gives. A wrong selector, exponent byte or bias fails."""
+    codes = np.arange(-128, 128, dtype=np.int8)
+    bias = _halves(BIAS)
+    assert bias.tolist() == [1152.0, 1152.0]
+    for shift in range(4):
+        quads = np.roll(codes, shift).reshape(-1, 4)
+        for quad in quads:
+            word = int(quad.view(np.uint32)[0]) ^ FLIP
+            first = _halves(_prmt(word, EXPONENT, LOW)) - bias
+            second = _halves(_prmt(word, EXPONENT, HIGH)) - bias
+            made = np.concatenate([first, second])
+            assert made.dtype == np.float16
+            np.testing.assert_array_equal(made, quad.astype(np.float16))
+
+
+@pytest.mark.parametrize("name, block", [("dw-kernel", 64), ("dw-kernel", 32), ("dw-kernel-blocks", 64),
+                                         ("dw-kernel-wide", 64)])
+def test_value_coefficients_read_token_major_give_the_same_sums(tmp_path, monkeypatch, name, block):
+    """``TILES_ROWS`` loads a step's value coefficients as the keys' are and transposes them once float16: the same
+    output as the transposed int8 load (within float32 rounding) and as the twin, with one scale a token and with a
+    scale a block of 8 coefficients (``dw-kernel-blocks``), at 32- and 64-token steps and head_dim 64."""
+    view, query, start, dim = _tiles_case(tmp_path, name)
+    run = lambda: fused_decode(view, query, start, dim**-0.5, split=96, block_tokens=block, variant="tiles")  # noqa: E731
+    monkeypatch.setattr(depthweave_decode, "TILES_ROWS", False)
+    transposed = run()
+    monkeypatch.setattr(depthweave_decode, "TILES_ROWS", True)
+    rows = run()
+    assert (rows - transposed).abs().max().item() < 1e-5
+    assert (rows - torch_decode(view, query, start, dim**-0.5)).abs().max().item() < 1e-3
+
+
+@pytest.mark.skipif(not _nvidia_backend(), reason="Triton without its CUDA backend cannot compile for a GPU here")
+def test_the_byte_permutes_build_for_a_gpu(tmp_path, monkeypatch):
+    """Built for sm_90 as the launcher passes it on a GPU (``BYTES``, ``ROWS``): the permutes under the exponent byte
+    are in the code and no int8 to float16 conversion is left."""
+    from kvweave.kernels import depthweave_tiles_triton as tiles_jit
+
+    launches = []
+
+    class Recorder:
+        def __getitem__(self, grid):
+            return lambda *args, **constants: launches.append((args, constants))
+
+    monkeypatch.setattr(tiles_jit, "_tiles_kernel", Recorder())
+    view = decode_view(filled(tmp_path, 8, 2, 128, 320), 1)
+    fused_decode(view, torch.randn(2, 8, 128, device=DEVICE), None, 0.125, variant="tiles")
+    monkeypatch.undo()
+    args, constants = launches[0]
+    assert constants["ROWS"] is depthweave_decode.TILES_ROWS
+    job = launch_job(tiles_jit._tiles_kernel, args, constants)
+    job["constants"].update(ASM=True, BYTES=True)
+    built = compile_job(job)
+    assert "0x64646464" in built["ptx_text"] and "cvt.rn.f16.s16" not in built["ptx_text"]
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("name, block", [("dw-kernel", 64), ("dw-kernel", 32), ("dw-kernel-blocks", 64),
+                                         ("dw-kernel-wide", 64)])
+def test_the_byte_permutes_give_the_conversions_bits_on_the_gpu(tmp_path, monkeypatch, name, block):
+    """On the GPU: with the byte permutes, the values loaded token-major, both or neither, the pass writes the same
+    output bits, and stays within the twin's tolerance."""
+    view, query, start, dim = _tiles_case(tmp_path, name)
+    outputs = []
+    for bytes_, rows in ((False, False), (True, False), (False, True), (True, True)):
+        monkeypatch.setattr(depthweave_decode, "TILES_BYTES", bytes_)
+        monkeypatch.setattr(depthweave_decode, "TILES_ROWS", rows)
+        outputs.append(fused_decode(view, query, start, dim**-0.5, block_tokens=block, variant="tiles"))
+    assert torch.equal(outputs[1], outputs[0]) and torch.equal(outputs[3], outputs[2])
+    assert (outputs[3] - outputs[0]).abs().max().item() < 1e-5
+    assert (outputs[3].float() - torch_decode(view, query, start, dim**-0.5).float()).abs().max().item() < 2e-2
