@@ -13,3 +13,23 @@ if [ "$PART" = a ]; then
   python -m pytest -q tests/test_tiles_bytes.py tests/test_tiles_pass.py tests/test_kernels.py 2>&1 | tail -6 | tee "$OUT/run1-tests.txt"
   python $D/ab_bytes.py 32768x1,32768x8,131072x1,131072x8 2>&1 | tee "$OUT/run1-ab.md"
 fi
+if [ "$PART" = b ]; then
+  [ -n "$NCU_ONLY" ] || for args in "--tokens 32768 --batch 1 --warps 1,2 --splits 0,128,512,1024" "--tokens 131072 --batch 1 --warps 1,2 --splits 0,512,2048" \
+              "--tokens 131072 --batch 8 --warps 1,2 --splits 0,1024,4096"; do
+    python benchmarks/kernel_tuning.py $args --blocks 64 --stages 1 2>&1 | grep -v -i warn
+  done | tee "$OUT/run2-tuning.txt"
+  N=${N:-2}
+  which ncu && for shape in "131072 8" "32768 1"; do
+    set -- $shape
+    ncu --nvtx --nvtx-include decode/ --kernel-name regex:^_tiles_kernel --launch-skip 2 --launch-count 1 --set full --import-source yes -o "$OUT/tiles-$1-$2" \
+      python $D/calls.py $1 $2 >/dev/null 2>&1
+    ncu -i "$OUT/tiles-$1-$2.ncu-rep" --page details > "$OUT/run$N-ncu-$1-$2-details.txt"
+    ncu -i "$OUT/tiles-$1-$2.ncu-rep" --page source --csv --print-source sass > "$OUT/src.csv"
+    python docs/perf/h200-2026-12-03-planes/ncu_summary.py "$OUT/src.csv" > "$OUT/run$N-ncu-$1-$2-summary.txt"
+    rm -f "$OUT/src.csv" "$OUT/tiles-$1-$2.ncu-rep"
+  done
+fi
+if [ "$PART" = c ]; then
+  python -m pytest -q tests/test_tiles_bytes.py tests/test_tiles_pass.py 2>&1 | tail -3 | tee "$OUT/run4-tests.txt"
+  python $D/ab_bytes.py 32768x1,32768x8,131072x1,131072x8 000,110,111 2>&1 | grep -v -i warn | tee "$OUT/run4-ab.md"
+fi
