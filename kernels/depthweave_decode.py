@@ -303,8 +303,6 @@ TILES_AHEAD = True
 TILES_BYTES = True
 #: the ``tiles`` pass loads its value coefficients token-major, as the keys', and transposes them once float16
 TILES_ROWS = True
-#: the ``tiles`` pass loads each step's coefficient codes and scales during the step before
-TILES_CODES_AHEAD = True
 
 
 def pick_variant(view: DecodeView, variant: str) -> str:
@@ -332,6 +330,6 @@ def _launch_tiles(view, query, segments, start, m, l, acc, partials, heads, gq, 
     tiles_jit._tiles_kernel[grid](
         *args, G=_pow2(gq, 8), RP=_pow2(max(rmax, 1), 16), RMAX=rmax, GROUP=group, **constants, BLOCK=block_tokens,
         ASM=asm, COLUMNS=TILES_COLUMNS, AHEAD=TILES_AHEAD, VALUES=values, PDL=early, BYTES=asm and TILES_BYTES,
-        ROWS=TILES_ROWS, CODES_AHEAD=TILES_CODES_AHEAD, num_warps=num_warps, **({"launch_pdl": True} if early else {}),
+        ROWS=TILES_ROWS, num_warps=num_warps, **({"launch_pdl": True} if early else {}),
         **({} if num_stages is None else {"num_stages": num_stages}),
     )

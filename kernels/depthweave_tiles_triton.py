@@ -129,36 +129,6 @@ if triton is not None:
         return code.to(tl.float16)
 
     @triton.jit
-    def _key_codes(kc, ks, tok, inside, r, R: tl.constexpr, RB: tl.constexpr, c_st, s_st, ONE_SCALE: tl.constexpr):
-        """A step's key coefficient codes [BLOCK, RC] (int8) and scales (float16: [BLOCK] with ``ONE_SCALE``, else
-        [BLOCK, RC]) as loaded, at tokens ``tok`` ([BLOCK]; ``inside``: in the segment)."""
-        rows_ok = inside[:, None] & (r < R)[None, :]
-        ck = tl.load(kc + tok[:, None] * c_st + r[None, :], mask=rows_ok, other=0)
-        if ONE_SCALE:
-            ksc = tl.load(ks + tok * s_st, mask=inside, other=0.0)
-        else:
-            ksc = tl.load(ks + tok[:, None] * s_st + (r // RB)[None, :], mask=rows_ok, other=0.0)
-        return ck, ksc
-
-    @triton.jit
-    def _value_codes(vc, vs, tok, inside, r, R: tl.constexpr, RB: tl.constexpr, c_st, s_st, ONE_SCALE: tl.constexpr,
-                     VALUES: tl.constexpr, ROWS: tl.constexpr):
-        """The same for the values: codes [BLOCK, RC] (``ROWS``) or [RC, BLOCK], scales [BLOCK] or [RC, BLOCK]; zeros
-        without ``VALUES``."""
-        cv, vsc = 0, 0
-        if VALUES:
-            if ROWS:
-                cv = tl.load(vc + tok[:, None] * c_st + r[None, :], mask=inside[:, None] & (r < R)[None, :], other=0)
-            else:
-                cv = tl.load(vc + tok[None, :] * c_st + r[:, None], mask=inside[None, :] & (r < R)[:, None], other=0)
-            if ONE_SCALE:
-                vsc = tl.load(vs + tok * s_st, mask=inside, other=0.0)
-            else:
-                vsc = tl.load(vs + tok[None, :] * s_st + (r // RB)[:, None], mask=inside[None, :] & (r < R)[:, None],
-                              other=0.0)
-        return cv, vsc
-
-    @triton.jit
     def _tiles_kernel(
         q_ptr, seg_ptr, start_ptr,
         kc_ptr, ks_ptr, vc_ptr, vs_ptr, c_sb, c_sh, c_st, s_sb, s_sh, s_st,
@@ -172,7 +142,6 @@ if triton is not None:
         GROUP: tl.constexpr, K_GATES: tl.constexpr, V_GATES: tl.constexpr, BLOCK: tl.constexpr,
         ASM: tl.constexpr, COLUMNS: tl.constexpr, AHEAD: tl.constexpr, VALUES: tl.constexpr = True,
         PDL: tl.constexpr = False, BYTES: tl.constexpr = False, ROWS: tl.constexpr = False,
-        CODES_AHEAD: tl.constexpr = False,
     ):
         """One program per (segment, batch row x KV head), as the gather kernel's (its arguments, in the same order,
         are documented there); ``G`` tile columns for the ``GQ`` query heads, ``RMAX`` the largest level's rank,
@@ -188,9 +157,7 @@ if triton is not None:
         output is read, multiplied or stored. ``BYTES`` (a GPU): the int8 coefficients made float16 four a register by
         byte permutes (:func:`_coefficients`), the same numbers as a conversion a code. ``ROWS``: the value coefficients
         loaded token-major as the keys' are and transposed once float16 (a 16-bit transpose is the matrix loads' own;
-        int8 codes loaded transposed move through shared memory a byte at a time). ``CODES_AHEAD``: each step's
-        coefficient codes and scales loaded during the step before, as ``AHEAD`` loads the residual words (Nsight
-        Compute found the pass waiting on them most)."""
+        int8 codes loaded transposed move through shared memory a byte at a time)."""
         seg, bh, b, h, lo, hi, version, first_valid, k_gate, v_gate = _program(seg_ptr, start_ptr, kg_ptr, vg_ptr, H,
                                                                                K_GATES, V_GATES)
         ONE_SCALE: tl.constexpr = RB >= R
@@ -235,20 +202,10 @@ if triton is not None:
                 vcw, vsw = _merged_words(v0_pk, v0_sc, v0_ts, v0_tm, v1_pk, v1_sc, v1_ts, v1_tm, v2_pk, v2_sc, v2_ts,
                                          v2_tm, row, lo, hi, tw, lo + tw < hi, RANK0, RANK1, RANK2, GROUP, BLOCK, CW64,
                                          SW64, ASM)
-        if CODES_AHEAD:
-            nck, nks = _key_codes(kc, ks, lo + t, lo + t < hi, r, R, RB, c_st, s_st, ONE_SCALE)
-            ncv, nvs = _value_codes(vc, vs, lo + t, lo + t < hi, r, R, RB, c_st, s_st, ONE_SCALE, VALUES, ROWS)
         for t0 in range(lo, hi, BLOCK):
             tok = t0 + t
             inside = tok < hi
             ok = inside & (tok >= first_valid)
-            if CODES_AHEAD:  # this step's codes, loaded in the step before; the next step's issued now
-                ck, ksc, cv, vsc = nck, nks, ncv, nvs
-                nck, nks = _key_codes(kc, ks, tok + BLOCK, tok + BLOCK < hi, r, R, RB, c_st, s_st, ONE_SCALE)
-                ncv, nvs = _value_codes(vc, vs, tok + BLOCK, tok + BLOCK < hi, r, R, RB, c_st, s_st, ONE_SCALE, VALUES,
-                                        ROWS)
-            else:
-                ck, ksc = _key_codes(kc, ks, tok, inside, r, R, RB, c_st, s_st, ONE_SCALE)
             k_cw, k_sw, v_cw, v_sw = kcw, ksw, vcw, vsw
             if AHEAD and RMAX > 0:  # the next step's words, issued before this step's products
                 after = t0 + BLOCK
@@ -259,10 +216,14 @@ if triton is not None:
                     vcw, vsw = _merged_words(v0_pk, v0_sc, v0_ts, v0_tm, v1_pk, v1_sc, v1_ts, v1_tm, v2_pk, v2_sc,
                                              v2_ts, v2_tm, row, after, hi, tw, after + tw < hi, RANK0, RANK1, RANK2,
                                              GROUP, BLOCK, CW64, SW64, ASM)
+            ck = tl.load(kc + tok[:, None] * c_st + r[None, :], mask=inside[:, None] & (r < R)[None, :], other=0)
             if ONE_SCALE:
-                s = tl.dot(_coefficients(ck, BYTES), qp) * ksc.to(tl.float32)[:, None]  # [BLOCK, G]
+                k_scale = tl.load(ks + tok * s_st, mask=inside, other=0.0).to(tl.float32)
+                s = tl.dot(_coefficients(ck, BYTES), qp) * k_scale[:, None]  # [BLOCK, G]
             else:
-                s = tl.dot(_coefficients(ck, BYTES) * ksc.to(tl.float16), qp)
+                kbs = tl.load(ks + tok[:, None] * s_st + (r // RB)[None, :], mask=inside[:, None] & (r < R)[None, :],
+                              other=0.0)
+                s = tl.dot(_coefficients(ck, BYTES) * kbs.to(tl.float16), qp)
             if RMAX > 0:
                 if not AHEAD:
                     k_cw, k_sw = _merged_words(k0_pk, k0_sc, k0_ts, k0_tm, k1_pk, k1_sc, k1_ts, k1_tm, k2_pk, k2_sc,
@@ -276,16 +237,19 @@ if triton is not None:
             l_i = l_i * alpha[None, :] + p
             m_i = m_new
             if VALUES:  # the values' coefficients and residuals times the probabilities
-                if not CODES_AHEAD:
-                    cv, vsc = _value_codes(vc, vs, tok, inside, r, R, RB, c_st, s_st, ONE_SCALE, VALUES, ROWS)
                 if ROWS:  # loaded as the keys' are, made float16, then transposed (16-bit: by the matrix loads)
-                    cv16 = tl.trans(_coefficients(cv, BYTES))
+                    cv16 = tl.trans(_coefficients(tl.load(vc + tok[:, None] * c_st + r[None, :],
+                                                          mask=inside[:, None] & (r < R)[None, :], other=0), BYTES))
                 else:
+                    cv = tl.load(vc + tok[None, :] * c_st + r[:, None], mask=inside[None, :] & (r < R)[:, None], other=0)
                     cv16 = _coefficients(cv, BYTES)
                 if ONE_SCALE:
-                    acc_c = tl.dot(cv16, (p * vsc.to(tl.float32)[:, None]).to(tl.float16), acc_c * alpha[None, :])
+                    v_scale = tl.load(vs + tok * s_st, mask=inside, other=0.0).to(tl.float32)
+                    acc_c = tl.dot(cv16, (p * v_scale[:, None]).to(tl.float16), acc_c * alpha[None, :])
                 else:
-                    acc_c = tl.dot(cv16 * vsc.to(tl.float16), p.to(tl.float16), acc_c * alpha[None, :])
+                    vbs = tl.load(vs + tok[None, :] * s_st + (r // RB)[:, None],
+                                  mask=inside[None, :] & (r < R)[:, None], other=0.0)
+                    acc_c = tl.dot(cv16 * vbs.to(tl.float16), p.to(tl.float16), acc_c * alpha[None, :])
                 if RMAX > 0:
                     if not AHEAD:
                         v_cw, v_sw = _merged_words(v0_pk, v0_sc, v0_ts, v0_tm, v1_pk, v1_sc, v1_ts, v1_tm, v2_pk,

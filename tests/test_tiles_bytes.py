@@ -1,8 +1,7 @@
 """How the ``tiles`` pass (kernels/depthweave_tiles_triton.py) turns its int8 coefficients into float16 operands: four
 codes a register by byte permutes on a GPU (``TILES_BYTES``), its arithmetic replayed here for every code; the value
 coefficients loaded token-major and transposed once float16 (``TILES_ROWS``) against the transposed int8 load, under
-the interpreter, and each step's codes loaded a step ahead (``TILES_CODES_AHEAD``); on the GPU the permutes against
-the conversion a code, bit for bit."""
+the interpreter; both on the GPU against the conversion a code, bit for bit."""
 
 from __future__ import annotations
 
@@ -62,24 +61,18 @@ def test_the_byte_permutes_make_every_int8_code_its_float16_number():
 
 @pytest.mark.parametrize("name, block", [("dw-kernel", 64), ("dw-kernel", 32), ("dw-kernel-blocks", 64),
                                          ("dw-kernel-wide", 64)])
-@pytest.mark.parametrize("rows, ahead", [(True, False), (False, True), (True, True)])
-def test_value_coefficients_read_token_major_or_a_step_ahead_give_the_same_sums(tmp_path, monkeypatch, name, block,
-                                                                                 rows, ahead):
-    """``TILES_ROWS`` loads a step's value coefficients as the keys' are and transposes them once float16;
-    ``TILES_CODES_AHEAD`` loads each step's codes and scales during the step before. Either or both: the same output
-    as the transposed int8 load in the step (within float32 rounding) and as the twin, with one scale a token and
-    with a scale a block of 8 coefficients (``dw-kernel-blocks``), at 32- and 64-token steps, head_dim 64, over
-    segments of 96 tokens (a last step whose next one lies past the segment)."""
+def test_value_coefficients_read_token_major_give_the_same_sums(tmp_path, monkeypatch, name, block):
+    """``TILES_ROWS`` loads a step's value coefficients as the keys' are and transposes them once float16: the same
+    output as the transposed int8 load (within float32 rounding) and as the twin, with one scale a token and with a
+    scale a block of 8 coefficients (``dw-kernel-blocks``), at 32- and 64-token steps and head_dim 64."""
     view, query, start, dim = _tiles_case(tmp_path, name)
     run = lambda: fused_decode(view, query, start, dim**-0.5, split=96, block_tokens=block, variant="tiles")  # noqa: E731
     monkeypatch.setattr(depthweave_decode, "TILES_ROWS", False)
-    monkeypatch.setattr(depthweave_decode, "TILES_CODES_AHEAD", False)
-    plain = run()
-    monkeypatch.setattr(depthweave_decode, "TILES_ROWS", rows)
-    monkeypatch.setattr(depthweave_decode, "TILES_CODES_AHEAD", ahead)
-    switched = run()
-    assert (switched - plain).abs().max().item() < 1e-5
-    assert (switched - torch_decode(view, query, start, dim**-0.5)).abs().max().item() < 1e-3
+    transposed = run()
+    monkeypatch.setattr(depthweave_decode, "TILES_ROWS", True)
+    rows = run()
+    assert (rows - transposed).abs().max().item() < 1e-5
+    assert (rows - torch_decode(view, query, start, dim**-0.5)).abs().max().item() < 1e-3
 
 
 @pytest.mark.skipif(not _nvidia_backend(), reason="Triton without its CUDA backend cannot compile for a GPU here")
@@ -110,14 +103,13 @@ def test_the_byte_permutes_build_for_a_gpu(tmp_path, monkeypatch):
 @pytest.mark.parametrize("name, block", [("dw-kernel", 64), ("dw-kernel", 32), ("dw-kernel-blocks", 64),
                                          ("dw-kernel-wide", 64)])
 def test_the_byte_permutes_give_the_conversions_bits_on_the_gpu(tmp_path, monkeypatch, name, block):
-    """On the GPU: the byte permutes write the conversion's bits, with the values loaded in the step and transposed
-    as int8, and loaded token-major a step ahead; all within the twin's tolerance."""
+    """On the GPU: with the byte permutes, the values loaded token-major, both or neither, the pass writes the same
+    output bits, and stays within the twin's tolerance."""
     view, query, start, dim = _tiles_case(tmp_path, name)
     outputs = []
-    for bytes_, rows, ahead in ((False, False, False), (True, False, False), (False, True, True), (True, True, True)):
+    for bytes_, rows in ((False, False), (True, False), (False, True), (True, True)):
         monkeypatch.setattr(depthweave_decode, "TILES_BYTES", bytes_)
         monkeypatch.setattr(depthweave_decode, "TILES_ROWS", rows)
-        monkeypatch.setattr(depthweave_decode, "TILES_CODES_AHEAD", ahead)
         outputs.append(fused_decode(view, query, start, dim**-0.5, split=96, block_tokens=block, variant="tiles"))
     assert torch.equal(outputs[1], outputs[0]) and torch.equal(outputs[3], outputs[2])
     assert (outputs[3] - outputs[0]).abs().max().item() < 1e-5

@@ -6,9 +6,10 @@ the bits of the conversion a code.
 
     python docs/perf/gpu-2026-12-06-bytes/ab_bytes.py TxB,TxB,... [SETTINGS]   (e.g. 32768x1,131072x8,131072x32)
 
-SETTINGS: comma-separated digits ``bytes rows codes_ahead`` (``TILES_CODES_AHEAD``: each step's coefficient codes and
-scales loaded during the step before), e.g. ``000,100,010,110,111``; the first is the reference of "same bits". Run 1
-took the default ``000,100,010,110`` (``TILES_CODES_AHEAD`` did not exist: its loads were the step's own)."""
+SETTINGS: comma-separated digits ``bytes rows codes_ahead``, e.g. ``000,100,010,110``; the first is the reference of
+"same bits". Run 1 took the default ``000,100,010,110``. ``TILES_CODES_AHEAD`` (each step's coefficient codes and
+scales loaded during the step before) existed only in commit a9d4b70, which run 4 timed (``000,110,111``); the kept
+kernel has no such switch and the digit sets a module attribute nothing reads."""
 import sys
 
 sys.path.insert(0, "benchmarks")
