@@ -33,3 +33,9 @@ if [ "$PART" = c ]; then
   python -m pytest -q tests/test_tiles_bytes.py tests/test_tiles_pass.py 2>&1 | tail -3 | tee "$OUT/run4-tests.txt"
   python $D/ab_bytes.py 32768x1,32768x8,131072x1,131072x8 000,110,111 2>&1 | grep -v -i warn | tee "$OUT/run4-ab.md"
 fi
+if [ "$PART" = d ]; then
+  python -m pytest -q tests/test_tiles_bytes.py tests/test_graphs_gpu.py -k "bytes or permutes or depthweave" 2>&1 | tail -3 | tee "$OUT/run5-tests.txt"
+  python $D/ab_bytes.py 32768x1,131072x8 000,110 2>&1 | grep -v -i warn | tee "$OUT/run5-ab.md"
+  python benchmarks/decode_kernel.py --tokens 32768,131072 --batches 1,8,32 --variants tiles --reps 20 --out "$OUT" 2>&1 \
+    | grep -v -i warn | tail -20 | tee "$OUT/run5-decode_kernel.txt"
+fi
