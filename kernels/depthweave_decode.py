@@ -303,6 +303,18 @@ TILES_AHEAD = True
 TILES_BYTES = True
 #: the ``tiles`` pass loads its value coefficients token-major, as the keys', and transposes them once float16
 TILES_ROWS = True
+#: the ``tiles`` pass loads its coefficient codes as 32-bit words, four codes a word: 0 no, 1 at the step's start, 2
+#: during the step before (one scale a token, ``TILES_ROWS``, word-aligned codes only: :func:`word_codes`)
+TILES_WORDS = 0
+
+
+def word_codes(view: DecodeView, constants: dict) -> bool:
+    """Whether the ``tiles`` pass can read ``view``'s coefficient codes as 32-bit words: one scale a token, a rank of
+    whole words, both kinds' codes with the same word-aligned strides from word-aligned addresses."""
+    if constants["RB"] < constants["R"] or constants["R"] % 4 or view.k_codes.stride() != view.v_codes.stride():
+        return False
+    return all(c.data_ptr() % 4 == 0 and c.stride(-1) == 1 and all(st % 4 == 0 for st in c.stride()[:-1])
+               for c in (view.k_codes, view.v_codes))
 
 
 def pick_variant(view: DecodeView, variant: str) -> str:
@@ -330,6 +342,7 @@ def _launch_tiles(view, query, segments, start, m, l, acc, partials, heads, gq, 
     tiles_jit._tiles_kernel[grid](
         *args, G=_pow2(gq, 8), RP=_pow2(max(rmax, 1), 16), RMAX=rmax, GROUP=group, **constants, BLOCK=block_tokens,
         ASM=asm, COLUMNS=TILES_COLUMNS, AHEAD=TILES_AHEAD, VALUES=values, PDL=early, BYTES=asm and TILES_BYTES,
-        ROWS=TILES_ROWS, num_warps=num_warps, **({"launch_pdl": True} if early else {}),
+        ROWS=TILES_ROWS, WORDS=TILES_WORDS if TILES_ROWS and word_codes(view, constants) else 0,
+        num_warps=num_warps, **({"launch_pdl": True} if early else {}),
         **({} if num_stages is None else {"num_stages": num_stages}),
     )

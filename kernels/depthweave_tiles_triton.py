@@ -129,6 +129,40 @@ if triton is not None:
         return code.to(tl.float16)
 
     @triton.jit
+    def _word_coefficients(words, BYTES: tl.constexpr):
+        """int8 codes held four a 32-bit word ([N, W], code ``4 w + i`` in byte ``i`` of word ``w``) as float16 operands
+        [N, 4 W] in code order: on a GPU (``BYTES``) by the byte permutes of :func:`_coefficients`, each word's four
+        numbers out of the assembly as 16-bit registers; else each byte cut and converted."""
+        if BYTES:
+            b0, b1, b2, b3 = tl.inline_asm_elementwise(
+                "{ .reg .b32 t, lo, hi, b; xor.b32 t, $4, 0x80808080; mov.b32 b, 0x64806480; "
+                "prmt.b32 lo, t, 0x64646464, 0x4140; prmt.b32 hi, t, 0x64646464, 0x4342; "
+                "sub.rn.f16x2 lo, lo, b; sub.rn.f16x2 hi, hi, b; mov.b32 {$0, $1}, lo; mov.b32 {$2, $3}, hi; }",
+                "=h,=h,=h,=h,r", [words], dtype=(tl.float16, tl.float16, tl.float16, tl.float16), is_pure=True,
+                pack=1)
+        else:
+            b0 = (words << 24).to(tl.int32) >> 24
+            b1 = (words << 16).to(tl.int32) >> 24
+            b2 = (words << 8).to(tl.int32) >> 24
+            b3 = words.to(tl.int32) >> 24
+            b0, b1, b2, b3 = b0.to(tl.float16), b1.to(tl.float16), b2.to(tl.float16), b3.to(tl.float16)
+        # [N, W, e, a] holds byte 2 e + a, so column 4 w + 2 e + a of the reshaped tile is code 4 w + 2 e + a
+        return tl.join(tl.join(b0, b2), tl.join(b1, b3)).reshape(words.shape[0], 4 * words.shape[1])
+
+    @triton.jit
+    def _words_step(kcw, ks, vcw, vs, tok, inside, j, RW: tl.constexpr, w_st, s_st, VALUES: tl.constexpr):
+        """A step's key and value codes as 32-bit words [BLOCK, RW'] (``RW`` real words a token) and their scales
+        (float16 [BLOCK], one a token), as loaded; the values' zeros without ``VALUES``."""
+        ok = inside[:, None] & (j < RW)[None, :]
+        kw = tl.load(kcw + tok[:, None] * w_st + j[None, :], mask=ok, other=0)
+        ksc = tl.load(ks + tok * s_st, mask=inside, other=0.0)
+        vw, vsc = kw, ksc
+        if VALUES:
+            vw = tl.load(vcw + tok[:, None] * w_st + j[None, :], mask=ok, other=0)
+            vsc = tl.load(vs + tok * s_st, mask=inside, other=0.0)
+        return kw, ksc, vw, vsc
+
+    @triton.jit
     def _tiles_kernel(
         q_ptr, seg_ptr, start_ptr,
         kc_ptr, ks_ptr, vc_ptr, vs_ptr, c_sb, c_sh, c_st, s_sb, s_sh, s_st,
@@ -142,6 +176,7 @@ if triton is not None:
         GROUP: tl.constexpr, K_GATES: tl.constexpr, V_GATES: tl.constexpr, BLOCK: tl.constexpr,
         ASM: tl.constexpr, COLUMNS: tl.constexpr, AHEAD: tl.constexpr, VALUES: tl.constexpr = True,
         PDL: tl.constexpr = False, BYTES: tl.constexpr = False, ROWS: tl.constexpr = False,
+        WORDS: tl.constexpr = 0,
     ):
         """One program per (segment, batch row x KV head), as the gather kernel's (its arguments, in the same order,
         are documented there); ``G`` tile columns for the ``GQ`` query heads, ``RMAX`` the largest level's rank,
@@ -157,7 +192,9 @@ if triton is not None:
         output is read, multiplied or stored. ``BYTES`` (a GPU): the int8 coefficients made float16 four a register by
         byte permutes (:func:`_coefficients`), the same numbers as a conversion a code. ``ROWS``: the value coefficients
         loaded token-major as the keys' are and transposed once float16 (a 16-bit transpose is the matrix loads' own;
-        int8 codes loaded transposed move through shared memory a byte at a time)."""
+        int8 codes loaded transposed move through shared memory a byte at a time). ``WORDS`` (one scale a token, values
+        token-major): the codes loaded as 32-bit words, four a word, and made float16 by :func:`_word_coefficients`,
+        the keys' and the values' together at the step's start (1) or during the step before (2)."""
         seg, bh, b, h, lo, hi, version, first_valid, k_gate, v_gate = _program(seg_ptr, start_ptr, kg_ptr, vg_ptr, H,
                                                                                K_GATES, V_GATES)
         ONE_SCALE: tl.constexpr = RB >= R
@@ -202,10 +239,23 @@ if triton is not None:
                 vcw, vsw = _merged_words(v0_pk, v0_sc, v0_ts, v0_tm, v1_pk, v1_sc, v1_ts, v1_tm, v2_pk, v2_sc, v2_ts,
                                          v2_tm, row, lo, hi, tw, lo + tw < hi, RANK0, RANK1, RANK2, GROUP, BLOCK, CW64,
                                          SW64, ASM)
+        RW: tl.constexpr = R // 4
+        jw = tl.arange(0, RC // 4)
+        w_st = c_st // 4
+        kcw_ptr = kc.to(tl.pointer_type(tl.int32), bitcast=True)
+        vcw_ptr = vc.to(tl.pointer_type(tl.int32), bitcast=True)
+        if WORDS == 2:
+            nkw, nks, nvw, nvs = _words_step(kcw_ptr, ks, vcw_ptr, vs, lo + t, lo + t < hi, jw, RW, w_st, s_st, VALUES)
         for t0 in range(lo, hi, BLOCK):
             tok = t0 + t
             inside = tok < hi
             ok = inside & (tok >= first_valid)
+            if WORDS == 2:  # this step's words, loaded in the step before; the next step's issued now
+                kw, ksc, vw, vsc = nkw, nks, nvw, nvs
+                nkw, nks, nvw, nvs = _words_step(kcw_ptr, ks, vcw_ptr, vs, tok + BLOCK, tok + BLOCK < hi, jw, RW, w_st,
+                                                 s_st, VALUES)
+            elif WORDS == 1:
+                kw, ksc, vw, vsc = _words_step(kcw_ptr, ks, vcw_ptr, vs, tok, inside, jw, RW, w_st, s_st, VALUES)
             k_cw, k_sw, v_cw, v_sw = kcw, ksw, vcw, vsw
             if AHEAD and RMAX > 0:  # the next step's words, issued before this step's products
                 after = t0 + BLOCK
@@ -216,14 +266,17 @@ if triton is not None:
                     vcw, vsw = _merged_words(v0_pk, v0_sc, v0_ts, v0_tm, v1_pk, v1_sc, v1_ts, v1_tm, v2_pk, v2_sc,
                                              v2_ts, v2_tm, row, after, hi, tw, after + tw < hi, RANK0, RANK1, RANK2,
                                              GROUP, BLOCK, CW64, SW64, ASM)
-            ck = tl.load(kc + tok[:, None] * c_st + r[None, :], mask=inside[:, None] & (r < R)[None, :], other=0)
-            if ONE_SCALE:
-                k_scale = tl.load(ks + tok * s_st, mask=inside, other=0.0).to(tl.float32)
-                s = tl.dot(_coefficients(ck, BYTES), qp) * k_scale[:, None]  # [BLOCK, G]
+            if WORDS > 0:
+                s = tl.dot(_word_coefficients(kw, BYTES), qp) * ksc.to(tl.float32)[:, None]
             else:
-                kbs = tl.load(ks + tok[:, None] * s_st + (r // RB)[None, :], mask=inside[:, None] & (r < R)[None, :],
-                              other=0.0)
-                s = tl.dot(_coefficients(ck, BYTES) * kbs.to(tl.float16), qp)
+                ck = tl.load(kc + tok[:, None] * c_st + r[None, :], mask=inside[:, None] & (r < R)[None, :], other=0)
+                if ONE_SCALE:
+                    k_scale = tl.load(ks + tok * s_st, mask=inside, other=0.0).to(tl.float32)
+                    s = tl.dot(_coefficients(ck, BYTES), qp) * k_scale[:, None]  # [BLOCK, G]
+                else:
+                    kbs = tl.load(ks + tok[:, None] * s_st + (r // RB)[None, :],
+                                  mask=inside[:, None] & (r < R)[None, :], other=0.0)
+                    s = tl.dot(_coefficients(ck, BYTES) * kbs.to(tl.float16), qp)
             if RMAX > 0:
                 if not AHEAD:
                     k_cw, k_sw = _merged_words(k0_pk, k0_sc, k0_ts, k0_tm, k1_pk, k1_sc, k1_ts, k1_tm, k2_pk, k2_sc,
@@ -237,19 +290,24 @@ if triton is not None:
             l_i = l_i * alpha[None, :] + p
             m_i = m_new
             if VALUES:  # the values' coefficients and residuals times the probabilities
-                if ROWS:  # loaded as the keys' are, made float16, then transposed (16-bit: by the matrix loads)
-                    cv16 = tl.trans(_coefficients(tl.load(vc + tok[:, None] * c_st + r[None, :],
-                                                          mask=inside[:, None] & (r < R)[None, :], other=0), BYTES))
+                if WORDS > 0:
+                    acc_c = tl.dot(tl.trans(_word_coefficients(vw, BYTES)),
+                                   (p * vsc.to(tl.float32)[:, None]).to(tl.float16), acc_c * alpha[None, :])
                 else:
-                    cv = tl.load(vc + tok[None, :] * c_st + r[:, None], mask=inside[None, :] & (r < R)[:, None], other=0)
-                    cv16 = _coefficients(cv, BYTES)
-                if ONE_SCALE:
-                    v_scale = tl.load(vs + tok * s_st, mask=inside, other=0.0).to(tl.float32)
-                    acc_c = tl.dot(cv16, (p * v_scale[:, None]).to(tl.float16), acc_c * alpha[None, :])
-                else:
-                    vbs = tl.load(vs + tok[None, :] * s_st + (r // RB)[:, None],
-                                  mask=inside[None, :] & (r < R)[:, None], other=0.0)
-                    acc_c = tl.dot(cv16 * vbs.to(tl.float16), p.to(tl.float16), acc_c * alpha[None, :])
+                    if ROWS:  # loaded as the keys' are, made float16, then transposed (16-bit: by the matrix loads)
+                        cv16 = tl.trans(_coefficients(tl.load(vc + tok[:, None] * c_st + r[None, :],
+                                                              mask=inside[:, None] & (r < R)[None, :], other=0), BYTES))
+                    else:
+                        cv = tl.load(vc + tok[None, :] * c_st + r[:, None], mask=inside[None, :] & (r < R)[:, None],
+                                     other=0)
+                        cv16 = _coefficients(cv, BYTES)
+                    if ONE_SCALE:
+                        v_scale = tl.load(vs + tok * s_st, mask=inside, other=0.0).to(tl.float32)
+                        acc_c = tl.dot(cv16, (p * v_scale[:, None]).to(tl.float16), acc_c * alpha[None, :])
+                    else:
+                        vbs = tl.load(vs + tok[None, :] * s_st + (r // RB)[:, None],
+                                      mask=inside[None, :] & (r < R)[:, None], other=0.0)
+                        acc_c = tl.dot(cv16 * vbs.to(tl.float16), p.to(tl.float16), acc_c * alpha[None, :])
                 if RMAX > 0:
                     if not AHEAD:
                         v_cw, v_sw = _merged_words(v0_pk, v0_sc, v0_ts, v0_tm, v1_pk, v1_sc, v1_ts, v1_tm, v2_pk,

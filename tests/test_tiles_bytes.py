@@ -5,6 +5,7 @@ the interpreter; both on the GPU against the conversion a code, bit for bit."""
 
 from __future__ import annotations
 
+import attrs
 import numpy as np
 import pytest
 import torch
@@ -59,8 +60,7 @@ def test_the_byte_permutes_make_every_int8_code_its_float16_number():
             np.testing.assert_array_equal(made, quad.astype(np.float16))
 
 
-@pytest.mark.parametrize("name, block", [("dw-kernel", 64), ("dw-kernel", 32), ("dw-kernel-blocks", 64),
-                                         ("dw-kernel-wide", 64)])
+@pytest.mark.parametrize("name, block", [("dw-kernel", 32), ("dw-kernel-blocks", 64), ("dw-kernel-wide", 64)])
 def test_value_coefficients_read_token_major_give_the_same_sums(tmp_path, monkeypatch, name, block):
     """``TILES_ROWS`` loads a step's value coefficients as the keys' are and transposes them once float16: the same
     output as the transposed int8 load (within float32 rounding) and as the twin, with one scale a token and with a
@@ -73,6 +73,38 @@ def test_value_coefficients_read_token_major_give_the_same_sums(tmp_path, monkey
     rows = run()
     assert (rows - transposed).abs().max().item() < 1e-5
     assert (rows - torch_decode(view, query, start, dim**-0.5)).abs().max().item() < 1e-3
+
+
+@pytest.mark.parametrize("name, block, words", [("dw-kernel", 64, 1), ("dw-kernel", 32, 2), ("dw-kernel-wide", 64, 2)])
+def test_coefficient_codes_read_as_words_give_the_same_sums(tmp_path, monkeypatch, name, block, words):
+    """``TILES_WORDS`` loads the codes as 32-bit words, four a word, at the step's start (1) or a step ahead (2), and
+    cuts them into float16 operands in code order: the same output as the int8 loads and the twin's, at 32- and
+    64-token steps, head_dim 64, over segments of 96 tokens (a last step whose next one lies past the segment)."""
+    view, query, start, dim = _tiles_case(tmp_path, name)
+    run = lambda: fused_decode(view, query, start, dim**-0.5, split=96, block_tokens=block, variant="tiles")  # noqa: E731
+    plain = run()
+    monkeypatch.setattr(depthweave_decode, "TILES_WORDS", words)
+    switched = run()
+    assert (switched - plain).abs().max().item() < 1e-5
+    assert (switched - torch_decode(view, query, start, dim**-0.5)).abs().max().item() < 1e-3
+
+
+def test_codes_are_read_as_words_only_where_they_can_be(tmp_path):
+    """Word loads need one scale a token, a rank of whole words and word-aligned codes: a layer with a scale a block
+    of 8 coefficients, or codes at an odd address, keeps the byte loads."""
+    view, _, _, _ = _tiles_case(tmp_path, "dw-kernel")
+    constants = {"R": view.k_codes.shape[-1], "RB": view.block}
+    assert depthweave_decode.word_codes(view, constants)
+    assert not depthweave_decode.word_codes(view, {**constants, "RB": 8})
+
+    def placed(codes, offset):  # a contiguous copy of ``codes`` starting ``offset`` bytes into a fresh buffer
+        buffer = torch.zeros(codes.numel() + 8, dtype=codes.dtype, device=codes.device)
+        return buffer[offset:offset + codes.numel()].view(codes.shape).copy_(codes)
+
+    aligned = attrs.evolve(view, k_codes=placed(view.k_codes, 0), v_codes=placed(view.v_codes, 0))
+    assert depthweave_decode.word_codes(aligned, constants)
+    odd = attrs.evolve(view, k_codes=placed(view.k_codes, 1), v_codes=placed(view.v_codes, 1))
+    assert not depthweave_decode.word_codes(odd, constants)
 
 
 @pytest.mark.skipif(not _nvidia_backend(), reason="Triton without its CUDA backend cannot compile for a GPU here")
@@ -113,4 +145,8 @@ def test_the_byte_permutes_give_the_conversions_bits_on_the_gpu(tmp_path, monkey
         outputs.append(fused_decode(view, query, start, dim**-0.5, split=96, block_tokens=block, variant="tiles"))
     assert torch.equal(outputs[1], outputs[0]) and torch.equal(outputs[3], outputs[2])
     assert (outputs[3] - outputs[0]).abs().max().item() < 1e-5
+    for words in (1, 2):  # the codes loaded as words, at the step's start or a step ahead
+        monkeypatch.setattr(depthweave_decode, "TILES_WORDS", words)
+        worded = fused_decode(view, query, start, dim**-0.5, split=96, block_tokens=block, variant="tiles")
+        assert (worded - outputs[3]).abs().max().item() < 1e-5
     assert (outputs[3].float() - torch_decode(view, query, start, dim**-0.5).float()).abs().max().item() < 2e-2

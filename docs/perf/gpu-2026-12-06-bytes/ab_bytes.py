@@ -6,10 +6,11 @@ the bits of the conversion a code.
 
     python docs/perf/gpu-2026-12-06-bytes/ab_bytes.py TxB,TxB,... [SETTINGS]   (e.g. 32768x1,131072x8,131072x32)
 
-SETTINGS: comma-separated digits ``bytes rows codes_ahead``, e.g. ``000,100,010,110``; the first is the reference of
-"same bits". Run 1 took the default ``000,100,010,110``. ``TILES_CODES_AHEAD`` (each step's coefficient codes and
-scales loaded during the step before) existed only in commit a9d4b70, which run 4 timed (``000,110,111``); the kept
-kernel has no such switch and the digit sets a module attribute nothing reads."""
+SETTINGS: comma-separated digits ``bytes rows codes_ahead [words]``, e.g. ``000,100,010,110``; the first is the
+reference of "same bits". Run 1 took the default ``000,100,010,110``. ``TILES_CODES_AHEAD`` (each step's coefficient
+codes and scales loaded during the step before) existed only in commit a9d4b70, which run 4 timed (``000,110,111``);
+the kept kernel has no such switch and the digit sets a module attribute nothing reads. The fourth digit is
+``TILES_WORDS`` (0, 1 or 2; 0 when absent)."""
 import sys
 
 sys.path.insert(0, "benchmarks")
@@ -23,7 +24,7 @@ from kvweave.engine.synthetic import fill_cache  # noqa: E402
 from kvweave.kernels import depthweave_decode as dd  # noqa: E402
 from kvweave.kernels.decode_torch import torch_decode  # noqa: E402
 
-SETTINGS = [tuple(c == "1" for c in setting) for setting in
+SETTINGS = [tuple(c == "1" for c in setting[:3]) + (int(setting[3:] or 0),) for setting in
             (sys.argv[2] if len(sys.argv) > 2 else "000,100,010,110").split(",")]
 
 
@@ -40,8 +41,8 @@ scale = HEAD_DIM ** -0.5
 by_tokens: dict[int, list[int]] = {}
 for tokens, batch in shapes:
     by_tokens.setdefault(tokens, []).append(batch)
-print("| T | B | round | bytes | rows | codes ahead | device (us) | graph (us) | SDPA device / graph (us) | same bits as neither | max abs diff vs twin |")
-print("|---:|---:|---:|---|---|---|---:|---:|---:|---|---:|")
+print("| T | B | round | bytes | rows | codes ahead | words | device (us) | graph (us) | SDPA device / graph (us) | same bits as neither | max abs diff vs twin |")
+print("|---:|---:|---:|---|---|---|---:|---:|---:|---:|---|---:|")
 for tokens, batches in by_tokens.items():
     cache = KVWeaveCache(load_pipeline("depthweave-kv"), llama3_window_config())
     fill_cache(cache, max(batches), tokens, chunk=8192, device="cuda", seed=tokens)
@@ -53,8 +54,8 @@ for tokens, batches in by_tokens.items():
         sdpa = sdpa_us(tokens, batch)
         for rnd in range(2):
             base = None
-            for bytes_, rows, ahead in SETTINGS:
-                dd.TILES_BYTES, dd.TILES_ROWS, dd.TILES_CODES_AHEAD = bytes_, rows, ahead
+            for bytes_, rows, ahead, words in SETTINGS:
+                dd.TILES_BYTES, dd.TILES_ROWS, dd.TILES_CODES_AHEAD, dd.TILES_WORDS = bytes_, rows, ahead, words
                 call = lambda: dd.fused_decode(view, q, None, scale, variant="tiles")  # noqa: E731
                 out = call()
                 base = out if base is None else base
@@ -62,7 +63,7 @@ for tokens, batches in by_tokens.items():
                 diff = float((out.float() - twin).abs().max())
                 us = min(device_us(call, 20) for _ in range(3))
                 g = graph_us(call, 5)
-                print(f"| {tokens} | {batch} | {rnd} | {bytes_} | {rows} | {ahead} | {us:.1f} | {g:.1f} | {sdpa[0]:.1f} / {sdpa[1]:.1f} "
+                print(f"| {tokens} | {batch} | {rnd} | {bytes_} | {rows} | {ahead} | {words} | {us:.1f} | {g:.1f} | {sdpa[0]:.1f} / {sdpa[1]:.1f} "
                       f"| {same} | {diff:.2e} |", flush=True)
     del cache, full
     torch.cuda.empty_cache()
