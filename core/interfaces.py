@@ -323,7 +323,8 @@ class Probe(Component):
         [G, B, Hq, q, D], the rest [G, B, H, ., D]). One call a layer unless a probe does better. A probe declaring
         ``shares_products`` takes one more keyword, ``shared`` (a dict, or None where the keys' measurement left none):
         the engine measures a block's keys with ``approx_values`` the exact values, then its values with ``approx_keys``
-        the exact keys (the same object as ``keys``)."""
+        the exact keys (the same object as ``keys``). The tensors are read-only: some are views of the cache's own
+        window tokens and observed queries (one layer at a time, in their dtype), which a write would corrupt."""
         return torch.stack([self.measure(*(t[g] for t in (queries, keys, values, approx_keys, approx_values, context_keys,
                                                            context_values)), scale) for g in range(keys.shape[0])])
 

@@ -17,7 +17,7 @@ import torch
 from kvweave.core.errors import ComponentError
 from kvweave.core.host_to_device import device_constant
 from kvweave.core.interfaces import KINDS, RouteBlock
-from kvweave.core.storage import TensorMap
+from kvweave.core.storage import TensorMap, stack_layers
 from kvweave.engine.residuals import add_residuals, begin_residual_fit, encode_residuals, mix_residuals, residual_rows
 from kvweave.kernels.miss import misses
 
@@ -308,12 +308,12 @@ class BlockEncoder:
             elif shares and not self.engine.probe.reads_other(kind, extra["shared"]):
                 other = None  # the keys' measurement kept what the values' one would have read the keys for
             else:
-                other = torch.stack([exact[other_kind][..., :n, :] for exact in windows[part]]).to(dtype)
+                other = stack_layers([exact[other_kind][..., :n, :] for exact in windows[part]], dtype)
             exact_block, approx_block = block[part].to(dtype), approx[part].to(dtype)
             keys, approx_keys, values, approx_values = (
                 (exact_block, approx_block, other, other) if kind == "keys" else (other, other, exact_block, approx_block))
-            queries = torch.stack([self.engine.observer.queries(layer) for layer in members[part]]).to(dtype)
-            context = [torch.stack([exact[k][..., start:, :] for exact in windows[part]]).to(dtype) for k in ("keys", "values")]
+            queries = stack_layers([self.engine.observer.queries(layer) for layer in members[part]], dtype)
+            context = [stack_layers([exact[k][..., start:, :] for exact in windows[part]], dtype) for k in ("keys", "values")]
             errors.append(self.engine.probe.measure_group(queries, keys, values, approx_keys, approx_values, *context,
                                                           self.engine.observer.scaling, **extra))
         store.probe_error = errors[0] if len(errors) == 1 else torch.cat(errors)

@@ -342,7 +342,7 @@ def _launch_tiles(view, query, segments, start, m, l, acc, partials, heads, gq, 
     tiles_jit._tiles_kernel[grid](
         *args, G=_pow2(gq, 8), RP=_pow2(max(rmax, 1), 16), RMAX=rmax, GROUP=group, **constants, BLOCK=block_tokens,
         ASM=asm, COLUMNS=TILES_COLUMNS, AHEAD=TILES_AHEAD, VALUES=values, PDL=early, BYTES=asm and TILES_BYTES,
-        ROWS=TILES_ROWS, WORDS=TILES_WORDS if TILES_ROWS and word_codes(view, constants) else 0,
+        ROWS=TILES_ROWS, WORDS=TILES_WORDS if TILES_WORDS and TILES_ROWS and word_codes(view, constants) else 0,
         num_warps=num_warps, **({"launch_pdl": True} if early else {}),
         **({} if num_stages is None else {"num_stages": num_stages}),
     )
