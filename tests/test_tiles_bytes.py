@@ -13,11 +13,9 @@ import torch
 from kvweave.kernels import depthweave_decode
 from kvweave.kernels.decode_torch import torch_decode
 from kvweave.kernels.depthweave_decode import fused_decode
-from kvweave.kernels.gpu_build import launch_job
 
-from test_kernels import DEVICE, decode_view, filled
 from test_lowbit_kernel_host import _nvidia_backend, compile_job
-from test_tiles_pass import _tiles_case
+from test_tiles_pass import _tiles_case, recorded_tiles_job
 
 #: the inline assembly's constants (kernels/depthweave_tiles_triton.py ``_coefficients``)
 FLIP, EXPONENT, LOW, HIGH, BIAS = 0x80808080, 0x64646464, 0x4140, 0x4342, 0x64806480
@@ -108,24 +106,11 @@ def test_codes_are_read_as_words_only_where_they_can_be(tmp_path):
 
 
 @pytest.mark.skipif(not _nvidia_backend(), reason="Triton without its CUDA backend cannot compile for a GPU here")
-def test_the_byte_permutes_build_for_a_gpu(tmp_path, monkeypatch):
+def test_the_byte_permutes_build_for_a_gpu(tmp_path):
     """Built for sm_90 as the launcher passes it on a GPU (``BYTES``, ``ROWS``): the permutes under the exponent byte
     are in the code and no int8 to float16 conversion is left."""
-    from kvweave.kernels import depthweave_tiles_triton as tiles_jit
-
-    launches = []
-
-    class Recorder:
-        def __getitem__(self, grid):
-            return lambda *args, **constants: launches.append((args, constants))
-
-    monkeypatch.setattr(tiles_jit, "_tiles_kernel", Recorder())
-    view = decode_view(filled(tmp_path, 8, 2, 128, 320), 1)
-    fused_decode(view, torch.randn(2, 8, 128, device=DEVICE), None, 0.125, variant="tiles")
-    monkeypatch.undo()
-    args, constants = launches[0]
+    job, constants = recorded_tiles_job(tmp_path)
     assert constants["ROWS"] is depthweave_decode.TILES_ROWS
-    job = launch_job(tiles_jit._tiles_kernel, args, constants)
     job["constants"].update(ASM=True, BYTES=True)
     built = compile_job(job)
     assert "0x64646464" in built["ptx_text"] and "cvt.rn.f16.s16" not in built["ptx_text"]

@@ -147,28 +147,34 @@ def test_the_tiles_pass_refuses_what_it_cannot_read_and_auto_takes_the_gather_pa
         fused_decode(view, query, None, 0.125, block_tokens=128, variant="tiles")
 
 
-@pytest.mark.skipif(not _nvidia_backend(), reason="Triton without its CUDA backend cannot compile for a GPU here")
-@pytest.mark.parametrize("switched", [False, True])
-def test_the_tiles_pass_builds_for_a_gpu(tmp_path, monkeypatch, switched):
-    """Built for sm_90 with the arguments the launcher passes, hardware population counts included; also with the
-    residual words as columns and a step ahead (``TILES_COLUMNS``, ``TILES_AHEAD``)."""
+def recorded_tiles_job(tmp_path) -> tuple[dict, dict]:
+    """The build job (:func:`launch_job`) of the tiles pass as ``fused_decode`` launches it over a filled layer (the
+    kernel recorded, not run), and the launch's constants."""
     from kvweave.kernels import depthweave_tiles_triton as tiles_jit
 
-    monkeypatch.setattr(depthweave_decode, "TILES_COLUMNS", switched)
-    monkeypatch.setattr(depthweave_decode, "TILES_AHEAD", switched)
     launches = []
 
     class Recorder:
         def __getitem__(self, grid):
             return lambda *args, **constants: launches.append((args, constants))
 
-    monkeypatch.setattr(tiles_jit, "_tiles_kernel", Recorder())
-    view = decode_view(filled(tmp_path, 8, 2, 128, 320), 1)
-    fused_decode(view, torch.randn(2, 8, 128, device=DEVICE), None, 0.125, variant="tiles")
-    monkeypatch.undo()
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(tiles_jit, "_tiles_kernel", Recorder())
+        view = decode_view(filled(tmp_path, 8, 2, 128, 320), 1)
+        fused_decode(view, torch.randn(2, 8, 128, device=DEVICE), None, 0.125, variant="tiles")
     args, constants = launches[0]
+    return launch_job(tiles_jit._tiles_kernel, args, constants), constants
+
+
+@pytest.mark.skipif(not _nvidia_backend(), reason="Triton without its CUDA backend cannot compile for a GPU here")
+@pytest.mark.parametrize("switched", [False, True])
+def test_the_tiles_pass_builds_for_a_gpu(tmp_path, monkeypatch, switched):
+    """Built for sm_90 with the arguments the launcher passes, hardware population counts included; also with the
+    residual words as columns and a step ahead (``TILES_COLUMNS``, ``TILES_AHEAD``)."""
+    monkeypatch.setattr(depthweave_decode, "TILES_COLUMNS", switched)
+    monkeypatch.setattr(depthweave_decode, "TILES_AHEAD", switched)
+    job, constants = recorded_tiles_job(tmp_path)
     assert constants["COLUMNS"] == constants["AHEAD"] == switched
-    job = launch_job(tiles_jit._tiles_kernel, args, constants)
     job["constants"]["ASM"] = True
     built = compile_job(job)
     assert built["cubin"] > 0 and "popc" in built["ptx_text"]
