@@ -39,8 +39,8 @@ if [ "$PART" = d ]; then
   python benchmarks/decode_kernel.py --tokens 32768,131072 --batches 1,8,32 --variants tiles --reps 20 --out "$OUT" 2>&1 \
     | grep -v -i warn | tail -20 | tee "$OUT/run5-decode_kernel.txt"
 fi
-if [ "$PART" = e ]; then
-  python -m pytest -q tests/test_tiles_bytes.py 2>&1 | tail -3 | tee "$OUT/run6-tests.txt"
+if [ "$PART" = e ]; then  # also the GPU test of the dense kernel's rule with 4-bit values, not run since the rule took them
+  python -m pytest -q tests/test_tiles_bytes.py tests/test_dense_ahead.py 2>&1 | tail -3 | tee "$OUT/run6-tests.txt"
   python $D/ab_bytes.py 32768x1,32768x8,131072x1,131072x8 1100,1101,1102 2>&1 | grep -v -i warn | tee "$OUT/run6-ab.md"
   python benchmarks/kernel_tuning.py --tokens 131072 --batch 8 --warps 1 --splits 0 --blocks 64 --stages 1,2,3 2>&1 \
     | grep -v -i warn | tee "$OUT/run6-stages.txt"
