@@ -264,7 +264,7 @@ def encode_residuals(
     ``missing``'s): what values are quantized from (a float32 ``missing`` on a basis is projected with no 16-bit copy)."""
     batch, heads, tokens, dim = missing.shape
     if basis is not None:
-        # rank-major [R, B x H x n]: entries' single floats selected along the long axis (rows of R floats: a slow gather)
+        # rank-major [R, B x H x n]: entries selected along the long axis (not rows of R floats), copied side by side once
         by_rank = torch.einsum("bhnd,bhkd->kbhn", missing.float(), basis.float()).reshape(basis.shape[-2], -1)
     flat_missing = missing.reshape(-1, dim)
     fixed = not isinstance(ranks, torch.Tensor)
@@ -294,7 +294,7 @@ def encode_residuals(
             fields["index"] = top.to(torch.uint8)
             values = picked.gather(-1, top).to(dtype or missing.dtype)
         else:
-            values = by_rank[:rank].index_select(1, chosen).t().contiguous().to(dtype or missing.dtype)  # entries side by side
+            values = torch.empty(chosen.numel(), rank, dtype=dtype or missing.dtype, device=missing.device).copy_(by_rank[:rank].index_select(1, chosen).t())
         fields.update({f"q_{name}": t for name, t in quantizer.quantize(values).items()})
         entries[rank] = fields
     return entries

@@ -141,10 +141,10 @@ if triton is not None:
                 "=h,=h,=h,=h,r", [words], dtype=(tl.float16, tl.float16, tl.float16, tl.float16), is_pure=True,
                 pack=1)
         else:
-            b0 = (words << 24).to(tl.int32) >> 24
-            b1 = (words << 16).to(tl.int32) >> 24
-            b2 = (words << 8).to(tl.int32) >> 24
-            b3 = words.to(tl.int32) >> 24
+            b0 = (words << 24) >> 24  # int32 words: the shifts right carry each byte's sign
+            b1 = (words << 16) >> 24
+            b2 = (words << 8) >> 24
+            b3 = words >> 24
             b0, b1, b2, b3 = b0.to(tl.float16), b1.to(tl.float16), b2.to(tl.float16), b3.to(tl.float16)
         # [N, W, e, a] holds byte 2 e + a, so column 4 w + 2 e + a of the reshaped tile is code 4 w + 2 e + a
         return tl.join(tl.join(b0, b2), tl.join(b1, b3)).reshape(words.shape[0], 4 * words.shape[1])
