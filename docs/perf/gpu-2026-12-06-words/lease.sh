@@ -1,0 +1,32 @@
+#!/bin/bash
+# The tiles pass's codes as 32-bit words (TILES_WORDS) timed, and the kernel bars' cells refreshed on the current build.
+# PART=a: the build's counts (sass_pairs.py); the GPU tests of the pairs form, the byte permutes and the dense kernel's
+#   rule (4-bit values included); ab_switches.py: the defaults, the pairs form (TILES_PAIRS), the words at the step's
+#   start and a step ahead (TILES_WORDS) at four shapes; depthweave-kv at 64K.
+# PART=b: lowbit_kernel.py over the 8x and ~5x classes (the launch's choice, dense:64:4) at 64K for B = 1, 8, 32 and
+#   at 32K and 128K for B = 32: the cells whose last figure came from an older build.
+# Run from the repository's root: OUT=folder PART=a|b bash docs/perf/gpu-2026-12-06-words/lease.sh
+set -o pipefail
+OUT=${OUT:-$PWD/results/lease}; PART=${PART:-a}
+mkdir -p "$OUT"
+python -m pip install -q --no-deps --no-build-isolation -e . >/dev/null 2>&1
+{ nvidia-smi --query-gpu=name,memory.total --format=csv,noheader 2>/dev/null
+  python -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)"; } > "$OUT/gpu-$PART.txt"
+step() { local limit=$1 file=$2; shift 2; echo "\$ $*" >> "$OUT/$file"; timeout "$limit" "$@" 2>&1 | grep -v -i warn >> "$OUT/$file"; echo "exit $? after ${SECONDS}s" >> "$OUT/$file"; }
+if [ "$PART" = a ]; then
+  step 100 run1-sass.txt python docs/perf/gpu-2026-12-06-words/sass_pairs.py
+  step 150 run1-tests.txt python -m pytest -q -p no:cacheprovider tests/test_tiles_pairs.py tests/test_tiles_bytes.py \
+    tests/test_dense_ahead.py
+  step 300 run1-ab.md python docs/perf/gpu-2026-12-06-words/ab_switches.py 32768x1,32768x8,131072x1,131072x8 \
+    - TILES_PAIRS=1 TILES_WORDS=1 TILES_WORDS=2
+  step 150 run1-decode_kernel.txt python benchmarks/decode_kernel.py --tokens 65536 --batches 1,8,32 --variants tiles \
+    --reps 20 --out "$OUT/run1-json"
+elif [ "$PART" = b ]; then
+  for storage in k4v2e48t k4v4e77t; do
+    for shape in "65536 1,8,32" "32768,131072 32"; do
+      set -- $shape
+      step 200 "run2-kernel-$storage.txt" python benchmarks/lowbit_kernel.py --post-rope --reps 10 --storage $storage \
+        --configs dense:64:4 --tokens $1 --batches $2 --out "$OUT/run2-json-$storage-${1%%,*}"
+    done
+  done
+fi
