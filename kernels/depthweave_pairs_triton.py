@@ -66,9 +66,8 @@ if triton is not None:
     def _pair_scales(s_ptr, t0, hi, i, s_st, side):
         """Each score's token scale (one a token), float32 [BLOCK / 2, G]: the even token's in the columns of
         ``side`` 0, the odd one's in the others, each loaded once as a vector."""
-        tok = t0 + 2 * i
-        even = tl.load(s_ptr + tok * s_st, mask=tok < hi, other=0.0).to(tl.float32)
-        odd = tl.load(s_ptr + (tok + 1) * s_st, mask=tok + 1 < hi, other=0.0).to(tl.float32)
+        tok = (t0 + 2 * i)[:, None] + tl.arange(0, 2)[None, :]
+        even, odd = tl.split(tl.load(s_ptr + tok * s_st, mask=tok < hi, other=0.0).to(tl.float32))
         return tl.where((side == 0)[None, :], even[:, None], odd[:, None])
 
     @triton.jit
