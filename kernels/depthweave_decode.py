@@ -309,14 +309,16 @@ TILES_ROWS = True
 #: during the step before (one scale a token, ``TILES_ROWS``, word-aligned codes only: :func:`word_codes`)
 TILES_WORDS = 0
 #: where a KV head has four query heads, the ``tiles`` pass holds two tokens a tile row and the heads twice as its 8
-#: columns, no padding column (:mod:`kvweave.kernels.depthweave_pairs_triton`; with ``TILES_ROWS``, not with
-#: ``TILES_WORDS`` or without ``TILES_COLUMNS``)
+#: columns, no padding column (:mod:`kvweave.kernels.depthweave_pairs_triton`; 64-token steps, with ``TILES_ROWS``,
+#: not with ``TILES_WORDS`` or without ``TILES_COLUMNS``)
 TILES_PAIRS = False
 
 
-def pairs_apply(gq: int) -> bool:
-    """Whether the ``tiles`` pass launches as its ``pairs`` form for ``gq`` query heads a KV head."""
-    return TILES_PAIRS and gq == 4 and TILES_ROWS and TILES_COLUMNS and not TILES_WORDS
+def pairs_apply(gq: int, block_tokens: int) -> bool:
+    """Whether the ``tiles`` pass launches as its ``pairs`` form for ``gq`` query heads a KV head and steps of
+    ``block_tokens``. Not at 32-token steps: their 16-row tiles build with spilled registers and 2.5x the loop's
+    instructions (Triton 3.9, sm_90: docs/perf/gpu-2026-12-06-words/cpu-sass-pairs-triton39.txt)."""
+    return TILES_PAIRS and gq == 4 and block_tokens == 64 and TILES_ROWS and TILES_COLUMNS and not TILES_WORDS
 
 
 def word_codes(view: DecodeView, constants: dict) -> bool:
@@ -350,7 +352,7 @@ def _launch_tiles(view, query, segments, start, m, l, acc, partials, heads, gq, 
     rmax = max(levels, default=0)
     group = tiles_group(view)
     asm = query.is_cuda and os.environ.get("TRITON_INTERPRET") != "1"
-    if pairs_apply(gq):
+    if pairs_apply(gq, block_tokens):
         pairs_jit._pairs_kernel[grid](
             *args, RQ=max(16, 2 * rmax), RMAX=rmax, GROUP=group, **constants, BLOCK=block_tokens, ASM=asm,
             AHEAD=TILES_AHEAD, VALUES=values, PDL=early, BYTES=asm and TILES_BYTES, num_warps=num_warps,

@@ -42,19 +42,18 @@ def _both(monkeypatch, view, query, start, **kwargs):
     return outputs
 
 
-@pytest.mark.parametrize("name, block, split", [("dw-kernel", 64, 96), ("dw-kernel", 32, 96), ("dw-kernel", 64, None),
-                                                ("dw-kernel-blocks", 64, 96), ("dw-kernel-bases", 64, 96),
-                                                ("dw-kernel-wide", 64, 96)])
-def test_two_tokens_a_row_give_the_sums_of_one(tmp_path, monkeypatch, name, block, split):
+@pytest.mark.parametrize("name, split", [("dw-kernel", 96), ("dw-kernel", None), ("dw-kernel-blocks", 96),
+                                         ("dw-kernel-bases", 96), ("dw-kernel-wide", 96)])
+def test_two_tokens_a_row_give_the_sums_of_one(tmp_path, monkeypatch, name, split):
     """The pairs form against the ``tiles`` pass and the twin, for three routed levels, two int8 scales a token, no
     residuals, and rank-16 entries (64-bit words: each token's 16 coordinates in its half of a 32-column tile), over
     segments of 96 tokens (a last step of 32, whose odd half and next step lie past the segment) or the cache's own,
-    32- and 64-token steps, and a row whose first position falls inside a pair (70). The two passes add in other
+    and a row whose first position falls inside a pair (70). The two passes add in other
     orders, so they agree to float rounding, not to the bit; with routed residuals the twin without them is far off."""
     view, query, start = _case(tmp_path, name)
     if name == "dw-kernel-wide":
         assert any(level.rank == 16 and level.entries for level in view.k_levels + view.v_levels)
-    tiles, pairs = _both(monkeypatch, view, query, start, split=split, block_tokens=block)
+    tiles, pairs = _both(monkeypatch, view, query, start, split=split)
     twin = torch_decode(view, query, start, 128**-0.5)
     assert (pairs - twin).abs().max().item() < 1e-3
     assert (pairs - tiles).abs().max().item() < 1e-3
@@ -81,7 +80,7 @@ def test_the_pairs_form_gives_the_flush_statistics(tmp_path, monkeypatch):
     assert (got - torch_packed_logsumexp(view, query, 128**-0.5)).abs().max().item() < 1e-3
 
 
-def _launched(monkeypatch, view, query) -> list[str]:
+def _launched(monkeypatch, view, query, block=None) -> list[str]:
     """Which kernels ``fused_decode`` launches for the packed tokens of ``view`` (recorded, not run)."""
     from kvweave.kernels import depthweave_pairs_triton, depthweave_tiles_triton
 
@@ -97,7 +96,7 @@ def _launched(monkeypatch, view, query) -> list[str]:
     monkeypatch.setattr(depthweave_pairs_triton, "_pairs_kernel", Recorder("pairs"))
     monkeypatch.setattr(depthweave_tiles_triton, "_tiles_kernel", Recorder("tiles"))
     try:
-        fused_decode(view, query, None, 0.125, variant="tiles")
+        fused_decode(view, query, None, 0.125, block_tokens=block, variant="tiles")
     except Exception:  # the combine reads the recorded pass's outputs, which were never written
         pass
     return names
@@ -109,7 +108,8 @@ def test_the_pairs_form_is_launched_for_four_query_heads_a_kv_head_only(tmp_path
     assert _launched(monkeypatch, view, query) == ["tiles"]
     monkeypatch.setattr(depthweave_decode, "TILES_PAIRS", True)
     assert _launched(monkeypatch, view, query) == ["pairs"]
-    assert not depthweave_decode.pairs_apply(8) and not depthweave_decode.pairs_apply(2)
+    assert _launched(monkeypatch, view, query, block=32) == ["tiles"]  # 32-token steps: the tiles pass
+    assert not depthweave_decode.pairs_apply(8, 64) and not depthweave_decode.pairs_apply(2, 64)
     monkeypatch.setattr(depthweave_decode, "TILES_WORDS", 2)  # the word loads are the tiles pass's own
     assert _launched(monkeypatch, view, query) == ["tiles"]
 
@@ -141,11 +141,10 @@ def test_the_pairs_form_builds_for_a_gpu(tmp_path, monkeypatch):
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
-@pytest.mark.parametrize("name, block", [("dw-kernel", 64), ("dw-kernel", 32), ("dw-kernel-blocks", 64),
-                                         ("dw-kernel-wide", 64)])
-def test_two_tokens_a_row_on_the_gpu(tmp_path, monkeypatch, name, block):
+@pytest.mark.parametrize("name", ["dw-kernel", "dw-kernel-blocks", "dw-kernel-wide"])
+def test_two_tokens_a_row_on_the_gpu(tmp_path, monkeypatch, name):
     """Compiled, with the byte permutes: the pairs form against the ``tiles`` pass and the twin."""
     view, query, start = _case(tmp_path, name)
-    tiles, pairs = _both(monkeypatch, view, query, start, split=96, block_tokens=block)
+    tiles, pairs = _both(monkeypatch, view, query, start, split=96)
     assert (pairs.float() - tiles.float()).abs().max().item() < 1e-3
     assert (pairs.float() - torch_decode(view, query, start, 128**-0.5).float()).abs().max().item() < 2e-2

@@ -3,7 +3,7 @@
 # cells refreshed on the current build.
 # PART=a: the build's counts (sass_pairs.py); the GPU tests of the pairs form, the byte permutes and the dense kernel's
 #   rule (4-bit values included); ab_switches.py at four shapes: the defaults, the pairs form (also without its words
-#   a step ahead), the words at the step's start and a step ahead; depthweave-kv at 64K.
+#   a step ahead), the words a step ahead; depthweave-kv at 64K.
 # PART=b: lowbit_kernel.py over the 8x and ~5x classes (the launch's choice, dense:64:4) at 64K for B = 1, 8, 32 and
 #   at 32K and 128K for B = 32: the cells whose last figure came from an older build.
 # Run from the repository's root: OUT=folder PART=a|b bash docs/perf/gpu-2026-12-06-words/lease.sh
@@ -19,7 +19,7 @@ if [ "$PART" = a ]; then
   step 150 run1-tests.txt python -m pytest -q -p no:cacheprovider tests/test_tiles_pairs.py tests/test_tiles_bytes.py \
     tests/test_dense_ahead.py
   step 300 run1-ab.md python docs/perf/gpu-2026-12-06-words/ab_switches.py 32768x1,32768x8,131072x1,131072x8 \
-    - TILES_PAIRS=1 TILES_PAIRS=1+TILES_AHEAD=0 TILES_WORDS=1 TILES_WORDS=2
+    - TILES_PAIRS=1 TILES_PAIRS=1+TILES_AHEAD=0 TILES_WORDS=2
   step 150 run1-decode_kernel.txt python benchmarks/decode_kernel.py --tokens 65536 --batches 1,8,32 --variants tiles \
     --reps 20 --out "$OUT/run1-json"
 elif [ "$PART" = b ]; then
