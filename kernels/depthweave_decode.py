@@ -42,12 +42,10 @@ from kvweave.kernels.launch import programmatic
 
 if TYPE_CHECKING:
     from kvweave.kernels import decode_triton as jit
-    from kvweave.kernels import depthweave_pairs_triton as pairs_jit
     from kvweave.kernels import depthweave_tiles_triton as tiles_jit
 else:  # the @triton.jit kernels, imported (with triton) when a kernel is first launched
     jit = lazy_module("kvweave.kernels.decode_triton")
     tiles_jit = lazy_module("kvweave.kernels.depthweave_tiles_triton")
-    pairs_jit = lazy_module("kvweave.kernels.depthweave_pairs_triton")
 
 LOG2E = 1.4426950408889634
 
@@ -306,19 +304,10 @@ TILES_BYTES = True
 #: the ``tiles`` pass loads its value coefficients token-major, as the keys', and transposes them once float16
 TILES_ROWS = True
 #: the ``tiles`` pass loads its coefficient codes as 32-bit words, four codes a word: 0 no, 1 at the step's start, 2
-#: during the step before (one scale a token, ``TILES_ROWS``, word-aligned codes only: :func:`word_codes`)
-TILES_WORDS = 0
-#: where a KV head has four query heads, the ``tiles`` pass holds two tokens a tile row and the heads twice as its 8
-#: columns, no padding column (:mod:`kvweave.kernels.depthweave_pairs_triton`; 64-token steps, with ``TILES_ROWS``,
-#: not with ``TILES_WORDS`` or without ``TILES_COLUMNS``)
-TILES_PAIRS = False
-
-
-def pairs_apply(gq: int, block_tokens: int) -> bool:
-    """Whether the ``tiles`` pass launches as its ``pairs`` form for ``gq`` query heads a KV head and steps of
-    ``block_tokens``. Not at 32-token steps: their 16-row tiles build with spilled registers and 2.5x the loop's
-    instructions (Triton 3.9, sm_90: docs/perf/gpu-2026-12-06-words/cpu-sass-pairs-triton39.txt)."""
-    return TILES_PAIRS and gq == 4 and block_tokens == 64 and TILES_ROWS and TILES_COLUMNS and not TILES_WORDS
+#: during the step before (one scale a token, ``TILES_ROWS``, word-aligned codes only: :func:`word_codes`). With 2, a
+#: call took 5-10% less at 32K, B = 8 and at 128K, B = 1 and 8, and 5% more at 32K, B = 1, with the same output bits
+#: (H100, docs/kernels.md "The tiles pass's codes as words a step ahead")
+TILES_WORDS = 2
 
 
 def word_codes(view: DecodeView, constants: dict) -> bool:
@@ -352,13 +341,6 @@ def _launch_tiles(view, query, segments, start, m, l, acc, partials, heads, gq, 
     rmax = max(levels, default=0)
     group = tiles_group(view)
     asm = query.is_cuda and os.environ.get("TRITON_INTERPRET") != "1"
-    if pairs_apply(gq, block_tokens):
-        pairs_jit._pairs_kernel[grid](
-            *args, RQ=max(16, 2 * rmax), RMAX=rmax, GROUP=group, **constants, BLOCK=block_tokens, ASM=asm,
-            AHEAD=TILES_AHEAD, VALUES=values, PDL=early, BYTES=asm and TILES_BYTES, num_warps=num_warps,
-            **({"launch_pdl": True} if early else {}), **({} if num_stages is None else {"num_stages": num_stages}),
-        )
-        return
     tiles_jit._tiles_kernel[grid](
         *args, G=_pow2(gq, 8), RP=_pow2(max(rmax, 1), 16), RMAX=rmax, GROUP=group, **constants, BLOCK=block_tokens,
         ASM=asm, COLUMNS=TILES_COLUMNS, AHEAD=TILES_AHEAD, VALUES=values, PDL=early, BYTES=asm and TILES_BYTES,

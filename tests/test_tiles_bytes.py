@@ -65,6 +65,7 @@ def test_value_coefficients_read_token_major_give_the_same_sums(tmp_path, monkey
     scale a block of 8 coefficients (``dw-kernel-blocks``), at 32- and 64-token steps and head_dim 64."""
     view, query, start, dim = _tiles_case(tmp_path, name)
     run = lambda: fused_decode(view, query, start, dim**-0.5, split=96, block_tokens=block, variant="tiles")  # noqa: E731
+    monkeypatch.setattr(depthweave_decode, "TILES_WORDS", 0)  # the byte loads (words need the values token-major)
     monkeypatch.setattr(depthweave_decode, "TILES_ROWS", False)
     transposed = run()
     monkeypatch.setattr(depthweave_decode, "TILES_ROWS", True)
@@ -80,6 +81,7 @@ def test_coefficient_codes_read_as_words_give_the_same_sums(tmp_path, monkeypatc
     64-token steps, head_dim 64, over segments of 96 tokens (a last step whose next one lies past the segment)."""
     view, query, start, dim = _tiles_case(tmp_path, name)
     run = lambda: fused_decode(view, query, start, dim**-0.5, split=96, block_tokens=block, variant="tiles")  # noqa: E731
+    monkeypatch.setattr(depthweave_decode, "TILES_WORDS", 0)
     plain = run()
     monkeypatch.setattr(depthweave_decode, "TILES_WORDS", words)
     switched = run()
@@ -124,6 +126,7 @@ def test_the_byte_permutes_give_the_conversions_bits_on_the_gpu(tmp_path, monkey
     output bits, and stays within the twin's tolerance."""
     view, query, start, dim = _tiles_case(tmp_path, name)
     outputs = []
+    monkeypatch.setattr(depthweave_decode, "TILES_WORDS", 0)  # the byte loads first; the word loads after
     for bytes_, rows in ((False, False), (True, False), (False, True), (True, True)):
         monkeypatch.setattr(depthweave_decode, "TILES_BYTES", bytes_)
         monkeypatch.setattr(depthweave_decode, "TILES_ROWS", rows)

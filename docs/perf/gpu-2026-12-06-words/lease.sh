@@ -1,6 +1,7 @@
 #!/bin/bash
 # The tiles pass's pairs form (TILES_PAIRS) and its codes as 32-bit words (TILES_WORDS) timed, and the kernel bars'
-# cells refreshed on the current build.
+# cells refreshed on the current build. The pairs form existed only in commits 376a0b2 to d78507a (run 1 ran on
+# d78507a's tree); runs 2-5 ran on the tree with TILES_WORDS = 2 and without the pairs form.
 # PART=a: the build's counts (sass_pairs.py); the GPU tests of the pairs form, the byte permutes and the dense kernel's
 #   rule (4-bit values included); ab_switches.py at four shapes: the defaults, the pairs form (also without its words
 #   a step ahead), the words a step ahead; depthweave-kv at 64K.
@@ -13,7 +14,7 @@ mkdir -p "$OUT"
 python -m pip install -q --no-deps --no-build-isolation -e . >/dev/null 2>&1
 { nvidia-smi --query-gpu=name,memory.total --format=csv,noheader 2>/dev/null
   python -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)"; } > "$OUT/gpu-$PART.txt"
-step() { local limit=$1 file=$2; shift 2; echo "\$ $*" >> "$OUT/$file"; timeout "$limit" "$@" 2>&1 | grep -v -i warn >> "$OUT/$file"; echo "exit $? after ${SECONDS}s" >> "$OUT/$file"; }
+step() { local limit=$1 file=$2; shift 2; echo "\$ $*" >> "$OUT/$file"; timeout "$limit" "$@" 2>&1 | grep -v -E "Warning|warnings.warn" >> "$OUT/$file"; echo "exit $? after ${SECONDS}s" >> "$OUT/$file"; }
 if [ "$PART" = a ]; then
   step 100 run1-sass.txt python docs/perf/gpu-2026-12-06-words/sass_pairs.py
   step 150 run1-tests.txt python -m pytest -q -p no:cacheprovider tests/test_tiles_pairs.py tests/test_tiles_bytes.py \

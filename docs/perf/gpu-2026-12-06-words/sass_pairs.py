@@ -4,7 +4,11 @@ heads): registers a thread, stack, the token loop's instructions (each once), an
 Run where the GPU's Triton is installed to count what it builds; on a machine without a GPU, Triton's CUDA backend
 still builds (the counts of docs/kernels.md name the Triton they came from).
 
-    python docs/perf/gpu-2026-12-06-words/sass_pairs.py [BLOCK ...]   (default 64)"""
+    python docs/perf/gpu-2026-12-06-words/sass_pairs.py [BLOCK ...]   (default 64)
+
+The pairs form (``kernels/depthweave_pairs_triton.py``, ``TILES_PAIRS``) existed only in commits 376a0b2 to d78507a:
+timed slower than the ``tiles`` pass at every shape (run 1), it was taken back. Run this over that tree
+(``git archive d78507a | tar -x -C somewhere``), from its root."""
 import json
 import os
 import subprocess
