@@ -1,7 +1,7 @@
 #!/bin/bash
 # The tiles pass's pairs form (TILES_PAIRS) and its codes as 32-bit words (TILES_WORDS) timed, and the kernel bars'
 # cells refreshed on the current build. The pairs form existed only in commits 376a0b2 to d78507a (run 1 ran on
-# d78507a's tree); runs 2-5 ran on the tree with TILES_WORDS = 2 and without the pairs form.
+# d78507a's tree); runs 2-5 on the tree with TILES_WORDS = 2 (the pairs form off).
 # PART=a: the build's counts (sass_pairs.py); the GPU tests of the pairs form, the byte permutes and the dense kernel's
 #   rule (4-bit values included); ab_switches.py at four shapes: the defaults, the pairs form (also without its words
 #   a step ahead), the words a step ahead; depthweave-kv at 64K.
