@@ -306,7 +306,8 @@ TILES_ROWS = True
 #: the ``tiles`` pass loads its coefficient codes as 32-bit words, four codes a word: 0 no, 1 at the step's start, 2
 #: during the step before (one scale a token, ``TILES_ROWS``, word-aligned codes only: :func:`word_codes`). With 2, a
 #: call took 5-10% less at 32K, B = 8 and at 128K, B = 1 and 8, and 5% more at 32K, B = 1, with the same output bits
-#: (H100, docs/kernels.md "The tiles pass's codes as words a step ahead")
+#: (H100, docs/kernels.md "The tiles pass's codes as words a step ahead"). Decode only: a flush's statistics pass
+#: (:func:`fused_packed_logsumexp`, 32 query rows a KV head, no values) keeps the byte loads it was timed with
 TILES_WORDS = 2
 
 
@@ -344,7 +345,7 @@ def _launch_tiles(view, query, segments, start, m, l, acc, partials, heads, gq, 
     tiles_jit._tiles_kernel[grid](
         *args, G=_pow2(gq, 8), RP=_pow2(max(rmax, 1), 16), RMAX=rmax, GROUP=group, **constants, BLOCK=block_tokens,
         ASM=asm, COLUMNS=TILES_COLUMNS, AHEAD=TILES_AHEAD, VALUES=values, PDL=early, BYTES=asm and TILES_BYTES,
-        ROWS=TILES_ROWS, WORDS=TILES_WORDS if TILES_WORDS and TILES_ROWS and word_codes(view, constants) else 0,
+        ROWS=TILES_ROWS, WORDS=TILES_WORDS if values and TILES_WORDS and TILES_ROWS and word_codes(view, constants) else 0,
         num_warps=num_warps, **({"launch_pdl": True} if early else {}),
         **({} if num_stages is None else {"num_stages": num_stages}),
     )

@@ -107,6 +107,29 @@ def test_codes_are_read_as_words_only_where_they_can_be(tmp_path):
     assert not depthweave_decode.word_codes(odd, constants)
 
 
+def test_the_decode_reads_words_and_the_flush_statistics_bytes(tmp_path, monkeypatch):
+    """``TILES_WORDS`` (2 by default, timed on decode) is the decode pass's: a flush's statistics pass, 32 query rows a
+    KV head and no values, keeps the byte loads it was timed with."""
+    from kvweave.kernels import depthweave_tiles_triton as tiles_jit
+
+    view, query, _, dim = _tiles_case(tmp_path, "dw-kernel")
+    words = []
+
+    class Recorder:
+        def __getitem__(self, grid):
+            return lambda *args, **constants: words.append((constants["VALUES"], constants["WORDS"]))
+
+    monkeypatch.setattr(tiles_jit, "_tiles_kernel", Recorder())
+    for launch in (lambda: fused_decode(view, query, None, dim**-0.5, variant="tiles"),
+                   lambda: depthweave_decode.fused_packed_logsumexp(view, query.repeat(1, 4, 1), dim**-0.5,
+                                                                    variant="tiles")):
+        try:
+            launch()
+        except Exception:  # what runs after the recorded pass reads outputs it never wrote
+            pass
+    assert depthweave_decode.TILES_WORDS == 2 and words == [(True, 2), (False, 0)]
+
+
 @pytest.mark.skipif(not _nvidia_backend(), reason="Triton without its CUDA backend cannot compile for a GPU here")
 def test_the_byte_permutes_build_for_a_gpu(tmp_path):
     """Built for sm_90 as the launcher passes it on a GPU (``BYTES``, ``ROWS``): the permutes under the exponent byte
