@@ -7,7 +7,8 @@
 #   a step ahead), the words a step ahead; depthweave-kv at 64K.
 # PART=b: lowbit_kernel.py over the 8x and ~5x classes (the launch's choice, dense:64:4) at 64K for B = 1, 8, 32 and
 #   at 32K and 128K for B = 32: the cells whose last figure came from an older build.
-# Run from the repository's root: OUT=folder PART=a|b bash docs/perf/gpu-2026-12-06-words/lease.sh
+# PART=c: the 8x class at 32K, B = 8 and 32, at the launch's programs and at 1,320, 1,980 and 3,300 (2, 3 and 5 waves).
+# Run from the repository's root: OUT=folder PART=a|b|c bash docs/perf/gpu-2026-12-06-words/lease.sh
 set -o pipefail
 OUT=${OUT:-$PWD/results/lease}; PART=${PART:-a}
 mkdir -p "$OUT"
@@ -31,4 +32,8 @@ elif [ "$PART" = b ]; then
         --configs dense:64:4 --tokens $1 --batches $2 --out "$OUT/run2-json-$storage-${1%%,*}"
     done
   done
+fi
+if [ "$PART" = c ]; then  # the 8x class's programs at the shapes just short of the bar (B = 8 and 32 at 32K)
+  step 200 run6-programs.txt python benchmarks/lowbit_kernel.py --post-rope --reps 10 --storage k4v2e48t --tokens 32768 \
+    --batches 8,32 --configs dense:64:4,dense:64:4:1320,dense:64:4:1980,dense:64:4:3300 --out "$OUT/run6-json"
 fi
