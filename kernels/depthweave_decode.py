@@ -309,6 +309,11 @@ TILES_ROWS = True
 #: (H100, docs/kernels.md "The tiles pass's codes as words a step ahead"). Decode only: a flush's statistics pass
 #: (:func:`fused_packed_logsumexp`, 32 query rows a KV head, no values) keeps the byte loads it was timed with
 TILES_WORDS = 2
+#: the registers a thread of the ``tiles`` pass may take on a GPU (None: the compiler's choice, 168 on Triton 3.6 with
+#: :data:`TILES_WORDS`). The pass waits on its loads' latency at 12 one-warp programs an SM; 144 registers would hold
+#: 14, 128 hold 16, at a few spilled registers (Triton 3.9 on this project's CPU build: 16 and 96 bytes of stack).
+#: Decode only; not timed on a GPU yet (docs/perf/gpu-2026-12-06-words/lease.sh part ``d``)
+TILES_REGISTERS: int | None = None
 
 
 def word_codes(view: DecodeView, constants: dict) -> bool:
@@ -348,4 +353,5 @@ def _launch_tiles(view, query, segments, start, m, l, acc, partials, heads, gq, 
         ROWS=TILES_ROWS, WORDS=TILES_WORDS if values and TILES_WORDS and TILES_ROWS and word_codes(view, constants) else 0,
         num_warps=num_warps, **({"launch_pdl": True} if early else {}),
         **({} if num_stages is None else {"num_stages": num_stages}),
+        **({"maxnreg": TILES_REGISTERS} if TILES_REGISTERS and asm and values else {}),
     )

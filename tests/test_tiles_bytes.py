@@ -5,6 +5,11 @@ the interpreter; both on the GPU against the conversion a code, bit for bit."""
 
 from __future__ import annotations
 
+import json
+import os
+import subprocess
+import sys
+
 import attrs
 import numpy as np
 import pytest
@@ -13,6 +18,7 @@ import torch
 from kvweave.kernels import depthweave_decode
 from kvweave.kernels.decode_torch import torch_decode
 from kvweave.kernels.depthweave_decode import fused_decode
+from kvweave.kernels.gpu_build import nvdisasm
 
 from test_lowbit_kernel_host import _nvidia_backend, compile_job
 from test_tiles_pass import _tiles_case, recorded_tiles_job
@@ -130,6 +136,31 @@ def test_the_decode_reads_words_and_the_flush_statistics_bytes(tmp_path, monkeyp
     assert depthweave_decode.TILES_WORDS == 2 and words == [(True, 2), (False, 0)]
 
 
+#: the registers and stack of a build job read from stdin (in a process without the interpreter)
+_RESOURCES = """
+import importlib, json, sys
+from kvweave.kernels import gpu_build
+job = json.load(sys.stdin)
+print(json.dumps(gpu_build.resources(gpu_build.build(importlib.import_module(job["module"]), job).asm["cubin"])))
+"""
+
+
+@pytest.mark.skipif(nvdisasm() is None, reason="needs Triton's CUDA backend (its ptxas and cuobjdump)")
+def test_a_register_cap_builds_the_pass_in_that_many_registers(tmp_path):
+    """``maxnreg``, as the launch passes ``TILES_REGISTERS``, holds the sm_90 build of the decode pass (the words a
+    step ahead) to that many registers a thread, where the compiler's own choice takes more."""
+    job, _ = recorded_tiles_job(tmp_path)
+    job["constants"].update(ASM=True, BYTES=True, WORDS=2)
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    used = []
+    for cap in (None, 128):
+        done = subprocess.run([sys.executable, "-c", _RESOURCES], input=json.dumps({**job, "maxnreg": cap}),
+                              capture_output=True, text=True, env=env, timeout=600)
+        assert done.returncode == 0, done.stderr[-3000:]
+        used.append(json.loads(done.stdout.strip().splitlines()[-1])["registers"])
+    assert used[0] > 128 >= used[1]
+
+
 @pytest.mark.skipif(not _nvidia_backend(), reason="Triton without its CUDA backend cannot compile for a GPU here")
 def test_the_byte_permutes_build_for_a_gpu(tmp_path):
     """Built for sm_90 as the launcher passes it on a GPU (``BYTES``, ``ROWS``): the permutes under the exponent byte
@@ -139,6 +170,17 @@ def test_the_byte_permutes_build_for_a_gpu(tmp_path):
     job["constants"].update(ASM=True, BYTES=True)
     built = compile_job(job)
     assert "0x64646464" in built["ptx_text"] and "cvt.rn.f16.s16" not in built["ptx_text"]
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("registers", [144, 128])
+def test_a_register_cap_gives_the_same_bits_on_the_gpu(tmp_path, monkeypatch, registers):
+    """On the GPU, the decode pass built in ``TILES_REGISTERS`` registers writes the bits of the compiler's own build."""
+    view, query, start, dim = _tiles_case(tmp_path, "dw-kernel")
+    run = lambda: fused_decode(view, query, start, dim**-0.5, split=96, variant="tiles")  # noqa: E731
+    free = run()
+    monkeypatch.setattr(depthweave_decode, "TILES_REGISTERS", registers)
+    assert torch.equal(run(), free)
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")

@@ -30,7 +30,7 @@ def parse(setting: str) -> dict:
         name, value = pair.split("=")
         if name not in DEFAULTS:
             raise SystemExit(f"{name} is not a switch of depthweave_decode ({', '.join(sorted(DEFAULTS))})")
-        out[name] = type(DEFAULTS[name])(int(value))
+        out[name] = int(value) if DEFAULTS[name] is None else type(DEFAULTS[name])(int(value))
     return out
 
 

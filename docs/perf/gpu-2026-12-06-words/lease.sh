@@ -8,7 +8,8 @@
 # PART=b: lowbit_kernel.py over the 8x and ~5x classes (the launch's choice, dense:64:4) at 64K for B = 1, 8, 32 and
 #   at 32K and 128K for B = 32: the cells whose last figure came from an older build.
 # PART=c: the 8x class at 32K, B = 8 and 32, at the launch's programs and at 1,320, 1,980 and 3,300 (2, 3 and 5 waves).
-# Run from the repository's root: OUT=folder PART=a|b|c bash docs/perf/gpu-2026-12-06-words/lease.sh
+# PART=d: the tiles pass's registers capped (TILES_REGISTERS 144 and 128) against the compiler's choice, and its GPU test.
+# Run from the repository's root: OUT=folder PART=a|b|c|d bash docs/perf/gpu-2026-12-06-words/lease.sh
 set -o pipefail
 OUT=${OUT:-$PWD/results/lease}; PART=${PART:-a}
 mkdir -p "$OUT"
@@ -36,4 +37,9 @@ fi
 if [ "$PART" = c ]; then  # the 8x class's programs at the shapes just short of the bar (B = 8 and 32 at 32K)
   step 200 run6-programs.txt python benchmarks/lowbit_kernel.py --post-rope --reps 10 --storage k4v2e48t --tokens 32768 \
     --batches 8,32 --configs dense:64:4,dense:64:4:1320,dense:64:4:1980,dense:64:4:3300 --out "$OUT/run6-json"
+fi
+if [ "$PART" = d ]; then  # more one-warp programs an SM for the latency-bound tiles pass, at a few spilled registers
+  step 150 run7-tests.txt python -m pytest -q -p no:cacheprovider tests/test_tiles_bytes.py -k "cap or gpu"
+  step 300 run7-ab.md python docs/perf/gpu-2026-12-06-words/ab_switches.py 32768x1,32768x8,131072x1,131072x8,131072x32 \
+    - TILES_REGISTERS=144 TILES_REGISTERS=128
 fi
