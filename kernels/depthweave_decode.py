@@ -311,7 +311,8 @@ TILES_ROWS = True
 TILES_WORDS = 2
 #: the registers a thread of the ``tiles`` pass may take on a GPU (None: the compiler's choice, 168 on Triton 3.6 with
 #: :data:`TILES_WORDS`). The pass waits on its loads' latency at 12 one-warp programs an SM; 144 registers would hold
-#: 14, 128 hold 16, at a few spilled registers (Triton 3.9 on this project's CPU build: 16 and 96 bytes of stack).
+#: 14, 128 hold 16, at a few spilled registers (Triton 3.9 on this project's CPU build: 16 and 96 bytes of stack,
+#: docs/perf/gpu-2026-12-06-words/sass_registers.py).
 #: Decode only; not timed on a GPU yet (docs/perf/gpu-2026-12-06-words/lease.sh part ``d``)
 TILES_REGISTERS: int | None = None
 

@@ -21,7 +21,7 @@ from kvweave.kernels.depthweave_decode import fused_decode
 from kvweave.kernels.gpu_build import nvdisasm
 
 from test_lowbit_kernel_host import _nvidia_backend, compile_job
-from test_tiles_pass import _tiles_case, recorded_tiles_job
+from test_tiles_pass import _tiles_case, recorded_tiles_job, recorded_tiles_launches
 
 #: the inline assembly's constants (kernels/depthweave_tiles_triton.py ``_coefficients``)
 FLIP, EXPONENT, LOW, HIGH, BIAS = 0x80808080, 0x64646464, 0x4140, 0x4342, 0x64806480
@@ -113,27 +113,15 @@ def test_codes_are_read_as_words_only_where_they_can_be(tmp_path):
     assert not depthweave_decode.word_codes(odd, constants)
 
 
-def test_the_decode_reads_words_and_the_flush_statistics_bytes(tmp_path, monkeypatch):
+def test_the_decode_reads_words_and_the_flush_statistics_bytes(tmp_path):
     """``TILES_WORDS`` (2 by default, timed on decode) is the decode pass's: a flush's statistics pass, 32 query rows a
     KV head and no values, keeps the byte loads it was timed with."""
-    from kvweave.kernels import depthweave_tiles_triton as tiles_jit
-
     view, query, _, dim = _tiles_case(tmp_path, "dw-kernel")
-    words = []
-
-    class Recorder:
-        def __getitem__(self, grid):
-            return lambda *args, **constants: words.append((constants["VALUES"], constants["WORDS"]))
-
-    monkeypatch.setattr(tiles_jit, "_tiles_kernel", Recorder())
-    for launch in (lambda: fused_decode(view, query, None, dim**-0.5, variant="tiles"),
-                   lambda: depthweave_decode.fused_packed_logsumexp(view, query.repeat(1, 4, 1), dim**-0.5,
-                                                                    variant="tiles")):
-        try:
-            launch()
-        except Exception:  # what runs after the recorded pass reads outputs it never wrote
-            pass
-    assert depthweave_decode.TILES_WORDS == 2 and words == [(True, 2), (False, 0)]
+    launches = recorded_tiles_launches(lambda: (
+        fused_decode(view, query, None, dim**-0.5, variant="tiles"),
+        depthweave_decode.fused_packed_logsumexp(view, query.repeat(1, 4, 1), dim**-0.5, variant="tiles")))
+    assert depthweave_decode.TILES_WORDS == 2
+    assert [(constants["VALUES"], constants["WORDS"]) for _, constants in launches] == [(True, 2), (False, 0)]
 
 
 #: the registers and stack of a build job read from stdin (in a process without the interpreter)

@@ -147,9 +147,9 @@ def test_the_tiles_pass_refuses_what_it_cannot_read_and_auto_takes_the_gather_pa
         fused_decode(view, query, None, 0.125, block_tokens=128, variant="tiles")
 
 
-def recorded_tiles_job(tmp_path) -> tuple[dict, dict]:
-    """The build job (:func:`launch_job`) of the tiles pass as ``fused_decode`` launches it over a filled layer (the
-    kernel recorded, not run), and the launch's constants."""
+def recorded_tiles_launches(call) -> list[tuple[tuple, dict]]:
+    """The tiles pass's launches (arguments, constants) that ``call()`` makes, recorded in order, the kernel not run
+    (what runs after it reads buffers the pass never wrote)."""
     from kvweave.kernels import depthweave_tiles_triton as tiles_jit
 
     launches = []
@@ -160,9 +160,18 @@ def recorded_tiles_job(tmp_path) -> tuple[dict, dict]:
 
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(tiles_jit, "_tiles_kernel", Recorder())
-        view = decode_view(filled(tmp_path, 8, 2, 128, 320), 1)
-        fused_decode(view, torch.randn(2, 8, 128, device=DEVICE), None, 0.125, variant="tiles")
-    args, constants = launches[0]
+        call()
+    return launches
+
+
+def recorded_tiles_job(tmp_path) -> tuple[dict, dict]:
+    """The build job (:func:`launch_job`) of the tiles pass as ``fused_decode`` launches it over a filled layer (the
+    kernel recorded, not run), and the launch's constants."""
+    from kvweave.kernels import depthweave_tiles_triton as tiles_jit
+
+    view = decode_view(filled(tmp_path, 8, 2, 128, 320), 1)
+    query = torch.randn(2, 8, 128, device=DEVICE)
+    args, constants = recorded_tiles_launches(lambda: fused_decode(view, query, None, 0.125, variant="tiles"))[0]
     return launch_job(tiles_jit._tiles_kernel, args, constants), constants
 
 
