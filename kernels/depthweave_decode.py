@@ -315,6 +315,10 @@ TILES_WORDS = 2
 #: docs/perf/gpu-2026-12-06-words/sass_registers.py).
 #: Decode only; not timed on a GPU yet (docs/perf/gpu-2026-12-06-words/lease.sh part ``d``)
 TILES_REGISTERS: int | None = None
+#: the ``tiles`` pass reads each step's tile index two steps ahead and the entries it points to one step ahead (with
+#: :data:`TILES_AHEAD`), instead of both a step ahead: the two loads of the chain each overlap a step's products. Decode
+#: only
+TILES_INDEX = False
 
 
 def word_codes(view: DecodeView, constants: dict) -> bool:
@@ -351,7 +355,7 @@ def _launch_tiles(view, query, segments, start, m, l, acc, partials, heads, gq, 
     tiles_jit._tiles_kernel[grid](
         *args, G=_pow2(gq, 8), RP=_pow2(max(rmax, 1), 16), RMAX=rmax, GROUP=group, **constants, BLOCK=block_tokens,
         ASM=asm, COLUMNS=TILES_COLUMNS, AHEAD=TILES_AHEAD, VALUES=values, PDL=early, BYTES=asm and TILES_BYTES,
-        ROWS=TILES_ROWS, WORDS=TILES_WORDS if values and TILES_WORDS and TILES_ROWS and word_codes(view, constants) else 0,
+        ROWS=TILES_ROWS, INDEX=TILES_INDEX and values, WORDS=TILES_WORDS if values and TILES_WORDS and TILES_ROWS and word_codes(view, constants) else 0,
         num_warps=num_warps, **({"launch_pdl": True} if early else {}),
         **({} if num_stages is None else {"num_stages": num_stages}),
         **({"maxnreg": TILES_REGISTERS} if TILES_REGISTERS and asm and values else {}),

@@ -55,21 +55,34 @@ if triton is not None:
         return out
 
     @triton.jit
-    def _level_words(pk_ptr, sc_ptr, ts_ptr, tm_ptr, row, t0, hi, t, inside, cw, sw, RANK: tl.constexpr,
-                     GROUP: tl.constexpr, BLOCK: tl.constexpr, CW64: tl.constexpr, SW64: tl.constexpr,
-                     ASM: tl.constexpr):
-        """``cw``, ``sw`` [BLOCK] with one level's code word and scale word put in at the step's tokens ``t0 + t`` that
-        have an entry there. ``row``: the level's tile-index row; a step's one or two 32-token tiles are read as
-        scalars, and the entry of token ``32 j + i`` is ``start[j] + popcount(mask[j] & (2^i - 1))``."""
+    def _level_index(ts_ptr, tm_ptr, row, t0, hi, RANK: tl.constexpr, BLOCK: tl.constexpr):
+        """One level's tile index at the step ``t0``: for the step's first 32-token tile and its second (``BLOCK`` 64;
+        else the first again), the tile's first entry and bit mask as one int64 scalar (``first << 32 | mask``); zeros
+        without the level or past the segment. ``row``: the level's tile-index row."""
+        one = tl.zeros((), tl.int64)
+        two = one
         if RANK > 0:
             tile = row + t0 // 32
             live = t0 < hi  # a step read ahead may lie past the segment (and past the index's last row)
-            first = tl.load(ts_ptr + tile, mask=live, other=0)
-            mask = tl.load(tm_ptr + tile, mask=live, other=0).to(tl.uint32, bitcast=True)
+            one = (tl.load(ts_ptr + tile, mask=live, other=0).to(tl.int64) << 32) | \
+                tl.load(tm_ptr + tile, mask=live, other=0).to(tl.uint32, bitcast=True).to(tl.int64)
+            two = one
             if BLOCK == 64:  # the second tile, where the segment holds it
                 ahead = t0 + 32 < hi
-                first = tl.where(t < 32, first, tl.load(ts_ptr + tile + 1, mask=ahead, other=0))
-                mask = tl.where(t < 32, mask, tl.load(tm_ptr + tile + 1, mask=ahead, other=0).to(tl.uint32, bitcast=True))
+                two = (tl.load(ts_ptr + tile + 1, mask=ahead, other=0).to(tl.int64) << 32) | \
+                    tl.load(tm_ptr + tile + 1, mask=ahead, other=0).to(tl.uint32, bitcast=True).to(tl.int64)
+        return one, two
+
+    @triton.jit
+    def _level_entries(pk_ptr, sc_ptr, one, two, t, inside, cw, sw, RANK: tl.constexpr, GROUP: tl.constexpr,
+                       CW64: tl.constexpr, SW64: tl.constexpr, ASM: tl.constexpr):
+        """``cw``, ``sw`` [BLOCK] with one level's code word and scale word put in at the tokens ``t`` that have an entry
+        there, found through the level's tile index ``one``, ``two`` (:func:`_level_index`): the entry of token
+        ``32 j + i`` is ``first[j] + popcount(mask[j] & (2^i - 1))``."""
+        if RANK > 0:
+            index = tl.where(t < 32, one, two)
+            first = (index >> 32).to(tl.int32)
+            mask = index.to(tl.uint32)
             bit = (t % 32).to(tl.uint32)
             present = inside & (((mask >> bit) & 1) != 0)
             below = mask & ((tl.full(bit.shape, 1, tl.uint32) << bit) - 1)
@@ -81,15 +94,40 @@ if triton is not None:
         return cw, sw
 
     @triton.jit
+    def _merged_index(i0, m0, i1, m1, i2, m2, row, t0, hi, RANK0: tl.constexpr, RANK1: tl.constexpr,
+                      RANK2: tl.constexpr, BLOCK: tl.constexpr):
+        """The three levels' tile index at the step ``t0`` (:func:`_level_index`), for :func:`_merged_entries`."""
+        f0, b0 = _level_index(i0, m0, row, t0, hi, RANK0, BLOCK)
+        f1, b1 = _level_index(i1, m1, row, t0, hi, RANK1, BLOCK)
+        f2, b2 = _level_index(i2, m2, row, t0, hi, RANK2, BLOCK)
+        return f0, b0, f1, b1, f2, b2
+
+    @triton.jit
+    def _merged_entries(p0, s0, p1, s1, p2, s2, f0, b0, f1, b1, f2, b2, t, inside, RANK0: tl.constexpr,
+                        RANK1: tl.constexpr, RANK2: tl.constexpr, GROUP: tl.constexpr, CW64: tl.constexpr,
+                        SW64: tl.constexpr, ASM: tl.constexpr):
+        """Each token's residual code word and scale word over the levels from their tile index read before."""
+        cw = _as_word(tl.zeros(t.shape, tl.uint32), CW64)
+        sw = _as_word(tl.zeros(t.shape, tl.uint32), SW64)
+        cw, sw = _level_entries(p0, s0, f0, b0, t, inside, cw, sw, RANK0, GROUP, CW64, SW64, ASM)
+        cw, sw = _level_entries(p1, s1, f1, b1, t, inside, cw, sw, RANK1, GROUP, CW64, SW64, ASM)
+        cw, sw = _level_entries(p2, s2, f2, b2, t, inside, cw, sw, RANK2, GROUP, CW64, SW64, ASM)
+        return cw, sw
+
+    @triton.jit
     def _merged_words(p0, s0, i0, m0, p1, s1, i1, m1, p2, s2, i2, m2, row, t0, hi, t, inside, RANK0: tl.constexpr,
                       RANK1: tl.constexpr, RANK2: tl.constexpr, GROUP: tl.constexpr, BLOCK: tl.constexpr,
                       CW64: tl.constexpr, SW64: tl.constexpr, ASM: tl.constexpr):
-        """Each token's residual code word and scale word ([BLOCK], zeros without an entry) over the levels."""
+        """Each token's residual code word and scale word ([BLOCK], zeros without an entry) over the levels, each
+        level's tile index read just before its entries."""
         cw = _as_word(tl.zeros(t.shape, tl.uint32), CW64)
         sw = _as_word(tl.zeros(t.shape, tl.uint32), SW64)
-        cw, sw = _level_words(p0, s0, i0, m0, row, t0, hi, t, inside, cw, sw, RANK0, GROUP, BLOCK, CW64, SW64, ASM)
-        cw, sw = _level_words(p1, s1, i1, m1, row, t0, hi, t, inside, cw, sw, RANK1, GROUP, BLOCK, CW64, SW64, ASM)
-        cw, sw = _level_words(p2, s2, i2, m2, row, t0, hi, t, inside, cw, sw, RANK2, GROUP, BLOCK, CW64, SW64, ASM)
+        one, two = _level_index(i0, m0, row, t0, hi, RANK0, BLOCK)
+        cw, sw = _level_entries(p0, s0, one, two, t, inside, cw, sw, RANK0, GROUP, CW64, SW64, ASM)
+        one, two = _level_index(i1, m1, row, t0, hi, RANK1, BLOCK)
+        cw, sw = _level_entries(p1, s1, one, two, t, inside, cw, sw, RANK1, GROUP, CW64, SW64, ASM)
+        one, two = _level_index(i2, m2, row, t0, hi, RANK2, BLOCK)
+        cw, sw = _level_entries(p2, s2, one, two, t, inside, cw, sw, RANK2, GROUP, CW64, SW64, ASM)
         return cw, sw
 
     @triton.jit
@@ -176,7 +214,7 @@ if triton is not None:
         GROUP: tl.constexpr, K_GATES: tl.constexpr, V_GATES: tl.constexpr, BLOCK: tl.constexpr,
         ASM: tl.constexpr, COLUMNS: tl.constexpr, AHEAD: tl.constexpr, VALUES: tl.constexpr = True,
         PDL: tl.constexpr = False, BYTES: tl.constexpr = False, ROWS: tl.constexpr = False,
-        WORDS: tl.constexpr = 0,
+        WORDS: tl.constexpr = 0, INDEX: tl.constexpr = False,
     ):
         """One program per (segment, batch row x KV head), as the gather kernel's (its arguments, in the same order,
         are documented there); ``G`` tile columns for the ``GQ`` query heads, ``RMAX`` the largest level's rank,
@@ -194,7 +232,9 @@ if triton is not None:
         loaded token-major as the keys' are and transposed once float16 (a 16-bit transpose is the matrix loads' own;
         int8 codes loaded transposed move through shared memory a byte at a time). ``WORDS`` (one scale a token, values
         token-major): the codes loaded as 32-bit words, four a word, and made float16 by :func:`_word_coefficients`,
-        the keys' and the values' together at the step's start (1) or during the step before (2)."""
+        the keys' and the values' together at the step's start (1) or during the step before (2). ``INDEX`` (with
+        ``AHEAD``): the tile index read two steps ahead, so that a step's two loads in a chain (index, then entries) each
+        have a step's products to hide behind."""
         seg, bh, b, h, lo, hi, version, first_valid, k_gate, v_gate = _program(seg_ptr, start_ptr, kg_ptr, vg_ptr, H,
                                                                                K_GATES, V_GATES)
         ONE_SCALE: tl.constexpr = RB >= R
@@ -232,7 +272,21 @@ if triton is not None:
         ksw = _as_word(tl.zeros(tw.shape, tl.uint32), SW64)
         vcw = kcw
         vsw = ksw
-        if AHEAD and RMAX > 0:
+        if INDEX and AHEAD and RMAX > 0:  # the first step's words; the second step's tile index
+            ka0, kz0, ka1, kz1, ka2, kz2 = _merged_index(k0_ts, k0_tm, k1_ts, k1_tm, k2_ts, k2_tm, row, lo, hi, RANK0,
+                                                         RANK1, RANK2, BLOCK)
+            kcw, ksw = _merged_entries(k0_pk, k0_sc, k1_pk, k1_sc, k2_pk, k2_sc, ka0, kz0, ka1, kz1, ka2, kz2, tw,
+                                       lo + tw < hi, RANK0, RANK1, RANK2, GROUP, CW64, SW64, ASM)
+            ka0, kz0, ka1, kz1, ka2, kz2 = _merged_index(k0_ts, k0_tm, k1_ts, k1_tm, k2_ts, k2_tm, row, lo + BLOCK, hi,
+                                                         RANK0, RANK1, RANK2, BLOCK)
+            if VALUES:
+                va0, vz0, va1, vz1, va2, vz2 = _merged_index(v0_ts, v0_tm, v1_ts, v1_tm, v2_ts, v2_tm, row, lo, hi,
+                                                             RANK0, RANK1, RANK2, BLOCK)
+                vcw, vsw = _merged_entries(v0_pk, v0_sc, v1_pk, v1_sc, v2_pk, v2_sc, va0, vz0, va1, vz1, va2, vz2, tw,
+                                           lo + tw < hi, RANK0, RANK1, RANK2, GROUP, CW64, SW64, ASM)
+                va0, vz0, va1, vz1, va2, vz2 = _merged_index(v0_ts, v0_tm, v1_ts, v1_tm, v2_ts, v2_tm, row, lo + BLOCK,
+                                                             hi, RANK0, RANK1, RANK2, BLOCK)
+        elif AHEAD and RMAX > 0:
             kcw, ksw = _merged_words(k0_pk, k0_sc, k0_ts, k0_tm, k1_pk, k1_sc, k1_ts, k1_tm, k2_pk, k2_sc, k2_ts, k2_tm,
                                      row, lo, hi, tw, lo + tw < hi, RANK0, RANK1, RANK2, GROUP, BLOCK, CW64, SW64, ASM)
             if VALUES:
@@ -257,7 +311,18 @@ if triton is not None:
             elif WORDS == 1:
                 kw, ksc, vw, vsc = _words_step(kcw_ptr, ks, vcw_ptr, vs, tok, inside, jw, RW, w_st, s_st, VALUES)
             k_cw, k_sw, v_cw, v_sw = kcw, ksw, vcw, vsw
-            if AHEAD and RMAX > 0:  # the next step's words, issued before this step's products
+            if INDEX and AHEAD and RMAX > 0:  # the next step's words by the index read a step ago; the index after it
+                after = t0 + BLOCK
+                kcw, ksw = _merged_entries(k0_pk, k0_sc, k1_pk, k1_sc, k2_pk, k2_sc, ka0, kz0, ka1, kz1, ka2, kz2, tw,
+                                           after + tw < hi, RANK0, RANK1, RANK2, GROUP, CW64, SW64, ASM)
+                ka0, kz0, ka1, kz1, ka2, kz2 = _merged_index(k0_ts, k0_tm, k1_ts, k1_tm, k2_ts, k2_tm, row,
+                                                             after + BLOCK, hi, RANK0, RANK1, RANK2, BLOCK)
+                if VALUES:
+                    vcw, vsw = _merged_entries(v0_pk, v0_sc, v1_pk, v1_sc, v2_pk, v2_sc, va0, vz0, va1, vz1, va2, vz2,
+                                               tw, after + tw < hi, RANK0, RANK1, RANK2, GROUP, CW64, SW64, ASM)
+                    va0, vz0, va1, vz1, va2, vz2 = _merged_index(v0_ts, v0_tm, v1_ts, v1_tm, v2_ts, v2_tm, row,
+                                                                 after + BLOCK, hi, RANK0, RANK1, RANK2, BLOCK)
+            elif AHEAD and RMAX > 0:  # the next step's words, issued before this step's products
                 after = t0 + BLOCK
                 kcw, ksw = _merged_words(k0_pk, k0_sc, k0_ts, k0_tm, k1_pk, k1_sc, k1_ts, k1_tm, k2_pk, k2_sc, k2_ts,
                                          k2_tm, row, after, hi, tw, after + tw < hi, RANK0, RANK1, RANK2, GROUP, BLOCK,

@@ -161,13 +161,14 @@ def test_the_byte_permutes_build_for_a_gpu(tmp_path):
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
-@pytest.mark.parametrize("registers", [144, 128])
-def test_a_register_cap_gives_the_same_bits_on_the_gpu(tmp_path, monkeypatch, registers):
-    """On the GPU, the decode pass built in ``TILES_REGISTERS`` registers writes the bits of the compiler's own build."""
+@pytest.mark.parametrize("switch, value", [("TILES_REGISTERS", 144), ("TILES_REGISTERS", 128), ("TILES_INDEX", True)])
+def test_a_register_cap_or_the_index_ahead_gives_the_same_bits_on_the_gpu(tmp_path, monkeypatch, switch, value):
+    """On the GPU, the decode pass built in ``TILES_REGISTERS`` registers, or with its tile index two steps ahead
+    (``TILES_INDEX``), writes the bits of the default build."""
     view, query, start, dim = _tiles_case(tmp_path, "dw-kernel")
     run = lambda: fused_decode(view, query, start, dim**-0.5, split=96, variant="tiles")  # noqa: E731
     free = run()
-    monkeypatch.setattr(depthweave_decode, "TILES_REGISTERS", registers)
+    monkeypatch.setattr(depthweave_decode, switch, value)
     assert torch.equal(run(), free)
 
 

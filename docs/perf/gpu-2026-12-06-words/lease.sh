@@ -9,7 +9,9 @@
 #   at 32K and 128K for B = 32: the cells whose last figure came from an older build.
 # PART=c: the 8x class at 32K, B = 8 and 32, at the launch's programs and at 1,320, 1,980 and 3,300 (2, 3 and 5 waves).
 # PART=d: the tiles pass's registers capped (TILES_REGISTERS 144 and 128) against the compiler's choice, and its GPU test.
-# Run from the repository's root: OUT=folder PART=a|b|c|d bash docs/perf/gpu-2026-12-06-words/lease.sh
+# PART=e: the tiles pass at 32 tokens a step (127 registers on Triton 3.9, 16 programs an SM) against 64, one and two
+#   warps a program, at 128K B = 8 and 32 and 32K B = 1 (kernel_tuning.py, device time).
+# Run from the repository's root: OUT=folder PART=a|b|c|d|e bash docs/perf/gpu-2026-12-06-words/lease.sh
 set -o pipefail
 OUT=${OUT:-$PWD/results/lease}; PART=${PART:-a}
 mkdir -p "$OUT"
@@ -42,4 +44,11 @@ if [ "$PART" = d ]; then  # more one-warp programs an SM for the latency-bound t
   step 150 run7-tests.txt python -m pytest -q -p no:cacheprovider tests/test_tiles_bytes.py -k "cap or gpu"
   step 300 run7-ab.md python docs/perf/gpu-2026-12-06-words/ab_switches.py 32768x1,32768x8,131072x1,131072x8,131072x32 \
     - TILES_REGISTERS=144 TILES_REGISTERS=128
+fi
+if [ "$PART" = e ]; then  # half the step, no cap: 16 programs an SM without spills
+  for shape in "131072 8" "131072 32" "32768 1"; do
+    set -- $shape
+    step 200 run8-blocks.txt python benchmarks/kernel_tuning.py --variant tiles --tokens $1 --batch $2 --blocks 32,64 \
+      --warps 1,2 --stages 1 --splits 0 --reps 20
+  done
 fi
