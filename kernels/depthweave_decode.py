@@ -299,7 +299,7 @@ TILES_COLUMNS = True
 #: the ``tiles`` pass loads each step's residual words during the step before (the same section)
 TILES_AHEAD = True
 #: on a GPU the ``tiles`` pass makes its int8 coefficients float16 four a register by byte permutes, no conversion
-#: instruction a code, the same numbers (:func:`kvweave.kernels.depthweave_tiles_triton._coefficients`)
+#: instruction a code, the same numbers (:func:`kvweave.kernels.depthweave_operands_triton._coefficients`)
 TILES_BYTES = True
 #: the ``tiles`` pass loads its value coefficients token-major, as the keys', and transposes them once float16
 TILES_ROWS = True
@@ -310,15 +310,17 @@ TILES_ROWS = True
 #: (:func:`fused_packed_logsumexp`, 32 query rows a KV head, no values) keeps the byte loads it was timed with
 TILES_WORDS = 2
 #: the registers a thread of the ``tiles`` pass may take on a GPU (None: the compiler's choice, 168 on Triton 3.6 with
-#: :data:`TILES_WORDS`). The pass waits on its loads' latency at 12 one-warp programs an SM; 144 registers would hold
-#: 14, 128 hold 16, at a few spilled registers (Triton 3.9 on this project's CPU build: 16 and 96 bytes of stack,
-#: docs/perf/gpu-2026-12-06-words/sass_registers.py).
-#: Decode only; not timed on a GPU yet (docs/perf/gpu-2026-12-06-words/lease.sh part ``d``)
+#: :data:`TILES_WORDS`). Capped at 144 or 128 (14 or 16 one-warp programs an SM instead of 12), the pass was 3-36%
+#: slower at every shape timed, with the same output bits (H100, docs/kernels.md "More programs an SM, shorter steps,
+#: the tile index further ahead"). Decode only
 TILES_REGISTERS: int | None = None
 #: the ``tiles`` pass reads each step's tile index two steps ahead and the entries it points to one step ahead (with
 #: :data:`TILES_AHEAD`), instead of both a step ahead: the two loads of the chain each overlap a step's products. Decode
 #: only
 TILES_INDEX = False
+#: the ``tiles`` pass makes the query's products (its basis rows' and the residual basis's) after issuing the first
+#: step's loads, so that those loads are in flight during the products' wait for their operands. Decode only
+TILES_QUERY_LATE = False
 
 
 def word_codes(view: DecodeView, constants: dict) -> bool:
@@ -355,7 +357,8 @@ def _launch_tiles(view, query, segments, start, m, l, acc, partials, heads, gq, 
     tiles_jit._tiles_kernel[grid](
         *args, G=_pow2(gq, 8), RP=_pow2(max(rmax, 1), 16), RMAX=rmax, GROUP=group, **constants, BLOCK=block_tokens,
         ASM=asm, COLUMNS=TILES_COLUMNS, AHEAD=TILES_AHEAD, VALUES=values, PDL=early, BYTES=asm and TILES_BYTES,
-        ROWS=TILES_ROWS, INDEX=TILES_INDEX and values, WORDS=TILES_WORDS if values and TILES_WORDS and TILES_ROWS and word_codes(view, constants) else 0,
+        ROWS=TILES_ROWS, INDEX=TILES_INDEX and values, QUERY_LATE=TILES_QUERY_LATE and values,
+        WORDS=TILES_WORDS if values and TILES_WORDS and TILES_ROWS and word_codes(view, constants) else 0,
         num_warps=num_warps, **({"launch_pdl": True} if early else {}),
         **({} if num_stages is None else {"num_stages": num_stages}),
         **({"maxnreg": TILES_REGISTERS} if TILES_REGISTERS and asm and values else {}),

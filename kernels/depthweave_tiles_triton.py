@@ -23,36 +23,9 @@ except ImportError:  # pragma: no cover - exercised where triton is missing
 
 if triton is not None:
     from kvweave.kernels.grid_dependency_triton import gdc_wait
-    from kvweave.kernels.decode_triton import _level_rows, _popcount, _program, _rows
-
-    @triton.jit
-    def _popc(x, ASM: tl.constexpr):
-        """Set bits of each uint32 in ``x`` (int32): one instruction on a GPU (``ASM``)."""
-        if ASM:
-            return tl.inline_asm_elementwise("popc.b32 $0, $1;", "=r,r", [x], dtype=tl.int32, is_pure=True, pack=1)
-        return _popcount(x).to(tl.int32)
-
-    @triton.jit
-    def _word_ptr(ptr, BITS: tl.constexpr):
-        """``ptr`` as a pointer to unsigned words of ``BITS`` (8, 16, 32 or 64) bits."""
-        if BITS == 8:
-            out = ptr.to(tl.pointer_type(tl.uint8), bitcast=True)
-        elif BITS == 16:
-            out = ptr.to(tl.pointer_type(tl.uint16), bitcast=True)
-        elif BITS == 32:
-            out = ptr.to(tl.pointer_type(tl.uint32), bitcast=True)
-        else:
-            out = ptr.to(tl.pointer_type(tl.uint64), bitcast=True)
-        return out
-
-    @triton.jit
-    def _as_word(x, WIDE: tl.constexpr):
-        """``x`` as the merged words' type: uint64 with ``WIDE``, else uint32."""
-        if WIDE:
-            out = x.to(tl.uint64)
-        else:
-            out = x.to(tl.uint32)
-        return out
+    from kvweave.kernels.decode_triton import _level_rows, _program, _rows
+    from kvweave.kernels.depthweave_operands_triton import (_as_word, _coefficients, _popc, _residual_tile,
+                                                            _word_coefficients, _word_ptr)
 
     @triton.jit
     def _level_index(ts_ptr, tm_ptr, row, t0, hi, RANK: tl.constexpr, BLOCK: tl.constexpr):
@@ -131,63 +104,6 @@ if triton is not None:
         return cw, sw
 
     @triton.jit
-    def _residual_tile(cw, sw, RMAX: tl.constexpr, RP: tl.constexpr, GROUP: tl.constexpr, COLUMNS: tl.constexpr):
-        """The residual coordinates (float16) of the tokens whose words are ``cw``, ``sw`` ([BLOCK], or [BLOCK, 1] with
-        ``COLUMNS``), as [BLOCK, RP]: coordinate
-        ``k`` (nibble ``k`` of the code word less 8, times half ``k // GROUP`` of the scale word) in column
-        ``k * RP / RMAX``, zeros between. Coordinates past a token's rank meet a zero scale: its scale word ends there,
-        every level's rank being a multiple of ``GROUP``. The numbers are made in float16: ``1024 + nibble`` from its
-        bits, less 1032. (Made [BLOCK, RMAX] and spread by joins with zeros, the tile came out in another column order
-        on the GPU than in the interpreter; the zeros are written instead.)"""
-        c = tl.arange(0, RP)
-        step: tl.constexpr = RP // RMAX
-        k = c // step
-        if not COLUMNS:
-            cw = cw[:, None]
-            sw = sw[:, None]
-        nib = (cw >> (4 * k).to(cw.dtype)[None, :]) & 15
-        half = (sw >> (16 * (k // GROUP)).to(sw.dtype)[None, :]) & 0xFFFF
-        code = (nib.to(tl.uint16) | 0x6400).to(tl.float16, bitcast=True) - 1032.0
-        value = code * half.to(tl.uint16).to(tl.float16, bitcast=True)
-        return tl.where(((c % step) == 0)[None, :], value, 0.0).to(tl.float16)
-
-    @triton.jit
-    def _coefficients(code, BYTES: tl.constexpr):
-        """int8 codes as float16 operands. ``BYTES`` (a GPU): four codes a register made from their bits, without a
-        conversion instruction a code: the sign bits flipped (one exclusive or) make each byte the unsigned ``code +
-        128``, two byte permutes put each byte under the float16 exponent of 1024 (``0x6400 | byte``: ``1152 + code``),
-        and one paired float16 subtraction of 1152 a register leaves ``code``, exactly (integers to 2048 are float16
-        numbers). Else a conversion a code; both give the same bits."""
-        if BYTES:
-            return tl.inline_asm_elementwise(
-                "{ .reg .b32 t, b; xor.b32 t, $2, 0x80808080; mov.b32 b, 0x64806480; "
-                "prmt.b32 $0, t, 0x64646464, 0x4140; prmt.b32 $1, t, 0x64646464, 0x4342; "
-                "sub.rn.f16x2 $0, $0, b; sub.rn.f16x2 $1, $1, b; }",
-                "=r,=r,r", [code], dtype=tl.float16, is_pure=True, pack=4)
-        return code.to(tl.float16)
-
-    @triton.jit
-    def _word_coefficients(words, BYTES: tl.constexpr):
-        """int8 codes held four a 32-bit word ([N, W], code ``4 w + i`` in byte ``i`` of word ``w``) as float16 operands
-        [N, 4 W] in code order: on a GPU (``BYTES``) by the byte permutes of :func:`_coefficients`, each word's four
-        numbers out of the assembly as 16-bit registers; else each byte cut and converted."""
-        if BYTES:
-            b0, b1, b2, b3 = tl.inline_asm_elementwise(
-                "{ .reg .b32 t, lo, hi, b; xor.b32 t, $4, 0x80808080; mov.b32 b, 0x64806480; "
-                "prmt.b32 lo, t, 0x64646464, 0x4140; prmt.b32 hi, t, 0x64646464, 0x4342; "
-                "sub.rn.f16x2 lo, lo, b; sub.rn.f16x2 hi, hi, b; mov.b32 {$0, $1}, lo; mov.b32 {$2, $3}, hi; }",
-                "=h,=h,=h,=h,r", [words], dtype=(tl.float16, tl.float16, tl.float16, tl.float16), is_pure=True,
-                pack=1)
-        else:
-            b0 = (words << 24) >> 24  # int32 words: the shifts right carry each byte's sign
-            b1 = (words << 16) >> 24
-            b2 = (words << 8) >> 24
-            b3 = words >> 24
-            b0, b1, b2, b3 = b0.to(tl.float16), b1.to(tl.float16), b2.to(tl.float16), b3.to(tl.float16)
-        # [N, W, e, a] holds byte 2 e + a, so column 4 w + 2 e + a of the reshaped tile is code 4 w + 2 e + a
-        return tl.join(tl.join(b0, b2), tl.join(b1, b3)).reshape(words.shape[0], 4 * words.shape[1])
-
-    @triton.jit
     def _words_step(kcw, ks, vcw, vs, tok, inside, j, RW: tl.constexpr, w_st, s_st, VALUES: tl.constexpr):
         """A step's key and value codes as 32-bit words [BLOCK, RW'] (``RW`` real words a token) and their scales
         (float16 [BLOCK], one a token), as loaded; the values' zeros without ``VALUES``."""
@@ -199,6 +115,17 @@ if triton is not None:
             vw = tl.load(vcw + tok[:, None] * w_st + j[None, :], mask=ok, other=0)
             vsc = tl.load(vs + tok * s_st, mask=inside, other=0.0)
         return kw, ksc, vw, vsc
+
+    @triton.jit
+    def _query_products(q, kb_rows, kres, qk_scale, k_gate, RMAX: tl.constexpr, RP: tl.constexpr, G: tl.constexpr):
+        """The query ``q`` [D, G] (as loaded) in coefficient space: ``qp`` [RC, G] by the basis rows ``kb_rows``, ``qr``
+        [RP, G] by the residual basis's rows ``kres`` times the gate (zeros without residuals), both float16."""
+        q16 = (q.to(tl.float32) * qk_scale).to(tl.float16)
+        qp = tl.dot(kb_rows.to(tl.float16), q16).to(tl.float16)
+        qr = tl.zeros((RP, G), dtype=tl.float16)
+        if RMAX > 0:
+            qr = (tl.dot(kres.to(tl.float16), q16) * k_gate).to(tl.float16)
+        return qp, qr
 
     @triton.jit
     def _tiles_kernel(
@@ -214,7 +141,7 @@ if triton is not None:
         GROUP: tl.constexpr, K_GATES: tl.constexpr, V_GATES: tl.constexpr, BLOCK: tl.constexpr,
         ASM: tl.constexpr, COLUMNS: tl.constexpr, AHEAD: tl.constexpr, VALUES: tl.constexpr = True,
         PDL: tl.constexpr = False, BYTES: tl.constexpr = False, ROWS: tl.constexpr = False,
-        WORDS: tl.constexpr = 0, INDEX: tl.constexpr = False,
+        WORDS: tl.constexpr = 0, INDEX: tl.constexpr = False, QUERY_LATE: tl.constexpr = False,
     ):
         """One program per (segment, batch row x KV head), as the gather kernel's (its arguments, in the same order,
         are documented there); ``G`` tile columns for the ``GQ`` query heads, ``RMAX`` the largest level's rank,
@@ -234,7 +161,8 @@ if triton is not None:
         token-major): the codes loaded as 32-bit words, four a word, and made float16 by :func:`_word_coefficients`,
         the keys' and the values' together at the step's start (1) or during the step before (2). ``INDEX`` (with
         ``AHEAD``): the tile index read two steps ahead, so that a step's two loads in a chain (index, then entries) each
-        have a step's products to hide behind."""
+        have a step's products to hide behind. ``QUERY_LATE``: the query's products made after the first step's loads are
+        issued, not before (their loads wait behind the products' operands otherwise)."""
         seg, bh, b, h, lo, hi, version, first_valid, k_gate, v_gate = _program(seg_ptr, start_ptr, kg_ptr, vg_ptr, H,
                                                                                K_GATES, V_GATES)
         ONE_SCALE: tl.constexpr = RB >= R
@@ -247,14 +175,13 @@ if triton is not None:
         t = tl.arange(0, BLOCK)
         b64 = b.to(tl.int64)
         # the query in coefficient space, columns the query heads: qp = P_v q^T [RC, G], qr = g R q^T [RP, G]
-        q = tl.load(q_ptr + (bh * GQ + gi)[None, :] * D + d[:, None]).to(tl.float32) * qk_scale  # [D, G]
-        q16 = q.to(tl.float16)
-        kb = kb_ptr + b64 * b_sb + h * b_sh + version * b_sv
-        qp = tl.dot(_rows(kb, b_sr, R, RC, D).to(tl.float16), q16).to(tl.float16)
-        qr = tl.zeros((RP, G), dtype=tl.float16)
+        q = tl.load(q_ptr + (bh * GQ + gi)[None, :] * D + d[:, None])  # [D, G]
+        kb_rows = _rows(kb_ptr + b64 * b_sb + h * b_sh + version * b_sv, b_sr, R, RC, D)
+        kres = 0.0
         if RMAX > 0:  # the residual basis's rows where the key tile has their coordinates (_residual_tile)
-            kres = _level_rows(krb_ptr + b64 * rb_sb + h * rb_sh, rb_sr, RMAX, RP, D).to(tl.float16)
-            qr = (tl.dot(kres, q16) * k_gate).to(tl.float16)
+            kres = _level_rows(krb_ptr + b64 * rb_sb + h * rb_sh, rb_sr, RMAX, RP, D)
+        if not QUERY_LATE:
+            qp, qr = _query_products(q, kb_rows, kres, qk_scale, k_gate, RMAX, RP, G)
 
         kc = kc_ptr + b64 * c_sb + h * c_sh
         vc = vc_ptr + b64 * c_sb + h * c_sh
@@ -300,6 +227,8 @@ if triton is not None:
         vcw_ptr = vc.to(tl.pointer_type(tl.int32), bitcast=True)
         if WORDS == 2:
             nkw, nks, nvw, nvs = _words_step(kcw_ptr, ks, vcw_ptr, vs, lo + t, lo + t < hi, jw, RW, w_st, s_st, VALUES)
+        if QUERY_LATE:  # the query's products once the first step's loads are out
+            qp, qr = _query_products(q, kb_rows, kres, qk_scale, k_gate, RMAX, RP, G)
         for t0 in range(lo, hi, BLOCK):
             tok = t0 + t
             inside = tok < hi

@@ -23,7 +23,7 @@ from kvweave.kernels.gpu_build import nvdisasm
 from test_lowbit_kernel_host import _nvidia_backend, compile_job
 from test_tiles_pass import _tiles_case, recorded_tiles_job, recorded_tiles_launches
 
-#: the inline assembly's constants (kernels/depthweave_tiles_triton.py ``_coefficients``)
+#: the inline assembly's constants (kernels/depthweave_operands_triton.py ``_coefficients``)
 FLIP, EXPONENT, LOW, HIGH, BIAS = 0x80808080, 0x64646464, 0x4140, 0x4342, 0x64806480
 
 
@@ -161,10 +161,12 @@ def test_the_byte_permutes_build_for_a_gpu(tmp_path):
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
-@pytest.mark.parametrize("switch, value", [("TILES_REGISTERS", 144), ("TILES_REGISTERS", 128), ("TILES_INDEX", True)])
-def test_a_register_cap_or_the_index_ahead_gives_the_same_bits_on_the_gpu(tmp_path, monkeypatch, switch, value):
-    """On the GPU, the decode pass built in ``TILES_REGISTERS`` registers, or with its tile index two steps ahead
-    (``TILES_INDEX``), writes the bits of the default build."""
+@pytest.mark.parametrize("switch, value", [("TILES_REGISTERS", 144), ("TILES_REGISTERS", 128), ("TILES_INDEX", True),
+                                           ("TILES_QUERY_LATE", True)])
+def test_a_register_cap_or_loads_moved_give_the_same_bits_on_the_gpu(tmp_path, monkeypatch, switch, value):
+    """On the GPU, the decode pass built in ``TILES_REGISTERS`` registers, with its tile index two steps ahead
+    (``TILES_INDEX``) or with the query's products after the first step's loads (``TILES_QUERY_LATE``), writes the
+    bits of the default build."""
     view, query, start, dim = _tiles_case(tmp_path, "dw-kernel")
     run = lambda: fused_decode(view, query, start, dim**-0.5, split=96, variant="tiles")  # noqa: E731
     free = run()

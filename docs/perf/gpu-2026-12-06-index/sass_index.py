@@ -1,9 +1,10 @@
 """The ``tiles`` decode pass (the codes as words a step ahead, byte permutes, 64-token steps) built for sm_90 with its
-tile index read two steps ahead (``INDEX``, as ``TILES_INDEX`` passes it) or not, each under an optional register cap:
-registers a thread, stack bytes, the token loop's instructions, loads and spilled loads. On the installed Triton; a
+tile index read two steps ahead (``INDEX``, as ``TILES_INDEX`` passes it) or not, each under an optional register cap,
+and with the query's products after the first step's loads (``QUERY_LATE``, ``TILES_QUERY_LATE``): registers a
+thread, stack bytes, the token loop's instructions, loads and spilled loads. On the installed Triton; a
 machine without a GPU builds with Triton's CUDA backend.
 
-    python docs/perf/gpu-2026-12-06-index/sass_index.py [INDEX:CAP ...]   (default: 0:none 1:none 1:192)
+    python docs/perf/gpu-2026-12-06-index/sass_index.py [INDEX:CAP[:LATE] ...]   (default: 0:none:0 1:none:0 1:192:0 0:none:1)
 
 The launch is recorded by ../h200-2026-12-04-tiles/sass_tiles.py (``depthweave-kv`` storage, interpreted) and built in
 a process without the interpreter, by the build script of ../gpu-2026-12-06-words/sass_registers.py."""
@@ -26,11 +27,11 @@ print("triton", triton.__version__)
 job = record("tiles", 64, 1)
 job["constants"].update(ASM=True, BYTES=True, ROWS=True, WORDS=2)
 env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-for setting in sys.argv[1:] or ["0:none", "1:none", "1:192"]:
-    index, cap = setting.split(":")
-    built = {**job, "constants": {**job["constants"], "INDEX": bool(int(index))},
+for setting in sys.argv[1:] or ["0:none:0", "1:none:0", "1:192:0", "0:none:1"]:
+    index, cap, late = (setting + ":0").split(":")[:3]
+    built = {**job, "constants": {**job["constants"], "INDEX": bool(int(index)), "QUERY_LATE": bool(int(late))},
              "maxnreg": None if cap == "none" else int(cap)}
     done = subprocess.run([sys.executable, "-c", BUILD], input=json.dumps(built), capture_output=True, text=True, env=env)
     if done.returncode:
         raise SystemExit(done.stderr[-3000:])
-    print(f"INDEX={index} maxnreg={cap}:", done.stdout.strip().splitlines()[-1], flush=True)
+    print(f"INDEX={index} maxnreg={cap} QUERY_LATE={late}:", done.stdout.strip().splitlines()[-1], flush=True)
