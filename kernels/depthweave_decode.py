@@ -315,12 +315,14 @@ TILES_WORDS = 2
 #: the tile index further ahead"). Decode only
 TILES_REGISTERS: int | None = None
 #: the ``tiles`` pass reads each step's tile index two steps ahead and the entries it points to one step ahead (with
-#: :data:`TILES_AHEAD`), instead of both a step ahead: the two loads of the chain each overlap a step's products. Decode
-#: only
+#: :data:`TILES_AHEAD`), instead of both a step ahead. Off: built in 254 registers (Triton 3.6), 8 programs an SM, it
+#: was 1-5% faster at one batch row and 3-23% slower at B = 8 and 32 (H100, docs/kernels.md "More programs an SM,
+#: shorter steps, the tile index further ahead"). Decode only
 TILES_INDEX = False
-#: the ``tiles`` pass makes the query's products (its basis rows' and the residual basis's) after issuing the first
-#: step's loads, so that those loads are in flight during the products' wait for their operands. Decode only
-TILES_QUERY_LATE = False
+#: the ``tiles`` pass makes the query's products (by its basis rows and the residual basis's) after issuing the first
+#: step's loads, so that those loads are in flight while the products wait for their operands: 1-4% off a call from
+#: 32K, B = 8 to 128K, B = 32, the same at 32K, B = 1, the same output bits (the same section). Decode only
+TILES_QUERY_LATE = True
 
 
 def word_codes(view: DecodeView, constants: dict) -> bool:
