@@ -106,7 +106,7 @@ if triton is not None:
     @triton.jit
     def _words_step(kcw, ks, vcw, vs, tok, inside, j, RW: tl.constexpr, w_st, s_st, VALUES: tl.constexpr):
         """A step's key and value codes as 32-bit words [BLOCK, RW'] (``RW`` real words a token) and their scales
-        (float16 [BLOCK], one a token), as loaded; the values' zeros without ``VALUES``."""
+        (float16 [BLOCK], one a token), as loaded; without ``VALUES`` the keys' again in the values' place (not read)."""
         ok = inside[:, None] & (j < RW)[None, :]
         kw = tl.load(kcw + tok[:, None] * w_st + j[None, :], mask=ok, other=0)
         ksc = tl.load(ks + tok * s_st, mask=inside, other=0.0)
