@@ -88,6 +88,16 @@ if triton is not None:
         return cw, sw
 
     @triton.jit
+    def _entries_ahead(p0, s0, i0, m0, p1, s1, i1, m1, p2, s2, i2, m2, f0, b0, f1, b1, f2, b2, row, t0, hi, t,
+                       RANK0: tl.constexpr, RANK1: tl.constexpr, RANK2: tl.constexpr, GROUP: tl.constexpr,
+                       BLOCK: tl.constexpr, CW64: tl.constexpr, SW64: tl.constexpr, ASM: tl.constexpr):
+        """The step ``t0``'s residual words by its tile index read before (``f0 .. b2``), and the next step's index."""
+        cw, sw = _merged_entries(p0, s0, p1, s1, p2, s2, f0, b0, f1, b1, f2, b2, t, t0 + t < hi, RANK0, RANK1, RANK2,
+                                 GROUP, CW64, SW64, ASM)
+        f0, b0, f1, b1, f2, b2 = _merged_index(i0, m0, i1, m1, i2, m2, row, t0 + BLOCK, hi, RANK0, RANK1, RANK2, BLOCK)
+        return cw, sw, f0, b0, f1, b1, f2, b2
+
+    @triton.jit
     def _merged_words(p0, s0, i0, m0, p1, s1, i1, m1, p2, s2, i2, m2, row, t0, hi, t, inside, RANK0: tl.constexpr,
                       RANK1: tl.constexpr, RANK2: tl.constexpr, GROUP: tl.constexpr, BLOCK: tl.constexpr,
                       CW64: tl.constexpr, SW64: tl.constexpr, ASM: tl.constexpr):
@@ -202,17 +212,15 @@ if triton is not None:
         if INDEX and AHEAD and RMAX > 0:  # the first step's words; the second step's tile index
             ka0, kz0, ka1, kz1, ka2, kz2 = _merged_index(k0_ts, k0_tm, k1_ts, k1_tm, k2_ts, k2_tm, row, lo, hi, RANK0,
                                                          RANK1, RANK2, BLOCK)
-            kcw, ksw = _merged_entries(k0_pk, k0_sc, k1_pk, k1_sc, k2_pk, k2_sc, ka0, kz0, ka1, kz1, ka2, kz2, tw,
-                                       lo + tw < hi, RANK0, RANK1, RANK2, GROUP, CW64, SW64, ASM)
-            ka0, kz0, ka1, kz1, ka2, kz2 = _merged_index(k0_ts, k0_tm, k1_ts, k1_tm, k2_ts, k2_tm, row, lo + BLOCK, hi,
-                                                         RANK0, RANK1, RANK2, BLOCK)
+            kcw, ksw, ka0, kz0, ka1, kz1, ka2, kz2 = _entries_ahead(
+                k0_pk, k0_sc, k0_ts, k0_tm, k1_pk, k1_sc, k1_ts, k1_tm, k2_pk, k2_sc, k2_ts, k2_tm, ka0, kz0, ka1, kz1,
+                ka2, kz2, row, lo, hi, tw, RANK0, RANK1, RANK2, GROUP, BLOCK, CW64, SW64, ASM)
             if VALUES:
                 va0, vz0, va1, vz1, va2, vz2 = _merged_index(v0_ts, v0_tm, v1_ts, v1_tm, v2_ts, v2_tm, row, lo, hi,
                                                              RANK0, RANK1, RANK2, BLOCK)
-                vcw, vsw = _merged_entries(v0_pk, v0_sc, v1_pk, v1_sc, v2_pk, v2_sc, va0, vz0, va1, vz1, va2, vz2, tw,
-                                           lo + tw < hi, RANK0, RANK1, RANK2, GROUP, CW64, SW64, ASM)
-                va0, vz0, va1, vz1, va2, vz2 = _merged_index(v0_ts, v0_tm, v1_ts, v1_tm, v2_ts, v2_tm, row, lo + BLOCK,
-                                                             hi, RANK0, RANK1, RANK2, BLOCK)
+                vcw, vsw, va0, vz0, va1, vz1, va2, vz2 = _entries_ahead(
+                    v0_pk, v0_sc, v0_ts, v0_tm, v1_pk, v1_sc, v1_ts, v1_tm, v2_pk, v2_sc, v2_ts, v2_tm, va0, vz0, va1,
+                    vz1, va2, vz2, row, lo, hi, tw, RANK0, RANK1, RANK2, GROUP, BLOCK, CW64, SW64, ASM)
         elif AHEAD and RMAX > 0:
             kcw, ksw = _merged_words(k0_pk, k0_sc, k0_ts, k0_tm, k1_pk, k1_sc, k1_ts, k1_tm, k2_pk, k2_sc, k2_ts, k2_tm,
                                      row, lo, hi, tw, lo + tw < hi, RANK0, RANK1, RANK2, GROUP, BLOCK, CW64, SW64, ASM)
@@ -242,15 +250,13 @@ if triton is not None:
             k_cw, k_sw, v_cw, v_sw = kcw, ksw, vcw, vsw
             if INDEX and AHEAD and RMAX > 0:  # the next step's words by the index read a step ago; the index after it
                 after = t0 + BLOCK
-                kcw, ksw = _merged_entries(k0_pk, k0_sc, k1_pk, k1_sc, k2_pk, k2_sc, ka0, kz0, ka1, kz1, ka2, kz2, tw,
-                                           after + tw < hi, RANK0, RANK1, RANK2, GROUP, CW64, SW64, ASM)
-                ka0, kz0, ka1, kz1, ka2, kz2 = _merged_index(k0_ts, k0_tm, k1_ts, k1_tm, k2_ts, k2_tm, row,
-                                                             after + BLOCK, hi, RANK0, RANK1, RANK2, BLOCK)
+                kcw, ksw, ka0, kz0, ka1, kz1, ka2, kz2 = _entries_ahead(
+                    k0_pk, k0_sc, k0_ts, k0_tm, k1_pk, k1_sc, k1_ts, k1_tm, k2_pk, k2_sc, k2_ts, k2_tm, ka0, kz0, ka1,
+                    kz1, ka2, kz2, row, after, hi, tw, RANK0, RANK1, RANK2, GROUP, BLOCK, CW64, SW64, ASM)
                 if VALUES:
-                    vcw, vsw = _merged_entries(v0_pk, v0_sc, v1_pk, v1_sc, v2_pk, v2_sc, va0, vz0, va1, vz1, va2, vz2,
-                                               tw, after + tw < hi, RANK0, RANK1, RANK2, GROUP, CW64, SW64, ASM)
-                    va0, vz0, va1, vz1, va2, vz2 = _merged_index(v0_ts, v0_tm, v1_ts, v1_tm, v2_ts, v2_tm, row,
-                                                                 after + BLOCK, hi, RANK0, RANK1, RANK2, BLOCK)
+                    vcw, vsw, va0, vz0, va1, vz1, va2, vz2 = _entries_ahead(
+                        v0_pk, v0_sc, v0_ts, v0_tm, v1_pk, v1_sc, v1_ts, v1_tm, v2_pk, v2_sc, v2_ts, v2_tm, va0, vz0,
+                        va1, vz1, va2, vz2, row, after, hi, tw, RANK0, RANK1, RANK2, GROUP, BLOCK, CW64, SW64, ASM)
             elif AHEAD and RMAX > 0:  # the next step's words, issued before this step's products
                 after = t0 + BLOCK
                 kcw, ksw = _merged_words(k0_pk, k0_sc, k0_ts, k0_tm, k1_pk, k1_sc, k1_ts, k1_tm, k2_pk, k2_sc, k2_ts,
