@@ -57,6 +57,21 @@ def _bytes_tile(size: int) -> int:
     return max(16, 1 << size.bit_length())  # a slot past the last byte: a code's high part ends there
 
 
+#: the most elements of a one-hot [channels, bytes] operand a kernel makes at once (float16, twice: a code's low and
+#: high parts): 128 channels into 256 byte slots. Whole at head_dim 256, 4 bits a code, the two took 256 KiB of shared
+#: memory, past an H100's 227 KiB, and the kernel could not launch (2026-12-06); the channels go in parts beyond it
+ONE_HOT_ELEMENTS = 128 * 256
+
+
+def _channel_part(channels: int, slots: int) -> int:
+    """The channels a packing kernel takes at once: all ``channels`` (a power of two) where the one-hot operand of
+    ``slots`` byte slots stays within :data:`ONE_HOT_ELEMENTS`, else the largest power of two that does (16 at least)."""
+    part = channels
+    while part > 16 and part * slots > ONE_HOT_ELEMENTS:
+        part //= 2
+    return part
+
+
 def affine_varwidth(x: torch.Tensor, zero: torch.Tensor, scale: torch.Tensor, bits: torch.Tensor, total: int,
                     outliers: torch.Tensor | None = None) -> torch.Tensor:
     """``x`` [..., n, C] (any float dtype), ``zero`` / ``scale`` float16 and ``bits`` (integer widths) [..., n / group, C],
@@ -91,7 +106,7 @@ def plan_affine_varwidth(x: torch.Tensor, zero: torch.Tensor, scale: torch.Tenso
     args = (flat, zero.contiguous(), scale.contiguous(), bits.to(torch.uint8).contiguous(),
             out if outliers is None else outliers.contiguous(), out)
     constants = dict(C=width, BC=_tile(width), GROUP=group, BT=TOKEN_TILE, K=count, NB=size,
-                     BNB=_bytes_tile(size))
+                     BNB=_bytes_tile(size), CB=_channel_part(_tile(width), _bytes_tile(size)))
     return Launch(jit._affine_varwidth_kernel, (flat.shape[0] // TOKEN_TILE,), args, constants, (out,))
 
 
@@ -131,5 +146,6 @@ def plan_nearest_levels(y: torch.Tensor, spread: torch.Tensor, center: torch.Ten
             _edge_table(tuple(edges), str(y.device)), out, flat.shape[0])
     constants = dict(C=width, BC=_tile(width), WIDTH=width // groups, BT=TOKEN_TILE, BITS=bits,
                      CENTERED=center is not None, NB=size, BNB=_bytes_tile(size), RAW=raw,
+                     CB=_tile(width) if raw else _channel_part(_tile(width), _bytes_tile(size)),
                      enable_fp_fusion=False)  # each edge as torch makes it: a product rounded, then a sum
     return Launch(jit._nearest_level_kernel, (max(1, -(-flat.shape[0] // TOKEN_TILE)),), args, constants, (out,))

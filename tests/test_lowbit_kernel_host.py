@@ -29,13 +29,14 @@ from kvweave.kernels.gpu_build import build
 job = json.load(sys.stdin)
 compiled = build(importlib.import_module(job["module"]), job)
 ptx = compiled.asm["ptx"]
-print(json.dumps({"cubin": len(compiled.asm["cubin"]), "ptx": ptx.count("\\n"), "ptx_text": ptx}))
+print(json.dumps({"cubin": len(compiled.asm["cubin"]), "ptx": ptx.count("\\n"), "ptx_text": ptx,
+                  "shared": compiled.metadata.shared}))
 """
 
 
 def compile_job(job: dict) -> dict:
     """``job`` (:func:`kvweave.kernels.gpu_build.launch_job`) compiled for an H100/H200 (sm_90) outside the
-    interpreter: the cubin's size, the PTX's lines and its text."""
+    interpreter: the cubin's size, the PTX's lines and its text, the shared memory a program takes (bytes)."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     done = subprocess.run([sys.executable, "-c", COMPILE], input=json.dumps(job), capture_output=True, text=True, env=env, timeout=600)
     assert done.returncode == 0, f"{job['kernel']} does not compile for sm_90:\n{done.stderr[-3000:]}"

@@ -75,6 +75,31 @@ def test_channel_group_packs_the_same_bytes_with_the_kernel(monkeypatch, setting
 
 
 @pytest.mark.interpreter
+@pytest.mark.parametrize("quantizer, width", [
+    (ChannelGroupQuantizer(bits=4, group=64, outliers=0), 256),  # 128 bytes a token: two parts of 128 channels
+    (ChannelAllocQuantizer(mean_bits=6.0, max_bits=8, group=32), 256),  # up to 256 bytes: parts of 64 channels
+    (ChannelAllocQuantizer(mean_bits=3.5, group=32, outliers=0), 512),  # each part's first bit after the widths before it
+    (RotatedTokenQuantizer(bits=4, symmetric=False), 256),
+    (RotatedTokenQuantizer(bits=3, scale_format="log8"), 512),
+])
+def test_wide_heads_are_packed_in_parts_to_the_same_bytes(monkeypatch, quantizer, width):
+    """head_dim 256 and 512: the kernels take the channels in parts (:data:`kvweave.kernels.pack.ONE_HOT_ELEMENTS`),
+    each part's codes put in at the bits the widths before it end at; the same bytes as the torch path."""
+    x = _keys((1, 2, 64, width), torch.bfloat16, seed=width)
+    by_torch, by_kernel = _both(monkeypatch, quantizer, x)
+    _same(by_torch, by_kernel)
+    size = by_kernel["codes"].shape[-1]
+    assert pack._channel_part(width, pack._bytes_tile(size)) < width  # more than one part
+
+
+def test_a_packing_kernel_takes_its_channels_whole_where_the_operands_are_small():
+    assert pack._channel_part(128, pack._bytes_tile(64)) == 128  # head_dim 128 at 4 bits: one part, as before
+    assert pack._channel_part(256, pack._bytes_tile(128)) == 128
+    assert pack._channel_part(256, pack._bytes_tile(256)) == 64
+    assert pack._channel_part(16, 4096) == 16  # never below a product's side
+
+
+@pytest.mark.interpreter
 def test_channel_group_normal_levels_and_odd_groups_keep_the_torch_path(monkeypatch):
     monkeypatch.setattr(pack, "affine_varwidth", lambda *a, **k: pytest.fail("the kernel was called"))
     x = torch.randn(1, 2, 72, 64)
@@ -151,6 +176,22 @@ def test_the_kernels_refuse_what_they_cannot_pack():
         pack.nearest_levels(x, torch.ones(2, 64, 2), None, normal_edges(2), 3)
     with pytest.raises(ValueError, match="y float32"):
         pack.nearest_levels(x.half(), torch.ones(2, 64, 2), None, normal_edges(3), 3)
+
+
+@pytest.mark.skipif(not _nvidia_backend(), reason="Triton without its CUDA backend cannot compile for a GPU here")
+@pytest.mark.parametrize("width, bits", [(256, 4), (256, 8), (128, 8)])
+def test_the_packing_kernels_fit_an_h100s_shared_memory_at_wide_heads(width, bits):
+    """Built for sm_90, each kernel's program takes at most the 227 KiB of shared memory an H100 or H200 gives a block:
+    at head_dim 256 and 4 bits the whole one-hot operands took 256 KiB and the quantizers' kernels could not launch."""
+    x = torch.randn(1, 8, 64, width)
+    zero = torch.zeros(1, 8, 1, width, dtype=torch.float16)
+    widths = torch.full((1, 8, 1, width), bits)
+    limit = 232448
+    assert compile_for_gpu(pack.plan_affine_varwidth(x, zero, zero, widths, width * bits))["shared"] <= limit
+    if bits < 8:
+        built = compile_for_gpu(pack.plan_nearest_levels(x.float(), torch.ones(1, 8, 64, 2), None, normal_edges(bits),
+                                                         bits))
+        assert built["shared"] <= limit
 
 
 @pytest.mark.skipif(not _nvidia_backend(), reason="Triton without its CUDA backend cannot compile for a GPU here")
