@@ -4,14 +4,15 @@ scales; ``kz5`` / ``kz8``: a layer of the shipped KVzip pipelines, ``kvzip-qa35v
 their share of the context's tokens kept) against SDPA over a full bf16 cache of every token.
 
     python benchmarks/lowbit_kernel.py [--tokens 32768,65536,131072] [--batches 1,8,32]
-        [--configs wide:32:4,general:16:4:528,wide:32:4:528:magic+vb16] [--post-rope] [--as-generate] [--out DIR]
+        [--configs wide:32:4,general:16:4:528,wide:32:4:528:magic+vb16] [--post-rope] [--as-generate]
+        [--shape llama3-8b|d256] [--out DIR]
 
 ``--as-generate`` launches it as ``model.generate`` did over a sinks + KVzip pipeline until the sinks became a first
 visible position of the packed pass (``LowbitView.hidden_below``): each row's first visible position and a list of 4
 hidden slots a row, which cost the ``dense`` kernel 11-19% (docs/kernels.md "Value codes as operand pairs").
 
 Shape: Llama-3-8B attention (32 query heads, 8 KV heads, head_dim 128, rope theta 500000), one new query
-token per sequence. The packed storage is written by the real quantizers (``channel-group`` 4-bit, group 64,
+token per sequence; ``--shape d256``: 16 query heads on 8 KV heads at head_dim 256 (Gemma-2-9B's, Gemma-3-12B's). The packed storage is written by the real quantizers (``channel-group`` 4-bit, group 64,
 one outlier; ``rotated-token`` 2-bit, normal levels) from random keys and values; the exact window holds
 16 tokens. Reported per (T, B) and kernel configuration (``variant:block:warps[:programs[:tricks]]``, the Triton kernels
 of ``kvweave.kernels.lowbit_decode.VARIANTS``, tricks "+"-separated names of its ``TRICKS``): SDPA and kernel GPU time (the kernels' device time from the torch
@@ -43,6 +44,10 @@ from kvweave.plugins.quantizers.channel_group import ChannelGroupQuantizer
 from kvweave.plugins.quantizers.rotated_token import RotatedTokenQuantizer, rotation_matrix
 
 Q_HEADS, KV_HEADS, HEAD_DIM, THETA, WINDOW = 32, 8, 128, 500000.0, 16
+
+#: the attention shapes ``--shape`` names: (query heads, KV heads, head_dim, rope theta). "llama3-8b" is the default
+#: above; "d256" has head_dim 256 (Gemma-2-9B's and Gemma-3-12B's attention: 16 query heads on 8 KV heads)
+SHAPES = {"llama3-8b": (Q_HEADS, KV_HEADS, HEAD_DIM, THETA), "d256": (16, 8, 256, 10000.0)}
 
 
 #: the storages the benchmark packs, by name: (key quantizer, value quantizer, share of the context's tokens kept).
@@ -80,29 +85,30 @@ def kept_positions(rows: int, tokens: int, kept: int, gen: torch.Generator, devi
     return chosen.to(torch.int16 if tokens <= 32767 else torch.int32)
 
 
-def packed_view(batch: int, tokens: int, device: str = "cuda", storage: str = "k4v2") -> LowbitView:
-    """Random keys and values packed the way ``storage`` packs them (:data:`STORAGES`), [B * 8 heads, T', 128] (T' the
-    tokens kept, a multiple of 64), in chunks."""
+def packed_view(batch: int, tokens: int, device: str = "cuda", storage: str = "k4v2", shape: str = "llama3-8b") -> LowbitView:
+    """Random keys and values packed the way ``storage`` packs them (:data:`STORAGES`), [B * KV heads, T', head_dim]
+    (T' the tokens kept, a multiple of 64; the heads and head_dim of :data:`SHAPES` ``shape``), in chunks."""
+    _, heads, dim, theta = SHAPES[shape]
     make_keys, make_values, share = STORAGES[storage]
     kq, vq = make_keys(), make_values()
     alloc = isinstance(kq, ChannelAllocQuantizer)
     context, tokens = tokens, tokens if share == 1.0 else int(tokens * share) // 64 * 64
-    rows = batch * KV_HEADS
+    rows = batch * heads
     fields: dict[str, list] = {}
     gen = torch.Generator(device=device).manual_seed(0)
-    widths = torch.exp(torch.randn(HEAD_DIM, generator=gen, device=device))
+    widths = torch.exp(torch.randn(dim, generator=gen, device=device))
     for first in range(0, rows, 8):
         count = min(8, rows - first)
-        keys = torch.randn(count, tokens, HEAD_DIM, generator=gen, device=device) * widths
-        values = torch.randn(count, tokens, HEAD_DIM, generator=gen, device=device)
+        keys = torch.randn(count, tokens, dim, generator=gen, device=device) * widths
+        values = torch.randn(count, tokens, dim, generator=gen, device=device)
         for name, tensor in kq.quantize(keys).items():
             fields.setdefault("k_" + name, []).append(tensor)
         for name, tensor in vq.quantize(values).items():
             fields.setdefault("v_" + name, []).append(tensor)
         del keys, values
     f = {name: torch.cat(parts) for name, parts in fields.items()}
-    inv_freq = 1.0 / THETA ** (torch.arange(0, HEAD_DIM, 2, device=device, dtype=torch.float32) / HEAD_DIM)
-    exact = torch.randn(batch, KV_HEADS, WINDOW, HEAD_DIM, device=device, dtype=torch.bfloat16)
+    inv_freq = 1.0 / theta ** (torch.arange(0, dim, 2, device=device, dtype=torch.float32) / dim)
+    exact = torch.randn(batch, heads, WINDOW, dim, device=device, dtype=torch.bfloat16)
     levels = vq.level_table()
     log8 = vq.scale_format == "log8"
     return LowbitView(
@@ -112,7 +118,7 @@ def packed_view(batch: int, tokens: int, device: str = "cuda", storage: str = "k
         v_scale=f["v_scale_log"] if log8 else f["v_scale"], v_bits=vq.bits, v_group=64,
         v_levels=torch.tensor(levels, device=device, dtype=torch.float32),
         v_levels16=torch.tensor(levels, device=device, dtype=torch.float32).to(torch.bfloat16),  # as the plugin's view
-        rotation=rotation_matrix("hadamard", 0, HEAD_DIM, device).float().contiguous(), inv_freq=inv_freq,
+        rotation=rotation_matrix("hadamard", 0, dim, device).float().contiguous(), inv_freq=inv_freq,
         rope_scale=1.0, exact_k=exact, exact_v=exact.clone(), level_kind=level_kind(levels),
         k_widths=f["k_bits"] if alloc else None, v_scale_max=f["v_scale_max"] if log8 else None,
         v_scale_tokens=vq.scale_tokens if log8 else 1,
@@ -177,18 +183,21 @@ def main() -> None:
     parser.add_argument("--as-generate", action="store_true", help="launched with each row's first visible position "
                         "(here 0) and a list of 4 hidden slots a row (here none listed), so the kernel checks both (how "
                         "model.generate launched it over a sinks + KVzip pipeline before hidden_below)")
+    parser.add_argument("--shape", default="llama3-8b", choices=list(SHAPES), help="the attention shape: Llama-3-8B's, "
+                        "or d256 (16 query heads on 8 KV heads at head_dim 256, Gemma-2-9B's and Gemma-3-12B's)")
     parser.add_argument("--out", default="results/lowbit_kernel")
     args = parser.parse_args()
+    q_heads, kv_heads, dim, _ = SHAPES[args.shape]
     configs = [(v, b, w, p or None, t) for v, b, w, p, t in parse_configs(args.configs, args.programs)]  # 0: the launch's
     if not torch.cuda.is_available():
         raise SystemExit("lowbit_kernel.py times CUDA kernels; run it on a GPU machine")
     bandwidth = copy_bandwidth()
     print(f"{torch.cuda.get_device_name()}: copy bandwidth {bandwidth / 1e12:.2f} TB/s (read + write)")
-    scale = HEAD_DIM ** -0.5
-    small = packed_view(1, 4096, storage=args.storage)
+    scale = dim ** -0.5
+    small = packed_view(1, 4096, storage=args.storage, shape=args.shape)
     if args.post_rope:
         small = attrs.evolve(small, inv_freq=None)
-    q_small = torch.randn(1, Q_HEADS, HEAD_DIM, device="cuda")
+    q_small = torch.randn(1, q_heads, dim, device="cuda")
     reference = torch_lowbit_decode(small, q_small, None, scale)
     twins = {}
     for variant, block, warps, programs, tricks in configs:
@@ -202,18 +211,18 @@ def main() -> None:
     print("|---:|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
     for tokens in (int(t) for t in args.tokens.split(",")):
         for batch in (int(b) for b in args.batches.split(",")):
-            full_bytes = 2 * batch * KV_HEADS * (tokens + WINDOW) * HEAD_DIM * 2
+            full_bytes = 2 * batch * kv_heads * (tokens + WINDOW) * dim * 2
             if full_bytes > 60e9:
                 continue
-            view = packed_view(batch, tokens, storage=args.storage)
+            view = packed_view(batch, tokens, storage=args.storage, shape=args.shape)
             if args.post_rope:
                 view = attrs.evolve(view, inv_freq=None)
             start = None
             if args.as_generate:
                 start = torch.zeros(batch, dtype=torch.int32, device="cuda")
-                view = attrs.evolve(view, hidden_slots=torch.full((batch * KV_HEADS, 4), -1, dtype=torch.int32, device="cuda"))
-            q = torch.randn(batch, Q_HEADS, HEAD_DIM, device="cuda", dtype=torch.bfloat16)
-            keys = torch.randn(batch, KV_HEADS, tokens + WINDOW, HEAD_DIM, device="cuda", dtype=torch.bfloat16)
+                view = attrs.evolve(view, hidden_slots=torch.full((batch * kv_heads, 4), -1, dtype=torch.int32, device="cuda"))
+            q = torch.randn(batch, q_heads, dim, device="cuda", dtype=torch.bfloat16)
+            keys = torch.randn(batch, kv_heads, tokens + WINDOW, dim, device="cuda", dtype=torch.bfloat16)
             values = torch.randn_like(keys)
             sdpa_call = lambda: F.scaled_dot_product_attention(q[:, :, None], keys, values, enable_gqa=True)  # noqa: E731
             sdpa = device_us(sdpa_call, args.reps)
@@ -241,7 +250,7 @@ def main() -> None:
     out.mkdir(parents=True, exist_ok=True)
     stamp = datetime.date.today().isoformat()
     (out / "lowbit_kernel.json").write_text(json.dumps({"date": stamp, "device": torch.cuda.get_device_name(), "configs": args.configs,
-                                                        "storage": args.storage + ("-post" if args.post_rope else ""),
+                                                        "storage": args.storage + ("-post" if args.post_rope else ""), "shape": args.shape,
                                                         "copy_bandwidth": bandwidth, "twin_difference": twins, "rows": rows}, indent=1))
 
 

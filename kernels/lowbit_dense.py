@@ -82,8 +82,9 @@ def key_planes(view: Any) -> bool:
     return DENSE_KEY_PLANES and view.k_bits == 4 and view.exact_k.shape[-1] * 4 // 32 >= 16
 
 
-#: the head_dims whose build tests/test_lowbit_gpu.py checks on a GPU: the only ones "auto" gives the dense kernel
-GPU_CHECKED_DIMS = (64, 128)
+#: the head_dims whose build tests/test_lowbit_gpu.py checks on a GPU: the only ones "auto" gives the dense kernel (256
+#: since 2026-12-06: docs/kernels.md "head_dim 256 on the GPU")
+GPU_CHECKED_DIMS = (64, 128, 256)
 
 
 def dense_block(view: Any) -> int:
@@ -169,10 +170,16 @@ def ampere_products(device: Any) -> bool:
     return device.type == "cuda" and capability(device)[0] < 9
 
 
+#: registers a thread of the dense kernel may take at head_dims over 128: unbounded, Triton 3.6 built head_dim 256 at
+#: 199-252 (two programs an SM); at 128 (four, a few bytes spilled) it was 1.2-1.4x faster in every cell timed (H100,
+#: 2026-12-06: docs/kernels.md "head_dim 256 on the GPU")
+DENSE_WIDE_REGISTERS = 128
+
+
 def dense_registers(dim: int, hidden: bool) -> int | None:
     """The registers a thread of the dense kernel may take at head_dim ``dim`` (None: the compiler's choice)."""
     if dim > 128:
-        return None
+        return DENSE_WIDE_REGISTERS
     return DENSE_HIDDEN_REGISTERS if hidden else DENSE_MAX_REGISTERS
 
 
@@ -307,8 +314,8 @@ def dense_launch(view: Any, args: tuple, constants: dict, kind: int, l0: float, 
     registers = dense_registers(constants["D"], hid)
     dense_constants["AHEAD"], wide = dense_ahead(view, programs, sms, constants["D"], hid, constants["num_warps"],
                                                  trick or {})
-    if wide and registers is not None:
-        registers = max(registers, DENSE_AHEAD_REGISTERS)
+    if wide:
+        registers = DENSE_AHEAD_REGISTERS if registers is None else max(registers, DENSE_AHEAD_REGISTERS)
     dense_constants["PDL"] = programmatic(padded.device) and programs <= EARLY_COMBINE_WAVES * dense_slots(
         sms, constants["D"], hid, constants["num_warps"], registers)
     if offset_out(dense_constants):  # 4-bit uniform levels as 1 + code / 16, the offset taken off at the end

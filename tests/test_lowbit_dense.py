@@ -158,16 +158,20 @@ def test_the_dense_sweep_pipelines_decode_through_the_dense_kernel(model, name):
 
 
 @pytest.mark.interpreter
-def test_head_dim_256_reads_four_value_groups_and_is_not_taken_by_default(registry):
-    """At head_dim 256 (Gemma-3's) the dense kernel reads four value groups as the twin does; the default launch leaves
-    it to the wide kernel there, since no GPU has checked that build (tests/test_lowbit_gpu.py's storages are 64 and 128
-    wide)."""
+def test_head_dim_256_reads_four_value_groups_and_is_taken_by_default(registry, monkeypatch):
+    """At head_dim 256 (Gemma-3's) the dense kernel reads four value groups as the twin does, and the default launch
+    takes it there (tests/test_lowbit_gpu.py checks that build on a GPU); a head_dim left out of the checked ones goes to
+    the wide kernel."""
     view, _ = _post_rope_view(tiny_llama(layers=2, hidden=1024), registry, "prerope-k4v2-lowbit")
     assert view.exact_k.shape[-1] == 256 and view.exact_k.shape[-1] // view.v_group == 4
     q = torch.randn(2, 4, 256, generator=torch.Generator().manual_seed(6))
     start = torch.tensor([40, 0], dtype=torch.int32)
     twin = torch_lowbit_decode(view, q, start, 0.0625)
     assert torch.allclose(lowbit_decode(view, q, start, 0.0625, variant="dense"), twin, atol=1e-5)
+    assert resolve_variant(view, "auto") == ("dense", 64)
+    from kvweave.kernels import lowbit_decode as decode
+
+    monkeypatch.setattr(decode, "GPU_CHECKED_DIMS", (64, 128))
     assert resolve_variant(view, "auto") == ("wide", 32)
 
 

@@ -119,20 +119,21 @@ def test_values_in_tiles_give_the_token_major_output_at_real_sizes(flat):
         assert torch.allclose(outputs[0][0], outputs[1][0], rtol=1e-4, atol=1e-5), apart
 
 
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-def test_the_window_append_kernel_matches_the_torch_path_on_the_gpu(dtype):
+@pytest.mark.parametrize("dtype, dim", [(torch.bfloat16, 128), (torch.float16, 128), (torch.bfloat16, 256)])
+def test_the_window_append_kernel_matches_the_torch_path_on_the_gpu(dtype, dim):
     """The int8 window's append kernel (kvweave.kernels.window) compiled: codes, scales and read-back equal to the
-    window's torch path at a real size (B = 8, 8 KV heads, head_dim 128, 70 held tokens), non-finite vectors too."""
+    window's torch path at a real size (B = 8, 8 KV heads, head_dim 128 or 256, 70 held tokens), non-finite vectors
+    too."""
     from kvweave.engine.exact import ExactTokens
 
     torch.manual_seed(0)
     windows = [ExactTokens("int8"), ExactTokens("int8")]
     windows[0].fused, windows[1].fused = False, True
-    prompt = (torch.randn(8, 8, 70, 128, device="cuda") * 4).to(dtype)
+    prompt = (torch.randn(8, 8, 70, dim, device="cuda") * 4).to(dtype)
     for held in windows:
         held.append("keys", prompt)
     for step in range(4):
-        new = (torch.randn(8, 8, 1, 128, device="cuda") * 10.0 ** step).to(dtype)
+        new = (torch.randn(8, 8, 1, dim, device="cuda") * 10.0 ** step).to(dtype)
         new[step, 3, 0, 9] = float("nan") if step % 2 else float("inf")
         expected, got = (held.append_read("keys", new) for held in windows)
         assert torch.equal(expected.nan_to_num(), got.nan_to_num()) and torch.equal(expected.isnan(), got.isnan())

@@ -24,7 +24,8 @@ def test_the_launch_splits_the_dense_rows_into_waves_of_the_programs_an_sm_holds
     (never modelled slower than the fewest)."""
     from kvweave.kernels import lowbit_dense as ld
 
-    assert ld.dense_registers(128, False) == 96 and ld.dense_registers(128, True) == 128 and ld.dense_registers(256, False) is None
+    assert ld.dense_registers(128, False) == 96 and ld.dense_registers(128, True) == 128
+    assert ld.dense_registers(256, False) == ld.dense_registers(256, True) == ld.DENSE_WIDE_REGISTERS == 128
     sms = 132
 
     def modelled(rows, steps, splits, slots):
