@@ -43,6 +43,10 @@ def compile_job(job: dict) -> dict:
     return json.loads(done.stdout.strip().splitlines()[-1])
 
 
+#: the shared memory (bytes) a block may take on an H100 or H200 (Triton's "Hardware limit" there)
+SHARED_LIMIT = 232448
+
+
 def compile_for_gpu(launch) -> dict:
     """Compile ``launch``'s kernel for an H100/H200 (sm_90) as the GPU would, with its argument types and constants."""
     return compile_job(launch_job(launch.kernel, launch.args, launch.constants))
@@ -66,11 +70,15 @@ def _nvidia_backend() -> bool:
     ("t-lowbit-kvzip", ("auto",), 64),  # slots at their cache indices
     ("t-lowbit-sinks", ("auto",), 64),  # tokens restored by residuals, merged by the combine
     ("t-lowbit-post", ("dense",), 64),  # keys stored after RoPE read as 32-bit words
+    ("prerope-k4v2-lowbit", ("wide", "general"), 1024),  # head_dim 256
+    ("t-lowbit-post", ("dense",), 1024),  # head_dim 256, four value groups
 ])
 def test_each_kernel_compiles_for_the_gpu_with_the_arguments_the_plugin_passes(model, registry, name, variants, hidden):
     """Under the interpreter a kernel runs as Python, which accepts what the GPU compiler refuses (a constexpr
     assigned twice once broke a kernel on the GPU only): each variant is compiled for sm_90 from the
-    argument types and constants of a real launch, with the bfloat16 tile operands the GPU takes."""
+    argument types and constants of a real launch, with the bfloat16 tile operands the GPU takes; each build within the
+    227 KiB of shared memory an H100 or H200 gives a block (a build past it compiles, then cannot launch: the packing
+    kernels at head_dim 256 did, tests/test_pack_kernels.py)."""
     ids = torch.randint(1, 128, (2, 230), generator=torch.Generator().manual_seed(2))
     model = model if hidden == 64 else tiny_llama(layers=2, hidden=hidden)
     cache = build_cache(registry.resolve(name), model, tokenizer=CharTokenizer())
@@ -86,6 +94,7 @@ def test_each_kernel_compiles_for_the_gpu_with_the_arguments_the_plugin_passes(m
         for planned in (launch, *combines):  # the packed pass, then the combine (float32 out, the model's bfloat16)
             stats = compile_for_gpu(planned)
             assert stats["cubin"] > 0 and stats["ptx"] > 100, (variant, stats)
+            assert stats["shared"] <= SHARED_LIMIT, (variant, planned.kernel, stats["shared"])
 
 
 def _held_bytes(item) -> int:

@@ -14,7 +14,7 @@ from kvweave.plugins.quantizers.channel_alloc import ChannelAllocQuantizer
 from kvweave.plugins.quantizers.channel_group import ChannelGroupQuantizer
 from kvweave.plugins.quantizers.rotated_token import RotatedTokenQuantizer
 
-from test_lowbit_kernel_host import _nvidia_backend, compile_for_gpu
+from test_lowbit_kernel_host import SHARED_LIMIT, _nvidia_backend, compile_for_gpu
 
 
 def _both(monkeypatch, quantizer, x, **kwargs) -> tuple[dict, dict]:
@@ -186,7 +186,7 @@ def test_the_packing_kernels_fit_an_h100s_shared_memory_at_wide_heads(width, bit
     x = torch.randn(1, 8, 64, width)
     zero = torch.zeros(1, 8, 1, width, dtype=torch.float16)
     widths = torch.full((1, 8, 1, width), bits)
-    limit = 232448
+    limit = SHARED_LIMIT
     assert compile_for_gpu(pack.plan_affine_varwidth(x, zero, zero, widths, width * bits))["shared"] <= limit
     if bits < 8:
         built = compile_for_gpu(pack.plan_nearest_levels(x.float(), torch.ones(1, 8, 64, 2), None, normal_edges(bits),

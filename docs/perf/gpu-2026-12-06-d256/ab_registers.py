@@ -24,7 +24,7 @@ print(f"{torch.cuda.get_device_name()}; caps {caps}")
 print("| storage | T | B | SDPA us | " + " | ".join(f"cap {c or 'none'}" for c in caps) + " |")
 print("|---|---:|---:|---:|" + "---:|" * len(caps))
 for storage in ("k4v2e48t", "k4v4e77t"):
-    for tokens, batch in ((32768, 1), (131072, 1), (32768, 8), (131072, 8), (131072, 32)):
+    for tokens, batch in ((131072, 8), (32768, 1), (131072, 32), (131072, 1), (32768, 8)):
         view = attrs.evolve(packed_view(batch, tokens, storage=storage, shape="d256"), inv_freq=None)
         q = torch.randn(batch, q_heads, dim, device="cuda", dtype=torch.bfloat16)
         keys = torch.randn(batch, kv_heads, tokens + WINDOW, dim, device="cuda", dtype=torch.bfloat16)
