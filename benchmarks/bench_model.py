@@ -1,5 +1,6 @@
-"""The benchmarks' model: a Llama-3-8B-shaped model with random bf16 weights (speed does not depend on the weights), a
-tiny one of the same head shape for checking the scripts on a CPU, and a stand-in tokenizer for random token ids."""
+"""The benchmarks' model: a Llama-3-8B-shaped model with random bf16 weights (speed does not depend on the weights), or
+one of Gemma-2-9B's attention shape (head_dim 256), a tiny one of the same head shape for checking the scripts on a
+CPU, and a stand-in tokenizer for random token ids."""
 
 from __future__ import annotations
 
@@ -41,10 +42,26 @@ def llama3_8b(layers: int = 32, vocab: int = 128256) -> LlamaConfig:
     )
 
 
-def smoke_config(layers: int) -> LlamaConfig:
-    """A tiny model of the Llama-3-8B head shape (head_dim 128, GQA 4), for checking the scripts on a CPU."""
+def d256(layers: int = 42, vocab: int = 256000) -> LlamaConfig:
+    """Gemma-2-9B's sizes and attention shape (16 query heads on 8 KV heads at head_dim 256, rope theta 10,000) as a
+    Llama: the decode kernels see the same shapes; Gemma's sliding windows, soft-capping and norms are left out."""
+    return LlamaConfig(
+        vocab_size=vocab, hidden_size=3584, intermediate_size=14336, num_hidden_layers=layers,
+        num_attention_heads=16, num_key_value_heads=8, head_dim=256, rope_theta=10000.0,
+        max_position_embeddings=262144, torch_dtype="bfloat16",
+    )
+
+
+#: the models the benchmarks build by ``--shape``: each a function of the layers
+SHAPES = {"llama3-8b": llama3_8b, "d256": d256}
+
+
+def smoke_config(layers: int, shape: str = "llama3-8b") -> LlamaConfig:
+    """A tiny model of ``shape``'s head shape (Llama-3-8B's: head_dim 128, GQA 4; d256: head_dim 256, GQA 2), for
+    checking the scripts on a CPU."""
+    dim, q_heads = (256, 4) if shape == "d256" else (128, 8)
     return LlamaConfig(vocab_size=512, hidden_size=1024, intermediate_size=1024, num_hidden_layers=layers,
-                       num_attention_heads=8, num_key_value_heads=2, head_dim=128)
+                       num_attention_heads=q_heads, num_key_value_heads=2, head_dim=dim)
 
 
 def random_model(config: LlamaConfig, device: str) -> LlamaForCausalLM:

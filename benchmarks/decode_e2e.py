@@ -1,6 +1,8 @@
-"""End-to-end decoding with ``model.generate`` on a Llama-3-8B-shaped model with random bf16 weights.
+"""End-to-end decoding with ``model.generate`` on a Llama-3-8B-shaped model with random bf16 weights (``--shape d256``:
+Gemma-2-9B's sizes and attention shape, head_dim 256).
 
-    python benchmarks/decode_e2e.py [--context 65536] [--batches 1,4,8] [--max-batch] [--ttft 32768] [--registry FILE] [--out DIR]
+    python benchmarks/decode_e2e.py [--context 65536] [--batches 1,4,8] [--max-batch] [--ttft 32768] [--registry FILE]
+        [--shape llama3-8b|d256] [--out DIR]
 
 For each method (``full``: DynamicCache + sdpa; ``depthweave-kv``: the fused kernel; its reference-kernel
 ablation) and batch size: the cache is pre-filled with ``--context`` tokens per sequence (random K/V for
@@ -51,7 +53,7 @@ from kvweave.core.registry import load_pipeline
 from kvweave.engine.importance import score_whole
 from kvweave.engine.synthetic import fill_cache
 
-from bench_model import Ids, llama3_8b, random_model, smoke_config, sync  # noqa: F401 (the other scripts import them from here)
+from bench_model import SHAPES, Ids, llama3_8b, random_model, smoke_config, sync  # noqa: F401 (the other scripts import them from here)
 
 
 def peak_bytes() -> int:
@@ -284,6 +286,8 @@ def main() -> None:
     parser.add_argument("--layers", type=int, default=32)
     parser.add_argument("--fill-rows", type=int, default=8, help="rows filled through the encoder; larger batches repeat them")
     parser.add_argument("--smoke", action="store_true", help="a tiny model of the same head shape on the CPU (checks the script)")
+    parser.add_argument("--shape", default="llama3-8b", choices=list(SHAPES), help="the model: Llama-3-8B's, or d256 "
+                        "(Gemma-2-9B's sizes and attention, 16 query heads on 8 KV heads at head_dim 256, as a Llama)")
     parser.add_argument("--registry", help="a user registry file read on top of the built-in one (e.g. benchmarks/dense_sweep.toml)")
     parser.add_argument("--warm", action="store_true", help="time each NAME@graphs method after as many untimed steps "
                         "(one-time compiles and captures left out)")
@@ -299,7 +303,7 @@ def main() -> None:
     global LOG, REGISTRY
     LOG = out / "rows.jsonl"
     REGISTRY = args.registry
-    model = random_model(smoke_config(args.layers) if args.smoke else llama3_8b(args.layers), device)
+    model = random_model(smoke_config(args.layers, args.shape) if args.smoke else SHAPES[args.shape](args.layers), device)
     weights_gb = torch.cuda.memory_allocated() / 1e9 if device == "cuda" else 0.0
     total_gb = torch.cuda.get_device_properties(0).total_memory / 1e9 if device == "cuda" else 0.0
     methods = args.methods.split(",")
@@ -335,7 +339,9 @@ def main() -> None:
                 gc.collect()  # after the except block: the exception's frames no longer hold the cache
                 torch.cuda.empty_cache()
     lines = [
-        f"# model.generate, Llama-3-8B shape (32 layers, 32 q / 8 KV heads, d=128), random bf16 weights ({weights_gb:.1f} GB), context {args.context}",
+        f"# model.generate, {args.shape} shape ({model.config.num_hidden_layers} layers, {model.config.num_attention_heads} q / "
+        f"{model.config.num_key_value_heads} KV heads, d={model.config.head_dim}), random bf16 weights ({weights_gb:.1f} GB), "
+        f"context {args.context}",
         f"# {datetime.date.today()} {torch.cuda.get_device_name() if device == 'cuda' else 'CPU'} ({total_gb:.0f} GB) torch {torch.__version__}",
         "| method | B | median step (ms) | mean step (ms) | tok/s (median) | tok/s (mean) | cache (GB) | peak (GB) | fill (s) |",
         "|---|---|---|---|---|---|---|---|---|",

@@ -93,6 +93,21 @@ def test_decode_e2e_smoke_decodes_a_pipeline_with_cuda_graphs_as_generate_does(t
     assert "| kzd-k4v2-f48-d128@graphs | 1 |" in (tmp_path / "decode_e2e.md").read_text()
 
 
+@pytest.mark.interpreter
+def test_decode_e2e_smoke_takes_the_head_dim_256_shape(tmp_path, run_main):
+    """``--shape d256``: a model of head_dim 256 (the tiny one: 4 query heads on 2 KV heads), the full cache's bytes
+    those of 256 channels a head; the 8x class's storage for that head_dim (``kzd-k4v2t-f48-d256``, its sinks restored
+    at rank 256) decoded eagerly and from CUDA graphs' steps to the same bytes, several times fewer than the full
+    cache's."""
+    rows = decode_e2e_smoke(run_main, tmp_path, "--shape", "d256", "--context", "512", "--batches", "1", "--steps", "40",
+                            "--registry", str(BENCHMARKS / "dense_sweep.toml"), "--methods",
+                            "full,kzd-k4v2t-f48-d256,kzd-k4v2t-f48-d256@graphs")
+    full, eager, graphs = rows
+    assert full["cache_bytes"] == 2 * 2 * 2 * (512 + 40) * 256 * 2  # K and V, 2 layers, 2 KV heads, bf16
+    assert graphs["cache_bytes"] == eager["cache_bytes"] < full["cache_bytes"] / 5
+    assert "d=256" in (tmp_path / "decode_e2e.md").read_text()
+
+
 def test_tp_capacity_smoke_finds_a_larger_batch_for_a_smaller_cache(tmp_path, run_main, capsys):
     """benchmarks/tp_capacity.py's ``--smoke`` path in this process (one rank): the largest batch follows the
     cache bytes per sequence, a refused pipeline is a row saying why, and ``table`` merges the rows."""
