@@ -171,7 +171,7 @@ def ampere_products(device: Any) -> bool:
 
 
 #: registers a thread of the dense kernel may take at head_dims over 128: unbounded, Triton 3.6 built head_dim 256 at
-#: 199-252 (two programs an SM); at 128 (four, a few bytes spilled) it was 1.2-1.4x faster in every cell timed (H100,
+#: 199-252 (two programs an SM); at 128 (four, a few bytes spilled) it was 1.18-1.33x faster in every cell timed (H100,
 #: 2026-12-06: docs/kernels.md "head_dim 256 on the GPU")
 DENSE_WIDE_REGISTERS = 128
 
