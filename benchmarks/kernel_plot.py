@@ -1,9 +1,11 @@
 """The decode kernel against the bar, as a plot and a table: from ``benchmarks/lowbit_kernel.py``'s JSON files.
 
-    python benchmarks/kernel_plot.py [LABEL=]RESULTS.json [[LABEL=]RESULTS.json ...] [--out PNG] [--fraction 0.7] [--bandwidth 0.7] [--graph]
+    python benchmarks/kernel_plot.py [LABEL=]RESULTS.json[@KERNEL] [...] [--out PNG] [--fraction 0.7] [--bandwidth 0.7] [--graph]
 
 Each file is what one ``lowbit_kernel.py --out DIR`` run wrote (``DIR/lowbit_kernel.json``); ``LABEL`` names its storage
-(default: the file's ``storage`` field, which runs since 2026-12-04 write, else its folder's name). Files with the same
+(default: the file's ``storage`` field, which runs since 2026-12-04 write, else its folder's name); ``@KERNEL`` keeps
+the rows of one of the run's ``--configs`` (as the rows name it, e.g. ``dense:64:4:auto:r128``), so that one file's
+configurations can be lines of their own. Files with the same
 label are one storage measured in parts (e.g. ``--tokens 65536 --batches 128`` apart). Left: the kernel's speed-up over
 SDPA on a full bfloat16 cache against the batch, one line per context length, and the bar of docs/kernels.md (speed-up
 at least ``--fraction`` times the bytes ratio; dashed, one per storage). Right: the share of the copy bandwidth the
@@ -31,6 +33,7 @@ def load(specs: list[str], graph: bool = False) -> dict[str, list[dict]]:
     storages: dict[str, list[dict]] = {}
     for spec in specs:
         label, _, path = spec.rpartition("=") if "=" in spec else ("", "", spec)
+        path, _, kernel = path.partition("@")
         try:
             data = json.loads(Path(path).read_text())
         except (OSError, json.JSONDecodeError) as error:
@@ -39,6 +42,11 @@ def load(specs: list[str], graph: bool = False) -> dict[str, list[dict]]:
         needed = {"tokens", "batch", "speedup", "of_copy", "bytes_ratio"}
         if not rows or any(not needed <= set(row) for row in rows):
             raise SystemExit(f"kernel_plot.py: {path} holds no lowbit_kernel.py rows (each needs {', '.join(sorted(needed))})")
+        if kernel:
+            found = sorted({str(row.get("kernel")) for row in rows})
+            rows = [row for row in rows if row.get("kernel") == kernel]
+            if not rows:
+                raise SystemExit(f"kernel_plot.py: {path} holds no rows of kernel {kernel!r} (it holds {', '.join(found)})")
         if graph:
             if any(not GRAPH_FIELDS <= set(row) for row in rows) or not data.get("copy_bandwidth"):
                 raise SystemExit(f"kernel_plot.py: {path} holds no graph times (a lowbit_kernel.py run before 2026-12-05, "
@@ -108,7 +116,8 @@ def plot(lines: list[dict], out: Path, fraction: float, bandwidth: float, graph:
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("results", nargs="+", help="[LABEL=]PATH of a lowbit_kernel.json")
+    parser.add_argument("results", nargs="+", help="[LABEL=]PATH[@KERNEL] of a lowbit_kernel.json (@KERNEL: one "
+                        "configuration's rows)")
     parser.add_argument("--out", type=Path, default=None, help="plot file (default: beside the first file, kernel.png)")
     parser.add_argument("--fraction", type=float, default=0.7, help="the speed bar as a share of the bytes ratio")
     parser.add_argument("--bandwidth", type=float, default=0.7, help="the bandwidth bar as a share of the copy bandwidth")
@@ -122,7 +131,7 @@ def main(argv: list[str] | None = None) -> None:
     for line in lines:
         print(f"| {line['storage']} | {line['tokens']} | {line['batch']} | {line['speedup']:.2f}x | {line['bar']:.2f}x | "
               f"{'yes' if line['speed_met'] else 'no'} | {100 * line['of_copy']:.0f}% | {'yes' if line['bandwidth_met'] else 'no'} |")
-    out = args.out or Path(args.results[0].rpartition("=")[2]).resolve().parent / "kernel.png"
+    out = args.out or Path(args.results[0].rpartition("=")[2].partition("@")[0]).resolve().parent / "kernel.png"
     plot(lines, out, args.fraction, args.bandwidth, args.graph)
     print(f"plot: {out}", file=sys.stderr)
 

@@ -72,3 +72,18 @@ def test_with_graph_the_bars_are_judged_on_the_graph_time_and_older_files_are_re
     (tmp_path / "old.json").write_text(json.dumps({"rows": [_row(32768, 1, 6.0, 0.6, 10.0)]}))
     with pytest.raises(SystemExit, match="no graph times"):
         plot.main([str(tmp_path / "old.json"), "--graph"])
+
+
+def test_one_configuration_of_a_file_is_a_line_of_its_own(tmp_path, capsys):
+    """``PATH@KERNEL`` keeps one configuration's rows of a file holding several (one ``--configs`` run); a kernel the file
+    does not hold is refused with the ones it does."""
+    plot = _script()
+    capped = {**_row(32768, 8, 6.0, 0.6, 10.0), "kernel": "dense:64:4:auto:r128"}
+    (tmp_path / "r.json").write_text(json.dumps({"rows": [_row(32768, 8, 4.0, 0.4, 10.0), capped]}))
+    plot.main([f"plain={tmp_path / 'r.json'}@dense:64:4:auto", f"capped={tmp_path / 'r.json'}@dense:64:4:auto:r128",
+               "--out", str(tmp_path / "p.png")])
+    lines = [line for line in capsys.readouterr().out.splitlines() if line.startswith("| ") and "storage" not in line]
+    assert [[cell.strip() for cell in line.strip("|").split("|")][:4] for line in lines] == [
+        ["plain", "32768", "8", "4.00x"], ["capped", "32768", "8", "6.00x"]]
+    with pytest.raises(SystemExit, match=r"no rows of kernel 'wide:32:4:auto' \(it holds dense:64:4:auto, dense:64:4:auto:r128\)"):
+        plot.main([f"{tmp_path / 'r.json'}@wide:32:4:auto", "--out", str(tmp_path / "q.png")])
