@@ -57,11 +57,19 @@ SHAPES = {"llama3-8b": llama3_8b, "d256": d256}
 
 
 def smoke_config(layers: int, shape: str = "llama3-8b") -> LlamaConfig:
-    """A tiny model of ``shape``'s head shape (Llama-3-8B's: head_dim 128, GQA 4; d256: head_dim 256, GQA 2), for
-    checking the scripts on a CPU."""
-    dim, q_heads = (256, 4) if shape == "d256" else (128, 8)
+    """A tiny model of :data:`SHAPES` ``shape``'s head shape (its head_dim and query heads a KV head, on 2 KV heads:
+    Llama-3-8B's head_dim 128, GQA 4; d256's head_dim 256, GQA 2), for checking the scripts on a CPU."""
+    full = SHAPES[shape](layers)
+    group = full.num_attention_heads // full.num_key_value_heads
     return LlamaConfig(vocab_size=512, hidden_size=1024, intermediate_size=1024, num_hidden_layers=layers,
-                       num_attention_heads=q_heads, num_key_value_heads=2, head_dim=dim)
+                       num_attention_heads=2 * group, num_key_value_heads=2, head_dim=full.head_dim)
+
+
+def attention_shape(shape: str) -> tuple[int, int, int, float]:
+    """:data:`SHAPES` ``shape``'s attention: (query heads, KV heads, head_dim, rope theta)."""
+    config = SHAPES[shape](1)
+    theta = getattr(config, "rope_theta", None) or config.rope_parameters["rope_theta"]  # where transformers keeps it
+    return config.num_attention_heads, config.num_key_value_heads, config.head_dim, float(theta)
 
 
 def random_model(config: LlamaConfig, device: str) -> LlamaForCausalLM:

@@ -26,14 +26,20 @@ from pathlib import Path
 GRAPH_FIELDS = {"graph_us", "graph_speedup", "bytes_read"}
 
 
+def parse_spec(spec: str) -> tuple[str, str, str]:
+    """``[LABEL=]PATH[@KERNEL]`` as (label, path, kernel), "" where one is not given."""
+    label, _, path = spec.rpartition("=") if "=" in spec else ("", "", spec)
+    path, _, kernel = path.partition("@")
+    return label, path, kernel
+
+
 def load(specs: list[str], graph: bool = False) -> dict[str, list[dict]]:
     """Rows by storage label from ``[LABEL=]PATH`` specs; a file that is not a lowbit_kernel.py result is refused, and
     with ``graph`` one without graph times (or its copy bandwidth). With ``graph`` each row's ``speedup`` and
     ``of_copy`` become the graph time's."""
     storages: dict[str, list[dict]] = {}
     for spec in specs:
-        label, _, path = spec.rpartition("=") if "=" in spec else ("", "", spec)
-        path, _, kernel = path.partition("@")
+        label, path, kernel = parse_spec(spec)
         try:
             data = json.loads(Path(path).read_text())
         except (OSError, json.JSONDecodeError) as error:
@@ -131,7 +137,7 @@ def main(argv: list[str] | None = None) -> None:
     for line in lines:
         print(f"| {line['storage']} | {line['tokens']} | {line['batch']} | {line['speedup']:.2f}x | {line['bar']:.2f}x | "
               f"{'yes' if line['speed_met'] else 'no'} | {100 * line['of_copy']:.0f}% | {'yes' if line['bandwidth_met'] else 'no'} |")
-    out = args.out or Path(args.results[0].rpartition("=")[2].partition("@")[0]).resolve().parent / "kernel.png"
+    out = args.out or Path(parse_spec(args.results[0])[1]).resolve().parent / "kernel.png"
     plot(lines, out, args.fraction, args.bandwidth, args.graph)
     print(f"plot: {out}", file=sys.stderr)
 

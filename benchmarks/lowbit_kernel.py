@@ -12,9 +12,9 @@ visible position of the packed pass (``LowbitView.hidden_below``): each row's fi
 hidden slots a row, which cost the ``dense`` kernel 11-19% (docs/kernels.md "Value codes as operand pairs").
 
 Shape: Llama-3-8B attention (32 query heads, 8 KV heads, head_dim 128, rope theta 500000), one new query
-token per sequence; ``--shape d256``: 16 query heads on 8 KV heads at head_dim 256 (Gemma-2-9B's, Gemma-3-12B's). The packed storage is written by the real quantizers (``channel-group`` 4-bit, group 64,
-one outlier; ``rotated-token`` 2-bit, normal levels) from random keys and values; the exact window holds
-16 tokens. Reported per (T, B) and kernel configuration (``variant:block:warps[:programs[:tricks]]``, the Triton kernels
+token per sequence; ``--shape d256``: 16 query heads on 8 KV heads at head_dim 256 (Gemma-2-9B's, Gemma-3-12B's).
+The packed storage is written by the real quantizers (``channel-group`` 4-bit, group 64, one outlier;
+``rotated-token`` 2-bit, normal levels) from random keys and values; the exact window holds 16 tokens. Reported per (T, B) and kernel configuration (``variant:block:warps[:programs[:tricks]]``, the Triton kernels
 of ``kvweave.kernels.lowbit_decode.VARIANTS``, tricks "+"-separated names of its ``TRICKS``): SDPA and kernel GPU time (the kernels' device time from the torch
 profiler per call, combine and exact-window merge included, and of it the combine's; host time left out), the kernel's
 wall time per call (CUDA events, host included), speed-up on GPU time, both timed again as 20 calls replayed from a CUDA
@@ -37,17 +37,19 @@ import torch
 import torch.nn.functional as F
 
 from decode_kernel import copy_bandwidth, device_us, device_us_parts, graph_us, timed  # the same timing as the fused kernel's benchmark
+from bench_model import SHAPES as MODEL_SHAPES, attention_shape
 from kvweave.kernels.lowbit_decode import (TRICKS, VARIANTS, LowbitView, level_kind, lowbit_decode, plan_launch,
                                            torch_lowbit_decode)
 from kvweave.plugins.quantizers.channel_alloc import ChannelAllocQuantizer
 from kvweave.plugins.quantizers.channel_group import ChannelGroupQuantizer
 from kvweave.plugins.quantizers.rotated_token import RotatedTokenQuantizer, rotation_matrix
 
-Q_HEADS, KV_HEADS, HEAD_DIM, THETA, WINDOW = 32, 8, 128, 500000.0, 16
-
-#: the attention shapes ``--shape`` names: (query heads, KV heads, head_dim, rope theta). "llama3-8b" is the default
-#: above; "d256" has head_dim 256 (Gemma-2-9B's and Gemma-3-12B's attention: 16 query heads on 8 KV heads)
-SHAPES = {"llama3-8b": (Q_HEADS, KV_HEADS, HEAD_DIM, THETA), "d256": (16, 8, 256, 10000.0)}
+#: the attention shapes ``--shape`` names, those of the benchmarks' models (``bench_model.SHAPES``): (query heads, KV
+#: heads, head_dim, rope theta). "llama3-8b" is the default; "d256" has head_dim 256 (Gemma-2-9B's and Gemma-3-12B's
+#: attention: 16 query heads on 8 KV heads)
+SHAPES = {name: attention_shape(name) for name in MODEL_SHAPES}
+Q_HEADS, KV_HEADS, HEAD_DIM, THETA = SHAPES["llama3-8b"]
+WINDOW = 16
 
 
 #: the storages the benchmark packs, by name: (key quantizer, value quantizer, share of the context's tokens kept).
@@ -85,7 +87,8 @@ def kept_positions(rows: int, tokens: int, kept: int, gen: torch.Generator, devi
     return chosen.to(torch.int16 if tokens <= 32767 else torch.int32)
 
 
-def packed_view(batch: int, tokens: int, device: str = "cuda", storage: str = "k4v2", shape: str = "llama3-8b") -> LowbitView:
+def packed_view(batch: int, tokens: int, device: str = "cuda", storage: str = "k4v2",
+                shape: str = "llama3-8b") -> LowbitView:
     """Random keys and values packed the way ``storage`` packs them (:data:`STORAGES`), [B * KV heads, T', head_dim]
     (T' the tokens kept, a multiple of 64; the heads and head_dim of :data:`SHAPES` ``shape``), in chunks."""
     _, heads, dim, theta = SHAPES[shape]
