@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING, Any
 
 from kvweave.core.environment import env_switch
 from kvweave.core.lazy import lazy_module, torch
-from kvweave.kernels.formats import VALUE_TILE
+from kvweave.kernels.formats import CHANNEL_GROUP, VALUE_TILE
 from kvweave.kernels.launch import capability, programmatic
 from kvweave.kernels.lowbit_tricks import tiled_pairs, whole_byte_keys, wide_groups
 
@@ -79,7 +79,7 @@ DENSE_PLANE_PREFETCH = True
 
 def key_planes(view: Any) -> bool:
     """Whether the dense kernel reads ``view``'s keys by code places (4-bit keys, 16 or more words a token)."""
-    return DENSE_KEY_PLANES and view.k_bits == 4 and view.exact_k.shape[-1] * 4 // 32 >= 16
+    return DENSE_KEY_PLANES and view.inv_freq is None and view.k_bits == 4 and view.exact_k.shape[-1] * 4 // 32 >= 16
 
 
 #: the head_dims whose build tests/test_lowbit_gpu.py checks on a GPU: the only ones "auto" gives the dense kernel (256
@@ -97,8 +97,6 @@ def dense_refusal(view: Any, block: int | None = None) -> str | None:
     ``block`` tokens (None: :func:`dense_block`), or None where it can."""
     block = dense_block(view) if block is None else block
     dim = view.exact_k.shape[-1]
-    if view.inv_freq is not None:
-        return "it reads keys stored after RoPE (these are rotated at each token's position)"
     if not whole_byte_keys(view):
         return "it reads 2- or 4-bit channel-group keys (not channel-alloc widths or 3-bit codes)"
     if view.v_bits not in (2, 4):
@@ -128,15 +126,16 @@ def tiles_refusal(view: Any, variant: str, block: int | None) -> str:
             f"tokens (token_tiles), which only the 'dense' kernel reads; {fix} backend 'torch' or values without token_tiles")
 
 
-def tiles_build_refusal(pre_rope: bool, dim: int, values_group: int, keys_group: int) -> str | None:
+def tiles_build_refusal(key_format: str, key_bits: int, dim: int, values_group: int, keys_group: int) -> str | None:
     """Why a pipeline storing values in tiles cannot decode on a GPU (the dense kernel, the only one that reads them,
     cannot take its keys, groups or head_dim), or None."""
-    if not pre_rope and dim >= 128 and min(values_group, dim) == 64 and keys_group % VALUE_TILE == 0:
+    keys = key_format == CHANNEL_GROUP and key_bits in (2, 4)
+    if keys and dim >= 128 and min(values_group, dim) == 64 and keys_group % VALUE_TILE == 0:
         return None
     return (f"values stored in tiles of {VALUE_TILE} tokens (token_tiles) are read on a GPU by the 'dense' kernel only, "
-            f"which takes keys stored after RoPE in groups of a multiple of {VALUE_TILE} tokens, value groups of 64 "
-            f"channels and head_dim >= 128; here key_space '{'pre-rope' if pre_rope else 'post-rope'}', keys group "
-            f"{keys_group}, values group {min(values_group, dim)}, head_dim {dim}")
+            f"which takes 2- or 4-bit {CHANNEL_GROUP} keys (stored before or after RoPE) in groups of a multiple of "
+            f"{VALUE_TILE} tokens, value groups of 64 channels and head_dim >= 128; here keys {key_format} at "
+            f"{key_bits} bits, keys group {keys_group}, values group {min(values_group, dim)}, head_dim {dim}")
 
 
 def level_word(levels: list[float]) -> int:
@@ -293,16 +292,16 @@ def dense_launch(view: Any, args: tuple, constants: dict, kind: int, l0: float, 
     if constants["num_warps"] not in DENSE_WARPS:
         raise ValueError(f"the lowbit 'dense' kernel runs with {' or '.join(map(str, DENSE_WARPS))} warps a program, got "
                          f"{constants['num_warps']} (at 8 its output was 0.78 away from the torch twin on an H100)")
-    (padded, _, k_zero, k_scale, k_oi, k_ov, _, _, v_scale, v_max, v_levels, _, start, positions, hidden, m, l, acc,
-     tokens, heads, splits, split_len, first, _, scaling) = args
+    (padded, _, k_zero, k_scale, k_oi, k_ov, _, _, v_scale, v_max, v_levels, freq, start, positions, hidden, m, l, acc,
+     tokens, heads, splits, split_len, first, rope_scale, scaling) = args
     table16 = view.v_levels16 if view.v_levels16 is not None else view.v_levels.to(torch.bfloat16)
     if table16.data_ptr() % 4:  # the kernel reads the 2-bit levels' table as two int32 words (_level_table)
         table16 = table16.clone()
     words = (view.k_codes.contiguous().view(torch.int32), view.v_codes.contiguous().view(torch.int32))
     dense_args = (padded, words[0], k_zero, k_scale, k_oi, k_ov, words[1], v_scale, v_max, v_levels, table16, start,
-                  positions, hidden, m, l, acc, tokens, heads, splits, split_len, first, scaling, l0, l1)
+                  positions, hidden, freq, m, l, acc, tokens, heads, splits, split_len, first, scaling, l0, l1, rope_scale)
     keep = ("D", "G", "KBITS", "KGROUP", "KO", "VBITS", "VGROUP", "HAS_START", "BLOCK", "LOWP", "VLOG", "VST", "HAS_POS",
-            "HID", "num_warps")
+            "HID", "ROPE", "num_warps")
     asm = (2 if ampere_products(padded.device) else 1) if constants["APPROX"] else 0
     dense_constants = {name: constants[name] for name in keep} | {"LEVELS": kind, "ASM": asm,
                                                                   "KPLANES": key_planes(view), "VTILE": view.v_tiled}

@@ -23,6 +23,7 @@ except ImportError:  # pragma: no cover - exercised where triton is missing
 if triton is not None:
     from kvweave.kernels.grid_dependency_triton import gdc_launch_dependents
     from kvweave.kernels.lowbit_codes_triton import _plus128
+    from kvweave.kernels.lowbit_rope_triton import _rope_logits, _rope_queries
     from kvweave.kernels.lowbit_rows_triton import _pair_channels, _quad_channels, _value_step, _words_codes
     from kvweave.kernels.lowbit_step_triton import (_over, _plane_logits, _plane_queries, _scale_of, _softmax_step,
                                                      _step_loads)
@@ -112,11 +113,12 @@ if triton is not None:
     @triton.jit
     def _steps(t_lo, t_hi, m_i, l_i, w_i, acc0, acc1, acc2, acc3, q, q_row, bh, start, first, scaling, l0, l1,
                kc_ptr, kz_ptr, ks_ptr, koi_ptr, kov_ptr, vc_ptr, vs_row, vmax_row, vlev_ptr, vlev16_ptr, pos_ptr, hid_ptr,
-               D: tl.constexpr, G: tl.constexpr, KBITS: tl.constexpr, KGROUP: tl.constexpr, KO: tl.constexpr,
+               freq_ptr, rope_scale, D: tl.constexpr, G: tl.constexpr, KBITS: tl.constexpr, KGROUP: tl.constexpr, KO: tl.constexpr,
                VBITS: tl.constexpr, VGROUP: tl.constexpr, HAS_START: tl.constexpr, BLOCK: tl.constexpr,
                LOWP: tl.constexpr, LEVELS: tl.constexpr, VLOG: tl.constexpr, VST: tl.constexpr, HAS_POS: tl.constexpr,
                HID: tl.constexpr, HIDE: tl.constexpr, ASM: tl.constexpr, KPLANES: tl.constexpr, KPF: tl.constexpr,
-               AHEAD: tl.constexpr, VTILE: tl.constexpr, PAD: tl.constexpr, QG: tl.constexpr, top, probe, t_first, FIX: tl.constexpr):
+               AHEAD: tl.constexpr, VTILE: tl.constexpr, PAD: tl.constexpr, QG: tl.constexpr, top, probe, t_first, FIX: tl.constexpr,
+               ROPE: tl.constexpr):
         """The packed pass over steps ``t_lo .. t_hi`` of a program's tokens: its running maximum (or reference), sums
         and outputs carried on; ``HIDE``: these steps hold hidden slots (the list is checked in them only, so the steps without keep the
         code of a storage that hides none). Each step's scales, zero points and positions are loaded a step ahead
@@ -125,7 +127,9 @@ if triton is not None:
         rows are the real ones twice (column ``2 r + i``: row ``r``), so the softmax runs on the real half alone and
         one tile of probabilities serves two value groups (:func:`_pair`: group ``g`` meets the columns ``2 r + g %
         2``), one shared-memory store and two barriers a step fewer. ``FIX``: the probabilities against a fixed
-        reference (:func:`kvweave.kernels.lowbit_step_triton._softmax_step`; ``top``: each slot's largest logit)."""
+        reference (:func:`kvweave.kernels.lowbit_step_triton._softmax_step`; ``top``: each slot's largest logit). ``ROPE``: keys
+        stored before RoPE, rotated at each slot's position by the frequencies at ``freq_ptr``
+        (:func:`kvweave.kernels.lowbit_rope_triton._rope_logits`)."""
         KW: tl.constexpr = D * KBITS // 32  # key words a token
         VW: tl.constexpr = D * VBITS // 32  # value words a token
         GW: tl.constexpr = VGROUP * VBITS // 32  # value words a channel group
@@ -138,10 +142,10 @@ if triton is not None:
         t_ok = t_loc < BLOCK  # every slot of a step is stored
         KAH: tl.constexpr = AHEAD % 2 == 1  # the key words a step ahead
         VAH: tl.constexpr = AHEAD >= 2  # the value tiles' words a step ahead
+        OWN_KS: tl.constexpr = KPLANES or ROPE  # the key scales read by the logits' own function, not a step ahead
         t_in = tl.maximum(tl.minimum(t_lo, t_hi - BLOCK), 0)
         ks, kz, kw0, kw1, kw2, kw3, zw0, zw1, zw2, zw3, s0, m0, s1, m1, s2, m2, s3, m3, pos_in = _step_loads(
-            t_in, ch, jk, t_loc, ks_ptr, kz_ptr, vs_row, vmax_row, pos_ptr, D, KGROUP, VGROUPS, VLOG, VST, HAS_POS, KPLANES,
-            KPF)
+            t_in, ch, jk, t_loc, ks_ptr, kz_ptr, vs_row, vmax_row, pos_ptr, D, KGROUP, VGROUPS, VLOG, VST, HAS_POS, OWN_KS, KPF)
         kwords, u0, u1, u2, u3, w0, w1, w2, w3 = _ahead_words(t_in, kc_ptr, vc_ptr, t_loc, jk, KW, VW, VBITS, KAH, VAH)
         lut = 0
         if ASM and VBITS == 2:
@@ -150,19 +154,30 @@ if triton is not None:
         q1, q2, q3, q4, q5, q6, q7 = q0, q0, q0, q0, q0, q0, q0
         if KPLANES:  # each code place's query rows, loaded once
             q0, q1, q2, q3, q4, q5, q6, q7 = _plane_queries(q_row, scaling, jk, gi, D)
+        q0_lo, q0_hi, q1_lo, q1_hi = 0.0, 0.0, 0.0, 0.0
+        if ROPE:  # the query's rows by part of the rotary pairs and half of the channels, loaded once
+            q0_lo, q0_hi = _rope_queries(q_row, scaling, rope_scale, gi, 0, D, LOWP)
+            q1_lo, q1_hi = _rope_queries(q_row, scaling, rope_scale, gi, 1, D, LOWP)
         for t0 in range(t_lo, t_hi, BLOCK):
             (ks_n, kz_n, kw0_n, kw1_n, kw2_n, kw3_n, zw0_n, zw1_n, zw2_n, zw3_n, s0_n, m0_n, s1_n, m1_n, s2_n, m2_n, s3_n,
              m3_n, pos_n) = _step_loads(tl.minimum(t0 + BLOCK, t_hi - BLOCK), ch, jk, t_loc, ks_ptr, kz_ptr, vs_row,
-                                        vmax_row, pos_ptr, D, KGROUP, VGROUPS, VLOG, VST, HAS_POS, KPLANES, KPF)
+                                        vmax_row, pos_ptr, D, KGROUP, VGROUPS, VLOG, VST, HAS_POS, OWN_KS, KPF)
             (kwords_n, u0_n, u1_n, u2_n, u3_n, w0_n, w1_n, w2_n, w3_n) = _ahead_words(
                 tl.minimum(t0 + BLOCK, t_hi - BLOCK), kc_ptr, vc_ptr, t_loc, jk, KW, VW, VBITS, KAH, VAH)
             tok = t0 + t_loc
             meta = _over(t0, KGROUP) * D
+            if HAS_POS:  # a cache that dropped tokens: each slot's cache index (-1: a filler)
+                pos = pos_in
+            else:
+                pos = first + t0 + t_loc
             if KAH:
                 words = kwords
-            else:
+            elif not ROPE:
                 words = tl.load(kc_ptr + t0 * KW + t_loc[:, None] * KW + jk[None, :]).to(tl.uint32, bitcast=True)
-            if KPLANES:
+            if ROPE:
+                s = _rope_logits(kc_ptr + t0 * KW, ks_ptr, kz_ptr, koi_ptr, kov_ptr, meta, tok, t_loc, pos, freq_ptr, q0_lo,
+                                 q0_hi, q1_lo, q1_hi, KW, D, KBITS, KO, LOWP, ASM)
+            elif KPLANES:
                 s = _plane_logits(words, q0, q1, q2, q3, q4, q5, q6, q7, ks_ptr, kz_ptr, meta, kw0, kw1, kw2, kw3, zw0, zw1,
                                   zw2, zw3, jk, LOWP, KPF, ASM)
             else:
@@ -177,12 +192,8 @@ if triton is not None:
                     s = tl.dot(codes.to(tl.float32), qs, input_precision="ieee")
                     bias = tl.sum(qz, 0)
                 s = s + bias[None, :]  # [BLOCK, G]
-            if KO > 0:  # exact outliers: their code is 0, so the key held the zero point
+            if KO > 0 and not ROPE:  # exact outliers: their code is 0, so the key held the zero point
                 s = s + tl.trans(_outlier_logits(q_row, kz_ptr, koi_ptr, kov_ptr, meta, tok, t_ok, gi, scaling, D, KO))
-            if HAS_POS:  # a cache that dropped tokens: each slot's cache index (-1: a filler)
-                pos = pos_in
-            else:
-                pos = first + t0 + t_loc
             if HIDE:  # slots whose tokens are attended exactly (restored by residuals)
                 pos = _hide(pos, t0 + t_loc, hid_ptr + bh * HID, HID)
             visible = pos >= 0
@@ -223,11 +234,12 @@ if triton is not None:
     @triton.jit
     def _ranges(lo, hi, m_i, BLOCK: tl.constexpr, R: tl.constexpr, G: tl.constexpr, VGROUP: tl.constexpr, q, q_row, bh,
                 start, first, scaling, l0, l1, tokens, kc_ptr, kz_ptr, ks_ptr, koi_ptr, kov_ptr, vc_ptr, vs_row,
-                vmax_row, vlev_ptr, vlev16_ptr, pos_ptr, hid_ptr, probe, D: tl.constexpr, KBITS: tl.constexpr,
+                vmax_row, vlev_ptr, vlev16_ptr, pos_ptr, hid_ptr, freq_ptr, rope_scale, probe, D: tl.constexpr,
+                KBITS: tl.constexpr,
                 KGROUP: tl.constexpr, KO: tl.constexpr, VBITS: tl.constexpr, HAS_START: tl.constexpr, LOWP: tl.constexpr,
                 LEVELS: tl.constexpr, VLOG: tl.constexpr, VST: tl.constexpr, HAS_POS: tl.constexpr, HID: tl.constexpr,
                 ASM: tl.constexpr, KPLANES: tl.constexpr, KPF: tl.constexpr, AHEAD: tl.constexpr, VTILE: tl.constexpr,
-                PAD: tl.constexpr, QG: tl.constexpr, FIX: tl.constexpr):
+                PAD: tl.constexpr, QG: tl.constexpr, FIX: tl.constexpr, ROPE: tl.constexpr):
         """A program's steps ``lo .. hi`` from a fresh start (``m_i``: the reference with ``FIX``, else -inf): its
         maximum or reference, sums, outputs and each slot's largest logit."""
         l_i = tl.zeros([BLOCK, R], tl.float32)  # each slot's running sum of probabilities (:func:`_steps`)
@@ -243,36 +255,41 @@ if triton is not None:
             m_i, l_i, w_i, acc0, acc1, acc2, acc3, top = _steps(
                 lo, t_a, m_i, l_i, w_i, acc0, acc1, acc2, acc3, q, q_row, bh, start, first, scaling, l0, l1,
                 kc_ptr, kz_ptr, ks_ptr, koi_ptr, kov_ptr, vc_ptr, vs_row, vmax_row, vlev_ptr, vlev16_ptr, pos_ptr,
-                hid_ptr, D, G, KBITS, KGROUP, KO, VBITS, VGROUP, HAS_START, BLOCK, LOWP, LEVELS, VLOG, VST, HAS_POS, HID,
-                False, ASM, KPLANES, KPF, AHEAD, VTILE, PAD, QG, top, probe, lo, FIX)
+                hid_ptr, freq_ptr, rope_scale, D, G, KBITS, KGROUP, KO, VBITS, VGROUP, HAS_START, BLOCK, LOWP, LEVELS, VLOG,
+                VST, HAS_POS, HID,
+                False, ASM, KPLANES, KPF, AHEAD, VTILE, PAD, QG, top, probe, lo, FIX, ROPE)
             m_i, l_i, w_i, acc0, acc1, acc2, acc3, top = _steps(
                 t_a, t_b, m_i, l_i, w_i, acc0, acc1, acc2, acc3, q, q_row, bh, start, first, scaling, l0, l1,
                 kc_ptr, kz_ptr, ks_ptr, koi_ptr, kov_ptr, vc_ptr, vs_row, vmax_row, vlev_ptr, vlev16_ptr, pos_ptr,
-                hid_ptr, D, G, KBITS, KGROUP, KO, VBITS, VGROUP, HAS_START, BLOCK, LOWP, LEVELS, VLOG, VST, HAS_POS, HID,
-                True, ASM, KPLANES, KPF, AHEAD, VTILE, PAD, QG, top, probe, lo, FIX)
+                hid_ptr, freq_ptr, rope_scale, D, G, KBITS, KGROUP, KO, VBITS, VGROUP, HAS_START, BLOCK, LOWP, LEVELS, VLOG,
+                VST, HAS_POS, HID,
+                True, ASM, KPLANES, KPF, AHEAD, VTILE, PAD, QG, top, probe, lo, FIX, ROPE)
             m_i, l_i, w_i, acc0, acc1, acc2, acc3, top = _steps(
                 t_b, hi, m_i, l_i, w_i, acc0, acc1, acc2, acc3, q, q_row, bh, start, first, scaling, l0, l1,
                 kc_ptr, kz_ptr, ks_ptr, koi_ptr, kov_ptr, vc_ptr, vs_row, vmax_row, vlev_ptr, vlev16_ptr, pos_ptr,
-                hid_ptr, D, G, KBITS, KGROUP, KO, VBITS, VGROUP, HAS_START, BLOCK, LOWP, LEVELS, VLOG, VST, HAS_POS, HID,
-                False, ASM, KPLANES, KPF, AHEAD, VTILE, PAD, QG, top, probe, lo, FIX)
+                hid_ptr, freq_ptr, rope_scale, D, G, KBITS, KGROUP, KO, VBITS, VGROUP, HAS_START, BLOCK, LOWP, LEVELS, VLOG,
+                VST, HAS_POS, HID,
+                False, ASM, KPLANES, KPF, AHEAD, VTILE, PAD, QG, top, probe, lo, FIX, ROPE)
         else:
             m_i, l_i, w_i, acc0, acc1, acc2, acc3, top = _steps(
                 lo, hi, m_i, l_i, w_i, acc0, acc1, acc2, acc3, q, q_row, bh, start, first, scaling, l0, l1,
                 kc_ptr, kz_ptr, ks_ptr, koi_ptr, kov_ptr, vc_ptr, vs_row, vmax_row, vlev_ptr, vlev16_ptr, pos_ptr,
-                hid_ptr, D, G, KBITS, KGROUP, KO, VBITS, VGROUP, HAS_START, BLOCK, LOWP, LEVELS, VLOG, VST, HAS_POS, HID,
-                False, ASM, KPLANES, KPF, AHEAD, VTILE, PAD, QG, top, probe, lo, FIX)
+                hid_ptr, freq_ptr, rope_scale, D, G, KBITS, KGROUP, KO, VBITS, VGROUP, HAS_START, BLOCK, LOWP, LEVELS, VLOG,
+                VST, HAS_POS, HID,
+                False, ASM, KPLANES, KPF, AHEAD, VTILE, PAD, QG, top, probe, lo, FIX, ROPE)
         return m_i, l_i, w_i, acc0, acc1, acc2, acc3, top
 
     @triton.jit
     def _lowbit_dense_kernel(
         q_ptr, kc_ptr, kz_ptr, ks_ptr, koi_ptr, kov_ptr, vc_ptr, vs_ptr, vmax_ptr, vlev_ptr, vlev16_ptr, start_ptr,
-        pos_ptr, hid_ptr, m_ptr, l_ptr, acc_ptr,
-        tokens, heads, splits, split_len, first, scaling, l0, l1,
+        pos_ptr, hid_ptr, freq_ptr, m_ptr, l_ptr, acc_ptr,
+        tokens, heads, splits, split_len, first, scaling, l0, l1, rope_scale,
         D: tl.constexpr, G: tl.constexpr, KBITS: tl.constexpr, KGROUP: tl.constexpr, KO: tl.constexpr,
         VBITS: tl.constexpr, VGROUP: tl.constexpr, HAS_START: tl.constexpr, BLOCK: tl.constexpr, LOWP: tl.constexpr,
         LEVELS: tl.constexpr, VLOG: tl.constexpr, VST: tl.constexpr, HAS_POS: tl.constexpr, HID: tl.constexpr,
         ASM: tl.constexpr, KPLANES: tl.constexpr, KPF: tl.constexpr, AHEAD: tl.constexpr, VTILE: tl.constexpr,
         PAD: tl.constexpr, QG: tl.constexpr, FIX: tl.constexpr, FIX_LIMIT: tl.constexpr, PDL: tl.constexpr,
+        ROPE: tl.constexpr,
     ):
         """One program per (batch row x KV head, split of the packed tokens); the split is whole steps of ``BLOCK``
         tokens (``BLOCK`` divides ``KGROUP``), so nothing is masked but slots that are fillers, before the row's first
@@ -327,17 +344,17 @@ if triton is not None:
                     m_i, l_i, w_i, acc0, acc1, acc2, acc3, top = _ranges(
                         lo, hi, phi, BLOCK, R, G, VGROUP, q, q_row, bh, start, first, scaling, l0, l1, tokens,
                         kc_ptr, kz_ptr, ks_ptr, koi_ptr, kov_ptr, vc_ptr, vs_row, vmax_row, vlev_ptr, vlev16_ptr, pos_ptr,
-                        hid_ptr, probe, D, KBITS, KGROUP, KO, VBITS, HAS_START, LOWP, LEVELS, VLOG, VST, HAS_POS, HID, ASM,
-                        KPLANES, KPF, AHEAD, VTILE, PAD, QG, True)
+                        hid_ptr, freq_ptr, rope_scale, probe, D, KBITS, KGROUP, KO, VBITS, HAS_START, LOWP, LEVELS, VLOG,
+                        VST, HAS_POS, HID, ASM, KPLANES, KPF, AHEAD, VTILE, PAD, QG, True, ROPE)
                     seen = tl.max(top, 0)
                     again = probe * tl.max((~(seen - m_i <= FIX_LIMIT)).to(tl.int32), 0)
                     probe, phi = 0, seen
         else:
             m_i, l_i, w_i, acc0, acc1, acc2, acc3, top = _ranges(
                 lo, hi, m_i, BLOCK, R, G, VGROUP, q, q_row, bh, start, first, scaling, l0, l1, tokens, kc_ptr, kz_ptr,
-                ks_ptr, koi_ptr, kov_ptr, vc_ptr, vs_row, vmax_row, vlev_ptr, vlev16_ptr, pos_ptr, hid_ptr, 0, D, KBITS,
-                KGROUP, KO, VBITS, HAS_START, LOWP, LEVELS, VLOG, VST, HAS_POS, HID, ASM, KPLANES, KPF, AHEAD, VTILE, PAD,
-                QG, False)
+                ks_ptr, koi_ptr, kov_ptr, vc_ptr, vs_row, vmax_row, vlev_ptr, vlev16_ptr, pos_ptr, hid_ptr, freq_ptr,
+                rope_scale, 0, D, KBITS, KGROUP, KO, VBITS, HAS_START, LOWP, LEVELS, VLOG, VST, HAS_POS, HID, ASM, KPLANES,
+                KPF, AHEAD, VTILE, PAD, QG, False, ROPE)
         out = (bh * splits + split) * G
         tl.store(m_ptr + out + ri, m_i * 0.6931471805599453)
         tl.store(l_ptr + out + ri, tl.sum(l_i, 0))

@@ -78,5 +78,5 @@ values.quantizer = { bits = 2, token_tiles = 64 }
 """)
     with pytest.raises(ModelError, match=r"slot 'values.quantizer' \('rotated-token'\): it packs groups of 64 tokens"):
         build_cache(load_pipeline("v-tiles-short", path), tiny_llama(torch.float32, hidden=256))
-    with pytest.raises(ModelError, match="read on a GPU by the 'dense' kernel only.*key_space 'pre-rope'.*head_dim 64"):
+    with pytest.raises(ModelError, match="read on a GPU by the 'dense' kernel only.*keys channel-group.v1 at 4 bits.*head_dim 64"):
         build_cache(load_pipeline("v-tiles-pre", path), tiny_llama(torch.float32, hidden=256))

@@ -134,7 +134,8 @@ class LowbitKernel(AttentionKernel):
             raise ComponentError(f"{where}: the pipeline accumulates attention or re-selects stored tokens; use kernel 'reference'")
         values, keys = (engine.pipeline.component_for("quantizer", kind).for_kind(kind) for kind in ("values", "keys"))
         if getattr(values, "token_tiles", 0) and self.backend == "triton":  # "auto" on a GPU: refused at the launch
-            if why := tiles_build_refusal(engine.pre_rope, engine.shape.head_dim, values.group, getattr(keys, "group", 0)):
+            if why := tiles_build_refusal(keys.packed_format, getattr(keys, "bits", 0), engine.shape.head_dim, values.group,
+                                          getattr(keys, "group", 0)):
                 raise ModelError(f"{where}: {why}; set the kernel's backend = 'torch' or drop token_tiles")
         partial = [rank for rank in engine.residual_levels if rank != engine.shape.head_dim]
         if partial:

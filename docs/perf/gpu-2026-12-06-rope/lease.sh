@@ -1,0 +1,22 @@
+#!/bin/bash
+# Keys stored before RoPE read by the dense kernel (ROPE: dequantized and rotated in registers): the GPU tests, then
+# lowbit_kernel.py over the pre-RoPE storages against SDPA (the dense kernel; for prerope-k4v2's storage the wide
+# kernel too, the default before) and the 8x class's post-RoPE storage as the baseline of the same run.
+# Run from the repository's root: OUT=folder bash docs/perf/gpu-2026-12-06-rope/lease.sh
+set -o pipefail
+OUT=${OUT:-$PWD/results/lease}
+mkdir -p "$OUT"
+python -m pip install -q --no-deps --no-build-isolation -e . >/dev/null 2>&1
+{ nvidia-smi --query-gpu=name,memory.total --format=csv,noheader 2>/dev/null
+  python -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)"; } > "$OUT/gpu.txt"
+step() { local limit=$1 file=$2; shift 2; echo "\$ $*" >> "$OUT/$file"; timeout "$limit" "$@" 2>&1 | grep -v -E "Warning|warnings.warn" >> "$OUT/$file"; echo "exit $? after ${SECONDS}s" >> "$OUT/$file"; }
+BENCH="python benchmarks/lowbit_kernel.py --reps 10 --tokens ${TOKENS:-32768,131072} --batches ${BATCHES:-1,8,32}"
+if [ -z "$NO_TESTS" ]; then
+  step 100 tests.txt python -m pytest -q -p no:cacheprovider tests/test_dense_rope.py
+  KVWEAVE_GPU_VARIANTS=dense,auto step 160 tests.txt python -m pytest -q -x -p no:cacheprovider tests/test_lowbit_gpu.py \
+    -k "twin_on_the_gpu"
+fi
+step 100 k4v2e48t.md $BENCH --storage k4v2e48t --configs dense:64:4:0 --out "$OUT/k4v2e48t"
+step 100 k4v2e48t-post.md $BENCH --storage k4v2e48t --post-rope --configs dense:64:4:0 --out "$OUT/k4v2e48t-post"
+step 100 k4v4e77t.md $BENCH --storage k4v4e77t --configs dense:64:4:0 --out "$OUT/k4v4e77t"
+step 100 k4v2.md $BENCH --storage k4v2 --configs dense:64:4:0,wide:32:4:0 --out "$OUT/k4v2"

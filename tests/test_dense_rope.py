@@ -1,0 +1,71 @@
+"""Keys stored before RoPE read by the ``lowbit`` kernel's ``dense`` variant (``ROPE``: the codes dequantized and
+rotated at each slot's position in registers, :mod:`kvweave.kernels.lowbit_rope_triton`): against the torch twin
+under Triton's interpreter on the pre-RoPE channel-group storages of tests/test_lowbit_kernel.py, and the launch's
+choice of it."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kvweave.engine import build_cache, importance
+from kvweave.kernels.lowbit_decode import dense_refusal, lowbit_decode, plan_launch, resolve_variant, torch_lowbit_decode
+
+from conftest import CharTokenizer, tiny_llama
+from test_lowbit_kernel import model, registry  # noqa: F401 - the same storages and model
+
+
+def _view(model, registry, name, hidden=64):
+    net = model if hidden == 64 else tiny_llama(layers=2, hidden=hidden)
+    cache = build_cache(registry.resolve(name), net, tokenizer=CharTokenizer())
+    rows = 1 if importance.needs_importance(cache) else 2  # kvzip scores whole rows one at a time
+    ids = torch.randint(1, 128, (rows, 230), generator=torch.Generator().manual_seed(2))
+    with torch.no_grad():
+        importance.prefill(net, cache, ids)
+    return cache.engine.kernel.lowbit_view(cache.engine.view(1), torch.device("cpu")), rows
+
+
+@pytest.mark.interpreter
+@pytest.mark.parametrize("name, hidden", [
+    ("prerope-k4v2-lowbit", 64),  # 4-bit keys with an outlier, 2-bit normal levels
+    ("prerope-k4v2-lowbit", 512),  # the same at head_dim 128
+    ("t-lowbit-k2v4", 512),  # 2-bit keys with two outliers at head_dim 128, 4-bit uniform values
+    ("t-lowbit-k4log8", 64),  # one-byte log8 value scales
+    ("t-lowbit-kvzip-cg", 64),  # slots at their cache indices (rotated there), fillers never attended
+    ("t-lowbit-sinks-cg", 64),  # slots hidden: their tokens restored and attended with the exact window
+])
+def test_the_dense_kernel_rotates_keys_stored_before_rope_as_the_twin_does(model, registry, name, hidden):
+    view, rows = _view(model, registry, name, hidden)
+    assert view.inv_freq is not None
+    assert dense_refusal(view) is None, dense_refusal(view)
+    dim = view.exact_k.shape[-1]
+    q = torch.randn(rows, 4, dim, generator=torch.Generator().manual_seed(3))
+    start = torch.tensor([40, 0][:rows], dtype=torch.int32)
+    twin = torch_lowbit_decode(view, q, start, dim ** -0.5)
+    out = lowbit_decode(view, q, start, dim ** -0.5, variant="dense")
+    assert torch.allclose(out, twin, atol=1e-5), (name, (out - twin).abs().max())
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="compiles the kernel for a CUDA GPU")
+@pytest.mark.parametrize("storage", ["k4v2", "k4v2e48t", "k4v4e77t"])
+def test_keys_before_rope_at_real_sizes_on_the_gpu(storage):
+    """Llama-3-8B attention shape, 32,768 tokens before eviction, 2 rows, keys stored before RoPE: prerope-k4v2's
+    storage (an exact outlier a token, values token by token), the 8x and ~5x classes' (slots at random positions, values
+    in tiles). The default launch takes the dense kernel and stays within the bound of the other real-size GPU tests:
+    3% of the output's scale plus 6 times what rounding the query alone to bfloat16 does to the twin."""
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+    from lowbit_kernel import HEAD_DIM, Q_HEADS, packed_view
+
+    view = packed_view(2, 32768, device="cuda", storage=storage)
+    assert view.inv_freq is not None
+    q = torch.randn(2, Q_HEADS, HEAD_DIM, generator=torch.Generator().manual_seed(9)).cuda()
+    assert resolve_variant(view, "auto")[0] == "dense"
+    assert plan_launch(view, q, None, HEAD_DIM ** -0.5).constants["ROPE"]
+    twin = torch_lowbit_decode(view, q, None, HEAD_DIM ** -0.5)
+    noise = float((torch_lowbit_decode(view, q.bfloat16().float(), None, HEAD_DIM ** -0.5) - twin).abs().max())
+    bound = 0.03 * float(twin.abs().max()) + 6 * noise
+    out = lowbit_decode(view, q, None, HEAD_DIM ** -0.5, variant="auto")
+    assert float((out - twin).abs().max()) < bound, (storage, float((out - twin).abs().max()), bound)
