@@ -34,7 +34,7 @@ from kvweave.core.lazy import lazy_module, torch
 from kvweave.kernels.formats import VALUE_TILE, unpack_codes, unpack_varwidth, untile_codes
 from kvweave.kernels.launch import Launch, choose_splits, default_programs, query_tile
 from kvweave.kernels.lowbit_combine import exact_start, plan_combine  # noqa: F401 - plan_combine re-exported
-from kvweave.kernels.lowbit_dense import (GPU_CHECKED_DIMS, dense_block, dense_launch, dense_refusal, dense_splits,
+from kvweave.kernels.lowbit_dense import (auto_dense, dense_block, dense_launch, dense_refusal, dense_splits,
                                           multiprocessors, tiles_refusal)
 from kvweave.kernels.lowbit_tricks import (  # noqa: F401 - TRICKS: the names lowbit_decode takes; the others read here
     TRICKS, fast_path, parse_tricks, whole_byte_codes, whole_byte_keys, wide_groups)
@@ -232,8 +232,8 @@ def level_kind(levels: list[float] | tuple[float, ...]) -> tuple[int, float, flo
 
 #: the Triton kernels :func:`lowbit_decode` can run: "wide" (at most 4 value groups: whole half-head key tiles, codes of
 #: whole bytes unpacked in registers, value scales on the probabilities; steps of at least :data:`WIDE_MIN_BLOCK`),
-#: "general" (one pass per channel, gathered bytes, any storage), "dense" (keys after RoPE in 2- or 4-bit channel-group
-#: codes, 2- or 4-bit values, whole steps, codes as 32-bit words: :mod:`kvweave.kernels.lowbit_dense_triton`); "auto":
+#: "general" (one pass per channel, gathered bytes, any storage), "dense" (keys in 2- or 4-bit channel-group codes, before
+#: RoPE rotated in registers, 2- or 4-bit values, whole steps, codes as 32-bit words: :mod:`kvweave.kernels.lowbit_dense_triton`); "auto":
 #: "dense" where it reads the storage at the GPU-checked head_dims, else "wide" where it does, else "general" (each
 #: measured faster than the next on the H200; a "subtile" kernel was removed after 3230605; docs/kernels.md)
 VARIANTS = ("auto", "wide", "general", "dense")
@@ -257,7 +257,7 @@ def resolve_variant(view: LowbitView, variant: str, block: int | None = None) ->
         if why is not None:
             raise ValueError(f"the lowbit 'dense' kernel cannot read this storage: {why}; use variant 'wide' or 'general'")
         return variant, dense_block(view) if block is None else block
-    if variant == "auto" and block is None and dense_refusal(view) is None and view.exact_k.shape[-1] in GPU_CHECKED_DIMS:
+    if variant == "auto" and block is None and auto_dense(view):
         return "dense", dense_block(view)  # measured faster than "wide" there
     if view.v_tiled:
         raise ValueError(tiles_refusal(view, variant, block))

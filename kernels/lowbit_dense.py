@@ -1,6 +1,7 @@
 """What the ``lowbit`` kernel's ``dense`` variant reads and how it is launched (:mod:`kvweave.kernels.lowbit_dense_triton`
-is the kernel; :func:`kvweave.kernels.lowbit_decode.plan_launch` calls these): keys stored after RoPE in 2- or 4-bit
-``channel-group`` codes and 2- or 4-bit values, read as 32-bit words in whole steps."""
+is the kernel; :func:`kvweave.kernels.lowbit_decode.plan_launch` calls these): keys in 2- or 4-bit ``channel-group``
+codes (stored after RoPE, or before it and rotated in registers) and 2- or 4-bit values, read as 32-bit words in whole
+steps."""
 
 from __future__ import annotations
 
@@ -86,6 +87,16 @@ def key_planes(view: Any) -> bool:
 #: since 2026-12-06: docs/kernels.md "head_dim 256 on the GPU")
 GPU_CHECKED_DIMS = (64, 128, 256)
 
+#: whether "auto" gives the dense kernel keys stored before RoPE (rotated in registers, ``ROPE``): only once its GPU build
+#: matched the twin (tests/test_dense_rope.py, tests/test_lowbit_gpu.py); before, the "wide" kernel read them
+ROPE_GPU_CHECKED = False
+
+
+def auto_dense(view: Any) -> bool:
+    """Whether the default launch ("auto", no step asked for) gives ``view`` to the dense kernel."""
+    checked = view.exact_k.shape[-1] in GPU_CHECKED_DIMS and (view.inv_freq is None or ROPE_GPU_CHECKED)
+    return checked and dense_refusal(view) is None
+
 
 def dense_block(view: Any) -> int:
     """The dense kernel's step for ``view`` when none is asked for."""
@@ -121,6 +132,8 @@ def tiles_refusal(view: Any, variant: str, block: int | None) -> str:
     why = dense_refusal(view, block)
     if why is None and view.exact_k.shape[-1] not in GPU_CHECKED_DIMS:
         why = f"it is built and checked on a GPU at head_dims {GPU_CHECKED_DIMS}"
+    if why is None and view.inv_freq is not None and not ROPE_GPU_CHECKED:
+        why = "its build for keys stored before RoPE is not yet checked on a GPU (variant 'dense' asks for it anyway)"
     fix = f"the 'dense' kernel cannot read this storage: {why}; use" if why else "use variant 'dense' (or 'auto'),"
     return (f"the lowbit '{variant}' kernel reads values token by token, and these are stored in tiles of {VALUE_TILE} "
             f"tokens (token_tiles), which only the 'dense' kernel reads; {fix} backend 'torch' or values without token_tiles")

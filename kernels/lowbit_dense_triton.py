@@ -1,6 +1,7 @@
 """The ``dense`` kernel of the ``lowbit`` decode attention (:func:`kvweave.kernels.lowbit_decode.lowbit_decode`,
-``variant="dense"``): keys stored after RoPE in 2- or 4-bit ``channel-group`` codes and 2- or 4-bit values, read as
-32-bit words. A word of codes holds ``32 / bits`` channels (channel ``c`` of a token at bit ``(c % per) * bits`` of word
+``variant="dense"``): keys in 2- or 4-bit ``channel-group`` codes and 2- or 4-bit values, read as 32-bit words; keys
+stored before RoPE are dequantized and rotated at each slot's position in registers (``ROPE``,
+:mod:`kvweave.kernels.lowbit_rope_triton`), those stored after it go to the products as codes. A word of codes holds ``32 / bits`` channels (channel ``c`` of a token at bit ``(c % per) * bits`` of word
 ``c // per``, the little-endian reading of the stored bytes), so one load brings 8 or 16 codes and each code costs a
 shift and a mask: no byte extraction, no per-code address. Each channel's key scale multiplies the query and its
 minimum becomes one number per query head and token group, so key codes go to the products as they are (on a GPU the
@@ -9,7 +10,7 @@ probabilities. Value codes become the products' operands two to a 32-bit registe
 (the output's channels put back when it is stored): from tiles (:mod:`kvweave.kernels.lowbit_tile_triton`) or token by
 token (:mod:`kvweave.kernels.lowbit_rows_triton`). The softmax runs against a fixed reference, the first step's largest
 logit, with a second pass where the logits rose too far above it (``FIX``), or against a running maximum. What it does
-not read (keys before RoPE, 3-bit or ``channel-alloc`` codes, a packed token count that is not whole steps) the
+not read (3-bit or ``channel-alloc`` codes, a packed token count that is not whole steps) the
 plugin's other kernels read. Without triton the module defines no kernel (``triton`` is None)."""
 
 from __future__ import annotations

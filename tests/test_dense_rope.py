@@ -51,7 +51,7 @@ def test_the_dense_kernel_rotates_keys_stored_before_rope_as_the_twin_does(model
 def test_keys_before_rope_at_real_sizes_on_the_gpu(storage):
     """Llama-3-8B attention shape, 32,768 tokens before eviction, 2 rows, keys stored before RoPE: prerope-k4v2's
     storage (an exact outlier a token, values token by token), the 8x and ~5x classes' (slots at random positions, values
-    in tiles). The default launch takes the dense kernel and stays within the bound of the other real-size GPU tests:
+    in tiles). The dense kernel stays within the bound of the other real-size GPU tests:
     3% of the output's scale plus 6 times what rounding the query alone to bfloat16 does to the twin."""
     import sys
     from pathlib import Path
@@ -62,10 +62,31 @@ def test_keys_before_rope_at_real_sizes_on_the_gpu(storage):
     view = packed_view(2, 32768, device="cuda", storage=storage)
     assert view.inv_freq is not None
     q = torch.randn(2, Q_HEADS, HEAD_DIM, generator=torch.Generator().manual_seed(9)).cuda()
-    assert resolve_variant(view, "auto")[0] == "dense"
-    assert plan_launch(view, q, None, HEAD_DIM ** -0.5).constants["ROPE"]
+    assert plan_launch(view, q, None, HEAD_DIM ** -0.5, variant="dense").constants["ROPE"]
     twin = torch_lowbit_decode(view, q, None, HEAD_DIM ** -0.5)
     noise = float((torch_lowbit_decode(view, q.bfloat16().float(), None, HEAD_DIM ** -0.5) - twin).abs().max())
     bound = 0.03 * float(twin.abs().max()) + 6 * noise
-    out = lowbit_decode(view, q, None, HEAD_DIM ** -0.5, variant="auto")
+    out = lowbit_decode(view, q, None, HEAD_DIM ** -0.5, variant="dense")
     assert float((out - twin).abs().max()) < bound, (storage, float((out - twin).abs().max()), bound)
+
+
+def test_the_default_launch_takes_keys_before_rope_to_the_dense_kernel_once_checked_on_a_gpu(model, registry,
+                                                                                              monkeypatch):
+    """``ROPE_GPU_CHECKED`` decides whether "auto" gives pre-RoPE channel-group keys the dense kernel or the wide one;
+    keys after RoPE take the dense kernel either way, and values in tiles over unchecked pre-RoPE keys are refused by
+    "auto" with the reason."""
+    import attrs
+
+    from kvweave.kernels import lowbit_dense
+
+    view, _ = _view(model, registry, "prerope-k4v2-lowbit", 512)  # head_dim 128: 64-token steps
+    for checked, kernel, block in ((True, "dense", 64), (False, "wide", 32)):
+        monkeypatch.setattr(lowbit_dense, "ROPE_GPU_CHECKED", checked)
+        assert resolve_variant(view, "auto") == (kernel, block)
+        assert resolve_variant(attrs.evolve(view, inv_freq=None), "auto") == ("dense", 64)
+        assert resolve_variant(view, "dense") == ("dense", 64)  # asked for by name, it reads them unchecked too
+    tiled = attrs.evolve(view, v_tiled=True)
+    with pytest.raises(ValueError, match="before RoPE is not yet checked on a GPU"):
+        resolve_variant(tiled, "auto")
+    monkeypatch.setattr(lowbit_dense, "ROPE_GPU_CHECKED", True)
+    assert resolve_variant(tiled, "auto") == ("dense", 64)

@@ -11,6 +11,7 @@ import torch
 
 from kvweave.engine import build_cache, importance
 from kvweave.kernels.lowbit_decode import dense_refusal, lowbit_decode, plan_launch, resolve_variant, torch_lowbit_decode
+from kvweave.kernels.lowbit_dense import ROPE_GPU_CHECKED
 
 from conftest import CharTokenizer, tiny_llama
 from test_lowbit_kernel import model, registry  # noqa: F401 - the same storages and model
@@ -101,19 +102,19 @@ def test_the_tiled_values_operands_are_fenced_only_where_the_products_are_ampere
 
 
 def test_the_dense_kernel_refuses_what_it_cannot_read(model, registry):
-    """Keys before RoPE, channel-alloc widths, 3-bit codes, steps that do not divide the token group, the TF32 key
-    products and 8 warps a program are refused, each saying why; the wide kernel reads them all."""
+    """Channel-alloc widths, 3-bit codes, steps that do not divide the token group, the TF32 key products and 8 warps a
+    program are refused, each saying why; the wide kernel reads them all. Keys before RoPE are read (rotated in
+    registers, tests/test_dense_rope.py)."""
     q = torch.randn(2, 4, 64)
     cache = build_cache(registry.resolve("prerope-k4v2-lowbit"), model)
     with torch.no_grad():
         importance.prefill(model, cache, torch.randint(1, 128, (2, 230), generator=torch.Generator().manual_seed(2)))
     pre = cache.engine.kernel.lowbit_view(cache.engine.view(1), torch.device("cpu"))
-    with pytest.raises(ValueError, match="after RoPE"):
-        resolve_variant(pre, "dense")
+    assert resolve_variant(pre, "dense") == ("dense", 32)
     post = attrs.evolve(pre, inv_freq=None)
     assert resolve_variant(post, "dense") == ("dense", 32)  # head_dim 64: 32-token steps
     # the default launch takes it wherever it reads the storage; steps asked for keep the other kernels' choice
-    assert resolve_variant(post, "auto") == ("dense", 32) and resolve_variant(pre, "auto") == ("wide", 32)
+    assert resolve_variant(post, "auto") == ("dense", 32) and resolve_variant(pre, "auto") == ("dense" if ROPE_GPU_CHECKED else "wide", 32)
     assert resolve_variant(post, "auto", 32) == ("wide", 32)
     for block, match in ((48, "power of two"), (128, "divides the keys' token group"), (8, "at least 16"),
                          (64, "at head_dim 64 its steps must be at most 32")):
