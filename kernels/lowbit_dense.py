@@ -8,7 +8,7 @@ from __future__ import annotations
 import functools
 from typing import TYPE_CHECKING, Any
 
-from kvweave.core.environment import env_switch
+from kvweave.core.environment import env_setting, env_switch
 from kvweave.core.lazy import lazy_module, torch
 from kvweave.kernels.formats import CHANNEL_GROUP, VALUE_TILE
 from kvweave.kernels.launch import capability, programmatic
@@ -87,6 +87,20 @@ def key_planes(view: Any) -> bool:
 #: since 2026-12-06: docs/kernels.md "head_dim 256 on the GPU")
 GPU_CHECKED_DIMS = (64, 128, 256)
 
+#: the narrowest head_dim the dense kernel reads keys stored before RoPE at: at head_dim 64 its sm_90 build (Triton 3.6,
+#: H100, 2026-12-06) was 4.4% of the output's scale off the twin (3% allowed) where the interpreter agreed to 1e-5, while
+#: head_dim 128 matched at real sizes (docs/kernels.md "Keys before RoPE in the dense kernel")
+ROPE_MIN_DIM = 128
+
+#: registers a thread of the dense kernel may take over keys stored before RoPE, at any batch: their rotation's tiles
+#: spilled at 96 (and 2 registers' worth at 128, sm_90 build)
+DENSE_ROPE_REGISTERS = 128
+
+#: the rotary pairs the dense kernel rotates at a time over keys stored before RoPE (``ROPE_PAIRS``): at head_dim 128 in
+#: halves (32 pairs) its sm_90 build spilled 72 bytes a thread at 128 registers, in quarters 32 with 6% more loop
+#: instructions (the query's rows read a part at a time); KVWEAVE_ROPE_PAIRS sets it (8, 16, 32 or 64)
+DENSE_ROPE_PAIRS = env_setting("KVWEAVE_ROPE_PAIRS", 16, (8, 16, 32, 64))
+
 #: whether "auto" gives the dense kernel keys stored before RoPE (rotated in registers, ``ROPE``): only once its GPU build
 #: matched the twin (tests/test_dense_rope.py, tests/test_lowbit_gpu.py); before, the "wide" kernel read them
 ROPE_GPU_CHECKED = False
@@ -121,6 +135,9 @@ def dense_refusal(view: Any, block: int | None = None) -> str | None:
     if view.v_tiled and (view.v_bits not in (2, 4) or view.v_group != 64 or block != 64):
         return (f"it reads values stored in tiles of 64 tokens as 2- or 4-bit codes in groups of 64 channels in steps of 64 "
                 f"tokens, got {view.v_bits}-bit codes in groups of {view.v_group} in steps of {block}")
+    if view.inv_freq is not None and dim < ROPE_MIN_DIM:
+        return (f"it reads keys stored before RoPE at head_dims of at least {ROPE_MIN_DIM} (its GPU build at head_dim "
+                f"{dim} was not checked to match), got {dim}")
     if dim < 128 and block > NARROW_MAX_BLOCK:
         return (f"at head_dim {dim} its steps must be at most {NARROW_MAX_BLOCK} tokens (the GPU build of longer ones "
                 f"computes wrong), got {block}")
@@ -320,6 +337,7 @@ def dense_launch(view: Any, args: tuple, constants: dict, kind: int, l0: float, 
                                                                   "KPLANES": key_planes(view), "VTILE": view.v_tiled}
     dense_constants["PAD"] = query_pad(group, constants["G"])
     dense_constants["QG"] = group
+    dense_constants["ROPE_PAIRS"] = min(DENSE_ROPE_PAIRS, constants["D"] // 2)
     dense_constants["FIX"], dense_constants["FIX_LIMIT"] = DENSE_FIXED_MAX, DENSE_FIXED_LIMIT
     programs = m.shape[0] * splits  # the combine starts before the last programs end where they are one wave
     sms, hid = multiprocessors(padded.device), constants["HID"] > 0
@@ -328,6 +346,8 @@ def dense_launch(view: Any, args: tuple, constants: dict, kind: int, l0: float, 
                                                  trick or {})
     if wide:
         registers = DENSE_AHEAD_REGISTERS if registers is None else max(registers, DENSE_AHEAD_REGISTERS)
+    if constants["ROPE"]:
+        registers = DENSE_ROPE_REGISTERS if registers is None else max(registers, DENSE_ROPE_REGISTERS)
     dense_constants["PDL"] = programmatic(padded.device) and programs <= EARLY_COMBINE_WAVES * dense_slots(
         sms, constants["D"], hid, constants["num_warps"], registers)
     if offset_out(dense_constants):  # 4-bit uniform levels as 1 + code / 16, the offset taken off at the end

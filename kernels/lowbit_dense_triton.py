@@ -24,7 +24,7 @@ except ImportError:  # pragma: no cover - exercised where triton is missing
 if triton is not None:
     from kvweave.kernels.grid_dependency_triton import gdc_launch_dependents
     from kvweave.kernels.lowbit_codes_triton import _plus128
-    from kvweave.kernels.lowbit_rope_triton import _rope_logits, _rope_queries
+    from kvweave.kernels.lowbit_rope_triton import _rope_logits
     from kvweave.kernels.lowbit_rows_triton import _pair_channels, _quad_channels, _value_step, _words_codes
     from kvweave.kernels.lowbit_step_triton import (_over, _plane_logits, _plane_queries, _scale_of, _softmax_step,
                                                      _step_loads)
@@ -119,7 +119,7 @@ if triton is not None:
                LOWP: tl.constexpr, LEVELS: tl.constexpr, VLOG: tl.constexpr, VST: tl.constexpr, HAS_POS: tl.constexpr,
                HID: tl.constexpr, HIDE: tl.constexpr, ASM: tl.constexpr, KPLANES: tl.constexpr, KPF: tl.constexpr,
                AHEAD: tl.constexpr, VTILE: tl.constexpr, PAD: tl.constexpr, QG: tl.constexpr, top, probe, t_first, FIX: tl.constexpr,
-               ROPE: tl.constexpr):
+               ROPE: tl.constexpr, ROPE_PAIRS: tl.constexpr):
         """The packed pass over steps ``t_lo .. t_hi`` of a program's tokens: its running maximum (or reference), sums
         and outputs carried on; ``HIDE``: these steps hold hidden slots (the list is checked in them only, so the steps without keep the
         code of a storage that hides none). Each step's scales, zero points and positions are loaded a step ahead
@@ -155,10 +155,6 @@ if triton is not None:
         q1, q2, q3, q4, q5, q6, q7 = q0, q0, q0, q0, q0, q0, q0
         if KPLANES:  # each code place's query rows, loaded once
             q0, q1, q2, q3, q4, q5, q6, q7 = _plane_queries(q_row, scaling, jk, gi, D)
-        q0_lo, q0_hi, q1_lo, q1_hi = 0.0, 0.0, 0.0, 0.0
-        if ROPE:  # the query's rows by part of the rotary pairs and half of the channels, loaded once
-            q0_lo, q0_hi = _rope_queries(q_row, scaling, rope_scale, gi, 0, D, LOWP)
-            q1_lo, q1_hi = _rope_queries(q_row, scaling, rope_scale, gi, 1, D, LOWP)
         for t0 in range(t_lo, t_hi, BLOCK):
             (ks_n, kz_n, kw0_n, kw1_n, kw2_n, kw3_n, zw0_n, zw1_n, zw2_n, zw3_n, s0_n, m0_n, s1_n, m1_n, s2_n, m2_n, s3_n,
              m3_n, pos_n) = _step_loads(tl.minimum(t0 + BLOCK, t_hi - BLOCK), ch, jk, t_loc, ks_ptr, kz_ptr, vs_row,
@@ -176,8 +172,8 @@ if triton is not None:
             elif not ROPE:
                 words = tl.load(kc_ptr + t0 * KW + t_loc[:, None] * KW + jk[None, :]).to(tl.uint32, bitcast=True)
             if ROPE:
-                s = _rope_logits(kc_ptr + t0 * KW, ks_ptr, kz_ptr, koi_ptr, kov_ptr, meta, tok, t_loc, pos, freq_ptr, q0_lo,
-                                 q0_hi, q1_lo, q1_hi, KW, D, KBITS, KO, LOWP, ASM)
+                s = _rope_logits(kc_ptr + t0 * KW, ks_ptr, kz_ptr, koi_ptr, kov_ptr, meta, tok, t_loc, pos, freq_ptr, q_row,
+                                 gi, scaling * rope_scale, KW, D, KBITS, KO, LOWP, ASM, ROPE_PAIRS)
             elif KPLANES:
                 s = _plane_logits(words, q0, q1, q2, q3, q4, q5, q6, q7, ks_ptr, kz_ptr, meta, kw0, kw1, kw2, kw3, zw0, zw1,
                                   zw2, zw3, jk, LOWP, KPF, ASM)
@@ -240,7 +236,8 @@ if triton is not None:
                 KGROUP: tl.constexpr, KO: tl.constexpr, VBITS: tl.constexpr, HAS_START: tl.constexpr, LOWP: tl.constexpr,
                 LEVELS: tl.constexpr, VLOG: tl.constexpr, VST: tl.constexpr, HAS_POS: tl.constexpr, HID: tl.constexpr,
                 ASM: tl.constexpr, KPLANES: tl.constexpr, KPF: tl.constexpr, AHEAD: tl.constexpr, VTILE: tl.constexpr,
-                PAD: tl.constexpr, QG: tl.constexpr, FIX: tl.constexpr, ROPE: tl.constexpr):
+                PAD: tl.constexpr, QG: tl.constexpr, FIX: tl.constexpr, ROPE: tl.constexpr,
+                ROPE_PAIRS: tl.constexpr):
         """A program's steps ``lo .. hi`` from a fresh start (``m_i``: the reference with ``FIX``, else -inf): its
         maximum or reference, sums, outputs and each slot's largest logit."""
         l_i = tl.zeros([BLOCK, R], tl.float32)  # each slot's running sum of probabilities (:func:`_steps`)
@@ -258,26 +255,26 @@ if triton is not None:
                 kc_ptr, kz_ptr, ks_ptr, koi_ptr, kov_ptr, vc_ptr, vs_row, vmax_row, vlev_ptr, vlev16_ptr, pos_ptr,
                 hid_ptr, freq_ptr, rope_scale, D, G, KBITS, KGROUP, KO, VBITS, VGROUP, HAS_START, BLOCK, LOWP, LEVELS, VLOG,
                 VST, HAS_POS, HID,
-                False, ASM, KPLANES, KPF, AHEAD, VTILE, PAD, QG, top, probe, lo, FIX, ROPE)
+                False, ASM, KPLANES, KPF, AHEAD, VTILE, PAD, QG, top, probe, lo, FIX, ROPE, ROPE_PAIRS)
             m_i, l_i, w_i, acc0, acc1, acc2, acc3, top = _steps(
                 t_a, t_b, m_i, l_i, w_i, acc0, acc1, acc2, acc3, q, q_row, bh, start, first, scaling, l0, l1,
                 kc_ptr, kz_ptr, ks_ptr, koi_ptr, kov_ptr, vc_ptr, vs_row, vmax_row, vlev_ptr, vlev16_ptr, pos_ptr,
                 hid_ptr, freq_ptr, rope_scale, D, G, KBITS, KGROUP, KO, VBITS, VGROUP, HAS_START, BLOCK, LOWP, LEVELS, VLOG,
                 VST, HAS_POS, HID,
-                True, ASM, KPLANES, KPF, AHEAD, VTILE, PAD, QG, top, probe, lo, FIX, ROPE)
+                True, ASM, KPLANES, KPF, AHEAD, VTILE, PAD, QG, top, probe, lo, FIX, ROPE, ROPE_PAIRS)
             m_i, l_i, w_i, acc0, acc1, acc2, acc3, top = _steps(
                 t_b, hi, m_i, l_i, w_i, acc0, acc1, acc2, acc3, q, q_row, bh, start, first, scaling, l0, l1,
                 kc_ptr, kz_ptr, ks_ptr, koi_ptr, kov_ptr, vc_ptr, vs_row, vmax_row, vlev_ptr, vlev16_ptr, pos_ptr,
                 hid_ptr, freq_ptr, rope_scale, D, G, KBITS, KGROUP, KO, VBITS, VGROUP, HAS_START, BLOCK, LOWP, LEVELS, VLOG,
                 VST, HAS_POS, HID,
-                False, ASM, KPLANES, KPF, AHEAD, VTILE, PAD, QG, top, probe, lo, FIX, ROPE)
+                False, ASM, KPLANES, KPF, AHEAD, VTILE, PAD, QG, top, probe, lo, FIX, ROPE, ROPE_PAIRS)
         else:
             m_i, l_i, w_i, acc0, acc1, acc2, acc3, top = _steps(
                 lo, hi, m_i, l_i, w_i, acc0, acc1, acc2, acc3, q, q_row, bh, start, first, scaling, l0, l1,
                 kc_ptr, kz_ptr, ks_ptr, koi_ptr, kov_ptr, vc_ptr, vs_row, vmax_row, vlev_ptr, vlev16_ptr, pos_ptr,
                 hid_ptr, freq_ptr, rope_scale, D, G, KBITS, KGROUP, KO, VBITS, VGROUP, HAS_START, BLOCK, LOWP, LEVELS, VLOG,
                 VST, HAS_POS, HID,
-                False, ASM, KPLANES, KPF, AHEAD, VTILE, PAD, QG, top, probe, lo, FIX, ROPE)
+                False, ASM, KPLANES, KPF, AHEAD, VTILE, PAD, QG, top, probe, lo, FIX, ROPE, ROPE_PAIRS)
         return m_i, l_i, w_i, acc0, acc1, acc2, acc3, top
 
     @triton.jit
@@ -290,7 +287,7 @@ if triton is not None:
         LEVELS: tl.constexpr, VLOG: tl.constexpr, VST: tl.constexpr, HAS_POS: tl.constexpr, HID: tl.constexpr,
         ASM: tl.constexpr, KPLANES: tl.constexpr, KPF: tl.constexpr, AHEAD: tl.constexpr, VTILE: tl.constexpr,
         PAD: tl.constexpr, QG: tl.constexpr, FIX: tl.constexpr, FIX_LIMIT: tl.constexpr, PDL: tl.constexpr,
-        ROPE: tl.constexpr,
+        ROPE: tl.constexpr, ROPE_PAIRS: tl.constexpr,
     ):
         """One program per (batch row x KV head, split of the packed tokens); the split is whole steps of ``BLOCK``
         tokens (``BLOCK`` divides ``KGROUP``), so nothing is masked but slots that are fillers, before the row's first
@@ -346,7 +343,7 @@ if triton is not None:
                         lo, hi, phi, BLOCK, R, G, VGROUP, q, q_row, bh, start, first, scaling, l0, l1, tokens,
                         kc_ptr, kz_ptr, ks_ptr, koi_ptr, kov_ptr, vc_ptr, vs_row, vmax_row, vlev_ptr, vlev16_ptr, pos_ptr,
                         hid_ptr, freq_ptr, rope_scale, probe, D, KBITS, KGROUP, KO, VBITS, HAS_START, LOWP, LEVELS, VLOG,
-                        VST, HAS_POS, HID, ASM, KPLANES, KPF, AHEAD, VTILE, PAD, QG, True, ROPE)
+                        VST, HAS_POS, HID, ASM, KPLANES, KPF, AHEAD, VTILE, PAD, QG, True, ROPE, ROPE_PAIRS)
                     seen = tl.max(top, 0)
                     again = probe * tl.max((~(seen - m_i <= FIX_LIMIT)).to(tl.int32), 0)
                     probe, phi = 0, seen
@@ -355,7 +352,7 @@ if triton is not None:
                 lo, hi, m_i, BLOCK, R, G, VGROUP, q, q_row, bh, start, first, scaling, l0, l1, tokens, kc_ptr, kz_ptr,
                 ks_ptr, koi_ptr, kov_ptr, vc_ptr, vs_row, vmax_row, vlev_ptr, vlev16_ptr, pos_ptr, hid_ptr, freq_ptr,
                 rope_scale, 0, D, KBITS, KGROUP, KO, VBITS, HAS_START, LOWP, LEVELS, VLOG, VST, HAS_POS, HID, ASM, KPLANES,
-                KPF, AHEAD, VTILE, PAD, QG, False, ROPE)
+                KPF, AHEAD, VTILE, PAD, QG, False, ROPE, ROPE_PAIRS)
         out = (bh * splits + split) * G
         tl.store(m_ptr + out + ri, m_i * 0.6931471805599453)
         tl.store(l_ptr + out + ri, tl.sum(l_i, 0))

@@ -87,14 +87,20 @@ if triton is not None:
         the hardware's approximations (``cos.approx``, ``sin.approx``: absolute error about 1e-6 on [-pi, pi], far
         below a bfloat16 operand's rounding) instead of the libm-accurate functions, a few instructions instead of
         dozens per angle."""
-        angle = pos.to(tl.float32)[:, None] * freq[None, :]
+        cos, sin = _angle_cos_sin(pos.to(tl.float32)[:, None] * freq[None, :], APPROX)
+        return cos * rope_scale, sin * rope_scale
+
+    @triton.jit
+    def _angle_cos_sin(angle, APPROX: tl.constexpr):
+        """cos and sin of ``angle`` (radians, float32), reduced as :func:`_cos_sin` says."""
         turns = tl.floor(angle * 0.15915494309189535 + 0.5)
         angle = (angle - turns * 6.28125) - turns * 0.0019353071795864769
         if APPROX:
             cos = tl.inline_asm_elementwise("cos.approx.ftz.f32 $0, $1;", "=f,f", [angle], dtype=tl.float32, is_pure=True, pack=1)
             sin = tl.inline_asm_elementwise("sin.approx.ftz.f32 $0, $1;", "=f,f", [angle], dtype=tl.float32, is_pure=True, pack=1)
-            return cos * rope_scale, sin * rope_scale
-        return tl.cos(angle) * rope_scale, tl.sin(angle) * rope_scale
+        else:
+            cos, sin = tl.cos(angle), tl.sin(angle)
+        return cos, sin
 
     @triton.jit
     def _outlier_logits(q_row, kz_ptr, koi_ptr, kov_ptr, meta, tok, t_ok, gi, scaling, D: tl.constexpr, KO: tl.constexpr):

@@ -34,16 +34,29 @@ def _view(model, registry, name, hidden=64):
     ("t-lowbit-kvzip-cg", 64),  # slots at their cache indices (rotated there), fillers never attended
     ("t-lowbit-sinks-cg", 64),  # slots hidden: their tokens restored and attended with the exact window
 ])
-def test_the_dense_kernel_rotates_keys_stored_before_rope_as_the_twin_does(model, registry, name, hidden):
+def test_the_dense_kernel_rotates_keys_stored_before_rope_as_the_twin_does(model, registry, name, hidden, monkeypatch):
+    """At head_dim 64 the launch refuses keys before RoPE (its GPU build was off the twin): the kernel's arithmetic is
+    checked there under the interpreter with the refusal lifted, and at head_dim 128 as the launch makes it, in parts
+    of 16 rotary pairs and in halves."""
+    from kvweave.kernels import lowbit_dense
+
     view, rows = _view(model, registry, name, hidden)
     assert view.inv_freq is not None
+    if hidden == 64:
+        assert "before RoPE at head_dims of at least 128" in dense_refusal(view)
+        monkeypatch.setattr(lowbit_dense, "ROPE_MIN_DIM", 64)
     assert dense_refusal(view) is None, dense_refusal(view)
     dim = view.exact_k.shape[-1]
     q = torch.randn(rows, 4, dim, generator=torch.Generator().manual_seed(3))
     start = torch.tensor([40, 0][:rows], dtype=torch.int32)
     twin = torch_lowbit_decode(view, q, start, dim ** -0.5)
-    out = lowbit_decode(view, q, start, dim ** -0.5, variant="dense")
-    assert torch.allclose(out, twin, atol=1e-5), (name, (out - twin).abs().max())
+    for pairs in (16, 32) if dim == 128 else (16,):
+        monkeypatch.setattr(lowbit_dense, "DENSE_ROPE_PAIRS", pairs)
+        assert plan_launch(view, q, start, dim ** -0.5, variant="dense").constants["ROPE_PAIRS"] == pairs
+        out = lowbit_decode(view, q, start, dim ** -0.5, variant="dense")
+        assert torch.allclose(out, twin, atol=1e-5), (name, pairs, (out - twin).abs().max())
+    # a wrong rotation, scale or outlier moves the output by its own size: the twin is not matched by chance
+    assert float(twin.abs().max()) > 0.05
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="compiles the kernel for a CUDA GPU")

@@ -11,12 +11,25 @@ python -m pip install -q --no-deps --no-build-isolation -e . >/dev/null 2>&1
   python -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)"; } > "$OUT/gpu.txt"
 step() { local limit=$1 file=$2; shift 2; echo "\$ $*" >> "$OUT/$file"; timeout "$limit" "$@" 2>&1 | grep -v -E "Warning|warnings.warn" >> "$OUT/$file"; echo "exit $? after ${SECONDS}s" >> "$OUT/$file"; }
 BENCH="python benchmarks/lowbit_kernel.py --reps 10 --tokens ${TOKENS:-32768,131072} --batches ${BATCHES:-1,8,32}"
-if [ -z "$NO_TESTS" ]; then
-  step 100 tests.txt python -m pytest -q -p no:cacheprovider tests/test_dense_rope.py
-  KVWEAVE_GPU_VARIANTS=dense,auto step 160 tests.txt python -m pytest -q -x -p no:cacheprovider tests/test_lowbit_gpu.py \
-    -k "twin_on_the_gpu"
+if [ "${PART:-1}" = 1 ]; then  # run 1: the first build (halves of the rotary pairs, outliers put in place per element)
+  if [ -z "$NO_TESTS" ]; then
+    step 100 tests.txt python -m pytest -q -p no:cacheprovider tests/test_dense_rope.py
+    KVWEAVE_GPU_VARIANTS=dense,auto step 160 tests.txt python -m pytest -q -x -p no:cacheprovider tests/test_lowbit_gpu.py \
+      -k "twin_on_the_gpu"
+  fi
+  step 100 k4v2e48t.md $BENCH --storage k4v2e48t --configs dense:64:4:0 --out "$OUT/k4v2e48t"
+  step 100 k4v2e48t-post.md $BENCH --storage k4v2e48t --post-rope --configs dense:64:4:0 --out "$OUT/k4v2e48t-post"
+  step 100 k4v4e77t.md $BENCH --storage k4v4e77t --configs dense:64:4:0 --out "$OUT/k4v4e77t"
+  step 100 k4v2.md $BENCH --storage k4v2 --configs dense:64:4:0,wide:32:4:0 --out "$OUT/k4v2"
+else  # run 2: 16 or 32 rotary pairs at a time, outliers as a correction per slot, head_dim 64 refused
+  if [ -z "$NO_TESTS" ]; then
+    step 100 tests.txt python -m pytest -q -p no:cacheprovider tests/test_dense_rope.py
+    KVWEAVE_GPU_VARIANTS=dense step 160 tests.txt python -m pytest -q -p no:cacheprovider tests/test_lowbit_gpu.py \
+      -k "twin_on_the_gpu"
+  fi
+  for pairs in 16 32; do
+    KVWEAVE_ROPE_PAIRS=$pairs step 100 k4v2e48t-p$pairs.md $BENCH --storage k4v2e48t --configs dense:64:4:0 --out "$OUT/k4v2e48t-p$pairs"
+    KVWEAVE_ROPE_PAIRS=$pairs step 100 k4v4e77t-p$pairs.md $BENCH --storage k4v4e77t --configs dense:64:4:0 --out "$OUT/k4v4e77t-p$pairs"
+  done
+  step 100 k4v2-p16.md $BENCH --storage k4v2 --configs dense:64:4:0 --out "$OUT/k4v2-p16"
 fi
-step 100 k4v2e48t.md $BENCH --storage k4v2e48t --configs dense:64:4:0 --out "$OUT/k4v2e48t"
-step 100 k4v2e48t-post.md $BENCH --storage k4v2e48t --post-rope --configs dense:64:4:0 --out "$OUT/k4v2e48t-post"
-step 100 k4v4e77t.md $BENCH --storage k4v4e77t --configs dense:64:4:0 --out "$OUT/k4v4e77t"
-step 100 k4v2.md $BENCH --storage k4v2 --configs dense:64:4:0,wide:32:4:0 --out "$OUT/k4v2"
