@@ -102,8 +102,9 @@ DENSE_ROPE_REGISTERS = 128
 DENSE_ROPE_PAIRS = env_setting("KVWEAVE_ROPE_PAIRS", 16, (8, 16, 32, 64))
 
 #: whether "auto" gives the dense kernel keys stored before RoPE (rotated in registers, ``ROPE``): only once its GPU build
-#: matched the twin (tests/test_dense_rope.py, tests/test_lowbit_gpu.py); before, the "wide" kernel read them
-ROPE_GPU_CHECKED = False
+#: matched the twin (tests/test_dense_rope.py, tests/test_lowbit_gpu.py); before, the "wide" kernel read them.
+#: KVWEAVE_DENSE_ROPE (0 or 1) sets it
+ROPE_GPU_CHECKED = bool(env_setting("KVWEAVE_DENSE_ROPE", 0, (0, 1)))
 
 
 def auto_dense(view: Any) -> bool:

@@ -21,7 +21,7 @@ if [ "${PART:-1}" = 1 ]; then  # run 1: the first build (halves of the rotary pa
   step 100 k4v2e48t-post.md $BENCH --storage k4v2e48t --post-rope --configs dense:64:4:0 --out "$OUT/k4v2e48t-post"
   step 100 k4v4e77t.md $BENCH --storage k4v4e77t --configs dense:64:4:0 --out "$OUT/k4v4e77t"
   step 100 k4v2.md $BENCH --storage k4v2 --configs dense:64:4:0,wide:32:4:0 --out "$OUT/k4v2"
-else  # run 2: 16 or 32 rotary pairs at a time, outliers as a correction per slot, head_dim 64 refused
+else  # run 2: 16 or 32 rotary pairs at a time, outliers as a correction per slot, head_dim 64 refused; model.generate
   if [ -z "$NO_TESTS" ]; then
     step 100 tests.txt python -m pytest -q -p no:cacheprovider tests/test_dense_rope.py
     KVWEAVE_GPU_VARIANTS=dense step 160 tests.txt python -m pytest -q -p no:cacheprovider tests/test_lowbit_gpu.py \
@@ -29,7 +29,8 @@ else  # run 2: 16 or 32 rotary pairs at a time, outliers as a correction per slo
   fi
   for pairs in 16 32; do
     KVWEAVE_ROPE_PAIRS=$pairs step 100 k4v2e48t-p$pairs.md $BENCH --storage k4v2e48t --configs dense:64:4:0 --out "$OUT/k4v2e48t-p$pairs"
-    KVWEAVE_ROPE_PAIRS=$pairs step 100 k4v4e77t-p$pairs.md $BENCH --storage k4v4e77t --configs dense:64:4:0 --out "$OUT/k4v4e77t-p$pairs"
   done
-  step 100 k4v2-p16.md $BENCH --storage k4v2 --configs dense:64:4:0 --out "$OUT/k4v2-p16"
+  step 100 k4v4e77t-p16.md $BENCH --storage k4v4e77t --configs dense:64:4:0 --out "$OUT/k4v4e77t-p16"
+  KVWEAVE_DENSE_ROPE=1 step 170 e2e.txt python benchmarks/decode_e2e.py --registry benchmarks/dense_sweep.toml \
+    --methods kzd-k4v2t-f48-d128@graphs,kzp-k4v2t-f48-d128@graphs --batches 1,8 --context 16384 --steps 40 --out "$OUT/e2e"
 fi
