@@ -27,10 +27,9 @@ else  # run 2: 16 or 32 rotary pairs at a time, outliers as a correction per slo
     KVWEAVE_GPU_VARIANTS=dense step 160 tests.txt python -m pytest -q -p no:cacheprovider tests/test_lowbit_gpu.py \
       -k "twin_on_the_gpu"
   fi
-  for pairs in 16 32; do
-    KVWEAVE_ROPE_PAIRS=$pairs step 100 k4v2e48t-p$pairs.md $BENCH --storage k4v2e48t --configs dense:64:4:0 --out "$OUT/k4v2e48t-p$pairs"
-  done
-  step 100 k4v4e77t-p16.md $BENCH --storage k4v4e77t --configs dense:64:4:0 --out "$OUT/k4v4e77t-p16"
+  KVWEAVE_ROPE_PAIRS=16 step 100 k4v2e48t-p16.md $BENCH --storage k4v2e48t --configs dense:64:4:0 --out "$OUT/k4v2e48t-p16"
   KVWEAVE_DENSE_ROPE=1 step 170 e2e.txt python benchmarks/decode_e2e.py --registry benchmarks/dense_sweep.toml \
     --methods kzd-k4v2t-f48-d128@graphs,kzp-k4v2t-f48-d128@graphs --batches 1,8 --context 16384 --steps 40 --out "$OUT/e2e"
+  KVWEAVE_ROPE_PAIRS=16 step 100 k4v4e77t-p16.md $BENCH --storage k4v4e77t --configs dense:64:4:0 --out "$OUT/k4v4e77t-p16"
+  KVWEAVE_ROPE_PAIRS=32 step 100 k4v2e48t-p32.md $BENCH --storage k4v2e48t --configs dense:64:4:0 --out "$OUT/k4v2e48t-p32"
 fi
