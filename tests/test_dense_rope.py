@@ -8,21 +8,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kvweave.engine import build_cache, importance
 from kvweave.kernels.lowbit_decode import dense_refusal, lowbit_decode, plan_launch, resolve_variant, torch_lowbit_decode
 
-from conftest import CharTokenizer, tiny_llama
+from test_lowbit_dense import stored_view
 from test_lowbit_kernel import model, registry  # noqa: F401 - the same storages and model
-
-
-def _view(model, registry, name, hidden=64):
-    net = model if hidden == 64 else tiny_llama(layers=2, hidden=hidden)
-    cache = build_cache(registry.resolve(name), net, tokenizer=CharTokenizer())
-    rows = 1 if importance.needs_importance(cache) else 2  # kvzip scores whole rows one at a time
-    ids = torch.randint(1, 128, (rows, 230), generator=torch.Generator().manual_seed(2))
-    with torch.no_grad():
-        importance.prefill(net, cache, ids)
-    return cache.engine.kernel.lowbit_view(cache.engine.view(1), torch.device("cpu")), rows
 
 
 @pytest.mark.interpreter
@@ -40,7 +29,7 @@ def test_the_dense_kernel_rotates_keys_stored_before_rope_as_the_twin_does(model
     of 16 rotary pairs and in halves."""
     from kvweave.kernels import lowbit_dense
 
-    view, rows = _view(model, registry, name, hidden)
+    view, rows = stored_view(model, registry, name, hidden)
     assert view.inv_freq is not None
     if hidden == 64:
         assert "before RoPE at head_dims of at least 128" in dense_refusal(view)
@@ -92,7 +81,7 @@ def test_the_default_launch_takes_keys_before_rope_to_the_dense_kernel_once_chec
 
     from kvweave.kernels import lowbit_dense
 
-    view, _ = _view(model, registry, "prerope-k4v2-lowbit", 512)  # head_dim 128: 64-token steps
+    view, _ = stored_view(model, registry, "prerope-k4v2-lowbit", 512)  # head_dim 128: 64-token steps
     for checked, kernel, block in ((True, "dense", 64), (False, "wide", 32)):
         monkeypatch.setattr(lowbit_dense, "ROPE_GPU_CHECKED", checked)
         assert resolve_variant(view, "auto") == (kernel, block)

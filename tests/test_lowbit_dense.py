@@ -11,20 +11,25 @@ import torch
 
 from kvweave.engine import build_cache, importance
 from kvweave.kernels.lowbit_decode import dense_refusal, lowbit_decode, plan_launch, resolve_variant, torch_lowbit_decode
-from kvweave.kernels.lowbit_dense import ROPE_GPU_CHECKED
 
 from conftest import CharTokenizer, tiny_llama
 from test_lowbit_kernel import model, registry  # noqa: F401 - the same storages and model
 
 
-def _post_rope_view(model, registry, name, hidden=64):
+def stored_view(model, registry, name, hidden=64):
+    """Layer 1's packed storage of pipeline ``name`` after a 230-token prompt (a tiny Llama of ``hidden`` channels),
+    as the kernel reads it, and the batch rows."""
     net = model if hidden == 64 else tiny_llama(layers=2, hidden=hidden)
     cache = build_cache(registry.resolve(name), net, tokenizer=CharTokenizer())
     rows = 1 if importance.needs_importance(cache) else 2  # kvzip scores whole rows one at a time
     ids = torch.randint(1, 128, (rows, 230), generator=torch.Generator().manual_seed(2))
     with torch.no_grad():
         importance.prefill(net, cache, ids)
-    view = cache.engine.kernel.lowbit_view(cache.engine.view(1), torch.device("cpu"))
+    return cache.engine.kernel.lowbit_view(cache.engine.view(1), torch.device("cpu")), rows
+
+
+def _post_rope_view(model, registry, name, hidden=64):
+    view, rows = stored_view(model, registry, name, hidden)
     return attrs.evolve(view, inv_freq=None), rows
 
 
@@ -102,19 +107,20 @@ def test_the_tiled_values_operands_are_fenced_only_where_the_products_are_ampere
 
 
 def test_the_dense_kernel_refuses_what_it_cannot_read(model, registry):
-    """Channel-alloc widths, 3-bit codes, steps that do not divide the token group, the TF32 key products and 8 warps a
-    program are refused, each saying why; the wide kernel reads them all. Keys before RoPE are read (rotated in
-    registers, tests/test_dense_rope.py)."""
+    """Keys before RoPE at head_dim 64, channel-alloc widths, 3-bit codes, steps that do not divide the token group,
+    the TF32 key products and 8 warps a program are refused, each saying why; the wide kernel reads them all. Keys
+    before RoPE at head_dim 128 are read (rotated in registers, tests/test_dense_rope.py)."""
     q = torch.randn(2, 4, 64)
     cache = build_cache(registry.resolve("prerope-k4v2-lowbit"), model)
     with torch.no_grad():
         importance.prefill(model, cache, torch.randint(1, 128, (2, 230), generator=torch.Generator().manual_seed(2)))
     pre = cache.engine.kernel.lowbit_view(cache.engine.view(1), torch.device("cpu"))
-    assert resolve_variant(pre, "dense") == ("dense", 32)
+    with pytest.raises(ValueError, match="before RoPE at head_dims of at least 128"):  # tests/test_dense_rope.py at 128
+        resolve_variant(pre, "dense")
     post = attrs.evolve(pre, inv_freq=None)
     assert resolve_variant(post, "dense") == ("dense", 32)  # head_dim 64: 32-token steps
     # the default launch takes it wherever it reads the storage; steps asked for keep the other kernels' choice
-    assert resolve_variant(post, "auto") == ("dense", 32) and resolve_variant(pre, "auto") == ("dense" if ROPE_GPU_CHECKED else "wide", 32)
+    assert resolve_variant(post, "auto") == ("dense", 32) and resolve_variant(pre, "auto") == ("wide", 32)
     assert resolve_variant(post, "auto", 32) == ("wide", 32)
     for block, match in ((48, "power of two"), (128, "divides the keys' token group"), (8, "at least 16"),
                          (64, "at head_dim 64 its steps must be at most 32")):
@@ -170,9 +176,9 @@ def test_head_dim_256_reads_four_value_groups_and_is_taken_by_default(registry, 
     twin = torch_lowbit_decode(view, q, start, 0.0625)
     assert torch.allclose(lowbit_decode(view, q, start, 0.0625, variant="dense"), twin, atol=1e-5)
     assert resolve_variant(view, "auto") == ("dense", 64)
-    from kvweave.kernels import lowbit_decode as decode
+    from kvweave.kernels import lowbit_dense
 
-    monkeypatch.setattr(decode, "GPU_CHECKED_DIMS", (64, 128))
+    monkeypatch.setattr(lowbit_dense, "GPU_CHECKED_DIMS", (64, 128))
     assert resolve_variant(view, "auto") == ("wide", 32)
 
 

@@ -17,7 +17,6 @@ from kvweave.engine.generation import generate
 from kvweave.kernels.lowbit_decode import (
     VARIANTS as KERNELS, fast_path, lowbit_decode, plan_launch, resolve_variant, torch_keys, torch_lowbit_decode,
 )
-from kvweave.kernels.lowbit_dense import ROPE_GPU_CHECKED
 
 from conftest import CharTokenizer, tiny_llama, write_registry
 
@@ -238,8 +237,9 @@ def test_the_wide_kernel_refuses_what_it_cannot_read(model, registry):
 
 def test_auto_takes_the_wide_kernel_where_it_reads_the_storage(model, registry):
     """The default launch reads every storage whose value groups fit the wide kernel and that the dense kernel does not
-    read with it at 32-token steps (3-bit and channel-alloc codes read from their bytes; 2/4-bit channel-group keys
-    before RoPE go to the dense kernel); 16-token steps asked for, or eight value groups, take the general kernel."""
+    read with it at 32-token steps (2/4-bit codes unpacked, 3-bit and channel-alloc codes read from their bytes; keys
+    before RoPE at head_dim 64 are not the dense kernel's); 16-token steps asked for, or eight value groups, take the
+    general kernel."""
     ids = torch.randint(1, 128, (1, 230), generator=torch.Generator().manual_seed(2))
     picked = {}
     for name in ("prerope-k4v2-lowbit", "t-lowbit-k3v3", "t-lowbit-qa35v3"):
@@ -250,9 +250,7 @@ def test_auto_takes_the_wide_kernel_where_it_reads_the_storage(model, registry):
         picked[name] = (resolve_variant(view, "auto"), resolve_variant(view, "auto", 16))
         narrow = attrs.evolve(view, v_group=8)
         assert resolve_variant(narrow, "auto") == ("general", 16)
-    rotated = "dense" if ROPE_GPU_CHECKED else "wide"  # keys before RoPE go to the dense kernel once checked on a GPU
-    assert picked == {name: ((rotated if name == "prerope-k4v2-lowbit" else "wide", 32), ("general", 16))
-                      for name in picked}
+    assert picked == {name: (("wide", 32), ("general", 16)) for name in picked}
 
 
 @pytest.mark.interpreter
