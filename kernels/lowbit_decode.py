@@ -35,7 +35,7 @@ from kvweave.kernels.formats import VALUE_TILE, unpack_codes, unpack_varwidth, u
 from kvweave.kernels.launch import Launch, choose_splits, default_programs, query_tile
 from kvweave.kernels.lowbit_combine import exact_start, plan_combine  # noqa: F401 - plan_combine re-exported
 from kvweave.kernels.lowbit_dense import (auto_dense, dense_block, dense_launch, dense_refusal, dense_splits,
-                                          multiprocessors, tiles_refusal)
+                                          multiprocessors, rope_registers, tiles_refusal)
 from kvweave.kernels.lowbit_tricks import (  # noqa: F401 - TRICKS: the names lowbit_decode takes; the others read here
     TRICKS, fast_path, parse_tricks, whole_byte_codes, whole_byte_keys, wide_groups)
 
@@ -303,7 +303,7 @@ def plan_launch(view: LowbitView, q: torch.Tensor, start: torch.Tensor | None, s
         raise ValueError(f"the lowbit kernel's tile of {block} tokens must divide the keys' token group {view.k_group}")
     if programs is None:  # the launch's choice
         splits = (dense_splits(batch * heads, view.tokens // block, multiprocessors(q.device), dim, hidden is not None,
-                               num_warps)
+                               num_warps, rope_registers(view))
                   if variant == "dense" else choose_splits(view.tokens, batch * heads, default_programs(batch * heads), BLOCK_T))
     else:
         splits = choose_splits(view.tokens, batch * heads, programs, BLOCK_T)

@@ -107,6 +107,12 @@ DENSE_ROPE_PAIRS = env_setting("KVWEAVE_ROPE_PAIRS", 16, (8, 16, 32, 64))
 ROPE_GPU_CHECKED = bool(env_setting("KVWEAVE_DENSE_ROPE", 0, (0, 1)))
 
 
+def rope_registers(view: Any) -> int | None:
+    """The registers the dense kernel's launch gives a thread over ``view`` whatever the batch (keys before RoPE:
+    :data:`DENSE_ROPE_REGISTERS`), or None where the batch decides."""
+    return DENSE_ROPE_REGISTERS if view.inv_freq is not None else None
+
+
 def auto_dense(view: Any) -> bool:
     """Whether the default launch ("auto", no step asked for) gives ``view`` to the dense kernel."""
     checked = view.exact_k.shape[-1] in GPU_CHECKED_DIMS and (view.inv_freq is None or ROPE_GPU_CHECKED)
@@ -266,15 +272,16 @@ def dense_ahead(view: Any, programs: int, sms: int, dim: int, hidden: bool, num_
 EARLY_COMBINE_WAVES = 1
 
 
-def dense_splits(rows: int, steps: int, sms: int, dim: int, hidden: bool, num_warps: int = 4) -> int:
+def dense_splits(rows: int, steps: int, sms: int, dim: int, hidden: bool, num_warps: int = 4,
+                 registers: int | None = None) -> int:
     """The splits of each of ``rows`` rows' ``steps`` steps that the dense kernel runs in where the launch chooses: about
     :data:`DENSE_WAVES` waves of the programs ``sms`` multiprocessors hold at once (their registers:
-    :func:`dense_registers`), :data:`DENSE_MIN_SPLITS` to :data:`DENSE_MAX_SPLITS`, at most one per
+    ``registers``, or :func:`dense_registers`), :data:`DENSE_MIN_SPLITS` to :data:`DENSE_MAX_SPLITS`, at most one per
     :data:`DENSE_SPLIT_STEPS` steps; where the fewest splits decide, the last wave as full as a few more allow
     (:data:`DENSE_WHOLE_WAVES`). One wave of few long programs leaves SMs idle at its end; many short ones pay each
     program's loads before its steps and a longer combine (a batch of one row took 16% longer in 165 splits than in
     66)."""
-    slots = dense_slots(sms, dim, hidden, num_warps)
+    slots = dense_slots(sms, dim, hidden, num_warps, registers)
     wanted = max(DENSE_MIN_SPLITS, min(DENSE_MAX_SPLITS, -(-DENSE_WAVES * slots // max(1, rows))))
     most = max(1, steps // DENSE_SPLIT_STEPS)
     if not DENSE_WHOLE_WAVES or wanted >= most or wanted > DENSE_MIN_SPLITS:

@@ -92,3 +92,18 @@ def test_the_default_launch_takes_keys_before_rope_to_the_dense_kernel_once_chec
         resolve_variant(tiled, "auto")
     monkeypatch.setattr(lowbit_dense, "ROPE_GPU_CHECKED", True)
     assert resolve_variant(tiled, "auto") == ("dense", 64)
+
+
+def test_the_splits_over_keys_before_rope_count_the_programs_their_registers_allow(model, registry):
+    """Over keys before RoPE every program takes 128 registers a thread (4 programs of 4 warps an SM, not 5), and the
+    launch's splits aim at waves of that many programs: fewer splits than over keys after RoPE where the waves decide."""
+    import attrs
+
+    from kvweave.kernels.lowbit_dense import DENSE_ROPE_REGISTERS, dense_slots, dense_splits, rope_registers
+
+    view, _ = stored_view(model, registry, "prerope-k4v2-lowbit", 512)
+    assert rope_registers(view) == DENSE_ROPE_REGISTERS == 128
+    assert rope_registers(attrs.evolve(view, inv_freq=None)) is None
+    assert dense_slots(132, 128, False, 4, rope_registers(view)) == 132 * 4 < dense_slots(132, 128, False, 4)
+    rows, steps = 64, 1024  # 8 batch rows of 8 KV heads, 64K tokens in 64-token steps
+    assert dense_splits(rows, steps, 132, 128, False, 4, rope_registers(view)) < dense_splits(rows, steps, 132, 128, False)
