@@ -18,6 +18,7 @@ from test_lowbit_kernel import model, registry  # noqa: F401 - the same storages
 @pytest.mark.parametrize("name, hidden", [
     ("prerope-k4v2-lowbit", 64),  # 4-bit keys with an outlier, 2-bit normal levels
     ("prerope-k4v2-lowbit", 512),  # the same at head_dim 128
+    ("prerope-k4v2-lowbit", 1024),  # and at head_dim 256: eight parts of 16 pairs, four value groups
     ("t-lowbit-k2v4", 512),  # 2-bit keys with two outliers at head_dim 128, 4-bit uniform values
     ("t-lowbit-k4log8", 64),  # one-byte log8 value scales
     ("t-lowbit-kvzip-cg", 64),  # slots at their cache indices (rotated there), fillers never attended
@@ -39,7 +40,7 @@ def test_the_dense_kernel_rotates_keys_stored_before_rope_as_the_twin_does(model
     q = torch.randn(rows, 4, dim, generator=torch.Generator().manual_seed(3))
     start = torch.tensor([40, 0][:rows], dtype=torch.int32)
     twin = torch_lowbit_decode(view, q, start, dim ** -0.5)
-    for pairs in (16, 32) if dim == 128 else (16,):
+    for pairs in (16, 32) if dim >= 128 else (16,):
         monkeypatch.setattr(lowbit_dense, "DENSE_ROPE_PAIRS", pairs)
         assert plan_launch(view, q, start, dim ** -0.5, variant="dense").constants["ROPE_PAIRS"] == pairs
         out = lowbit_decode(view, q, start, dim ** -0.5, variant="dense")
