@@ -113,10 +113,19 @@ def rope_registers(view: Any) -> int | None:
     return DENSE_ROPE_REGISTERS if view.inv_freq is not None else None
 
 
+def gpu_unchecked(view: Any) -> str | None:
+    """Why the default launch does not give ``view`` to the dense kernel although it reads it (its GPU build for that
+    head_dim, or for keys before RoPE, not checked on a GPU), or None."""
+    if view.exact_k.shape[-1] not in GPU_CHECKED_DIMS:
+        return f"it is built and checked on a GPU at head_dims {GPU_CHECKED_DIMS}"
+    if view.inv_freq is not None and not ROPE_GPU_CHECKED:
+        return "its build for keys stored before RoPE is not yet checked on a GPU (variant 'dense' asks for it anyway)"
+    return None
+
+
 def auto_dense(view: Any) -> bool:
     """Whether the default launch ("auto", no step asked for) gives ``view`` to the dense kernel."""
-    checked = view.exact_k.shape[-1] in GPU_CHECKED_DIMS and (view.inv_freq is None or ROPE_GPU_CHECKED)
-    return checked and dense_refusal(view) is None
+    return dense_refusal(view) is None and gpu_unchecked(view) is None
 
 
 def dense_block(view: Any) -> int:
@@ -153,11 +162,7 @@ def dense_refusal(view: Any, block: int | None = None) -> str | None:
 
 def tiles_refusal(view: Any, variant: str, block: int | None) -> str:
     """Why kernel ``variant`` (not "dense") cannot read ``view``'s values stored in tiles, and what to use instead."""
-    why = dense_refusal(view, block)
-    if why is None and view.exact_k.shape[-1] not in GPU_CHECKED_DIMS:
-        why = f"it is built and checked on a GPU at head_dims {GPU_CHECKED_DIMS}"
-    if why is None and view.inv_freq is not None and not ROPE_GPU_CHECKED:
-        why = "its build for keys stored before RoPE is not yet checked on a GPU (variant 'dense' asks for it anyway)"
+    why = dense_refusal(view, block) or gpu_unchecked(view)
     fix = f"the 'dense' kernel cannot read this storage: {why}; use" if why else "use variant 'dense' (or 'auto'),"
     return (f"the lowbit '{variant}' kernel reads values token by token, and these are stored in tiles of {VALUE_TILE} "
             f"tokens (token_tiles), which only the 'dense' kernel reads; {fix} backend 'torch' or values without token_tiles")
@@ -354,8 +359,8 @@ def dense_launch(view: Any, args: tuple, constants: dict, kind: int, l0: float, 
                                                  trick or {})
     if wide:
         registers = DENSE_AHEAD_REGISTERS if registers is None else max(registers, DENSE_AHEAD_REGISTERS)
-    if constants["ROPE"]:
-        registers = DENSE_ROPE_REGISTERS if registers is None else max(registers, DENSE_ROPE_REGISTERS)
+    if (rope := rope_registers(view)) is not None:
+        registers = rope if registers is None else max(registers, rope)
     dense_constants["PDL"] = programmatic(padded.device) and programs <= EARLY_COMBINE_WAVES * dense_slots(
         sms, constants["D"], hid, constants["num_warps"], registers)
     if offset_out(dense_constants):  # 4-bit uniform levels as 1 + code / 16, the offset taken off at the end

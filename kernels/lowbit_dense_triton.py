@@ -1,9 +1,9 @@
 """The ``dense`` kernel of the ``lowbit`` decode attention (:func:`kvweave.kernels.lowbit_decode.lowbit_decode`,
 ``variant="dense"``): keys in 2- or 4-bit ``channel-group`` codes and 2- or 4-bit values, read as 32-bit words; keys
 stored before RoPE are dequantized and rotated at each slot's position in registers (``ROPE``,
-:mod:`kvweave.kernels.lowbit_rope_triton`), those stored after it go to the products as codes. A word of codes holds ``32 / bits`` channels (channel ``c`` of a token at bit ``(c % per) * bits`` of word
-``c // per``, the little-endian reading of the stored bytes), so one load brings 8 or 16 codes and each code costs a
-shift and a mask: no byte extraction, no per-code address. Each channel's key scale multiplies the query and its
+:mod:`kvweave.kernels.lowbit_rope_triton`), those stored after it go to the products as codes. A word of codes holds
+``32 / bits`` channels (channel ``c`` of a token at bit ``(c % per) * bits`` of word ``c // per``, the little-endian
+reading of the stored bytes), so one load brings 8 or 16 codes and each code costs a shift and a mask: no byte extraction, no per-code address. Each channel's key scale multiplies the query and its
 minimum becomes one number per query head and token group, so key codes go to the products as they are (on a GPU the
 bits ``0x4300 | code``, the bfloat16 number 128 + code: no conversion); each value group's scale multiplies the
 probabilities. Value codes become the products' operands two to a 32-bit register, in the order their bits give them
@@ -254,27 +254,27 @@ if triton is not None:
                 lo, t_a, m_i, l_i, w_i, acc0, acc1, acc2, acc3, q, q_row, bh, start, first, scaling, l0, l1,
                 kc_ptr, kz_ptr, ks_ptr, koi_ptr, kov_ptr, vc_ptr, vs_row, vmax_row, vlev_ptr, vlev16_ptr, pos_ptr,
                 hid_ptr, freq_ptr, rope_scale, D, G, KBITS, KGROUP, KO, VBITS, VGROUP, HAS_START, BLOCK, LOWP, LEVELS, VLOG,
-                VST, HAS_POS, HID,
-                False, ASM, KPLANES, KPF, AHEAD, VTILE, PAD, QG, top, probe, lo, FIX, ROPE, ROPE_PAIRS)
+                VST, HAS_POS, HID, False, ASM, KPLANES, KPF, AHEAD, VTILE, PAD, QG, top, probe, lo, FIX, ROPE,
+                ROPE_PAIRS)
             m_i, l_i, w_i, acc0, acc1, acc2, acc3, top = _steps(
                 t_a, t_b, m_i, l_i, w_i, acc0, acc1, acc2, acc3, q, q_row, bh, start, first, scaling, l0, l1,
                 kc_ptr, kz_ptr, ks_ptr, koi_ptr, kov_ptr, vc_ptr, vs_row, vmax_row, vlev_ptr, vlev16_ptr, pos_ptr,
                 hid_ptr, freq_ptr, rope_scale, D, G, KBITS, KGROUP, KO, VBITS, VGROUP, HAS_START, BLOCK, LOWP, LEVELS, VLOG,
-                VST, HAS_POS, HID,
-                True, ASM, KPLANES, KPF, AHEAD, VTILE, PAD, QG, top, probe, lo, FIX, ROPE, ROPE_PAIRS)
+                VST, HAS_POS, HID, True, ASM, KPLANES, KPF, AHEAD, VTILE, PAD, QG, top, probe, lo, FIX, ROPE,
+                ROPE_PAIRS)
             m_i, l_i, w_i, acc0, acc1, acc2, acc3, top = _steps(
                 t_b, hi, m_i, l_i, w_i, acc0, acc1, acc2, acc3, q, q_row, bh, start, first, scaling, l0, l1,
                 kc_ptr, kz_ptr, ks_ptr, koi_ptr, kov_ptr, vc_ptr, vs_row, vmax_row, vlev_ptr, vlev16_ptr, pos_ptr,
                 hid_ptr, freq_ptr, rope_scale, D, G, KBITS, KGROUP, KO, VBITS, VGROUP, HAS_START, BLOCK, LOWP, LEVELS, VLOG,
-                VST, HAS_POS, HID,
-                False, ASM, KPLANES, KPF, AHEAD, VTILE, PAD, QG, top, probe, lo, FIX, ROPE, ROPE_PAIRS)
+                VST, HAS_POS, HID, False, ASM, KPLANES, KPF, AHEAD, VTILE, PAD, QG, top, probe, lo, FIX, ROPE,
+                ROPE_PAIRS)
         else:
             m_i, l_i, w_i, acc0, acc1, acc2, acc3, top = _steps(
                 lo, hi, m_i, l_i, w_i, acc0, acc1, acc2, acc3, q, q_row, bh, start, first, scaling, l0, l1,
                 kc_ptr, kz_ptr, ks_ptr, koi_ptr, kov_ptr, vc_ptr, vs_row, vmax_row, vlev_ptr, vlev16_ptr, pos_ptr,
                 hid_ptr, freq_ptr, rope_scale, D, G, KBITS, KGROUP, KO, VBITS, VGROUP, HAS_START, BLOCK, LOWP, LEVELS, VLOG,
-                VST, HAS_POS, HID,
-                False, ASM, KPLANES, KPF, AHEAD, VTILE, PAD, QG, top, probe, lo, FIX, ROPE, ROPE_PAIRS)
+                VST, HAS_POS, HID, False, ASM, KPLANES, KPF, AHEAD, VTILE, PAD, QG, top, probe, lo, FIX, ROPE,
+                ROPE_PAIRS)
         return m_i, l_i, w_i, acc0, acc1, acc2, acc3, top
 
     @triton.jit

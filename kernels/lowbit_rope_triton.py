@@ -1,12 +1,13 @@
 """Keys stored before the rotary embedding in the ``dense`` kernel (:mod:`kvweave.kernels.lowbit_dense_triton`,
-``ROPE``): a step's 2- or 4-bit ``channel-group`` codes read as 32-bit words in two halves (channels ``0 .. D / 2``
-and ``D / 2 .. D``, the rotary pairs of Llama-style models), dequantized by their channels' scales and zero points,
-the exact outliers put in place, rotated at each slot's position in registers (``r_lo = k_lo cos - k_hi sin``,
-``r_hi = k_hi cos + k_lo sin``, the angles ``position * inv_freq``) and met by the query's two halves in two
-tensor-core products, the rotary pairs 16 at a time (``PC``: each part's tiles dead before the next's are made). On a GPU (``ASM``) the halves are float16 and the cosines and sines the hardware's
-approximations after a reduction into [-pi, pi] (:func:`kvweave.kernels.lowbit_triton._cos_sin`); under the
-interpreter float32 throughout. The rotary embedding's ``rope_scale`` multiplies the query once instead of every
-cosine and sine. Without triton the module defines nothing (``triton`` is None)."""
+``ROPE``): a step's 2- or 4-bit ``channel-group`` codes read as 32-bit words ``PC`` rotary pairs at a time (channels
+``i0 ..`` and ``D / 2 + i0 ..``, the pairs of Llama-style models; each part's tiles dead before the next's are made),
+dequantized by their channels' scales and zero points, rotated at each slot's position in registers (``r_lo = k_lo
+cos - k_hi sin``, ``r_hi = k_hi cos + k_lo sin``, the angles ``position * inv_freq``) and met by the query's rows of
+the part in two tensor-core products; each exact outlier then adds its rotated difference from the zero point per
+slot. On a GPU (``ASM``) the keys are float16 and the cosines and sines the hardware's approximations after a
+reduction into [-pi, pi] (:func:`kvweave.kernels.lowbit_triton._angle_cos_sin`); under the interpreter float32
+throughout. The rotary embedding's ``rope_scale`` multiplies the query instead of every cosine and sine. Without
+triton the module defines nothing (``triton`` is None)."""
 
 from __future__ import annotations
 
