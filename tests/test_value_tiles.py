@@ -13,7 +13,7 @@ from kvweave.engine import build_cache
 from kvweave.kernels.formats import tile_codes, untile_codes
 from kvweave.plugins.quantizers.rotated_token import RotatedTokenQuantizer
 
-from conftest import tiny_llama, write_registry
+from conftest import CharTokenizer, tiny_llama, write_registry
 
 
 @pytest.mark.parametrize("bits", [2, 4])
@@ -53,10 +53,10 @@ def test_tiles_store_the_same_bytes_and_restore_the_same_vectors(scale_format, b
 
 
 def test_tiles_take_two_or_four_bit_codes_and_whole_tiles():
-    with pytest.raises(ValueError, match="token_tiles = 64 stores 2- or 4-bit codes, one width for every layer; got bits \\[3\\]"):
+    with pytest.raises(ValueError, match="token_tiles = 64 stores 2- or 4-bit codes \\(a width per layer among them\\); got bits \\[3\\]"):
         RotatedTokenQuantizer(bits=3, token_tiles=64)
-    with pytest.raises(ValueError, match="got bits \\[2, 4\\]"):
-        RotatedTokenQuantizer(bits=2, token_tiles=64, layer_bits=(2, 4))
+    with pytest.raises(ValueError, match="got bits \\[2, 3, 4\\]"):
+        RotatedTokenQuantizer(bits=2, token_tiles=64, layer_bits=(2, 4, 3))
     with pytest.raises(ValueError, match="'token_tiles' must be one of 0, 64"):
         RotatedTokenQuantizer(bits=2, token_tiles=32)
     with pytest.raises(ModelError, match="whole tiles of tokens; got 40 tokens"):
@@ -80,3 +80,67 @@ values.quantizer = { bits = 2, token_tiles = 64 }
         build_cache(load_pipeline("v-tiles-short", path), tiny_llama(torch.float32, hidden=256))
     with pytest.raises(ModelError, match="read on a GPU by the 'dense' kernel only.*keys channel-group.v1 at 4 bits.*head_dim 64"):
         build_cache(load_pipeline("v-tiles-pre", path), tiny_llama(torch.float32, hidden=256))
+
+
+def test_a_width_and_levels_per_layer_are_each_layers_own(tmp_path):
+    """``layer_bits`` and ``layer_levels`` give each layer its quantizer: 4-bit uniform codes where the tables say so, 2-bit
+    normal ones elsewhere, tiles for both; tables of different lengths, an unknown level and a table that is not a list
+    are refused by name."""
+    quantizer = RotatedTokenQuantizer(bits=2, token_tiles=64, layer_bits=[4, 2], layer_levels=["uniform", "normal"])
+    wide, narrow = quantizer.for_layer(0), quantizer.for_layer(1)
+    assert (wide.bits, wide.levels, narrow.bits, narrow.levels) == (4, "uniform", 2, "normal")
+    assert not wide.layer_bits and not wide.layer_levels
+    x = torch.randn(1, 2, 128, 64, generator=torch.Generator().manual_seed(6))
+    assert wide.quantize(x)["codes"].nbytes == 2 * narrow.quantize(x)["codes"].nbytes
+    wide_error = (wide.dequantize(wide.quantize(x), torch.float32) - x).norm()
+    assert wide_error < 0.5 * (narrow.dequantize(narrow.quantize(x), torch.float32) - x).norm()
+    levels_only = RotatedTokenQuantizer(bits=4, layer_levels=["normal", "uniform"])
+    assert (levels_only.for_layer(0).bits, levels_only.for_layer(1).levels) == (4, "uniform")
+    with pytest.raises(ValueError, match="layer_bits \\(2 entries\\) and layer_levels \\(3 entries\\)"):
+        RotatedTokenQuantizer(layer_bits=[2, 4], layer_levels=["normal"] * 3)
+    with pytest.raises(ValueError, match="'layer_levels' entry 1 \\(layer 1\\).*'levels' must be one of"):
+        RotatedTokenQuantizer(layer_levels=["normal", "gaussian"])
+    with pytest.raises(TypeError, match="per-layer table of names must be a list of strings"):
+        RotatedTokenQuantizer(layer_levels="uniform")
+    path = write_registry(tmp_path, "levels", """
+[pipelines.t-short-table]
+extends = "prerope-qa3v2"
+values.quantizer.layer_levels = ["normal", "uniform"]
+""")
+    with pytest.raises(ModelError, match="layer_levels has 2 entries but the model has 3 layers"):
+        build_cache(load_pipeline("t-short-table", path), tiny_llama(torch.float32))
+
+
+@pytest.mark.interpreter
+def test_layers_of_four_and_two_bit_values_in_tiles_decode_through_the_dense_kernel(tmp_path):
+    """A pipeline whose values take 4-bit uniform codes in one layer and 2-bit normal ones in the other, both in tiles
+    (``layer_bits``, ``layer_levels``): each layer's storage is its own width, the default launch gives both to the
+    dense kernel, and it decodes each as the torch twin does."""
+    from kvweave.engine import importance
+    from kvweave.kernels.lowbit_decode import lowbit_decode, plan_launch, resolve_variant, torch_lowbit_decode
+
+    path = write_registry(tmp_path, "mixed", """
+[pipelines.t-kzd-vq]
+extends = "kvzip-qa35v3"
+key_space = "post-rope"
+keys.quantizer = { use = "channel-group", bits = 4, group = 64, outliers = 0 }
+values.quantizer = { bits = 2, token_tiles = 64, layer_bits = [4, 2], layer_levels = ["uniform", "normal"] }
+evictor.fraction = 0.48
+router.rank = 128
+kernel.use = "lowbit"
+""")
+    net = tiny_llama(layers=2, hidden=512)  # head_dim 128
+    cache = build_cache(load_pipeline("t-kzd-vq", path), net, tokenizer=CharTokenizer())
+    with torch.no_grad():
+        importance.prefill(net, cache, torch.randint(1, 128, (1, 300), generator=torch.Generator().manual_seed(4)))
+    q = torch.randn(1, 4, 128, generator=torch.Generator().manual_seed(5))
+    codes = []
+    for layer, bits in ((0, 4), (1, 2)):
+        view = cache.engine.kernel.lowbit_view(cache.engine.view(layer), torch.device("cpu"))
+        assert view.v_bits == bits and view.v_tiled and resolve_variant(view, "auto") == ("dense", 64)
+        codes.append(view.v_codes[0, :64].numel())
+        twin = torch_lowbit_decode(view, q, None, 128 ** -0.5)
+        out = lowbit_decode(view, q, None, 128 ** -0.5)
+        assert torch.allclose(out, twin, atol=1e-5) and float(twin.abs().max()) > 0.05, (layer, (out - twin).abs().max())
+        assert plan_launch(view, q, None, 128 ** -0.5).constants["VBITS"] == bits
+    assert codes[0] == 2 * codes[1]  # the 4-bit layer stores twice the code bytes a token

@@ -22,6 +22,14 @@ def layer_table(value: Any) -> tuple:
     raise TypeError(f"'layer_bits' must be a list of numbers, one per layer of the model, got {value!r}")
 
 
+def name_table(value: Any) -> tuple:
+    """A TOML list (or tuple) of strings -> a tuple (a per-layer table of named choices, e.g. ``layer_levels``);
+    anything else is refused with its type."""
+    if isinstance(value, (list, tuple)) and all(isinstance(v, str) for v in value):
+        return tuple(value)
+    raise TypeError(f"a per-layer table of names must be a list of strings, one per layer of the model, got {value!r}")
+
+
 def each_entry(check: Callable[[Any, Any, Any], None], name: str) -> Callable[[Any, Any, tuple], None]:
     """A validator applying ``check`` (the validator of the width ``name``) to every entry of a table."""
 
@@ -36,10 +44,10 @@ def each_entry(check: Callable[[Any, Any, Any], None], name: str) -> Callable[[A
     return validate
 
 
-def check_table(table: tuple, num_layers: int, component: str) -> None:
-    """Refuse a table whose length is not the model's number of layers."""
+def check_table(table: tuple, num_layers: int, component: str, name: str = "layer_bits") -> None:
+    """Refuse a table (``name``) whose length is not the model's number of layers."""
     if table and len(table) != num_layers:
         raise ModelError(
-            f"{component}: layer_bits has {len(table)} entries but the model has {num_layers} layers; give one "
-            f"width per layer (benchmarks/layer_sensitivity.py prints a table for a model)"
+            f"{component}: {name} has {len(table)} entries but the model has {num_layers} layers; give one "
+            f"entry per layer (benchmarks/layer_sensitivity.py prints a width table for a model)"
         )

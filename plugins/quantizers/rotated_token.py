@@ -46,7 +46,8 @@ group 32 or asymmetric: 2 more bytes for nothing), 0.32 without the rotation and
 values (3 bits per element). 2 bits keep the metadata at 0.25 bit per element and, with 3-bit
 ``channel-group`` keys, a cache 4.8x below 16 bits.
 
-``layer_bits`` gives each layer of the model its own ``bits`` (``for_layer``; plugins/quantizers/_layers.py):
+``layer_bits`` gives each layer of the model its own ``bits`` and ``layer_levels`` its own ``levels`` (``for_layer``;
+plugins/quantizers/_layers.py; with ``token_tiles`` the widths may mix 2 and 4):
 ``benchmarks/layer_sensitivity.py`` measures which layers lose most at 2 bits and prints a table for an
 average (SmolLM2-135M, 2.5 bits on average: KL 0.045 against 0.059 for as many 3-bit layers evenly spaced).
 
@@ -91,7 +92,7 @@ from kvweave.kernels.formats import VALUE_TILE, tile_codes, untile_codes
 from ._bitpack import (
     affine_range, chunk_codes, level_table, midrise_scale, nearest_level_codes, normal_edges, normal_levels, pack, safe_step, unpack,
 )
-from ._layers import check_table, each_entry, layer_table
+from ._layers import check_table, each_entry, layer_table, name_table
 from ._scales import FLOAT16_MAX, check_magnitude
 
 ROTATIONS = ("hadamard", "random", "none")
@@ -180,6 +181,12 @@ class RotatedTokenQuantizer(Quantizer):
         default=(), converter=layer_table, validator=each_entry(_bits, "bits"),
         metadata={"doc": "bits per layer, one entry per layer of the model (empty: 'bits' for every layer)"},
     )
+    layer_levels: tuple[str, ...] = attrs.field(
+        default=(), converter=name_table, validator=each_entry(choice(LEVELS), "levels"),
+        metadata={"doc": "levels per layer ('normal' or 'uniform'), one entry per layer of the model (empty: 'levels' "
+                         "for every layer); e.g. uniform where layer_bits gives 4 bits, which the dense kernel reads "
+                         "without a table"},
+    )
     token_tiles: int = attrs.field(
         default=0, validator=choice(TOKEN_TILES),
         metadata={"doc": "0: codes token by token; 64: 2- or 4-bit codes in tiles of 64 tokens, channel by channel (the lowbit "
@@ -188,15 +195,23 @@ class RotatedTokenQuantizer(Quantizer):
 
     def __attrs_post_init__(self) -> None:
         widths = sorted(set(self.layer_bits)) if self.layer_bits else [self.bits]
-        if self.token_tiles and (len(widths) > 1 or widths[0] == 3):
-            raise ValueError(f"rotated-token token_tiles = {self.token_tiles} stores 2- or 4-bit codes, one width for "
-                             f"every layer; got bits {widths}")
+        if self.token_tiles and 3 in widths:
+            raise ValueError(f"rotated-token token_tiles = {self.token_tiles} stores 2- or 4-bit codes (a width per "
+                             f"layer among them); got bits {widths}")
+        if self.layer_bits and self.layer_levels and len(self.layer_bits) != len(self.layer_levels):
+            raise ValueError(f"rotated-token layer_bits ({len(self.layer_bits)} entries) and layer_levels "
+                             f"({len(self.layer_levels)} entries) must have one entry per layer each")
 
     def check_model(self, shape: ModelShape) -> None:
         check_table(self.layer_bits, shape.num_layers, "rotated-token")
+        check_table(self.layer_levels, shape.num_layers, "rotated-token", "layer_levels")
 
     def for_layer(self, layer: int) -> RotatedTokenQuantizer:
-        return attrs.evolve(self, bits=int(self.layer_bits[layer]), layer_bits=()) if self.layer_bits else self
+        if not (self.layer_bits or self.layer_levels):
+            return self
+        bits = int(self.layer_bits[layer]) if self.layer_bits else self.bits
+        levels = self.layer_levels[layer] if self.layer_levels else self.levels
+        return attrs.evolve(self, bits=bits, levels=levels, layer_bits=(), layer_levels=())
 
     def _group_for(self, width: int) -> int:
         return min(self.group, width)
