@@ -101,10 +101,10 @@ DENSE_ROPE_REGISTERS = 128
 #: instructions (the query's rows read a part at a time); KVWEAVE_ROPE_PAIRS sets it (8, 16, 32 or 64)
 DENSE_ROPE_PAIRS = env_setting("KVWEAVE_ROPE_PAIRS", 16, (8, 16, 32, 64))
 
-#: whether "auto" gives the dense kernel keys stored before RoPE (rotated in registers, ``ROPE``): only once its GPU build
-#: matched the twin (tests/test_dense_rope.py, tests/test_lowbit_gpu.py); before, the "wide" kernel read them.
-#: KVWEAVE_DENSE_ROPE (0 or 1) sets it
-ROPE_GPU_CHECKED = bool(env_setting("KVWEAVE_DENSE_ROPE", 0, (0, 1)))
+#: whether "auto" gives the dense kernel keys stored before RoPE (rotated in registers, ``ROPE``): its GPU build matched
+#: the twin (tests/test_dense_rope.py, tests/test_lowbit_gpu.py; H100, 2026-12-06, docs/perf/gpu-2026-12-06-vq), so on;
+#: 0 gives them back to the "wide" kernel, which read them before. KVWEAVE_DENSE_ROPE (0 or 1) sets it
+ROPE_GPU_CHECKED = bool(env_setting("KVWEAVE_DENSE_ROPE", 1, (0, 1)))
 
 
 def rope_registers(view: Any) -> int | None:
