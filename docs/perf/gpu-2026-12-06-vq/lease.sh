@@ -3,7 +3,7 @@
 # the dense kernel's pre-RoPE reading, then model.generate (Llama-3-8B shape, CUDA graphs) over the 8x class's storage
 # with 2-bit values everywhere, with 4-bit values in a quarter of the layers, and with its keys before RoPE (the dense
 # kernel taking them: KVWEAVE_DENSE_ROPE=1), then the pre-RoPE kernel alone at 16 rotary pairs a part.
-# Run from the repository's root: OUT=folder bash docs/perf/gpu-2026-12-06-vq/lease.sh
+# Run from the repository's root: OUT=folder bash docs/perf/gpu-2026-12-06-vq/lease.sh (run 2: RUN2=1)
 set -o pipefail
 OUT=${OUT:-$PWD/results/lease}
 mkdir -p "$OUT"
@@ -11,6 +11,7 @@ python -m pip install -q --no-deps --no-build-isolation -e . >/dev/null 2>&1
 { nvidia-smi --query-gpu=name,memory.total --format=csv,noheader 2>/dev/null
   python -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)"; } > "$OUT/gpu.txt"
 step() { local limit=$1 file=$2; shift 2; echo "\$ $*" >> "$OUT/$file"; timeout "$limit" "$@" 2>&1 | grep -v -E "Warning|warnings.warn" >> "$OUT/$file"; echo "exit $? after ${SECONDS}s" >> "$OUT/$file"; }
+if [ -z "$RUN2" ]; then  # run 1
 if [ -z "$NO_TESTS" ]; then
   step 100 tests.txt python -m pytest -q -p no:cacheprovider tests/test_dense_rope.py tests/test_value_tiles.py
   KVWEAVE_GPU_VARIANTS=dense step 160 tests.txt python -m pytest -q -p no:cacheprovider tests/test_lowbit_gpu.py \
@@ -21,3 +22,14 @@ KVWEAVE_DENSE_ROPE=1 step 260 e2e.txt python benchmarks/decode_e2e.py --registry
   --context 16384 --steps 40 --out "$OUT/e2e"
 KVWEAVE_ROPE_PAIRS=16 step 90 k4v2e48t-p16.md python benchmarks/lowbit_kernel.py --reps 10 --tokens 32768,131072 \
   --batches 1,8,32 --storage k4v2e48t --configs dense:64:4:0 --out "$OUT/k4v2e48t-p16"
+fi
+# run 2: the pre-RoPE build at 32 and 64 pairs a part (16 timed in run 1), and model.generate at 64K (the context)
+if [ -n "$RUN2" ]; then
+  for pairs in 32 64; do
+    KVWEAVE_ROPE_PAIRS=$pairs step 90 k4v2e48t-p$pairs.md python benchmarks/lowbit_kernel.py --reps 10 --tokens 32768,131072 \
+      --batches 1,8,32 --storage k4v2e48t --configs dense:64:4:0 --out "$OUT/k4v2e48t-p$pairs"
+  done
+  step 300 e2e64k.txt python benchmarks/decode_e2e.py --registry benchmarks/dense_sweep.toml \
+    --methods full,kzd-k4v2t-f48-d128@graphs,kzd-k4vq25t-f48-d128@graphs --batches 1,8 --context 65536 --steps 40 \
+    --out "$OUT/e2e64k"
+fi
