@@ -29,7 +29,7 @@ if [ -n "$RUN2" ]; then
     KVWEAVE_ROPE_PAIRS=$pairs step 90 k4v2e48t-p$pairs.md python benchmarks/lowbit_kernel.py --reps 10 --tokens 32768,131072 \
       --batches 1,8,32 --storage k4v2e48t --configs dense:64:4:0 --out "$OUT/k4v2e48t-p$pairs"
   done
-  step 300 e2e64k.txt python benchmarks/decode_e2e.py --registry benchmarks/dense_sweep.toml \
+  [ -z "$NO_E2E" ] && step 300 e2e64k.txt python benchmarks/decode_e2e.py --registry benchmarks/dense_sweep.toml \
     --methods full,kzd-k4v2t-f48-d128@graphs,kzd-k4vq25t-f48-d128@graphs --batches 1,8 --context 65536 --steps 40 \
     --out "$OUT/e2e64k"
 fi
