@@ -4,13 +4,7 @@
 # then lowbit_kernel.py --shape d256 over the 8x and ~5x classes' storages against SDPA: the launch's build, the same
 # capped at 128 registers (r128), and for the flat 8x storage the wide kernel (the default at head_dim 256 before).
 # Run from the repository's root: OUT=folder bash docs/perf/gpu-2026-12-06-d256/lease.sh
-set -o pipefail
-OUT=${OUT:-$PWD/results/lease}
-mkdir -p "$OUT"
-python -m pip install -q --no-deps --no-build-isolation -e . >/dev/null 2>&1
-{ nvidia-smi --query-gpu=name,memory.total --format=csv,noheader 2>/dev/null
-  python -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)"; } > "$OUT/gpu.txt"
-step() { local limit=$1 file=$2; shift 2; echo "\$ $*" >> "$OUT/$file"; timeout "$limit" "$@" 2>&1 | grep -v -E "Warning|warnings.warn" >> "$OUT/$file"; echo "exit $? after ${SECONDS}s" >> "$OUT/$file"; }
+source benchmarks/lease_preamble.sh
 step 150 run2-tests.txt python -m pytest -q -p no:cacheprovider tests/test_wide_heads_gpu.py tests/test_pack_kernels.py \
   tests/test_lowbit_gpu.py -k "wide_heads or pack or window_append"
 step 130 run2-k4v2e48.md python benchmarks/lowbit_kernel.py --shape d256 --post-rope --storage k4v2e48 --reps 10 \

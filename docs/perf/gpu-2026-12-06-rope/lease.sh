@@ -3,13 +3,7 @@
 # lowbit_kernel.py over the pre-RoPE storages against SDPA (the dense kernel; for prerope-k4v2's storage the wide
 # kernel too, the default before) and the 8x class's post-RoPE storage as the baseline of the same run.
 # Run from the repository's root: OUT=folder bash docs/perf/gpu-2026-12-06-rope/lease.sh
-set -o pipefail
-OUT=${OUT:-$PWD/results/lease}
-mkdir -p "$OUT"
-python -m pip install -q --no-deps --no-build-isolation -e . >/dev/null 2>&1
-{ nvidia-smi --query-gpu=name,memory.total --format=csv,noheader 2>/dev/null
-  python -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)"; } > "$OUT/gpu.txt"
-step() { local limit=$1 file=$2; shift 2; echo "\$ $*" >> "$OUT/$file"; timeout "$limit" "$@" 2>&1 | grep -v -E "Warning|warnings.warn" >> "$OUT/$file"; echo "exit $? after ${SECONDS}s" >> "$OUT/$file"; }
+source benchmarks/lease_preamble.sh
 BENCH="python benchmarks/lowbit_kernel.py --reps 10 --tokens ${TOKENS:-32768,131072} --batches ${BATCHES:-1,8,32}"
 if [ "${PART:-1}" = 1 ]; then  # run 1: the first build (halves of the rotary pairs, outliers put in place per element)
   if [ -z "$NO_TESTS" ]; then

@@ -4,13 +4,7 @@
 # with 2-bit values everywhere, with 4-bit values in a quarter of the layers, and with its keys before RoPE (the dense
 # kernel taking them: KVWEAVE_DENSE_ROPE=1), then the pre-RoPE kernel alone at 16 rotary pairs a part.
 # Run from the repository's root: OUT=folder bash docs/perf/gpu-2026-12-06-vq/lease.sh (run 2: RUN2=1)
-set -o pipefail
-OUT=${OUT:-$PWD/results/lease}
-mkdir -p "$OUT"
-python -m pip install -q --no-deps --no-build-isolation -e . >/dev/null 2>&1
-{ nvidia-smi --query-gpu=name,memory.total --format=csv,noheader 2>/dev/null
-  python -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)"; } > "$OUT/gpu.txt"
-step() { local limit=$1 file=$2; shift 2; echo "\$ $*" >> "$OUT/$file"; timeout "$limit" "$@" 2>&1 | grep -v -E "Warning|warnings.warn" >> "$OUT/$file"; echo "exit $? after ${SECONDS}s" >> "$OUT/$file"; }
+source benchmarks/lease_preamble.sh
 if [ -z "$RUN2" ]; then  # run 1
 if [ -z "$NO_TESTS" ]; then
   step 100 tests.txt python -m pytest -q -p no:cacheprovider tests/test_dense_rope.py tests/test_value_tiles.py
