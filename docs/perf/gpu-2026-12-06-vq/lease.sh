@@ -19,7 +19,7 @@ KVWEAVE_ROPE_PAIRS=16 step 90 k4v2e48t-p16.md python benchmarks/lowbit_kernel.py
 fi
 # run 2: the pre-RoPE build at 32 and 64 pairs a part (16 timed in run 1), and model.generate at 64K (the context)
 if [ -n "$RUN2" ]; then
-  for pairs in 32 64; do
+  for pairs in ${PAIRS:-32 64}; do
     KVWEAVE_ROPE_PAIRS=$pairs step 90 k4v2e48t-p$pairs.md python benchmarks/lowbit_kernel.py --reps 10 --tokens 32768,131072 \
       --batches 1,8,32 --storage k4v2e48t --configs dense:64:4:0 --out "$OUT/k4v2e48t-p$pairs"
   done
