@@ -241,6 +241,10 @@ def attention_pairs() -> list[tuple[str, object, bool, object]]:
         ("ca 3.0b k0 pre-RoPE, query_weight 0.5 / rt 2b (prerope-qa3v2)", ca(mean_bits=3.0, outliers=0, query_weight=0.5), True, rt()),
         ("ca 3.0b k0 pre-RoPE, query_weight 1.0 / rt 2b", ca(mean_bits=3.0, outliers=0, query_weight=1.0), True, rt()),
         ("ca 3.5b k0 pre-RoPE, query_weight 0.5 / rt 3b (prerope-qa35v3)", ca(mean_bits=3.5, outliers=0, query_weight=0.5), True, rt(bits=3)),
+        # the dense kernel's storage (benchmarks/dense_sweep.toml's kzd-k4v2 codes): keys after RoPE, log8 value scales
+        ("cg 4b k0 g64 post-RoPE / rt 2b log8 (kzd-k4v2)", cg(bits=4, group=64, outliers=0), False, rt(scale_format="log8")),
+        ("cg 4b k0 g64 post-RoPE / rt 4b uniform log8", cg(bits=4, group=64, outliers=0), False,
+         rt(bits=4, levels="uniform", scale_format="log8")),
     ]
 
 
