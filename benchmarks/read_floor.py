@@ -1,0 +1,212 @@
+"""The floor under a decode kernel's time: how long this GPU takes only to read a compressed cache's bytes.
+
+    python benchmarks/read_floor.py [--tokens 32768,65536,131072] [--batches 1,8,32]
+        [--storages k4v2e48t,k4v4e77t] [--ratios 8.25] [--reps 10] [--out DIR]
+
+The kernel bars of docs/kernels.md ask a decode call to be at least 0.7 x (bytes ratio) faster than SDPA over the full
+bfloat16 cache. A call cannot be faster than reading its bytes once, so for each cell (T, B) and storage this script
+times, as calls replayed from a CUDA graph (``decode_kernel.graph_us``, as the kernel benchmarks do):
+
+- SDPA over the full bf16 cache (Llama-3-8B attention: 32 query heads, 8 KV heads, head_dim 128, 16 exact tokens);
+- ``read``: one Triton launch that reads exactly the storage's bytes (``nbytes`` of every packed tensor and of the
+  exact window, ``lowbit_kernel.view_bytes``) as 32-bit words with vector loads and sums them, the best of several
+  program counts: no kernel that reads those bytes once can take less;
+- ``read + fold``: the same followed by a second, dependent launch with one program per (row, KV head) that folds the
+  first launch's partial sums: the floor of a split-K design (a pass, then a combine), which the kernels here are;
+- the ``dense`` kernel itself, as ``model.generate`` launches it (the launch's own splits and rules);
+- the launch alone: a graph of one or two dependent launches of a program that reads nothing.
+
+``--storages`` are ``lowbit_kernel.py``'s (their keys after RoPE, as the bars' table times them); ``--ratios`` adds rows
+for a cache that many times smaller than the bf16 cache with no kernel of its own (8.25: depthweave-kv's stored bytes,
+whose kernel ``decode_kernel.py`` times). Printed: each row's speed-up over SDPA for the floors and the kernel, the bar,
+and the share of the copy bandwidth the floors reach; JSON in ``--out``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+try:  # the read kernels need Triton; --help and the refusals do not
+    import triton
+    import triton.language as tl
+except ImportError:  # pragma: no cover - exercised where triton is missing
+    triton = None
+
+#: 32-bit words a program's step loads (8 a thread at 4 warps: two 16-byte loads each)
+READ_BLOCK = 1024
+#: the programs a read launch is timed with, as multiples of the multiprocessors (the best is its floor)
+PROGRAMS_PER_SM = (1, 2, 4, 8, 16)
+#: how far the bars ask a kernel to be faster than SDPA, as a share of the bytes ratio
+BAR_SHARE = 0.7
+
+if triton is not None:
+
+    @triton.jit
+    def _read_words(src, partial, words, chunk, BLOCK: tl.constexpr):
+        """Program ``p`` sums (wrapping int32) the words ``[p * chunk, (p + 1) * chunk)`` of ``src`` that exist and
+        writes the sum to ``partial[p]`` (``chunk`` a multiple of ``BLOCK``)."""
+        pid = tl.program_id(0)
+        first = pid * chunk
+        acc = tl.zeros([BLOCK], dtype=tl.int32)
+        for step in range(0, chunk, BLOCK):
+            offs = first + step + tl.arange(0, BLOCK)
+            acc += tl.load(src + offs, mask=offs < words, other=0)
+        tl.store(partial + pid, tl.sum(acc, axis=0))
+
+    @triton.jit
+    def _fold(partial, out, programs, per, BLOCK: tl.constexpr):
+        """Program ``r`` sums the partials ``[r * per, (r + 1) * per)`` that exist into ``out[r]``."""
+        row = tl.program_id(0)
+        acc = tl.zeros([BLOCK], dtype=tl.int32)
+        for step in range(0, per, BLOCK):
+            local = step + tl.arange(0, BLOCK)
+            idx = row * per + local
+            acc += tl.load(partial + idx, mask=(local < per) & (idx < programs), other=0)
+        tl.store(out + row, tl.sum(acc, axis=0))
+
+
+def read_words(src: torch.Tensor, programs: int, partial: torch.Tensor | None = None) -> torch.Tensor:
+    """The int32 words of ``src`` (flat, contiguous) summed in ``programs`` chunks by one launch: [programs] int32
+    (into ``partial`` where given, to be captured in a graph)."""
+    if triton is None:
+        raise RuntimeError("read_floor.py needs Triton")
+    if src.dtype != torch.int32 or src.dim() != 1 or not src.is_contiguous():
+        raise ValueError(f"read_words reads a flat contiguous int32 tensor, got {src.dtype} of shape {tuple(src.shape)}")
+    if programs < 1:
+        raise ValueError(f"read_words needs at least one program, got {programs}")
+    words = src.numel()
+    chunk = -(-(-(-words // programs)) // READ_BLOCK) * READ_BLOCK
+    partial = torch.empty(programs, dtype=torch.int32, device=src.device) if partial is None else partial
+    _read_words[(programs,)](src, partial, words, chunk, BLOCK=READ_BLOCK, num_warps=4)
+    return partial
+
+
+def fold(partial: torch.Tensor, rows: int, out: torch.Tensor | None = None) -> torch.Tensor:
+    """``partial`` summed in ``rows`` consecutive shares, one program each (a dependent second launch): [rows] int32."""
+    if rows < 1:
+        raise ValueError(f"fold needs at least one row, got {rows}")
+    per = -(-partial.numel() // rows)
+    out = torch.empty(rows, dtype=torch.int32, device=partial.device) if out is None else out
+    _fold[(rows,)](partial, out, partial.numel(), per, BLOCK=64, num_warps=1)
+    return out
+
+
+def floors(nbytes: int, rows: int, reps: int, sms: int) -> dict[str, float]:
+    """Graph time (us a call) of reading ``nbytes`` once, alone (``read``) and followed by a fold over ``rows`` rows
+    (``read_fold``), each the best over :data:`PROGRAMS_PER_SM`; and the programs that gave each."""
+    from decode_kernel import graph_us
+
+    src = torch.randint(-2**31, 2**31 - 1, (-(-nbytes // 4),), dtype=torch.int32, device="cuda")
+    out = torch.empty(rows, dtype=torch.int32, device="cuda")
+    best: dict[str, float] = {}
+    for per_sm in PROGRAMS_PER_SM:
+        programs = per_sm * sms
+        partial = torch.empty(programs, dtype=torch.int32, device="cuda")
+        for name, call in (("read", lambda: read_words(src, programs, partial)),
+                           ("read_fold", lambda: fold(read_words(src, programs, partial), rows, out))):
+            us = graph_us(call, reps)
+            if us < best.get(name + "_us", float("inf")):
+                best[name + "_us"], best[name + "_programs"] = us, programs
+    del src
+    return best
+
+
+def launch_floor(reps: int) -> dict[str, float]:
+    """Graph time (us a call) of one launch of a program that reads nothing, and of two dependent ones."""
+    from decode_kernel import graph_us
+
+    empty = torch.empty(0, dtype=torch.int32, device="cuda")
+    partial = torch.empty(1, dtype=torch.int32, device="cuda")
+    out = torch.empty(1, dtype=torch.int32, device="cuda")
+    return {"one_launch_us": graph_us(lambda: read_words(empty, 1, partial), reps),
+            "two_launches_us": graph_us(lambda: fold(read_words(empty, 1, partial), 1, out), reps)}
+
+
+def main() -> None:
+    from decode_kernel import copy_bandwidth, graph_us
+    from kvweave.kernels.lowbit_decode import lowbit_decode
+    from lowbit_kernel import SHAPES, STORAGES, WINDOW, packed_view, view_bytes
+
+    import attrs
+
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--tokens", default="32768,65536,131072")
+    parser.add_argument("--batches", default="1,8,32")
+    parser.add_argument("--storages", default="k4v2e48t,k4v4e77t", help="lowbit_kernel.py storages, keys after RoPE, "
+                        "timed with the dense kernel too ('' for none)")
+    parser.add_argument("--ratios", default="8.25", help="bytes ratios against the bf16 cache with no kernel timed "
+                        "(8.25: depthweave-kv's; '' for none)")
+    parser.add_argument("--reps", type=int, default=10)
+    parser.add_argument("--out", default="results/read_floor")
+    args = parser.parse_args()
+    storages = [s for s in args.storages.split(",") if s]
+    unknown = [s for s in storages if s not in STORAGES]
+    if unknown:
+        raise SystemExit(f"--storages: {unknown} are not lowbit_kernel.py storages ({', '.join(STORAGES)})")
+    try:
+        ratios = [float(r) for r in args.ratios.split(",") if r]
+    except ValueError:
+        raise SystemExit(f"--ratios: {args.ratios!r} is not a comma-separated list of numbers") from None
+    if any(r <= 1 for r in ratios):
+        raise SystemExit(f"--ratios: {ratios} must each be more than 1 (a cache that many times smaller than bf16)")
+    if not torch.cuda.is_available():
+        raise SystemExit("read_floor.py times CUDA kernels; run it on a GPU machine")
+    q_heads, kv_heads, dim, _ = SHAPES["llama3-8b"]
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    bandwidth = copy_bandwidth()
+    launches = launch_floor(args.reps)
+    print(f"{torch.cuda.get_device_name()}: copy bandwidth {bandwidth / 1e12:.2f} TB/s (read + write), {sms} SMs; "
+          f"a launch that reads nothing {launches['one_launch_us']:.2f} us, two dependent ones "
+          f"{launches['two_launches_us']:.2f} us (graph time)")
+    print("\n| T | B | storage | bytes read | bytes ratio | SDPA us | read us (% copy bw) | read + fold us | kernel us "
+          "| speed-up: read / read + fold / kernel | bar | kernel / (read + fold) |")
+    print("|---:|---:|---|---:|---:|---:|---:|---:|---:|---|---:|---:|")
+    rows = []
+    for tokens in (int(t) for t in args.tokens.split(",")):
+        for batch in (int(b) for b in args.batches.split(",")):
+            full_bytes = 2 * batch * kv_heads * (tokens + WINDOW) * dim * 2
+            q = torch.randn(batch, q_heads, dim, device="cuda", dtype=torch.bfloat16)
+            keys = torch.randn(batch, kv_heads, tokens + WINDOW, dim, device="cuda", dtype=torch.bfloat16)
+            values = torch.randn_like(keys)
+            sdpa = graph_us(lambda: F.scaled_dot_product_attention(q[:, :, None], keys, values, enable_gqa=True), args.reps)
+            del keys, values
+            torch.cuda.empty_cache()
+            cases = [(name, None) for name in storages] + [(f"{r:g}x smaller", r) for r in ratios]
+            for name, ratio in cases:
+                kernel = None
+                if ratio is None:
+                    view = attrs.evolve(packed_view(batch, tokens, storage=name), inv_freq=None)
+                    read = view_bytes(view)
+                    kernel = graph_us(lambda: lowbit_decode(view, q, None, dim ** -0.5, 64, 4, "dense", None), args.reps)
+                    del view
+                    torch.cuda.empty_cache()
+                else:
+                    read = int(full_bytes / ratio)
+                floor = floors(read, batch * kv_heads, args.reps, sms)
+                row = {"tokens": tokens, "batch": batch, "storage": name, "bytes_read": read,
+                       "bytes_ratio": full_bytes / read, "sdpa_us": sdpa, "kernel_us": kernel, **floor,
+                       "read_of_copy": read / (floor["read_us"] * 1e-6) / bandwidth}
+                row["bar"] = BAR_SHARE * row["bytes_ratio"]
+                rows.append(row)
+                versus = "-" if kernel is None else f"{kernel / floor['read_fold_us']:.2f}"
+                speedups = [sdpa / floor["read_us"], sdpa / floor["read_fold_us"]] + ([sdpa / kernel] if kernel else [])
+                print(f"| {tokens} | {batch} | {name} | {read / 1e6:.1f} MB | {row['bytes_ratio']:.2f}x | {sdpa:.1f} | "
+                      f"{floor['read_us']:.1f} ({100 * row['read_of_copy']:.0f}%) | {floor['read_fold_us']:.1f} | "
+                      f"{'-' if kernel is None else f'{kernel:.1f}'} | {' / '.join(f'{s:.2f}x' for s in speedups)} | "
+                      f"{row['bar']:.2f}x | {versus} |",
+                      flush=True)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "read_floor.json").write_text(json.dumps({
+        "date": datetime.date.today().isoformat(), "device": torch.cuda.get_device_name(), "sms": sms,
+        "copy_bandwidth": bandwidth, **launches, "rows": rows}, indent=1))
+
+
+if __name__ == "__main__":
+    main()

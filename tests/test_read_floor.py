@@ -1,0 +1,46 @@
+"""benchmarks/read_floor.py's read kernels under Triton's interpreter: every word of the storage is read exactly once
+(so the floor they time is the storage's bytes), and the fold sums each row's share of the partials."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+
+import read_floor  # noqa: E402
+
+
+def wrapped(total: int) -> int:
+    """``total`` as a wrapping int32 sum."""
+    return (total + 2**31) % 2**32 - 2**31
+
+
+@pytest.mark.parametrize("words,programs", [(1, 1), (5000, 3), (4096, 4), (3 * 1024 + 17, 7)])
+def test_each_word_is_read_once_whatever_the_programs(words, programs):
+    src = torch.randint(-2**31, 2**31 - 1, (words,), dtype=torch.int32, generator=torch.Generator().manual_seed(words))
+    partial = read_floor.read_words(src, programs)
+    assert partial.shape == (programs,)
+    assert wrapped(int(partial.long().sum())) == wrapped(int(src.long().sum()))
+    # each program sums its own chunk: a word moved from one chunk to another changes two partials
+    chunk = -(-(-(-words // programs)) // read_floor.READ_BLOCK) * read_floor.READ_BLOCK
+    for p in range(programs):
+        assert int(partial[p]) == wrapped(int(src[p * chunk:(p + 1) * chunk].long().sum()))
+
+
+def test_the_fold_sums_each_rows_share_of_the_partials():
+    partial = torch.arange(1, 11, dtype=torch.int32)
+    assert read_floor.fold(partial, 3).tolist() == [1 + 2 + 3 + 4, 5 + 6 + 7 + 8, 9 + 10]
+    assert read_floor.fold(partial, 1).tolist() == [55]
+
+
+def test_bad_input_is_refused_by_name():
+    with pytest.raises(ValueError, match="flat contiguous int32"):
+        read_floor.read_words(torch.zeros(4, dtype=torch.int64), 1)
+    with pytest.raises(ValueError, match="at least one program"):
+        read_floor.read_words(torch.zeros(4, dtype=torch.int32), 0)
+    with pytest.raises(ValueError, match="at least one row"):
+        read_floor.fold(torch.zeros(4, dtype=torch.int32), 0)
