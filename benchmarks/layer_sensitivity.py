@@ -28,6 +28,10 @@ quantized: at the chosen table, at the same count of ``--high`` layers evenly sp
 same mean), at ``--low`` and ``--high`` everywhere and, when ``--mean`` is a valid width, at ``--mean``
 everywhere; a table that helps has the lower KL at its mean. The single-layer KLs add only approximately,
 so that end-to-end check is the one to trust.
+With ``--held N`` the layers are weighed by the tokens each holds after an N-token prompt (a full-attention layer
+``N x --kept``, a sliding-window layer its window, or ``--window``): ``--mean`` is then the mean width over the
+stored tokens, and layers move to ``--high`` in order of gain per token held while they fit, so on a model with
+sliding-window layers (Gemma-3) the short layers widen first; the tables compared then add the KL-only table.
 Text: the first ``--tokens`` tokens of the Paul Graham essays (``kvweave.tools.data``); or, with ``--text
 needles``, ``--prompts`` needle prompts of about ``--tokens`` tokens (the cells ``kvweave eval needle`` builds, chat
 template included, with needles drawn from ``--seed``, 1 by default, so not the evaluation grid's seed 0), each
@@ -63,6 +67,41 @@ def allocate(gains: list[float], low: float, high: float, mean: float) -> list[f
     order = sorted(range(len(gains)), key=lambda layer: (-gains[layer], layer))
     chosen = set(order[:count])
     return [high if layer in chosen else low for layer in range(len(gains))]
+
+
+def allocate_by_bytes(gains: list[float], weights: list[float], low: float, high: float, mean: float) -> list[float]:
+    """Bits per layer whose mean weighted by ``weights`` (what each layer stores: the tokens it holds) is at most
+    ``mean``: layers move from ``low`` to ``high`` in order of gain per weight (ties to the earlier layer), each that
+    still fits the budget; a layer that holds few tokens widens cheaply. Equal weights give :func:`allocate`'s table
+    where its count is whole, one ``high`` layer fewer where it rounded up."""
+    if len(weights) != len(gains):
+        raise ValueError(f"{len(weights)} weights for {len(gains)} layers")
+    if any(not w > 0 for w in weights):
+        raise ValueError(f"layer weights must be positive, got {weights}")
+    allocate([0.0], low, high, mean)  # the same refusals
+    budget = (mean - low) * sum(weights) * (1 + 1e-9)
+    table = [low] * len(gains)
+    for layer in sorted(range(len(gains)), key=lambda i: (-gains[i] / weights[i], i)):
+        cost = (high - low) * weights[layer]
+        if cost <= budget:
+            table[layer], budget = high, budget - cost
+    return table
+
+
+def held_tokens(config: Any, context: int, kept: float, window: int | None) -> list[float]:
+    """The tokens each layer of a model with ``config`` holds after a ``context``-token prompt: ``context * kept`` in a
+    full-attention layer, ``min(context, window)`` in a sliding-window one (``window``: the model's own where None)."""
+    text = getattr(config, "text_config", config)
+    types = list(getattr(text, "layer_types", None) or ["full_attention"] * text.num_hidden_layers)
+    slide = window or getattr(text, "sliding_window", None)
+    if "sliding_attention" in types and not slide:
+        raise ValueError("the model has sliding-window layers but no sliding_window in its config; give --window")
+    return [float(min(context, slide)) if kind == "sliding_attention" else context * kept for kind in types]
+
+
+def weighted_mean(table: list[float], weights: list[float]) -> float:
+    """``table``'s mean weighted by ``weights``."""
+    return sum(b * w for b, w in zip(table, weights)) / sum(weights)
 
 
 def evenly(layers: int, low: float, high: float, mean: float) -> list[float]:
@@ -271,7 +310,20 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
                         help="essays: KL at every position of one text; needles: at the answer digits of needle prompts")
     parser.add_argument("--prompts", type=int, default=6, help="needle prompts (--text needles)")
     parser.add_argument("--seed", type=int, default=1, help="needle seed (--text needles; the evaluation grid uses 0)")
+    parser.add_argument("--held", type=int, help="weigh each layer by the tokens it holds after a prompt of this many "
+                        "tokens (full-attention layers: HELD x --kept, sliding-window ones: their window), so --mean is "
+                        "the mean over stored tokens and cheap layers widen first")
+    parser.add_argument("--kept", type=float, default=1.0, help="share of the context a full-attention layer keeps "
+                        "(--held; e.g. 0.5 for a KVzip evictor keeping half)")
+    parser.add_argument("--window", type=int, help="tokens a sliding-window layer keeps (--held; default: the model's "
+                        "window; e.g. a pipeline's sliding_tokens)")
     args = parser.parse_args(argv)
+    if args.held is not None and args.held < 1:
+        parser.error(f"--held must be a positive number of tokens, got {args.held}")
+    if not 0 < args.kept <= 1:
+        parser.error(f"--kept must lie in (0, 1], got {args.kept:g}")
+    if args.window is not None and args.window < 1:
+        parser.error(f"--window must be a positive number of tokens, got {args.window}")
     if args.prompts < 1:
         parser.error(f"--prompts must be >= 1, got {args.prompts}")
     args.low = args.low if args.low is not None else (2.0 if args.kind == "values" else 3.0)
@@ -312,24 +364,44 @@ def main(argv: list[str] | None = None) -> int:
             raise SystemExit(f"the essays gave only {ids.shape[1]} tokens, fewer than --tokens {args.tokens}")
         samples, what = [Sample(ids, log_probs(model, ids))], f"{args.tokens} tokens"
     kl = kl_per_layer(model, samples, args.kind, [args.low, args.high])
-    table = allocate([low - high for low, high in kl], args.low, args.high, args.mean)
+    gains = [low - high for low, high in kl]
+    weights = None
+    if args.held:
+        try:
+            weights = held_tokens(model.config, args.held, args.kept, args.window)
+        except ValueError as exc:
+            raise SystemExit(f"--held: {exc}") from None
+        if len(weights) != len(kl):
+            raise SystemExit(f"--held: the config lists {len(weights)} layer types for {len(kl)} decoder layers")
+        table = allocate_by_bytes(gains, weights, args.low, args.high, args.mean)
+        windows = args.window or "the model's"
+        what += f"; layers weighed by the tokens they hold after {args.held} ({args.kept:g} kept, windows {windows})"
+    else:
+        table = allocate(gains, args.low, args.high, args.mean)
     if args.kind == "values":
         table = [int(bits) for bits in table]
     print(f"\n{args.kind}, {args.model}, {what}: mean KL(exact || one layer quantized)\n")
     print(f"| layer | KL at {args.low:g} | KL at {args.high:g} | chosen bits |\n|---:|---:|---:|---:|")
     for layer, ((low, high), bits) in enumerate(zip(kl, table)):
         print(f"| {layer} | {low:.3e} | {high:.3e} | {bits:g} |")
-    print(f"\nlayer_bits = {compact(table, args.kind)}  # mean {sum(table) / len(table):g}")
+    held = f", {weighted_mean(table, weights):.3g} over the tokens held" if weights else ""
+    print(f"\nlayer_bits = {compact(table, args.kind)}  # mean {sum(table) / len(table):g}{held}")
     tables = {"allocated": table, "evenly spaced": evenly(len(table), args.low, args.high, args.mean)}
+    if weights:  # as many wide layers as the byte table has, evenly spaced; and the unweighted table at --mean
+        count = sum(1 for b in table if b == args.high)
+        tables["evenly spaced"] = evenly(len(table), args.low, args.high, args.low + count * (args.high - args.low) / len(table))
+        tables["by KL alone"] = allocate(gains, args.low, args.high, args.mean)
     tables |= {f"uniform {b:g}": [b] * len(table) for b in (args.low, args.high)}
     if valid_width(args.kind, args.mean, head_dim) and args.mean not in (args.low, args.high):
         tables[f"uniform {args.mean:g}"] = [args.mean] * len(table)
     whole = whole_model_kl(model, samples, None, args.kind, tables)
     print("\nall layers quantized: mean KL(exact || quantized)")
     for name, value in whole.items():
-        print(f"  {name:>14} (mean {sum(tables[name]) / len(table):g} bits): {value:.4e}")
+        held = f", {weighted_mean(tables[name], weights):.3g} over the tokens held" if weights else ""
+        print(f"  {name:>14} (mean {sum(tables[name]) / len(table):g} bits{held}): {value:.4e}")
     if args.json:
-        record = {**{k: getattr(args, k) for k in ("model", "kind", "tokens", "low", "high", "mean", "text", "prompts", "seed")},
+        record = {**{k: getattr(args, k) for k in ("model", "kind", "tokens", "low", "high", "mean", "text", "prompts", "seed", "held", "kept", "window")},
+                  "layer_weights": weights,
                   "kl_low": [k[0] for k in kl], "kl_high": [k[1] for k in kl], "layer_bits": table, "whole_model_kl": whole}
         Path(args.json).parent.mkdir(parents=True, exist_ok=True)
         Path(args.json).write_text(json.dumps(record, indent=2) + "\n")

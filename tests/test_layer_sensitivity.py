@@ -170,3 +170,49 @@ def test_keys_hook_sits_on_k_norm(family):
     ids = torch.randint(0, 128, (1, 64), generator=torch.Generator().manual_seed(3))
     (low, high), _ = sens.kl_per_layer(model, ids, "keys", [3.0, 8.0], progress=False)
     assert math.isfinite(low) and low > 0 and high < low / 4
+
+
+# --------------------------------------------------------------------------------------- allocation by bytes
+def test_allocate_by_bytes_with_equal_weights_is_the_count_table():
+    gains = [0.1, 0.5, 0.05, 0.9, 0.3, 0.0]
+    assert sens.allocate_by_bytes(gains, [1.0] * 6, 2, 3, 2.5) == sens.allocate(gains, 2, 3, 2.5)
+    # where allocate rounds the count up, the byte table stays under the mean
+    assert sens.allocate_by_bytes(gains, [1.0] * 6, 2, 3, 2.4) == [2, 3, 2, 3, 2, 2]
+
+
+def test_allocate_by_bytes_widens_the_cheap_layers_first_within_the_budget():
+    gains = [1.0, 0.9, 0.2, 0.2]
+    weights = [10.0, 10.0, 1.0, 1.0]  # two global layers, two short windows
+    table = sens.allocate_by_bytes(gains, weights, 2, 4, 3.5)
+    assert table == [4, 2, 4, 4]  # 0.2 a token beats 0.1 and 0.09; then one global layer fits the rest
+    assert sens.weighted_mean(table, weights) <= 3.5
+    assert sens.allocate(gains, 2, 4, 3.5) == [4, 4, 4, 2]  # by KL alone: the globals first
+    assert sens.allocate_by_bytes(gains, weights, 2, 4, 2.5) == [2, 2, 4, 4]  # no global layer fits
+    assert sens.allocate_by_bytes(gains, weights, 2, 4, 2.1) == [2, 2, 4, 2]
+
+
+@pytest.mark.parametrize("weights, match", [([1.0], "1 weights for 2"), ([1.0, 0.0], "positive")])
+def test_allocate_by_bytes_refuses_bad_weights(weights, match):
+    with pytest.raises(ValueError, match=match):
+        sens.allocate_by_bytes([0.1, 0.2], weights, 2, 3, 2.5)
+
+
+def test_held_tokens_reads_the_layer_types_and_the_window():
+    from types import SimpleNamespace
+
+    config = SimpleNamespace(num_hidden_layers=3, layer_types=["sliding_attention", "full_attention", "sliding_attention"],
+                             sliding_window=512)
+    assert sens.held_tokens(config, 5000, 0.5, None) == [512.0, 2500.0, 512.0]
+    assert sens.held_tokens(config, 5000, 0.5, 192) == [192.0, 2500.0, 192.0]
+    assert sens.held_tokens(config, 100, 1.0, None) == [100.0, 100.0, 100.0]
+    assert sens.held_tokens(SimpleNamespace(num_hidden_layers=2), 64, 1.0, None) == [64.0, 64.0]
+    with pytest.raises(ValueError, match="sliding_window"):
+        sens.held_tokens(SimpleNamespace(num_hidden_layers=1, layer_types=["sliding_attention"]), 64, 1.0, None)
+
+
+def test_cli_refuses_bad_held_settings(capsys):
+    for argv, match in ((["--held", "0"], "--held"), (["--held", "100", "--kept", "1.5"], "--kept"),
+                        (["--held", "100", "--window", "0"], "--window")):
+        with pytest.raises(SystemExit):
+            sens.parse(["--kind", "values", "--mean", "2.5", *argv])
+        assert match in capsys.readouterr().err
