@@ -27,7 +27,9 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -44,6 +46,10 @@ READ_BLOCK = 1024
 PROGRAMS_PER_SM = (1, 2, 4, 8, 16)
 #: how far the bars ask a kernel to be faster than SDPA, as a share of the bytes ratio
 BAR_SHARE = 0.7
+#: the bytes each timed call's copies add up to at least, in multiples of the GPU's L2 cache: the calls a graph replays
+#: read the copies in turn, so none is still in L2 when it is read again (as in a decode step, where the other layers'
+#: bytes pass through L2 between two reads of one layer's); 20 calls on one 14 MB buffer read it from an H100's 50 MB L2
+READ_L2_MULTIPLE = 4
 
 if triton is not None:
 
@@ -97,24 +103,62 @@ def fold(partial: torch.Tensor, rows: int, out: torch.Tensor | None = None) -> t
     return out
 
 
-def floors(nbytes: int, rows: int, reps: int, sms: int) -> dict[str, float]:
+def copies_for(nbytes: int, cold: bool) -> int:
+    """How many copies of ``nbytes`` the timed calls read in turn: enough to pass :data:`READ_L2_MULTIPLE` times the
+    L2 cache (``cold``), else 1 (every call reads the same bytes, as the kernel benchmarks do)."""
+    if not cold:
+        return 1
+    return max(1, -(-READ_L2_MULTIPLE * torch.cuda.get_device_properties(0).L2_cache_size // max(1, nbytes)))
+
+
+def in_turn(items: list) -> "Callable[[], Any]":
+    """A function that returns ``items`` one after another, round and round (a graph captures each call's choice)."""
+    state = {"next": 0}
+
+    def pick():
+        item = items[state["next"] % len(items)]
+        state["next"] += 1
+        return item
+
+    return pick
+
+
+def floors(nbytes: int, rows: int, reps: int, sms: int, copies: int) -> dict[str, float]:
     """Graph time (us a call) of reading ``nbytes`` once, alone (``read``) and followed by a fold over ``rows`` rows
-    (``read_fold``), each the best over :data:`PROGRAMS_PER_SM`; and the programs that gave each."""
+    (``read_fold``), each the best over :data:`PROGRAMS_PER_SM`; and the programs that gave each. The calls read
+    ``copies`` buffers in turn."""
     from decode_kernel import graph_us
 
-    src = torch.randint(-2**31, 2**31 - 1, (-(-nbytes // 4),), dtype=torch.int32, device="cuda")
+    sources = [torch.randint(-2**31, 2**31 - 1, (-(-nbytes // 4),), dtype=torch.int32, device="cuda")
+               for _ in range(copies)]
     out = torch.empty(rows, dtype=torch.int32, device="cuda")
     best: dict[str, float] = {}
     for per_sm in PROGRAMS_PER_SM:
         programs = per_sm * sms
         partial = torch.empty(programs, dtype=torch.int32, device="cuda")
-        for name, call in (("read", lambda: read_words(src, programs, partial)),
-                           ("read_fold", lambda: fold(read_words(src, programs, partial), rows, out))):
+        for name in ("read", "read_fold"):
+            source = in_turn(sources)
+            if name == "read":
+                call = lambda: read_words(source(), programs, partial)  # noqa: E731
+            else:
+                call = lambda: fold(read_words(source(), programs, partial), rows, out)  # noqa: E731
             us = graph_us(call, reps)
             if us < best.get(name + "_us", float("inf")):
                 best[name + "_us"], best[name + "_programs"] = us, programs
-    del src
+    del sources
     return best
+
+
+def view_copies(view: Any, copies: int) -> list:
+    """``view`` and ``copies - 1`` views of the same storage in tensors of their own."""
+    import attrs
+
+    def cloned(item: Any) -> Any:
+        return item.clone() if isinstance(item, torch.Tensor) else item
+
+    return [view] + [attrs.evolve(view, **{f.name: cloned(getattr(view, f.name)) for f in attrs.fields(type(view))
+                                           if f.init and isinstance(getattr(view, f.name), torch.Tensor)})
+                     for _ in range(copies - 1)]
 
 
 def launch_floor(reps: int) -> dict[str, float]:
@@ -143,6 +187,9 @@ def main() -> None:
     parser.add_argument("--ratios", default="8.25", help="bytes ratios against the bf16 cache with no kernel timed "
                         "(8.25: depthweave-kv's; '' for none)")
     parser.add_argument("--reps", type=int, default=10)
+    parser.add_argument("--warm-l2", action="store_true", help="every call reads the same bytes (as the kernel "
+                        "benchmarks time it), which the L2 cache holds where they fit; default: copies read in turn "
+                        f"adding up to {READ_L2_MULTIPLE}x the L2 cache, as a decode step's layers read theirs")
     parser.add_argument("--out", default="results/read_floor")
     args = parser.parse_args()
     storages = [s for s in args.storages.split(",") if s]
@@ -161,9 +208,12 @@ def main() -> None:
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     bandwidth = copy_bandwidth()
     launches = launch_floor(args.reps)
+    l2 = torch.cuda.get_device_properties(0).L2_cache_size
+    reading = ("every call the same bytes" if args.warm_l2 else
+               f"each call its own copy, the copies at least {READ_L2_MULTIPLE}x the {l2 / 2**20:.0f} MiB L2 cache")
     print(f"{torch.cuda.get_device_name()}: copy bandwidth {bandwidth / 1e12:.2f} TB/s (read + write), {sms} SMs; "
           f"a launch that reads nothing {launches['one_launch_us']:.2f} us, two dependent ones "
-          f"{launches['two_launches_us']:.2f} us (graph time)")
+          f"{launches['two_launches_us']:.2f} us (graph time); {reading}")
     print("\n| T | B | storage | bytes read | bytes ratio | SDPA us | read us (% copy bw) | read + fold us | kernel us "
           "| speed-up: read / read + fold / kernel | bar | kernel / (read + fold) |")
     print("|---:|---:|---|---:|---:|---:|---:|---:|---:|---|---:|---:|")
@@ -172,10 +222,13 @@ def main() -> None:
         for batch in (int(b) for b in args.batches.split(",")):
             full_bytes = 2 * batch * kv_heads * (tokens + WINDOW) * dim * 2
             q = torch.randn(batch, q_heads, dim, device="cuda", dtype=torch.bfloat16)
-            keys = torch.randn(batch, kv_heads, tokens + WINDOW, dim, device="cuda", dtype=torch.bfloat16)
-            values = torch.randn_like(keys)
-            sdpa = graph_us(lambda: F.scaled_dot_product_attention(q[:, :, None], keys, values, enable_gqa=True), args.reps)
-            del keys, values
+            caches = []
+            for _ in range(copies_for(full_bytes, not args.warm_l2)):
+                keys = torch.randn(batch, kv_heads, tokens + WINDOW, dim, device="cuda", dtype=torch.bfloat16)
+                caches.append((keys, torch.randn_like(keys)))
+            cache = in_turn(caches)
+            sdpa = graph_us(lambda: F.scaled_dot_product_attention(q[:, :, None], *cache(), enable_gqa=True), args.reps)
+            del caches, cache
             torch.cuda.empty_cache()
             cases = [(name, None) for name in storages] + [(f"{r:g}x smaller", r) for r in ratios]
             for name, ratio in cases:
@@ -183,13 +236,15 @@ def main() -> None:
                 if ratio is None:
                     view = attrs.evolve(packed_view(batch, tokens, storage=name), inv_freq=None)
                     read = view_bytes(view)
-                    kernel = graph_us(lambda: lowbit_decode(view, q, None, dim ** -0.5, 64, 4, "dense", None), args.reps)
-                    del view
+                    views = in_turn(view_copies(view, copies_for(read, not args.warm_l2)))
+                    kernel = graph_us(lambda: lowbit_decode(views(), q, None, dim ** -0.5, 64, 4, "dense", None), args.reps)
+                    del view, views
                     torch.cuda.empty_cache()
                 else:
                     read = int(full_bytes / ratio)
-                floor = floors(read, batch * kv_heads, args.reps, sms)
-                row = {"tokens": tokens, "batch": batch, "storage": name, "bytes_read": read,
+                copies = copies_for(read, not args.warm_l2)
+                floor = floors(read, batch * kv_heads, args.reps, sms, copies)
+                row = {"tokens": tokens, "batch": batch, "storage": name, "bytes_read": read, "copies": copies,
                        "bytes_ratio": full_bytes / read, "sdpa_us": sdpa, "kernel_us": kernel, **floor,
                        "read_of_copy": read / (floor["read_us"] * 1e-6) / bandwidth}
                 row["bar"] = BAR_SHARE * row["bytes_ratio"]
@@ -205,7 +260,8 @@ def main() -> None:
     out.mkdir(parents=True, exist_ok=True)
     (out / "read_floor.json").write_text(json.dumps({
         "date": datetime.date.today().isoformat(), "device": torch.cuda.get_device_name(), "sms": sms,
-        "copy_bandwidth": bandwidth, **launches, "rows": rows}, indent=1))
+        "copy_bandwidth": bandwidth, "l2_bytes": torch.cuda.get_device_properties(0).L2_cache_size,
+        "warm_l2": args.warm_l2, **launches, "rows": rows}, indent=1))
 
 
 if __name__ == "__main__":

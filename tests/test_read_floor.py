@@ -44,3 +44,18 @@ def test_bad_input_is_refused_by_name():
         read_floor.read_words(torch.zeros(4, dtype=torch.int32), 0)
     with pytest.raises(ValueError, match="at least one row"):
         read_floor.fold(torch.zeros(4, dtype=torch.int32), 0)
+
+
+def test_copies_are_read_in_turn_and_hold_the_same_storage():
+    pick = read_floor.in_turn(["a", "b", "c"])
+    assert [pick() for _ in range(7)] == ["a", "b", "c", "a", "b", "c", "a"]
+    assert read_floor.copies_for(1 << 20, cold=False) == 1
+    import lowbit_kernel
+
+    view = lowbit_kernel.packed_view(1, 256, device="cpu", storage="k4v2e48t")
+    copies = read_floor.view_copies(view, 3)
+    assert len(copies) == 3 and copies[0] is view
+    for other in copies[1:]:
+        assert other.k_codes.data_ptr() != view.k_codes.data_ptr() and other.v_codes.data_ptr() != view.v_codes.data_ptr()
+        assert torch.equal(other.k_codes, view.k_codes) and torch.equal(other.v_scale, view.v_scale)
+        assert other.tokens == view.tokens and lowbit_kernel.view_bytes(other) == lowbit_kernel.view_bytes(view)
