@@ -28,6 +28,7 @@ import json
 import time
 from pathlib import Path
 
+import attrs
 import torch
 import torch.nn.functional as F
 from transformers import LlamaConfig
@@ -125,6 +126,46 @@ def graph_us(fn, reps: int, calls: int = 20) -> float:
     return times[len(times) // 2]
 
 
+#: with a cold L2 cache (``--cold-l2``), the bytes the copies that timed calls read in turn add up to at least, in
+#: multiples of the GPU's L2 cache: none is still in the L2 when it is read again, as in a decode step, where the other
+#: layers' bytes pass through the L2 between two reads of one layer's (20 calls over one 14 MB storage read it from an
+#: H100's 50 MB L2 at 125% of the copy bandwidth: docs/kernels.md "The floor under the bars")
+L2_MULTIPLE = 4
+
+
+def cold_copies(nbytes: int) -> int:
+    """Copies of ``nbytes`` whose bytes add up to at least :data:`L2_MULTIPLE` times this GPU's L2 cache."""
+    return max(1, -(-L2_MULTIPLE * torch.cuda.get_device_properties(0).L2_cache_size // max(1, nbytes)))
+
+
+def in_turn(items: list):
+    """A function that returns ``items`` one after another, round and round (a CUDA graph captures each call's pick)."""
+    state = {"next": 0}
+
+    def pick():
+        item = items[state["next"] % len(items)]
+        state["next"] += 1
+        return item
+
+    return pick
+
+
+def tensor_copies(item, copies: int) -> list:
+    """``item`` (an attrs instance, a tensor or a tuple of tensors) and ``copies - 1`` others holding the same values in
+    tensors of their own."""
+    def cloned(value):
+        if isinstance(value, torch.Tensor):
+            return value.clone()
+        if isinstance(value, (tuple, list)):
+            return type(value)(cloned(v) for v in value)
+        if attrs.has(type(value)):
+            return attrs.evolve(value, **{f.name: cloned(getattr(value, f.name)) for f in attrs.fields(type(value))
+                                          if f.init and getattr(value, f.name) is not None})
+        return value
+
+    return [item] + [cloned(item) for _ in range(copies - 1)]
+
+
 def host_us(fn, reps: int = 20) -> float:
     """Microseconds the host spends per call (launches queued, no synchronization)."""
     torch.cuda.synchronize()
@@ -195,6 +236,8 @@ def main() -> None:
     parser.add_argument("--combines", default=COMBINE,
                         help=f"combine passes to time, comma-separated: {', '.join(COMBINES)}, or one-pass/N for N programs a "
                              f"query head (default: fused_decode's, {COMBINE})")
+    parser.add_argument("--cold-l2", action="store_true", help="each call reads its own copy of the storage (and SDPA "
+                        "of the full cache), the copies adding up to 4x the L2 cache, as a decode step's layers read theirs")
     parser.add_argument("--out", default="results/decode_kernel")
     args = parser.parse_args()
     unknown = [entry for entry in args.combines.split(",") if combine_slices(entry) is None]
@@ -226,15 +269,17 @@ def main() -> None:
             k_full = torch.randn(batch, KV_HEADS, total, HEAD_DIM, device="cuda", dtype=torch.bfloat16)
             v_full = torch.randn_like(k_full)
             q4 = q.unsqueeze(2)
-            sdpa = lambda: F.scaled_dot_product_attention(q4, k_full, v_full, scale=scale, enable_gqa=True)  # noqa: E731
+            full_bytes = 2 * k_full.nbytes
+            caches = in_turn(tensor_copies((k_full, v_full), cold_copies(full_bytes) if args.cold_l2 else 1))
+            sdpa = lambda: F.scaled_dot_product_attention(q4, *caches(), scale=scale, enable_gqa=True)  # noqa: E731
             sdpa_us = device_us(sdpa, args.reps)
             sdpa_graph_us = graph_us(sdpa, args.reps)
-            full_bytes = 2 * k_full.nbytes
-            del k_full, v_full
+            del k_full, v_full, caches
+            views = in_turn(tensor_copies(view, cold_copies(read) if args.cold_l2 else 1))
             twin = torch_decode(view, q, None, scale).float()
             for variant in args.variants.split(","):
                 for combine in args.combines.split(","):
-                    rows.append(_timed_row(view, q, scale, (variant, combine), args, twin, read, (sdpa_us, sdpa_graph_us),
+                    rows.append(_timed_row(views, q, scale, (variant, combine), args, twin, read, (sdpa_us, sdpa_graph_us),
                                            full_bytes, copy_bw, total, batch, ratio))
                     print(rows[-1], flush=True)
         del cache, engine, full_view
@@ -255,14 +300,15 @@ def combine_slices(entry: str) -> int | None:
     return int(slices)
 
 
-def _timed_row(view, q, scale, passes, args, twin, read, sdpa, full_bytes, copy_bw, total, batch, ratio) -> dict:
-    """One (T, B, variant, combine) row (``passes``: the packed-token pass and the combine): the kernel's device time
+def _timed_row(views, q, scale, passes, args, twin, read, sdpa, full_bytes, copy_bw, total, batch, ratio) -> dict:
+    """One (T, B, variant, combine) row over the storage ``views()`` returns (one view, or copies in turn: ``--cold-l2``;
+    ``passes``: the packed-token pass and the combine): the kernel's device time
     (and of it the exact-window pass's and the combine's), its time replayed from a CUDA graph and its host time, against
     SDPA's (``sdpa``: device and graph time), its bandwidth and its error."""
     sdpa_us, sdpa_graph_us = sdpa
     variant, combine = passes
     combine_name, slices = combine.partition("/")[0], combine_slices(combine)
-    fused = lambda: fused_decode(view, q, None, scale, split=args.split, block_tokens=args.block_tokens,  # noqa: E731
+    fused = lambda: fused_decode(views(), q, None, scale, split=args.split, block_tokens=args.block_tokens,  # noqa: E731
                                  num_warps=args.num_warps, variant=variant, combine=combine_name)
     default_slices, depthweave_decode.COMBINE_SLICES = depthweave_decode.COMBINE_SLICES, slices
     try:

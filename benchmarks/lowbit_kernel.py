@@ -5,7 +5,7 @@ their share of the context's tokens kept) against SDPA over a full bf16 cache of
 
     python benchmarks/lowbit_kernel.py [--tokens 32768,65536,131072] [--batches 1,8,32]
         [--configs wide:32:4,general:16:4:528,wide:32:4:528:magic+vb16] [--post-rope] [--as-generate]
-        [--shape llama3-8b|d256] [--out DIR]
+        [--shape llama3-8b|d256] [--cold-l2] [--out DIR]
 
 ``--as-generate`` launches it as ``model.generate`` did over a sinks + KVzip pipeline until the sinks became a first
 visible position of the packed pass (``LowbitView.hidden_below``): each row's first visible position and a list of 4
@@ -36,7 +36,8 @@ import attrs
 import torch
 import torch.nn.functional as F
 
-from decode_kernel import copy_bandwidth, device_us, device_us_parts, graph_us, timed  # the same timing as the fused kernel's benchmark
+from decode_kernel import (cold_copies, copy_bandwidth, device_us, device_us_parts, graph_us, in_turn,  # the fused
+                           tensor_copies, timed)  # kernel's benchmark's timing
 from bench_model import SHAPES as MODEL_SHAPES, attention_shape
 from kvweave.kernels.lowbit_decode import (TRICKS, VARIANTS, LowbitView, level_kind, lowbit_decode, plan_launch,
                                            torch_lowbit_decode)
@@ -188,6 +189,10 @@ def main() -> None:
                         "model.generate launched it over a sinks + KVzip pipeline before hidden_below)")
     parser.add_argument("--shape", default="llama3-8b", choices=list(SHAPES), help="the attention shape: Llama-3-8B's, "
                         "or d256 (16 query heads on 8 KV heads at head_dim 256, Gemma-2-9B's and Gemma-3-12B's)")
+    parser.add_argument("--cold-l2", action="store_true", help="each call reads its own copy of the storage (and SDPA "
+                        "of the full cache), the copies adding up to 4x the L2 cache, as a decode step's layers read "
+                        "theirs; default: every call the same bytes, which the L2 holds where they fit (under ~33 MB on "
+                        "an H100: B = 1 at 32K)")
     parser.add_argument("--out", default="results/lowbit_kernel")
     args = parser.parse_args()
     q_heads, kv_heads, dim, _ = SHAPES[args.shape]
@@ -227,12 +232,15 @@ def main() -> None:
             q = torch.randn(batch, q_heads, dim, device="cuda", dtype=torch.bfloat16)
             keys = torch.randn(batch, kv_heads, tokens + WINDOW, dim, device="cuda", dtype=torch.bfloat16)
             values = torch.randn_like(keys)
-            sdpa_call = lambda: F.scaled_dot_product_attention(q[:, :, None], keys, values, enable_gqa=True)  # noqa: E731
+            caches = in_turn(tensor_copies((keys, values), cold_copies(full_bytes) if args.cold_l2 else 1))
+            sdpa_call = lambda: F.scaled_dot_product_attention(q[:, :, None], *caches(), enable_gqa=True)  # noqa: E731
             sdpa = device_us(sdpa_call, args.reps)
             sdpa_graph = graph_us(sdpa_call, args.reps)
+            del caches
             read = view_bytes(view)
+            views = in_turn(tensor_copies(view, cold_copies(read) if args.cold_l2 else 1))
             for variant, block, warps, programs, tricks in configs:
-                call = lambda: lowbit_decode(view, q, start, scale, block, warps, variant, programs, tricks)  # noqa: E731
+                call = lambda: lowbit_decode(views(), q, start, scale, block, warps, variant, programs, tricks)  # noqa: E731
                 parts = device_us_parts(call, args.reps)
                 kernel = sum(parts.values())
                 combine = sum(us for name, us in parts.items() if "combine" in name)
@@ -247,13 +255,14 @@ def main() -> None:
                 print(f"| {tokens} | {batch} | {row['kernel']} | {sdpa:.1f} | {kernel:.1f} | {combine:.1f} | {wall:.1f} | {row['speedup']:.2f}x | "
                       f"{sdpa_graph:.1f} / {graph:.1f} | {row['graph_speedup']:.2f}x | "
                       f"{read / 1e6:.1f} MB | {row['gbps']:.0f} | {100 * row['of_copy']:.0f}% | {row['bytes_ratio']:.2f}x |", flush=True)
-            del view, keys, values
+            del view, views, keys, values
             torch.cuda.empty_cache()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     stamp = datetime.date.today().isoformat()
     (out / "lowbit_kernel.json").write_text(json.dumps({"date": stamp, "device": torch.cuda.get_device_name(), "configs": args.configs,
                                                         "storage": args.storage + ("-post" if args.post_rope else ""), "shape": args.shape,
+                                                        "cold_l2": args.cold_l2,
                                                         "copy_bandwidth": bandwidth, "twin_difference": twins, "rows": rows}, indent=1))
 
 

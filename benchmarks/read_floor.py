@@ -27,9 +27,7 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
-from collections.abc import Callable
 from pathlib import Path
-from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -46,10 +44,6 @@ READ_BLOCK = 1024
 PROGRAMS_PER_SM = (1, 2, 4, 8, 16)
 #: how far the bars ask a kernel to be faster than SDPA, as a share of the bytes ratio
 BAR_SHARE = 0.7
-#: the bytes each timed call's copies add up to at least, in multiples of the GPU's L2 cache: the calls a graph replays
-#: read the copies in turn, so none is still in L2 when it is read again (as in a decode step, where the other layers'
-#: bytes pass through L2 between two reads of one layer's); 20 calls on one 14 MB buffer read it from an H100's 50 MB L2
-READ_L2_MULTIPLE = 4
 
 if triton is not None:
 
@@ -104,30 +98,18 @@ def fold(partial: torch.Tensor, rows: int, out: torch.Tensor | None = None) -> t
 
 
 def copies_for(nbytes: int, cold: bool) -> int:
-    """How many copies of ``nbytes`` the timed calls read in turn: enough to pass :data:`READ_L2_MULTIPLE` times the
-    L2 cache (``cold``), else 1 (every call reads the same bytes, as the kernel benchmarks do)."""
-    if not cold:
-        return 1
-    return max(1, -(-READ_L2_MULTIPLE * torch.cuda.get_device_properties(0).L2_cache_size // max(1, nbytes)))
+    """How many copies of ``nbytes`` the timed calls read in turn: ``decode_kernel.cold_copies`` (``cold``), else 1
+    (every call reads the same bytes, as the kernel benchmarks do without ``--cold-l2``)."""
+    from decode_kernel import cold_copies
 
-
-def in_turn(items: list) -> "Callable[[], Any]":
-    """A function that returns ``items`` one after another, round and round (a graph captures each call's choice)."""
-    state = {"next": 0}
-
-    def pick():
-        item = items[state["next"] % len(items)]
-        state["next"] += 1
-        return item
-
-    return pick
+    return cold_copies(nbytes) if cold else 1
 
 
 def floors(nbytes: int, rows: int, reps: int, sms: int, copies: int) -> dict[str, float]:
     """Graph time (us a call) of reading ``nbytes`` once, alone (``read``) and followed by a fold over ``rows`` rows
     (``read_fold``), each the best over :data:`PROGRAMS_PER_SM`; and the programs that gave each. The calls read
     ``copies`` buffers in turn."""
-    from decode_kernel import graph_us
+    from decode_kernel import graph_us, in_turn
 
     sources = [torch.randint(-2**31, 2**31 - 1, (-(-nbytes // 4),), dtype=torch.int32, device="cuda")
                for _ in range(copies)]
@@ -149,18 +131,6 @@ def floors(nbytes: int, rows: int, reps: int, sms: int, copies: int) -> dict[str
     return best
 
 
-def view_copies(view: Any, copies: int) -> list:
-    """``view`` and ``copies - 1`` views of the same storage in tensors of their own."""
-    import attrs
-
-    def cloned(item: Any) -> Any:
-        return item.clone() if isinstance(item, torch.Tensor) else item
-
-    return [view] + [attrs.evolve(view, **{f.name: cloned(getattr(view, f.name)) for f in attrs.fields(type(view))
-                                           if f.init and isinstance(getattr(view, f.name), torch.Tensor)})
-                     for _ in range(copies - 1)]
-
-
 def launch_floor(reps: int) -> dict[str, float]:
     """Graph time (us a call) of one launch of a program that reads nothing, and of two dependent ones."""
     from decode_kernel import graph_us
@@ -173,7 +143,7 @@ def launch_floor(reps: int) -> dict[str, float]:
 
 
 def main() -> None:
-    from decode_kernel import copy_bandwidth, graph_us
+    from decode_kernel import L2_MULTIPLE, copy_bandwidth, graph_us, in_turn, tensor_copies
     from kvweave.kernels.lowbit_decode import lowbit_decode
     from lowbit_kernel import SHAPES, STORAGES, WINDOW, packed_view, view_bytes
 
@@ -189,7 +159,7 @@ def main() -> None:
     parser.add_argument("--reps", type=int, default=10)
     parser.add_argument("--warm-l2", action="store_true", help="every call reads the same bytes (as the kernel "
                         "benchmarks time it), which the L2 cache holds where they fit; default: copies read in turn "
-                        f"adding up to {READ_L2_MULTIPLE}x the L2 cache, as a decode step's layers read theirs")
+                        f"adding up to {L2_MULTIPLE}x the L2 cache, as a decode step's layers read theirs")
     parser.add_argument("--out", default="results/read_floor")
     args = parser.parse_args()
     storages = [s for s in args.storages.split(",") if s]
@@ -210,7 +180,7 @@ def main() -> None:
     launches = launch_floor(args.reps)
     l2 = torch.cuda.get_device_properties(0).L2_cache_size
     reading = ("every call the same bytes" if args.warm_l2 else
-               f"each call its own copy, the copies at least {READ_L2_MULTIPLE}x the {l2 / 2**20:.0f} MiB L2 cache")
+               f"each call its own copy, the copies at least {L2_MULTIPLE}x the {l2 / 2**20:.0f} MiB L2 cache")
     print(f"{torch.cuda.get_device_name()}: copy bandwidth {bandwidth / 1e12:.2f} TB/s (read + write), {sms} SMs; "
           f"a launch that reads nothing {launches['one_launch_us']:.2f} us, two dependent ones "
           f"{launches['two_launches_us']:.2f} us (graph time); {reading}")
@@ -236,7 +206,7 @@ def main() -> None:
                 if ratio is None:
                     view = attrs.evolve(packed_view(batch, tokens, storage=name), inv_freq=None)
                     read = view_bytes(view)
-                    views = in_turn(view_copies(view, copies_for(read, not args.warm_l2)))
+                    views = in_turn(tensor_copies(view, copies_for(read, not args.warm_l2)))
                     kernel = graph_us(lambda: lowbit_decode(views(), q, None, dim ** -0.5, 64, 4, "dense", None), args.reps)
                     del view, views
                     torch.cuda.empty_cache()

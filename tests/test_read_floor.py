@@ -47,15 +47,32 @@ def test_bad_input_is_refused_by_name():
 
 
 def test_copies_are_read_in_turn_and_hold_the_same_storage():
-    pick = read_floor.in_turn(["a", "b", "c"])
-    assert [pick() for _ in range(7)] == ["a", "b", "c", "a", "b", "c", "a"]
-    assert read_floor.copies_for(1 << 20, cold=False) == 1
+    import decode_kernel
     import lowbit_kernel
 
+    pick = decode_kernel.in_turn(["a", "b", "c"])
+    assert [pick() for _ in range(7)] == ["a", "b", "c", "a", "b", "c", "a"]
+    assert read_floor.copies_for(1 << 20, cold=False) == 1
     view = lowbit_kernel.packed_view(1, 256, device="cpu", storage="k4v2e48t")
-    copies = read_floor.view_copies(view, 3)
+    copies = decode_kernel.tensor_copies(view, 3)
     assert len(copies) == 3 and copies[0] is view
     for other in copies[1:]:
         assert other.k_codes.data_ptr() != view.k_codes.data_ptr() and other.v_codes.data_ptr() != view.v_codes.data_ptr()
         assert torch.equal(other.k_codes, view.k_codes) and torch.equal(other.v_scale, view.v_scale)
         assert other.tokens == view.tokens and lowbit_kernel.view_bytes(other) == lowbit_kernel.view_bytes(view)
+    keys = torch.randn(2, 3)
+    (k2, v2), = decode_kernel.tensor_copies((keys, keys * 2), 2)[1:]
+    assert torch.equal(k2, keys) and torch.equal(v2, keys * 2) and k2.data_ptr() != keys.data_ptr()
+
+
+def test_a_depthweave_view_is_copied_down_to_its_residual_levels(tmp_path):
+    import decode_kernel
+    from test_kernels import decode_view, filled
+
+    view = decode_view(filled(tmp_path, 4, 2, 64, 200), 1)
+    assert view.k_levels and view.k_levels[0].packed.numel()
+    copy = decode_kernel.tensor_copies(view, 2)[1]
+    assert copy.k_codes.data_ptr() != view.k_codes.data_ptr() and torch.equal(copy.k_codes, view.k_codes)
+    for mine, theirs in zip(copy.k_levels, view.k_levels):
+        assert mine.packed.data_ptr() != theirs.packed.data_ptr() and torch.equal(mine.packed, theirs.packed)
+    assert decode_kernel.view_bytes(copy) == decode_kernel.view_bytes(view)
