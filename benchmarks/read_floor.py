@@ -1,7 +1,8 @@
 """The floor under a decode kernel's time: how long this GPU takes only to read a compressed cache's bytes.
 
     python benchmarks/read_floor.py [--tokens 32768,65536,131072] [--batches 1,8,32]
-        [--storages k4v2e48t,k4v4e77t] [--ratios 8.25] [--reps 10] [--out DIR]
+        [--storages k4v2e48t,k4v4e77t] [--ratios 8.25] [--reps 10] [--warm-l2] [--out DIR]
+    python benchmarks/read_floor.py --plot DIR/read_floor.json      # the plot of an earlier run, no GPU
 
 The kernel bars of docs/kernels.md ask a decode call to be at least 0.7 x (bytes ratio) faster than SDPA over the full
 bfloat16 cache. A call cannot be faster than reading its bytes once, so for each cell (T, B) and storage this script
@@ -142,6 +143,56 @@ def launch_floor(reps: int) -> dict[str, float]:
             "two_launches_us": graph_us(lambda: fold(read_words(empty, 1, partial), 1, out), reps)}
 
 
+def plot(record: dict, path: Path) -> None:
+    """``record`` (a ``read_floor.json``) drawn to ``path``: for each storage a panel a context, the speed-up over SDPA
+    against the batch of the read floor (past the L2 cache: a filled marker; in it: hollow), of ``read + fold`` and of
+    the kernel, with the bar."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = record["rows"]
+    storages = list(dict.fromkeys(r["storage"] for r in rows))
+    contexts = sorted({r["tokens"] for r in rows})
+    fig, axes = plt.subplots(len(storages), len(contexts), figsize=(4 * len(contexts), 3 * len(storages)), squeeze=False,
+                             sharex=True)
+    l2 = record.get("l2_bytes", 50 * 2**20)
+    for i, storage in enumerate(storages):
+        for j, tokens in enumerate(contexts):
+            ax = axes[i][j]
+            cell = sorted((r for r in rows if r["storage"] == storage and r["tokens"] == tokens), key=lambda r: r["batch"])
+            if not cell:
+                ax.set_visible(False)
+                continue
+            batches = [r["batch"] for r in cell]
+            for key, label, style, color in (("read_us", "read", "o-", "tab:blue"),
+                                             ("read_fold_us", "read + fold", "s-", "tab:green"),
+                                             ("kernel_us", "kernel", "^-", "tab:purple")):
+                points = [(r["batch"], r["sdpa_us"] / r[key], r["bytes_read"] * r.get("copies", 1) < l2)
+                          for r in cell if r.get(key)]
+                if not points:
+                    continue
+                ax.plot([b for b, _, _ in points], [v for _, v, _ in points], style, color=color, label=label)
+                warm = [(b, v) for b, v, in_l2 in points if in_l2]
+                if warm:  # the L2 held these bytes between calls: hollow markers
+                    ax.plot([b for b, _ in warm], [v for _, v in warm], "o", mfc="white", mec=color, ms=9)
+            ax.axhline(cell[0]["bar"], color="grey", ls="--", label="bar (0.7 x bytes ratio)")
+            ax.set_xscale("log", base=2)
+            ax.set_xticks(batches, [str(b) for b in batches])
+            ax.set_title(f"{storage}, {tokens // 1024}K", fontsize=10)
+            ax.set_ylim(bottom=0)
+            if j == 0:
+                ax.set_ylabel("speed-up over SDPA")
+            if i == len(storages) - 1:
+                ax.set_xlabel("batch")
+    axes[0][0].legend(fontsize=7)
+    fig.suptitle(f"{record['device']}, {record['date']}: the floor under the bars (hollow: bytes held in L2)", fontsize=11)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
 def main() -> None:
     from decode_kernel import L2_MULTIPLE, copy_bandwidth, graph_us, in_turn, tensor_copies
     from kvweave.kernels.lowbit_decode import lowbit_decode
@@ -161,7 +212,16 @@ def main() -> None:
                         "benchmarks time it), which the L2 cache holds where they fit; default: copies read in turn "
                         f"adding up to {L2_MULTIPLE}x the L2 cache, as a decode step's layers read theirs")
     parser.add_argument("--out", default="results/read_floor")
+    parser.add_argument("--plot", metavar="JSON", help="draw an earlier run's read_floor.json to read_floor.png beside "
+                        "it (no GPU needed) and stop")
     args = parser.parse_args()
+    if args.plot:
+        path = Path(args.plot)
+        if not path.is_file():
+            raise SystemExit(f"--plot: no file {path}")
+        plot(json.loads(path.read_text()), path.with_name("read_floor.png"))
+        print(f"wrote {path.with_name('read_floor.png')}")
+        return
     storages = [s for s in args.storages.split(",") if s]
     unknown = [s for s in storages if s not in STORAGES]
     if unknown:
@@ -228,10 +288,12 @@ def main() -> None:
                       flush=True)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    (out / "read_floor.json").write_text(json.dumps({
+    record = {
         "date": datetime.date.today().isoformat(), "device": torch.cuda.get_device_name(), "sms": sms,
         "copy_bandwidth": bandwidth, "l2_bytes": torch.cuda.get_device_properties(0).L2_cache_size,
-        "warm_l2": args.warm_l2, **launches, "rows": rows}, indent=1))
+        "warm_l2": args.warm_l2, **launches, "rows": rows}
+    (out / "read_floor.json").write_text(json.dumps(record, indent=1))
+    plot(record, out / "read_floor.png")
 
 
 if __name__ == "__main__":

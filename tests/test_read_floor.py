@@ -76,3 +76,18 @@ def test_a_depthweave_view_is_copied_down_to_its_residual_levels(tmp_path):
     for mine, theirs in zip(copy.k_levels, view.k_levels):
         assert mine.packed.data_ptr() != theirs.packed.data_ptr() and torch.equal(mine.packed, theirs.packed)
     assert decode_kernel.view_bytes(copy) == decode_kernel.view_bytes(view)
+
+
+def test_the_plot_of_an_earlier_run_needs_no_gpu(tmp_path, monkeypatch, capsys):
+    rows = [{"tokens": 32768, "batch": b, "storage": "k4v2e48t", "bytes_read": 14e6 * b, "sdpa_us": 50.0 * b,
+             "read_us": 4.0 * b, "read_fold_us": 5.0 * b, "kernel_us": 10.0 * b, "bar": 6.78} for b in (1, 8)]
+    rows.append({**rows[0], "storage": "8.25x smaller", "kernel_us": None})
+    record = {"device": "a GPU", "date": "2026-12-07", "l2_bytes": 50 * 2**20, "rows": rows}
+    path = tmp_path / "read_floor.json"
+    path.write_text(__import__("json").dumps(record))
+    monkeypatch.setattr(sys, "argv", ["read_floor.py", "--plot", str(path)])
+    read_floor.main()
+    assert (tmp_path / "read_floor.png").stat().st_size > 10_000
+    monkeypatch.setattr(sys, "argv", ["read_floor.py", "--plot", str(tmp_path / "missing.json")])
+    with pytest.raises(SystemExit, match="no file"):
+        read_floor.main()
