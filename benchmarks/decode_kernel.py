@@ -133,8 +133,11 @@ def graph_us(fn, reps: int, calls: int = 20) -> float:
 L2_MULTIPLE = 4
 
 
-def cold_copies(nbytes: int) -> int:
-    """Copies of ``nbytes`` whose bytes add up to at least :data:`L2_MULTIPLE` times this GPU's L2 cache."""
+def cold_copies(nbytes: int, cold: bool = True) -> int:
+    """Copies of ``nbytes`` whose bytes add up to at least :data:`L2_MULTIPLE` times this GPU's L2 cache (``cold``), else
+    1 (every call reads the same bytes)."""
+    if not cold:
+        return 1
     return max(1, -(-L2_MULTIPLE * torch.cuda.get_device_properties(0).L2_cache_size // max(1, nbytes)))
 
 
@@ -164,6 +167,11 @@ def tensor_copies(item, copies: int) -> list:
         return value
 
     return [item] + [cloned(item) for _ in range(copies - 1)]
+
+
+def read_in_turn(item, nbytes: int, cold: bool):
+    """A function returning ``item`` (of ``nbytes`` read a call) or, ``cold``, its :func:`cold_copies` in turn."""
+    return in_turn(tensor_copies(item, cold_copies(nbytes, cold)))
 
 
 def host_us(fn, reps: int = 20) -> float:
@@ -270,12 +278,12 @@ def main() -> None:
             v_full = torch.randn_like(k_full)
             q4 = q.unsqueeze(2)
             full_bytes = 2 * k_full.nbytes
-            caches = in_turn(tensor_copies((k_full, v_full), cold_copies(full_bytes) if args.cold_l2 else 1))
+            caches = read_in_turn((k_full, v_full), full_bytes, args.cold_l2)
             sdpa = lambda: F.scaled_dot_product_attention(q4, *caches(), scale=scale, enable_gqa=True)  # noqa: E731
             sdpa_us = device_us(sdpa, args.reps)
             sdpa_graph_us = graph_us(sdpa, args.reps)
             del k_full, v_full, caches
-            views = in_turn(tensor_copies(view, cold_copies(read) if args.cold_l2 else 1))
+            views = read_in_turn(view, read, args.cold_l2)
             twin = torch_decode(view, q, None, scale).float()
             for variant in args.variants.split(","):
                 for combine in args.combines.split(","):

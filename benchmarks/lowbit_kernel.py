@@ -36,8 +36,8 @@ import attrs
 import torch
 import torch.nn.functional as F
 
-from decode_kernel import (cold_copies, copy_bandwidth, device_us, device_us_parts, graph_us, in_turn,  # the fused
-                           tensor_copies, timed)  # kernel's benchmark's timing
+from decode_kernel import (copy_bandwidth, device_us, device_us_parts, graph_us, read_in_turn,  # the fused
+                           timed)  # kernel's benchmark's timing
 from bench_model import SHAPES as MODEL_SHAPES, attention_shape
 from kvweave.kernels.lowbit_decode import (TRICKS, VARIANTS, LowbitView, level_kind, lowbit_decode, plan_launch,
                                            torch_lowbit_decode)
@@ -232,13 +232,13 @@ def main() -> None:
             q = torch.randn(batch, q_heads, dim, device="cuda", dtype=torch.bfloat16)
             keys = torch.randn(batch, kv_heads, tokens + WINDOW, dim, device="cuda", dtype=torch.bfloat16)
             values = torch.randn_like(keys)
-            caches = in_turn(tensor_copies((keys, values), cold_copies(full_bytes) if args.cold_l2 else 1))
+            caches = read_in_turn((keys, values), full_bytes, args.cold_l2)
             sdpa_call = lambda: F.scaled_dot_product_attention(q[:, :, None], *caches(), enable_gqa=True)  # noqa: E731
             sdpa = device_us(sdpa_call, args.reps)
             sdpa_graph = graph_us(sdpa_call, args.reps)
             del caches
             read = view_bytes(view)
-            views = in_turn(tensor_copies(view, cold_copies(read) if args.cold_l2 else 1))
+            views = read_in_turn(view, read, args.cold_l2)
             for variant, block, warps, programs, tricks in configs:
                 call = lambda: lowbit_decode(views(), q, start, scale, block, warps, variant, programs, tricks)  # noqa: E731
                 parts = device_us_parts(call, args.reps)

@@ -72,6 +72,11 @@ if triton is not None:
         tl.store(out + row, tl.sum(acc, axis=0))
 
 
+def read_chunk(words: int, programs: int) -> int:
+    """The words each of ``programs`` programs reads of ``words``: an equal share rounded up to whole steps."""
+    return -(-words // (programs * READ_BLOCK)) * READ_BLOCK
+
+
 def read_words(src: torch.Tensor, programs: int, partial: torch.Tensor | None = None) -> torch.Tensor:
     """The int32 words of ``src`` (flat, contiguous) summed in ``programs`` chunks by one launch: [programs] int32
     (into ``partial`` where given, to be captured in a graph)."""
@@ -82,7 +87,7 @@ def read_words(src: torch.Tensor, programs: int, partial: torch.Tensor | None = 
     if programs < 1:
         raise ValueError(f"read_words needs at least one program, got {programs}")
     words = src.numel()
-    chunk = -(-(-(-words // programs)) // READ_BLOCK) * READ_BLOCK
+    chunk = read_chunk(words, programs)
     partial = torch.empty(programs, dtype=torch.int32, device=src.device) if partial is None else partial
     _read_words[(programs,)](src, partial, words, chunk, BLOCK=READ_BLOCK, num_warps=4)
     return partial
@@ -96,14 +101,6 @@ def fold(partial: torch.Tensor, rows: int, out: torch.Tensor | None = None) -> t
     out = torch.empty(rows, dtype=torch.int32, device=partial.device) if out is None else out
     _fold[(rows,)](partial, out, partial.numel(), per, BLOCK=64, num_warps=1)
     return out
-
-
-def copies_for(nbytes: int, cold: bool) -> int:
-    """How many copies of ``nbytes`` the timed calls read in turn: ``decode_kernel.cold_copies`` (``cold``), else 1
-    (every call reads the same bytes, as the kernel benchmarks do without ``--cold-l2``)."""
-    from decode_kernel import cold_copies
-
-    return cold_copies(nbytes) if cold else 1
 
 
 def floors(nbytes: int, rows: int, reps: int, sms: int, copies: int) -> dict[str, float]:
@@ -194,7 +191,7 @@ def plot(record: dict, path: Path) -> None:
 
 
 def main() -> None:
-    from decode_kernel import L2_MULTIPLE, copy_bandwidth, graph_us, in_turn, tensor_copies
+    from decode_kernel import L2_MULTIPLE, cold_copies, copy_bandwidth, graph_us, read_in_turn
     from kvweave.kernels.lowbit_decode import lowbit_decode
     from lowbit_kernel import SHAPES, STORAGES, WINDOW, packed_view, view_bytes
 
@@ -252,13 +249,10 @@ def main() -> None:
         for batch in (int(b) for b in args.batches.split(",")):
             full_bytes = 2 * batch * kv_heads * (tokens + WINDOW) * dim * 2
             q = torch.randn(batch, q_heads, dim, device="cuda", dtype=torch.bfloat16)
-            caches = []
-            for _ in range(copies_for(full_bytes, not args.warm_l2)):
-                keys = torch.randn(batch, kv_heads, tokens + WINDOW, dim, device="cuda", dtype=torch.bfloat16)
-                caches.append((keys, torch.randn_like(keys)))
-            cache = in_turn(caches)
+            keys = torch.randn(batch, kv_heads, tokens + WINDOW, dim, device="cuda", dtype=torch.bfloat16)
+            cache = read_in_turn((keys, torch.randn_like(keys)), full_bytes, not args.warm_l2)
             sdpa = graph_us(lambda: F.scaled_dot_product_attention(q[:, :, None], *cache(), enable_gqa=True), args.reps)
-            del caches, cache
+            del keys, cache
             torch.cuda.empty_cache()
             cases = [(name, None) for name in storages] + [(f"{r:g}x smaller", r) for r in ratios]
             for name, ratio in cases:
@@ -266,13 +260,13 @@ def main() -> None:
                 if ratio is None:
                     view = attrs.evolve(packed_view(batch, tokens, storage=name), inv_freq=None)
                     read = view_bytes(view)
-                    views = in_turn(tensor_copies(view, copies_for(read, not args.warm_l2)))
+                    views = read_in_turn(view, read, not args.warm_l2)
                     kernel = graph_us(lambda: lowbit_decode(views(), q, None, dim ** -0.5, 64, 4, "dense", None), args.reps)
                     del view, views
                     torch.cuda.empty_cache()
                 else:
                     read = int(full_bytes / ratio)
-                copies = copies_for(read, not args.warm_l2)
+                copies = cold_copies(read, not args.warm_l2)
                 floor = floors(read, batch * kv_heads, args.reps, sms, copies)
                 row = {"tokens": tokens, "batch": batch, "storage": name, "bytes_read": read, "copies": copies,
                        "bytes_ratio": full_bytes / read, "sdpa_us": sdpa, "kernel_us": kernel, **floor,
@@ -290,7 +284,7 @@ def main() -> None:
     out.mkdir(parents=True, exist_ok=True)
     record = {
         "date": datetime.date.today().isoformat(), "device": torch.cuda.get_device_name(), "sms": sms,
-        "copy_bandwidth": bandwidth, "l2_bytes": torch.cuda.get_device_properties(0).L2_cache_size,
+        "copy_bandwidth": bandwidth, "l2_bytes": l2,
         "warm_l2": args.warm_l2, **launches, "rows": rows}
     (out / "read_floor.json").write_text(json.dumps(record, indent=1))
     plot(record, out / "read_floor.png")

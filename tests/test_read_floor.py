@@ -26,7 +26,7 @@ def test_each_word_is_read_once_whatever_the_programs(words, programs):
     assert partial.shape == (programs,)
     assert wrapped(int(partial.long().sum())) == wrapped(int(src.long().sum()))
     # each program sums its own chunk: a word moved from one chunk to another changes two partials
-    chunk = -(-(-(-words // programs)) // read_floor.READ_BLOCK) * read_floor.READ_BLOCK
+    chunk = read_floor.read_chunk(words, programs)
     for p in range(programs):
         assert int(partial[p]) == wrapped(int(src[p * chunk:(p + 1) * chunk].long().sum()))
 
@@ -52,7 +52,7 @@ def test_copies_are_read_in_turn_and_hold_the_same_storage():
 
     pick = decode_kernel.in_turn(["a", "b", "c"])
     assert [pick() for _ in range(7)] == ["a", "b", "c", "a", "b", "c", "a"]
-    assert read_floor.copies_for(1 << 20, cold=False) == 1
+    assert decode_kernel.cold_copies(1 << 20, cold=False) == 1
     view = lowbit_kernel.packed_view(1, 256, device="cpu", storage="k4v2e48t")
     copies = decode_kernel.tensor_copies(view, 3)
     assert len(copies) == 3 and copies[0] is view
