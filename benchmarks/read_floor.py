@@ -20,7 +20,8 @@ times, as calls replayed from a CUDA graph (``decode_kernel.graph_us``, as the k
 ``--storages`` are ``lowbit_kernel.py``'s (their keys after RoPE, as the bars' table times them); ``--ratios`` adds rows
 for a cache that many times smaller than the bf16 cache with no kernel of its own (8.25: depthweave-kv's stored bytes,
 whose kernel ``decode_kernel.py`` times). Printed: each row's speed-up over SDPA for the floors and the kernel, the bar,
-and the share of the copy bandwidth the floors reach; JSON in ``--out``.
+the share of the copy bandwidth the floors reach, and the bar's room: the time the bar allows a call over ``read +
+fold``'s (under 1: not even a pass and a combine that only read the bytes meet the bar); JSON in ``--out``.
 """
 
 from __future__ import annotations
@@ -242,8 +243,8 @@ def main() -> None:
           f"a launch that reads nothing {launches['one_launch_us']:.2f} us, two dependent ones "
           f"{launches['two_launches_us']:.2f} us (graph time); {reading}")
     print("\n| T | B | storage | bytes read | bytes ratio | SDPA us | read us (% copy bw) | read + fold us | kernel us "
-          "| speed-up: read / read + fold / kernel | bar | kernel / (read + fold) |")
-    print("|---:|---:|---|---:|---:|---:|---:|---:|---:|---|---:|---:|")
+          "| speed-up: read / read + fold / kernel | bar | kernel / (read + fold) | bar's room over read + fold |")
+    print("|---:|---:|---|---:|---:|---:|---:|---:|---:|---|---:|---:|---:|")
     rows = []
     for tokens in (int(t) for t in args.tokens.split(",")):
         for batch in (int(b) for b in args.batches.split(",")):
@@ -272,13 +273,14 @@ def main() -> None:
                        "bytes_ratio": full_bytes / read, "sdpa_us": sdpa, "kernel_us": kernel, **floor,
                        "read_of_copy": read / (floor["read_us"] * 1e-6) / bandwidth}
                 row["bar"] = BAR_SHARE * row["bytes_ratio"]
+                row["room"] = sdpa / floor["read_fold_us"] / row["bar"]  # the time the bar allows, over the floor
                 rows.append(row)
                 versus = "-" if kernel is None else f"{kernel / floor['read_fold_us']:.2f}"
                 speedups = [sdpa / floor["read_us"], sdpa / floor["read_fold_us"]] + ([sdpa / kernel] if kernel else [])
                 print(f"| {tokens} | {batch} | {name} | {read / 1e6:.1f} MB | {row['bytes_ratio']:.2f}x | {sdpa:.1f} | "
                       f"{floor['read_us']:.1f} ({100 * row['read_of_copy']:.0f}%) | {floor['read_fold_us']:.1f} | "
                       f"{'-' if kernel is None else f'{kernel:.1f}'} | {' / '.join(f'{s:.2f}x' for s in speedups)} | "
-                      f"{row['bar']:.2f}x | {versus} |",
+                      f"{row['bar']:.2f}x | {versus} | {row['room']:.2f} |",
                       flush=True)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
