@@ -96,10 +96,23 @@ ROPE_MIN_DIM = 128
 #: spilled at 96 (and 2 registers' worth at 128, sm_90 build)
 DENSE_ROPE_REGISTERS = 128
 
-#: the rotary pairs the dense kernel rotates at a time over keys stored before RoPE (``ROPE_PAIRS``): at head_dim 128 in
-#: halves (32 pairs) its sm_90 build spilled 72 bytes a thread at 128 registers, in quarters 32 with 6% more loop
-#: instructions (the query's rows read a part at a time); KVWEAVE_ROPE_PAIRS sets it (8, 16, 32 or 64)
-DENSE_ROPE_PAIRS = env_setting("KVWEAVE_ROPE_PAIRS", 16, (8, 16, 32, 64))
+#: the rotary pairs the dense kernel rotates at a time over keys stored before RoPE (``ROPE_PAIRS``), where set:
+#: KVWEAVE_ROPE_PAIRS (8, 16, 32 or 64) for every head_dim; 0 (unset): :data:`DENSE_ROPE_PAIRS_NARROW` at head_dims up
+#: to 128, :data:`DENSE_ROPE_PAIRS_WIDE` above (:func:`rope_pairs`)
+DENSE_ROPE_PAIRS = env_setting("KVWEAVE_ROPE_PAIRS", 0, (0, 8, 16, 32, 64))
+#: at head_dim 128, halves (32 pairs): Triton 3.6's sm_90 build takes 8% fewer loop instructions than quarters (16,
+#: the query's rows read a part at a time) at 128 registers, neither spilling, and was 2.5-5.5% faster at B = 8 and 32,
+#: within 1% at B = 1 (H100, 2026-12-07, both in one lease; docs/kernels.md "Keys before RoPE in the dense kernel")
+DENSE_ROPE_PAIRS_NARROW = 32
+#: at head_dim 256, 32 pairs spill 32 bytes a thread at 128 registers against 8 for 16 (Triton 3.6, sm_90): not timed,
+#: so 16 stay there
+DENSE_ROPE_PAIRS_WIDE = 16
+
+
+def rope_pairs(dim: int) -> int:
+    """The rotary pairs the dense kernel rotates at a time over keys stored before RoPE at head_dim ``dim``."""
+    pairs = DENSE_ROPE_PAIRS or (DENSE_ROPE_PAIRS_NARROW if dim <= 128 else DENSE_ROPE_PAIRS_WIDE)
+    return min(pairs, dim // 2)
 
 #: whether "auto" gives the dense kernel keys stored before RoPE (rotated in registers, ``ROPE``): its GPU build matched
 #: the twin (tests/test_dense_rope.py, tests/test_lowbit_gpu.py; H100, 2026-12-06, docs/perf/gpu-2026-12-06-vq), so on;
@@ -350,7 +363,7 @@ def dense_launch(view: Any, args: tuple, constants: dict, kind: int, l0: float, 
                                                                   "KPLANES": key_planes(view), "VTILE": view.v_tiled}
     dense_constants["PAD"] = query_pad(group, constants["G"])
     dense_constants["QG"] = group
-    dense_constants["ROPE_PAIRS"] = min(DENSE_ROPE_PAIRS, constants["D"] // 2)
+    dense_constants["ROPE_PAIRS"] = rope_pairs(constants["D"])
     dense_constants["FIX"], dense_constants["FIX_LIMIT"] = DENSE_FIXED_MAX, DENSE_FIXED_LIMIT
     programs = m.shape[0] * splits  # the combine starts before the last programs end where they are one wave
     sms, hid = multiprocessors(padded.device), constants["HID"] > 0

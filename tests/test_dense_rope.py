@@ -108,3 +108,22 @@ def test_the_splits_over_keys_before_rope_count_the_programs_their_registers_all
     assert dense_slots(132, 128, False, 4, rope_registers(view)) == 132 * 4 < dense_slots(132, 128, False, 4)
     rows, steps = 64, 1024  # 8 batch rows of 8 KV heads, 64K tokens in 64-token steps
     assert dense_splits(rows, steps, 132, 128, False, 4, rope_registers(view)) < dense_splits(rows, steps, 132, 128, False)
+
+
+def test_the_rotary_pairs_a_part_follow_the_head_dim_unless_the_environment_sets_them(model, registry, monkeypatch):
+    """Unset, the launch rotates halves at head_dim 128 (timed faster there) and 16 pairs at 256 (halves spill more
+    there, untimed); KVWEAVE_ROPE_PAIRS (read at import into DENSE_ROPE_PAIRS) sets every head_dim, at most half of it;
+    a value outside 8/16/32/64 is refused by the variable's name."""
+    from kvweave.core.environment import env_setting
+    from kvweave.kernels import lowbit_dense
+
+    monkeypatch.setattr(lowbit_dense, "DENSE_ROPE_PAIRS", 0)
+    assert [lowbit_dense.rope_pairs(d) for d in (64, 128, 256)] == [32, 32, 16]
+    view, rows = stored_view(model, registry, "prerope-k4v2-lowbit", 512)
+    q = torch.randn(rows, 4, 128)
+    assert plan_launch(view, q, None, 128 ** -0.5, variant="dense").constants["ROPE_PAIRS"] == 32
+    monkeypatch.setattr(lowbit_dense, "DENSE_ROPE_PAIRS", 64)
+    assert [lowbit_dense.rope_pairs(d) for d in (64, 128, 256)] == [32, 64, 64]
+    monkeypatch.setenv("KVWEAVE_ROPE_PAIRS", "24")
+    with pytest.raises(ValueError, match="KVWEAVE_ROPE_PAIRS='24'"):
+        env_setting("KVWEAVE_ROPE_PAIRS", 0, (0, 8, 16, 32, 64))

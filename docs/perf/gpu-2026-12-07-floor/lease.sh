@@ -2,7 +2,7 @@
 # The floor under the kernel bars: reading each storage's bytes and nothing else (one launch, and a pass + a dependent
 # fold, split-K's shape) against SDPA and the dense kernel in the same run; then both storages at B = 1 with other
 # programs and warps (the cells nearest their bars; NO_SWEEP=1 skips it, NO_MAIN=1 runs only it), and the pre-RoPE
-# build at 32 rotary pairs a part (NO_P32=1 skips it).
+# build at 16 and at 32 rotary pairs a part (NO_P32=1 skips it).
 # Run 1 (made): OUT=folder NO_SWEEP=1 NO_P32=1 FLOOR_ARGS=--warm-l2 bash docs/perf/gpu-2026-12-07-floor/lease.sh (the
 # script had no other mode then). Run 2: OUT=folder bash docs/perf/gpu-2026-12-07-floor/lease.sh, with COLD=1 first: the
 # floor and the kernels with every call reading its own copy, the copies past the L2 cache (--cold-l2).
@@ -28,7 +28,9 @@ if [ -z "$NO_SWEEP" ]; then  # B = 1: other programs (splits) and warps, each st
       ${COLD:+--cold-l2} --out "$OUT/$storage-b1"
   done
 fi
-if [ -z "$NO_P32" ]; then
-  KVWEAVE_ROPE_PAIRS=32 step 100 k4v2e48t-p32.md python benchmarks/lowbit_kernel.py --reps 10 --tokens 32768,131072 \
-    --batches 1,8,32 --storage k4v2e48t --configs dense:64:4:0 --out "$OUT/k4v2e48t-p32"
+if [ -z "$NO_P32" ]; then  # keys before RoPE, 16 then 32 rotary pairs a part (run 3: after one 32-pair call)
+  for pairs in 16 32; do
+    KVWEAVE_ROPE_PAIRS=$pairs step 100 k4v2e48t-p$pairs.md python benchmarks/lowbit_kernel.py --reps 10 \
+      --tokens 32768,131072 --batches 1,8,32 --storage k4v2e48t --configs dense:64:4:0 --out "$OUT/k4v2e48t-p$pairs"
+  done
 fi
