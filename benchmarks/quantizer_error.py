@@ -245,6 +245,11 @@ def attention_pairs() -> list[tuple[str, object, bool, object]]:
         ("cg 4b k0 g64 post-RoPE / rt 2b log8 (kzd-k4v2)", cg(bits=4, group=64, outliers=0), False, rt(scale_format="log8")),
         ("cg 4b k0 g64 post-RoPE / rt 4b uniform log8", cg(bits=4, group=64, outliers=0), False,
          rt(bits=4, levels="uniform", scale_format="log8")),
+        # the same keys in groups of 128 tokens: half the scales, which the dense kernel folds once a group
+        # (docs/kernels.md "What a step of the dense kernel issues")
+        ("cg 4b k0 g128 post-RoPE / rt 2b log8", cg(bits=4, group=128, outliers=0), False, rt(scale_format="log8")),
+        ("cg 4b k0 g128 post-RoPE / rt 4b uniform log8", cg(bits=4, group=128, outliers=0), False,
+         rt(bits=4, levels="uniform", scale_format="log8")),
     ]
 
 
