@@ -88,15 +88,10 @@ if triton is not None:
         return s
 
     @triton.jit
-    def _plane_logits(words, q0, q1, q2, q3, q4, q5, q6, q7, ks_ptr, kz_ptr, meta, kw0, kw1, kw2, kw3, zw0, zw1, zw2, zw3,
-                      jk, LOWP: tl.constexpr, KPF: tl.constexpr, ASM: tl.constexpr):
-        """The logits [BLOCK, G] of a step's 4-bit keys (``words`` [BLOCK, KW] uint32) in eight products, one per code
-        place ``k`` of a word: its operand is the words' code ``k`` as they are (channel ``j * 8 + k`` in column ``j``),
-        met by the scaled query's rows of those channels. Each product's operand is made from the words element by
-        element, so Triton reads the words from shared memory straight into the tensor cores' operand layout: no
-        unpacked tile goes through shared memory (the store and reload of the [BLOCK, D] tile was the largest share of
-        the kernel's shared-memory traffic). The eight query tiles are made before the products; ``kw0 .. kw3``,
-        ``zw0 .. zw3``: the scales and zero points of code places ``2 c, 2 c + 1`` (``KPF``)."""
+    def _plane_fold(q0, q1, q2, q3, q4, q5, q6, q7, ks_ptr, kz_ptr, meta, kw0, kw1, kw2, kw3, zw0, zw1, zw2, zw3, jk,
+                    LOWP: tl.constexpr, KPF: tl.constexpr):
+        """A key group's scales folded into the eight code places' query rows (:func:`_plane_query`) and its zero
+        points into one bias a query column [G] (:func:`_bias_add`): what every step of the group shares."""
         qs0, z0 = _plane_query(q0, ks_ptr, kz_ptr, meta, kw0, zw0, jk, 0, LOWP, KPF)
         qs1, z1 = _plane_query(q1, ks_ptr, kz_ptr, meta, kw0, zw0, jk, 1, LOWP, KPF)
         qs2, z2 = _plane_query(q2, ks_ptr, kz_ptr, meta, kw1, zw1, jk, 2, LOWP, KPF)
@@ -113,7 +108,12 @@ if triton is not None:
         total = _bias_add(total, q5, z5, qs5, LOWP)
         total = _bias_add(total, q6, z6, qs6, LOWP)
         total = _bias_add(total, q7, z7, qs7, LOWP)
-        bias = tl.sum(total, 0)
+        return qs0, qs1, qs2, qs3, qs4, qs5, qs6, qs7, tl.sum(total, 0)
+
+    @triton.jit
+    def _plane_dots(words, qs0, qs1, qs2, qs3, qs4, qs5, qs6, qs7, bias, LOWP: tl.constexpr, ASM: tl.constexpr):
+        """The logits [BLOCK, G] of a step's 4-bit keys (``words`` [BLOCK, KW] uint32) from its group's fold
+        (:func:`_plane_fold`): eight products, one per code place."""
         s = tl.zeros([words.shape[0], qs0.shape[1]], tl.float32) + bias[None, :]
         s = _plane_dot(words, qs0, s, 0, LOWP, ASM)
         s = _plane_dot(words, qs1, s, 1, LOWP, ASM)
@@ -124,6 +124,20 @@ if triton is not None:
         s = _plane_dot(words, qs6, s, 6, LOWP, ASM)
         s = _plane_dot(words, qs7, s, 7, LOWP, ASM)
         return s
+
+    @triton.jit
+    def _plane_logits(words, q0, q1, q2, q3, q4, q5, q6, q7, ks_ptr, kz_ptr, meta, kw0, kw1, kw2, kw3, zw0, zw1, zw2, zw3,
+                      jk, LOWP: tl.constexpr, KPF: tl.constexpr, ASM: tl.constexpr):
+        """The logits [BLOCK, G] of a step's 4-bit keys (``words`` [BLOCK, KW] uint32) in eight products, one per code
+        place ``k`` of a word: its operand is the words' code ``k`` as they are (channel ``j * 8 + k`` in column ``j``),
+        met by the scaled query's rows of those channels. Each product's operand is made from the words element by
+        element, so Triton reads the words from shared memory straight into the tensor cores' operand layout: no
+        unpacked tile goes through shared memory (the store and reload of the [BLOCK, D] tile was the largest share of
+        the kernel's shared-memory traffic). The eight query tiles are made before the products; ``kw0 .. kw3``,
+        ``zw0 .. zw3``: the scales and zero points of code places ``2 c, 2 c + 1`` (``KPF``)."""
+        qs0, qs1, qs2, qs3, qs4, qs5, qs6, qs7, bias = _plane_fold(q0, q1, q2, q3, q4, q5, q6, q7, ks_ptr, kz_ptr, meta,
+                                                                   kw0, kw1, kw2, kw3, zw0, zw1, zw2, zw3, jk, LOWP, KPF)
+        return _plane_dots(words, qs0, qs1, qs2, qs3, qs4, qs5, qs6, qs7, bias, LOWP, ASM)
 
     @triton.jit
     def _over(index, N: tl.constexpr):
