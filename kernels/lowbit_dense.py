@@ -69,7 +69,7 @@ DENSE_PROGRAM_STEPS = 1.0
 DEFAULT_SMS = 132
 
 #: read 4-bit keys of at least 16 words a token (head_dim >= 128) as eight products, one per code place of a word
-#: (:func:`kvweave.kernels.lowbit_dense_triton._plane_logits`): no unpacked key tile through shared memory
+#: (:func:`kvweave.kernels.lowbit_step_triton._plane_dots`): no unpacked key tile through shared memory
 DENSE_KEY_PLANES = True
 
 

@@ -27,16 +27,16 @@ if triton is not None:
     from kvweave.kernels.lowbit_rope_triton import _rope_logits
     from kvweave.kernels.lowbit_rows_triton import _pair_channels, _quad_channels, _value_step, _words_codes
     from kvweave.core.environment import env_setting
-    from kvweave.kernels.lowbit_step_triton import (_over, _plane_dots, _plane_fold, _plane_logits, _plane_queries,
-                                                     _scale_of, _softmax_step, _step_loads)
+    from kvweave.kernels.lowbit_step_triton import (_over, _plane_dots, _plane_fold, _plane_queries, _scale_of,
+                                                     _softmax_step, _step_loads)
+    from kvweave.kernels.lowbit_tile_triton import _operand, _tile_value_step, _tile_words
+    from kvweave.kernels.lowbit_triton import _hide, _outlier_logits
 
     #: keys in token groups longer than a step (``KGROUP`` > ``BLOCK``) read by code places: fold a group's scales into
     #: the query once and keep the fold over the group's steps (``GROUPED`` in :func:`_steps`), instead of once a step.
     #: KVWEAVE_DENSE_FOLD=1 turns it on; off by default, as it has not been timed on a GPU (docs/kernels.md "What a step
     #: of the dense kernel issues")
     FOLD_ONCE = tl.constexpr(bool(env_setting("KVWEAVE_DENSE_FOLD", 0, (0, 1))))
-    from kvweave.kernels.lowbit_tile_triton import _operand, _tile_value_step, _tile_words
-    from kvweave.kernels.lowbit_triton import _hide, _outlier_logits
 
     @triton.jit
     def _group_step(acc, pg, alpha, vstep, g: tl.constexpr, a0, a1, b0, b1, t_loc, jv, lut, vlev_ptr, vlev16_ptr, l0, l1,
@@ -186,15 +186,16 @@ if triton is not None:
             if ROPE:
                 s = _rope_logits(kc_ptr + t0 * KW, ks_ptr, kz_ptr, koi_ptr, kov_ptr, meta, tok, t_loc, pos, freq_ptr, q_row,
                                  gi, scaling * rope_scale, KW, D, KBITS, KO, LOWP, ASM, ROPE_PAIRS)
-            elif GROUPED:  # a new group's fold where one begins
-                if (t0 % KGROUP == 0) & (t0 != t_lo):
+            elif KPLANES:  # the step's group folded, every step or (GROUPED) where a group begins
+                if not GROUPED:
+                    qs0, qs1, qs2, qs3, qs4, qs5, qs6, qs7, bias = _plane_fold(
+                        q0, q1, q2, q3, q4, q5, q6, q7, ks_ptr, kz_ptr, meta, kw0, kw1, kw2, kw3, zw0, zw1, zw2, zw3, jk,
+                        LOWP, KPF)
+                elif (t0 % KGROUP == 0) & (t0 != t_lo):
                     qs0, qs1, qs2, qs3, qs4, qs5, qs6, qs7, bias = _plane_fold(
                         q0, q1, q2, q3, q4, q5, q6, q7, ks_ptr, kz_ptr, meta, kw0, kw1, kw2, kw3, zw0, zw1, zw2, zw3, jk,
                         LOWP, KPF)
                 s = _plane_dots(words, qs0, qs1, qs2, qs3, qs4, qs5, qs6, qs7, bias, LOWP, ASM)
-            elif KPLANES:
-                s = _plane_logits(words, q0, q1, q2, q3, q4, q5, q6, q7, ks_ptr, kz_ptr, meta, kw0, kw1, kw2, kw3, zw0, zw1,
-                                  zw2, zw3, jk, LOWP, KPF, ASM)
             else:
                 codes = _words_codes(words, KBITS)  # [BLOCK, D]
                 qs = q * ks.to(tl.float32)[:, None]  # [D, G]
@@ -314,7 +315,7 @@ if triton is not None:
         the model left them (``q_ptr`` [B, KV heads x ``QG``, D], any float dtype; a padding row repeats a real one).
         Writes the split's maximum (with ``FIX``: its reference), sum and output in the rotated space, for the combine;
         the steps take each field from the row's first token (the pointers are moved there first). ``KPLANES``: 4-bit keys
-        read by code places (:func:`_plane_logits`); ``KPF``: their scales and zero points loaded a step ahead as int32
+        read by code places (:func:`_plane_fold`, :func:`_plane_dots`); ``KPF``: their scales and zero points loaded a step ahead as int32
         words; ``PAD`` = 2: the ``G / 2`` real query rows each fill two columns (:func:`_steps`), only they written.
         ``PDL``: the combine may be launched once every program has begun (it waits for this kernel's end before it
         reads the splits)."""

@@ -1,6 +1,6 @@
 """What a step of the ``dense`` kernel (:mod:`kvweave.kernels.lowbit_dense_triton`) reads besides its codes, loaded a
 step ahead (:func:`_step_loads`), and its 4-bit keys' logits as eight products, one per code place of a word
-(:func:`_plane_logits`). Without triton the module defines nothing (``triton`` is None)."""
+(:func:`_plane_fold`, :func:`_plane_dots`). Without triton the module defines nothing (``triton`` is None)."""
 
 from __future__ import annotations
 
@@ -91,7 +91,8 @@ if triton is not None:
     def _plane_fold(q0, q1, q2, q3, q4, q5, q6, q7, ks_ptr, kz_ptr, meta, kw0, kw1, kw2, kw3, zw0, zw1, zw2, zw3, jk,
                     LOWP: tl.constexpr, KPF: tl.constexpr):
         """A key group's scales folded into the eight code places' query rows (:func:`_plane_query`) and its zero
-        points into one bias a query column [G] (:func:`_bias_add`): what every step of the group shares."""
+        points into one bias a query column [G] (:func:`_bias_add`): what every step of the group shares. ``kw0 ..
+        kw3``, ``zw0 .. zw3``: the scales and zero points of code places ``2 c, 2 c + 1`` (``KPF``)."""
         qs0, z0 = _plane_query(q0, ks_ptr, kz_ptr, meta, kw0, zw0, jk, 0, LOWP, KPF)
         qs1, z1 = _plane_query(q1, ks_ptr, kz_ptr, meta, kw0, zw0, jk, 1, LOWP, KPF)
         qs2, z2 = _plane_query(q2, ks_ptr, kz_ptr, meta, kw1, zw1, jk, 2, LOWP, KPF)
@@ -113,7 +114,11 @@ if triton is not None:
     @triton.jit
     def _plane_dots(words, qs0, qs1, qs2, qs3, qs4, qs5, qs6, qs7, bias, LOWP: tl.constexpr, ASM: tl.constexpr):
         """The logits [BLOCK, G] of a step's 4-bit keys (``words`` [BLOCK, KW] uint32) from its group's fold
-        (:func:`_plane_fold`): eight products, one per code place."""
+        (:func:`_plane_fold`) in eight products, one per code place ``k`` of a word: its operand is the words' code
+        ``k`` as they are (channel ``j * 8 + k`` in column ``j``), met by the scaled query's rows of those channels. Each
+        product's operand is made from the words element by element, so Triton reads the words from shared memory
+        straight into the tensor cores' operand layout: no unpacked tile goes through shared memory (the store and
+        reload of the [BLOCK, D] tile was the largest share of the kernel's shared-memory traffic)."""
         s = tl.zeros([words.shape[0], qs0.shape[1]], tl.float32) + bias[None, :]
         s = _plane_dot(words, qs0, s, 0, LOWP, ASM)
         s = _plane_dot(words, qs1, s, 1, LOWP, ASM)
@@ -124,20 +129,6 @@ if triton is not None:
         s = _plane_dot(words, qs6, s, 6, LOWP, ASM)
         s = _plane_dot(words, qs7, s, 7, LOWP, ASM)
         return s
-
-    @triton.jit
-    def _plane_logits(words, q0, q1, q2, q3, q4, q5, q6, q7, ks_ptr, kz_ptr, meta, kw0, kw1, kw2, kw3, zw0, zw1, zw2, zw3,
-                      jk, LOWP: tl.constexpr, KPF: tl.constexpr, ASM: tl.constexpr):
-        """The logits [BLOCK, G] of a step's 4-bit keys (``words`` [BLOCK, KW] uint32) in eight products, one per code
-        place ``k`` of a word: its operand is the words' code ``k`` as they are (channel ``j * 8 + k`` in column ``j``),
-        met by the scaled query's rows of those channels. Each product's operand is made from the words element by
-        element, so Triton reads the words from shared memory straight into the tensor cores' operand layout: no
-        unpacked tile goes through shared memory (the store and reload of the [BLOCK, D] tile was the largest share of
-        the kernel's shared-memory traffic). The eight query tiles are made before the products; ``kw0 .. kw3``,
-        ``zw0 .. zw3``: the scales and zero points of code places ``2 c, 2 c + 1`` (``KPF``)."""
-        qs0, qs1, qs2, qs3, qs4, qs5, qs6, qs7, bias = _plane_fold(q0, q1, q2, q3, q4, q5, q6, q7, ks_ptr, kz_ptr, meta,
-                                                                   kw0, kw1, kw2, kw3, zw0, zw1, zw2, zw3, jk, LOWP, KPF)
-        return _plane_dots(words, qs0, qs1, qs2, qs3, qs4, qs5, qs6, qs7, bias, LOWP, ASM)
 
     @triton.jit
     def _over(index, N: tl.constexpr):
@@ -201,7 +192,7 @@ if triton is not None:
                     KGROUP: tl.constexpr, VGROUPS: tl.constexpr, VLOG: tl.constexpr, VST: tl.constexpr,
                     HAS_POS: tl.constexpr, KPLANES: tl.constexpr, KPF: tl.constexpr):
         """What a step reads besides its codes, as loaded: the key group's scales and zero points (not with
-        ``KPLANES``: :func:`_plane_logits` reads them), each value group's scales (groups past ``VGROUPS`` repeat the
+        ``KPLANES``: :func:`_plane_fold` reads them), each value group's scales (groups past ``VGROUPS`` repeat the
         first), the slots' positions (``HAS_POS``; else zeros); ``KPF``: the scales and zero points of each two code
         places as int32 words (:func:`_plane_query`), else zeros."""
         meta = _over(t0, KGROUP) * D  # a step lies within one token group
