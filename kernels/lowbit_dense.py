@@ -283,6 +283,18 @@ def dense_ahead(view: Any, programs: int, sms: int, dim: int, hidden: bool, num_
     return int(trick.get("KAHEAD", False)) + 2 * int(trick.get("VAHEAD", False)), trick.get("R128", False)
 
 
+#: the steps ahead whose codes a dense launch of one wave asks of the L2 cache (GPU builds; 0: none, the default)
+DENSE_L2_AHEAD = env_setting("KVWEAVE_DENSE_L2AHEAD", 0, (0, 2, 4, 8))
+
+
+def dense_l2_ahead(programs: int, sms: int, dim: int, hidden: bool, num_warps: int, trick: dict) -> int:
+    """The steps ahead the dense kernel asks the L2 cache for: the trick's ``L2AHEAD`` where it asks, else
+    :data:`DENSE_L2_AHEAD` for a launch of one wave of ``programs``."""
+    if trick.get("L2AHEAD", 0):
+        return trick["L2AHEAD"]
+    return DENSE_L2_AHEAD if programs <= dense_slots(sms, dim, hidden, num_warps, DENSE_AHEAD_REGISTERS) else 0
+
+
 #: launch the combine early (:func:`kvweave.kernels.launch.programmatic`) only where the dense kernel's programs fit in
 #: one wave: there the SMs have room for the combine's programs beside the packed pass's, and B = 1 gained 7-11% (H100,
 #: 2026-12-05); with several waves its programs took slots and bandwidth from the last wave, -2% to +3% (docs/kernels.md
@@ -376,6 +388,9 @@ def dense_launch(view: Any, args: tuple, constants: dict, kind: int, l0: float, 
         registers = rope if registers is None else max(registers, rope)
     dense_constants["PDL"] = programmatic(padded.device) and programs <= EARLY_COMBINE_WAVES * dense_slots(
         sms, constants["D"], hid, constants["num_warps"], registers)
+    if asm:  # a GPU build: the steps ahead whose codes are asked of the L2 cache (inline PTX; AHEAD // 4)
+        dense_constants["AHEAD"] += 4 * dense_l2_ahead(programs, sms, constants["D"], hid, constants["num_warps"],
+                                                       trick or {})
     if offset_out(dense_constants):  # 4-bit uniform levels as 1 + code / 16, the offset taken off at the end
         dense_constants["LEVELS"] = 3
     dense_constants["KPF"] = (dense_constants["KPLANES"] and DENSE_PLANE_PREFETCH and k_scale.dtype == torch.float16

@@ -31,6 +31,7 @@ if triton is not None:
                                                      _softmax_step, _step_loads)
     from kvweave.kernels.lowbit_tile_triton import _operand, _tile_value_step, _tile_words
     from kvweave.kernels.lowbit_triton import _hide, _outlier_logits
+    from kvweave.kernels.prefetch_triton import _prefetch_step
 
     #: keys in token groups longer than a step (``KGROUP`` > ``BLOCK``) read by code places: fold a group's scales into
     #: the query once and keep the fold over the group's steps (``GROUPED`` in :func:`_steps`), instead of once a step.
@@ -135,7 +136,9 @@ if triton is not None:
         rows are the real ones twice (column ``2 r + i``: row ``r``), so the softmax runs on the real half alone and
         one tile of probabilities serves two value groups (:func:`_pair`: group ``g`` meets the columns ``2 r + g %
         2``), one shared-memory store and two barriers a step fewer. ``FIX``: the probabilities against a fixed
-        reference (:func:`kvweave.kernels.lowbit_step_triton._softmax_step`; ``top``: each slot's largest logit). ``ROPE``: keys
+        reference (:func:`kvweave.kernels.lowbit_step_triton._softmax_step`; ``top``: each slot's largest logit).
+        ``AHEAD``: bit 0 the key words and bit 1 the value tiles' words loaded a step ahead, ``AHEAD // 4`` the steps
+        ahead whose codes are asked of the L2 cache (a GPU build's, :mod:`kvweave.kernels.prefetch_triton`). ``ROPE``: keys
         stored before RoPE, rotated at each slot's position by the frequencies at ``freq_ptr``
         (:func:`kvweave.kernels.lowbit_rope_triton._rope_logits`)."""
         KW: tl.constexpr = D * KBITS // 32  # key words a token
@@ -149,7 +152,8 @@ if triton is not None:
         t_loc = tl.arange(0, BLOCK)
         t_ok = t_loc < BLOCK  # every slot of a step is stored
         KAH: tl.constexpr = AHEAD % 2 == 1  # the key words a step ahead
-        VAH: tl.constexpr = AHEAD >= 2  # the value tiles' words a step ahead
+        VAH: tl.constexpr = AHEAD // 2 % 2 == 1  # the value tiles' words a step ahead
+        PREF: tl.constexpr = AHEAD // 4 if ASM > 0 else 0  # the steps whose codes are asked of the L2 cache ahead
         OWN_KS: tl.constexpr = KPLANES or ROPE  # the key scales read by the logits' own function, not a step ahead
         t_in = tl.maximum(tl.minimum(t_lo, t_hi - BLOCK), 0)
         ks, kz, kw0, kw1, kw2, kw3, zw0, zw1, zw2, zw3, s0, m0, s1, m1, s2, m2, s3, m3, pos_in = _step_loads(
@@ -167,7 +171,11 @@ if triton is not None:
             qs0, qs1, qs2, qs3, qs4, qs5, qs6, qs7, bias = _plane_fold(
                 q0, q1, q2, q3, q4, q5, q6, q7, ks_ptr, kz_ptr, _over(t_in, KGROUP) * D, kw0, kw1, kw2, kw3, zw0, zw1,
                 zw2, zw3, jk, LOWP, KPF)
+        for j in tl.static_range(1, PREF):  # the first steps' lines (the loop asks for step t0 + PREF's)
+            _prefetch_step(kc_ptr, vc_ptr, tl.maximum(tl.minimum(t_in + j * BLOCK, t_hi - BLOCK), 0), KW, VW, BLOCK)
         for t0 in range(t_lo, t_hi, BLOCK):
+            if PREF > 0:
+                _prefetch_step(kc_ptr, vc_ptr, tl.maximum(tl.minimum(t0 + PREF * BLOCK, t_hi - BLOCK), 0), KW, VW, BLOCK)
             (ks_n, kz_n, kw0_n, kw1_n, kw2_n, kw3_n, zw0_n, zw1_n, zw2_n, zw3_n, s0_n, m0_n, s1_n, m1_n, s2_n, m2_n, s3_n,
              m3_n, pos_n) = _step_loads(tl.minimum(t0 + BLOCK, t_hi - BLOCK), ch, jk, t_loc, ks_ptr, kz_ptr, vs_row,
                                         vmax_row, pos_ptr, D, KGROUP, VGROUPS, VLOG, VST, HAS_POS, OWN_KS, KPF)

@@ -41,17 +41,19 @@ def fast_path(view: Any) -> bool:
 #: products on TF32 (no bfloat16 conversion of the rotated keys), "kfold" (keys stored after RoPE in whole-byte
 #: channel-group codes) each channel's scale and minimum folded into the query, the codes fed to the products as they are;
 #: and the "dense" kernel's :data:`DENSE_SETTINGS`.
-TRICKS = ("magic", "vb16", "ktf32", "kfold", "kahead", "vahead", "r128")
+TRICKS = ("magic", "vb16", "ktf32", "kfold", "kahead", "vahead", "r128", "l2ahead2", "l2ahead4", "l2ahead8")
 
 #: the launch settings of the "dense" kernel named like tricks, to time them against its rule in one run: "kahead" its key
 #: words and "vahead" its value tiles' words loaded a step before the step that reads them, "r128" 128 registers a
-#: thread instead of 96 (:func:`kvweave.kernels.lowbit_dense.dense_launch` takes them where its rule would not)
-DENSE_SETTINGS = ("kahead", "vahead", "r128")
+#: thread instead of 96 (:func:`kvweave.kernels.lowbit_dense.dense_launch` takes them where its rule would not), and
+#: "l2aheadN" each step's codes asked of the L2 cache N steps before the step that reads them (GPU builds: inline PTX,
+#: :mod:`kvweave.kernels.prefetch_triton`)
+DENSE_SETTINGS = ("kahead", "vahead", "r128", "l2ahead2", "l2ahead4", "l2ahead8")
 
 
 def parse_tricks(tricks: str, variant: str, lowp: bool, view: Any = None) -> dict:
     """The kernel constants ``MAGIC``, ``VB16``, ``KTF32``, ``KFOLD`` of ``tricks``, and the dense kernel's settings
-    ``KAHEAD``, ``VAHEAD``, ``R128`` ("+"-separated :data:`TRICKS`, "" none); a name not in :data:`TRICKS`, or one the
+    ``KAHEAD``, ``VAHEAD``, ``R128``, ``L2AHEAD`` (steps; 0: none) ("+"-separated :data:`TRICKS`, "" none); a name not in :data:`TRICKS`, or one the
     launch cannot take, refused."""
     names = [t for t in tricks.split("+") if t]
     unknown = [t for t in names if t not in TRICKS]
@@ -65,6 +67,9 @@ def parse_tricks(tricks: str, variant: str, lowp: bool, view: Any = None) -> dic
     if "vahead" in names and (view is None or not tiled_pairs(view)):
         raise ValueError("the lowbit 'vahead' trick loads value tiles' words a step ahead: it takes values stored in tiles "
                          "(token_tiles) in at most 2 channel groups")
+    prefetch = [int(t.removeprefix("l2ahead")) for t in names if t.startswith("l2ahead")]
+    if len(prefetch) > 1:
+        raise ValueError(f"lowbit kernel tricks {tricks!r}: one 'l2aheadN' at most (the steps asked of the L2 cache ahead)")
     if variant == "dense" and "ktf32" in names:
         raise ValueError("the lowbit 'dense' kernel's key products take the codes as bfloat16 (128 + code), not 'ktf32'")
     if not lowp and set(names) & {"vb16", "ktf32"}:
@@ -74,4 +79,5 @@ def parse_tricks(tricks: str, variant: str, lowp: bool, view: Any = None) -> dic
         raise ValueError("the lowbit 'kfold' trick folds channel scales into the query: it takes keys stored after RoPE "
                          "in 2- or 4-bit channel-group codes, without 'ktf32'")
     return {"MAGIC": "magic" in names, "VB16": "vb16" in names, "KTF32": "ktf32" in names, "KFOLD": "kfold" in names,
-            "KAHEAD": "kahead" in names, "VAHEAD": "vahead" in names, "R128": "r128" in names}
+            "KAHEAD": "kahead" in names, "VAHEAD": "vahead" in names, "R128": "r128" in names,
+            "L2AHEAD": prefetch[0] if prefetch else 0}

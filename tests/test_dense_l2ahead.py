@@ -1,0 +1,85 @@
+"""The dense kernel's codes asked of the L2 cache steps ahead (:mod:`kvweave.kernels.prefetch_triton`; the tricks
+``l2aheadN``, ``KVWEAVE_DENSE_L2AHEAD`` for a launch of one wave): the tricks and the launch's rule on any machine, the
+prefetch instructions in the sm_90 build without a GPU, and the outputs unchanged by them on a GPU."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from kvweave.kernels.gpu_build import nvdisasm
+from kvweave.kernels.lowbit_tricks import parse_tricks
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_the_l2ahead_tricks_name_the_steps_and_are_the_dense_kernels_alone():
+    assert parse_tricks("", "dense", True)["L2AHEAD"] == 0
+    assert parse_tricks("l2ahead4", "dense", True)["L2AHEAD"] == 4
+    assert parse_tricks("l2ahead8+r128", "dense", True)["L2AHEAD"] == 8
+    with pytest.raises(ValueError, match="one 'l2aheadN' at most"):
+        parse_tricks("l2ahead2+l2ahead4", "dense", True)
+    with pytest.raises(ValueError, match="launch settings of the 'dense' kernel"):
+        parse_tricks("l2ahead4", "wide", True)
+    with pytest.raises(ValueError, match="expected '\\+'-separated names"):
+        parse_tricks("l2ahead3", "dense", True)
+
+
+def test_the_launch_asks_the_l2_cache_ahead_where_a_trick_says_or_one_wave_and_the_setting_do(monkeypatch):
+    from kvweave.kernels import lowbit_dense
+
+    slots = lowbit_dense.dense_slots(132, 128, False, 4, lowbit_dense.DENSE_AHEAD_REGISTERS)
+    rule = lambda programs, trick: lowbit_dense.dense_l2_ahead(programs, 132, 128, False, 4, trick)  # noqa: E731
+    monkeypatch.setattr(lowbit_dense, "DENSE_L2_AHEAD", 0)
+    assert rule(slots, {}) == 0 and rule(slots, {"L2AHEAD": 2}) == 2
+    monkeypatch.setattr(lowbit_dense, "DENSE_L2_AHEAD", 4)
+    assert rule(slots, {}) == 4  # one wave
+    assert rule(slots + 1, {}) == 0  # more than one: the setting is for one wave only
+    assert rule(slots + 1, {"L2AHEAD": 8}) == 8  # a trick asks anywhere
+
+
+@pytest.mark.skipif(nvdisasm() is None, reason="needs Triton's CUDA backend (its ptxas and nvdisasm)")
+def test_the_sm90_build_asks_for_a_steps_key_and_value_lines_once_a_step(tmp_path):
+    """Built for sm_90 without a GPU (benchmarks/kernel_sass.py, a process of its own): with ``l2ahead4`` the token
+    loop holds one L2 prefetch (``CCTL``) for the key words and one for the value words, the build three more of each
+    for the first steps; without it none. The inline PTX assembles (ptxas refuses a wrong operand)."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    out = tmp_path / "rows.json"
+    done = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "kernel_sass.py"), "--storages", "k4v2e48t-post",
+                           "--configs", "dense:,dense:l2ahead4", "--out", str(out)], capture_output=True, text=True,
+                          timeout=600, cwd=ROOT, env=env)
+    assert done.returncode == 0, done.stderr[-3000:]
+    rows = {row["config"]: row for row in json.loads(out.read_text())}
+    plain, ahead = rows["dense:"], rows["dense:l2ahead4"]
+    assert "CCTL" not in plain["opcodes"]
+    assert ahead["loop_opcodes"].get("CCTL") == 2 and ahead["opcodes"].get("CCTL") == 8
+    assert ahead["tensor"] == plain["tensor"] > 0  # the same tensor-core products
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="compiles the kernel for a CUDA GPU")
+@pytest.mark.parametrize("storage", ["k4v2e48t", "k4v4e77t"])
+@pytest.mark.parametrize("rows", [1, 8])
+def test_the_l2_prefetch_changes_no_output_on_the_gpu(storage, rows):
+    """Llama-3-8B attention shape, 32,768 tokens before eviction, keys after RoPE: the output with each step's codes
+    asked of the L2 cache 2, 4 or 8 steps ahead is the output without, bit for bit (a prefetch reads nothing), at one
+    row (one wave) and at 8."""
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    import attrs
+    from lowbit_kernel import HEAD_DIM, Q_HEADS, packed_view
+
+    from kvweave.kernels.lowbit_decode import lowbit_decode, plan_launch
+
+    view = attrs.evolve(packed_view(rows, 32768, device="cuda", storage=storage), inv_freq=None)
+    q = torch.randn(rows, Q_HEADS, HEAD_DIM, generator=torch.Generator().manual_seed(5)).cuda()
+    plain = lowbit_decode(view, q, None, HEAD_DIM ** -0.5, variant="dense", programs=None)
+    for steps in (2, 4, 8):
+        launch = plan_launch(view, q, None, HEAD_DIM ** -0.5, variant="dense", programs=None, tricks=f"l2ahead{steps}")
+        assert launch.constants["AHEAD"] // 4 == steps
+        out = lowbit_decode(view, q, None, HEAD_DIM ** -0.5, variant="dense", programs=None, tricks=f"l2ahead{steps}")
+        assert torch.equal(out, plain), (storage, rows, steps, float((out - plain).abs().max()))
