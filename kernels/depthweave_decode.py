@@ -36,6 +36,7 @@ import functools
 import os
 from typing import TYPE_CHECKING, Any
 
+from kvweave.core.environment import env_setting
 from kvweave.core.lazy import lazy_module, torch
 from kvweave.kernels.decode_view import MAX_LEVELS, TILE, DecodeView, ResidualLevel, check_view, placeholder, resplit
 from kvweave.kernels.launch import programmatic
@@ -323,6 +324,9 @@ TILES_INDEX = False
 #: step's loads, so that those loads are in flight while the products wait for their operands: 1-4% off a call from
 #: 32K, B = 8 to 128K, B = 32, the same at 32K, B = 1, the same output bits (the same section). Decode only
 TILES_QUERY_LATE = True
+#: the steps ahead whose coefficient codes and scales the ``tiles`` pass asks of the L2 cache on a GPU (0: none, the
+#: default until timed; KVWEAVE_TILES_L2AHEAD). Decode only
+TILES_L2AHEAD = env_setting("KVWEAVE_TILES_L2AHEAD", 0, (0, 2, 4, 8))
 
 
 def word_codes(view: DecodeView, constants: dict) -> bool:
@@ -360,6 +364,7 @@ def _launch_tiles(view, query, segments, start, m, l, acc, partials, heads, gq, 
         *args, G=_pow2(gq, 8), RP=_pow2(max(rmax, 1), 16), RMAX=rmax, GROUP=group, **constants, BLOCK=block_tokens,
         ASM=asm, COLUMNS=TILES_COLUMNS, AHEAD=TILES_AHEAD, VALUES=values, PDL=early, BYTES=asm and TILES_BYTES,
         ROWS=TILES_ROWS, INDEX=TILES_INDEX and values, QUERY_LATE=TILES_QUERY_LATE and values,
+        L2AHEAD=TILES_L2AHEAD if values else 0,
         WORDS=TILES_WORDS if values and TILES_WORDS and TILES_ROWS and word_codes(view, constants) else 0,
         num_warps=num_warps, **({"launch_pdl": True} if early else {}),
         **({} if num_stages is None else {"num_stages": num_stages}),

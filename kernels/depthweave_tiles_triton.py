@@ -26,6 +26,20 @@ if triton is not None:
     from kvweave.kernels.decode_triton import _level_rows, _program, _rows
     from kvweave.kernels.depthweave_operands_triton import (_as_word, _coefficients, _popc, _residual_tile,
                                                             _word_coefficients, _word_ptr)
+    from kvweave.kernels.prefetch_triton import _prefetch_bytes
+
+    @triton.jit
+    def _prefetch_coefficients(kc, vc, ks, vs, t0, hi, c_st, s_st, BLOCK: tl.constexpr, RC: tl.constexpr,
+                               VALUES: tl.constexpr):
+        """Step ``t0``'s coefficient codes and scales (keys', and values' with ``VALUES``) asked of the L2 cache; nothing
+        past the segment's end ``hi``."""
+        rows = tl.minimum(hi - t0, BLOCK)
+        if rows > 0:
+            _prefetch_bytes(kc + t0 * c_st, rows * c_st, BLOCK * RC // 128)
+            _prefetch_bytes(ks + t0 * s_st, rows * s_st * 2, (BLOCK * 2 + 127) // 128)
+            if VALUES:
+                _prefetch_bytes(vc + t0 * c_st, rows * c_st, BLOCK * RC // 128)
+                _prefetch_bytes(vs + t0 * s_st, rows * s_st * 2, (BLOCK * 2 + 127) // 128)
 
     @triton.jit
     def _level_index(ts_ptr, tm_ptr, row, t0, hi, RANK: tl.constexpr, BLOCK: tl.constexpr):
@@ -152,6 +166,7 @@ if triton is not None:
         ASM: tl.constexpr, COLUMNS: tl.constexpr, AHEAD: tl.constexpr, VALUES: tl.constexpr = True,
         PDL: tl.constexpr = False, BYTES: tl.constexpr = False, ROWS: tl.constexpr = False,
         WORDS: tl.constexpr = 0, INDEX: tl.constexpr = False, QUERY_LATE: tl.constexpr = False,
+        L2AHEAD: tl.constexpr = 0,
     ):
         """One program per (segment, batch row x KV head), as the gather kernel's (its arguments, in the same order,
         are documented there); ``G`` tile columns for the ``GQ`` query heads, ``RMAX`` the largest level's rank,
@@ -172,7 +187,8 @@ if triton is not None:
         the keys' and the values' together at the step's start (1) or during the step before (2). ``INDEX`` (with
         ``AHEAD``): the tile index read two steps ahead, so that a step's two loads in a chain (index, then entries) each
         have a step's products to hide behind. ``QUERY_LATE``: the query's products made after the first step's loads are
-        issued, not before (their loads wait behind the products' operands otherwise)."""
+        issued, not before (their loads wait behind the products' operands otherwise). ``L2AHEAD`` (a GPU): each step's
+        coefficient codes and scales asked of the L2 cache that many steps ahead (:mod:`kvweave.kernels.prefetch_triton`)."""
         seg, bh, b, h, lo, hi, version, first_valid, k_gate, v_gate = _program(seg_ptr, start_ptr, kg_ptr, vg_ptr, H,
                                                                                K_GATES, V_GATES)
         ONE_SCALE: tl.constexpr = RB >= R
@@ -235,9 +251,14 @@ if triton is not None:
         vcw_ptr = vc.to(tl.pointer_type(tl.int32), bitcast=True)
         if WORDS == 2:
             nkw, nks, nvw, nvs = _words_step(kcw_ptr, ks, vcw_ptr, vs, lo + t, lo + t < hi, jw, RW, w_st, s_st, VALUES)
+        PREF: tl.constexpr = L2AHEAD if ASM else 0
+        for j in tl.static_range(1, PREF):  # the first steps' lines (the loop asks for step t0 + PREF's)
+            _prefetch_coefficients(kc, vc, ks, vs, lo + j * BLOCK, hi, c_st, s_st, BLOCK, RC, VALUES)
         if QUERY_LATE:  # the query's products once the first step's loads are out
             qp, qr = _query_products(q, kb_rows, kres, qk_scale, k_gate, RMAX, RP, G)
         for t0 in range(lo, hi, BLOCK):
+            if PREF > 0:
+                _prefetch_coefficients(kc, vc, ks, vs, t0 + PREF * BLOCK, hi, c_st, s_st, BLOCK, RC, VALUES)
             tok = t0 + t
             inside = tok < hi
             ok = inside & (tok >= first_valid)

@@ -34,3 +34,12 @@ if triton is not None:
         the same bytes) of ``BLOCK`` tokens, from the row's first token's ``kc_ptr`` / ``vc_ptr``."""
         _prefetch_lines(kc_ptr + t0 * KW, BLOCK * KW * 4 // 128)
         _prefetch_lines(vc_ptr + t0 * VW, BLOCK * VW * 4 // 128)
+
+    @triton.jit
+    def _prefetch_bytes(base, nbytes, LINES: tl.constexpr):
+        """Ask the L2 cache for the lines of ``nbytes`` bytes from ``base`` (a runtime count; ``LINES`` lines at most,
+        the lines past the range asking again for its last one)."""
+        first = base.to(tl.pointer_type(tl.int8), bitcast=True)
+        lines = (first + tl.minimum(tl.arange(0, LINES) * 128, tl.maximum(nbytes - 1, 0))).to(tl.int64)
+        tl.inline_asm_elementwise("prefetch.global.L2 [$1];\n\tmov.u32 $0, 0;", "=r,l", [lines], dtype=tl.int32,
+                                  is_pure=False, pack=1)

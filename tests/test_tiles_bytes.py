@@ -162,11 +162,13 @@ def test_the_byte_permutes_build_for_a_gpu(tmp_path):
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 @pytest.mark.parametrize("switch, off, value", [("TILES_REGISTERS", None, 144), ("TILES_REGISTERS", None, 128),
-                                                ("TILES_INDEX", False, True), ("TILES_QUERY_LATE", False, True)])
+                                                ("TILES_INDEX", False, True), ("TILES_QUERY_LATE", False, True),
+                                                ("TILES_L2AHEAD", 0, 4)])
 def test_a_register_cap_or_loads_moved_give_the_same_bits_on_the_gpu(tmp_path, monkeypatch, switch, off, value):
     """On the GPU, the decode pass built in ``TILES_REGISTERS`` registers, with its tile index two steps ahead
-    (``TILES_INDEX``) or with the query's products after the first step's loads (``TILES_QUERY_LATE``), writes the
-    bits of the build with that switch off."""
+    (``TILES_INDEX``), with the query's products after the first step's loads (``TILES_QUERY_LATE``) or with its
+    coefficients asked of the L2 cache 4 steps ahead (``TILES_L2AHEAD``), writes the bits of the build with that switch
+    off."""
     view, query, start, dim = _tiles_case(tmp_path, "dw-kernel")
     run = lambda: fused_decode(view, query, start, dim**-0.5, split=96, variant="tiles")  # noqa: E731
     monkeypatch.setattr(depthweave_decode, switch, off)
