@@ -5,7 +5,7 @@
 # tests first (the outputs unchanged).
 # OUT=folder bash docs/perf/gpu-2026-12-07-l2ahead/lease.sh   (NO_WIDE=1: no B = 8 and 32; NO_DW=1: no depthweave-kv)
 source benchmarks/lease_preamble.sh
-step 200 tests.md python -m pytest -q -p no:cacheprovider tests/test_l2ahead.py tests/test_tiles_bytes.py -k gpu
+step 200 tests.md python -m pytest -q -p no:cacheprovider tests/test_l2ahead.py tests/test_tiles_bytes.py -k "gpu and (l2 or L2AHEAD)"
 CONFIGS=dense:64:4:0,dense:64:4:0:l2ahead2,dense:64:4:0:l2ahead4,dense:64:4:0:l2ahead8
 for storage in k4v2e48t k4v4e77t; do
   step 150 $storage-b1.md python benchmarks/lowbit_kernel.py --reps 10 --tokens 32768,65536,131072 --batches 1 \
