@@ -26,7 +26,7 @@ if triton is not None:
     from kvweave.kernels.decode_triton import _level_rows, _program, _rows
     from kvweave.kernels.depthweave_operands_triton import (_as_word, _coefficients, _popc, _residual_tile,
                                                             _word_coefficients, _word_ptr)
-    from kvweave.kernels.prefetch_triton import _prefetch_bytes
+    from kvweave.kernels.prefetch_triton import BULK_PREFETCH, _prefetch_bytes
 
     @triton.jit
     def _prefetch_coefficients(kc, vc, ks, vs, t0, hi, c_st, s_st, BLOCK: tl.constexpr, RC: tl.constexpr,
@@ -35,11 +35,11 @@ if triton is not None:
         past the segment's end ``hi``."""
         rows = tl.minimum(hi - t0, BLOCK)
         if rows > 0:
-            _prefetch_bytes(kc + t0 * c_st, rows * c_st, BLOCK * RC // 128)
-            _prefetch_bytes(ks + t0 * s_st, rows * s_st * 2, (BLOCK * 2 + 127) // 128)
+            _prefetch_bytes(kc + t0 * c_st, rows * c_st, BLOCK * RC // 128, BULK_PREFETCH)
+            _prefetch_bytes(ks + t0 * s_st, rows * s_st * 2, (BLOCK * 2 + 127) // 128, BULK_PREFETCH)
             if VALUES:
-                _prefetch_bytes(vc + t0 * c_st, rows * c_st, BLOCK * RC // 128)
-                _prefetch_bytes(vs + t0 * s_st, rows * s_st * 2, (BLOCK * 2 + 127) // 128)
+                _prefetch_bytes(vc + t0 * c_st, rows * c_st, BLOCK * RC // 128, BULK_PREFETCH)
+                _prefetch_bytes(vs + t0 * s_st, rows * s_st * 2, (BLOCK * 2 + 127) // 128, BULK_PREFETCH)
 
     @triton.jit
     def _level_index(ts_ptr, tm_ptr, row, t0, hi, RANK: tl.constexpr, BLOCK: tl.constexpr):

@@ -31,7 +31,7 @@ if triton is not None:
                                                      _softmax_step, _step_loads)
     from kvweave.kernels.lowbit_tile_triton import _operand, _tile_value_step, _tile_words
     from kvweave.kernels.lowbit_triton import _hide, _outlier_logits
-    from kvweave.kernels.prefetch_triton import _prefetch_step
+    from kvweave.kernels.prefetch_triton import BULK_PREFETCH, _prefetch_step
 
     #: keys in token groups longer than a step (``KGROUP`` > ``BLOCK``) read by code places: fold a group's scales into
     #: the query once and keep the fold over the group's steps (``GROUPED`` in :func:`_steps`), instead of once a step.
@@ -171,11 +171,11 @@ if triton is not None:
             qs0, qs1, qs2, qs3, qs4, qs5, qs6, qs7, bias = _plane_fold(
                 q0, q1, q2, q3, q4, q5, q6, q7, ks_ptr, kz_ptr, _over(t_in, KGROUP) * D, kw0, kw1, kw2, kw3, zw0, zw1,
                 zw2, zw3, jk, LOWP, KPF)
-        for j in tl.static_range(1, PREF):  # the first steps' lines (the loop asks for step t0 + PREF's)
-            _prefetch_step(kc_ptr, vc_ptr, tl.maximum(tl.minimum(t_in + j * BLOCK, t_hi - BLOCK), 0), KW, VW, BLOCK)
+        if PREF > 1:  # the first steps' codes (the loop asks for step t0 + PREF's)
+            _prefetch_step(kc_ptr, vc_ptr, t_in + BLOCK, t_hi, KW, VW, BLOCK, PREF - 1, BULK_PREFETCH)
         for t0 in range(t_lo, t_hi, BLOCK):
             if PREF > 0:
-                _prefetch_step(kc_ptr, vc_ptr, tl.maximum(tl.minimum(t0 + PREF * BLOCK, t_hi - BLOCK), 0), KW, VW, BLOCK)
+                _prefetch_step(kc_ptr, vc_ptr, t0 + PREF * BLOCK, t_hi, KW, VW, BLOCK, 1, BULK_PREFETCH)
             (ks_n, kz_n, kw0_n, kw1_n, kw2_n, kw3_n, zw0_n, zw1_n, zw2_n, zw3_n, s0_n, m0_n, s1_n, m1_n, s2_n, m2_n, s3_n,
              m3_n, pos_n) = _step_loads(tl.minimum(t0 + BLOCK, t_hi - BLOCK), ch, jk, t_loc, ks_ptr, kz_ptr, vs_row,
                                         vmax_row, pos_ptr, D, KGROUP, VGROUPS, VLOG, VST, HAS_POS, OWN_KS, KPF)

@@ -46,11 +46,13 @@ def test_the_launch_asks_the_l2_cache_ahead_where_a_trick_says_or_one_wave_and_t
 
 
 @pytest.mark.skipif(nvdisasm() is None, reason="needs Triton's CUDA backend (its ptxas and nvdisasm)")
-def test_the_sm90_build_asks_for_a_steps_key_and_value_lines_once_a_step(tmp_path):
+@pytest.mark.parametrize("bulk, opcode, loop, build", [("1", "UBLKPF", 2, 4), ("0", "CCTL", 2, 8)])
+def test_the_sm90_build_asks_for_a_steps_key_and_value_codes_once_a_step(tmp_path, bulk, opcode, loop, build):
     """Built for sm_90 without a GPU (benchmarks/kernel_sass.py, a process of its own): with ``l2ahead4`` the token
-    loop holds one L2 prefetch (``CCTL``) for the key words and one for the value words, the build three more of each
-    for the first steps; without it none. The inline PTX assembles (ptxas refuses a wrong operand)."""
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    loop holds one prefetch for the key words and one for the value words; before it, as bulk requests
+    (``UBLKPF``), one a stream for the first steps, or line by line (``CCTL``, ``KVWEAVE_BULK_PREFETCH=0``), one a
+    stream and step; without it none. The inline PTX assembles (ptxas refuses a wrong operand)."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"} | {"KVWEAVE_BULK_PREFETCH": bulk}
     out = tmp_path / "rows.json"
     done = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "kernel_sass.py"), "--storages", "k4v2e48t-post",
                            "--configs", "dense:,dense:l2ahead4", "--out", str(out)], capture_output=True, text=True,
@@ -58,8 +60,8 @@ def test_the_sm90_build_asks_for_a_steps_key_and_value_lines_once_a_step(tmp_pat
     assert done.returncode == 0, done.stderr[-3000:]
     rows = {row["config"]: row for row in json.loads(out.read_text())}
     plain, ahead = rows["dense:"], rows["dense:l2ahead4"]
-    assert "CCTL" not in plain["opcodes"]
-    assert ahead["loop_opcodes"].get("CCTL") == 2 and ahead["opcodes"].get("CCTL") == 8
+    assert not {"CCTL", "UBLKPF"} & set(plain["opcodes"])
+    assert ahead["loop_opcodes"].get(opcode) == loop and ahead["opcodes"].get(opcode) == build
     assert ahead["tensor"] == plain["tensor"] > 0  # the same tensor-core products
 
 
@@ -90,7 +92,8 @@ def test_the_l2_prefetch_changes_no_output_on_the_gpu(storage, rows):
 @pytest.mark.skipif(nvdisasm() is None, reason="needs Triton's CUDA backend (its ptxas and nvdisasm)")
 def test_the_tiles_pass_asks_for_its_coefficients_lines_only_when_told(tmp_path):
     """depthweave-kv's tiles pass built for sm_90 as a GPU launch makes it: with ``L2AHEAD`` its PTX asks the L2 cache
-    for lines and ptxas assembles it; without, it asks for none. The interpreter's launch passes 0 (no inline PTX)."""
+    for its coefficients in bulk requests and ptxas assembles it; without, it asks for none. The interpreter's launch
+    passes 0 (no inline PTX)."""
     from test_lowbit_kernel_host import compile_job
     from test_tiles_pass import recorded_tiles_job
 
@@ -100,4 +103,4 @@ def test_the_tiles_pass_asks_for_its_coefficients_lines_only_when_told(tmp_path)
     for steps in (0, 4):
         job["constants"].update(ASM=True, BYTES=True, WORDS=2, L2AHEAD=steps)
         texts.append(compile_job(job)["ptx_text"])
-    assert "prefetch.global.L2" not in texts[0] and texts[1].count("prefetch.global.L2") >= 4
+    assert "prefetch" not in texts[0] and texts[1].count("cp.async.bulk.prefetch.L2") >= 4
