@@ -265,7 +265,9 @@ def dense_slots(sms: int, dim: int, hidden: bool, num_warps: int = 4, registers:
 #: 2026-12-06: 7% off at B = 1, the same at B = 8, "The dense kernel's rule timed on and off"); KVWEAVE_DENSE_AHEAD=0
 #: turns it off (to time both)
 DENSE_AHEAD_WAVE = env_switch("KVWEAVE_DENSE_AHEAD")
-DENSE_AHEAD_REGISTERS = 128
+#: KVWEAVE_DENSE_WAVE_REGISTERS=168: 3 programs an SM, room for the token loop unrolled by two (KVWEAVE_DENSE_UNROLL=2,
+#: :mod:`kvweave.kernels.lowbit_dense_triton`'s ``UNROLL``) without spilling; untimed, so 128 by default
+DENSE_AHEAD_REGISTERS = env_setting("KVWEAVE_DENSE_WAVE_REGISTERS", 128, (128, 168))
 #: the value codes' widths the rule takes: those it was timed on (2-bit, the 8x class; 4-bit, the ~5x class: 4-11% off
 #: a call at B = 1 on an H100, 2026-12-06)
 DENSE_AHEAD_BITS = (2, 4)
@@ -281,18 +283,6 @@ def dense_ahead(view: Any, programs: int, sms: int, dim: int, hidden: bool, num_
     if DENSE_AHEAD_WAVE and timed and fits:
         return 2, True
     return int(trick.get("KAHEAD", False)) + 2 * int(trick.get("VAHEAD", False)), trick.get("R128", False)
-
-
-#: the steps ahead whose codes a dense launch of one wave asks of the L2 cache (GPU builds; 0: none, the default)
-DENSE_L2_AHEAD = env_setting("KVWEAVE_DENSE_L2AHEAD", 0, (0, 2, 4, 8))
-
-
-def dense_l2_ahead(programs: int, sms: int, dim: int, hidden: bool, num_warps: int, trick: dict) -> int:
-    """The steps ahead the dense kernel asks the L2 cache for: the trick's ``L2AHEAD`` where it asks, else
-    :data:`DENSE_L2_AHEAD` for a launch of one wave of ``programs``."""
-    if trick.get("L2AHEAD", 0):
-        return trick["L2AHEAD"]
-    return DENSE_L2_AHEAD if programs <= dense_slots(sms, dim, hidden, num_warps, DENSE_AHEAD_REGISTERS) else 0
 
 
 #: launch the combine early (:func:`kvweave.kernels.launch.programmatic`) only where the dense kernel's programs fit in
@@ -388,9 +378,9 @@ def dense_launch(view: Any, args: tuple, constants: dict, kind: int, l0: float, 
         registers = rope if registers is None else max(registers, rope)
     dense_constants["PDL"] = programmatic(padded.device) and programs <= EARLY_COMBINE_WAVES * dense_slots(
         sms, constants["D"], hid, constants["num_warps"], registers)
-    if asm:  # a GPU build: the steps ahead whose codes are asked of the L2 cache (inline PTX; AHEAD // 4)
-        dense_constants["AHEAD"] += 4 * dense_l2_ahead(programs, sms, constants["D"], hid, constants["num_warps"],
-                                                       trick or {})
+    if asm:  # a GPU build: the steps ahead whose codes are asked of the L2 cache (the l2aheadN tricks; AHEAD // 4;
+        # slower at every shape timed: docs/kernels.md "Codes asked of the L2 cache ahead")
+        dense_constants["AHEAD"] += 4 * (trick or {}).get("L2AHEAD", 0)
     if offset_out(dense_constants):  # 4-bit uniform levels as 1 + code / 16, the offset taken off at the end
         dense_constants["LEVELS"] = 3
     dense_constants["KPF"] = (dense_constants["KPLANES"] and DENSE_PLANE_PREFETCH and k_scale.dtype == torch.float16

@@ -38,6 +38,10 @@ if triton is not None:
     #: KVWEAVE_DENSE_FOLD=1 turns it on; off by default, as it has not been timed on a GPU (docs/kernels.md "What a step
     #: of the dense kernel issues")
     FOLD_ONCE = tl.constexpr(bool(env_setting("KVWEAVE_DENSE_FOLD", 0, (0, 1))))
+    #: :func:`_steps`' token loop unrolled by two in launches of one wave (KVWEAVE_DENSE_UNROLL=2): two steps' products
+    #: for the scheduler to interleave where 3 warps a scheduler leave it idle most cycles; with Triton 3.6 it needs
+    #: KVWEAVE_DENSE_WAVE_REGISTERS=168 (:func:`kvweave.kernels.lowbit_dense.dense_ahead`). Untimed: 1
+    UNROLL = tl.constexpr(env_setting("KVWEAVE_DENSE_UNROLL", 1, (1, 2)))
 
     @triton.jit
     def _group_step(acc, pg, alpha, vstep, g: tl.constexpr, a0, a1, b0, b1, t_loc, jv, lut, vlev_ptr, vlev16_ptr, l0, l1,
@@ -173,7 +177,7 @@ if triton is not None:
                 zw2, zw3, jk, LOWP, KPF)
         if PREF > 1:  # the first steps' codes (the loop asks for step t0 + PREF's)
             _prefetch_step(kc_ptr, vc_ptr, t_in + BLOCK, t_hi, KW, VW, BLOCK, PREF - 1, BULK_PREFETCH)
-        for t0 in range(t_lo, t_hi, BLOCK):
+        for t0 in tl.range(t_lo, t_hi, BLOCK, loop_unroll_factor=UNROLL if VAH else 1):  # VAH: a launch of one wave
             if PREF > 0:
                 _prefetch_step(kc_ptr, vc_ptr, t0 + PREF * BLOCK, t_hi, KW, VW, BLOCK, 1, BULK_PREFETCH)
             (ks_n, kz_n, kw0_n, kw1_n, kw2_n, kw3_n, zw0_n, zw1_n, zw2_n, zw3_n, s0_n, m0_n, s1_n, m1_n, s2_n, m2_n, s3_n,

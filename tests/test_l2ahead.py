@@ -1,6 +1,6 @@
 """Codes asked of the L2 cache steps ahead (:mod:`kvweave.kernels.prefetch_triton`): by the lowbit dense kernel (the
-tricks ``l2aheadN``, ``KVWEAVE_DENSE_L2AHEAD`` for a launch of one wave) and by depthweave-kv's tiles pass
-(``KVWEAVE_TILES_L2AHEAD``): the tricks and the launch's rule on any machine, the prefetch instructions in the sm_90
+tricks ``l2aheadN``) and by depthweave-kv's tiles pass
+(``KVWEAVE_TILES_L2AHEAD``): the tricks and the launch on any machine, the prefetch instructions in the sm_90
 builds without a GPU, and the outputs unchanged by them on a GPU."""
 
 from __future__ import annotations
@@ -32,17 +32,27 @@ def test_the_l2ahead_tricks_name_the_steps_and_are_the_dense_kernels_alone():
         parse_tricks("l2ahead3", "dense", True)
 
 
-def test_the_launch_asks_the_l2_cache_ahead_where_a_trick_says_or_one_wave_and_the_setting_do(monkeypatch):
-    from kvweave.kernels import lowbit_dense
+def test_the_launch_asks_the_l2_cache_ahead_only_where_a_trick_says(monkeypatch):
+    """No launch asks for a prefetch by itself (slower at every shape timed); a trick asks on a GPU build only, where
+    the kernel has inline PTX (``ASM``): the interpreter's launch keeps ``AHEAD`` below 4."""
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    import attrs
+    from lowbit_kernel import HEAD_DIM, Q_HEADS, packed_view
 
-    slots = lowbit_dense.dense_slots(132, 128, False, 4, lowbit_dense.DENSE_AHEAD_REGISTERS)
-    rule = lambda programs, trick: lowbit_dense.dense_l2_ahead(programs, 132, 128, False, 4, trick)  # noqa: E731
-    monkeypatch.setattr(lowbit_dense, "DENSE_L2_AHEAD", 0)
-    assert rule(slots, {}) == 0 and rule(slots, {"L2AHEAD": 2}) == 2
-    monkeypatch.setattr(lowbit_dense, "DENSE_L2_AHEAD", 4)
-    assert rule(slots, {}) == 4  # one wave
-    assert rule(slots + 1, {}) == 0  # more than one: the setting is for one wave only
-    assert rule(slots + 1, {"L2AHEAD": 8}) == 8  # a trick asks anywhere
+    from kvweave.kernels.lowbit_decode import plan_launch
+
+    view = attrs.evolve(packed_view(1, 1024, device="cpu", storage="k4v2e48t"), inv_freq=None)
+    q = torch.randn(1, Q_HEADS, HEAD_DIM)
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)  # planned as for a GPU build (no kernel runs here)
+    builds = set()
+    for tricks in ("", "l2ahead4"):
+        for lowp in (False, True):  # lowp: the bfloat16 operands and inline assembly of a GPU build
+            launch = plan_launch(view, q, None, HEAD_DIM ** -0.5, variant="dense", lowp=lowp, tricks=tricks)
+            gpu = launch.constants["ASM"] > 0
+            builds.add(gpu)
+            assert launch.constants["AHEAD"] // 4 == (4 if tricks and gpu else 0), (tricks, lowp)
+            assert launch.constants["AHEAD"] % 4 == 2  # the value tiles' words a step ahead, as without
+    assert builds == {False, True}
 
 
 @pytest.mark.skipif(nvdisasm() is None, reason="needs Triton's CUDA backend (its ptxas and nvdisasm)")

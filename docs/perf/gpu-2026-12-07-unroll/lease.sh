@@ -1,0 +1,16 @@
+#!/bin/bash
+# The dense kernel at one batch row with its token loop unrolled by two (KVWEAVE_DENSE_UNROLL=2) at 168 registers a
+# thread (KVWEAVE_DENSE_WAVE_REGISTERS=168: 3 programs an SM), against 168 registers alone and the launch as it is,
+# every call past the L2 cache: both storages, 32K-128K, the launch's programs and 392 (one wave at 168 registers at
+# every length; the launch's own is 496 from 64K up). The GPU tests first (the outputs the same).
+# OUT=folder bash docs/perf/gpu-2026-12-07-unroll/lease.sh
+source benchmarks/lease_preamble.sh
+step 300 tests.md python -m pytest -q -p no:cacheprovider tests/test_dense_unroll.py -k gpu
+for storage in k4v2e48t k4v4e77t; do
+  for setting in "1 128" "1 168" "2 168"; do
+    set -- $setting
+    KVWEAVE_DENSE_UNROLL=$1 KVWEAVE_DENSE_WAVE_REGISTERS=$2 step 150 $storage-u$1-r$2.md python \
+      benchmarks/lowbit_kernel.py --reps 10 --tokens 32768,65536,131072 --batches 1 --storage $storage --post-rope \
+      --configs dense:64:4:0,dense:64:4:392 --cold-l2
+  done
+done
