@@ -41,13 +41,16 @@ if triton is not None:
             "=r,l,r,r", [aligned, size, (size > 0).to(tl.int32)], dtype=tl.int32, is_pure=False, pack=1)
 
     @triton.jit
-    def _prefetch_lines(base, LINES: tl.constexpr):
-        """Ask the L2 cache for the ``LINES`` 128-byte lines from ``base`` (a pointer into global memory, any element
-        type), one ``prefetch.global.L2`` a line and thread that holds it."""
-        first = base.to(tl.pointer_type(tl.int8), bitcast=True)
-        lines = (first + tl.arange(0, LINES) * 128).to(tl.int64)
+    def _line_prefetches(lines):
+        """One ``prefetch.global.L2`` for each address of ``lines`` (int64), by the thread that holds it."""
         tl.inline_asm_elementwise("prefetch.global.L2 [$1];\n\tmov.u32 $0, 0;", "=r,l", [lines], dtype=tl.int32,
                                   is_pure=False, pack=1)
+
+    @triton.jit
+    def _prefetch_lines(base, LINES: tl.constexpr):
+        """Ask the L2 cache for the ``LINES`` 128-byte lines from ``base`` (a pointer into global memory, any element
+        type), a line a thread."""
+        _line_prefetches((base.to(tl.pointer_type(tl.int8), bitcast=True) + tl.arange(0, LINES) * 128).to(tl.int64))
 
     @triton.jit
     def _prefetch_bytes(base, nbytes, LINES: tl.constexpr, BULK: tl.constexpr):
@@ -58,9 +61,7 @@ if triton is not None:
             _bulk_prefetch(base, nbytes)
         else:
             first = base.to(tl.pointer_type(tl.int8), bitcast=True)
-            lines = (first + tl.minimum(tl.arange(0, LINES) * 128, tl.maximum(nbytes - 1, 0))).to(tl.int64)
-            tl.inline_asm_elementwise("prefetch.global.L2 [$1];\n\tmov.u32 $0, 0;", "=r,l", [lines], dtype=tl.int32,
-                                      is_pure=False, pack=1)
+            _line_prefetches((first + tl.minimum(tl.arange(0, LINES) * 128, tl.maximum(nbytes - 1, 0))).to(tl.int64))
 
     @triton.jit
     def _prefetch_step(kc_ptr, vc_ptr, t0, t_hi, KW: tl.constexpr, VW: tl.constexpr, BLOCK: tl.constexpr,

@@ -100,17 +100,20 @@ def test_the_l2_prefetch_changes_no_output_on_the_gpu(storage, rows):
 
 
 @pytest.mark.skipif(nvdisasm() is None, reason="needs Triton's CUDA backend (its ptxas and nvdisasm)")
-def test_the_tiles_pass_asks_for_its_coefficients_lines_only_when_told(tmp_path):
-    """depthweave-kv's tiles pass built for sm_90 as a GPU launch makes it: with ``L2AHEAD`` its PTX asks the L2 cache
-    for its coefficients in bulk requests and ptxas assembles it; without, it asks for none. The interpreter's launch
-    passes 0 (no inline PTX)."""
+@pytest.mark.parametrize("bulk, instruction", [("1", "cp.async.bulk.prefetch.L2"), ("0", "prefetch.global.L2")])
+def test_the_tiles_pass_asks_for_its_coefficients_lines_only_when_told(tmp_path, monkeypatch, bulk, instruction):
+    """depthweave-kv's tiles pass built for sm_90 as a GPU launch makes it (in a process of its own, which reads
+    ``KVWEAVE_BULK_PREFETCH``): with ``L2AHEAD`` its PTX asks the L2 cache for its coefficients, in bulk requests or
+    line by line, and ptxas assembles it; without, it asks for none. The interpreter's launch passes 0 (no inline
+    PTX)."""
     from test_lowbit_kernel_host import compile_job
     from test_tiles_pass import recorded_tiles_job
 
     job, constants = recorded_tiles_job(tmp_path)
     assert constants["L2AHEAD"] == 0
+    monkeypatch.setenv("KVWEAVE_BULK_PREFETCH", bulk)
     texts = []
     for steps in (0, 4):
         job["constants"].update(ASM=True, BYTES=True, WORDS=2, L2AHEAD=steps)
         texts.append(compile_job(job)["ptx_text"])
-    assert "prefetch" not in texts[0] and texts[1].count("cp.async.bulk.prefetch.L2") >= 4
+    assert "prefetch" not in texts[0] and texts[1].count(instruction) >= 4

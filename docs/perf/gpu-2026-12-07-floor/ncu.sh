@@ -5,7 +5,9 @@ OUT=${OUT:-out}; mkdir -p "$OUT"
 python -m pip install -q --no-deps --no-build-isolation -e . >/dev/null 2>&1
 D=docs/perf/gpu-2026-12-07-floor
 nvidia-smi --query-gpu=name,clocks.max.sm,memory.total --format=csv,noheader > "$OUT/gpu-ncu.txt"
-for shape in "k4v2e48t 131072 32" "k4v2e48t 131072 1" "k4v4e77t 131072 32"; do
+# SHAPES="storage tokens batch,..." another list (the shapes comma-separated)
+IFS=, read -ra shapes <<< "${SHAPES:-k4v2e48t 131072 32,k4v2e48t 131072 1,k4v4e77t 131072 32}"
+for shape in "${shapes[@]}"; do
   set -- $shape
   name=ncu-$1-$2-$3
   ncu --kernel-name regex:_lowbit_dense_kernel --launch-skip 2 --launch-count 1 --set full --clock-control none \

@@ -3,7 +3,8 @@
 # thread (KVWEAVE_DENSE_WAVE_REGISTERS=168: 3 programs an SM), against 168 registers alone and the launch as it is,
 # every call past the L2 cache: both storages, 32K-128K, the launch's programs and 392 (one wave at 168 registers at
 # every length; the launch's own is 496 from 64K up). The GPU tests first (the outputs the same).
-# OUT=folder bash docs/perf/gpu-2026-12-07-unroll/lease.sh
+# OUT=/tmp/o bash docs/perf/gpu-2026-12-07-unroll/lease.sh; tar czf $OUT/all.tgz -C /tmp/o .   (more files than a call
+# brings back). NCU=1 adds Nsight Compute over one call at one row, 32K, each storage (the launch as it is, then unrolled).
 source benchmarks/lease_preamble.sh
 step 300 tests.md python -m pytest -q -p no:cacheprovider tests/test_dense_unroll.py -k gpu
 for storage in k4v2e48t k4v4e77t; do
@@ -14,3 +15,8 @@ for storage in k4v2e48t k4v4e77t; do
       --configs dense:64:4:0,dense:64:4:392 --cold-l2
   done
 done
+if [ -n "$NCU" ]; then
+  SHAPES="k4v2e48t 32768 1,k4v4e77t 32768 1" OUT="$OUT/ncu" bash docs/perf/gpu-2026-12-07-floor/ncu.sh
+  KVWEAVE_DENSE_UNROLL=2 KVWEAVE_DENSE_WAVE_REGISTERS=168 SHAPES="k4v2e48t 32768 1,k4v4e77t 32768 1" \
+    OUT="$OUT/ncu-unrolled" bash docs/perf/gpu-2026-12-07-floor/ncu.sh
+fi
