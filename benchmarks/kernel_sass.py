@@ -53,7 +53,7 @@ def counts(storage: str, variant: str, tricks: str, arch: int = 90, asm: int | N
     launch's own."""
     hidden = storage.endswith("-hidden")
     base = storage.removesuffix("-hidden").removesuffix("-uniform")
-    view = packed_view(1, 256, device="cpu", storage=base.removesuffix("-post"))
+    view = packed_view(1, 512, device="cpu", storage=base.removesuffix("-post"))  # a group of 128 kept too
     if hidden:  # a list of 4 hidden slots a row, as restored tokens that are no prefix of the positions give it
         view = attrs.evolve(view, hidden_slots=torch.full((view.k_codes.shape[0], 4), -1, dtype=torch.int32))
     if base.endswith("-post"):

@@ -62,7 +62,8 @@ WINDOW = 16
 #: (the whole-byte storage of the ~8x class that the "dense" kernel reads, with --post-rope), "k4v2e48t" the same with
 #: its value codes in tiles of 64 tokens (token_tiles = 64, read by the dense kernel only); "k4v4e77": the same keys
 #: with 4-bit uniform log8 values, 77% kept (benchmarks/dense_sweep.toml's kzd-k4v4-f77, the ~5x class), "k4v4e77t" the
-#: same with its value codes in tiles
+#: same with its value codes in tiles; "k4g128v2e48t" the 8x class's storage with its keys' scales and zero points over
+#: groups of 128 tokens (4 bytes a token fewer: what the dense kernel's KVWEAVE_DENSE_FOLD=1 folds once a group)
 STORAGES = {
     "k4v2": (lambda: ChannelGroupQuantizer(bits=4, group=64, outliers=1), lambda: RotatedTokenQuantizer(bits=2), 1.0),
     "qa35v3": (lambda: ChannelAllocQuantizer(mean_bits=3.5, group=64, outliers=1),
@@ -75,6 +76,8 @@ STORAGES = {
                 lambda: RotatedTokenQuantizer(bits=2, scale_format="log8"), 0.48),
     "k4v2e48t": (lambda: ChannelGroupQuantizer(bits=4, group=64, outliers=0),
                  lambda: RotatedTokenQuantizer(bits=2, scale_format="log8", token_tiles=64), 0.48),
+    "k4g128v2e48t": (lambda: ChannelGroupQuantizer(bits=4, group=128, outliers=0),
+                     lambda: RotatedTokenQuantizer(bits=2, scale_format="log8", token_tiles=64), 0.48),
     "k4v4e77t": (lambda: ChannelGroupQuantizer(bits=4, group=64, outliers=0),
                  lambda: RotatedTokenQuantizer(bits=4, levels="uniform", scale_format="log8", token_tiles=64), 0.77),
     "k4v4e77": (lambda: ChannelGroupQuantizer(bits=4, group=64, outliers=0),
@@ -96,7 +99,8 @@ def packed_view(batch: int, tokens: int, device: str = "cuda", storage: str = "k
     make_keys, make_values, share = STORAGES[storage]
     kq, vq = make_keys(), make_values()
     alloc = isinstance(kq, ChannelAllocQuantizer)
-    context, tokens = tokens, tokens if share == 1.0 else int(tokens * share) // 64 * 64
+    group = kq.tokens_per_group()  # the keys' token group (64, or 128): the tokens kept a multiple of it
+    context, tokens = tokens, tokens if share == 1.0 else int(tokens * share) // group * group
     rows = batch * heads
     fields: dict[str, list] = {}
     gen = torch.Generator(device=device).manual_seed(0)
@@ -117,7 +121,7 @@ def packed_view(batch: int, tokens: int, device: str = "cuda", storage: str = "k
     log8 = vq.scale_format == "log8"
     return LowbitView(
         tokens=tokens, first=0, k_codes=f["k_codes"], k_zero=f["k_zero"], k_scale=f["k_scale"],
-        k_out_index=f.get("k_outlier_index"), k_out_value=f.get("k_outlier_value"), k_bits=0 if alloc else kq.bits, k_group=64,
+        k_out_index=f.get("k_outlier_index"), k_out_value=f.get("k_outlier_value"), k_bits=0 if alloc else kq.bits, k_group=group,
         v_codes=f["v_codes"].reshape(rows, tokens, -1), v_tiled=bool(vq.token_tiles),
         v_scale=f["v_scale_log"] if log8 else f["v_scale"], v_bits=vq.bits, v_group=64,
         v_levels=torch.tensor(levels, device=device, dtype=torch.float32),

@@ -1,10 +1,13 @@
 """Keys in token groups longer than the dense kernel's step (``KGROUP`` > ``BLOCK``) with the fold kept over a group's
 steps (``FOLD_ONCE``, KVWEAVE_DENSE_FOLD=1; :func:`kvweave.kernels.lowbit_dense_triton._steps`'s ``GROUPED``): the
 same output as folding every step and as the torch twin under Triton's interpreter, splits that begin inside a group
-included."""
+included; and the sm_90 build of that storage (``benchmarks/lowbit_kernel.py``'s ``k4g128v2e48t``) with it off and on."""
 
 from __future__ import annotations
 
+import json
+import os
+import subprocess
 import sys
 from pathlib import Path
 
@@ -12,6 +15,7 @@ import attrs
 import pytest
 import torch
 
+from kvweave.kernels.gpu_build import nvdisasm
 from kvweave.kernels.lowbit_decode import lowbit_decode, plan_launch, torch_lowbit_decode
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
@@ -22,15 +26,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 def test_a_groups_fold_kept_over_its_steps_matches_a_fold_each_step_and_the_twin(monkeypatch, programs):
     import lowbit_kernel
     from kvweave.kernels import lowbit_dense_triton
-    from kvweave.plugins.quantizers.channel_group import ChannelGroupQuantizer
-    from kvweave.plugins.quantizers.rotated_token import RotatedTokenQuantizer
 
-    monkeypatch.setitem(lowbit_kernel.STORAGES, "k4g128v2t", (
-        lambda: ChannelGroupQuantizer(bits=4, group=128, outliers=0),
-        lambda: RotatedTokenQuantizer(bits=2, scale_format="log8", token_tiles=64), 0.5))
-    view = lowbit_kernel.packed_view(1, 1024, device="cpu", storage="k4g128v2t")
-    view = attrs.evolve(view, k_group=128, inv_freq=None)  # 512 slots: four groups of 128, keys after RoPE
-    assert view.k_scale.shape[-2] == 4
+    view = lowbit_kernel.packed_view(1, 1072, device="cpu", storage="k4g128v2e48t")  # 48%: 514 -> 512 slots
+    view = attrs.evolve(view, inv_freq=None)  # keys after RoPE; 512 slots: four groups of 128
+    assert view.k_group == 128 and view.k_scale.shape[-2] == 4
     q = torch.randn(1, lowbit_kernel.Q_HEADS, lowbit_kernel.HEAD_DIM, generator=torch.Generator().manual_seed(5))
     scaling = lowbit_kernel.HEAD_DIM ** -0.5
     launch = plan_launch(view, q, None, scaling, variant="dense", programs=programs)
@@ -45,3 +44,24 @@ def test_a_groups_fold_kept_over_its_steps_matches_a_fold_each_step_and_the_twin
     # a group's fold applied to the wrong group's tokens moves the output by far more than that
     wrong = attrs.evolve(view, k_scale=view.k_scale.roll(1, dims=-2), k_zero=view.k_zero.roll(1, dims=-2))
     assert (torch_lowbit_decode(wrong, q, None, scaling) - twin).abs().max() > 1e-2
+
+
+@pytest.mark.skipif(nvdisasm() is None, reason="needs Triton's CUDA backend (its ptxas and nvdisasm)")
+def test_the_sm90_build_of_keys_in_groups_of_128_holds_the_refold_only_when_switched_on(tmp_path):
+    """benchmarks/kernel_sass.py builds the storage with keys' statistics over 128 tokens (``k4g128v2e48t``) for sm_90:
+    the fold every step builds the loop of 64-token groups' storage, instruction for instruction; with
+    KVWEAVE_DENSE_FOLD=1 the loop holds the fold behind a branch (where a group begins) as well as the products, so
+    it is longer as built (shorter as run inside a group)."""
+    root = Path(__file__).resolve().parents[1]
+    rows = {}
+    for fold in ("0", "1"):
+        out = tmp_path / f"fold{fold}.json"
+        env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"} | {"KVWEAVE_DENSE_FOLD": fold}
+        done = subprocess.run([sys.executable, str(root / "benchmarks" / "kernel_sass.py"), "--storages",
+                               "k4g128v2e48t-post,k4v2e48t-post", "--configs", "dense:", "--out", str(out)],
+                              capture_output=True, text=True, timeout=600, cwd=root, env=env)
+        assert done.returncode == 0, done.stderr[-3000:]
+        rows[fold] = {row["storage"]: row for row in json.loads(out.read_text())}
+    assert rows["0"]["k4g128v2e48t-post"]["loop"] == rows["0"]["k4v2e48t-post"]["loop"]
+    assert rows["1"]["k4g128v2e48t-post"]["loop"] > rows["0"]["k4g128v2e48t-post"]["loop"]
+    assert rows["1"]["k4v2e48t-post"]["loop"] == rows["0"]["k4v2e48t-post"]["loop"]  # groups of one step: no switch
