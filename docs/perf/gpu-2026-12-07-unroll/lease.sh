@@ -3,8 +3,9 @@
 # thread (KVWEAVE_DENSE_WAVE_REGISTERS=168: 3 programs an SM), against 168 registers alone and the launch as it is,
 # every call past the L2 cache: both storages, 32K-128K, the launch's programs and 392 (one wave at 168 registers at
 # every length; the launch's own is 496 from 64K up). The GPU tests first (the outputs the same).
-# OUT=/tmp/o bash docs/perf/gpu-2026-12-07-unroll/lease.sh; tar czf $OUT/all.tgz -C /tmp/o .   (more files than a call
-# brings back). NCU=1 adds Nsight Compute over one call at one row, 32K, each storage (the launch as it is, then unrolled);
+# OUT=/tmp/o timeout 560 bash docs/perf/gpu-2026-12-07-unroll/lease.sh; tar czf $OUT/all.tgz -C /tmp/o .   (more
+# files than a call brings back; the tar within the call's 600 s). NCU=1 adds Nsight Compute over one call at one row,
+# 32K, each storage (the launch as it is, then unrolled);
 # FOLD=1 times the 8x class's storage with its keys' statistics over 128 tokens (k4g128v2e48t, 10.0x, bar 7.0x) at
 # B = 8 and 32, its fold every step and once a group (KVWEAVE_DENSE_FOLD=0 / 1).
 source benchmarks/lease_preamble.sh
