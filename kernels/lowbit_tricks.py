@@ -53,8 +53,8 @@ DENSE_SETTINGS = ("kahead", "vahead", "r128", "l2ahead2", "l2ahead4", "l2ahead8"
 
 def parse_tricks(tricks: str, variant: str, lowp: bool, view: Any = None) -> dict:
     """The kernel constants ``MAGIC``, ``VB16``, ``KTF32``, ``KFOLD`` of ``tricks``, and the dense kernel's settings
-    ``KAHEAD``, ``VAHEAD``, ``R128``, ``L2AHEAD`` (steps; 0: none) ("+"-separated :data:`TRICKS`, "" none); a name not in :data:`TRICKS`, or one the
-    launch cannot take, refused."""
+    ``KAHEAD``, ``VAHEAD``, ``R128``, ``L2AHEAD`` (steps; 0: none) ("+"-separated :data:`TRICKS`, "" none); a name
+    not in :data:`TRICKS`, or one the launch cannot take, refused."""
     names = [t for t in tricks.split("+") if t]
     unknown = [t for t in names if t not in TRICKS]
     if unknown:

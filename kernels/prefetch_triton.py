@@ -41,40 +41,31 @@ if triton is not None:
             "=r,l,r,r", [aligned, size, (size > 0).to(tl.int32)], dtype=tl.int32, is_pure=False, pack=1)
 
     @triton.jit
-    def _line_prefetches(lines):
-        """One ``prefetch.global.L2`` for each address of ``lines`` (int64), by the thread that holds it."""
-        tl.inline_asm_elementwise("prefetch.global.L2 [$1];\n\tmov.u32 $0, 0;", "=r,l", [lines], dtype=tl.int32,
-                                  is_pure=False, pack=1)
-
-    @triton.jit
-    def _prefetch_lines(base, LINES: tl.constexpr):
-        """Ask the L2 cache for the ``LINES`` 128-byte lines from ``base`` (a pointer into global memory, any element
-        type), a line a thread."""
-        _line_prefetches((base.to(tl.pointer_type(tl.int8), bitcast=True) + tl.arange(0, LINES) * 128).to(tl.int64))
-
-    @triton.jit
-    def _prefetch_bytes(base, nbytes, LINES: tl.constexpr, BULK: tl.constexpr):
+    def _prefetch_bytes(base, nbytes, LINES: tl.constexpr, BULK: tl.constexpr, ALIGNED: tl.constexpr = False):
         """Ask the L2 cache for ``nbytes`` bytes from ``base`` (a runtime count, ``LINES`` 128-byte lines at most):
-        with ``BULK`` one asynchronous request (:func:`_bulk_prefetch`), else a line a thread, the lines past the
-        range asking again for its last one."""
+        with ``BULK`` one asynchronous request (:func:`_bulk_prefetch`), else one ``prefetch.global.L2`` a line, by the
+        thread that holds it, the lines past the range asking again for its last one."""
         if BULK:
-            _bulk_prefetch(base, nbytes)
+            _bulk_prefetch(base, nbytes, ALIGNED)
         else:
             first = base.to(tl.pointer_type(tl.int8), bitcast=True)
-            _line_prefetches((first + tl.minimum(tl.arange(0, LINES) * 128, tl.maximum(nbytes - 1, 0))).to(tl.int64))
+            lines = (first + tl.minimum(tl.arange(0, LINES) * 128, tl.maximum(nbytes - 1, 0))).to(tl.int64)
+            tl.inline_asm_elementwise("prefetch.global.L2 [$1];\n\tmov.u32 $0, 0;", "=r,l", [lines], dtype=tl.int32,
+                                      is_pure=False, pack=1)
 
     @triton.jit
     def _prefetch_step(kc_ptr, vc_ptr, t0, t_hi, KW: tl.constexpr, VW: tl.constexpr, BLOCK: tl.constexpr,
                        STEPS: tl.constexpr, BULK: tl.constexpr):
         """The key words (``KW`` 32-bit words a token) and value words (``VW``; value tiles are the same bytes) of
         ``STEPS`` steps of ``BLOCK`` tokens from ``t0``, none past ``t_hi``, from the row's first token's ``kc_ptr`` /
-        ``vc_ptr``: with ``BULK`` one request a stream, else a line a thread (the steps past ``t_hi`` its last)."""
+        ``vc_ptr``: with ``BULK`` one request a stream (rows of whole 16-byte blocks from a step), else each step's
+        whole lines (the steps past ``t_hi`` the last step's)."""
         if BULK:
             tokens = tl.maximum(tl.minimum(t_hi - t0, STEPS * BLOCK), 0)
-            _bulk_prefetch(kc_ptr + t0 * KW, tokens * KW * 4, True)  # rows of whole 16-byte blocks from a step
+            _bulk_prefetch(kc_ptr + t0 * KW, tokens * KW * 4, True)
             _bulk_prefetch(vc_ptr + t0 * VW, tokens * VW * 4, True)
         else:
             for j in tl.static_range(STEPS):
                 t = tl.maximum(tl.minimum(t0 + j * BLOCK, t_hi - BLOCK), 0)
-                _prefetch_lines(kc_ptr + t * KW, BLOCK * KW * 4 // 128)
-                _prefetch_lines(vc_ptr + t * VW, BLOCK * VW * 4 // 128)
+                _prefetch_bytes(kc_ptr + t * KW, BLOCK * KW * 4, BLOCK * KW * 4 // 128, False)
+                _prefetch_bytes(vc_ptr + t * VW, BLOCK * VW * 4, BLOCK * VW * 4 // 128, False)

@@ -1,7 +1,8 @@
 """Keys in token groups longer than the dense kernel's step (``KGROUP`` > ``BLOCK``) with the fold kept over a group's
 steps (``FOLD_ONCE``, KVWEAVE_DENSE_FOLD=1; :func:`kvweave.kernels.lowbit_dense_triton._steps`'s ``GROUPED``): the
 same output as folding every step and as the torch twin under Triton's interpreter, splits that begin inside a group
-included; and the sm_90 build of that storage (``benchmarks/lowbit_kernel.py``'s ``k4g128v2e48t``) with it off and on."""
+included; the sm_90 build of that storage (``benchmarks/lowbit_kernel.py``'s ``k4g128v2e48t``) with it off and on; and
+the pipeline that stores it (``kzd-k4g128v2-f48``) decoded through the kernel."""
 
 from __future__ import annotations
 
@@ -17,6 +18,8 @@ import torch
 
 from kvweave.kernels.gpu_build import nvdisasm
 from kvweave.kernels.lowbit_decode import lowbit_decode, plan_launch, torch_lowbit_decode
+
+from test_lowbit_kernel import model  # noqa: F401 - the tests' model
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 
@@ -65,3 +68,25 @@ def test_the_sm90_build_of_keys_in_groups_of_128_holds_the_refold_only_when_swit
     assert rows["0"]["k4g128v2e48t-post"]["loop"] == rows["0"]["k4v2e48t-post"]["loop"]
     assert rows["1"]["k4g128v2e48t-post"]["loop"] > rows["0"]["k4g128v2e48t-post"]["loop"]
     assert rows["1"]["k4v2e48t-post"]["loop"] == rows["0"]["k4v2e48t-post"]["loop"]  # groups of one step: no switch
+
+
+@pytest.mark.interpreter
+def test_the_pipeline_with_keys_in_groups_of_128_decodes_through_the_dense_kernel(model):
+    """benchmarks/dense_sweep.toml's ``kzd-k4g128v2-f48`` (the 8x pipeline with its keys' statistics over 128 tokens,
+    blocks of 128) stores keys the default launch gives the dense kernel, in groups of 128, and decodes as the twin."""
+    from kvweave.core.registry import load_registry
+    from kvweave.engine import build_cache, importance
+    from kvweave.kernels.lowbit_decode import resolve_variant
+
+    from conftest import CharTokenizer
+
+    registry = load_registry(Path(__file__).resolve().parents[1] / "benchmarks" / "dense_sweep.toml")
+    cache = build_cache(registry.resolve("kzd-k4g128v2-f48"), model, tokenizer=CharTokenizer())
+    with torch.no_grad():
+        importance.prefill(model, cache, torch.randint(1, 128, (1, 230), generator=torch.Generator().manual_seed(4)))
+    view = cache.engine.kernel.lowbit_view(cache.engine.view(1), torch.device("cpu"))
+    assert view.inv_freq is None and view.positions is not None and view.restored_k is not None
+    assert view.k_group == 128 and view.tokens % 128 == 0 and view.tokens > 0
+    assert resolve_variant(view, "auto") == ("dense", 32)
+    q = torch.randn(1, 4, 64, generator=torch.Generator().manual_seed(5))
+    assert torch.allclose(lowbit_decode(view, q, None, 0.125), torch_lowbit_decode(view, q, None, 0.125), atol=1e-5)

@@ -43,7 +43,8 @@ def test_the_launch_asks_the_l2_cache_ahead_only_where_a_trick_says(monkeypatch)
 
     view = attrs.evolve(packed_view(1, 1024, device="cpu", storage="k4v2e48t"), inv_freq=None)
     q = torch.randn(1, Q_HEADS, HEAD_DIM)
-    monkeypatch.delenv("TRITON_INTERPRET", raising=False)  # planned as for a GPU build (no kernel runs here)
+    plan_launch(view, q, None, HEAD_DIM ** -0.5, variant="dense")  # the kernels' modules imported for the interpreter
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)  # then planned as for a GPU build (no kernel runs here)
     builds = set()
     for tricks in ("", "l2ahead4"):
         for lowp in (False, True):  # lowp: the bfloat16 operands and inline assembly of a GPU build
