@@ -63,7 +63,7 @@ WINDOW = 16
 #: its value codes in tiles of 64 tokens (token_tiles = 64, read by the dense kernel only); "k4v4e77": the same keys
 #: with 4-bit uniform log8 values, 77% kept (benchmarks/dense_sweep.toml's kzd-k4v4-f77, the ~5x class), "k4v4e77t" the
 #: same with its value codes in tiles; "k4g128v2e48t" the 8x class's storage with its keys' scales and zero points over
-#: groups of 128 tokens (4 bytes a token fewer: what the dense kernel's KVWEAVE_DENSE_FOLD=1 folds once a group)
+#: groups of 128 tokens (4 bytes a token fewer)
 STORAGES = {
     "k4v2": (lambda: ChannelGroupQuantizer(bits=4, group=64, outliers=1), lambda: RotatedTokenQuantizer(bits=2), 1.0),
     "qa35v3": (lambda: ChannelAllocQuantizer(mean_bits=3.5, group=64, outliers=1),

@@ -265,9 +265,9 @@ def dense_slots(sms: int, dim: int, hidden: bool, num_warps: int = 4, registers:
 #: 2026-12-06: 7% off at B = 1, the same at B = 8, "The dense kernel's rule timed on and off"); KVWEAVE_DENSE_AHEAD=0
 #: turns it off (to time both)
 DENSE_AHEAD_WAVE = env_switch("KVWEAVE_DENSE_AHEAD")
-#: KVWEAVE_DENSE_WAVE_REGISTERS=168: 3 programs an SM, room for the token loop unrolled by two (KVWEAVE_DENSE_UNROLL=2,
-#: :mod:`kvweave.kernels.lowbit_dense_triton`'s ``UNROLL``) without spilling; untimed, so 128 by default
-DENSE_AHEAD_REGISTERS = env_setting("KVWEAVE_DENSE_WAVE_REGISTERS", 128, (128, 168))
+#: the registers a thread the rule's launch takes (4 programs of 4 warps an SM; 168 for 3 an SM with the token loop
+#: unrolled by two was slower at every length, H100, 2026-12-07: docs/kernels.md "Two steps an iteration at one row")
+DENSE_AHEAD_REGISTERS = 128
 #: the value codes' widths the rule takes: those it was timed on (2-bit, the 8x class; 4-bit, the ~5x class: 4-11% off
 #: a call at B = 1 on an H100, 2026-12-06)
 DENSE_AHEAD_BITS = (2, 4)

@@ -26,22 +26,12 @@ if triton is not None:
     from kvweave.kernels.lowbit_codes_triton import _plus128
     from kvweave.kernels.lowbit_rope_triton import _rope_logits
     from kvweave.kernels.lowbit_rows_triton import _pair_channels, _quad_channels, _value_step, _words_codes
-    from kvweave.core.environment import env_setting
     from kvweave.kernels.lowbit_step_triton import (_over, _plane_dots, _plane_fold, _plane_queries, _scale_of,
                                                      _softmax_step, _step_loads)
     from kvweave.kernels.lowbit_tile_triton import _operand, _tile_value_step, _tile_words
     from kvweave.kernels.lowbit_triton import _hide, _outlier_logits
     from kvweave.kernels.prefetch_triton import BULK_PREFETCH, _prefetch_step
 
-    #: keys in token groups longer than a step (``KGROUP`` > ``BLOCK``) read by code places: fold a group's scales into
-    #: the query once and keep the fold over the group's steps (``GROUPED`` in :func:`_steps`), instead of once a step.
-    #: KVWEAVE_DENSE_FOLD=1 turns it on; off by default, as it has not been timed on a GPU (docs/kernels.md "What a step
-    #: of the dense kernel issues")
-    FOLD_ONCE = tl.constexpr(bool(env_setting("KVWEAVE_DENSE_FOLD", 0, (0, 1))))
-    #: :func:`_steps`' token loop unrolled by two in launches of one wave (KVWEAVE_DENSE_UNROLL=2): two steps' products
-    #: for the scheduler to interleave where 3 warps a scheduler leave it idle most cycles; with Triton 3.6 it needs
-    #: KVWEAVE_DENSE_WAVE_REGISTERS=168 (:func:`kvweave.kernels.lowbit_dense.dense_ahead`). Untimed: 1
-    UNROLL = tl.constexpr(env_setting("KVWEAVE_DENSE_UNROLL", 1, (1, 2)))
 
     @triton.jit
     def _group_step(acc, pg, alpha, vstep, g: tl.constexpr, a0, a1, b0, b1, t_loc, jv, lut, vlev_ptr, vlev16_ptr, l0, l1,
@@ -170,14 +160,9 @@ if triton is not None:
         q1, q2, q3, q4, q5, q6, q7 = q0, q0, q0, q0, q0, q0, q0
         if KPLANES:  # each code place's query rows, loaded once
             q0, q1, q2, q3, q4, q5, q6, q7 = _plane_queries(q_row, scaling, jk, gi, D)
-        GROUPED: tl.constexpr = FOLD_ONCE and KPLANES and KGROUP > BLOCK  # a key group's fold kept over its steps
-        if GROUPED:  # the first step's group (the range may begin inside one)
-            qs0, qs1, qs2, qs3, qs4, qs5, qs6, qs7, bias = _plane_fold(
-                q0, q1, q2, q3, q4, q5, q6, q7, ks_ptr, kz_ptr, _over(t_in, KGROUP) * D, kw0, kw1, kw2, kw3, zw0, zw1,
-                zw2, zw3, jk, LOWP, KPF)
         if PREF > 1:  # the first steps' codes (the loop asks for step t0 + PREF's)
             _prefetch_step(kc_ptr, vc_ptr, t_in + BLOCK, t_hi, KW, VW, BLOCK, PREF - 1, BULK_PREFETCH)
-        for t0 in tl.range(t_lo, t_hi, BLOCK, loop_unroll_factor=UNROLL if VAH else 1):  # VAH: a launch of one wave
+        for t0 in range(t_lo, t_hi, BLOCK):
             if PREF > 0:
                 _prefetch_step(kc_ptr, vc_ptr, t0 + PREF * BLOCK, t_hi, KW, VW, BLOCK, 1, BULK_PREFETCH)
             (ks_n, kz_n, kw0_n, kw1_n, kw2_n, kw3_n, zw0_n, zw1_n, zw2_n, zw3_n, s0_n, m0_n, s1_n, m1_n, s2_n, m2_n, s3_n,
@@ -198,15 +183,10 @@ if triton is not None:
             if ROPE:
                 s = _rope_logits(kc_ptr + t0 * KW, ks_ptr, kz_ptr, koi_ptr, kov_ptr, meta, tok, t_loc, pos, freq_ptr, q_row,
                                  gi, scaling * rope_scale, KW, D, KBITS, KO, LOWP, ASM, ROPE_PAIRS)
-            elif KPLANES:  # the step's group folded, every step or (GROUPED) where a group begins
-                if not GROUPED:
-                    qs0, qs1, qs2, qs3, qs4, qs5, qs6, qs7, bias = _plane_fold(
-                        q0, q1, q2, q3, q4, q5, q6, q7, ks_ptr, kz_ptr, meta, kw0, kw1, kw2, kw3, zw0, zw1, zw2, zw3, jk,
-                        LOWP, KPF)
-                elif (t0 % KGROUP == 0) & (t0 != t_lo):
-                    qs0, qs1, qs2, qs3, qs4, qs5, qs6, qs7, bias = _plane_fold(
-                        q0, q1, q2, q3, q4, q5, q6, q7, ks_ptr, kz_ptr, meta, kw0, kw1, kw2, kw3, zw0, zw1, zw2, zw3, jk,
-                        LOWP, KPF)
+            elif KPLANES:  # the step's group's scales folded into the query every step
+                qs0, qs1, qs2, qs3, qs4, qs5, qs6, qs7, bias = _plane_fold(
+                    q0, q1, q2, q3, q4, q5, q6, q7, ks_ptr, kz_ptr, meta, kw0, kw1, kw2, kw3, zw0, zw1, zw2, zw3, jk,
+                    LOWP, KPF)
                 s = _plane_dots(words, qs0, qs1, qs2, qs3, qs4, qs5, qs6, qs7, bias, LOWP, ASM)
             else:
                 codes = _words_codes(words, KBITS)  # [BLOCK, D]

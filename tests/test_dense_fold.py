@@ -1,8 +1,7 @@
-"""Keys in token groups longer than the dense kernel's step (``KGROUP`` > ``BLOCK``) with the fold kept over a group's
-steps (``FOLD_ONCE``, KVWEAVE_DENSE_FOLD=1; :func:`kvweave.kernels.lowbit_dense_triton._steps`'s ``GROUPED``): the
-same output as folding every step and as the torch twin under Triton's interpreter, splits that begin inside a group
-included; the sm_90 build of that storage (``benchmarks/lowbit_kernel.py``'s ``k4g128v2e48t``) with it off and on; and
-the pipeline that stores it (``kzd-k4g128v2-f48``) decoded through the kernel."""
+"""Keys in token groups longer than the dense kernel's step (``KGROUP`` > ``BLOCK``, each step folding its group's
+scales into the query): the torch twin's output under Triton's interpreter, splits that begin inside a group
+included; the sm_90 build of that storage (``benchmarks/lowbit_kernel.py``'s ``k4g128v2e48t``) against 64-token
+groups'; and the pipeline that stores it (``kzd-k4g128v2-f48``) decoded through the kernel."""
 
 from __future__ import annotations
 
@@ -26,9 +25,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 
 @pytest.mark.interpreter
 @pytest.mark.parametrize("programs", [8, 64])  # one split a row; eight of one 64-token step (half begin inside a group)
-def test_a_groups_fold_kept_over_its_steps_matches_a_fold_each_step_and_the_twin(monkeypatch, programs):
+def test_keys_in_groups_of_two_steps_give_the_twins_output(programs):
     import lowbit_kernel
-    from kvweave.kernels import lowbit_dense_triton
 
     view = lowbit_kernel.packed_view(1, 1072, device="cpu", storage="k4g128v2e48t")  # 48%: 514 -> 512 slots
     view = attrs.evolve(view, inv_freq=None)  # keys after RoPE; 512 slots: four groups of 128
@@ -37,37 +35,28 @@ def test_a_groups_fold_kept_over_its_steps_matches_a_fold_each_step_and_the_twin
     scaling = lowbit_kernel.HEAD_DIM ** -0.5
     launch = plan_launch(view, q, None, scaling, variant="dense", programs=programs)
     assert (launch.constants["KGROUP"], launch.constants["BLOCK"]) == (128, 64) and launch.constants["KPLANES"]
-    outs = {}
-    for fold_once in (False, True):
-        monkeypatch.setattr(lowbit_dense_triton, "FOLD_ONCE", fold_once)
-        outs[fold_once] = lowbit_decode(view, q, None, scaling, variant="dense", programs=programs)
+    out = lowbit_decode(view, q, None, scaling, variant="dense", programs=programs)
     twin = torch_lowbit_decode(view, q, None, scaling)
-    assert torch.allclose(outs[True], outs[False], atol=1e-6), (outs[True] - outs[False]).abs().max()
-    assert torch.allclose(outs[True], twin, atol=1e-5), (outs[True] - twin).abs().max()
+    assert torch.allclose(out, twin, atol=1e-5), (out - twin).abs().max()
     # a group's fold applied to the wrong group's tokens moves the output by far more than that
     wrong = attrs.evolve(view, k_scale=view.k_scale.roll(1, dims=-2), k_zero=view.k_zero.roll(1, dims=-2))
     assert (torch_lowbit_decode(wrong, q, None, scaling) - twin).abs().max() > 1e-2
 
 
 @pytest.mark.skipif(nvdisasm() is None, reason="needs Triton's CUDA backend (its ptxas and nvdisasm)")
-def test_the_sm90_build_of_keys_in_groups_of_128_holds_the_refold_only_when_switched_on(tmp_path):
+def test_the_sm90_build_of_keys_in_groups_of_128_is_the_loop_of_groups_of_64(tmp_path):
     """benchmarks/kernel_sass.py builds the storage with keys' statistics over 128 tokens (``k4g128v2e48t``) for sm_90:
-    the fold every step builds the loop of 64-token groups' storage, instruction for instruction; with
-    KVWEAVE_DENSE_FOLD=1 the loop holds the fold behind a branch (where a group begins) as well as the products, so
-    it is longer as built (shorter as run inside a group)."""
+    with the fold every step its token loop is as long as the 64-token groups' storage's (the group's index a shift
+    of another width)."""
     root = Path(__file__).resolve().parents[1]
-    rows = {}
-    for fold in ("0", "1"):
-        out = tmp_path / f"fold{fold}.json"
-        env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"} | {"KVWEAVE_DENSE_FOLD": fold}
-        done = subprocess.run([sys.executable, str(root / "benchmarks" / "kernel_sass.py"), "--storages",
-                               "k4g128v2e48t-post,k4v2e48t-post", "--configs", "dense:", "--out", str(out)],
-                              capture_output=True, text=True, timeout=600, cwd=root, env=env)
-        assert done.returncode == 0, done.stderr[-3000:]
-        rows[fold] = {row["storage"]: row for row in json.loads(out.read_text())}
-    assert rows["0"]["k4g128v2e48t-post"]["loop"] == rows["0"]["k4v2e48t-post"]["loop"]
-    assert rows["1"]["k4g128v2e48t-post"]["loop"] > rows["0"]["k4g128v2e48t-post"]["loop"]
-    assert rows["1"]["k4v2e48t-post"]["loop"] == rows["0"]["k4v2e48t-post"]["loop"]  # groups of one step: no switch
+    out = tmp_path / "sass.json"
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    done = subprocess.run([sys.executable, str(root / "benchmarks" / "kernel_sass.py"), "--storages",
+                           "k4g128v2e48t-post,k4v2e48t-post", "--configs", "dense:", "--out", str(out)],
+                          capture_output=True, text=True, timeout=600, cwd=root, env=env)
+    assert done.returncode == 0, done.stderr[-3000:]
+    rows = {row["storage"]: row for row in json.loads(out.read_text())}
+    assert rows["k4g128v2e48t-post"]["loop"] == rows["k4v2e48t-post"]["loop"] > 0
 
 
 @pytest.mark.interpreter

@@ -2,6 +2,7 @@
 ``GROUP`` (2-bit log8 values in tiles, half the tokens kept, one batch row: the launch model.generate makes there): its
 instructions, its registers, and the instructions each forward branch in it skips. With KVWEAVE_DENSE_FOLD=1 and a
 group of 128 the fold of a group's scales is one of them (docs/kernels.md "What a step of the dense kernel issues").
+The switch was removed once timed (no faster); its counts are those of commit 9aa4e53, where it still builds.
 
     PYTHONPATH=<Triton 3.6.0 installed with pip --target> KVWEAVE_DENSE_FOLD=0|1 \\
         python docs/perf/gpu-2026-12-07-floor/fold_sass.py GROUP
