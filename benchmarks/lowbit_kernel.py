@@ -63,7 +63,9 @@ WINDOW = 16
 #: its value codes in tiles of 64 tokens (token_tiles = 64, read by the dense kernel only); "k4v4e77": the same keys
 #: with 4-bit uniform log8 values, 77% kept (benchmarks/dense_sweep.toml's kzd-k4v4-f77, the ~5x class), "k4v4e77t" the
 #: same with its value codes in tiles; "k4g128v2e48t" the 8x class's storage with its keys' scales and zero points over
-#: groups of 128 tokens (4 bytes a token fewer)
+#: groups of 128 tokens (4 bytes a token fewer); "k4v2e40t" / "k4v4e40t": the two kinds of layer of
+#: benchmarks/dense_sweep.toml's kzd-k4vq25-f40 (40% kept, 2-bit values or 4-bit uniform ones, in tiles; 8 of its 30
+#: layers are the second kind: benchmarks/layer_mix.py weighs the two)
 STORAGES = {
     "k4v2": (lambda: ChannelGroupQuantizer(bits=4, group=64, outliers=1), lambda: RotatedTokenQuantizer(bits=2), 1.0),
     "qa35v3": (lambda: ChannelAllocQuantizer(mean_bits=3.5, group=64, outliers=1),
@@ -78,6 +80,10 @@ STORAGES = {
                  lambda: RotatedTokenQuantizer(bits=2, scale_format="log8", token_tiles=64), 0.48),
     "k4g128v2e48t": (lambda: ChannelGroupQuantizer(bits=4, group=128, outliers=0),
                      lambda: RotatedTokenQuantizer(bits=2, scale_format="log8", token_tiles=64), 0.48),
+    "k4v2e40t": (lambda: ChannelGroupQuantizer(bits=4, group=64, outliers=0),
+                 lambda: RotatedTokenQuantizer(bits=2, scale_format="log8", token_tiles=64), 0.40),
+    "k4v4e40t": (lambda: ChannelGroupQuantizer(bits=4, group=64, outliers=0),
+                 lambda: RotatedTokenQuantizer(bits=4, levels="uniform", scale_format="log8", token_tiles=64), 0.40),
     "k4v4e77t": (lambda: ChannelGroupQuantizer(bits=4, group=64, outliers=0),
                  lambda: RotatedTokenQuantizer(bits=4, levels="uniform", scale_format="log8", token_tiles=64), 0.77),
     "k4v4e77": (lambda: ChannelGroupQuantizer(bits=4, group=64, outliers=0),
