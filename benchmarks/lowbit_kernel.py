@@ -132,7 +132,7 @@ def packed_view(batch: int, tokens: int, device: str = "cuda", storage: str = "k
         v_scale=f["v_scale_log"] if log8 else f["v_scale"], v_bits=vq.bits, v_group=64,
         v_levels=torch.tensor(levels, device=device, dtype=torch.float32),
         v_levels16=torch.tensor(levels, device=device, dtype=torch.float32).to(torch.bfloat16),  # as the plugin's view
-        rotation=rotation_matrix("hadamard", 0, dim, device).float().contiguous(), inv_freq=inv_freq,
+        rotation=rotation_matrix("hadamard", 0, dim, device).float().contiguous(), rotation_hadamard=True, inv_freq=inv_freq,
         rope_scale=1.0, exact_k=exact, exact_v=exact.clone(), level_kind=level_kind(levels),
         k_widths=f["k_bits"] if alloc else None, v_scale_max=f["v_scale_max"] if log8 else None,
         v_scale_tokens=vq.scale_tokens if log8 else 1,

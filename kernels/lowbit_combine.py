@@ -35,6 +35,12 @@ COMBINE_SLICES = env_setting("KVWEAVE_COMBINE_SLICES", 1, (1, 2, 4, 8))
 #: warps a program of the per-query-head combine; KVWEAVE_COMBINE_WARPS sets it (2, 4, 8 or 16)
 COMBINE_WARPS = env_setting("KVWEAVE_COMBINE_WARPS", 4, (2, 4, 8, 16))
 
+#: a Hadamard rotation (the view's ``rotation_hadamard``) undone by a fast Walsh-Hadamard transform in the
+#: per-query-head combine where it reads the splits in one tile and writes every channel (``WHOLE``, one slice): the
+#: first row of the matrix read instead of all of it (64 KB a program at head_dim 128); KVWEAVE_COMBINE_HADAMARD=0
+#: reads the matrix (to time both)
+COMBINE_HADAMARD = bool(env_setting("KVWEAVE_COMBINE_HADAMARD", 1, (0, 1)))
+
 
 def exact_start(view: Any) -> int:
     """The cache index of the exact window's first token."""
@@ -72,7 +78,8 @@ def plan_combine(view: Any, q: torch.Tensor, start: torch.Tensor | None, scaling
         if whole:
             constants.update(SB=max(16, 1 << (splits - 1).bit_length()), CB=dim)
         slices = max(1, min(COMBINE_SLICES, dim // 16))
-        constants.update(WHOLE=whole, SLICES=slices, num_warps=COMBINE_WARPS)
+        hadamard = COMBINE_HADAMARD and whole and slices == 1 and view.rotation_hadamard and dim & (dim - 1) == 0
+        constants.update(WHOLE=whole, SLICES=slices, num_warps=COMBINE_WARPS, HAD=dim.bit_length() - 1 if hadamard else 0)
         return Launch(jit._lowbit_combine_kernel, (batch * q_heads * slices,), args, constants, (out,))
     rows = 1 << (q_heads // heads - 1).bit_length()  # tiles [rows, CB, D] and [EB, rows, D] of 32 x D each
     return Launch(jit._lowbit_combine_group_kernel, (batch * heads,), args,

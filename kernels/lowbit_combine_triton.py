@@ -86,14 +86,25 @@ if triton is not None:
         return m, total, out
 
     @triton.jit
+    def _hadamard(x, D: tl.constexpr, STAGES: tl.constexpr):
+        """``x`` [D] times the Sylvester Hadamard matrix H_D (D = 2 ** ``STAGES``): a butterfly on the index's lowest
+        bit per stage, after which that bit becomes the highest, so ``STAGES`` stages take each bit once and leave the
+        order as it was."""
+        for _ in tl.static_range(STAGES):
+            a, b = tl.split(tl.reshape(x, (D // 2, 2)))
+            x = tl.reshape(tl.permute(tl.join(a + b, a - b), (1, 0)), (D,))
+        return x
+
+    @triton.jit
     def _splits_merged(m_ptr, l_ptr, acc_ptr, rot_ptr, rot, bh, g, splits, ochan, D: tl.constexpr, G: tl.constexpr,
-                       SB: tl.constexpr, CB: tl.constexpr, WHOLE: tl.constexpr, DS: tl.constexpr):
+                       SB: tl.constexpr, CB: tl.constexpr, WHOLE: tl.constexpr, DS: tl.constexpr, HAD: tl.constexpr):
         """Query row ``g`` of row ``bh``: the running max, sum and output channels ``ochan`` [DS] (rotated back by
         ``rot``; ``DS``: all ``D`` or a slice) of the packed pass's splits. ``WHOLE``: every split in one tile of
         ``SB``, and the rotation's columns ``rot`` [D, DS] loaded by the caller (:func:`_whole_rotation`), so the loads
         have no loop between them and go out together (at one batch row the chunked loops' chain of loads took 7 of
-        the 24 us of a layer call at 32K on the H200); else ``SB`` splits and ``CB`` rotation rows at a time from
-        ``rot_ptr``."""
+        the 24 us of a layer call at 32K on the H200); with ``HAD`` > 0 (a Hadamard rotation, ``DS`` = ``D``) ``rot`` is
+        its first row [D] and the output is rotated by :func:`_hadamard` in ``HAD`` stages; else ``SB`` splits and
+        ``CB`` rotation rows at a time from ``rot_ptr``."""
         s_idx = tl.arange(0, SB)
         c_idx = tl.arange(0, CB)
         out = tl.zeros([DS], tl.float32)
@@ -106,7 +117,11 @@ if triton is not None:
             m = tl.max(tops, 0)
             w = tl.exp(tops - tl.where(m == float("-inf"), 0.0, m))
             total = tl.sum(w * sums, 0)
-            out += tl.sum(tl.sum(w[:, None] * acc, 0)[:, None] * rot, 0)
+            merged = tl.sum(w[:, None] * acc, 0)
+            if HAD > 0:
+                out += _hadamard(merged, D, HAD) * rot
+            else:
+                out += tl.sum(merged[:, None] * rot, 0)
         else:
             top = tl.full([SB], float("-inf"), tl.float32)
             for s0 in range(0, splits, SB):  # the largest running max of any split
@@ -130,11 +145,13 @@ if triton is not None:
         return m, total, out
 
     @triton.jit
-    def _whole_rotation(rot_ptr, chan, ochan, D: tl.constexpr, WHOLE: tl.constexpr):
+    def _whole_rotation(rot_ptr, chan, ochan, D: tl.constexpr, WHOLE: tl.constexpr, HAD: tl.constexpr):
         """The rotation's columns ``ochan`` [D, DS] in one tile where :func:`_splits_merged` reads it whole
-        (``WHOLE``), else 0."""
+        (``WHOLE``; a Hadamard rotation's first row [D] with ``HAD``), else 0."""
         rot = 0.0
-        if WHOLE:
+        if WHOLE and HAD > 0:
+            rot = tl.load(rot_ptr + ochan)
+        elif WHOLE:
             rot = tl.load(rot_ptr + chan[:, None] * D + ochan[None, :])
         return rot
 
@@ -144,12 +161,13 @@ if triton is not None:
         splits, exact, restored, exact_first, scaling,
         D: tl.constexpr, G: tl.constexpr, HEADS: tl.constexpr, GROUP: tl.constexpr, HAS_START: tl.constexpr,
         HAS_REST: tl.constexpr, HAS_FILL: tl.constexpr, SB: tl.constexpr, CB: tl.constexpr, EB: tl.constexpr,
-        WHOLE: tl.constexpr, PDL: tl.constexpr, SLICES: tl.constexpr,
+        WHOLE: tl.constexpr, PDL: tl.constexpr, SLICES: tl.constexpr, HAD: tl.constexpr = 0,
     ):
         """One query head of one row (with ``SLICES`` > 1, one of its ``SLICES`` slices of output channels: the
         splits' and exact tokens' weights computed in each slice's program, only its channels' values, outputs and
         rotation columns read): the splits of the packed pass combined (``m``, ``l``, ``acc`` [BH, S, G(, D)]),
-        their output rotated back once (``rot`` [D, D]), then the exact window [B, H, n, D] (positions ``exact_first
+        their output rotated back once (``rot`` [D, D]; with ``HAD`` > 0 a Hadamard one, by a transform of ``HAD``
+        stages), then the exact window [B, H, n, D] (positions ``exact_first
         ..``) and the tokens full-rank residuals restore ([B, H, r, D], positions ``rpos``, -1: none) attended
         exactly and merged by their log-sum-exp: ``out`` [B, Hq, D] float32 (what ``_merge_exact`` computes). ``HAS_FILL``:
         the window rows are buffers of ``exact`` tokens, of which the first ``fill + 1`` (``fill_ptr``, int32 [1]) are
@@ -165,7 +183,7 @@ if triton is not None:
         bh = (batch * HEADS + head).to(tl.int64)
         chan = tl.arange(0, D)
         q = tl.load(q_ptr + row.to(tl.int64) * D + chan).to(tl.float32) * scaling
-        rot = _whole_rotation(rot_ptr, chan, ochan, D, WHOLE)
+        rot = _whole_rotation(rot_ptr, chan, ochan, D, WHOLE, HAD)
         m_e, total_e, out_e = _exact_tokens(tl.full([], float("-inf"), tl.float32), tl.zeros([], tl.float32),
                                             tl.zeros([DS], tl.float32), q, chan, ochan, bh, batch, start_ptr,
                                             rk_ptr, rv_ptr, rpos_ptr, ek_ptr, ev_ptr, fill_ptr, restored, exact,
@@ -173,7 +191,7 @@ if triton is not None:
         if PDL:  # the packed pass's splits are complete and visible past this
             gdc_wait()
         m, total, out = _splits_merged(m_ptr, l_ptr, acc_ptr, rot_ptr, rot, bh, g, splits, ochan, D, G, SB, CB, WHOLE,
-                                       DS)
+                                       DS, HAD)
         m, total, out = _joined(m, total, out, m_e, total_e, out_e, False)
         tl.store(out_ptr + row.to(tl.int64) * D + ochan, _rounded(out / total, out_ptr.dtype.element_ty))
 

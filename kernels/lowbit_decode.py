@@ -103,6 +103,10 @@ class LowbitView:
     exact_fill: torch.Tensor | None = None
     #: ``v_codes`` hold 2/4-bit codes in tiles of 64 tokens (``rotated-token-tiled.v1``; read by the dense kernel, twin)
     v_tiled: bool = False
+    #: ``rotation`` is a Sylvester Hadamard matrix with a scale a column (``rotated-token``'s ``"hadamard"``: H diag(s) /
+    #: sqrt(D)): the combine rotates the output back by a fast Walsh-Hadamard transform and the matrix's first row
+    #: (the scales), not by reading the matrix
+    rotation_hadamard: bool = False
 
 
 def slot_positions(view: LowbitView, device: torch.device) -> torch.Tensor:

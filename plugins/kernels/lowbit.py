@@ -240,6 +240,7 @@ class LowbitKernel(AttentionKernel):
             rope_scale=rope_scale, exact_k=exact_k, exact_v=exact_v, level_kind=kind, k_widths=widths,
             v_scale_max=rows(v["scale_max"], vr) if log8 else None, v_scale_tokens=vq.scale_tokens if log8 else 1,
             v_levels16=levels.to(torch.bfloat16),  # the levels the dense kernel and vb16 read, once per storage state
+            rotation_hadamard=vq.rotation == "hadamard",
         )
         if any(level.entries for kind_view in (view.keys, view.values) for level in kind_view.residuals):
             packed = self._restored(view, packed, device)
