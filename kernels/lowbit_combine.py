@@ -35,10 +35,11 @@ COMBINE_SLICES = env_setting("KVWEAVE_COMBINE_SLICES", 1, (1, 2, 4, 8))
 #: warps a program of the per-query-head combine; KVWEAVE_COMBINE_WARPS sets it (2, 4, 8 or 16)
 COMBINE_WARPS = env_setting("KVWEAVE_COMBINE_WARPS", 4, (2, 4, 8, 16))
 
-#: a Hadamard rotation (the view's ``rotation_hadamard``) undone by a fast Walsh-Hadamard transform in the
-#: per-query-head combine where it reads the splits in one tile and writes every channel (``WHOLE``, one slice): the
-#: first row of the matrix read instead of all of it (64 KB a program at head_dim 128); KVWEAVE_COMBINE_HADAMARD=0
-#: reads the matrix (to time both)
+#: a Hadamard rotation (the view's ``rotation_hadamard``) undone by a fast Walsh-Hadamard transform: in the
+#: per-query-head combine where it reads the splits in one tile and writes every channel (``WHOLE``, one slice), and in
+#: the combine by KV head; the first row of the matrix read instead of all of it (64 KB a program at head_dim 128;
+#: H100, 2026-12-07: the combine at B = 32 24 -> 14 us, docs/kernels.md "The values' Hadamard rotation undone in the
+#: combine by a transform"); KVWEAVE_COMBINE_HADAMARD=0 reads the matrix (to time both)
 COMBINE_HADAMARD = bool(env_setting("KVWEAVE_COMBINE_HADAMARD", 1, (0, 1)))
 
 
@@ -82,5 +83,8 @@ def plan_combine(view: Any, q: torch.Tensor, start: torch.Tensor | None, scaling
         constants.update(WHOLE=whole, SLICES=slices, num_warps=COMBINE_WARPS, HAD=dim.bit_length() - 1 if hadamard else 0)
         return Launch(jit._lowbit_combine_kernel, (batch * q_heads * slices,), args, constants, (out,))
     rows = 1 << (q_heads // heads - 1).bit_length()  # tiles [rows, CB, D] and [EB, rows, D] of 32 x D each
-    return Launch(jit._lowbit_combine_group_kernel, (batch * heads,), args,
-                  {**constants, "QR": rows, "CB": max(1, 32 // rows), "EB": max(1, 32 // rows)}, (out,))
+    hadamard = COMBINE_HADAMARD and view.rotation_hadamard and dim & (dim - 1) == 0
+    group = {"QR": rows, "CB": max(1, 32 // rows), "EB": max(1, 32 // rows), "HAD": dim.bit_length() - 1 if hadamard else 0}
+    if hadamard:  # the splits' outputs whole: tiles [SB, rows, D] of 32 x D
+        group["SB"] = max(1, 32 // rows)
+    return Launch(jit._lowbit_combine_group_kernel, (batch * heads,), args, {**constants, **group}, (out,))

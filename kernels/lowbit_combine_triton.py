@@ -86,13 +86,13 @@ if triton is not None:
         return m, total, out
 
     @triton.jit
-    def _hadamard(x, D: tl.constexpr, STAGES: tl.constexpr):
-        """``x`` [D] times the Sylvester Hadamard matrix H_D (D = 2 ** ``STAGES``): a butterfly on the index's lowest
-        bit per stage, after which that bit becomes the highest, so ``STAGES`` stages take each bit once and leave the
-        order as it was."""
+    def _hadamard(x, R: tl.constexpr, D: tl.constexpr, STAGES: tl.constexpr):
+        """Each row of ``x`` [R, D] times the Sylvester Hadamard matrix H_D (D = 2 ** ``STAGES``): a butterfly on the
+        channel index's lowest bit per stage, after which that bit becomes the highest, so ``STAGES`` stages take each
+        bit once and leave the order as it was."""
         for _ in tl.static_range(STAGES):
-            a, b = tl.split(tl.reshape(x, (D // 2, 2)))
-            x = tl.reshape(tl.permute(tl.join(a + b, a - b), (1, 0)), (D,))
+            a, b = tl.split(tl.reshape(x, (R, D // 2, 2)))
+            x = tl.reshape(tl.permute(tl.join(a + b, a - b), (0, 2, 1)), (R, D))
         return x
 
     @triton.jit
@@ -119,7 +119,7 @@ if triton is not None:
             total = tl.sum(w * sums, 0)
             merged = tl.sum(w[:, None] * acc, 0)
             if HAD > 0:
-                out += _hadamard(merged, D, HAD) * rot
+                out += tl.reshape(_hadamard(tl.reshape(merged, (1, D)), 1, D, HAD), (D,)) * rot
             else:
                 out += tl.sum(merged[:, None] * rot, 0)
         else:
@@ -201,7 +201,7 @@ if triton is not None:
         splits, exact, restored, exact_first, scaling,
         D: tl.constexpr, G: tl.constexpr, HEADS: tl.constexpr, GROUP: tl.constexpr, HAS_START: tl.constexpr,
         HAS_REST: tl.constexpr, HAS_FILL: tl.constexpr, SB: tl.constexpr, CB: tl.constexpr, EB: tl.constexpr,
-        QR: tl.constexpr, PDL: tl.constexpr,
+        QR: tl.constexpr, PDL: tl.constexpr, HAD: tl.constexpr = 0,
     ):
         """The query heads of one KV head of one row: the splits of the packed pass combined (``m``, ``l``, ``acc``
         [BH, S, G(, D)], the heads in rows ``0 .. GROUP``), their output rotated back once (``rot`` [D, D], ``CB`` rows
@@ -209,7 +209,9 @@ if triton is not None:
         restore ([B, H, r, D], positions ``rpos``, -1: none) attended exactly and merged by their log-sum-exp: ``out``
         [B, Hq, D] float32 (what ``_merge_exact`` computes). ``HAS_FILL``: the window rows are buffers of ``exact``
         tokens, of which the first ``fill + 1`` (``fill_ptr``, int32 [1]) are attended (a window kept for a CUDA
-        graph). The exact and restored tokens come first, the splits last (with ``PDL`` waited for only there)."""
+        graph). The exact and restored tokens come first, the splits last (with ``PDL`` waited for only there). With
+        ``HAD`` > 0 (a Hadamard rotation) the splits' outputs are merged whole, ``SB`` splits at a time, and rotated by
+        :func:`_hadamard` and the rotation's first row instead of its rows."""
         bh = tl.program_id(0).to(tl.int64)  # batch * KV heads
         batch = bh // HEADS
         gq = tl.arange(0, QR)
@@ -239,16 +241,26 @@ if triton is not None:
             w = tl.exp(tl.load(m_ptr + at, mask=ok, other=float("-inf")) - m_safe[None, :])
             total += tl.sum(w * tl.load(l_ptr + at, mask=ok, other=0.0), 0)
         out = tl.zeros([QR, D], tl.float32)
-        for c0 in range(0, D, CB):  # the splits' outputs summed, chunk of rotated channels by chunk
-            part = tl.zeros([QR, CB], tl.float32)
+        if HAD > 0:  # the splits' outputs merged whole, then transformed
             for s0 in range(0, splits, SB):
                 ok = ((s0 + s_idx) < splits)[:, None] & real[None, :]
                 at = (bh * splits + s0 + s_idx)[:, None] * G + gq[None, :]
                 w = tl.exp(tl.load(m_ptr + at, mask=ok, other=float("-inf")) - m_safe[None, :])
-                a = tl.load(acc_ptr + at[:, :, None] * D + c0 + c_idx[None, None, :], mask=ok[:, :, None], other=0.0)
-                part += tl.sum(w[:, :, None] * a, 0)  # [QR, CB]
-            rot = tl.load(rot_ptr + (c0 + c_idx)[:, None] * D + chan[None, :])  # rows c0 .. of the rotation
-            out += tl.sum(part[:, :, None] * rot[None, :, :], 1)
+                a = tl.load(acc_ptr + at[:, :, None] * D + chan[None, None, :], mask=ok[:, :, None], other=0.0)
+                out += tl.sum(w[:, :, None] * a, 0)  # [QR, D]
+            out = _hadamard(out, QR, D, HAD) * tl.load(rot_ptr + chan)[None, :]
+        else:
+            for c0 in range(0, D, CB):  # the splits' outputs summed, chunk of rotated channels by chunk
+                part = tl.zeros([QR, CB], tl.float32)
+                for s0 in range(0, splits, SB):
+                    ok = ((s0 + s_idx) < splits)[:, None] & real[None, :]
+                    at = (bh * splits + s0 + s_idx)[:, None] * G + gq[None, :]
+                    w = tl.exp(tl.load(m_ptr + at, mask=ok, other=float("-inf")) - m_safe[None, :])
+                    a = tl.load(acc_ptr + at[:, :, None] * D + c0 + c_idx[None, None, :], mask=ok[:, :, None],
+                                other=0.0)
+                    part += tl.sum(w[:, :, None] * a, 0)  # [QR, CB]
+                rot = tl.load(rot_ptr + (c0 + c_idx)[:, None] * D + chan[None, :])  # rows c0 .. of the rotation
+                out += tl.sum(part[:, :, None] * rot[None, :, :], 1)
         m, total, out = _joined(m, total, out, m_e, total_e, out_e, True)
         tl.store(out_ptr + rows[:, None] * D + chan[None, :], _rounded(out / total[:, None], out_ptr.dtype.element_ty),
                  mask=real[:, None])

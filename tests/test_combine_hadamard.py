@@ -97,6 +97,23 @@ def test_the_transform_gives_the_matrixs_output(dim):
 
 
 @pytest.mark.interpreter
+@pytest.mark.parametrize("q_heads", [2, 6, 8])
+def test_the_combine_by_kv_head_gives_the_matrixs_output(sinks_view, monkeypatch, q_heads):
+    """The combine by KV head (taken here at every size), 1, 3 and 4 query heads a KV head (3: a padded row of the
+    tile), restored sinks and the exact window: the transform's output is the matrix's, and the twin's."""
+    monkeypatch.setattr(lowbit_combine, "COMBINE_GROUP_ROWS", 0)
+    view = sinks_view
+    q = torch.randn(1, q_heads, 128, generator=torch.Generator().manual_seed(q_heads))
+    combine = plan_combine(view, q, None, 128 ** -0.5, plan_launch(view, q, None, 128 ** -0.5, variant="dense"))
+    assert "QR" in combine.constants and combine.constants["HAD"] == 7
+    fast = lowbit_decode(view, q, None, 128 ** -0.5, variant="dense")
+    slow = lowbit_decode(attrs.evolve(view, rotation_hadamard=False), q, None, 128 ** -0.5, variant="dense")
+    assert torch.allclose(fast, slow, atol=2e-6, rtol=0), (fast - slow).abs().max()
+    twin = torch_lowbit_decode(view, q, None, 128 ** -0.5)
+    assert torch.allclose(fast, twin, atol=1e-5), (fast - twin).abs().max()
+
+
+@pytest.mark.interpreter
 def test_the_benchmarks_storage_takes_the_transform():
     """``benchmarks/lowbit_kernel.py``'s 8x storage (a Hadamard rotation, flagged), one and three rows, splits read in
     one tile: the transform's output is the matrix's."""
@@ -121,7 +138,7 @@ from lowbit_kernel import HEAD_DIM, Q_HEADS, packed_view
 from kvweave.kernels.lowbit_decode import lowbit_decode
 worst = 0.0
 for storage in ("k4v2e48t", "k4v4e77t"):
-    for rows in (1, 8, 32):
+    for rows in (1, 8, 32, 40):  # 40 rows: the combine by KV head (320 rows of 8 KV heads)
         view = attrs.evolve(packed_view(rows, 32768, device="cuda", storage=storage), inv_freq=None)
         q = torch.randn(rows, Q_HEADS, HEAD_DIM, generator=torch.Generator().manual_seed(5)).cuda()
         fast = lowbit_decode(view, q, None, HEAD_DIM ** -0.5, variant="dense")
@@ -134,8 +151,9 @@ print(worst)
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="compiles the combine for a CUDA GPU")
 def test_the_transform_gives_the_matrixs_output_on_the_gpu():
-    """Llama-3-8B attention shape, 32,768 tokens before eviction, both storages, B = 1, 8, 32: the transform's output
-    is the matrix's up to float32 rounding (1e-5 of the output's largest value)."""
+    """Llama-3-8B attention shape, 32,768 tokens before eviction, both storages, B = 1, 8, 32 (a program a query
+    head) and 40 (a program a KV head): the transform's output is the matrix's up to float32 rounding (1e-5 of the
+    output's largest value)."""
     env = {k: v for k, v in __import__("os").environ.items() if k != "TRITON_INTERPRET"}
     done = subprocess.run([sys.executable, "-c", _GPU], capture_output=True, text=True, timeout=900, cwd=ROOT, env=env)
     assert done.returncode == 0, done.stderr[-3000:]
