@@ -38,8 +38,9 @@ COMBINE_WARPS = env_setting("KVWEAVE_COMBINE_WARPS", 4, (2, 4, 8, 16))
 #: a Hadamard rotation (the view's ``rotation_hadamard``) undone by a fast Walsh-Hadamard transform: in the
 #: per-query-head combine where it reads the splits in one tile and writes every channel (``WHOLE``, one slice), and in
 #: the combine by KV head; the first row of the matrix read instead of all of it (64 KB a program at head_dim 128;
-#: H100, 2026-12-07: the combine at B = 32 24 -> 14 us, docs/kernels.md "The values' Hadamard rotation undone in the
-#: combine by a transform"); KVWEAVE_COMBINE_HADAMARD=0 reads the matrix (to time both)
+#: H100, 2026-12-07: the combine at B = 32 24 -> 14 us, at B = 128 59 -> 43 us by KV head, docs/kernels.md "The
+#: values' Hadamard rotation undone in the combine by a transform"); KVWEAVE_COMBINE_HADAMARD=0 reads the matrix (to
+#: time both)
 COMBINE_HADAMARD = bool(env_setting("KVWEAVE_COMBINE_HADAMARD", 1, (0, 1)))
 
 
