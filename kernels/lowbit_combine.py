@@ -36,8 +36,8 @@ COMBINE_SLICES = env_setting("KVWEAVE_COMBINE_SLICES", 1, (1, 2, 4, 8))
 COMBINE_WARPS = env_setting("KVWEAVE_COMBINE_WARPS", 4, (2, 4, 8, 16))
 
 #: a Hadamard rotation (the view's ``rotation_hadamard``) undone by a fast Walsh-Hadamard transform: in the
-#: per-query-head combine where it reads the splits in one tile and writes every channel (``WHOLE``, one slice), and in
-#: the combine by KV head; the first row of the matrix read instead of all of it (64 KB a program at head_dim 128;
+#: per-query-head combine where a program writes every channel (one slice; past ``WHOLE``, head_dim 256 or more than
+#: 64 splits, every channel in one chunk of the splits' loop), and in the combine by KV head; the first row of the matrix read instead of all of it (64 KB a program at head_dim 128;
 #: H100, 2026-12-07: the combine at B = 32 24 -> 14 us, at B = 128 59 -> 43 us by KV head, docs/kernels.md "The
 #: values' Hadamard rotation undone in the combine by a transform"); KVWEAVE_COMBINE_HADAMARD=0 reads the matrix (to
 #: time both)
@@ -80,7 +80,9 @@ def plan_combine(view: Any, q: torch.Tensor, start: torch.Tensor | None, scaling
         if whole:
             constants.update(SB=max(16, 1 << (splits - 1).bit_length()), CB=dim)
         slices = max(1, min(COMBINE_SLICES, dim // 16))
-        hadamard = COMBINE_HADAMARD and whole and slices == 1 and view.rotation_hadamard and dim & (dim - 1) == 0
+        hadamard = COMBINE_HADAMARD and slices == 1 and view.rotation_hadamard and dim & (dim - 1) == 0
+        if hadamard and not whole:  # the splits in tiles of 32 x D, every channel in one chunk
+            constants["CB"] = dim
         constants.update(WHOLE=whole, SLICES=slices, num_warps=COMBINE_WARPS, HAD=dim.bit_length() - 1 if hadamard else 0)
         return Launch(jit._lowbit_combine_kernel, (batch * q_heads * slices,), args, constants, (out,))
     rows = 1 << (q_heads // heads - 1).bit_length()  # tiles [rows, CB, D] and [EB, rows, D] of 32 x D each

@@ -102,9 +102,10 @@ if triton is not None:
         ``rot``; ``DS``: all ``D`` or a slice) of the packed pass's splits. ``WHOLE``: every split in one tile of
         ``SB``, and the rotation's columns ``rot`` [D, DS] loaded by the caller (:func:`_whole_rotation`), so the loads
         have no loop between them and go out together (at one batch row the chunked loops' chain of loads took 7 of
-        the 24 us of a layer call at 32K on the H200); with ``HAD`` > 0 (a Hadamard rotation, ``DS`` = ``D``) ``rot`` is
-        its first row [D] and the output is rotated by :func:`_hadamard` in ``HAD`` stages; else ``SB`` splits and
-        ``CB`` rotation rows at a time from ``rot_ptr``."""
+        the 24 us of a layer call at 32K on the H200); else ``SB`` splits and ``CB`` rotation rows at a time from
+        ``rot_ptr``. With ``HAD`` > 0 (a Hadamard rotation, ``DS`` = ``D``; ``CB`` = ``D`` where not ``WHOLE``) the
+        merged output is rotated by :func:`_hadamard` in ``HAD`` stages and the rotation's first row (``rot``, or read
+        here)."""
         s_idx = tl.arange(0, SB)
         c_idx = tl.arange(0, CB)
         out = tl.zeros([DS], tl.float32)
@@ -140,8 +141,11 @@ if triton is not None:
                         total += tl.sum(w * tl.load(l_ptr + at, mask=ok, other=0.0), 0)
                     a = tl.load(acc_ptr + at[:, None] * D + c0 + c_idx[None, :], mask=ok[:, None], other=0.0)
                     part += tl.sum(w[:, None] * a, 0)
-                rot = tl.load(rot_ptr + (c0 + c_idx)[:, None] * D + ochan[None, :])  # rows c0 .. of the rotation
-                out += tl.sum(part[:, None] * rot, 0)
+                if HAD > 0:  # one chunk of every channel (CB = D = DS): the transform and the first row
+                    out += tl.reshape(_hadamard(tl.reshape(part, (1, D)), 1, D, HAD), (D,)) * tl.load(rot_ptr + ochan)
+                else:
+                    rot = tl.load(rot_ptr + (c0 + c_idx)[:, None] * D + ochan[None, :])  # rows c0 .. of the rotation
+                    out += tl.sum(part[:, None] * rot, 0)
         return m, total, out
 
     @triton.jit

@@ -40,7 +40,7 @@ def _sinks_view(dim: int):
     """Layer 1 of a 300-token prompt through the 8x storage (a Hadamard rotation; head_dim ``dim``, at 128 its values
     in tiles): sinks restored exactly, an exact window."""
     net = tiny_llama(layers=2, hidden=4 * dim)
-    name = {64: "kzd-k4v2-f48", 128: "kzd-k4v2t-f48-d128"}[dim]  # the sinks restored whole: rank = head_dim
+    name = {64: "kzd-k4v2-f48", 128: "kzd-k4v2t-f48-d128", 256: "kzd-k4v2t-f48-d256"}[dim]  # sinks' rank: head_dim
     cache = build_cache(load_registry(SWEEP).resolve(name), net, tokenizer=CharTokenizer())
     with torch.no_grad():
         importance.prefill(net, cache, torch.randint(1, 128, (1, 300), generator=torch.Generator().manual_seed(4)))
@@ -114,6 +114,27 @@ def test_the_combine_by_kv_head_gives_the_matrixs_output(sinks_view, monkeypatch
 
 
 @pytest.mark.interpreter
+@pytest.mark.parametrize("dim", [256, 128])
+def test_past_one_tile_of_splits_the_transform_is_taken_in_the_splits_loop(dim, monkeypatch):
+    """Past ``WHOLE`` (head_dim 256; at 128, more splits than ``COMBINE_WHOLE_SPLITS``, here 1) the per-query-head
+    combine merges the splits in tiles, every channel in one chunk, and transforms the result: the matrix's output,
+    and the twin's."""
+    if dim == 128:
+        monkeypatch.setattr(lowbit_combine, "COMBINE_WHOLE_SPLITS", 1)
+    view = _sinks_view(dim)
+    assert view.rotation_hadamard and view.rotation.shape == (dim, dim)
+    q = torch.randn(1, 4, dim, generator=torch.Generator().manual_seed(3))
+    combine = plan_combine(view, q, None, dim ** -0.5, plan_launch(view, q, None, dim ** -0.5, variant="dense"))
+    assert not combine.constants["WHOLE"] and combine.constants["HAD"] == int(math.log2(dim))
+    assert combine.constants["CB"] == dim
+    fast = lowbit_decode(view, q, None, dim ** -0.5, variant="dense")
+    slow = lowbit_decode(attrs.evolve(view, rotation_hadamard=False), q, None, dim ** -0.5, variant="dense")
+    assert torch.allclose(fast, slow, atol=2e-6, rtol=0), (fast - slow).abs().max()
+    twin = torch_lowbit_decode(view, q, None, dim ** -0.5)
+    assert torch.allclose(fast, twin, atol=1e-5), (fast - twin).abs().max()
+
+
+@pytest.mark.interpreter
 def test_the_benchmarks_storage_takes_the_transform():
     """``benchmarks/lowbit_kernel.py``'s 8x storage (a Hadamard rotation, flagged), one and three rows, splits read in
     one tile: the transform's output is the matrix's."""
@@ -145,6 +166,13 @@ for storage in ("k4v2e48t", "k4v4e77t"):
         slow = lowbit_decode(attrs.evolve(view, rotation_hadamard=False), q, None, HEAD_DIM ** -0.5, variant="dense")
         assert float(fast.abs().max()) > 0.05
         worst = max(worst, float((fast - slow).abs().max() / fast.abs().max()))
+for storage in ("k4v2e48t", "k4v4e77t"):  # head_dim 256: the splits merged in tiles, then the transform
+    view = attrs.evolve(packed_view(8, 32768, device="cuda", storage=storage, shape="d256"), inv_freq=None)
+    q = torch.randn(8, 16, 256, generator=torch.Generator().manual_seed(5)).cuda()
+    fast = lowbit_decode(view, q, None, 256 ** -0.5, variant="dense")
+    slow = lowbit_decode(attrs.evolve(view, rotation_hadamard=False), q, None, 256 ** -0.5, variant="dense")
+    assert float(fast.abs().max()) > 0.05
+    worst = max(worst, float((fast - slow).abs().max() / fast.abs().max()))
 print(worst)
 """
 
@@ -152,8 +180,8 @@ print(worst)
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="compiles the combine for a CUDA GPU")
 def test_the_transform_gives_the_matrixs_output_on_the_gpu():
     """Llama-3-8B attention shape, 32,768 tokens before eviction, both storages, B = 1, 8, 32 (a program a query
-    head) and 40 (a program a KV head): the transform's output is the matrix's up to float32 rounding (1e-5 of the
-    output's largest value)."""
+    head) and 40 (a program a KV head), and head_dim 256 at B = 8 (16 query heads on 8 KV heads): the transform's
+    output is the matrix's up to float32 rounding (1e-5 of the output's largest value)."""
     env = {k: v for k, v in __import__("os").environ.items() if k != "TRITON_INTERPRET"}
     done = subprocess.run([sys.executable, "-c", _GPU], capture_output=True, text=True, timeout=900, cwd=ROOT, env=env)
     assert done.returncode == 0, done.stderr[-3000:]
