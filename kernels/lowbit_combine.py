@@ -35,13 +35,14 @@ COMBINE_SLICES = env_setting("KVWEAVE_COMBINE_SLICES", 1, (1, 2, 4, 8))
 #: warps a program of the per-query-head combine; KVWEAVE_COMBINE_WARPS sets it (2, 4, 8 or 16)
 COMBINE_WARPS = env_setting("KVWEAVE_COMBINE_WARPS", 4, (2, 4, 8, 16))
 
-#: a Hadamard rotation (the view's ``rotation_hadamard``) undone by a fast Walsh-Hadamard transform: in the
-#: per-query-head combine where a program writes every channel (one slice; past ``WHOLE``, head_dim 256 or more than
-#: 64 splits, every channel in one chunk of the splits' loop), and in the combine by KV head; the first row of the matrix read instead of all of it (64 KB a program at head_dim 128;
-#: H100, 2026-12-07: the combine at B = 32 24 -> 14 us, at B = 128 59 -> 43 us by KV head, docs/kernels.md "The
-#: values' Hadamard rotation undone in the combine by a transform"); KVWEAVE_COMBINE_HADAMARD=0 reads the matrix (to
-#: time both)
-COMBINE_HADAMARD = bool(env_setting("KVWEAVE_COMBINE_HADAMARD", 1, (0, 1)))
+#: a Hadamard rotation (the view's ``rotation_hadamard``) undone by a fast Walsh-Hadamard transform, the matrix's first
+#: row read instead of all of it (64 KB a program at head_dim 128): 1 (the default) in the per-query-head combine where
+#: it reads the splits in one tile and writes every channel (``WHOLE``, one slice) and in the combine by KV head, both
+#: checked and timed on a GPU (H100, 2026-12-07: the combine at B = 32 24 -> 14 us, at B = 128 59 -> 43 us;
+#: docs/kernels.md "The values' Hadamard rotation undone in the combine by a transform"); 2 also past one tile of
+#: splits (head_dim 256, or more than 64 splits: every channel in one chunk of the splits' loop), checked under the
+#: interpreter and built for sm_90 but not yet run on a GPU; 0 reads the matrix everywhere (KVWEAVE_COMBINE_HADAMARD)
+COMBINE_HADAMARD = env_setting("KVWEAVE_COMBINE_HADAMARD", 1, (0, 1, 2))
 
 
 def exact_start(view: Any) -> int:
@@ -80,13 +81,14 @@ def plan_combine(view: Any, q: torch.Tensor, start: torch.Tensor | None, scaling
         if whole:
             constants.update(SB=max(16, 1 << (splits - 1).bit_length()), CB=dim)
         slices = max(1, min(COMBINE_SLICES, dim // 16))
-        hadamard = COMBINE_HADAMARD and slices == 1 and view.rotation_hadamard and dim & (dim - 1) == 0
+        hadamard = (COMBINE_HADAMARD == 2 or COMBINE_HADAMARD == 1 and whole) and slices == 1 and view.rotation_hadamard \
+            and dim & (dim - 1) == 0
         if hadamard and not whole:  # the splits in tiles of 32 x D, every channel in one chunk
             constants["CB"] = dim
         constants.update(WHOLE=whole, SLICES=slices, num_warps=COMBINE_WARPS, HAD=dim.bit_length() - 1 if hadamard else 0)
         return Launch(jit._lowbit_combine_kernel, (batch * q_heads * slices,), args, constants, (out,))
     rows = 1 << (q_heads // heads - 1).bit_length()  # tiles [rows, CB, D] and [EB, rows, D] of 32 x D each
-    hadamard = COMBINE_HADAMARD and view.rotation_hadamard and dim & (dim - 1) == 0
+    hadamard = COMBINE_HADAMARD > 0 and view.rotation_hadamard and dim & (dim - 1) == 0
     group = {"QR": rows, "CB": max(1, 32 // rows), "EB": max(1, 32 // rows), "HAD": dim.bit_length() - 1 if hadamard else 0}
     if hadamard:  # the splits' outputs whole: tiles [SB, rows, D] of 32 x D
         group["SB"] = max(1, 32 // rows)

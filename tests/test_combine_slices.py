@@ -71,7 +71,8 @@ def test_the_slices_are_one_a_16_channels_at_most(sinks_view, monkeypatch):
     assert plan_combine(narrow, q, None, 0.1, packed).constants["SLICES"] == 4
 
 
-@pytest.mark.parametrize("name, value", [("KVWEAVE_COMBINE_SLICES", "3"), ("KVWEAVE_COMBINE_WARPS", "many")])
+@pytest.mark.parametrize("name, value", [("KVWEAVE_COMBINE_SLICES", "3"), ("KVWEAVE_COMBINE_WARPS", "many"),
+                                         ("KVWEAVE_COMBINE_HADAMARD", "3")])
 def test_a_wrong_setting_in_the_environment_is_refused_by_name(name, value):
     script = "import kvweave.kernels.lowbit_combine"
     run = subprocess.run([sys.executable, "-c", script], env={**os.environ, name: value},
