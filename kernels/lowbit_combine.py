@@ -37,11 +37,12 @@ COMBINE_WARPS = env_setting("KVWEAVE_COMBINE_WARPS", 4, (2, 4, 8, 16))
 
 #: a Hadamard rotation (the view's ``rotation_hadamard``) undone by a fast Walsh-Hadamard transform, the matrix's first
 #: row read instead of all of it (64 KB a program at head_dim 128): 1 (the default) in the per-query-head combine where
-#: it reads the splits in one tile and writes every channel (``WHOLE``, one slice) and in the combine by KV head, both
-#: checked and timed on a GPU (H100, 2026-12-07: the combine at B = 32 24 -> 14 us, at B = 128 59 -> 43 us;
-#: docs/kernels.md "The values' Hadamard rotation undone in the combine by a transform"); 2 also past one tile of
-#: splits (head_dim 256, or more than 64 splits: every channel in one chunk of the splits' loop), checked under the
-#: interpreter and built for sm_90 but not yet run on a GPU; 0 reads the matrix everywhere (KVWEAVE_COMBINE_HADAMARD)
+#: it reads the splits in one tile and writes every channel (``WHOLE``, one slice) and in the combine by KV head up to
+#: head_dim 128, both checked and timed on a GPU (H100, 2026-12-07: the combine at B = 32 24 -> 14 us, at B = 128
+#: 59 -> 43 us; docs/kernels.md "The values' Hadamard rotation undone in the combine by a transform"); 2 also past one
+#: tile of splits (head_dim 256, or more than 64 splits: every channel in one chunk of the splits' loop) and by KV head
+#: at head_dim 256, checked under the interpreter and built for sm_90 but not yet run on a GPU; 0 reads the matrix
+#: everywhere (KVWEAVE_COMBINE_HADAMARD)
 COMBINE_HADAMARD = env_setting("KVWEAVE_COMBINE_HADAMARD", 1, (0, 1, 2))
 
 
@@ -88,7 +89,8 @@ def plan_combine(view: Any, q: torch.Tensor, start: torch.Tensor | None, scaling
         constants.update(WHOLE=whole, SLICES=slices, num_warps=COMBINE_WARPS, HAD=dim.bit_length() - 1 if hadamard else 0)
         return Launch(jit._lowbit_combine_kernel, (batch * q_heads * slices,), args, constants, (out,))
     rows = 1 << (q_heads // heads - 1).bit_length()  # tiles [rows, CB, D] and [EB, rows, D] of 32 x D each
-    hadamard = COMBINE_HADAMARD > 0 and view.rotation_hadamard and dim & (dim - 1) == 0
+    hadamard = (COMBINE_HADAMARD == 2 or COMBINE_HADAMARD == 1 and dim <= COMBINE_WHOLE_DIM) and view.rotation_hadamard \
+        and dim & (dim - 1) == 0
     group = {"QR": rows, "CB": max(1, 32 // rows), "EB": max(1, 32 // rows), "HAD": dim.bit_length() - 1 if hadamard else 0}
     if hadamard:  # the splits' outputs whole: tiles [SB, rows, D] of 32 x D
         group["SB"] = max(1, 32 // rows)
