@@ -62,12 +62,12 @@ def mix(runs: list[tuple[dict, int]]) -> list[dict]:
                              "bytes): not the same attention shape")
         weigh = lambda field: sum(row[field] * count for row, count, _ in rows) / layers  # noqa: E731 - a layer's mean
         read = weigh("bytes_read")
-        kernel, graph = weigh("kernel_us"), weigh("graph_us")
+        kernel, graph, sdpa, sdpa_graph = weigh("kernel_us"), weigh("graph_us"), weigh("sdpa_us"), weigh("sdpa_graph_us")
         bandwidth = sum(run["copy_bandwidth"] * count for _, count, run in rows) / layers
         ratio = max(full) / read
-        out.append({"tokens": key[0], "batch": key[1], "kernel": key[2], "sdpa_graph_us": weigh("sdpa_graph_us"),
-                    "graph_us": graph, "graph_speedup": weigh("sdpa_graph_us") / graph, "sdpa_us": weigh("sdpa_us"),
-                    "kernel_us": kernel, "speedup": weigh("sdpa_us") / kernel, "bytes_read": read, "bytes_ratio": ratio,
+        out.append({"tokens": key[0], "batch": key[1], "kernel": key[2], "sdpa_graph_us": sdpa_graph,
+                    "graph_us": graph, "graph_speedup": sdpa_graph / graph, "sdpa_us": sdpa,
+                    "kernel_us": kernel, "speedup": sdpa / kernel, "bytes_read": read, "bytes_ratio": ratio,
                     "bar": BAR_SHARE * ratio, "of_copy": read / (kernel * 1e-6) / bandwidth})
     return out
 

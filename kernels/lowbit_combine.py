@@ -46,6 +46,14 @@ COMBINE_WARPS = env_setting("KVWEAVE_COMBINE_WARPS", 4, (2, 4, 8, 16))
 COMBINE_HADAMARD = env_setting("KVWEAVE_COMBINE_HADAMARD", 1, (0, 1, 2))
 
 
+def hadamard_stages(view: Any, dim: int, checked: bool) -> int:
+    """The butterfly stages of the transform that undoes ``view``'s rotation in the combine (log2 ``dim``), or 0 where
+    the combine reads the matrix: a Hadamard rotation of a power-of-two width, under :data:`COMBINE_HADAMARD` (1: only
+    where the case is ``checked`` on a GPU; 2: everywhere)."""
+    on = COMBINE_HADAMARD == 2 or COMBINE_HADAMARD == 1 and checked
+    return dim.bit_length() - 1 if on and view.rotation_hadamard and dim & (dim - 1) == 0 else 0
+
+
 def exact_start(view: Any) -> int:
     """The cache index of the exact window's first token."""
     return view.first + view.tokens if view.exact_first is None else view.exact_first
@@ -82,16 +90,14 @@ def plan_combine(view: Any, q: torch.Tensor, start: torch.Tensor | None, scaling
         if whole:
             constants.update(SB=max(16, 1 << (splits - 1).bit_length()), CB=dim)
         slices = max(1, min(COMBINE_SLICES, dim // 16))
-        hadamard = (COMBINE_HADAMARD == 2 or COMBINE_HADAMARD == 1 and whole) and slices == 1 and view.rotation_hadamard \
-            and dim & (dim - 1) == 0
-        if hadamard and not whole:  # the splits in tiles of 32 x D, every channel in one chunk
+        stages = hadamard_stages(view, dim, whole) if slices == 1 else 0
+        if stages and not whole:  # the splits in tiles of 32 x D, every channel in one chunk
             constants["CB"] = dim
-        constants.update(WHOLE=whole, SLICES=slices, num_warps=COMBINE_WARPS, HAD=dim.bit_length() - 1 if hadamard else 0)
+        constants.update(WHOLE=whole, SLICES=slices, num_warps=COMBINE_WARPS, HAD=stages)
         return Launch(jit._lowbit_combine_kernel, (batch * q_heads * slices,), args, constants, (out,))
     rows = 1 << (q_heads // heads - 1).bit_length()  # tiles [rows, CB, D] and [EB, rows, D] of 32 x D each
-    hadamard = (COMBINE_HADAMARD == 2 or COMBINE_HADAMARD == 1 and dim <= COMBINE_WHOLE_DIM) and view.rotation_hadamard \
-        and dim & (dim - 1) == 0
-    group = {"QR": rows, "CB": max(1, 32 // rows), "EB": max(1, 32 // rows), "HAD": dim.bit_length() - 1 if hadamard else 0}
-    if hadamard:  # the splits' outputs whole: tiles [SB, rows, D] of 32 x D
+    stages = hadamard_stages(view, dim, dim <= COMBINE_WHOLE_DIM)
+    group = {"QR": rows, "CB": max(1, 32 // rows), "EB": max(1, 32 // rows), "HAD": stages}
+    if stages:  # the splits' outputs whole: tiles [SB, rows, D] of 32 x D
         group["SB"] = max(1, 32 // rows)
     return Launch(jit._lowbit_combine_group_kernel, (batch * heads,), args, {**constants, **group}, (out,))

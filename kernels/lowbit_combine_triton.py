@@ -96,6 +96,11 @@ if triton is not None:
         return x
 
     @triton.jit
+    def _hadamard_row(x, D: tl.constexpr, STAGES: tl.constexpr):
+        """:func:`_hadamard` of one row ``x`` [D]."""
+        return tl.reshape(_hadamard(tl.reshape(x, (1, D)), 1, D, STAGES), (D,))
+
+    @triton.jit
     def _splits_merged(m_ptr, l_ptr, acc_ptr, rot_ptr, rot, bh, g, splits, ochan, D: tl.constexpr, G: tl.constexpr,
                        SB: tl.constexpr, CB: tl.constexpr, WHOLE: tl.constexpr, DS: tl.constexpr, HAD: tl.constexpr):
         """Query row ``g`` of row ``bh``: the running max, sum and output channels ``ochan`` [DS] (rotated back by
@@ -120,7 +125,7 @@ if triton is not None:
             total = tl.sum(w * sums, 0)
             merged = tl.sum(w[:, None] * acc, 0)
             if HAD > 0:
-                out += tl.reshape(_hadamard(tl.reshape(merged, (1, D)), 1, D, HAD), (D,)) * rot
+                out += _hadamard_row(merged, D, HAD) * rot
             else:
                 out += tl.sum(merged[:, None] * rot, 0)
         else:
@@ -142,7 +147,7 @@ if triton is not None:
                     a = tl.load(acc_ptr + at[:, None] * D + c0 + c_idx[None, :], mask=ok[:, None], other=0.0)
                     part += tl.sum(w[:, None] * a, 0)
                 if HAD > 0:  # one chunk of every channel (CB = D = DS): the transform and the first row
-                    out += tl.reshape(_hadamard(tl.reshape(part, (1, D)), 1, D, HAD), (D,)) * tl.load(rot_ptr + ochan)
+                    out += _hadamard_row(part, D, HAD) * tl.load(rot_ptr + ochan)
                 else:
                     rot = tl.load(rot_ptr + (c0 + c_idx)[:, None] * D + ochan[None, :])  # rows c0 .. of the rotation
                     out += tl.sum(part[:, None] * rot, 0)

@@ -47,6 +47,18 @@ def _sinks_view(dim: int):
     return cache.engine.kernel.lowbit_view(cache.engine.view(1), torch.device("cpu"))
 
 
+def _as_the_matrix_and_the_twin(view, q, start=None):
+    """The dense kernel's output with the transform: the matrix's to float32 rounding, the twin's within its
+    tolerance; returned."""
+    scaling = q.shape[-1] ** -0.5
+    fast = lowbit_decode(view, q, start, scaling, variant="dense")
+    slow = lowbit_decode(attrs.evolve(view, rotation_hadamard=False), q, start, scaling, variant="dense")
+    assert torch.allclose(fast, slow, atol=2e-6, rtol=0), (fast - slow).abs().max()
+    twin = torch_lowbit_decode(view, q, start, scaling)
+    assert torch.allclose(fast, twin, atol=1e-5), (fast - twin).abs().max()
+    return fast
+
+
 @pytest.fixture(scope="module")
 def sinks_view():
     return _sinks_view(128)
@@ -81,13 +93,8 @@ def test_the_transform_gives_the_matrixs_output(dim):
     q = torch.randn(1, 8, dim, generator=torch.Generator().manual_seed(5))
     launch = plan_launch(view, q, None, dim ** -0.5, variant="dense")
     assert plan_combine(view, q, None, dim ** -0.5, launch).constants["HAD"] == int(math.log2(dim))
-    matrix = attrs.evolve(view, rotation_hadamard=False)
     for start in (None, torch.tensor([30], dtype=torch.int32)):
-        fast = lowbit_decode(view, q, start, dim ** -0.5, variant="dense")
-        slow = lowbit_decode(matrix, q, start, dim ** -0.5, variant="dense")
-        assert torch.allclose(fast, slow, atol=2e-6, rtol=0), (fast - slow).abs().max()
-        twin = torch_lowbit_decode(view, q, start, dim ** -0.5)
-        assert torch.allclose(fast, twin, atol=1e-5), (fast - twin).abs().max()
+        fast = _as_the_matrix_and_the_twin(view, q, start)
         low = lowbit_decode(view, q, start, dim ** -0.5, variant="dense", out_dtype=torch.bfloat16)
         assert low.dtype == torch.bfloat16 and torch.allclose(low.float(), fast, atol=1e-2)
     wrong = attrs.evolve(view, rotation=rotation_matrix("random", 1, dim))
@@ -111,11 +118,7 @@ def test_the_combine_by_kv_head_gives_the_matrixs_output(sinks_view, monkeypatch
         monkeypatch.setattr(lowbit_combine, "COMBINE_HADAMARD", 2)
     combine = plan()
     assert "QR" in combine.constants and combine.constants["HAD"] == int(math.log2(dim))
-    fast = lowbit_decode(view, q, None, dim ** -0.5, variant="dense")
-    slow = lowbit_decode(attrs.evolve(view, rotation_hadamard=False), q, None, dim ** -0.5, variant="dense")
-    assert torch.allclose(fast, slow, atol=2e-6, rtol=0), (fast - slow).abs().max()
-    twin = torch_lowbit_decode(view, q, None, dim ** -0.5)
-    assert torch.allclose(fast, twin, atol=1e-5), (fast - twin).abs().max()
+    _as_the_matrix_and_the_twin(view, q)
 
 
 @pytest.mark.interpreter
@@ -135,11 +138,7 @@ def test_past_one_tile_of_splits_the_transform_is_taken_in_the_splits_loop(dim, 
     combine = plan()
     assert not combine.constants["WHOLE"] and combine.constants["HAD"] == int(math.log2(dim))
     assert combine.constants["CB"] == dim
-    fast = lowbit_decode(view, q, None, dim ** -0.5, variant="dense")
-    slow = lowbit_decode(attrs.evolve(view, rotation_hadamard=False), q, None, dim ** -0.5, variant="dense")
-    assert torch.allclose(fast, slow, atol=2e-6, rtol=0), (fast - slow).abs().max()
-    twin = torch_lowbit_decode(view, q, None, dim ** -0.5)
-    assert torch.allclose(fast, twin, atol=1e-5), (fast - twin).abs().max()
+    _as_the_matrix_and_the_twin(view, q)
 
 
 @pytest.mark.interpreter
