@@ -1,0 +1,36 @@
+"""The dense kernel as built for sm_90 (no GPU) with the combine folded into its launch (``FUSE``) and without:
+registers, stack bytes, instructions in all and in the token loop, for the launch ``benchmarks/lowbit_kernel.py``'s
+storage makes at ``ROWS`` batch rows (the launch's registers: 128 at one wave, 96 past it).
+
+    PYTHONPATH=<Triton 3.6.0 installed with pip --target> python docs/perf/gpu-2026-12-07-fused/fused_sass.py ROWS [STORAGE]
+"""
+import importlib
+import sys
+from pathlib import Path
+
+import attrs
+import torch
+import triton
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[3] / "benchmarks"))
+from lowbit_kernel import HEAD_DIM, Q_HEADS, packed_view  # noqa: E402
+from kvweave.kernels.gpu_build import build, launch_job, resources, sass_opcodes  # noqa: E402
+from kvweave.kernels.lowbit_combine import fused_combine, plan_combine  # noqa: E402
+from kvweave.kernels.lowbit_decode import plan_launch  # noqa: E402
+
+rows, storage = int(sys.argv[1]), (sys.argv[2] if len(sys.argv) > 2 else "k4v2e48t")
+view = attrs.evolve(packed_view(rows, 32768, device="cpu", storage=storage), inv_freq=None)
+q = torch.randn(rows, Q_HEADS, HEAD_DIM)
+packed = plan_launch(view, q, None, HEAD_DIM ** -0.5, variant="dense", lowp=True, programs=None)
+fused = fused_combine(view, packed, plan_combine(view, q, None, HEAD_DIM ** -0.5, packed))
+print(f"Triton {triton.__version__}, sm_90, {storage}, B = {rows}: grid {packed.grid}, "
+      f"{packed.constants.get('maxnreg')} registers asked, PDL {packed.constants['PDL']}")
+for name, launch in (("two launches", packed), ("fused", fused)):
+    if launch is None:
+        print(f"{name}: not taken")
+        continue
+    job = launch_job(launch.kernel, launch.args, launch.constants)
+    cubin = build(importlib.import_module(job["module"]), job).asm["cubin"]
+    used = resources(cubin)
+    print(f"{name}: {used['registers']} registers, {used['stack']} stack bytes, {sum(sass_opcodes(cubin).values())} "
+          f"instructions, {sum(sass_opcodes(cubin, loop=True).values())} in the token loop")
