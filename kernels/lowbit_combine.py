@@ -12,10 +12,8 @@ from kvweave.kernels.launch import Launch
 
 if TYPE_CHECKING:
     from kvweave.kernels import lowbit_combine_triton as jit
-    from kvweave.kernels import lowbit_dense_triton as jit_dense
 else:
     jit: Any = lazy_module("kvweave.kernels.lowbit_combine_triton")
-    jit_dense: Any = lazy_module("kvweave.kernels.lowbit_dense_triton")
 
 #: rows (batch x KV heads) past which the combine takes a KV head's query heads in one program (H200, docs/kernels.md)
 COMBINE_GROUP_ROWS = 256
@@ -72,7 +70,7 @@ def plan_combine(view: Any, q: torch.Tensor, start: torch.Tensor | None, scaling
     batch, q_heads, dim = q.shape
     heads = view.exact_k.shape[1]
     m, l, acc = packed.outputs
-    splits, slots = packed.grid[1], m.shape[1]  # the dense kernel's rows have a slot more (fused_combine's)
+    splits = m.shape[1]
     out = torch.empty(batch, q_heads, dim, device=q.device, dtype=out_dtype or torch.float32)
     rest = view.restored_k is not None
     fill = view.exact_fill
@@ -80,7 +78,7 @@ def plan_combine(view: Any, q: torch.Tensor, start: torch.Tensor | None, scaling
         m, l, acc, view.rotation, q.contiguous(), view.exact_k.contiguous(), view.exact_v.contiguous(),
         view.restored_k.contiguous() if rest else m, view.restored_v.contiguous() if rest else m,
         view.restored_pos.contiguous() if rest else m, start if start is not None else m, fill if fill is not None else m, out,
-        splits, slots, view.exact_k.shape[-2], view.restored_k.shape[-2] if rest else 0, exact_start(view), float(scaling),
+        splits, view.exact_k.shape[-2], view.restored_k.shape[-2] if rest else 0, exact_start(view), float(scaling),
     )
     pdl = bool(packed.constants.get("PDL"))  # the packed pass lets it start early (the dense kernel, one wave)
     constants = dict(D=dim, G=m.shape[-1], HEADS=heads, GROUP=q_heads // heads, HAS_START=start is not None, HAS_REST=rest,
@@ -103,68 +101,3 @@ def plan_combine(view: Any, q: torch.Tensor, start: torch.Tensor | None, scaling
     if stages:  # the splits' outputs whole: tiles [SB, rows, D] of 32 x D
         group["SB"] = max(1, 32 // rows)
     return Launch(jit._lowbit_combine_group_kernel, (batch * heads,), args, {**constants, **group}, (out,))
-
-
-#: the combine done by the dense kernel's own programs instead of a second launch (:func:`fused_combine`): 1 (the
-#: default) where the packed pass is more than one wave of programs (where it is one, the combine is launched early as a
-#: programmatic dependent instead: :data:`kvweave.kernels.lowbit_dense.EARLY_COMBINE_WAVES`), 2 at every size, 0
-#: never (KVWEAVE_FUSED_COMBINE)
-FUSED_COMBINE = env_setting("KVWEAVE_FUSED_COMBINE", 1, (0, 1, 2))
-
-#: each device's counters of the fused combine (int32, one a row of batch x KV heads, zero between launches: the last
-#: program of a row sets its count back), and every buffer made before (a CUDA graph captured with one keeps using it)
-_COUNTERS: dict[Any, list] = {}
-
-
-def fused_counters(device: Any, rows: int) -> torch.Tensor | None:
-    """``rows`` zero counters on ``device`` for :func:`fused_combine` (a device's buffer, grown where too short), or
-    None while a CUDA graph is being captured and the buffer is too short (a new one cannot be zeroed outside the
-    graph then: the combine is launched on its own). Launches that take them run one after another on a device's
-    stream; two fused launches at once on two streams of a device would share the counts."""
-    made = _COUNTERS.setdefault(str(device), [])
-    if made and made[-1].numel() >= rows:
-        return made[-1][:rows]
-    if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
-        return None
-    made.append(torch.zeros(max(rows, 2 * made[-1].numel() if made else 256), dtype=torch.int32, device=device))
-    return made[-1][:rows]
-
-
-def fused_refusal(view: Any, packed: Launch) -> str | None:
-    """Why :func:`fused_combine` leaves the combine of ``packed`` (``view``'s packed pass) to its own launch, or None:
-    :data:`FUSED_COMBINE`, a packed pass not the dense kernel's, one launched with the combine as its programmatic
-    dependent (setting 1), a rotation not undone by a transform (:func:`hadamard_stages`; head_dim 256 with the setting
-    at 2 only)."""
-    dim = packed.constants.get("D", 0)
-    if FUSED_COMBINE == 0:
-        return "KVWEAVE_FUSED_COMBINE=0"
-    if packed.kernel is not jit_dense._lowbit_dense_kernel:
-        return "the packed pass is not the dense kernel's"
-    if FUSED_COMBINE == 1 and packed.constants.get("PDL"):
-        return "the packed pass is one wave, with the combine launched early beside it"
-    if not hadamard_stages(view, dim, dim <= COMBINE_WHOLE_DIM):
-        return "the values' rotation is not undone by a transform here (a Hadamard rotation, head_dim up to 128)"
-    return None
-
-
-def fused_combine(view: Any, packed: Launch, combine: Launch) -> Launch | None:
-    """The dense kernel's packed pass ``packed`` with ``combine`` (:func:`plan_combine`'s launch for it) done by its own
-    programs (``FUSE``): a row's split 0 attends the exact and restored tokens too, into the row's last slot, and the
-    row's last program to end merges the splits into ``combine``'s output, so no second launch waits for the first's
-    last wave. None where :func:`fused_refusal` says why not, or no counters can be had (:func:`fused_counters`)."""
-    if fused_refusal(view, packed) is not None:
-        return None
-    m = packed.outputs[0]
-    counts = fused_counters(m.device, m.shape[0])
-    if counts is None:
-        return None
-    (_, _, _, rot, _, ek, ev, rk, rv, rpos, start, fill, out, _, _, exact, restored, exact_first, scaling) = combine.args
-    dim, group = packed.constants["D"], packed.constants["QG"]
-    rows = 1 << (group - 1).bit_length()
-    args = packed.args[:-14] + (rot, ek, ev, rk, rv, rpos, start, fill, out, counts, exact, restored, exact_first,
-                                scaling)
-    tail = {name: combine.constants[name] for name in ("HAS_REST", "HAS_FILL")}
-    constants = {**packed.constants, **tail, "FUSE": True, "PDL": False, "C_HAS_START": combine.constants["HAS_START"],
-                 "QR": rows, "EB": max(1, 32 // rows), "SB": max(1, 32 // rows),
-                 "HAD": hadamard_stages(view, dim, dim <= COMBINE_WHOLE_DIM)}
-    return Launch(packed.kernel, packed.grid, args, constants, combine.outputs)

@@ -101,7 +101,7 @@ if triton is not None:
         return tl.reshape(_hadamard(tl.reshape(x, (1, D)), 1, D, STAGES), (D,))
 
     @triton.jit
-    def _splits_merged(m_ptr, l_ptr, acc_ptr, rot_ptr, rot, bh, g, splits, slots, ochan, D: tl.constexpr, G: tl.constexpr,
+    def _splits_merged(m_ptr, l_ptr, acc_ptr, rot_ptr, rot, bh, g, splits, ochan, D: tl.constexpr, G: tl.constexpr,
                        SB: tl.constexpr, CB: tl.constexpr, WHOLE: tl.constexpr, DS: tl.constexpr, HAD: tl.constexpr):
         """Query row ``g`` of row ``bh``: the running max, sum and output channels ``ochan`` [DS] (rotated back by
         ``rot``; ``DS``: all ``D`` or a slice) of the packed pass's splits. ``WHOLE``: every split in one tile of
@@ -116,7 +116,7 @@ if triton is not None:
         out = tl.zeros([DS], tl.float32)
         if WHOLE:
             ok = s_idx < splits
-            at = (bh * slots + s_idx) * G + g
+            at = (bh * splits + s_idx) * G + g
             tops = tl.load(m_ptr + at, mask=ok, other=float("-inf"))
             sums = tl.load(l_ptr + at, mask=ok, other=0.0)
             acc = tl.load(acc_ptr + at[:, None] * D + c_idx[None, :], mask=ok[:, None], other=0.0)
@@ -132,7 +132,7 @@ if triton is not None:
             top = tl.full([SB], float("-inf"), tl.float32)
             for s0 in range(0, splits, SB):  # the largest running max of any split
                 ok = s0 + s_idx < splits
-                top = tl.maximum(top, tl.load(m_ptr + (bh * slots + s0 + s_idx) * G + g, mask=ok, other=float("-inf")))
+                top = tl.maximum(top, tl.load(m_ptr + (bh * splits + s0 + s_idx) * G + g, mask=ok, other=float("-inf")))
             m = tl.max(top, 0)
             m_safe = tl.where(m == float("-inf"), 0.0, m)
             total = tl.sum(tl.zeros([SB], tl.float32), 0)
@@ -140,7 +140,7 @@ if triton is not None:
                 part = tl.zeros([CB], tl.float32)
                 for s0 in range(0, splits, SB):
                     ok = s0 + s_idx < splits
-                    at = (bh * slots + s0 + s_idx) * G + g
+                    at = (bh * splits + s0 + s_idx) * G + g
                     w = tl.exp(tl.load(m_ptr + at, mask=ok, other=float("-inf")) - m_safe)
                     if c0 == 0:
                         total += tl.sum(w * tl.load(l_ptr + at, mask=ok, other=0.0), 0)
@@ -167,7 +167,7 @@ if triton is not None:
     @triton.jit
     def _lowbit_combine_kernel(
         m_ptr, l_ptr, acc_ptr, rot_ptr, q_ptr, ek_ptr, ev_ptr, rk_ptr, rv_ptr, rpos_ptr, start_ptr, fill_ptr, out_ptr,
-        splits, slots, exact, restored, exact_first, scaling,
+        splits, exact, restored, exact_first, scaling,
         D: tl.constexpr, G: tl.constexpr, HEADS: tl.constexpr, GROUP: tl.constexpr, HAS_START: tl.constexpr,
         HAS_REST: tl.constexpr, HAS_FILL: tl.constexpr, SB: tl.constexpr, CB: tl.constexpr, EB: tl.constexpr,
         WHOLE: tl.constexpr, PDL: tl.constexpr, SLICES: tl.constexpr, HAD: tl.constexpr = 0,
@@ -199,7 +199,7 @@ if triton is not None:
                                             exact_first, D, HAS_START, HAS_REST, HAS_FILL, EB, False)
         if PDL:  # the packed pass's splits are complete and visible past this
             gdc_wait()
-        m, total, out = _splits_merged(m_ptr, l_ptr, acc_ptr, rot_ptr, rot, bh, g, splits, slots, ochan, D, G, SB, CB, WHOLE,
+        m, total, out = _splits_merged(m_ptr, l_ptr, acc_ptr, rot_ptr, rot, bh, g, splits, ochan, D, G, SB, CB, WHOLE,
                                        DS, HAD)
         m, total, out = _joined(m, total, out, m_e, total_e, out_e, False)
         tl.store(out_ptr + row.to(tl.int64) * D + ochan, _rounded(out / total, out_ptr.dtype.element_ty))
@@ -207,7 +207,7 @@ if triton is not None:
     @triton.jit
     def _lowbit_combine_group_kernel(
         m_ptr, l_ptr, acc_ptr, rot_ptr, q_ptr, ek_ptr, ev_ptr, rk_ptr, rv_ptr, rpos_ptr, start_ptr, fill_ptr, out_ptr,
-        splits, slots, exact, restored, exact_first, scaling,
+        splits, exact, restored, exact_first, scaling,
         D: tl.constexpr, G: tl.constexpr, HEADS: tl.constexpr, GROUP: tl.constexpr, HAS_START: tl.constexpr,
         HAS_REST: tl.constexpr, HAS_FILL: tl.constexpr, SB: tl.constexpr, CB: tl.constexpr, EB: tl.constexpr,
         QR: tl.constexpr, PDL: tl.constexpr, HAD: tl.constexpr = 0,
@@ -239,21 +239,21 @@ if triton is not None:
         top = tl.full([SB, QR], float("-inf"), tl.float32)
         for s0 in range(0, splits, SB):  # the largest running max of any split
             ok = ((s0 + s_idx) < splits)[:, None] & real[None, :]
-            top = tl.maximum(top, tl.load(m_ptr + (bh * slots + s0 + s_idx)[:, None] * G + gq[None, :], mask=ok,
+            top = tl.maximum(top, tl.load(m_ptr + (bh * splits + s0 + s_idx)[:, None] * G + gq[None, :], mask=ok,
                                           other=float("-inf")))
         m = tl.max(top, 0)
         m_safe = tl.where(m == float("-inf"), 0.0, m)
         total = tl.zeros([QR], tl.float32)
         for s0 in range(0, splits, SB):  # the splits' sums, weighted
             ok = ((s0 + s_idx) < splits)[:, None] & real[None, :]
-            at = (bh * slots + s0 + s_idx)[:, None] * G + gq[None, :]  # [SB, QR]
+            at = (bh * splits + s0 + s_idx)[:, None] * G + gq[None, :]  # [SB, QR]
             w = tl.exp(tl.load(m_ptr + at, mask=ok, other=float("-inf")) - m_safe[None, :])
             total += tl.sum(w * tl.load(l_ptr + at, mask=ok, other=0.0), 0)
         out = tl.zeros([QR, D], tl.float32)
         if HAD > 0:  # the splits' outputs merged whole, then transformed
             for s0 in range(0, splits, SB):
                 ok = ((s0 + s_idx) < splits)[:, None] & real[None, :]
-                at = (bh * slots + s0 + s_idx)[:, None] * G + gq[None, :]
+                at = (bh * splits + s0 + s_idx)[:, None] * G + gq[None, :]
                 w = tl.exp(tl.load(m_ptr + at, mask=ok, other=float("-inf")) - m_safe[None, :])
                 a = tl.load(acc_ptr + at[:, :, None] * D + chan[None, None, :], mask=ok[:, :, None], other=0.0)
                 out += tl.sum(w[:, :, None] * a, 0)  # [QR, D]
@@ -263,7 +263,7 @@ if triton is not None:
                 part = tl.zeros([QR, CB], tl.float32)
                 for s0 in range(0, splits, SB):
                     ok = ((s0 + s_idx) < splits)[:, None] & real[None, :]
-                    at = (bh * slots + s0 + s_idx)[:, None] * G + gq[None, :]
+                    at = (bh * splits + s0 + s_idx)[:, None] * G + gq[None, :]
                     w = tl.exp(tl.load(m_ptr + at, mask=ok, other=float("-inf")) - m_safe[None, :])
                     a = tl.load(acc_ptr + at[:, :, None] * D + c0 + c_idx[None, None, :], mask=ok[:, :, None],
                                 other=0.0)
@@ -273,77 +273,3 @@ if triton is not None:
         m, total, out = _joined(m, total, out, m_e, total_e, out_e, True)
         tl.store(out_ptr + rows[:, None] * D + chan[None, :], _rounded(out / total[:, None], out_ptr.dtype.element_ty),
                  mask=real[:, None])
-
-    @triton.jit
-    def _exact_slot(q_ptr, m_ptr, l_ptr, acc_ptr, bh, heads, splits, slots, scaling, start_ptr, rk_ptr, rv_ptr, rpos_ptr,
-                    ek_ptr, ev_ptr, fill_ptr, restored, exact, exact_first, D: tl.constexpr, G: tl.constexpr,
-                    QG: tl.constexpr, QR: tl.constexpr, HAS_START: tl.constexpr, HAS_REST: tl.constexpr,
-                    HAS_FILL: tl.constexpr, EB: tl.constexpr):
-        """The combine folded into the packed pass (:func:`_fused_tail`): a program of row ``bh`` (batch x KV heads)
-        attends its query heads (``QG``, in ``QR`` rows) over the restored tokens and the exact window
-        (:func:`_exact_tokens`) and stores their running max (base e), sum and output [QR, D] in the row's last slot,
-        ``splits``, after its splits' ones."""
-        bh = bh.to(tl.int64)
-        gq = tl.arange(0, QR)
-        real = gq < QG
-        chan = tl.arange(0, D)
-        q = tl.load(q_ptr + (bh * QG + gq)[:, None] * D + chan[None, :], mask=real[:, None],
-                    other=0.0).to(tl.float32) * scaling
-        m_e, total_e, out_e = _exact_tokens(tl.full([QR], float("-inf"), tl.float32), tl.zeros([QR], tl.float32),
-                                            tl.zeros([QR, D], tl.float32), q, chan, chan, bh, bh // heads, start_ptr,
-                                            rk_ptr, rv_ptr, rpos_ptr, ek_ptr, ev_ptr, fill_ptr, restored, exact,
-                                            exact_first, D, HAS_START, HAS_REST, HAS_FILL, EB, True)
-        at = (bh * slots + splits) * G + gq
-        tl.store(m_ptr + at, m_e, mask=real)
-        tl.store(l_ptr + at, total_e, mask=real)
-        tl.store(acc_ptr + at[:, None] * D + chan[None, :], out_e, mask=real[:, None])
-
-    @triton.jit
-    def _fused_tail(count_ptr, m_ptr, l_ptr, acc_ptr, rot_ptr, out_ptr, bh, splits, slots, D: tl.constexpr,
-                    G: tl.constexpr, QG: tl.constexpr, QR: tl.constexpr, SB: tl.constexpr, HAD: tl.constexpr):
-        """The combine done by the packed pass's last program of row ``bh`` (batch x KV heads): each of the row's
-        ``splits`` programs counts itself in (``count_ptr`` [BH] int32, zero before the launch) once its split's state
-        is stored (and split 0's the exact tokens', :func:`_exact_slot`); the one that counts last merges
-        the splits in one pass, ``SB`` at a time (their running max, sum and output rescaled as they come), undoes the
-        values' Hadamard rotation by :func:`_hadamard` in ``HAD`` stages and the rotation's first row, joins the exact
-        tokens' state by the log-sum-exp, writes the output [B, Hq, D] and sets the count back to zero for the next
-        launch. A program's threads pass a barrier before the count, which is an acquire-release atomic at the GPU's
-        scope; the last program reads the slots from the L2 cache (``.cg``: its multiprocessor's L1 does not see the
-        other programs' stores)."""
-        tl.debug_barrier()
-        ticket = tl.atomic_add(count_ptr + bh, 1, sem="acq_rel", scope="gpu")
-        if ticket == splits - 1:
-            row = bh.to(tl.int64)
-            gq = tl.arange(0, QR)
-            real = gq < QG
-            chan = tl.arange(0, D)
-            s_idx = tl.arange(0, SB)
-            at_e = (row * slots + splits) * G + gq  # the exact tokens' slot, loaded first (no wait between the loads)
-            m_e = tl.load(m_ptr + at_e, mask=real, other=float("-inf"), cache_modifier=".cg")
-            total_e = tl.load(l_ptr + at_e, mask=real, other=0.0, cache_modifier=".cg")
-            out_e = tl.load(acc_ptr + at_e[:, None] * D + chan[None, :], mask=real[:, None], other=0.0,
-                            cache_modifier=".cg")
-            m = tl.full([QR], float("-inf"), tl.float32)
-            total = tl.zeros([QR], tl.float32)
-            out = tl.zeros([QR, D], tl.float32)
-            for s0 in range(0, splits, SB):
-                ok = ((s0 + s_idx) < splits)[:, None] & real[None, :]
-                at = (row * slots + s0 + s_idx)[:, None] * G + gq[None, :]  # [SB, QR]
-                tops = tl.load(m_ptr + at, mask=ok, other=float("-inf"), cache_modifier=".cg")
-                sums = tl.load(l_ptr + at, mask=ok, other=0.0, cache_modifier=".cg")
-                part = tl.load(acc_ptr + at[:, :, None] * D + chan[None, None, :], mask=ok[:, :, None], other=0.0,
-                               cache_modifier=".cg")
-                m_new = tl.maximum(m, tl.max(tops, 0))
-                m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-                alpha = tl.exp(m - m_safe)
-                w = tl.exp(tops - m_safe[None, :])
-                total = total * alpha + tl.sum(w * sums, 0)
-                out = out * alpha[:, None] + tl.sum(w[:, :, None] * part, 0)
-                m = m_new
-            out = _hadamard(out, QR, D, HAD) * tl.load(rot_ptr + chan)[None, :]
-            m, total, out = _joined(m, total, out, m_e, total_e, out_e, True)
-            rows = row * QG + gq
-            total = tl.where(real, total, 1.0)  # a padding row's: 0
-            tl.store(out_ptr + rows[:, None] * D + chan[None, :], _rounded(out / total[:, None], out_ptr.dtype.element_ty),
-                     mask=real[:, None])
-            tl.store(count_ptr + row, 0)

@@ -33,7 +33,7 @@ import attrs
 from kvweave.core.lazy import lazy_module, torch
 from kvweave.kernels.formats import VALUE_TILE, unpack_codes, unpack_varwidth, untile_codes
 from kvweave.kernels.launch import Launch, choose_splits, default_programs, query_tile
-from kvweave.kernels.lowbit_combine import exact_start, fused_combine, plan_combine  # noqa: F401 - plan_combine re-exported
+from kvweave.kernels.lowbit_combine import exact_start, plan_combine  # noqa: F401 - plan_combine re-exported
 from kvweave.kernels.lowbit_dense import (auto_dense, dense_block, dense_launch, dense_refusal, dense_splits,
                                           multiprocessors, rope_registers, tiles_refusal)
 from kvweave.kernels.lowbit_tricks import (  # noqa: F401 - TRICKS: the names lowbit_decode takes; the others read here
@@ -314,10 +314,9 @@ def plan_launch(view: LowbitView, q: torch.Tensor, start: torch.Tensor | None, s
     split_len = -(-view.tokens // splits)
     split_len = -(-split_len // view.k_group) * view.k_group  # splits start on a token group
     splits = -(-view.tokens // split_len)
-    # the dense kernel's rows have a slot more: the exact tokens' state where the combine is folded into its launch
-    m = torch.empty(batch * heads, splits + (variant == "dense"), rows, device=q.device)
+    m = torch.empty(batch * heads, splits, rows, device=q.device)
     l = torch.empty_like(m)
-    acc = torch.empty(batch * heads, m.shape[1], rows, dim, device=q.device)
+    acc = torch.empty(batch * heads, splits, rows, dim, device=q.device)
     ko = 0 if view.k_out_index is None else view.k_out_index.shape[-1]
     dummy = view.k_zero
     varw = view.k_widths is not None
@@ -368,9 +367,5 @@ def lowbit_decode(view: LowbitView, q: torch.Tensor, start: torch.Tensor | None,
     if view.tokens == 0:
         return torch_lowbit_decode(view, q, start, scaling)
     packed = plan_launch(view, q, start, scaling, block, num_warps, variant, programs, lowp, tricks, query_rows)
-    combine = plan_combine(view, q, start, scaling, packed, out_dtype)
-    fused = fused_combine(view, packed, combine)
-    if fused is not None:  # one launch: the dense kernel's last program of each row combines it
-        return fused.run()[0]
     packed.run()
-    return combine.run()[0]
+    return plan_combine(view, q, start, scaling, packed, out_dtype).run()[0]

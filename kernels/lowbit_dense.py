@@ -357,8 +357,7 @@ def dense_launch(view: Any, args: tuple, constants: dict, kind: int, l0: float, 
         table16 = table16.clone()
     words = (view.k_codes.contiguous().view(torch.int32), view.v_codes.contiguous().view(torch.int32))
     dense_args = (padded, words[0], k_zero, k_scale, k_oi, k_ov, words[1], v_scale, v_max, v_levels, table16, start,
-                  positions, hidden, freq, m, l, acc, tokens, heads, splits, split_len, first, scaling, l0, l1, rope_scale,
-                  *(m,) * 10, 0, 0, 0, 1.0)  # the fused combine's (kvweave.kernels.lowbit_combine.fused_combine)
+                  positions, hidden, freq, m, l, acc, tokens, heads, splits, split_len, first, scaling, l0, l1, rope_scale)
     keep = ("D", "G", "KBITS", "KGROUP", "KO", "VBITS", "VGROUP", "HAS_START", "BLOCK", "LOWP", "VLOG", "VST", "HAS_POS",
             "HID", "ROPE", "num_warps")
     asm = (2 if ampere_products(padded.device) else 1) if constants["APPROX"] else 0
@@ -368,8 +367,6 @@ def dense_launch(view: Any, args: tuple, constants: dict, kind: int, l0: float, 
     dense_constants["QG"] = group
     dense_constants["ROPE_PAIRS"] = rope_pairs(constants["D"])
     dense_constants["FIX"], dense_constants["FIX_LIMIT"] = DENSE_FIXED_MAX, DENSE_FIXED_LIMIT
-    # the fused combine's (kvweave.kernels.lowbit_combine.fused_combine sets them where it is taken)
-    dense_constants.update(FUSE=False, C_HAS_START=False, HAS_REST=False, HAS_FILL=False, EB=1, SB=1, QR=1, HAD=0)
     programs = m.shape[0] * splits  # the combine starts before the last programs end where they are one wave
     sms, hid = multiprocessors(padded.device), constants["HID"] > 0
     registers = dense_registers(constants["D"], hid)

@@ -23,7 +23,6 @@ except ImportError:  # pragma: no cover - exercised where triton is missing
 
 if triton is not None:
     from kvweave.kernels.grid_dependency_triton import gdc_launch_dependents
-    from kvweave.kernels.lowbit_combine_triton import _exact_slot, _fused_tail
     from kvweave.kernels.lowbit_codes_triton import _plus128
     from kvweave.kernels.lowbit_rope_triton import _rope_logits
     from kvweave.kernels.lowbit_rows_triton import _pair_channels, _quad_channels, _value_step, _words_codes
@@ -290,16 +289,32 @@ if triton is not None:
         return m_i, l_i, w_i, acc0, acc1, acc2, acc3, top
 
     @triton.jit
-    def _pass(bh, split, q_ptr, kc_ptr, kz_ptr, ks_ptr, koi_ptr, kov_ptr, vc_ptr, vs_ptr, vmax_ptr, vlev_ptr, vlev16_ptr,
-              start_ptr, pos_ptr, hid_ptr, freq_ptr, m_ptr, l_ptr, acc_ptr, tokens, heads, splits, split_len, first,
-              scaling, l0, l1, rope_scale, D: tl.constexpr, G: tl.constexpr, KBITS: tl.constexpr, KGROUP: tl.constexpr,
-              KO: tl.constexpr, VBITS: tl.constexpr, VGROUP: tl.constexpr, HAS_START: tl.constexpr, BLOCK: tl.constexpr,
-              LOWP: tl.constexpr, LEVELS: tl.constexpr, VLOG: tl.constexpr, VST: tl.constexpr, HAS_POS: tl.constexpr,
-              HID: tl.constexpr, ASM: tl.constexpr, KPLANES: tl.constexpr, KPF: tl.constexpr, AHEAD: tl.constexpr,
-              VTILE: tl.constexpr, PAD: tl.constexpr, QG: tl.constexpr, FIX: tl.constexpr, FIX_LIMIT: tl.constexpr,
-              ROPE: tl.constexpr, ROPE_PAIRS: tl.constexpr):
-        """Split ``split`` of row ``bh``'s packed tokens (:func:`_lowbit_dense_kernel`): its maximum (with ``FIX``, its
-        reference), sum and output stored in the row's slot ``split`` of ``splits + 1``."""
+    def _lowbit_dense_kernel(
+        q_ptr, kc_ptr, kz_ptr, ks_ptr, koi_ptr, kov_ptr, vc_ptr, vs_ptr, vmax_ptr, vlev_ptr, vlev16_ptr, start_ptr,
+        pos_ptr, hid_ptr, freq_ptr, m_ptr, l_ptr, acc_ptr,
+        tokens, heads, splits, split_len, first, scaling, l0, l1, rope_scale,
+        D: tl.constexpr, G: tl.constexpr, KBITS: tl.constexpr, KGROUP: tl.constexpr, KO: tl.constexpr,
+        VBITS: tl.constexpr, VGROUP: tl.constexpr, HAS_START: tl.constexpr, BLOCK: tl.constexpr, LOWP: tl.constexpr,
+        LEVELS: tl.constexpr, VLOG: tl.constexpr, VST: tl.constexpr, HAS_POS: tl.constexpr, HID: tl.constexpr,
+        ASM: tl.constexpr, KPLANES: tl.constexpr, KPF: tl.constexpr, AHEAD: tl.constexpr, VTILE: tl.constexpr,
+        PAD: tl.constexpr, QG: tl.constexpr, FIX: tl.constexpr, FIX_LIMIT: tl.constexpr, PDL: tl.constexpr,
+        ROPE: tl.constexpr, ROPE_PAIRS: tl.constexpr,
+    ):
+        """One program per (batch row x KV head, split of the packed tokens); the split is whole steps of ``BLOCK``
+        tokens (``BLOCK`` divides ``KGROUP``), so nothing is masked but slots that are fillers, before the row's first
+        visible position, or hidden. Tiles are token-major (logits [BLOCK, G], outputs [channels, G]): the unpacked codes
+        are the products' first operand (rows: tokens, channels), the query heads (8 rows at least) the second, read where
+        the model left them (``q_ptr`` [B, KV heads x ``QG``, D], any float dtype; a padding row repeats a real one).
+        Writes the split's maximum (with ``FIX``: its reference), sum and output in the rotated space, for the combine;
+        the steps take each field from the row's first token (the pointers are moved there first). ``KPLANES``: 4-bit keys
+        read by code places (:func:`_plane_fold`, :func:`_plane_dots`); ``KPF``: their scales and zero points loaded a step ahead as int32
+        words; ``PAD`` = 2: the ``G / 2`` real query rows each fill two columns (:func:`_steps`), only they written.
+        ``PDL``: the combine may be launched once every program has begun (it waits for this kernel's end before it
+        reads the splits)."""
+        if PDL:
+            gdc_launch_dependents()
+        bh = tl.program_id(0)
+        split = tl.program_id(1)
         batch = bh // heads
         scaling = scaling * 1.4426950408889634  # log2(e): the logits in base 2, each exponential one ex2 (m stored in base e)
         VGROUPS: tl.constexpr = D // VGROUP
@@ -349,7 +364,7 @@ if triton is not None:
                 ks_ptr, koi_ptr, kov_ptr, vc_ptr, vs_row, vmax_row, vlev_ptr, vlev16_ptr, pos_ptr, hid_ptr, freq_ptr,
                 rope_scale, 0, D, KBITS, KGROUP, KO, VBITS, HAS_START, LOWP, LEVELS, VLOG, VST, HAS_POS, HID, ASM, KPLANES,
                 KPF, AHEAD, VTILE, PAD, QG, False, ROPE, ROPE_PAIRS)
-        out = (bh * (splits + 1) + split) * G  # a row's slots: its splits, then the exact tokens' (fused combine)
+        out = (bh * splits + split) * G
         tl.store(m_ptr + out + ri, m_i * 0.6931471805599453)
         tl.store(l_ptr + out + ri, tl.sum(l_i, 0))
         weight = 16.0 if VBITS == 4 and LEVELS % 2 == 1 else 1.0  # _uniform4_tiles' levels are over 16
@@ -363,51 +378,3 @@ if triton is not None:
         if VGROUPS > 2:
             tl.store(base + 2 * VGROUP, _half(acc2, 0, PAD) * weight)
             tl.store(base + 3 * VGROUP, _half(acc3, 1, PAD) * weight)
-
-    @triton.jit
-    def _lowbit_dense_kernel(
-        q_ptr, kc_ptr, kz_ptr, ks_ptr, koi_ptr, kov_ptr, vc_ptr, vs_ptr, vmax_ptr, vlev_ptr, vlev16_ptr, start_ptr,
-        pos_ptr, hid_ptr, freq_ptr, m_ptr, l_ptr, acc_ptr,
-        tokens, heads, splits, split_len, first, scaling, l0, l1, rope_scale,
-        rot_ptr, ek_ptr, ev_ptr, rk_ptr, rv_ptr, rpos_ptr, cstart_ptr, fill_ptr, out_ptr, count_ptr,
-        exact, restored, exact_first, cscaling,
-        D: tl.constexpr, G: tl.constexpr, KBITS: tl.constexpr, KGROUP: tl.constexpr, KO: tl.constexpr,
-        VBITS: tl.constexpr, VGROUP: tl.constexpr, HAS_START: tl.constexpr, BLOCK: tl.constexpr, LOWP: tl.constexpr,
-        LEVELS: tl.constexpr, VLOG: tl.constexpr, VST: tl.constexpr, HAS_POS: tl.constexpr, HID: tl.constexpr,
-        ASM: tl.constexpr, KPLANES: tl.constexpr, KPF: tl.constexpr, AHEAD: tl.constexpr, VTILE: tl.constexpr,
-        PAD: tl.constexpr, QG: tl.constexpr, FIX: tl.constexpr, FIX_LIMIT: tl.constexpr, PDL: tl.constexpr,
-        ROPE: tl.constexpr, ROPE_PAIRS: tl.constexpr, FUSE: tl.constexpr, C_HAS_START: tl.constexpr,
-        HAS_REST: tl.constexpr, HAS_FILL: tl.constexpr, EB: tl.constexpr, SB: tl.constexpr, QR: tl.constexpr,
-        HAD: tl.constexpr,
-    ):
-        """One program per (batch row x KV head, split of the packed tokens); the split is whole steps of ``BLOCK``
-        tokens (``BLOCK`` divides ``KGROUP``), so nothing is masked but slots that are fillers, before the row's first
-        visible position, or hidden. Tiles are token-major (logits [BLOCK, G], outputs [channels, G]): the unpacked codes
-        are the products' first operand (rows: tokens, channels), the query heads (8 rows at least) the second, read where
-        the model left them (``q_ptr`` [B, KV heads x ``QG``, D], any float dtype; a padding row repeats a real one).
-        Writes the split's maximum (with ``FIX``: its reference), sum and output in the rotated space, for the combine;
-        the steps take each field from the row's first token (the pointers are moved there first). ``KPLANES``: 4-bit keys
-        read by code places (:func:`_plane_fold`, :func:`_plane_dots`); ``KPF``: their scales and zero points loaded a step ahead as int32
-        words; ``PAD`` = 2: the ``G / 2`` real query rows each fill two columns (:func:`_steps`), only they written.
-        ``PDL``: the combine may be launched once every program has begun (it waits for this kernel's end before it
-        reads the splits). ``FUSE``: the combine done here instead (:func:`kvweave.kernels.lowbit_combine.fused_combine`):
-        after its steps a row's split 0 attends its exact and restored tokens too (:func:`_exact_slot`; ``cstart_ptr``,
-        ``cscaling``: the combine's first visible position and scale), and the last program of the row to count itself
-        in (``count_ptr``) merges its splits into ``out_ptr`` (:func:`_fused_tail`); without it those arguments are
-        not read."""
-        if PDL:
-            gdc_launch_dependents()
-        bh = tl.program_id(0)
-        split = tl.program_id(1)
-        _pass(bh, split, q_ptr, kc_ptr, kz_ptr, ks_ptr, koi_ptr, kov_ptr, vc_ptr, vs_ptr, vmax_ptr, vlev_ptr, vlev16_ptr,
-              start_ptr, pos_ptr, hid_ptr, freq_ptr, m_ptr, l_ptr, acc_ptr, tokens, heads, splits, split_len, first,
-              scaling, l0, l1, rope_scale, D, G, KBITS, KGROUP, KO, VBITS, VGROUP, HAS_START, BLOCK, LOWP, LEVELS, VLOG,
-              VST, HAS_POS, HID, ASM, KPLANES, KPF, AHEAD, VTILE, PAD, QG, FIX, FIX_LIMIT, ROPE, ROPE_PAIRS)
-        if FUSE:  # split 0's program attends the row's exact tokens too (after its steps: a branch around the steps
-            # spilled in them at 96 registers); the last program of the row to end combines
-            if split == 0:
-                _exact_slot(q_ptr, m_ptr, l_ptr, acc_ptr, bh, heads, splits, splits + 1, cscaling, cstart_ptr, rk_ptr,
-                            rv_ptr, rpos_ptr, ek_ptr, ev_ptr, fill_ptr, restored, exact, exact_first, D, G, QG, QR,
-                            C_HAS_START, HAS_REST, HAS_FILL, EB)
-            _fused_tail(count_ptr, m_ptr, l_ptr, acc_ptr, rot_ptr, out_ptr, bh, splits, splits + 1, D, G, QG, QR, SB,
-                        HAD)

@@ -1,8 +1,11 @@
 """The dense kernel as built for sm_90 (no GPU) with the combine folded into its launch (``FUSE``) and without:
-registers, stack bytes, instructions in all and in the token loop, for the launch ``benchmarks/lowbit_kernel.py``'s
+registers, stack bytes, instructions in all and in the token loop (the loop with tensor-core products) and its
+local loads, for the launch ``benchmarks/lowbit_kernel.py``'s
 storage makes at ``ROWS`` batch rows (the launch's registers: 128 at one wave, 96 past it).
 
     PYTHONPATH=<Triton 3.6.0 installed with pip --target> python docs/perf/gpu-2026-12-07-fused/fused_sass.py ROWS [STORAGE]
+
+(at 1b530a5, where the fused combine exists; it was removed after its lease timed it slower)
 """
 import importlib
 import sys
@@ -14,7 +17,9 @@ import triton
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[3] / "benchmarks"))
 from lowbit_kernel import HEAD_DIM, Q_HEADS, packed_view  # noqa: E402
-from kvweave.kernels.gpu_build import build, launch_job, resources, sass_opcodes  # noqa: E402
+import collections  # noqa: E402
+
+from kvweave.kernels.gpu_build import branches, build, launch_job, resources, sass_listing, sass_opcodes  # noqa: E402
 from kvweave.kernels.lowbit_combine import fused_combine, plan_combine  # noqa: E402
 from kvweave.kernels.lowbit_decode import plan_launch  # noqa: E402
 
@@ -32,5 +37,10 @@ for name, launch in (("two launches", packed), ("fused", fused)):
     job = launch_job(launch.kernel, launch.args, launch.constants)
     cubin = build(importlib.import_module(job["module"]), job).asm["cubin"]
     used = resources(cubin)
+    code, labels = sass_listing(cubin)
+    spans = [(to, at) for at, to, _ in branches(code, labels) if to < at]
+    inner = [span for span in spans if not any(o != span and span[0] <= o[0] and o[1] <= span[1] for o in spans)]
+    loops = [collections.Counter(op for address, op, _, _ in code if lo <= address <= hi) for lo, hi in inner]
+    steps = [ops for ops in loops if ops["HMMA"] or ops["HGMMA"]][0]  # the token loop: the one with products
     print(f"{name}: {used['registers']} registers, {used['stack']} stack bytes, {sum(sass_opcodes(cubin).values())} "
-          f"instructions, {sum(sass_opcodes(cubin, loop=True).values())} in the token loop")
+          f"instructions, {sum(steps.values())} in the token loop ({steps['LDL']} local loads)")

@@ -4,6 +4,7 @@
 # layer of kzd-k4vq25-f40 (weighed by benchmarks/layer_mix.py): setting 1 (the default: fused past one wave) at
 # B = 1, 8, 32; setting 0 (two launches) at B = 8 and 32, where 1 differs from it; setting 2 (fused at one wave too,
 # instead of the early combine) at B = 1, where it differs from 1.
+# Runs at 1b530a5, where the setting exists (removed after this run: slower everywhere).
 # OUT=/tmp/o timeout 590 bash docs/perf/gpu-2026-12-07-fused/lease.sh; tar czf $OUT/all.tgz -C /tmp/o .
 source benchmarks/lease_preamble.sh
 step 200 tests.md python -m pytest -q -p no:cacheprovider tests/test_fused_combine.py tests/test_lowbit_gpu.py \
