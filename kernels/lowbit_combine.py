@@ -36,22 +36,19 @@ COMBINE_SLICES = env_setting("KVWEAVE_COMBINE_SLICES", 1, (1, 2, 4, 8))
 COMBINE_WARPS = env_setting("KVWEAVE_COMBINE_WARPS", 4, (2, 4, 8, 16))
 
 #: a Hadamard rotation (the view's ``rotation_hadamard``) undone by a fast Walsh-Hadamard transform, the matrix's first
-#: row read instead of all of it (64 KB a program at head_dim 128): 1 (the default) in the per-query-head combine where
-#: it reads the splits in one tile and writes every channel (``WHOLE``, one slice) and in the combine by KV head up to
-#: head_dim 128, both checked and timed on a GPU (H100, 2026-12-07: the combine at B = 32 24 -> 14 us, at B = 128
-#: 59 -> 43 us; docs/kernels.md "The values' Hadamard rotation undone in the combine by a transform"); 2 also past one
-#: tile of splits (head_dim 256, or more than 64 splits: every channel in one chunk of the splits' loop) and by KV head
-#: at head_dim 256, checked under the interpreter and built for sm_90 but not yet run on a GPU; 0 reads the matrix
-#: everywhere (KVWEAVE_COMBINE_HADAMARD)
-COMBINE_HADAMARD = env_setting("KVWEAVE_COMBINE_HADAMARD", 1, (0, 1, 2))
+#: row read instead of all of it (64 KB a program at head_dim 128): 1 (the default) in every combine, 0 reads the matrix
+#: (KVWEAVE_COMBINE_HADAMARD). Checked and timed on an H100 (2026-12-07): the per-query-head combine reading the splits
+#: in one tile at B = 32 24 -> 14 us, the combine by KV head at B = 128 59 -> 43 us; at head_dim 256, where the splits
+#: are merged in tiles, every channel in one chunk of the splits' loop, 16.5 -> 7.9 us at B = 8 and 39 -> 11 us at
+#: B = 32 (docs/kernels.md "The values' Hadamard rotation undone in the combine by a transform")
+COMBINE_HADAMARD = env_setting("KVWEAVE_COMBINE_HADAMARD", 1, (0, 1))
 
 
-def hadamard_stages(view: Any, dim: int, checked: bool) -> int:
+def hadamard_stages(view: Any, dim: int) -> int:
     """The butterfly stages of the transform that undoes ``view``'s rotation in the combine (log2 ``dim``), or 0 where
-    the combine reads the matrix: a Hadamard rotation of a power-of-two width, under :data:`COMBINE_HADAMARD` (1: only
-    where the case is ``checked`` on a GPU; 2: everywhere)."""
-    on = COMBINE_HADAMARD == 2 or COMBINE_HADAMARD == 1 and checked
-    return dim.bit_length() - 1 if on and view.rotation_hadamard and dim & (dim - 1) == 0 else 0
+    the combine reads the matrix: a Hadamard rotation of a power-of-two width, :data:`COMBINE_HADAMARD` on."""
+    on = COMBINE_HADAMARD == 1 and view.rotation_hadamard
+    return dim.bit_length() - 1 if on and dim & (dim - 1) == 0 else 0
 
 
 def exact_start(view: Any) -> int:
@@ -90,13 +87,13 @@ def plan_combine(view: Any, q: torch.Tensor, start: torch.Tensor | None, scaling
         if whole:
             constants.update(SB=max(16, 1 << (splits - 1).bit_length()), CB=dim)
         slices = max(1, min(COMBINE_SLICES, dim // 16))
-        stages = hadamard_stages(view, dim, whole) if slices == 1 else 0
+        stages = hadamard_stages(view, dim) if slices == 1 else 0
         if stages and not whole:  # the splits in tiles of 32 x D, every channel in one chunk
             constants["CB"] = dim
         constants.update(WHOLE=whole, SLICES=slices, num_warps=COMBINE_WARPS, HAD=stages)
         return Launch(jit._lowbit_combine_kernel, (batch * q_heads * slices,), args, constants, (out,))
     rows = 1 << (q_heads // heads - 1).bit_length()  # tiles [rows, CB, D] and [EB, rows, D] of 32 x D each
-    stages = hadamard_stages(view, dim, dim <= COMBINE_WHOLE_DIM)
+    stages = hadamard_stages(view, dim)
     group = {"QR": rows, "CB": max(1, 32 // rows), "EB": max(1, 32 // rows), "HAD": stages}
     if stages:  # the splits' outputs whole: tiles [SB, rows, D] of 32 x D
         group["SB"] = max(1, 32 // rows)

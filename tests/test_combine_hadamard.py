@@ -107,16 +107,12 @@ def test_the_transform_gives_the_matrixs_output(dim):
 @pytest.mark.parametrize("q_heads, dim", [(2, 128), (6, 128), (8, 128), (4, 256)])
 def test_the_combine_by_kv_head_gives_the_matrixs_output(sinks_view, monkeypatch, q_heads, dim):
     """The combine by KV head (taken here at every size), 1, 3 and 4 query heads a KV head (3: a padded row of the
-    tile), restored sinks and the exact window: the transform's output is the matrix's, and the twin's. At head_dim
-    256 only with the setting at 2 (not yet run on a GPU)."""
+    tile), restored sinks and the exact window, head_dim 128 and 256: the transform's output is the matrix's, and the
+    twin's."""
     monkeypatch.setattr(lowbit_combine, "COMBINE_GROUP_ROWS", 0)
     view = sinks_view if dim == 128 else _sinks_view(dim)
     q = torch.randn(1, q_heads, dim, generator=torch.Generator().manual_seed(q_heads))
-    plan = lambda: plan_combine(view, q, None, dim ** -0.5, plan_launch(view, q, None, dim ** -0.5, variant="dense"))  # noqa: E731
-    if dim > 128:
-        assert plan().constants["HAD"] == 0
-        monkeypatch.setattr(lowbit_combine, "COMBINE_HADAMARD", 2)
-    combine = plan()
+    combine = plan_combine(view, q, None, dim ** -0.5, plan_launch(view, q, None, dim ** -0.5, variant="dense"))
     assert "QR" in combine.constants and combine.constants["HAD"] == int(math.log2(dim))
     _as_the_matrix_and_the_twin(view, q)
 
@@ -126,16 +122,13 @@ def test_the_combine_by_kv_head_gives_the_matrixs_output(sinks_view, monkeypatch
 def test_past_one_tile_of_splits_the_transform_is_taken_in_the_splits_loop(dim, monkeypatch):
     """Past ``WHOLE`` (head_dim 256; at 128, more splits than ``COMBINE_WHOLE_SPLITS``, here 1) the per-query-head
     combine merges the splits in tiles, every channel in one chunk, and transforms the result: the matrix's output,
-    and the twin's. Taken with the setting at 2 only (not yet run on a GPU)."""
+    and the twin's."""
     if dim == 128:
         monkeypatch.setattr(lowbit_combine, "COMBINE_WHOLE_SPLITS", 1)
     view = _sinks_view(dim)
     assert view.rotation_hadamard and view.rotation.shape == (dim, dim)
     q = torch.randn(1, 4, dim, generator=torch.Generator().manual_seed(3))
-    plan = lambda: plan_combine(view, q, None, dim ** -0.5, plan_launch(view, q, None, dim ** -0.5, variant="dense"))  # noqa: E731
-    assert not plan().constants["WHOLE"] and plan().constants["HAD"] == 0  # the default: the matrix here
-    monkeypatch.setattr(lowbit_combine, "COMBINE_HADAMARD", 2)
-    combine = plan()
+    combine = plan_combine(view, q, None, dim ** -0.5, plan_launch(view, q, None, dim ** -0.5, variant="dense"))
     assert not combine.constants["WHOLE"] and combine.constants["HAD"] == int(math.log2(dim))
     assert combine.constants["CB"] == dim
     _as_the_matrix_and_the_twin(view, q)
@@ -173,15 +166,14 @@ for storage in ("k4v2e48t", "k4v4e77t"):
         slow = lowbit_decode(attrs.evolve(view, rotation_hadamard=False), q, None, HEAD_DIM ** -0.5, variant="dense")
         assert float(fast.abs().max()) > 0.05
         worst = max(worst, float((fast - slow).abs().max() / fast.abs().max()))
-from kvweave.kernels import lowbit_combine
-lowbit_combine.COMBINE_HADAMARD = 2  # past one tile of splits too
 for storage in ("k4v2e48t", "k4v4e77t"):  # head_dim 256: the splits merged in tiles, then the transform
-    view = attrs.evolve(packed_view(8, 32768, device="cuda", storage=storage, shape="d256"), inv_freq=None)
-    q = torch.randn(8, 16, 256, generator=torch.Generator().manual_seed(5)).cuda()
-    fast = lowbit_decode(view, q, None, 256 ** -0.5, variant="dense")
-    slow = lowbit_decode(attrs.evolve(view, rotation_hadamard=False), q, None, 256 ** -0.5, variant="dense")
-    assert float(fast.abs().max()) > 0.05
-    worst = max(worst, float((fast - slow).abs().max() / fast.abs().max()))
+    for rows in (1, 8, 40):  # 40 rows: the combine by KV head
+        view = attrs.evolve(packed_view(rows, 32768, device="cuda", storage=storage, shape="d256"), inv_freq=None)
+        q = torch.randn(rows, 16, 256, generator=torch.Generator().manual_seed(5)).cuda()
+        fast = lowbit_decode(view, q, None, 256 ** -0.5, variant="dense")
+        slow = lowbit_decode(attrs.evolve(view, rotation_hadamard=False), q, None, 256 ** -0.5, variant="dense")
+        assert float(fast.abs().max()) > 0.05
+        worst = max(worst, float((fast - slow).abs().max() / fast.abs().max()))
 print(worst)
 """
 
@@ -189,7 +181,7 @@ print(worst)
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="compiles the combine for a CUDA GPU")
 def test_the_transform_gives_the_matrixs_output_on_the_gpu():
     """Llama-3-8B attention shape, 32,768 tokens before eviction, both storages, B = 1, 8, 32 (a program a query
-    head) and 40 (a program a KV head), and head_dim 256 at B = 8 (16 query heads on 8 KV heads; the setting at 2):
+    head) and 40 (a program a KV head), and head_dim 256 at B = 1, 8 and 40 (16 query heads on 8 KV heads):
     the transform's output is the matrix's up to float32 rounding (1e-5 of the output's largest value)."""
     env = {k: v for k, v in __import__("os").environ.items() if k != "TRITON_INTERPRET"}
     done = subprocess.run([sys.executable, "-c", _GPU], capture_output=True, text=True, timeout=900, cwd=ROOT, env=env)

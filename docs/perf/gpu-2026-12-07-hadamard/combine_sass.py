@@ -1,7 +1,7 @@
 """The ``lowbit`` combine as built for sm_90 (no GPU), its Hadamard rotation undone by the transform and by the
 matrix: registers, stack and instructions of the launch ``benchmarks/lowbit_kernel.py``'s 8x storage makes at
 ``ROWS`` batch rows (1-32 at 8 KV heads: a program a query head; more: a program a KV head) and ``SHAPE`` (llama3-8b or
-d256). The transform is counted wherever it is built (``COMBINE_HADAMARD`` = 2), the matrix with it at 0.
+d256). The transform is counted with ``COMBINE_HADAMARD`` at 1 (the default), the matrix with it at 0.
 
     PYTHONPATH=<Triton 3.6.0 installed with pip --target> python docs/perf/gpu-2026-12-07-hadamard/combine_sass.py ROWS [SHAPE]
 """
@@ -24,7 +24,7 @@ q_heads, _, dim, _ = SHAPES[shape]
 view = attrs.evolve(packed_view(rows, 4096, device="cpu", storage="k4v2e48t", shape=shape), inv_freq=None)
 q = torch.randn(rows, q_heads, dim)
 print(f"Triton {triton.__version__}, sm_90, {shape}, B = {rows}")
-for setting in (2, 0):
+for setting in (1, 0):
     lowbit_combine.COMBINE_HADAMARD = setting
     combine = plan_combine(view, q, None, dim ** -0.5, plan_launch(view, q, None, dim ** -0.5, variant="dense", lowp=True))
     job = launch_job(combine.kernel, combine.args, combine.constants)
