@@ -30,7 +30,8 @@ class Launch:
 
 
 #: launch the lowbit combine as a programmatic dependent of the dense kernel's packed pass where the GPU and Triton can
-#: (Hopper and later, Triton 3.4 and later) and that pass is one wave (kvweave.kernels.lowbit_dense.EARLY_COMBINE_WAVES):
+#: (Hopper and later, Triton 3.4 and later) and that pass is one wave or has few rows
+#: (kvweave.kernels.lowbit_dense.EARLY_COMBINE_WAVES, EARLY_COMBINE_ROWS):
 #: its programs start while the packed pass's last ones run, attend the exact window and load the rotation, and wait for
 #: the packed pass only before they read its splits (docs/kernels.md "The combine launched before the packed pass
 #: ends"); the environment's KVWEAVE_PROGRAMMATIC_COMBINE=0 turns it off (to time both)

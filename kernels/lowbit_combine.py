@@ -63,7 +63,7 @@ def plan_combine(view: Any, q: torch.Tensor, start: torch.Tensor | None, scaling
     :data:`COMBINE_SLICES` programs a query head (one per KV head past :data:`COMBINE_GROUP_ROWS` rows): [B, Hq, D]
     float32, or rounded to nearest even in ``out_dtype`` (the model's, saving a conversion). Launched as a programmatic
     dependent of the packed pass where that pass asks for it (its ``PDL``:
-    :data:`kvweave.kernels.lowbit_dense.EARLY_COMBINE_WAVES`)."""
+    :data:`kvweave.kernels.lowbit_dense.EARLY_COMBINE_WAVES`, :data:`~kvweave.kernels.lowbit_dense.EARLY_COMBINE_ROWS`)."""
     batch, q_heads, dim = q.shape
     heads = view.exact_k.shape[1]
     m, l, acc = packed.outputs

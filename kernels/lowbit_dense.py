@@ -285,11 +285,15 @@ def dense_ahead(view: Any, programs: int, sms: int, dim: int, hidden: bool, num_
     return int(trick.get("KAHEAD", False)) + 2 * int(trick.get("VAHEAD", False)), trick.get("R128", False)
 
 
-#: launch the combine early (:func:`kvweave.kernels.launch.programmatic`) only where the dense kernel's programs fit in
-#: one wave: there the SMs have room for the combine's programs beside the packed pass's, and B = 1 gained 7-11% (H100,
-#: 2026-12-05); with several waves its programs took slots and bandwidth from the last wave, -2% to +3% (docs/kernels.md
-#: "The combine launched before the packed pass ends")
+#: launch the combine early (:func:`kvweave.kernels.launch.programmatic`) where the dense kernel's programs fit in one
+#: wave: there the SMs have room for the combine's programs beside the packed pass's, and B = 1 gained 7-11% (H100,
+#: 2026-12-05; docs/kernels.md "The combine launched before the packed pass ends") ...
 EARLY_COMBINE_WAVES = 1
+#: ... or where the rows (batch x KV heads) are at most this many, whatever the waves: at B = 8 (64 rows, three waves)
+#: the 8x class's call was 2-4% shorter with it in two leases and the ~5x class's the same, at B = 32 (256 rows) 1-2%
+#: longer in one of the two (H100, every call past the L2 cache, 2026-12-07: docs/kernels.md "The combine launched
+#: early past one wave at few rows")
+EARLY_COMBINE_ROWS = 64
 
 
 def dense_splits(rows: int, steps: int, sms: int, dim: int, hidden: bool, num_warps: int = 4,
@@ -376,8 +380,8 @@ def dense_launch(view: Any, args: tuple, constants: dict, kind: int, l0: float, 
         registers = DENSE_AHEAD_REGISTERS if registers is None else max(registers, DENSE_AHEAD_REGISTERS)
     if (rope := rope_registers(view)) is not None:
         registers = rope if registers is None else max(registers, rope)
-    dense_constants["PDL"] = programmatic(padded.device) and programs <= EARLY_COMBINE_WAVES * dense_slots(
-        sms, constants["D"], hid, constants["num_warps"], registers)
+    dense_constants["PDL"] = programmatic(padded.device) and (m.shape[0] <= EARLY_COMBINE_ROWS or programs <= (
+        EARLY_COMBINE_WAVES * dense_slots(sms, constants["D"], hid, constants["num_warps"], registers)))
     if asm:  # a GPU build: the steps ahead whose codes are asked of the L2 cache (the l2aheadN tricks; AHEAD // 4;
         # slower at every shape timed: docs/kernels.md "Codes asked of the L2 cache ahead")
         dense_constants["AHEAD"] += 4 * (trick or {}).get("L2AHEAD", 0)

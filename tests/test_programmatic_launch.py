@@ -70,17 +70,20 @@ def _with_restored(view):
 @pytest.mark.parametrize("restored, group_rows", [(False, 256), (True, 256), (True, 0)])
 def test_the_combine_waits_for_the_packed_pass_only_where_it_is_launched_early(model, registry, monkeypatch, restored,  # noqa: F811
                                                                               group_rows):
-    """Where the device allows it and the dense kernel's programs are one wave, its build holds
-    ``griddepcontrol.launch_dependents`` and the combine's launch asks to start early, its build holding
-    ``griddepcontrol.wait`` (before it reads the splits); where they are more (here a GPU holding one program at a
-    time) or the device does not allow it, neither. Per query head and by KV head (``group_rows`` 0), with restored tokens and without."""
+    """Where the device allows it and the dense kernel's programs are one wave, or more at few rows (at most
+    ``EARLY_COMBINE_ROWS``), its build holds ``griddepcontrol.launch_dependents`` and the combine's launch asks to start
+    early, its build holding ``griddepcontrol.wait`` (before it reads the splits); where they are more (here a GPU
+    holding one program at a time) at more rows, or the device does not allow it, neither. Per query head and by KV
+    head (``group_rows`` 0), with restored tokens and without."""
     view = _view(model, registry, "t-lowbit-post")
     view = _with_restored(view) if restored else view
     monkeypatch.setattr(lowbit_combine, "COMBINE_GROUP_ROWS", group_rows)
     q = torch.randn(view.exact_k.shape[0], 4, view.exact_k.shape[-1])
-    for allowed, slots, early in ((True, 660, True), (False, 660, False), (True, 1, False)):
+    for allowed, slots, few, early in ((True, 660, 64, True), (False, 660, 64, False), (True, 1, 0, False),
+                                       (True, 1, 64, True)):
         monkeypatch.setattr(lowbit_dense, "programmatic", lambda device, allowed=allowed: allowed)
         monkeypatch.setattr(lowbit_dense, "dense_slots", lambda *args, slots=slots, **kwargs: slots)
+        monkeypatch.setattr(lowbit_dense, "EARLY_COMBINE_ROWS", few)
         packed = plan_launch(view, q, None, 0.125, variant="dense", programs=None, lowp=True)
         assert 1 < packed.grid[0] * packed.grid[1] <= 660
         combine = plan_combine(view, q, None, 0.125, packed, torch.bfloat16)
@@ -103,10 +106,12 @@ def _gpu_programmatic() -> bool:
 
 
 @pytest.mark.skipif(not _gpu_programmatic(), reason="launches the combine early on a CUDA GPU of capability 9 or more")
-@pytest.mark.parametrize("batch, tokens, early", [(1, 32768, True), (1, 131072, True), (8, 32768, False)])
+@pytest.mark.parametrize("batch, tokens, early", [(1, 32768, True), (1, 131072, True), (8, 32768, True),
+                                                  (32, 32768, False)])
 def test_on_a_gpu_the_combine_launched_early_gives_the_bits_of_the_combine_after(monkeypatch, batch, tokens, early):
     """The 8x storage (4-bit keys after RoPE, 2-bit values in tiles, 48% kept): at B = 1 the dense kernel's programs are
-    one wave and the combine is launched early, at B = 8 they are three and it is not. Launched early it is the same
+    one wave and the combine is launched early; at B = 8 they are three, but at 64 rows it is early too; at B = 32
+    (256 rows, three waves) it is not. Launched early it is the same
     arithmetic, so its output is the same bits, call after call, with two queries in turn (a combine that read the
     splits before the pass wrote them would meet the other query's splits)."""
     import sys
