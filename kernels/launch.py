@@ -10,6 +10,7 @@ import attrs
 
 from kvweave.core.environment import env_switch
 from kvweave.core.lazy import torch
+from kvweave.kernels import timeline
 
 
 @attrs.frozen
@@ -23,9 +24,14 @@ class Launch:
     args: tuple
     constants: dict
     outputs: tuple
+    #: the argument that takes a timeline's trace (a placeholder outside a recording: :mod:`kvweave.kernels.timeline`)
+    trace_at: int | None = None
 
     def run(self) -> tuple:
-        self.kernel[self.grid](*self.args, **self.constants)
+        args, constants = self.args, self.constants
+        if self.trace_at is not None and timeline.active():
+            args, constants = timeline.traced(self.kernel, self.grid, args, constants, self.trace_at)
+        self.kernel[self.grid](*args, **constants)
         return self.outputs
 
 

@@ -76,10 +76,11 @@ def plan_combine(view: Any, q: torch.Tensor, start: torch.Tensor | None, scaling
         view.restored_k.contiguous() if rest else m, view.restored_v.contiguous() if rest else m,
         view.restored_pos.contiguous() if rest else m, start if start is not None else m, fill if fill is not None else m, out,
         splits, view.exact_k.shape[-2], view.restored_k.shape[-2] if rest else 0, exact_start(view), float(scaling),
+        m,  # the trace's placeholder (kvweave.kernels.timeline: the last argument)
     )
     pdl = bool(packed.constants.get("PDL"))  # the packed pass lets it start early (the dense kernel, one wave)
     constants = dict(D=dim, G=m.shape[-1], HEADS=heads, GROUP=q_heads // heads, HAS_START=start is not None, HAS_REST=rest,
-                     HAS_FILL=fill is not None, SB=32, CB=min(32, dim), EB=16, PDL=pdl)
+                     HAS_FILL=fill is not None, SB=32, CB=min(32, dim), EB=16, PDL=pdl, TRACE=0)
     if pdl:  # started while the packed pass runs; its programs wait for it before they read the splits
         constants["launch_pdl"] = True
     if batch * heads <= COMBINE_GROUP_ROWS:  # few rows: the shorter chain of loads a program
@@ -91,10 +92,12 @@ def plan_combine(view: Any, q: torch.Tensor, start: torch.Tensor | None, scaling
         if stages and not whole:  # the splits in tiles of 32 x D, every channel in one chunk
             constants["CB"] = dim
         constants.update(WHOLE=whole, SLICES=slices, num_warps=COMBINE_WARPS, HAD=stages)
-        return Launch(jit._lowbit_combine_kernel, (batch * q_heads * slices,), args, constants, (out,))
+        return Launch(jit._lowbit_combine_kernel, (batch * q_heads * slices,), args, constants, (out,),
+                      trace_at=len(args) - 1)
     rows = 1 << (q_heads // heads - 1).bit_length()  # tiles [rows, CB, D] and [EB, rows, D] of 32 x D each
     stages = hadamard_stages(view, dim)
     group = {"QR": rows, "CB": max(1, 32 // rows), "EB": max(1, 32 // rows), "HAD": stages}
     if stages:  # the splits' outputs whole: tiles [SB, rows, D] of 32 x D
         group["SB"] = max(1, 32 // rows)
-    return Launch(jit._lowbit_combine_group_kernel, (batch * heads,), args, {**constants, **group}, (out,))
+    return Launch(jit._lowbit_combine_group_kernel, (batch * heads,), args, {**constants, **group}, (out,),
+                  trace_at=len(args) - 1)

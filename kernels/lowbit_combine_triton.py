@@ -18,6 +18,7 @@ except ImportError:  # pragma: no cover - exercised where triton is missing
 
 if triton is not None:
     from kvweave.kernels.grid_dependency_triton import gdc_wait
+    from kvweave.kernels.timeline_triton import _begin_stamp, _cycles, _end_stamp
     from kvweave.kernels.window_triton import _rounded
 
     @triton.jit
@@ -167,10 +168,10 @@ if triton is not None:
     @triton.jit
     def _lowbit_combine_kernel(
         m_ptr, l_ptr, acc_ptr, rot_ptr, q_ptr, ek_ptr, ev_ptr, rk_ptr, rv_ptr, rpos_ptr, start_ptr, fill_ptr, out_ptr,
-        splits, exact, restored, exact_first, scaling,
+        splits, exact, restored, exact_first, scaling, trace_ptr,
         D: tl.constexpr, G: tl.constexpr, HEADS: tl.constexpr, GROUP: tl.constexpr, HAS_START: tl.constexpr,
         HAS_REST: tl.constexpr, HAS_FILL: tl.constexpr, SB: tl.constexpr, CB: tl.constexpr, EB: tl.constexpr,
-        WHOLE: tl.constexpr, PDL: tl.constexpr, SLICES: tl.constexpr, HAD: tl.constexpr = 0,
+        WHOLE: tl.constexpr, PDL: tl.constexpr, SLICES: tl.constexpr, HAD: tl.constexpr = 0, TRACE: tl.constexpr = 0,
     ):
         """One query head of one row (with ``SLICES`` > 1, one of its ``SLICES`` slices of output channels: the
         splits' and exact tokens' weights computed in each slice's program, only its channels' values, outputs and
@@ -182,7 +183,10 @@ if triton is not None:
         the window rows are buffers of ``exact`` tokens, of which the first ``fill + 1`` (``fill_ptr``, int32 [1]) are
         attended (a window kept for a CUDA graph). The exact and restored tokens and the rotation come first, the splits
         last: with ``PDL`` the kernel is launched as a programmatic dependent of the packed pass and waits for that pass
-        only before it reads the splits."""
+        only before it reads the splits. ``TRACE``: each program's start, end, SM and the moment past its wait written
+        to ``trace_ptr`` (:mod:`kvweave.kernels.timeline`; a placeholder otherwise)."""
+        if TRACE:
+            begin_ns, begin_cycles = _begin_stamp()
         DS: tl.constexpr = D // SLICES  # the output channels a program writes
         row = tl.program_id(0) // SLICES  # batch * query heads
         ochan = tl.program_id(0) % SLICES * DS + tl.arange(0, DS)
@@ -199,18 +203,22 @@ if triton is not None:
                                             exact_first, D, HAS_START, HAS_REST, HAS_FILL, EB, False)
         if PDL:  # the packed pass's splits are complete and visible past this
             gdc_wait()
+        if TRACE:
+            ready_cycles = _cycles()
         m, total, out = _splits_merged(m_ptr, l_ptr, acc_ptr, rot_ptr, rot, bh, g, splits, ochan, D, G, SB, CB, WHOLE,
                                        DS, HAD)
         m, total, out = _joined(m, total, out, m_e, total_e, out_e, False)
         tl.store(out_ptr + row.to(tl.int64) * D + ochan, _rounded(out / total, out_ptr.dtype.element_ty))
+        if TRACE:
+            _end_stamp(trace_ptr, tl.program_id(0), begin_ns, begin_cycles, ready_cycles)
 
     @triton.jit
     def _lowbit_combine_group_kernel(
         m_ptr, l_ptr, acc_ptr, rot_ptr, q_ptr, ek_ptr, ev_ptr, rk_ptr, rv_ptr, rpos_ptr, start_ptr, fill_ptr, out_ptr,
-        splits, exact, restored, exact_first, scaling,
+        splits, exact, restored, exact_first, scaling, trace_ptr,
         D: tl.constexpr, G: tl.constexpr, HEADS: tl.constexpr, GROUP: tl.constexpr, HAS_START: tl.constexpr,
         HAS_REST: tl.constexpr, HAS_FILL: tl.constexpr, SB: tl.constexpr, CB: tl.constexpr, EB: tl.constexpr,
-        QR: tl.constexpr, PDL: tl.constexpr, HAD: tl.constexpr = 0,
+        QR: tl.constexpr, PDL: tl.constexpr, HAD: tl.constexpr = 0, TRACE: tl.constexpr = 0,
     ):
         """The query heads of one KV head of one row: the splits of the packed pass combined (``m``, ``l``, ``acc``
         [BH, S, G(, D)], the heads in rows ``0 .. GROUP``), their output rotated back once (``rot`` [D, D], ``CB`` rows
@@ -220,7 +228,10 @@ if triton is not None:
         tokens, of which the first ``fill + 1`` (``fill_ptr``, int32 [1]) are attended (a window kept for a CUDA
         graph). The exact and restored tokens come first, the splits last (with ``PDL`` waited for only there). With
         ``HAD`` > 0 (a Hadamard rotation) the splits' outputs are merged whole, ``SB`` splits at a time, and rotated by
-        :func:`_hadamard` and the rotation's first row instead of its rows."""
+        :func:`_hadamard` and the rotation's first row instead of its rows. ``TRACE``: as the per-query-head
+        kernel's."""
+        if TRACE:
+            begin_ns, begin_cycles = _begin_stamp()
         bh = tl.program_id(0).to(tl.int64)  # batch * KV heads
         batch = bh // HEADS
         gq = tl.arange(0, QR)
@@ -234,6 +245,8 @@ if triton is not None:
                                             HAS_START, HAS_REST, HAS_FILL, EB, True)
         if PDL:  # the packed pass's splits are complete and visible past this
             gdc_wait()
+        if TRACE:
+            ready_cycles = _cycles()
         s_idx = tl.arange(0, SB)
         c_idx = tl.arange(0, CB)
         top = tl.full([SB, QR], float("-inf"), tl.float32)
@@ -273,3 +286,5 @@ if triton is not None:
         m, total, out = _joined(m, total, out, m_e, total_e, out_e, True)
         tl.store(out_ptr + rows[:, None] * D + chan[None, :], _rounded(out / total[:, None], out_ptr.dtype.element_ty),
                  mask=real[:, None])
+        if TRACE:
+            _end_stamp(trace_ptr, tl.program_id(0), begin_ns, begin_cycles, ready_cycles)

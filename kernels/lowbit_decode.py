@@ -342,7 +342,8 @@ def plan_launch(view: LowbitView, q: torch.Tensor, start: torch.Tensor | None, s
         return Launch(jit._lowbit_kernel, (batch * heads, splits), args, {**constants, "MAGIC": trick["MAGIC"]}, (m, l, acc))
     kind, l0, l1 = view.level_kind or level_kind(view.v_levels.tolist())
     if variant == "dense":
-        return Launch(*dense_launch(view, args, constants, kind, l0, l1, group, trick), (m, l, acc))
+        kernel, grid, dense_args, dense_constants = dense_launch(view, args, constants, kind, l0, l1, group, trick)
+        return Launch(kernel, grid, dense_args, dense_constants, (m, l, acc), trace_at=len(dense_args) - 1)
     fast_k, fast_v = whole_byte_codes(view)
     conversions = {name: trick[name] for name in ("MAGIC", "VB16", "KTF32", "KFOLD")}
     constants = {**constants, "FASTK": fast_k, "FASTV": fast_v, "LEVELS": kind, **conversions}

@@ -361,7 +361,8 @@ def dense_launch(view: Any, args: tuple, constants: dict, kind: int, l0: float, 
         table16 = table16.clone()
     words = (view.k_codes.contiguous().view(torch.int32), view.v_codes.contiguous().view(torch.int32))
     dense_args = (padded, words[0], k_zero, k_scale, k_oi, k_ov, words[1], v_scale, v_max, v_levels, table16, start,
-                  positions, hidden, freq, m, l, acc, tokens, heads, splits, split_len, first, scaling, l0, l1, rope_scale)
+                  positions, hidden, freq, m, l, acc, tokens, heads, splits, split_len, first, scaling, l0, l1, rope_scale,
+                  m)  # the trace's placeholder (kvweave.kernels.timeline: the last argument)
     keep = ("D", "G", "KBITS", "KGROUP", "KO", "VBITS", "VGROUP", "HAS_START", "BLOCK", "LOWP", "VLOG", "VST", "HAS_POS",
             "HID", "ROPE", "num_warps")
     asm = (2 if ampere_products(padded.device) else 1) if constants["APPROX"] else 0
@@ -369,6 +370,7 @@ def dense_launch(view: Any, args: tuple, constants: dict, kind: int, l0: float, 
                                                                   "KPLANES": key_planes(view), "VTILE": view.v_tiled}
     dense_constants["PAD"] = query_pad(group, constants["G"])
     dense_constants["QG"] = group
+    dense_constants["TRACE"] = 0  # a recorded launch passes a trace for the last argument and 1 (Launch.run)
     dense_constants["ROPE_PAIRS"] = rope_pairs(constants["D"])
     dense_constants["FIX"], dense_constants["FIX_LIMIT"] = DENSE_FIXED_MAX, DENSE_FIXED_LIMIT
     programs = m.shape[0] * splits  # the combine starts before the last programs end where they are one wave

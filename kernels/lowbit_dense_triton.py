@@ -31,6 +31,7 @@ if triton is not None:
     from kvweave.kernels.lowbit_tile_triton import _operand, _tile_value_step, _tile_words
     from kvweave.kernels.lowbit_triton import _hide, _outlier_logits
     from kvweave.kernels.prefetch_triton import BULK_PREFETCH, _prefetch_step
+    from kvweave.kernels.timeline_triton import _begin_stamp, _end_stamp
 
 
     @triton.jit
@@ -292,13 +293,13 @@ if triton is not None:
     def _lowbit_dense_kernel(
         q_ptr, kc_ptr, kz_ptr, ks_ptr, koi_ptr, kov_ptr, vc_ptr, vs_ptr, vmax_ptr, vlev_ptr, vlev16_ptr, start_ptr,
         pos_ptr, hid_ptr, freq_ptr, m_ptr, l_ptr, acc_ptr,
-        tokens, heads, splits, split_len, first, scaling, l0, l1, rope_scale,
+        tokens, heads, splits, split_len, first, scaling, l0, l1, rope_scale, trace_ptr,
         D: tl.constexpr, G: tl.constexpr, KBITS: tl.constexpr, KGROUP: tl.constexpr, KO: tl.constexpr,
         VBITS: tl.constexpr, VGROUP: tl.constexpr, HAS_START: tl.constexpr, BLOCK: tl.constexpr, LOWP: tl.constexpr,
         LEVELS: tl.constexpr, VLOG: tl.constexpr, VST: tl.constexpr, HAS_POS: tl.constexpr, HID: tl.constexpr,
         ASM: tl.constexpr, KPLANES: tl.constexpr, KPF: tl.constexpr, AHEAD: tl.constexpr, VTILE: tl.constexpr,
         PAD: tl.constexpr, QG: tl.constexpr, FIX: tl.constexpr, FIX_LIMIT: tl.constexpr, PDL: tl.constexpr,
-        ROPE: tl.constexpr, ROPE_PAIRS: tl.constexpr,
+        ROPE: tl.constexpr, ROPE_PAIRS: tl.constexpr, TRACE: tl.constexpr = 0,
     ):
         """One program per (batch row x KV head, split of the packed tokens); the split is whole steps of ``BLOCK``
         tokens (``BLOCK`` divides ``KGROUP``), so nothing is masked but slots that are fillers, before the row's first
@@ -310,7 +311,10 @@ if triton is not None:
         read by code places (:func:`_plane_fold`, :func:`_plane_dots`); ``KPF``: their scales and zero points loaded a step ahead as int32
         words; ``PAD`` = 2: the ``G / 2`` real query rows each fill two columns (:func:`_steps`), only they written.
         ``PDL``: the combine may be launched once every program has begun (it waits for this kernel's end before it
-        reads the splits)."""
+        reads the splits). ``TRACE``: each program's start, end and SM written to ``trace_ptr``
+        (:mod:`kvweave.kernels.timeline`; a placeholder otherwise)."""
+        if TRACE:
+            begin_ns, begin_cycles = _begin_stamp()
         if PDL:
             gdc_launch_dependents()
         bh = tl.program_id(0)
@@ -378,3 +382,5 @@ if triton is not None:
         if VGROUPS > 2:
             tl.store(base + 2 * VGROUP, _half(acc2, 0, PAD) * weight)
             tl.store(base + 3 * VGROUP, _half(acc3, 1, PAD) * weight)
+        if TRACE:
+            _end_stamp(trace_ptr, bh * splits + split, begin_ns, begin_cycles, begin_cycles)

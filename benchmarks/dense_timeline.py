@@ -1,0 +1,157 @@
+"""Where a ``lowbit`` decode call's time goes among its programs: the dense kernel's packed pass and the combine, each
+program's start, end and SM read from the GPU's timers (:mod:`kvweave.kernels.timeline`), on the storages of
+``benchmarks/lowbit_kernel.py``.
+
+    python benchmarks/dense_timeline.py [--storage k4v2e48t] [--tokens 32768,65536] [--batches 1,8,32]
+        [--calls 7] [--cold-l2] [--configs dense:64:4:0] [--out DIR]
+
+Per (T, B) and configuration: ``--calls`` calls recorded (eager, after warm-up; with ``--cold-l2`` each call reads its
+own copy of the storage past the L2 cache), the call whose packed pass spans the median reported: its programs and
+the programs its SMs hold at once (``slots``, from the launch's registers), the pass's span from its first program's
+start to its last one's end, the share of slots x span its programs ran (``busy``), the time until 90% of the slots
+ran (``ramp``) and from the last moment they did to the end (``tail``), the programs' median / 90th percentile /
+longest time, each wave's median (programs in order of start, ``slots`` at a time), the last program's start; the
+combine's first start, its programs' first and last moment past their wait for the pass (``ready``), its end, and
+how far its end lies past the pass's; and the call's graph time (20 calls replayed from a CUDA graph, untraced, the
+same storage) for scale. Times in microseconds from the pass's first program's start. A table on stdout; JSON and
+a plot (slots busy over time, pass and combine; each SM's programs for the first SMs) in ``--out``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+from pathlib import Path
+
+import attrs
+import numpy as np
+import torch
+
+from decode_kernel import graph_us, read_in_turn
+from lowbit_kernel import SHAPES, STORAGES, config_name, packed_view, parse_configs, view_bytes
+from kvweave.kernels.lowbit_decode import lowbit_decode, plan_launch
+from kvweave.kernels.lowbit_dense import multiprocessors
+from kvweave.kernels.timeline import programs, recording, summary
+
+#: the SMs whose programs the plot draws one by one
+PLOT_SMS = 8
+
+
+def slots_of(launch, sms: int) -> int:
+    """The programs of ``launch`` its GPU's ``sms`` SMs hold at once, by its registers and warps."""
+    registers = launch.constants.get("maxnreg") or 255
+    warps = launch.constants.get("num_warps", 4)
+    return sms * max(1, 65536 // (registers * 32 * warps))
+
+
+def traced_call(call) -> tuple:
+    """One call of ``call`` recorded: (packed pass, combine) :class:`~kvweave.kernels.timeline.Programs`."""
+    with recording() as calls:
+        call()
+    torch.cuda.synchronize()
+    if len(calls) != 2:
+        raise RuntimeError(f"expected the packed pass and the combine traced, got {[c.name for c in calls]}")
+    return programs(calls[0].trace), programs(calls[1].trace)
+
+
+def plot(cells: list[dict], path: Path) -> None:
+    """Per cell: slots busy over time (packed pass, combine) and the first :data:`PLOT_SMS` SMs' programs."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(len(cells), 2, figsize=(13, 2.8 * len(cells)), squeeze=False)
+    for (busy_ax, sm_ax), cell in zip(axes, cells):
+        packed, combine, origin = cell["_packed"], cell["_combine"], cell["_packed"].start.min()
+        times = np.linspace(0, max(packed.end.max(), combine.end.max()) - origin, 600)
+        for name, progs in (("packed pass", packed), ("combine", combine)):
+            starts, ends = np.sort(progs.start - origin), np.sort(progs.end - origin)
+            level = np.searchsorted(starts, times, side="right") - np.searchsorted(ends, times, side="right")
+            busy_ax.plot(times / 1e3, level, label=name)
+        busy_ax.axhline(cell["slots"], color="grey", lw=0.8, ls="--", label="slots")
+        busy_ax.set_title(f"{cell['kernel']}, T = {cell['tokens']}, B = {cell['batch']}: programs running", fontsize=9)
+        busy_ax.set_xlabel("us from the first program's start")
+        busy_ax.legend(fontsize=7)
+        for row, unit in enumerate(np.unique(packed.sm)[:PLOT_SMS]):
+            for progs, colour in ((packed, "tab:blue"), (combine, "tab:orange")):
+                on = progs.sm == unit
+                for s, e in zip(progs.start[on] - origin, progs.end[on] - origin):
+                    sm_ax.plot([s / 1e3, e / 1e3], [row + np.random.uniform(-0.35, 0.35)] * 2, color=colour, lw=1.2)
+        sm_ax.set_title("programs of the first SMs (blue: packed pass, orange: combine)", fontsize=9)
+        sm_ax.set_xlabel("us from the first program's start")
+        sm_ax.set_ylabel("SM")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--storage", default="k4v2e48t", choices=list(STORAGES))
+    parser.add_argument("--tokens", default="32768,65536")
+    parser.add_argument("--batches", default="1,8,32")
+    parser.add_argument("--configs", default="dense:64:4:0", help="as benchmarks/lowbit_kernel.py's")
+    parser.add_argument("--calls", type=int, default=7, help="calls recorded a cell; the median pass's reported")
+    parser.add_argument("--post-rope", action="store_true", default=True)
+    parser.add_argument("--pre-rope", dest="post_rope", action="store_false", help="keys stored before RoPE")
+    parser.add_argument("--cold-l2", action="store_true", help="each call reads its own copy past the L2 cache")
+    parser.add_argument("--shape", default="llama3-8b", choices=list(SHAPES))
+    parser.add_argument("--out", default="results/dense_timeline")
+    args = parser.parse_args()
+    if not torch.cuda.is_available():
+        raise SystemExit("dense_timeline.py reads the GPU's timers; run it on a GPU machine")
+    if args.calls < 1:
+        raise SystemExit(f"--calls must be at least 1, got {args.calls}")
+    q_heads, _, dim, _ = SHAPES[args.shape]
+    configs = [(v, b, w, p or None, t) for v, b, w, p, t in parse_configs(args.configs, 0)]
+    sms = multiprocessors(torch.device("cuda"))
+    scale = dim ** -0.5
+    cells = []
+    print(f"{torch.cuda.get_device_name()}, {sms} SMs; storage {args.storage}{'' if args.post_rope else ' (pre-RoPE keys)'}"
+          f"{', every call its own copy past the L2 cache' if args.cold_l2 else ''}")
+    print("\n| T | B | kernel | programs / slots | span | busy | ramp | tail | program: median / p90 / longest | waves' medians "
+          "| last start | combine: start / ready first-last / end (after the pass) | graph us |")
+    print("|---:|---:|---|---:|---:|---:|---:|---:|---|---|---:|---|---:|")
+    for tokens in (int(t) for t in args.tokens.split(",")):
+        for batch in (int(b) for b in args.batches.split(",")):
+            view = packed_view(batch, tokens, storage=args.storage, shape=args.shape)
+            if args.post_rope:
+                view = attrs.evolve(view, inv_freq=None)
+            q = torch.randn(batch, q_heads, dim, device="cuda", dtype=torch.bfloat16)
+            views = read_in_turn(view, view_bytes(view), args.cold_l2)
+            for variant, block, warps, progs, tricks in configs:
+                name = config_name(variant, block, warps, progs, tricks)
+                call = lambda: lowbit_decode(views(), q, None, scale, block, warps, variant, progs, tricks)  # noqa: E731
+                launch = plan_launch(view, q, None, scale, block, warps, variant, progs, tricks=tricks)
+                slots = slots_of(launch, sms)
+                for _ in range(3):
+                    call()
+                records = [traced_call(call) for _ in range(args.calls)]
+                spans = [p.end.max() - p.start.min() for p, _ in records]
+                packed, combine = records[int(np.argsort(spans)[len(spans) // 2])]
+                found = summary(packed, slots, combine)
+                graph = graph_us(call, 10)
+                c = found["combine"]
+                waves = " / ".join(f"{w:.1f}" for w in found["waves"])
+                print(f"| {tokens} | {batch} | {name} | {found['programs']} / {slots} | {found['span']:.1f} | "
+                      f"{100 * found['busy_share']:.0f}% | {found['ramp']:.1f} | {found['tail']:.1f} | "
+                      f"{found['median']:.1f} / {found['p90']:.1f} / {found['longest']:.1f} | {waves} | "
+                      f"{found['last_start']:.1f} | {c['start']:.1f} / {c['ready_first']:.1f}-{c['ready_last']:.1f} / "
+                      f"{c['end']:.1f} ({c['after']:+.1f}) | {graph:.1f} |", flush=True)
+                cells.append({"tokens": tokens, "batch": batch, "kernel": name, "slots": slots, "graph_us": graph,
+                              "spans_us": [s / 1e3 for s in spans], **found, "_packed": packed, "_combine": combine})
+            del view, views
+            torch.cuda.empty_cache()
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    plot(cells, out / "dense_timeline.png")
+    stamp = datetime.date.today().isoformat()
+    rows = [{k: v for k, v in cell.items() if not k.startswith("_")} for cell in cells]
+    (out / "dense_timeline.json").write_text(json.dumps({"date": stamp, "device": torch.cuda.get_device_name(), "sms": sms,
+                                                         "storage": args.storage, "cold_l2": args.cold_l2,
+                                                         "post_rope": args.post_rope, "rows": rows}, indent=1))
+
+
+if __name__ == "__main__":
+    main()
