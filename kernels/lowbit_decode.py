@@ -34,8 +34,8 @@ from kvweave.core.lazy import lazy_module, torch
 from kvweave.kernels.formats import VALUE_TILE, unpack_codes, unpack_varwidth, untile_codes
 from kvweave.kernels.launch import Launch, choose_splits, default_programs, query_tile
 from kvweave.kernels.lowbit_combine import exact_start, plan_combine  # noqa: F401 - plan_combine re-exported
-from kvweave.kernels.lowbit_dense import (auto_dense, dense_block, dense_launch, dense_refusal, dense_splits,
-                                          multiprocessors, rope_registers, tiles_refusal)
+from kvweave.kernels.lowbit_dense import (auto_dense, dense_block, dense_launch, dense_refusal, dense_slots, dense_splits,
+                                          dense_tail, multiprocessors, rope_registers, tiles_refusal)
 from kvweave.kernels.lowbit_tricks import (  # noqa: F401 - TRICKS: the names lowbit_decode takes; the others read here
     TRICKS, fast_path, parse_tricks, whole_byte_codes, whole_byte_keys, wide_groups)
 
@@ -311,9 +311,18 @@ def plan_launch(view: LowbitView, q: torch.Tensor, start: torch.Tensor | None, s
                   if variant == "dense" else choose_splits(view.tokens, batch * heads, default_programs(batch * heads), BLOCK_T))
     else:
         splits = choose_splits(view.tokens, batch * heads, programs, BLOCK_T)
-    split_len = -(-view.tokens // splits)
-    split_len = -(-split_len // view.k_group) * view.k_group  # splits start on a token group
-    splits = -(-view.tokens // split_len)
+    tail = None
+    if variant == "dense" and programs is None:  # the launch's: the last wave's splits shorter (DENSE_TAIL, if set)
+        groups = -(-view.tokens // view.k_group)
+        slots = dense_slots(multiprocessors(q.device), dim, hidden is not None, num_warps, rope_registers(view))
+        splits, long_len, long_splits, short_len = dense_tail(batch * heads, groups, splits, slots)
+        split_len = long_len * view.k_group
+        if long_splits < splits:
+            tail = (long_splits, short_len * view.k_group)
+    else:
+        split_len = -(-view.tokens // splits)
+        split_len = -(-split_len // view.k_group) * view.k_group  # splits start on a token group
+        splits = -(-view.tokens // split_len)
     m = torch.empty(batch * heads, splits, rows, device=q.device)
     l = torch.empty_like(m)
     acc = torch.empty(batch * heads, splits, rows, dim, device=q.device)
@@ -342,7 +351,7 @@ def plan_launch(view: LowbitView, q: torch.Tensor, start: torch.Tensor | None, s
         return Launch(jit._lowbit_kernel, (batch * heads, splits), args, {**constants, "MAGIC": trick["MAGIC"]}, (m, l, acc))
     kind, l0, l1 = view.level_kind or level_kind(view.v_levels.tolist())
     if variant == "dense":
-        kernel, grid, dense_args, dense_constants = dense_launch(view, args, constants, kind, l0, l1, group, trick)
+        kernel, grid, dense_args, dense_constants = dense_launch(view, args, constants, kind, l0, l1, group, trick, tail)
         return Launch(kernel, grid, dense_args, dense_constants, (m, l, acc), trace_at=len(dense_args) - 1)
     fast_k, fast_v = whole_byte_codes(view)
     conversions = {name: trick[name] for name in ("MAGIC", "VB16", "KTF32", "KFOLD")}

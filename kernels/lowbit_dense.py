@@ -318,6 +318,35 @@ def dense_splits(rows: int, steps: int, sms: int, dim: int, hidden: bool, num_wa
     return min(range(low, max(low, high) + 1), key=lambda splits: (modelled(splits), splits))
 
 
+#: where the dense kernel's programs are more than one wave, the splits of each row that make up its last wave's worth
+#: of programs (the last ones launched) run this share of the others' length, in percent (0: every split alike): the
+#: programs of a pass vary in length (each SM's share of the bandwidth), so its last ones end unevenly, and for up to a
+#: sixth of a call fewer than 90% of the slots ran (H100, 2026-12-07: docs/kernels.md "Where a call's time goes among
+#: its programs"); shorter last programs leave a shorter tail. KVWEAVE_DENSE_TAIL sets it
+DENSE_TAIL = env_setting("KVWEAVE_DENSE_TAIL", 0, (0, 25, 33, 50, 67))
+
+
+def dense_tail(rows: int, groups: int, splits: int, slots: int, percent: int | None = None) -> tuple[int, int, int, int]:
+    """Each of ``rows`` rows' ``groups`` token groups in about ``splits`` splits for ``slots`` programs at once:
+    (splits, the long splits' length in groups, how many splits are long, the short ones' length), the short splits
+    last; with ``percent`` (None: :data:`DENSE_TAIL`) the last wave's worth of programs (``slots / rows`` splits a row)
+    that share of the long ones' length, else every split alike (as where the programs are one wave). Every split
+    holds at least one group and together they hold each group once."""
+    percent = DENSE_TAIL if percent is None else percent
+    uniform = -(-groups // max(1, splits))
+    if not percent or rows * splits <= slots or splits < 2:
+        return -(-groups // uniform), uniform, -(-groups // uniform), uniform
+    short = min(splits - 1, -(-slots // rows))
+    long = splits - short
+    length = 1
+    while long * length + short * max(1, length * percent // 100) < groups:
+        length += 1
+    if long * length >= groups:  # no room left for short splits
+        return -(-groups // length), length, -(-groups // length), length
+    brief = max(1, length * percent // 100)
+    return long + -(-(groups - long * length) // brief), length, long, brief
+
+
 #: 4-bit uniform values in tiles, read as their operand bits ``1 + code / 16`` with ``(7.5 + 16) / 16`` times each
 #: slot's weights taken off the output once at the end (``LEVELS`` = 3), where each operand register took a paired add
 DENSE_OFFSET_OUT = True
@@ -346,11 +375,13 @@ def query_pad(group: int, rows: int) -> int:
 
 
 def dense_launch(view: Any, args: tuple, constants: dict, kind: int, l0: float, l1: float, group: int,
-                 trick: dict | None = None) -> tuple:
+                 trick: dict | None = None, tail: tuple[int, int] | None = None) -> tuple:
     """The "dense" kernel's launch (kernel, grid, arguments, constants) from the arguments and constants
     :func:`kvweave.kernels.lowbit_decode.plan_launch` made for the others: the codes as 32-bit words (the same bytes),
     no rotary or channel-width arguments; ``group``: the query heads of a KV head (``PAD``: :func:`query_pad`);
-    ``trick``: :func:`kvweave.kernels.lowbit_tricks.parse_tricks`'s constants (its launch settings: :func:`dense_ahead`)."""
+    ``trick``: :func:`kvweave.kernels.lowbit_tricks.parse_tricks`'s constants (its launch settings: :func:`dense_ahead`);
+    ``tail``: (how many of each row's splits are long, the short ones' length in tokens) where they differ
+    (:func:`dense_tail`), else None."""
     if constants["num_warps"] not in DENSE_WARPS:
         raise ValueError(f"the lowbit 'dense' kernel runs with {' or '.join(map(str, DENSE_WARPS))} warps a program, got "
                          f"{constants['num_warps']} (at 8 its output was 0.78 away from the torch twin on an H100)")
@@ -361,8 +392,8 @@ def dense_launch(view: Any, args: tuple, constants: dict, kind: int, l0: float, 
         table16 = table16.clone()
     words = (view.k_codes.contiguous().view(torch.int32), view.v_codes.contiguous().view(torch.int32))
     dense_args = (padded, words[0], k_zero, k_scale, k_oi, k_ov, words[1], v_scale, v_max, v_levels, table16, start,
-                  positions, hidden, freq, m, l, acc, tokens, heads, splits, split_len, first, scaling, l0, l1, rope_scale,
-                  m)  # the trace's placeholder (kvweave.kernels.timeline: the last argument)
+                  positions, hidden, freq, m, l, acc, tokens, heads, splits, split_len, *(tail or (splits, split_len)),
+                  first, scaling, l0, l1, rope_scale, m)  # the trace's placeholder (kvweave.kernels.timeline: the last argument)
     keep = ("D", "G", "KBITS", "KGROUP", "KO", "VBITS", "VGROUP", "HAS_START", "BLOCK", "LOWP", "VLOG", "VST", "HAS_POS",
             "HID", "ROPE", "num_warps")
     asm = (2 if ampere_products(padded.device) else 1) if constants["APPROX"] else 0

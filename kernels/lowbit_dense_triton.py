@@ -293,7 +293,7 @@ if triton is not None:
     def _lowbit_dense_kernel(
         q_ptr, kc_ptr, kz_ptr, ks_ptr, koi_ptr, kov_ptr, vc_ptr, vs_ptr, vmax_ptr, vlev_ptr, vlev16_ptr, start_ptr,
         pos_ptr, hid_ptr, freq_ptr, m_ptr, l_ptr, acc_ptr,
-        tokens, heads, splits, split_len, first, scaling, l0, l1, rope_scale, trace_ptr,
+        tokens, heads, splits, split_len, long_splits, short_len, first, scaling, l0, l1, rope_scale, trace_ptr,
         D: tl.constexpr, G: tl.constexpr, KBITS: tl.constexpr, KGROUP: tl.constexpr, KO: tl.constexpr,
         VBITS: tl.constexpr, VGROUP: tl.constexpr, HAS_START: tl.constexpr, BLOCK: tl.constexpr, LOWP: tl.constexpr,
         LEVELS: tl.constexpr, VLOG: tl.constexpr, VST: tl.constexpr, HAS_POS: tl.constexpr, HID: tl.constexpr,
@@ -310,6 +310,7 @@ if triton is not None:
         the steps take each field from the row's first token (the pointers are moved there first). ``KPLANES``: 4-bit keys
         read by code places (:func:`_plane_fold`, :func:`_plane_dots`); ``KPF``: their scales and zero points loaded a step ahead as int32
         words; ``PAD`` = 2: the ``G / 2`` real query rows each fill two columns (:func:`_steps`), only they written.
+        Splits ``long_splits ..`` of a row are ``short_len`` tokens, the others ``split_len``.
         ``PDL``: the combine may be launched once every program has begun (it waits for this kernel's end before it
         reads the splits). ``TRACE``: each program's start, end and SM written to ``trace_ptr``
         (:mod:`kvweave.kernels.timeline`; a placeholder otherwise)."""
@@ -340,8 +341,9 @@ if triton is not None:
         start = 0
         if HAS_START:
             start = tl.load(start_ptr + batch)
-        lo = split * split_len
-        hi = tl.minimum(lo + split_len, tokens)
+        short = split >= long_splits  # the last splits of a row may be shorter (kvweave.kernels.lowbit_dense.dense_tail)
+        lo = tl.where(short, long_splits * split_len + (split - long_splits) * short_len, split * split_len)
+        hi = tl.minimum(lo + tl.where(short, short_len, split_len), tokens)
         m_i = tl.full([R], float("-inf"), tl.float32)  # with FIX, the pass loop's carried values start here
         l_i, w_i = tl.zeros([BLOCK, R], tl.float32), tl.zeros([BLOCK, G], tl.float32)
         acc0 = tl.zeros([VGROUP, G], tl.float32)
