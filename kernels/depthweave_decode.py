@@ -39,6 +39,7 @@ from typing import TYPE_CHECKING, Any
 from kvweave.core.environment import env_setting
 from kvweave.core.lazy import lazy_module, torch
 from kvweave.kernels.decode_view import MAX_LEVELS, TILE, DecodeView, ResidualLevel, check_view, placeholder, resplit
+from kvweave.kernels import timeline
 from kvweave.kernels.launch import programmatic
 
 if TYPE_CHECKING:
@@ -360,8 +361,9 @@ def _launch_tiles(view, query, segments, start, m, l, acc, partials, heads, gq, 
     rmax = max(levels, default=0)
     group = tiles_group(view)
     asm = query.is_cuda and os.environ.get("TRITON_INTERPRET") != "1"
+    trace, traced = timeline.trace_for(tiles_jit._tiles_kernel, grid, m)  # kvweave.kernels.timeline: a placeholder
     tiles_jit._tiles_kernel[grid](
-        *args, G=_pow2(gq, 8), RP=_pow2(max(rmax, 1), 16), RMAX=rmax, GROUP=group, **constants, BLOCK=block_tokens,
+        *args, trace, TRACE=traced, G=_pow2(gq, 8), RP=_pow2(max(rmax, 1), 16), RMAX=rmax, GROUP=group, **constants, BLOCK=block_tokens,
         ASM=asm, COLUMNS=TILES_COLUMNS, AHEAD=TILES_AHEAD, VALUES=values, PDL=early, BYTES=asm and TILES_BYTES,
         ROWS=TILES_ROWS, INDEX=TILES_INDEX and values, QUERY_LATE=TILES_QUERY_LATE and values,
         L2AHEAD=TILES_L2AHEAD if values else 0,

@@ -27,6 +27,7 @@ if triton is not None:
     from kvweave.kernels.depthweave_operands_triton import (_as_word, _coefficients, _popc, _residual_tile,
                                                             _word_coefficients, _word_ptr)
     from kvweave.kernels.prefetch_triton import BULK_PREFETCH, _prefetch_bytes
+    from kvweave.kernels.timeline_triton import _begin_stamp, _end_stamp
 
     @triton.jit
     def _prefetch_coefficients(kc, vc, ks, vs, t0, hi, c_st, s_st, BLOCK: tl.constexpr, RC: tl.constexpr,
@@ -159,14 +160,14 @@ if triton is not None:
         krb_ptr, vrb_ptr, rb_sb, rb_sh, rb_sr, kg_ptr, vg_ptr,
         k0_pk, k0_sc, k0_ts, k0_tm, k1_pk, k1_sc, k1_ts, k1_tm, k2_pk, k2_sc, k2_ts, k2_tm,
         v0_pk, v0_sc, v0_ts, v0_tm, v1_pk, v1_sc, v1_ts, v1_tm, v2_pk, v2_sc, v2_ts, v2_tm,
-        m_ptr, l_ptr, acc_ptr, partials, H, tiles, qk_scale,
+        m_ptr, l_ptr, acc_ptr, partials, H, tiles, qk_scale, trace_ptr,
         GQ: tl.constexpr, G: tl.constexpr, D: tl.constexpr, R: tl.constexpr, RC: tl.constexpr, RB: tl.constexpr,
         RP: tl.constexpr, RMAX: tl.constexpr, RANK0: tl.constexpr, RANK1: tl.constexpr, RANK2: tl.constexpr,
         GROUP: tl.constexpr, K_GATES: tl.constexpr, V_GATES: tl.constexpr, BLOCK: tl.constexpr,
         ASM: tl.constexpr, COLUMNS: tl.constexpr, AHEAD: tl.constexpr, VALUES: tl.constexpr = True,
         PDL: tl.constexpr = False, BYTES: tl.constexpr = False, ROWS: tl.constexpr = False,
         WORDS: tl.constexpr = 0, INDEX: tl.constexpr = False, QUERY_LATE: tl.constexpr = False,
-        L2AHEAD: tl.constexpr = 0,
+        L2AHEAD: tl.constexpr = 0, TRACE: tl.constexpr = 0,
     ):
         """One program per (segment, batch row x KV head), as the gather kernel's (its arguments, in the same order,
         are documented there); ``G`` tile columns for the ``GQ`` query heads, ``RMAX`` the largest level's rank,
@@ -188,7 +189,11 @@ if triton is not None:
         ``AHEAD``): the tile index read two steps ahead, so that a step's two loads in a chain (index, then entries) each
         have a step's products to hide behind. ``QUERY_LATE``: the query's products made after the first step's loads are
         issued, not before (their loads wait behind the products' operands otherwise). ``L2AHEAD`` (a GPU): each step's
-        coefficient codes and scales asked of the L2 cache that many steps ahead (:mod:`kvweave.kernels.prefetch_triton`)."""
+        coefficient codes and scales asked of the L2 cache that many steps ahead (:mod:`kvweave.kernels.prefetch_triton`).
+        ``TRACE``: each program's start, end and SM written to ``trace_ptr`` (:mod:`kvweave.kernels.timeline`; a
+        placeholder otherwise)."""
+        if TRACE:
+            begin_ns, begin_cycles = _begin_stamp()
         seg, bh, b, h, lo, hi, version, first_valid, k_gate, v_gate = _program(seg_ptr, start_ptr, kg_ptr, vg_ptr, H,
                                                                                K_GATES, V_GATES)
         ONE_SCALE: tl.constexpr = RB >= R
@@ -351,3 +356,6 @@ if triton is not None:
         if PDL:  # launched as the exact-window pass's programmatic dependent: done only once that pass is (the combine
             # after this kernel then reads both passes' partials)
             gdc_wait()
+        if TRACE:
+            _end_stamp(trace_ptr, tl.program_id(1) * tl.num_programs(0) + tl.program_id(0), begin_ns, begin_cycles,
+                       begin_cycles)

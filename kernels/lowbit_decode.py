@@ -35,7 +35,8 @@ from kvweave.kernels.formats import VALUE_TILE, unpack_codes, unpack_varwidth, u
 from kvweave.kernels.launch import Launch, choose_splits, default_programs, query_tile
 from kvweave.kernels.lowbit_combine import exact_start, plan_combine  # noqa: F401 - plan_combine re-exported
 from kvweave.kernels.lowbit_dense import (auto_dense, dense_block, dense_launch, dense_refusal, dense_slots, dense_splits,
-                                          dense_tail, multiprocessors, rope_registers, tiles_refusal)
+                                          multiprocessors, rope_registers, tiles_refusal)
+from kvweave.kernels.lowbit_tail import dense_tail
 from kvweave.kernels.lowbit_tricks import (  # noqa: F401 - TRICKS: the names lowbit_decode takes; the others read here
     TRICKS, fast_path, parse_tricks, whole_byte_codes, whole_byte_keys, wide_groups)
 

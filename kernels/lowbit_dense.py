@@ -318,35 +318,6 @@ def dense_splits(rows: int, steps: int, sms: int, dim: int, hidden: bool, num_wa
     return min(range(low, max(low, high) + 1), key=lambda splits: (modelled(splits), splits))
 
 
-#: where the dense kernel's programs are more than one wave, the splits of each row that make up its last wave's worth
-#: of programs (the last ones launched) run this share of the others' length, in percent (0: every split alike): the
-#: programs of a pass vary in length (each SM's share of the bandwidth), so its last ones end unevenly, and for up to a
-#: sixth of a call fewer than 90% of the slots ran (H100, 2026-12-07: docs/kernels.md "Where a call's time goes among
-#: its programs"); shorter last programs leave a shorter tail. KVWEAVE_DENSE_TAIL sets it
-DENSE_TAIL = env_setting("KVWEAVE_DENSE_TAIL", 0, (0, 25, 33, 50, 67))
-
-
-def dense_tail(rows: int, groups: int, splits: int, slots: int, percent: int | None = None) -> tuple[int, int, int, int]:
-    """Each of ``rows`` rows' ``groups`` token groups in about ``splits`` splits for ``slots`` programs at once:
-    (splits, the long splits' length in groups, how many splits are long, the short ones' length), the short splits
-    last; with ``percent`` (None: :data:`DENSE_TAIL`) the last wave's worth of programs (``slots / rows`` splits a row)
-    that share of the long ones' length, else every split alike (as where the programs are one wave). Every split
-    holds at least one group and together they hold each group once."""
-    percent = DENSE_TAIL if percent is None else percent
-    uniform = -(-groups // max(1, splits))
-    if not percent or rows * splits <= slots or splits < 2:
-        return -(-groups // uniform), uniform, -(-groups // uniform), uniform
-    short = min(splits - 1, -(-slots // rows))
-    long = splits - short
-    length = 1
-    while long * length + short * max(1, length * percent // 100) < groups:
-        length += 1
-    if long * length >= groups:  # no room left for short splits
-        return -(-groups // length), length, -(-groups // length), length
-    brief = max(1, length * percent // 100)
-    return long + -(-(groups - long * length) // brief), length, long, brief
-
-
 #: 4-bit uniform values in tiles, read as their operand bits ``1 + code / 16`` with ``(7.5 + 16) / 16`` times each
 #: slot's weights taken off the output once at the end (``LEVELS`` = 3), where each operand register took a paired add
 DENSE_OFFSET_OUT = True

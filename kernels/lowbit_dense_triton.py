@@ -341,7 +341,7 @@ if triton is not None:
         start = 0
         if HAS_START:
             start = tl.load(start_ptr + batch)
-        short = split >= long_splits  # the last splits of a row may be shorter (kvweave.kernels.lowbit_dense.dense_tail)
+        short = split >= long_splits  # the last splits of a row may be shorter (kvweave.kernels.lowbit_tail.dense_tail)
         lo = tl.where(short, long_splits * split_len + (split - long_splits) * short_len, split * split_len)
         hi = tl.minimum(lo + tl.where(short, short_len, split_len), tokens)
         m_i = tl.full([R], float("-inf"), tl.float32)  # with FIX, the pass loop's carried values start here

@@ -1,5 +1,5 @@
-"""Where a decode call's time goes among its programs: the lowbit kernels that take a trace (the dense packed pass and
-the combine) write, per program, when it started and ended on the GPU's global timer and its SM's cycle counter, which
+"""Where a decode call's time goes among its programs: the kernels that take a trace (the lowbit dense packed pass and
+combine, depthweave-kv's tiles pass) write, per program, when it started and ended on the GPU's global timer and its SM's cycle counter, which
 SM ran it, and when a dependent launch's program was past its wait (:mod:`kvweave.kernels.timeline_triton`).
 
     with recording() as calls:       # every traced launch run inside is recorded
@@ -8,7 +8,7 @@ SM ran it, and when a dependent launch's program was past its wait (:mod:`kvweav
     print(summary(pass_, slots, combine))
 
 A launch takes a trace where :class:`kvweave.kernels.launch.Launch` names the argument (``trace_at``) and its kernel
-the ``TRACE`` constant; outside a recording it passes a placeholder and ``TRACE`` = 0, so the production build reads no
+the ``TRACE`` constant (a launch made outside it asks :func:`trace_for`); outside a recording it passes a placeholder and ``TRACE`` = 0, so the production build reads no
 timer. The timer stamps need a GPU build (inline PTX): under ``TRITON_INTERPRET=1`` a recording is refused."""
 
 from __future__ import annotations
@@ -75,6 +75,16 @@ def traced(kernel: Any, grid: tuple, args: tuple, constants: dict, trace_at: int
     trace = torch.zeros(int(np.prod(grid)), len(FIELDS), dtype=torch.int64, device=device)
     _RECORDING.append(Recorded(getattr(getattr(kernel, "fn", kernel), "__name__", str(kernel)), tuple(grid), trace))
     return args[:trace_at] + (trace,) + args[trace_at + 1:], {**constants, "TRACE": 1}
+
+
+def trace_for(kernel: Any, grid: tuple, placeholder: Any) -> tuple[Any, int]:
+    """What a launch made outside :class:`kvweave.kernels.launch.Launch` passes for its trace argument and ``TRACE``:
+    in an open recording a zeroed [programs, 6] int64 buffer on ``placeholder``'s device (recorded) and 1, else
+    ``placeholder`` and 0."""
+    if _RECORDING is None:
+        return placeholder, 0
+    args, _ = traced(kernel, grid, (placeholder,), {"TRACE": 0}, 0)
+    return args[0], 1
 
 
 @attrs.frozen

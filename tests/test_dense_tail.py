@@ -1,4 +1,4 @@
-"""The dense kernel's last wave of splits made shorter (``kvweave.kernels.lowbit_dense.dense_tail``, ``DENSE_TAIL``):
+"""The dense kernel's last wave of splits made shorter (``kvweave.kernels.lowbit_tail.dense_tail``, ``DENSE_TAIL``):
 the splits cover each token group once, the short ones last and about a wave's worth; off, or where the programs are one
 wave, every split alike, as before; and the kernel over such splits gives the twin's output and the uniform splits'."""
 
@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from kvweave.kernels import lowbit_dense as ld
+from kvweave.kernels import lowbit_tail
 from kvweave.kernels.lowbit_decode import lowbit_decode, plan_launch, torch_lowbit_decode
 
 from conftest import CharTokenizer, tiny_llama
@@ -36,7 +37,7 @@ def test_the_splits_cover_each_group_once_with_the_short_ones_last(percent):
         for groups in (3, 64, 245, 491, 983, 1966):
             for splits in (1, 2, 8, 10, 31, 64):
                 for slots in (528, 660):
-                    count, long_len, long_count, short_len = ld.dense_tail(rows, groups, splits, slots, percent)
+                    count, long_len, long_count, short_len = lowbit_tail.dense_tail(rows, groups, splits, slots, percent)
                     starts = [i * long_len for i in range(long_count)]
                     starts += [long_count * long_len + i * short_len for i in range(count - long_count)]
                     lengths = [long_len] * long_count + [short_len] * (count - long_count)
@@ -65,7 +66,7 @@ def test_the_kernel_over_a_shorter_last_wave_gives_the_twins_output(model, regis
 
     monkeypatch.setattr(decode, "dense_slots", lambda *args, **kwargs: 8)
     uniform = lowbit_decode(view, q, None, 0.088, variant="dense", programs=None)
-    monkeypatch.setattr(ld, "DENSE_TAIL", 50)
+    monkeypatch.setattr(lowbit_tail, "DENSE_TAIL", 50)
     launch = plan_launch(view, q, None, 0.088, variant="dense", programs=None)
     names = ld.jit_dense._lowbit_dense_kernel.arg_names
     args = dict(zip(names, launch.args))
@@ -92,7 +93,7 @@ def test_on_a_gpu_the_shorter_last_wave_gives_the_uniform_splits_output(monkeypa
     q = torch.randn(8, Q_HEADS, HEAD_DIM, generator=torch.Generator().manual_seed(3)).cuda().bfloat16()
     uniform = lowbit_decode(view, q, None, HEAD_DIM ** -0.5, programs=None).float()
     for percent in (33, 50):
-        monkeypatch.setattr(ld, "DENSE_TAIL", percent)
+        monkeypatch.setattr(lowbit_tail, "DENSE_TAIL", percent)
         launch = plan_launch(view, q, None, HEAD_DIM ** -0.5, programs=None)
         args = dict(zip(ld.jit_dense._lowbit_dense_kernel.arg_names, launch.args))
         assert args["long_splits"] < launch.grid[1]

@@ -170,3 +170,27 @@ def test_on_a_gpu_a_recorded_call_gives_the_same_bits_and_every_program_a_row(ba
     assert (packed.end > packed.start).all() and (combine.ready >= combine.start).all()
     assert combine.end.max() > packed.end.max()  # the combine ends after the pass it merges
     assert (packed.end.max() - packed.start.min()) < 5e6  # one call: well under 5 ms
+
+
+def test_depthweave_s_tiles_pass_passes_a_placeholder_and_in_a_recording_a_trace(tmp_path, monkeypatch):
+    """``fused_decode``'s tiles pass (launched outside :class:`Launch`) takes ``TRACE`` = 0 and a placeholder for its
+    last argument, and inside a recording a [programs, 6] buffer (recorded) and 1 (the kernel recorded, not run)."""
+    from test_kernels import DEVICE, decode_view, filled
+    from test_tiles_pass import recorded_tiles_launches
+
+    from kvweave.kernels.depthweave_decode import fused_decode
+
+    view = decode_view(filled(tmp_path, 8, 2, 128, 320), 1)
+    query = torch.randn(2, 8, 128, device=DEVICE)
+
+    def call():
+        return fused_decode(view, query, None, 0.125, variant="tiles")
+
+    (args, constants), = recorded_tiles_launches(call)
+    assert constants["TRACE"] == 0 and args[-1].dtype != torch.int64
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    with timeline.recording() as calls:
+        monkeypatch.setenv("TRITON_INTERPRET", "1")  # the other passes still run in the interpreter
+        (args, constants), = recorded_tiles_launches(call)
+    assert constants["TRACE"] == 1 and args[-1].dtype == torch.int64 and args[-1].shape[1] == 6
+    assert len(calls) == 1 and calls[0].trace is args[-1] and args[-1].shape[0] == int(np.prod(calls[0].grid))

@@ -1,5 +1,5 @@
 #!/bin/bash
-# The dense kernel's last wave of splits made shorter (kvweave.kernels.lowbit_dense.DENSE_TAIL, KVWEAVE_DENSE_TAIL in
+# The dense kernel's last wave of splits made shorter (kvweave.kernels.lowbit_tail.DENSE_TAIL, KVWEAVE_DENSE_TAIL in
 # percent of the other splits' length) against every split alike, each in turn, every call past the L2 cache: the 8x
 # class's storage at B = 8 and 32, 32K and 64K; the GPU test of the shorter splits; a timeline at 50%.
 # OUT=/tmp/o timeout 540 bash docs/perf/gpu-2026-12-07-timeline/lease_tail.sh
