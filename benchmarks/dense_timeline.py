@@ -93,7 +93,7 @@ def main() -> None:
     parser.add_argument("--batches", default="1,8,32")
     parser.add_argument("--configs", default="dense:64:4:0", help="as benchmarks/lowbit_kernel.py's")
     parser.add_argument("--calls", type=int, default=7, help="calls recorded a cell; the median pass's reported")
-    parser.add_argument("--post-rope", action="store_true", default=True)
+    parser.add_argument("--post-rope", action="store_true", default=True, help="keys stored after RoPE (the default)")
     parser.add_argument("--pre-rope", dest="post_rope", action="store_false", help="keys stored before RoPE")
     parser.add_argument("--cold-l2", action="store_true", help="each call reads its own copy past the L2 cache")
     parser.add_argument("--shape", default="llama3-8b", choices=list(SHAPES))
