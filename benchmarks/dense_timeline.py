@@ -13,8 +13,8 @@ ran (``ramp``) and from the last moment they did to the end (``tail``), the prog
 longest time, each wave's median (programs in order of start, ``slots`` at a time), the last program's start; the
 combine's first start, its programs' first and last moment past their wait for the pass (``ready``), its end, and
 how far its end lies past the pass's; and the call's graph time (20 calls replayed from a CUDA graph, untraced, the
-same storage) for scale. Times in microseconds from the pass's first program's start. A table on stdout; JSON and
-a plot (slots busy over time, pass and combine; each SM's programs for the first SMs) in ``--out``.
+same storage) for scale. Times in microseconds from the pass's first program's start. A table on stdout; JSON (with
+each program's start, end and SM) and a plot (slots busy over time, pass and combine; each SM's programs for the first SMs) in ``--out``.
 """
 
 from __future__ import annotations
@@ -53,6 +53,15 @@ def traced_call(call) -> tuple:
     if len(calls) != 2:
         raise RuntimeError(f"expected the packed pass and the combine traced, got {[c.name for c in calls]}")
     return programs(calls[0].trace), programs(calls[1].trace)
+
+
+def program_times(cell: dict) -> dict:
+    """The reported call's programs, for the JSON: each one's start and end (microseconds from the pass's first
+    program's start, rounded to 10 ns) and SM, the pass's and the combine's."""
+    origin = cell["_packed"].start.min()
+    return {name: {"start": np.round((progs.start - origin) / 1e3, 2).tolist(),
+                   "end": np.round((progs.end - origin) / 1e3, 2).tolist(), "sm": progs.sm.tolist()}
+            for name, progs in (("packed", cell["_packed"]), ("combine", cell["_combine"]))}
 
 
 def plot(cells: list[dict], path: Path) -> None:
@@ -147,7 +156,8 @@ def main() -> None:
     out.mkdir(parents=True, exist_ok=True)
     plot(cells, out / "dense_timeline.png")
     stamp = datetime.date.today().isoformat()
-    rows = [{k: v for k, v in cell.items() if not k.startswith("_")} for cell in cells]
+    rows = [{k: v for k, v in cell.items() if not k.startswith("_")} | {"program_times": program_times(cell)}
+            for cell in cells]
     (out / "dense_timeline.json").write_text(json.dumps({"date": stamp, "device": torch.cuda.get_device_name(), "sms": sms,
                                                          "storage": args.storage, "cold_l2": args.cold_l2,
                                                          "post_rope": args.post_rope, "rows": rows}, indent=1))
