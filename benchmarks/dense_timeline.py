@@ -31,18 +31,11 @@ import torch
 from decode_kernel import graph_us, read_in_turn
 from lowbit_kernel import SHAPES, STORAGES, config_name, packed_view, parse_configs, view_bytes
 from kvweave.kernels.lowbit_decode import lowbit_decode, plan_launch
-from kvweave.kernels.lowbit_dense import multiprocessors
-from kvweave.kernels.timeline import programs, recording, summary
+from kvweave.kernels.lowbit_dense import dense_slots, multiprocessors
+from kvweave.kernels.timeline import busy, programs, recording, summary
 
 #: the SMs whose programs the plot draws one by one
 PLOT_SMS = 8
-
-
-def slots_of(launch, sms: int) -> int:
-    """The programs of ``launch`` its GPU's ``sms`` SMs hold at once, by its registers and warps."""
-    registers = launch.constants.get("maxnreg") or 255
-    warps = launch.constants.get("num_warps", 4)
-    return sms * max(1, 65536 // (registers * 32 * warps))
 
 
 def traced_call(call) -> tuple:
@@ -76,18 +69,17 @@ def plot(cells: list[dict], path: Path) -> None:
         packed, combine, origin = cell["_packed"], cell["_combine"], cell["_packed"].start.min()
         times = np.linspace(0, max(packed.end.max(), combine.end.max()) - origin, 600)
         for name, progs in (("packed pass", packed), ("combine", combine)):
-            starts, ends = np.sort(progs.start - origin), np.sort(progs.end - origin)
-            level = np.searchsorted(starts, times, side="right") - np.searchsorted(ends, times, side="right")
-            busy_ax.plot(times / 1e3, level, label=name)
+            busy_ax.plot(times / 1e3, busy(progs, times + origin), label=name)
         busy_ax.axhline(cell["slots"], color="grey", lw=0.8, ls="--", label="slots")
         busy_ax.set_title(f"{cell['kernel']}, T = {cell['tokens']}, B = {cell['batch']}: programs running", fontsize=9)
         busy_ax.set_xlabel("us from the first program's start")
         busy_ax.legend(fontsize=7)
+        jitter = np.random.default_rng(0)  # programs of one SM drawn a little apart
         for row, unit in enumerate(np.unique(packed.sm)[:PLOT_SMS]):
             for progs, colour in ((packed, "tab:blue"), (combine, "tab:orange")):
                 on = progs.sm == unit
                 for s, e in zip(progs.start[on] - origin, progs.end[on] - origin):
-                    sm_ax.plot([s / 1e3, e / 1e3], [row + np.random.uniform(-0.35, 0.35)] * 2, color=colour, lw=1.2)
+                    sm_ax.plot([s / 1e3, e / 1e3], [row + jitter.uniform(-0.35, 0.35)] * 2, color=colour, lw=1.2)
         sm_ax.set_title("programs of the first SMs (blue: packed pass, orange: combine)", fontsize=9)
         sm_ax.set_xlabel("us from the first program's start")
         sm_ax.set_ylabel("SM")
@@ -133,7 +125,7 @@ def main() -> None:
                 name = config_name(variant, block, warps, progs, tricks)
                 call = lambda: lowbit_decode(views(), q, None, scale, block, warps, variant, progs, tricks)  # noqa: E731
                 launch = plan_launch(view, q, None, scale, block, warps, variant, progs, tricks=tricks)
-                slots = slots_of(launch, sms)
+                slots = dense_slots(sms, dim, launch.constants["HID"] > 0, warps, launch.constants.get("maxnreg"))
                 for _ in range(3):
                     call()
                 records = [traced_call(call) for _ in range(args.calls)]

@@ -36,7 +36,7 @@ from kvweave.kernels.launch import Launch, choose_splits, default_programs, quer
 from kvweave.kernels.lowbit_combine import exact_start, plan_combine  # noqa: F401 - plan_combine re-exported
 from kvweave.kernels.lowbit_dense import (auto_dense, dense_block, dense_launch, dense_refusal, dense_slots, dense_splits,
                                           multiprocessors, rope_registers, tiles_refusal)
-from kvweave.kernels.lowbit_tail import dense_tail
+from kvweave.kernels import lowbit_tail
 from kvweave.kernels.lowbit_tricks import (  # noqa: F401 - TRICKS: the names lowbit_decode takes; the others read here
     TRICKS, fast_path, parse_tricks, whole_byte_codes, whole_byte_keys, wide_groups)
 
@@ -313,10 +313,10 @@ def plan_launch(view: LowbitView, q: torch.Tensor, start: torch.Tensor | None, s
     else:
         splits = choose_splits(view.tokens, batch * heads, programs, BLOCK_T)
     tail = None
-    if variant == "dense" and programs is None:  # the launch's: the last wave's splits shorter (DENSE_TAIL, if set)
+    if variant == "dense" and programs is None and lowbit_tail.DENSE_TAIL:  # the launch's, the last wave shorter
         groups = -(-view.tokens // view.k_group)
         slots = dense_slots(multiprocessors(q.device), dim, hidden is not None, num_warps, rope_registers(view))
-        splits, long_len, long_splits, short_len = dense_tail(batch * heads, groups, splits, slots)
+        splits, long_len, long_splits, short_len = lowbit_tail.dense_tail(batch * heads, groups, splits, slots)
         split_len = long_len * view.k_group
         if long_splits < splits:
             tail = (long_splits, short_len * view.k_group)

@@ -64,16 +64,21 @@ def active() -> bool:
     return _RECORDING is not None
 
 
+def _new_trace(kernel: Any, grid: tuple, device: Any) -> Any:
+    """A zeroed [programs, 6] int64 trace for one launch of ``kernel`` over ``grid``, recorded in the open recording."""
+    if _RECORDING is None:
+        raise RuntimeError("no timeline recording is open")
+    trace = torch.zeros(int(np.prod(grid)), len(FIELDS), dtype=torch.int64, device=device)
+    _RECORDING.append(Recorded(getattr(getattr(kernel, "fn", kernel), "__name__", str(kernel)), tuple(grid), trace))
+    return trace
+
+
 def traced(kernel: Any, grid: tuple, args: tuple, constants: dict, trace_at: int) -> tuple[tuple, dict]:
     """The arguments and constants of a launch with its trace on: a zeroed [programs, 6] int64 buffer in place of
     argument ``trace_at`` (the placeholder), ``TRACE`` = 1; recorded in the open recording."""
-    if _RECORDING is None:
-        raise RuntimeError("no timeline recording is open")
     if "TRACE" not in constants:
         raise ValueError(f"kernel {getattr(kernel, '__name__', kernel)!r} takes no trace (no TRACE constant)")
-    device = args[trace_at].device
-    trace = torch.zeros(int(np.prod(grid)), len(FIELDS), dtype=torch.int64, device=device)
-    _RECORDING.append(Recorded(getattr(getattr(kernel, "fn", kernel), "__name__", str(kernel)), tuple(grid), trace))
+    trace = _new_trace(kernel, grid, args[trace_at].device)
     return args[:trace_at] + (trace,) + args[trace_at + 1:], {**constants, "TRACE": 1}
 
 
@@ -83,8 +88,7 @@ def trace_for(kernel: Any, grid: tuple, placeholder: Any) -> tuple[Any, int]:
     ``placeholder`` and 0."""
     if _RECORDING is None:
         return placeholder, 0
-    args, _ = traced(kernel, grid, (placeholder,), {"TRACE": 0}, 0)
-    return args[0], 1
+    return _new_trace(kernel, grid, placeholder.device), 1
 
 
 @attrs.frozen
