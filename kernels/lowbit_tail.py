@@ -9,8 +9,10 @@ from kvweave.core.environment import env_setting
 #: of programs (the last ones launched) run this share of the others' length, in percent (0: every split alike): the
 #: programs of a pass vary in length (each SM's share of the bandwidth), so its last ones end unevenly, and for up to a
 #: sixth of a call fewer than 90% of the slots ran (H100, 2026-12-07: docs/kernels.md "Where a call's time goes among
-#: its programs"); shorter last programs leave a shorter tail. KVWEAVE_DENSE_TAIL sets it
-DENSE_TAIL = env_setting("KVWEAVE_DENSE_TAIL", 0, (0, 25, 33, 50, 67))
+#: its programs"); shorter last programs leave a shorter tail. 33 took 1-8% off every call of more than one wave
+#: timed (H100), 25 as much, 50 / 67 less (docs/kernels.md "The last wave of splits shorter, timed").
+#: KVWEAVE_DENSE_TAIL sets it
+DENSE_TAIL = env_setting("KVWEAVE_DENSE_TAIL", 33, (0, 25, 33, 50, 67))
 
 
 def dense_tail(rows: int, groups: int, splits: int, slots: int, percent: int | None = None) -> tuple[int, int, int, int]:

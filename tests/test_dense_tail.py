@@ -65,6 +65,7 @@ def test_the_kernel_over_a_shorter_last_wave_gives_the_twins_output(model, regis
     from kvweave.kernels import lowbit_decode as decode
 
     monkeypatch.setattr(decode, "dense_slots", lambda *args, **kwargs: 8)
+    monkeypatch.setattr(lowbit_tail, "DENSE_TAIL", 0)
     uniform = lowbit_decode(view, q, None, 0.088, variant="dense", programs=None)
     monkeypatch.setattr(lowbit_tail, "DENSE_TAIL", 50)
     launch = plan_launch(view, q, None, 0.088, variant="dense", programs=None)
@@ -91,6 +92,7 @@ def test_on_a_gpu_the_shorter_last_wave_gives_the_uniform_splits_output(monkeypa
 
     view = attrs.evolve(packed_view(8, 32768, device="cuda", storage="k4v2e48t"), inv_freq=None)
     q = torch.randn(8, Q_HEADS, HEAD_DIM, generator=torch.Generator().manual_seed(3)).cuda().bfloat16()
+    monkeypatch.setattr(lowbit_tail, "DENSE_TAIL", 0)
     uniform = lowbit_decode(view, q, None, HEAD_DIM ** -0.5, programs=None).float()
     for percent in (33, 50):
         monkeypatch.setattr(lowbit_tail, "DENSE_TAIL", percent)
