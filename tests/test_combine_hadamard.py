@@ -142,11 +142,11 @@ def test_the_benchmarks_storage_takes_the_transform():
     import lowbit_kernel
 
     for rows in (1, 3):
-        view = attrs.evolve(lowbit_kernel.packed_view(rows, 700, device="cpu", storage="k4v2e48t"), inv_freq=None)
+        view = attrs.evolve(lowbit_kernel.packed_view(rows, 320, device="cpu", storage="k4v2e48t"), inv_freq=None)
         q = torch.randn(rows, lowbit_kernel.Q_HEADS, 128, generator=torch.Generator().manual_seed(rows))
         launch = plan_launch(view, q, None, 128 ** -0.5, variant="dense")
         combine = plan_combine(view, q, None, 128 ** -0.5, launch)
-        assert combine.constants["HAD"] == 7 and combine.constants["WHOLE"]
+        assert combine.constants["HAD"] == 7 and combine.constants["WHOLE"] and launch.grid[1] >= 2  # splits to combine
         fast = lowbit_decode(view, q, None, 128 ** -0.5, variant="dense")
         slow = lowbit_decode(attrs.evolve(view, rotation_hadamard=False), q, None, 128 ** -0.5, variant="dense")
         assert torch.allclose(fast, slow, atol=2e-6, rtol=0), (fast - slow).abs().max()
