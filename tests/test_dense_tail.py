@@ -101,3 +101,69 @@ def test_on_a_gpu_the_shorter_last_wave_gives_the_uniform_splits_output(monkeypa
         assert args["long_splits"] < launch.grid[1]
         out = lowbit_decode(view, q, None, HEAD_DIM ** -0.5, programs=None).float()
         assert (out - uniform).abs().max() < 1e-2, (percent, float((out - uniform).abs().max()))
+
+
+@pytest.mark.parametrize("on", [True, False])
+def test_one_wave_filled_covers_each_group_once_in_splits_a_group_apart(on):
+    for rows in (1, 8, 32, 64):
+        for groups in (3, 64, 122, 245, 491, 983):
+            for splits in (1, 8, 25, 49, 62):
+                for slots in (528, 660):
+                    count, long_len, long_count, short_len = lowbit_tail.dense_fill(rows, groups, splits, slots, 64, on)
+                    lengths = [long_len] * long_count + [short_len] * (count - long_count)
+                    assert sum(lengths) >= groups > sum(lengths) - lengths[-1] and min(lengths) >= 1
+                    uniform = -(-groups // splits)
+                    alike = -(-groups // uniform)
+                    if not on or rows * splits > slots or min(64, groups, slots // rows) <= alike:
+                        assert (count, long_len, long_count) == (alike, uniform, alike)  # as before
+                    else:  # the slots filled: more splits, a group apart, never past the rows' share or 64
+                        assert alike < count == min(64, groups, slots // rows) and rows * count <= slots
+                        assert long_len - short_len in (0, 1) and sum(lengths) == groups
+
+
+@pytest.mark.interpreter
+def test_the_kernel_over_one_wave_filled_gives_the_twins_output(model, registry, monkeypatch):  # noqa: F811
+    """Two rows of 8 steps, the SMs made to hold 12 programs at once and a split to take 4 steps at least: 2 splits a
+    row alike (4 programs), filled 6 splits a row of 2 and 1 steps; the output is the twin's and the uniform splits'."""
+    view, rows = _long_view(registry)
+    heads = view.exact_k.shape[1]
+    q = torch.randn(rows, 4, 128, generator=torch.Generator().manual_seed(7))
+    from kvweave.kernels import lowbit_decode as decode
+
+    monkeypatch.setattr(decode, "dense_slots", lambda *args, **kwargs: 6 * rows * heads)
+    monkeypatch.setattr(ld, "dense_slots", lambda *args, **kwargs: 6 * rows * heads)
+    monkeypatch.setattr(lowbit_tail, "DENSE_FILL", 0)
+    uniform = lowbit_decode(view, q, None, 0.088, variant="dense", programs=None)
+    before = plan_launch(view, q, None, 0.088, variant="dense", programs=None)
+    monkeypatch.setattr(lowbit_tail, "DENSE_FILL", 1)
+    launch = plan_launch(view, q, None, 0.088, variant="dense", programs=None)
+    args = dict(zip(ld.jit_dense._lowbit_dense_kernel.arg_names, launch.args))
+    groups = -(-view.tokens // view.k_group)
+    assert before.grid[1] < launch.grid[1] == min(6, groups) and args["long_splits"] < launch.grid[1]
+    out = lowbit_decode(view, q, None, 0.088, variant="dense", programs=None)
+    twin = torch_lowbit_decode(view, q, None, 0.088)
+    assert torch.allclose(out, twin, atol=1e-5) and torch.allclose(out, uniform, atol=1e-5)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="the compiled kernel at real sizes on a CUDA GPU")
+def test_on_a_gpu_one_wave_filled_gives_the_uniform_splits_output(monkeypatch):
+    """The 8x storage at one row, 32K and 64K (one wave): filled, the output is the uniform splits' to the float32
+    sums' order."""
+    import sys
+    from pathlib import Path
+
+    import attrs
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+    from lowbit_kernel import HEAD_DIM, Q_HEADS, packed_view
+
+    for tokens in (32768, 65536):
+        view = attrs.evolve(packed_view(1, tokens, device="cuda", storage="k4v2e48t"), inv_freq=None)
+        q = torch.randn(1, Q_HEADS, HEAD_DIM, generator=torch.Generator().manual_seed(4)).cuda().bfloat16()
+        monkeypatch.setattr(lowbit_tail, "DENSE_FILL", 0)
+        uniform = lowbit_decode(view, q, None, HEAD_DIM ** -0.5, programs=None).float()
+        before = plan_launch(view, q, None, HEAD_DIM ** -0.5, programs=None).grid[1]
+        monkeypatch.setattr(lowbit_tail, "DENSE_FILL", 1)
+        assert plan_launch(view, q, None, HEAD_DIM ** -0.5, programs=None).grid[1] > before
+        out = lowbit_decode(view, q, None, HEAD_DIM ** -0.5, programs=None).float()
+        assert (out - uniform).abs().max() < 1e-2, (tokens, float((out - uniform).abs().max()))
