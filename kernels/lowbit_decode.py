@@ -34,9 +34,8 @@ from kvweave.core.lazy import lazy_module, torch
 from kvweave.kernels.formats import VALUE_TILE, unpack_codes, unpack_varwidth, untile_codes
 from kvweave.kernels.launch import Launch, choose_splits, default_programs, query_tile
 from kvweave.kernels.lowbit_combine import exact_start, plan_combine  # noqa: F401 - plan_combine re-exported
-from kvweave.kernels.lowbit_dense import (DENSE_AHEAD_REGISTERS, DENSE_MAX_SPLITS, auto_dense, dense_block, dense_launch,
-                                          dense_refusal, dense_slots, dense_splits, multiprocessors, rope_registers,
-                                          tiles_refusal)
+from kvweave.kernels.lowbit_dense import (auto_dense, dense_block, dense_launch, dense_refusal, dense_slots, dense_splits,
+                                          multiprocessors, rope_registers, tiles_refusal)
 from kvweave.kernels import lowbit_tail
 from kvweave.kernels.lowbit_tricks import (  # noqa: F401 - TRICKS: the names lowbit_decode takes; the others read here
     TRICKS, fast_path, parse_tricks, whole_byte_codes, whole_byte_keys, wide_groups)
@@ -314,17 +313,10 @@ def plan_launch(view: LowbitView, q: torch.Tensor, start: torch.Tensor | None, s
     else:
         splits = choose_splits(view.tokens, batch * heads, programs, BLOCK_T)
     tail = None
-    if variant == "dense" and programs is None and (lowbit_tail.DENSE_TAIL or lowbit_tail.DENSE_FILL):
-        # the launch's: the last wave shorter, or one wave made to fill the slots
+    if variant == "dense" and programs is None and lowbit_tail.DENSE_TAIL:  # the launch's, the last wave shorter
         groups = -(-view.tokens // view.k_group)
-        sms, hid = multiprocessors(q.device), hidden is not None
-        slots = dense_slots(sms, dim, hid, num_warps, rope_registers(view))
-        if batch * heads * splits <= slots:  # one wave: the slots at the one-wave rule's registers too
-            fill = min(slots, dense_slots(sms, dim, hid, num_warps, DENSE_AHEAD_REGISTERS))
-            splits, long_len, long_splits, short_len = lowbit_tail.dense_fill(
-                batch * heads, groups, splits, fill, DENSE_MAX_SPLITS)
-        else:
-            splits, long_len, long_splits, short_len = lowbit_tail.dense_tail(batch * heads, groups, splits, slots)
+        slots = dense_slots(multiprocessors(q.device), dim, hidden is not None, num_warps, rope_registers(view))
+        splits, long_len, long_splits, short_len = lowbit_tail.dense_tail(batch * heads, groups, splits, slots)
         split_len = long_len * view.k_group
         if long_splits < splits:
             tail = (long_splits, short_len * view.k_group)

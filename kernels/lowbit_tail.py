@@ -34,27 +34,3 @@ def dense_tail(rows: int, groups: int, splits: int, slots: int, percent: int | N
         return -(-groups // length), length, -(-groups // length), length
     brief = max(1, length * percent // 100)
     return long + -(-(groups - long * length) // brief), length, long, brief
-
-
-#: where the dense kernel's programs are one wave: each row in as many splits as fill the SMs' slots at once (up to
-#: ``most`` a row), their lengths differing by one token group at most, instead of the fewest splits of whole
-#: :data:`kvweave.kernels.lowbit_dense.DENSE_SPLIT_STEPS`-multiples (one row at 32K: 49 splits of 5 steps, 392 programs
-#: on 528 slots). KVWEAVE_DENSE_FILL=1 turns it on
-DENSE_FILL = env_setting("KVWEAVE_DENSE_FILL", 0, (0, 1))
-
-
-def dense_fill(rows: int, groups: int, splits: int, slots: int, most: int, on: bool | None = None) -> tuple[int, int, int, int]:
-    """Where ``rows`` rows of ``groups`` token groups in ``splits`` splits a row are at most ``slots`` programs: with
-    ``on`` (None: :data:`DENSE_FILL`) as many splits as ``slots / rows`` (at most ``most``, at most ``groups``), the
-    first ones a group longer than the rest; else, or where that is no more splits, every split alike. The same tuple as
-    :func:`dense_tail`: (splits, the long splits' length, how many are long, the short ones' length)."""
-    on = DENSE_FILL if on is None else on
-    uniform = -(-groups // max(1, splits))
-    alike = (-(-groups // uniform), uniform, -(-groups // uniform), uniform)
-    count = min(most, groups, slots // max(1, rows))
-    if not on or rows * splits > slots or count <= alike[0]:
-        return alike
-    length, longer = divmod(groups, count)
-    if not longer:
-        return count, length, count, length
-    return count, length + 1, longer, length

@@ -3,6 +3,7 @@
 # the splits of before (0), each in turn, one row, every call past the L2 cache: the 8x class's storage twice, the ~5x
 # class's and kzd-k4vq25-f40's two storages once; first the GPU tests of the shorter and the filled splits.
 # OUT=/tmp/o timeout 560 bash docs/perf/gpu-2026-12-07-tail/lease_fill.sh
+# (run once, run4-fill/; the switch was removed after it: no gain, docs/kernels.md "One wave filled to the slots")
 source benchmarks/lease_preamble.sh
 step 120 tests.md python -m pytest -q -p no:cacheprovider tests/test_dense_tail.py -k gpu
 run() {  # run NAME FILL STORAGE
