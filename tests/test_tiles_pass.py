@@ -79,32 +79,37 @@ def test_the_tiles_pass_reads_what_the_gather_pass_reads(tmp_path, name, block):
         assert (torch_decode(bare, query, start, dim**-0.5) - twin).abs().max().item() > 1e-2
 
 
-@pytest.mark.parametrize("columns, ahead, index, late", [(True, False, False, False), (False, True, False, False),
-                                                         (True, True, False, False), (True, True, True, False),
-                                                         (False, True, True, False), (True, True, False, True)])
+#: the ``tiles`` pass's switches, each combination checked (columns, ahead, index, late)
+SWITCHES = [(True, False, False, False), (False, True, False, False), (True, True, False, False),
+            (True, True, True, False), (False, True, True, False), (True, True, False, True)]
+
+
 @pytest.mark.parametrize("name, block", [("dw-kernel", 64), ("dw-kernel", 32), ("dw-kernel-wide", 64)])
 def test_the_tiles_pass_reads_its_residual_words_as_columns_or_a_step_ahead_to_the_same_sums(tmp_path, monkeypatch, name,
-                                                                                         block, columns, ahead, index,
-                                                                                         late):
+                                                                                         block):
     """The ``tiles`` pass's switches (``TILES_COLUMNS``: the words read as a column in the residual tile's layout;
     ``TILES_AHEAD``: each step's words loaded during the step before; both on by default since timed on the H200;
     ``TILES_INDEX``: the tile index read two steps ahead, its entries one; ``TILES_QUERY_LATE``: the query's products
-    after the first step's loads) change where and when the words are read, not the sums: the same output as the pass
-    without them and as the twin, over segments of 96 tokens (a last step of 32 tokens, whose next steps lie past the
-    segment), rows with a first position, 32- and 64-token steps and 64-bit words."""
+    after the first step's loads) change where and when the words are read, not the sums: for each combination of
+    :data:`SWITCHES`, the same output as the pass without them and as the twin, over segments of 96 tokens (a last
+    step of 32 tokens, whose next steps lie past the segment), rows with a first position, 32- and 64-token steps and
+    64-bit words."""
     view, query, start, dim = _tiles_case(tmp_path, name)
     run = lambda: fused_decode(view, query, start, dim**-0.5, split=96, block_tokens=block, variant="tiles")  # noqa: E731
     monkeypatch.setattr(depthweave_decode, "TILES_COLUMNS", False)
     monkeypatch.setattr(depthweave_decode, "TILES_AHEAD", False)
     monkeypatch.setattr(depthweave_decode, "TILES_QUERY_LATE", False)  # on by default: the plain pass has it off
     plain = run()
-    monkeypatch.setattr(depthweave_decode, "TILES_COLUMNS", columns)
-    monkeypatch.setattr(depthweave_decode, "TILES_AHEAD", ahead)
-    monkeypatch.setattr(depthweave_decode, "TILES_INDEX", index)
-    monkeypatch.setattr(depthweave_decode, "TILES_QUERY_LATE", late)
-    switched = run()
-    assert (switched - plain).abs().max().item() < 1e-5
-    assert (switched - torch_decode(view, query, start, dim**-0.5)).abs().max().item() < 1e-3
+    twin = torch_decode(view, query, start, dim**-0.5)
+    for columns, ahead, index, late in SWITCHES:
+        monkeypatch.setattr(depthweave_decode, "TILES_COLUMNS", columns)
+        monkeypatch.setattr(depthweave_decode, "TILES_AHEAD", ahead)
+        monkeypatch.setattr(depthweave_decode, "TILES_INDEX", index)
+        monkeypatch.setattr(depthweave_decode, "TILES_QUERY_LATE", late)
+        switched = run()
+        switches = dict(columns=columns, ahead=ahead, index=index, late=late)
+        assert (switched - plain).abs().max().item() < 1e-5, switches
+        assert (switched - twin).abs().max().item() < 1e-3, switches
 
 
 @pytest.mark.parametrize("variant", ["tiles", "gather"])
