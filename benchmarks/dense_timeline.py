@@ -4,6 +4,11 @@ program's start, end and SM read from the GPU's timers (:mod:`kvweave.kernels.ti
 
     python benchmarks/dense_timeline.py [--storage k4v2e48t] [--tokens 32768,65536] [--batches 1,8,32]
         [--calls 7] [--cold-l2] [--configs dense:64:4:0] [--out DIR]
+    python benchmarks/dense_timeline.py --method depthweave-kv [--tokens ...] [--batches ...] [--cold-l2]
+
+``--method depthweave-kv``: depthweave-kv's tiles pass (``fused_decode``) instead, over a cache filled as
+``benchmarks/decode_kernel.py`` fills it; its combine takes no trace, and its slots are the most programs seen running at
+once.
 
 Per (T, B) and configuration: ``--calls`` calls recorded (eager, after warm-up and one recorded call that builds the traced kernels; with ``--cold-l2`` each call reads its
 own copy of the storage past the L2 cache), the call whose packed pass spans the median reported: its programs and
@@ -28,7 +33,12 @@ import attrs
 import numpy as np
 import torch
 
-from decode_kernel import graph_us, read_in_turn
+from decode_kernel import HEAD_DIM, Q_HEADS, first_rows, graph_us, llama3_window_config, read_in_turn
+from decode_kernel import view_bytes as decode_bytes
+from kvweave.core.registry import load_pipeline
+from kvweave.engine.cache import KVWeaveCache
+from kvweave.engine.synthetic import fill_cache
+from kvweave.kernels.depthweave_decode import fused_decode
 from lowbit_kernel import SHAPES, STORAGES, config_name, packed_view, parse_configs, view_bytes
 from kvweave.kernels.lowbit_decode import lowbit_decode, plan_launch
 from kvweave.kernels.lowbit_dense import dense_slots, multiprocessors
@@ -38,14 +48,23 @@ from kvweave.kernels.timeline import busy, programs, recording, summary
 PLOT_SMS = 8
 
 
-def traced_call(call) -> tuple:
-    """One call of ``call`` recorded: (packed pass, combine) :class:`~kvweave.kernels.timeline.Programs`."""
+#: the traced kernel of each method's packed pass and of its combine (None: its combine takes no trace)
+TRACED = {"dense": ("_lowbit_dense_kernel", "_combine"), "depthweave-kv": ("_tiles_kernel", None)}
+
+
+def traced_call(call, method: str = "dense") -> tuple:
+    """One call of ``call`` recorded: (packed pass, combine or None) :class:`~kvweave.kernels.timeline.Programs` of
+    ``method``'s kernels (:data:`TRACED`)."""
     with recording() as calls:
         call()
     torch.cuda.synchronize()
-    if len(calls) != 2:
-        raise RuntimeError(f"expected the packed pass and the combine traced, got {[c.name for c in calls]}")
-    return programs(calls[0].trace), programs(calls[1].trace)
+    packed_name, combine_name = TRACED[method]
+    packed = [c for c in calls if c.name == packed_name]
+    combine = [c for c in calls if combine_name is not None and combine_name in c.name]
+    if len(packed) != 1 or (combine_name is not None and len(combine) != 1):
+        raise RuntimeError(f"expected {method}'s packed pass{' and its combine' if combine_name else ''} traced once, "
+                           f"got {[c.name for c in calls]}")
+    return programs(packed[0].trace), (programs(combine[0].trace) if combine else None)
 
 
 def program_times(cell: dict) -> dict:
@@ -54,7 +73,7 @@ def program_times(cell: dict) -> dict:
     origin = cell["_packed"].start.min()
     return {name: {"start": np.round((progs.start - origin) / 1e3, 2).tolist(),
                    "end": np.round((progs.end - origin) / 1e3, 2).tolist(), "sm": progs.sm.tolist()}
-            for name, progs in (("packed", cell["_packed"]), ("combine", cell["_combine"]))}
+            for name, progs in (("packed", cell["_packed"]), ("combine", cell["_combine"])) if progs is not None}
 
 
 def plot(cells: list[dict], path: Path) -> None:
@@ -66,9 +85,10 @@ def plot(cells: list[dict], path: Path) -> None:
 
     fig, axes = plt.subplots(len(cells), 2, figsize=(13, 2.8 * len(cells)), squeeze=False)
     for (busy_ax, sm_ax), cell in zip(axes, cells):
-        packed, combine, origin = cell["_packed"], cell["_combine"], cell["_packed"].start.min()
-        times = np.linspace(0, max(packed.end.max(), combine.end.max()) - origin, 600)
-        for name, progs in (("packed pass", packed), ("combine", combine)):
+        packed, origin = cell["_packed"], cell["_packed"].start.min()
+        traced = [(name, progs) for name, progs in (("packed pass", packed), ("combine", cell["_combine"])) if progs is not None]
+        times = np.linspace(0, max(progs.end.max() for _, progs in traced) - origin, 600)
+        for name, progs in traced:
             busy_ax.plot(times / 1e3, busy(progs, times + origin), label=name)
         busy_ax.axhline(cell["slots"], color="grey", lw=0.8, ls="--", label="slots")
         busy_ax.set_title(f"{cell['kernel']}, T = {cell['tokens']}, B = {cell['batch']}: programs running", fontsize=9)
@@ -76,7 +96,7 @@ def plot(cells: list[dict], path: Path) -> None:
         busy_ax.legend(fontsize=7)
         jitter = np.random.default_rng(0)  # programs of one SM drawn a little apart
         for row, unit in enumerate(np.unique(packed.sm)[:PLOT_SMS]):
-            for progs, colour in ((packed, "tab:blue"), (combine, "tab:orange")):
+            for (_, progs), colour in zip(traced, ("tab:blue", "tab:orange")):
                 on = progs.sm == unit
                 for s, e in zip(progs.start[on] - origin, progs.end[on] - origin):
                     sm_ax.plot([s / 1e3, e / 1e3], [row + jitter.uniform(-0.35, 0.35)] * 2, color=colour, lw=1.2)
@@ -85,6 +105,49 @@ def plot(cells: list[dict], path: Path) -> None:
         sm_ax.set_ylabel("SM")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
+
+
+def reported(tokens: int, batch: int, name: str, slots: int, records: list, graph: float) -> dict:
+    """A cell from its recorded calls (the one whose packed pass spans the median), printed as a table row."""
+    spans = [p.end.max() - p.start.min() for p, _ in records]
+    packed, combine = records[int(np.argsort(spans)[len(spans) // 2])]
+    found = summary(packed, slots, combine)
+    c = found.get("combine")
+    waves = " / ".join(f"{w:.1f}" for w in found["waves"])
+    combined = (f"{c['start']:.1f} / {c['ready_first']:.1f}-{c['ready_last']:.1f} / {c['end']:.1f} ({c['after']:+.1f})"
+                if c else "not traced")
+    print(f"| {tokens} | {batch} | {name} | {found['programs']} / {slots} | {found['span']:.1f} | "
+          f"{100 * found['busy_share']:.0f}% | {found['ramp']:.1f} | {found['tail']:.1f} | "
+          f"{found['median']:.1f} / {found['p90']:.1f} / {found['longest']:.1f} | {waves} | "
+          f"{found['last_start']:.1f} | {combined} | {graph:.1f} |", flush=True)
+    return {"tokens": tokens, "batch": batch, "kernel": name, "slots": slots, "graph_us": graph,
+            "spans_us": [s / 1e3 for s in spans], **found, "_packed": packed, "_combine": combine}
+
+
+def depthweave_cells(tokens: int, batches: list[int], calls: int, cold: bool) -> list[dict]:
+    """depthweave-kv's tiles pass at ``tokens`` for each of ``batches``: a cache of the largest batch filled as
+    ``benchmarks/decode_kernel.py`` fills it (layer 1's view, its first rows for the smaller batches), ``calls`` calls
+    of ``fused_decode`` recorded. The slots (programs its SMs hold at once) are the most programs seen running at once
+    in any recorded call: its launch states no count."""
+    cache = KVWeaveCache(load_pipeline("depthweave-kv"), llama3_window_config())
+    fill_cache(cache, max(batches), tokens, chunk=8192, device="cuda", seed=tokens)
+    full = cache.engine.kernel.decode_view(cache.engine.view(1), torch.device("cuda"))
+    cells = []
+    for batch in batches:
+        view = full if batch == max(batches) else first_rows(full, batch)
+        views = read_in_turn(view, decode_bytes(view), cold)
+        q = torch.randn(batch, Q_HEADS, HEAD_DIM, device="cuda", dtype=torch.bfloat16)
+        call = lambda: fused_decode(views(), q, None, HEAD_DIM ** -0.5)  # noqa: E731
+        for _ in range(3):
+            call()
+        traced_call(call, "depthweave-kv")  # the traced build compiled here
+        records = [traced_call(call, "depthweave-kv") for _ in range(calls)]
+        slots = max(int(busy(p, np.sort(p.start)).max()) for p, _ in records)
+        cells.append(reported(tokens, batch, "depthweave-kv tiles", slots, records, graph_us(call, 10)))
+        del views
+    del cache, full
+    torch.cuda.empty_cache()
+    return cells
 
 
 def main() -> None:
@@ -98,6 +161,10 @@ def main() -> None:
     parser.add_argument("--pre-rope", dest="post_rope", action="store_false", help="keys stored before RoPE")
     parser.add_argument("--cold-l2", action="store_true", help="each call reads its own copy past the L2 cache")
     parser.add_argument("--shape", default="llama3-8b", choices=list(SHAPES))
+    parser.add_argument("--method", default="dense", choices=list(TRACED),
+                        help="dense: the lowbit dense kernel over --storage; depthweave-kv: its tiles pass over a cache "
+                             "filled as benchmarks/decode_kernel.py fills it (Llama-3-8B shape; --storage, --configs and "
+                             "--shape unused)")
     parser.add_argument("--out", default="results/dense_timeline")
     args = parser.parse_args()
     if not torch.cuda.is_available():
@@ -109,12 +176,16 @@ def main() -> None:
     sms = multiprocessors(torch.device("cuda"))
     scale = dim ** -0.5
     cells = []
-    print(f"{torch.cuda.get_device_name()}, {sms} SMs; storage {args.storage}{'' if args.post_rope else ' (pre-RoPE keys)'}"
+    what = "depthweave-kv" if args.method == "depthweave-kv" else f"storage {args.storage}{'' if args.post_rope else ' (pre-RoPE keys)'}"
+    print(f"{torch.cuda.get_device_name()}, {sms} SMs; {what}"
           f"{', every call its own copy past the L2 cache' if args.cold_l2 else ''}")
     print("\n| T | B | kernel | programs / slots | span | busy | ramp | tail | program: median / p90 / longest | waves' medians "
           "| last start | combine: start / ready first-last / end (after the pass) | graph us |")
     print("|---:|---:|---|---:|---:|---:|---:|---:|---|---|---:|---|---:|")
     for tokens in (int(t) for t in args.tokens.split(",")):
+        if args.method == "depthweave-kv":
+            cells += depthweave_cells(tokens, [int(b) for b in args.batches.split(",")], args.calls, args.cold_l2)
+            continue
         for batch in (int(b) for b in args.batches.split(",")):
             view = packed_view(batch, tokens, storage=args.storage, shape=args.shape)
             if args.post_rope:
@@ -130,19 +201,7 @@ def main() -> None:
                     call()
                 traced_call(call)  # the traced builds compiled here: a call that compiles starts its combine late
                 records = [traced_call(call) for _ in range(args.calls)]
-                spans = [p.end.max() - p.start.min() for p, _ in records]
-                packed, combine = records[int(np.argsort(spans)[len(spans) // 2])]
-                found = summary(packed, slots, combine)
-                graph = graph_us(call, 10)
-                c = found["combine"]
-                waves = " / ".join(f"{w:.1f}" for w in found["waves"])
-                print(f"| {tokens} | {batch} | {name} | {found['programs']} / {slots} | {found['span']:.1f} | "
-                      f"{100 * found['busy_share']:.0f}% | {found['ramp']:.1f} | {found['tail']:.1f} | "
-                      f"{found['median']:.1f} / {found['p90']:.1f} / {found['longest']:.1f} | {waves} | "
-                      f"{found['last_start']:.1f} | {c['start']:.1f} / {c['ready_first']:.1f}-{c['ready_last']:.1f} / "
-                      f"{c['end']:.1f} ({c['after']:+.1f}) | {graph:.1f} |", flush=True)
-                cells.append({"tokens": tokens, "batch": batch, "kernel": name, "slots": slots, "graph_us": graph,
-                              "spans_us": [s / 1e3 for s in spans], **found, "_packed": packed, "_combine": combine})
+                cells.append(reported(tokens, batch, name, slots, records, graph_us(call, 10)))
             del view, views
             torch.cuda.empty_cache()
     out = Path(args.out)
@@ -152,7 +211,7 @@ def main() -> None:
     rows = [{k: v for k, v in cell.items() if not k.startswith("_")} | {"program_times": program_times(cell)}
             for cell in cells]
     (out / "dense_timeline.json").write_text(json.dumps({"date": stamp, "device": torch.cuda.get_device_name(), "sms": sms,
-                                                         "storage": args.storage, "cold_l2": args.cold_l2,
+                                                         "method": args.method, "storage": args.storage, "cold_l2": args.cold_l2,
                                                          "post_rope": args.post_rope, "rows": rows}, indent=1))
 
 
