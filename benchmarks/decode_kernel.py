@@ -269,6 +269,8 @@ def main() -> None:
         ratio = cache.compression_ratio()
         for batch in batches:
             view = full_view if batch == max(batches) else first_rows(full_view, batch)
+            if args.split:  # cut once here: fused_decode's split= cuts on the host each call, which a graph cannot hold
+                view = attrs.evolve(view, segments=resplit(view.segments, args.split))
             read = view_bytes(view)
             generator = torch.Generator(device="cuda").manual_seed(batch)
             q = torch.randn(batch, Q_HEADS, HEAD_DIM, device="cuda", generator=generator).to(torch.bfloat16)
@@ -316,7 +318,7 @@ def _timed_row(views, q, scale, passes, args, twin, read, sdpa, full_bytes, copy
     sdpa_us, sdpa_graph_us = sdpa
     variant, combine = passes
     combine_name, slices = combine.partition("/")[0], combine_slices(combine)
-    fused = lambda: fused_decode(views(), q, None, scale, split=args.split, block_tokens=args.block_tokens,  # noqa: E731
+    fused = lambda: fused_decode(views(), q, None, scale, block_tokens=args.block_tokens,  # noqa: E731
                                  num_warps=args.num_warps, variant=variant, combine=combine_name)
     default_slices, depthweave_decode.COMBINE_SLICES = depthweave_decode.COMBINE_SLICES, slices
     try:

@@ -233,3 +233,15 @@ def test_the_flush_statistics_by_the_tiles_pass_read_no_value(tmp_path):
     assert torch.isfinite(runs[True][0]).all() and torch.isfinite(runs[True][1]).all()
     assert torch.isfinite(runs[True][2]).all() and runs[False][2].isnan().all()
     assert torch.equal(runs[True][0], runs[False][0]) and torch.equal(runs[True][1], runs[False][1])
+
+
+def test_segments_cut_once_before_the_calls_read_what_a_split_per_call_reads(tmp_path):
+    """``benchmarks/decode_kernel.py --split``: the view's segments cut once (``resplit``) and read as they are give
+    ``fused_decode(..., split=)``'s output bit for bit (the script cuts them once: the cut reads the segments on the
+    host, which a call replayed from a CUDA graph cannot)."""
+    from kvweave.kernels.decode_view import resplit
+
+    view, query, start, dim = _tiles_case(tmp_path, "dw-kernel")
+    cut = attrs.evolve(view, segments=resplit(view.segments, 96))
+    assert cut.segments.shape[0] > view.segments.shape[0]  # the split makes more programs than the cache's segments
+    assert torch.equal(fused_decode(cut, query, start, dim**-0.5), fused_decode(view, query, start, dim**-0.5, split=96))
