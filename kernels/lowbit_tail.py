@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+import functools
+
 from kvweave.core.environment import env_setting
 
 #: where the dense kernel's programs are more than one wave, the splits of each row that make up its last wave's worth
@@ -21,7 +23,12 @@ def dense_tail(rows: int, groups: int, splits: int, slots: int, percent: int | N
     last; with ``percent`` (None: :data:`DENSE_TAIL`) the last wave's worth of programs (``slots / rows`` splits a row)
     that share of the long ones' length, else every split alike (as where the programs are one wave). Every split
     holds at least one group and together they hold each group once."""
-    percent = DENSE_TAIL if percent is None else percent
+    return _tail_splits(rows, groups, splits, slots, DENSE_TAIL if percent is None else percent)
+
+
+@functools.lru_cache(maxsize=256)
+def _tail_splits(rows: int, groups: int, splits: int, slots: int, percent: int) -> tuple[int, int, int, int]:
+    """:func:`dense_tail` for a given ``percent``, kept per shape: every decode step of a layer asks the same."""
     uniform = -(-groups // max(1, splits))
     if not percent or rows * splits <= slots or splits < 2:
         return -(-groups // uniform), uniform, -(-groups // uniform), uniform
