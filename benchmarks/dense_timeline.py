@@ -5,6 +5,7 @@ program's start, end and SM read from the GPU's timers (:mod:`kvweave.kernels.ti
     python benchmarks/dense_timeline.py [--storage k4v2e48t] [--tokens 32768,65536] [--batches 1,8,32]
         [--calls 7] [--cold-l2] [--configs dense:64:4:0] [--out DIR]
     python benchmarks/dense_timeline.py --method depthweave-kv [--tokens ...] [--batches ...] [--cold-l2]
+    python benchmarks/dense_timeline.py --sm-loads DIR/dense_timeline.json   # a run's SMs by programs run, no GPU
 
 ``--method depthweave-kv``: depthweave-kv's tiles pass (``fused_decode``) instead, over a cache filled as
 ``benchmarks/decode_kernel.py`` fills it; its combine takes no trace, and its slots are the most programs seen running at
@@ -42,7 +43,7 @@ from kvweave.kernels.depthweave_decode import fused_decode
 from lowbit_kernel import SHAPES, STORAGES, config_name, packed_view, parse_configs, view_bytes
 from kvweave.kernels.lowbit_decode import lowbit_decode, plan_launch
 from kvweave.kernels.lowbit_dense import dense_slots, multiprocessors
-from kvweave.kernels.timeline import busy, programs, recording, summary
+from kvweave.kernels.timeline import busy, programs, recording, sm_loads, summary
 
 #: the SMs whose programs the plot draws one by one
 PLOT_SMS = 8
@@ -65,6 +66,15 @@ def traced_call(call, method: str = "dense") -> tuple:
         raise RuntimeError(f"expected {method}'s packed pass{' and its combine' if combine_name else ''} traced once, "
                            f"got {[c.name for c in calls]}")
     return programs(packed[0].trace), (programs(combine[0].trace) if combine else None)
+
+
+def recorded_calls(call, count: int, method: str = "dense") -> list[tuple]:
+    """``count`` calls of ``call`` recorded (:func:`traced_call`) after three untraced ones and one recorded and left
+    out: the traced builds compile in that one, and a call that compiles starts its later launches late."""
+    for _ in range(3):
+        call()
+    traced_call(call, method)
+    return [traced_call(call, method) for _ in range(count)]
 
 
 def program_times(cell: dict) -> dict:
@@ -138,16 +148,25 @@ def depthweave_cells(tokens: int, batches: list[int], calls: int, cold: bool) ->
         views = read_in_turn(view, decode_bytes(view), cold)
         q = torch.randn(batch, Q_HEADS, HEAD_DIM, device="cuda", dtype=torch.bfloat16)
         call = lambda: fused_decode(views(), q, None, HEAD_DIM ** -0.5)  # noqa: E731
-        for _ in range(3):
-            call()
-        traced_call(call, "depthweave-kv")  # the traced build compiled here
-        records = [traced_call(call, "depthweave-kv") for _ in range(calls)]
+        records = recorded_calls(call, calls, "depthweave-kv")
         slots = max(int(busy(p, np.sort(p.start)).max()) for p, _ in records)
         cells.append(reported(tokens, batch, "depthweave-kv tiles", slots, records, graph_us(call, 10)))
         del views
     del cache, full
     torch.cuda.empty_cache()
     return cells
+
+
+def print_sm_loads(path: Path) -> None:
+    """Each cell of a ``dense_timeline.json``: its packed pass's SMs by programs run (:func:`sm_loads`), a table."""
+    rows = json.loads(path.read_text())["rows"]
+    print("| T | B | kernel | programs an SM | SMs | program median / p90 (us) | last end (us) |")
+    print("|---:|---:|---|---:|---:|---|---:|")
+    for row in rows:
+        times = row["program_times"]["packed"]
+        for load in sm_loads(times["start"], times["end"], times["sm"]):
+            print(f"| {row['tokens']} | {row['batch']} | {row['kernel']} | {load['programs']} | {load['sms']} | "
+                  f"{load['median']:.1f} / {load['p90']:.1f} | {load['last_end']:.1f} |")
 
 
 def main() -> None:
@@ -166,7 +185,12 @@ def main() -> None:
                              "filled as benchmarks/decode_kernel.py fills it (Llama-3-8B shape; --storage, --configs and "
                              "--shape unused)")
     parser.add_argument("--out", default="results/dense_timeline")
+    parser.add_argument("--sm-loads", metavar="JSON", help="print, from a run's dense_timeline.json, each cell's SMs "
+                        "grouped by how many of its pass's programs they ran, and exit (no GPU)")
     args = parser.parse_args()
+    if args.sm_loads:
+        print_sm_loads(Path(args.sm_loads))
+        return
     if not torch.cuda.is_available():
         raise SystemExit("dense_timeline.py reads the GPU's timers; run it on a GPU machine")
     if args.calls < 1:
@@ -197,10 +221,7 @@ def main() -> None:
                 call = lambda: lowbit_decode(views(), q, None, scale, block, warps, variant, progs, tricks)  # noqa: E731
                 launch = plan_launch(view, q, None, scale, block, warps, variant, progs, tricks=tricks)
                 slots = dense_slots(sms, dim, launch.constants["HID"] > 0, warps, launch.constants.get("maxnreg"))
-                for _ in range(3):
-                    call()
-                traced_call(call)  # the traced builds compiled here: a call that compiles starts its combine late
-                records = [traced_call(call) for _ in range(args.calls)]
+                records = recorded_calls(call, args.calls)
                 cells.append(reported(tokens, batch, name, slots, records, graph_us(call, 10)))
             del view, views
             torch.cuda.empty_cache()

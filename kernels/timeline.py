@@ -165,3 +165,18 @@ def summary(packed: Programs, slots: int, combine: Programs | None = None, full:
                           "end": float((combine.end.max() - origin) / 1e3),
                           "after": float((combine.end.max() - packed.end.max()) / 1e3)}
     return out
+
+
+def sm_loads(start: np.ndarray, end: np.ndarray, sm: np.ndarray) -> list[dict]:
+    """A pass's SMs grouped by how many of its programs each ran: per count, the SMs (``sms``), their programs' median
+    and 90th-percentile length and the last end among them (``last_end``), in the unit of ``start`` and ``end``."""
+    start, end, sm = (np.asarray(a) for a in (start, end, sm))
+    held = np.bincount(sm)[sm]  # each program's SM's count
+    out = []
+    for count in np.unique(held):
+        on = held == count
+        length = end[on] - start[on]
+        out.append({"programs": int(count), "sms": int(len(np.unique(sm[on]))), "median": float(np.median(length)),
+                    "p90": float(np.percentile(length, 90)), "last_end": float(end[on].max())})
+    return out
+

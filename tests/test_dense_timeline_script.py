@@ -5,6 +5,7 @@ and its plot and program times where the combine takes no trace (depthweave-kv's
 from __future__ import annotations
 
 import contextlib
+import json
 import sys
 from pathlib import Path
 
@@ -72,3 +73,19 @@ def test_a_cell_without_a_traced_combine_prints_plots_and_keeps_its_programs(cap
     pytest.importorskip("matplotlib")
     dense_timeline.plot([cell], tmp_path / "plot.png")
     assert (tmp_path / "plot.png").stat().st_size > 1000
+
+
+def test_sm_loads_group_the_sms_by_programs_run(tmp_path, capsys):
+    """Three SMs: two ran two programs, one ran one; each group's lengths and last end, from arrays and from a run's
+    JSON as ``--sm-loads`` reads it."""
+    from kvweave.kernels.timeline import sm_loads
+
+    start, end, sm = [0, 0, 0, 5, 6], [5, 4, 9, 12, 10], [0, 1, 2, 0, 1]
+    loads = sm_loads(start, end, sm)
+    assert [(g["programs"], g["sms"], g["last_end"]) for g in loads] == [(1, 1, 9.0), (2, 2, 12.0)]
+    assert loads[1]["median"] == 4.5  # lengths 5, 4, 7, 4
+    path = tmp_path / "dense_timeline.json"
+    path.write_text(json.dumps({"rows": [{"tokens": 64, "batch": 1, "kernel": "k", "program_times": {
+        "packed": {"start": start, "end": end, "sm": sm}}}]}))
+    dense_timeline.print_sm_loads(path)
+    assert "| 64 | 1 | k | 2 | 2 | 4.5 / " in capsys.readouterr().out

@@ -77,3 +77,14 @@ def test_the_command_prints_the_table(tmp_path):
     done = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "layer_mix.py"), f"{bad}:1"],
                           capture_output=True, text=True, timeout=120)
     assert done.returncode != 0 and "not a lowbit_kernel.json" in done.stderr
+
+
+def test_the_share_of_copy_bandwidth_from_the_graph_time_decides_the_bar_with_graph():
+    """A layer whose GPU time reads at 60% of copy bandwidth and whose graph time at 75%: the bandwidth bar missed from
+    the GPU time, met with ``graph``, as kernel_plot.py --graph takes it."""
+    run = _run("a", 10.0, 100_000, full=1_000_000, sdpa=100.0)
+    run["rows"][0].update(kernel_us=100_000 / 0.6 / 3e12 * 1e6, graph_us=100_000 / 0.75 / 3e12 * 1e6, sdpa_graph_us=1000.0)
+    (cell,) = layer_mix.mix([(run, 1)])
+    assert cell["of_copy"] == pytest.approx(0.6) and cell["of_copy_graph"] == pytest.approx(0.75)
+    assert layer_mix.table([cell]).endswith("| 60% | missed |")
+    assert layer_mix.table([cell], graph=True).endswith("| 75% | met |")
