@@ -1,7 +1,7 @@
 """Decode attention alone: the fused DepthWeave-KV kernel against SDPA over a full bf16 cache.
 
     python benchmarks/decode_kernel.py [--tokens 16384,65536,131072] [--batches 1,8] [--variants tiles,gather]
-        [--combines two-pass,one-pass,one-pass/8] [--out DIR]
+        [--combines two-pass,one-pass,one-pass/8] [--split 0,1024,2048] [--cold-l2] [--out DIR]
 
 Shape: Llama-3-8B attention (32 query heads, 8 KV heads, head_dim 128), one new query token per sequence.
 For each context length the storage is written by the real engine with ``depthweave-kv``'s settings
@@ -16,7 +16,7 @@ speed-up, the host time per kernel call (three launches, outside any graph), the
 kernel reads (``nbytes`` of every stored tensor of the layer it attends over, residual tile index, bases
 and exact window included), the bandwidth that implies, its share of the measured copy bandwidth, the
 layer's compression ratio against 16 bits, and the largest difference from the torch twin. A row per packed-token
-pass (``--variants``) and combine pass (``--combines``, :data:`kvweave.kernels.depthweave_decode.COMBINES`; ``one-pass/N``:
+pass (``--variants``), split (``--split``: tokens a program, 0 the cache's own segments) and combine pass (``--combines``, :data:`kvweave.kernels.depthweave_decode.COMBINES`; ``one-pass/N``:
 the one-pass combine with N programs a query head instead of ``COMBINE_SLICES``).
 """
 
@@ -240,7 +240,8 @@ def main() -> None:
     parser.add_argument("--block-tokens", type=int, default=64, help="tokens per loop iteration of the kernel")
     parser.add_argument("--num-warps", type=int, default=None, help="warps per kernel program (default: fused_decode's, 1 for either pass)")
     parser.add_argument("--variants", default="tiles", help="packed-token passes to time, comma-separated: tiles, gather")
-    parser.add_argument("--split", type=int, default=None, help="tokens per program (default: the cache's segments)")
+    parser.add_argument("--split", default="0", help="tokens per program, comma-separated, each a row (0: the cache's own "
+                        "segments, as choose_split cuts them for the batch; others a multiple of 32)")
     parser.add_argument("--combines", default=COMBINE,
                         help=f"combine passes to time, comma-separated: {', '.join(COMBINES)}, or one-pass/N for N programs a "
                              f"query head (default: fused_decode's, {COMBINE})")
@@ -248,6 +249,9 @@ def main() -> None:
                         "of the full cache), the copies adding up to 4x the L2 cache, as a decode step's layers read theirs")
     parser.add_argument("--out", default="results/decode_kernel")
     args = parser.parse_args()
+    splits = parse_splits(args.split)
+    if splits is None:
+        parser.error(f"--split: expected comma-separated token counts, each 0 or a positive multiple of {TILE}; got {args.split!r}")
     unknown = [entry for entry in args.combines.split(",") if combine_slices(entry) is None]
     if unknown:
         parser.error(f"--combines: unknown {', '.join(unknown)}; expected a list of {', '.join(COMBINES)} or one-pass/N "
@@ -268,10 +272,8 @@ def main() -> None:
         full_view = engine.kernel.decode_view(engine.view(layer), torch.device("cuda"))
         ratio = cache.compression_ratio()
         for batch in batches:
-            view = full_view if batch == max(batches) else first_rows(full_view, batch)
-            if args.split:  # cut once here: fused_decode's split= cuts on the host each call, which a graph cannot hold
-                view = attrs.evolve(view, segments=resplit(view.segments, args.split))
-            read = view_bytes(view)
+            own = full_view if batch == max(batches) else first_rows(full_view, batch)
+            read = view_bytes(own)
             generator = torch.Generator(device="cuda").manual_seed(batch)
             q = torch.randn(batch, Q_HEADS, HEAD_DIM, device="cuda", generator=generator).to(torch.bfloat16)
             scale = HEAD_DIM**-0.5
@@ -285,16 +287,32 @@ def main() -> None:
             sdpa_us = device_us(sdpa, args.reps)
             sdpa_graph_us = graph_us(sdpa, args.reps)
             del k_full, v_full, caches
-            views = read_in_turn(view, read, args.cold_l2)
-            twin = torch_decode(view, q, None, scale).float()
-            for variant in args.variants.split(","):
-                for combine in args.combines.split(","):
-                    rows.append(_timed_row(views, q, scale, (variant, combine), args, twin, read, (sdpa_us, sdpa_graph_us),
-                                           full_bytes, copy_bw, total, batch, ratio))
-                    print(rows[-1], flush=True)
+            twin = torch_decode(own, q, None, scale).float()
+            for split in splits:
+                # cut once here: fused_decode's split= cuts on the host each call, which a graph cannot hold
+                view = own if not split else attrs.evolve(own, segments=resplit(own.segments, split))
+                views = read_in_turn(view, read, args.cold_l2)
+                for variant in args.variants.split(","):
+                    for combine in args.combines.split(","):
+                        row = _timed_row(views, q, scale, (variant, combine), args, twin, read, (sdpa_us, sdpa_graph_us),
+                                         full_bytes, copy_bw, total, batch, ratio)
+                        row.update(split=split, programs=view.segments.shape[0] * batch * KV_HEADS)
+                        rows.append(row)
+                        print(rows[-1], flush=True)
+                del views
         del cache, engine, full_view
         torch.cuda.empty_cache()
     _write(rows, args, copy_bw, out)
+
+
+def parse_splits(text: str) -> list[int] | None:
+    """``--split``'s token counts (0: the cache's own segments), or None where one is not 0 or a positive multiple of
+    :data:`TILE`."""
+    try:
+        splits = [int(part) for part in text.split(",")]
+    except ValueError:
+        return None
+    return splits if all(s == 0 or (s > 0 and s % TILE == 0) for s in splits) else None
 
 
 def combine_slices(entry: str) -> int | None:
@@ -346,7 +364,7 @@ def _timed_row(views, q, scale, passes, args, twin, read, sdpa, full_bytes, copy
 
 def _write(rows: list[dict], args, copy_bw: float, out: Path) -> None:
     """The rows as a markdown table and JSON under ``out``."""
-    header = ["T", "B", "pass", "SDPA (us)", "fused (us)", "of it exact / combine", "speed-up", "SDPA / fused (us, graph)",
+    header = ["T", "B", "pass", "tokens / program (programs)", "SDPA (us)", "fused (us)", "of it exact / combine", "speed-up", "SDPA / fused (us, graph)",
               "speed-up (graph)", "fused host (us)", "bytes read (MB)", "full bf16 (MB)", "fused TB/s", "% of copy BW", "SDPA TB/s", "max |diff| vs torch"]
     lines = [
         f"# decode attention, Llama-3-8B shape (32 q heads, 8 KV heads, d=128), pipeline {args.pipeline}",
@@ -355,7 +373,7 @@ def _write(rows: list[dict], args, copy_bw: float, out: Path) -> None:
     ]
     for r in rows:
         lines.append(
-            f"| {r['tokens']} | {r['batch']} | {r['variant']}, {r['combine']} | {r['sdpa_us']} | {r['kernel_us']} | {r['exact_us']} / {r['combine_us']} | "
+            f"| {r['tokens']} | {r['batch']} | {r['variant']}, {r['combine']} | {r['split'] or 'own'} ({r['programs']}) | {r['sdpa_us']} | {r['kernel_us']} | {r['exact_us']} / {r['combine_us']} | "
             f"{r['speedup']}x | {r['sdpa_graph_us']} / {r['kernel_graph_us']} | {r['graph_speedup']}x | {r['kernel_host_us']} | {r['kernel_bytes'] / 1e6:.1f} | "
             f"{r['full_bytes'] / 1e6:.1f} | {r['kernel_TBps']} | {100 * r['copy_share']:.0f} % | {r['sdpa_TBps']} | {r['max_abs_diff_vs_torch']:.2e} |"
         )

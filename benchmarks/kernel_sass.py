@@ -2,12 +2,13 @@
 without a GPU: Triton compiles the launch ``benchmarks/lowbit_kernel.py`` makes and its nvdisasm lists the code.
 
     python benchmarks/kernel_sass.py [--storages k4v2,qa35v3,k4v2-post] [--configs wide:,wide:magic,...] [--arch 90] [--asm 1|2]
-        [--out FILE]
+        [--batch 1] [--tokens 512] [--out FILE]
 
 A configuration is ``variant:tricks`` (tricks "+"-separated names of ``kvweave.kernels.lowbit_decode.TRICKS``, empty
 for none); ``k4v2-post`` is prerope-k4v2's storage read as keys stored after RoPE, a ``-uniform`` suffix puts its
-values on uniform levels, a ``-hidden`` suffix (last) launches it with a list of 4 hidden slots a row; the last column is
-the build's registers a thread and stack bytes (its cuobjdump). The build is the installed Triton's (its version printed
+values on uniform levels, a ``-hidden`` suffix (last) launches it with a list of 4 hidden slots a row; the last columns are
+the build's registers a thread and stack bytes (its cuobjdump) and its local-memory loads and stores (``LDL``/``STL``:
+registers spilled), in the build and in its token loop. The build is the installed Triton's (its version printed
 first: the GPU machine's Triton 3.6 and a Triton 3.9 build different products, so count with the one that runs).
 Counts are static (each
 instruction of the kernel once, the token loop's body included once; "token loop" the body alone, and per key and value
@@ -47,13 +48,14 @@ CLASSES = {
 }
 
 
-def counts(storage: str, variant: str, tricks: str, arch: int = 90, asm: int | None = None) -> dict:
-    """One table row: ``storage``'s launch of ``variant`` with ``tricks``, built for ``sm_{arch}``, its opcodes by class;
-    ``asm``: the dense kernel's ``ASM`` (1: plain operands, 2: the tiled values' operands fenced) instead of the
-    launch's own."""
+def counts(storage: str, variant: str, tricks: str, arch: int = 90, asm: int | None = None, batch: int = 1,
+           tokens: int = 512) -> dict:
+    """One table row: ``storage``'s launch of ``variant`` with ``tricks`` for ``batch`` rows of ``tokens`` tokens, built for ``sm_{arch}``, its
+    opcodes by class; ``asm``: the dense kernel's ``ASM`` (1: plain operands, 2: the tiled values' operands fenced)
+    instead of the launch's own."""
     hidden = storage.endswith("-hidden")
     base = storage.removesuffix("-hidden").removesuffix("-uniform")
-    view = packed_view(1, 512, device="cpu", storage=base.removesuffix("-post"))  # a group of 128 kept too
+    view = packed_view(batch, tokens, device="cpu", storage=base.removesuffix("-post"))  # a group of 128 kept too
     if hidden:  # a list of 4 hidden slots a row, as restored tokens that are no prefix of the positions give it
         view = attrs.evolve(view, hidden_slots=torch.full((view.k_codes.shape[0], 4), -1, dtype=torch.int32))
     if base.endswith("-post"):
@@ -61,7 +63,7 @@ def counts(storage: str, variant: str, tricks: str, arch: int = 90, asm: int | N
     if storage.removesuffix("-hidden").endswith("-uniform"):  # the values on uniform levels (code - (2**bits - 1) / 2) instead of the storage's
         count = 1 << view.v_bits
         view = attrs.evolve(view, v_levels=torch.arange(count, dtype=torch.float32) - (count - 1) / 2, level_kind=(1, 0.0, 0.0))
-    q = torch.randn(1, Q_HEADS, HEAD_DIM)
+    q = torch.randn(batch, Q_HEADS, HEAD_DIM)
     launch = plan_launch(view, q, None, HEAD_DIM ** -0.5, variant=variant, lowp=True, tricks=tricks)
     constants = launch.constants if asm is None or "ASM" not in launch.constants else {**launch.constants, "ASM": asm}
     job = launch_job(launch.kernel, launch.args, constants)
@@ -70,9 +72,11 @@ def counts(storage: str, variant: str, tricks: str, arch: int = 90, asm: int | N
     used = resources(cubin)
     body = sass_opcodes(cubin, loop=True)
     elements = launch.constants["BLOCK"] * HEAD_DIM * 2 / (32 * launch.constants["num_warps"])  # keys and values a thread, a step
-    row: dict = {"storage": storage, "config": f"{variant}:{tricks}", "triton": triton.__version__, "arch": arch,
+    row: dict = {"storage": storage, "config": f"{variant}:{tricks}", "triton": triton.__version__, "arch": arch, "batch": batch,
+                 "tokens": tokens,
                  "total": sum(ops.values()), "loop": sum(body.values()),
-                 "per_element": sum(body.values()) / elements, **used}
+                 "per_element": sum(body.values()) / elements, **used,
+                 "spills": sum(ops[m] for m in ("STL", "LDL")), "loop_spills": sum(body[m] for m in ("STL", "LDL"))}
     for name, members in CLASSES.items():
         row[name] = sum(ops[m] for m in members)
     row["other"] = row["total"] - sum(row[name] for name in CLASSES)
@@ -88,26 +92,30 @@ def main() -> None:
     parser.add_argument("--arch", type=int, default=90, help="the GPU generation built for (90: H100/H200, 80: A100)")
     parser.add_argument("--asm", type=int, choices=(1, 2), default=None,
                         help="the dense kernel's ASM instead of the launch's (2: the tiled values' operands fenced, as for Ampere products)")
+    parser.add_argument("--batch", type=int, default=1, help="rows the launch is planned for (1: one wave, the launch's "
+                        "register cap where it takes one; 8: past one wave at Llama-3-8B's shape)")
+    parser.add_argument("--tokens", type=int, default=512, help="context tokens a row the launch is planned for (with "
+                        "--batch 8, 32768 gives more than one wave of programs: the launch's register cap for that case)")
     parser.add_argument("--out", default=None, help="JSON file for the rows (each with every opcode's count, in the build and in its token loop)")
     args = parser.parse_args()
     rows = []
     print(f"Triton {triton.__version__}, sm_{args.arch} (for sm_90 a Triton before 3.8 builds Ampere mma.sync products, later "
           "ones warpgroup products: the counts differ)")
     print("| storage | variant:tricks | instructions | conversions | float | integer | memory | tensor | other | token loop | "
-          "loop per key/value element a thread | registers (stack bytes) |")
-    print("|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+          "loop per key/value element a thread | registers (stack bytes) | spill loads + stores (in the loop) |")
+    print("|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
     for storage in args.storages.split(","):
         for config in args.configs.split(","):
             variant, _, tricks = config.partition(":")
             try:
-                row = counts(storage, variant, tricks, args.arch, args.asm)
+                row = counts(storage, variant, tricks, args.arch, args.asm, args.batch, args.tokens)
             except ValueError as error:  # a trick this storage cannot take (kfold reads keys after RoPE)
                 print(f"| {storage} | `{config}` | refused: {error} | | | | | | |")
                 continue
             rows.append(row)
             print(f"| {storage} | `{config}` | {row['total']} | {row['conversions']} | {row['float']} | {row['integer']} | "
                   f"{row['memory']} | {row['tensor']} | {row['other']} | {row['loop']} | {row['per_element']:.1f} | "
-                  f"{row['registers']} ({row['stack']}) |", flush=True)
+                  f"{row['registers']} ({row['stack']}) | {row['spills']} ({row['loop_spills']}) |", flush=True)
     if args.out:
         Path(args.out).write_text(json.dumps(rows, indent=1))
 

@@ -317,3 +317,16 @@ def test_decode_kernel_takes_each_combine_and_the_one_pass_combines_programs(run
     with pytest.raises(SystemExit) as refused:
         run_main("decode_kernel", "--combines", "one-pass/8,fast", cwd=ROOT)
     assert refused.value.code == 2 and "--combines: unknown fast" in capsys.readouterr().err
+
+
+def test_decode_kernel_takes_a_list_of_splits(run_main, capsys):
+    """``--split``: token counts a program, a row each, 0 for the cache's own segments; a count that is not a multiple
+    of the tile is refused before a GPU is asked for."""
+    import decode_kernel
+
+    assert decode_kernel.parse_splits("0,1024,1376") == [0, 1024, 1376]
+    assert all(decode_kernel.parse_splits(bad) is None for bad in ("1000", "-32", "1024,x", ""))
+    with pytest.raises(SystemExit) as refused:
+        run_main("decode_kernel", "--split", "0,1000", cwd=ROOT)
+    err = capsys.readouterr().err
+    assert refused.value.code == 2 and "--split" in err and "'0,1000'" in err

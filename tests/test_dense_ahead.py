@@ -108,6 +108,30 @@ def test_the_rule_is_switched_off_from_the_environment_and_a_wrong_value_refused
     assert run.returncode != 0 and "KVWEAVE_DENSE_AHEAD='sometimes'" in run.stderr
 
 
+def test_a_register_cap_from_the_environment_replaces_the_rules_in_the_build_and_in_the_waves(tiled_views, monkeypatch):
+    """KVWEAVE_DENSE_REGISTERS (to time a build against its spills): every launch takes that cap, one wave or several,
+    and counts its slots at it (168 registers: 3 programs of 4 warps an SM, so fewer programs make a wave than at
+    128); a value it does not list is refused by name."""
+    tiled = tiled_views["kzd-k4v2t-f48-d128"]
+    q = torch.randn(1, 8, 128)
+    monkeypatch.setattr(lowbit_dense, "DENSE_AHEAD_WAVE", True)
+    monkeypatch.setattr(lowbit_dense, "DENSE_REGISTERS", 168)
+    slots = lowbit_dense.dense_slots(lowbit_dense.DEFAULT_SMS, 128, False, 4)
+    assert slots == 3 * lowbit_dense.DEFAULT_SMS < lowbit_dense.dense_slots(lowbit_dense.DEFAULT_SMS, 128, False, 4, 128)
+    assert plan_launch(tiled, q, None, 0.1, variant="dense", programs=8).constants["maxnreg"] == 168
+    many = attrs.evolve(tiled, tokens=tiled.tokens * slots, k_codes=tiled.k_codes.repeat(1, slots, 1))
+    waves = plan_launch(many, q, None, 0.1, variant="dense", programs=2 * slots)
+    assert waves.grid[0] * waves.grid[1] > slots and waves.constants["maxnreg"] == 168
+    script = "from kvweave.kernels import lowbit_dense; print(lowbit_dense.dense_registers(128, False))"
+    for value, expected in (("0", str(lowbit_dense.DENSE_MAX_REGISTERS)), ("255", "255")):
+        run = subprocess.run([sys.executable, "-c", script], env={**os.environ, "KVWEAVE_DENSE_REGISTERS": value},
+                             capture_output=True, text=True)
+        assert run.stdout.strip() == expected, run.stderr
+    run = subprocess.run([sys.executable, "-c", script], env={**os.environ, "KVWEAVE_DENSE_REGISTERS": "100"},
+                         capture_output=True, text=True)
+    assert run.returncode != 0 and "KVWEAVE_DENSE_REGISTERS='100'" in run.stderr
+
+
 def test_the_settings_refuse_what_they_cannot_change(tiled_views):
     q = torch.randn(1, 8, 128)
     with pytest.raises(ValueError, match="loads value tiles' words a step ahead: it takes values stored in tiles"):
