@@ -4,7 +4,7 @@
     python benchmarks/carry_triton.py unpack [--parts 'wheels/triton-3.9.0-*'] [--target results/triton-3.9.0]
 
 The GPU machine has no network and its Triton is the one its torch installed (3.6 with torch 2.11), while a fresh
-``pip install torch==2.13.0`` brings Triton 3.9, which builds the kernels differently (docs/kernels.md "What Triton
+install takes Triton 3.9 (kvweave asks for ``triton>=3.0``), which builds the kernels differently (docs/kernels.md "What Triton
 3.9 builds"). A Triton wheel is about 286 MB; a call carries at most 64 MiB with the working tree. ``pack`` (here,
 with the package index) downloads the wheel for the GPU machine's Python, keeps what a CUDA build on an H100/H200
 needs (the Python package, ``libtriton.so`` without its debugging symbols, the NVIDIA backend's tools, headers and

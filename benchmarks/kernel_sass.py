@@ -3,6 +3,7 @@ without a GPU: Triton compiles the launch ``benchmarks/lowbit_kernel.py`` makes 
 
     python benchmarks/kernel_sass.py [--storages k4v2,qa35v3,k4v2-post] [--configs wide:,wide:magic,...] [--arch 90] [--asm 1|2]
         [--batch 1] [--tokens 512] [--out FILE]
+    python benchmarks/kernel_sass.py --method depthweave-kv [--tokens 2048] [--batch 1]
 
 A configuration is ``variant:tricks`` (tricks "+"-separated names of ``kvweave.kernels.lowbit_decode.TRICKS``, empty
 for none); ``k4v2-post`` is prerope-k4v2's storage read as keys stored after RoPE, a ``-uniform`` suffix puts its
@@ -68,14 +69,18 @@ def counts(storage: str, variant: str, tricks: str, arch: int = 90, asm: int | N
     constants = launch.constants if asm is None or "ASM" not in launch.constants else {**launch.constants, "ASM": asm}
     job = launch_job(launch.kernel, launch.args, constants)
     cubin = build(importlib.import_module(job["module"]), job, arch=arch).asm["cubin"]
-    ops = sass_opcodes(cubin)
-    used = resources(cubin)
-    body = sass_opcodes(cubin, loop=True)
     elements = launch.constants["BLOCK"] * HEAD_DIM * 2 / (32 * launch.constants["num_warps"])  # keys and values a thread, a step
-    row: dict = {"storage": storage, "config": f"{variant}:{tricks}", "triton": triton.__version__, "arch": arch, "batch": batch,
-                 "tokens": tokens,
-                 "total": sum(ops.values()), "loop": sum(body.values()),
-                 "per_element": sum(body.values()) / elements, **used,
+    return _row(cubin, storage, f"{variant}:{tricks}", arch, batch, tokens, elements)
+
+
+def _row(cubin: bytes, storage: str, config: str, arch: int, batch: int, tokens: int, elements: float) -> dict:
+    """A table row of ``cubin``: its opcodes by class, in the build and in its token loop (``elements``: keys and
+    values a thread handles in one step), its registers, stack and spills."""
+    ops = sass_opcodes(cubin)
+    body = sass_opcodes(cubin, loop=True)
+    row: dict = {"storage": storage, "config": config, "triton": triton.__version__, "arch": arch, "batch": batch,
+                 "tokens": tokens, "total": sum(ops.values()), "loop": sum(body.values()),
+                 "per_element": sum(body.values()) / elements, **resources(cubin),
                  "spills": sum(ops[m] for m in ("STL", "LDL")), "loop_spills": sum(body[m] for m in ("STL", "LDL"))}
     for name, members in CLASSES.items():
         row[name] = sum(ops[m] for m in members)
@@ -85,6 +90,44 @@ def counts(storage: str, variant: str, tricks: str, arch: int = 90, asm: int | N
     return row
 
 
+def tiles_counts(tokens: int, batch: int = 1, arch: int = 90) -> dict:
+    """depthweave-kv's tiles pass as its decode call launches it for ``batch`` rows over a cache of ``tokens`` tokens
+    filled as ``benchmarks/decode_kernel.py`` fills it (Llama-3-8B attention shape, layer 1; on the CPU), built for
+    ``sm_{arch}`` with the GPU's inline assembly: one table row."""
+    from decode_kernel import llama3_window_config
+
+    from kvweave.core.registry import load_pipeline
+    from kvweave.engine.cache import KVWeaveCache
+    from kvweave.engine.synthetic import fill_cache
+    from kvweave.kernels import depthweave_decode, depthweave_tiles_triton
+
+    cache = KVWeaveCache(load_pipeline("depthweave-kv"), llama3_window_config())
+    fill_cache(cache, batch, tokens, chunk=2048, device="cpu", seed=tokens)
+    view = cache.engine.kernel.decode_view(cache.engine.view(1), torch.device("cpu"))
+    launches: list = []
+
+    class Recorder:  # the tiles pass's launch, recorded instead of run; the call stops at the next kernel
+        def __getitem__(self, grid):
+            return lambda *args, **constants: launches.append((args, constants))
+
+    kernel = depthweave_tiles_triton._tiles_kernel
+    depthweave_tiles_triton._tiles_kernel = Recorder()
+    try:
+        depthweave_decode.fused_decode(view, torch.randn(batch, Q_HEADS, HEAD_DIM).to(torch.bfloat16), None,
+                                       HEAD_DIM ** -0.5, variant="tiles")
+    except RuntimeError:  # the exact-window pass, launched for real with no GPU
+        pass
+    finally:
+        depthweave_tiles_triton._tiles_kernel = kernel
+    if not launches:
+        raise SystemExit("kernel_sass.py: depthweave-kv's decode call launched no tiles pass")
+    args, constants = launches[0]
+    job = launch_job(kernel, args, constants)
+    job["constants"].update(ASM=True, BYTES=bool(depthweave_decode.TILES_BYTES))  # a GPU's launch (ASM: is_cuda)
+    return _row(build(importlib.import_module(job["module"]), job, arch=arch).asm["cubin"], "depthweave-kv", "tiles:",
+                arch, batch, tokens, constants["BLOCK"] * HEAD_DIM * 2 / (32 * constants.get("num_warps", 4)))
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--storages", default="k4v2,qa35v3,k4v2-post")
@@ -92,6 +135,9 @@ def main() -> None:
     parser.add_argument("--arch", type=int, default=90, help="the GPU generation built for (90: H100/H200, 80: A100)")
     parser.add_argument("--asm", type=int, choices=(1, 2), default=None,
                         help="the dense kernel's ASM instead of the launch's (2: the tiled values' operands fenced, as for Ampere products)")
+    parser.add_argument("--method", choices=("lowbit", "depthweave-kv"), default="lowbit",
+                        help="lowbit: the storages' launches (--storages, --configs); depthweave-kv: its tiles pass over a "
+                             "cache filled as decode_kernel.py fills it (--tokens, --batch; about 15 s at 2048 tokens)")
     parser.add_argument("--batch", type=int, default=1, help="rows the launch is planned for (1: one wave, the launch's "
                         "register cap where it takes one; 8: past one wave at Llama-3-8B's shape)")
     parser.add_argument("--tokens", type=int, default=512, help="context tokens a row the launch is planned for (with "
@@ -104,11 +150,14 @@ def main() -> None:
     print("| storage | variant:tricks | instructions | conversions | float | integer | memory | tensor | other | token loop | "
           "loop per key/value element a thread | registers (stack bytes) | spill loads + stores (in the loop) |")
     print("|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+    if args.method == "depthweave-kv":
+        args.storages, args.configs = "depthweave-kv", "tiles:"
     for storage in args.storages.split(","):
         for config in args.configs.split(","):
             variant, _, tricks = config.partition(":")
             try:
-                row = counts(storage, variant, tricks, args.arch, args.asm, args.batch, args.tokens)
+                row = (tiles_counts(args.tokens, args.batch, args.arch) if args.method == "depthweave-kv" else
+                       counts(storage, variant, tricks, args.arch, args.asm, args.batch, args.tokens))
             except ValueError as error:  # a trick this storage cannot take (kfold reads keys after RoPE)
                 print(f"| {storage} | `{config}` | refused: {error} | | | | | | |")
                 continue

@@ -1,5 +1,5 @@
 #!/bin/bash
-# The kernels as Triton 3.9 (what `pip install torch==2.13.0` brings) builds them, on the GPU machine, whose own Triton is
+# The kernels as Triton 3.9 (what a fresh install takes) builds them, on the GPU machine, whose own Triton is
 # 3.6: the same cells with each, in one lease. Triton 3.9 travels in parts (benchmarks/carry_triton.py):
 #   here:  python benchmarks/carry_triton.py pack            (wheels/triton-3.9.0-1 and -2, about 29 MB each)
 #   run 1: carry [wheels/triton-3.9.0-1], command `true`      (what a call carried stays while the machine is warm)
