@@ -87,12 +87,13 @@ if triton is not None:
         return tl.load(base_ptr + r[:, None] * stride_r + d[None, :], mask=(r < R)[:, None], other=0.0).to(tl.float32)
 
     @triton.jit
-    def _program(seg_ptr, start_ptr, kg_ptr, vg_ptr, H, K_GATES: tl.constexpr, V_GATES: tl.constexpr):
-        """What a packed-token program (grid (S, B * H)) works on: its segment, batch row x KV head, batch row, KV
-        head, the segment's tokens and basis version, the row's first attended position, and the head's residual
-        gates (1 where none are given)."""
-        seg = tl.program_id(0)
-        bh = tl.program_id(1)
+    def _program(seg_ptr, start_ptr, kg_ptr, vg_ptr, H, K_GATES: tl.constexpr, V_GATES: tl.constexpr,
+                 SEG_MAJOR: tl.constexpr = False):
+        """What a packed-token program (grid (S, B * H), or (B * H, S) with ``SEG_MAJOR``) works on: its segment, batch
+        row x KV head, batch row, KV head, the segment's tokens and basis version, the row's first attended position,
+        and the head's residual gates (1 where none are given)."""
+        seg = tl.program_id(1) if SEG_MAJOR else tl.program_id(0)
+        bh = tl.program_id(0) if SEG_MAJOR else tl.program_id(1)
         b = bh // H
         h = bh % H
         k_gate = 1.0

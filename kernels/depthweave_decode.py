@@ -39,7 +39,7 @@ from typing import TYPE_CHECKING, Any
 from kvweave.core.environment import env_setting
 from kvweave.core.lazy import lazy_module, torch
 from kvweave.kernels.decode_view import MAX_LEVELS, TILE, DecodeView, ResidualLevel, check_view, placeholder, resplit
-from kvweave.kernels import timeline
+from kvweave.kernels import tiles_tail, timeline
 from kvweave.kernels.launch import programmatic
 
 if TYPE_CHECKING:
@@ -360,13 +360,16 @@ def _launch_tiles(view, query, segments, start, m, l, acc, partials, heads, gq, 
                                                     qk_scale)
     rmax = max(levels, default=0)
     group = tiles_group(view)
+    seg_major = tiles_tail.seg_major()
+    if seg_major:  # the last segments of every row the last programs (kvweave.kernels.tiles_tail)
+        grid = (grid[1], grid[0])
     asm = query.is_cuda and os.environ.get("TRITON_INTERPRET") != "1"
     trace, traced = timeline.trace_for(tiles_jit._tiles_kernel, grid, m)  # kvweave.kernels.timeline: a placeholder
     tiles_jit._tiles_kernel[grid](
         *args, trace, TRACE=traced, G=_pow2(gq, 8), RP=_pow2(max(rmax, 1), 16), RMAX=rmax, GROUP=group, **constants, BLOCK=block_tokens,
         ASM=asm, COLUMNS=TILES_COLUMNS, AHEAD=TILES_AHEAD, VALUES=values, PDL=early, BYTES=asm and TILES_BYTES,
         ROWS=TILES_ROWS, INDEX=TILES_INDEX and values, QUERY_LATE=TILES_QUERY_LATE and values,
-        L2AHEAD=TILES_L2AHEAD if values else 0,
+        L2AHEAD=TILES_L2AHEAD if values else 0, SEG_MAJOR=seg_major,
         WORDS=TILES_WORDS if values and TILES_WORDS and TILES_ROWS and word_codes(view, constants) else 0,
         num_warps=num_warps, **({"launch_pdl": True} if early else {}),
         **({} if num_stages is None else {"num_stages": num_stages}),

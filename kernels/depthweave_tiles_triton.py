@@ -167,7 +167,7 @@ if triton is not None:
         ASM: tl.constexpr, COLUMNS: tl.constexpr, AHEAD: tl.constexpr, VALUES: tl.constexpr = True,
         PDL: tl.constexpr = False, BYTES: tl.constexpr = False, ROWS: tl.constexpr = False,
         WORDS: tl.constexpr = 0, INDEX: tl.constexpr = False, QUERY_LATE: tl.constexpr = False,
-        L2AHEAD: tl.constexpr = 0, TRACE: tl.constexpr = 0,
+        L2AHEAD: tl.constexpr = 0, TRACE: tl.constexpr = 0, SEG_MAJOR: tl.constexpr = False,
     ):
         """One program per (segment, batch row x KV head), as the gather kernel's (its arguments, in the same order,
         are documented there); ``G`` tile columns for the ``GQ`` query heads, ``RMAX`` the largest level's rank,
@@ -191,11 +191,12 @@ if triton is not None:
         issued, not before (their loads wait behind the products' operands otherwise). ``L2AHEAD`` (a GPU): each step's
         coefficient codes and scales asked of the L2 cache that many steps ahead (:mod:`kvweave.kernels.prefetch_triton`).
         ``TRACE``: each program's start, end and SM written to ``trace_ptr`` (:mod:`kvweave.kernels.timeline`; a
-        placeholder otherwise)."""
+        placeholder otherwise). ``SEG_MAJOR``: the grid is (B x H, S), the last segments of every row launched last
+        (:mod:`kvweave.kernels.tiles_tail`)."""
         if TRACE:
             begin_ns, begin_cycles = _begin_stamp()
         seg, bh, b, h, lo, hi, version, first_valid, k_gate, v_gate = _program(seg_ptr, start_ptr, kg_ptr, vg_ptr, H,
-                                                                               K_GATES, V_GATES)
+                                                                               K_GATES, V_GATES, SEG_MAJOR)
         ONE_SCALE: tl.constexpr = RB >= R
         CW64: tl.constexpr = RMAX > 8  # a code word of 16 nibbles
         SW64: tl.constexpr = RMAX // GROUP > 2  # a scale word of 4 halves

@@ -228,19 +228,15 @@ def ampere_products(device: Any) -> bool:
 #: 199-252 (two programs an SM); at 128 (four, a few bytes spilled) it was 1.18-1.33x faster in every cell timed (H100,
 #: 2026-12-06: docs/kernels.md "head_dim 256 on the GPU")
 DENSE_WIDE_REGISTERS = 128
-
-
-#: KVWEAVE_DENSE_REGISTERS: the registers a thread of every dense launch instead of the rules' below (0: the rules'), to
-#: time a build against its spills: Triton 3.9's sm_90 build spills at 128 (docs/kernels.md "What Triton 3.9 builds")
+#: KVWEAVE_DENSE_REGISTERS: every dense launch's registers a thread instead of the rules' (0), to time a build against
+#: its spills: Triton 3.9's sm_90 build spills at 128 (docs/kernels.md "What Triton 3.9 builds")
 DENSE_REGISTERS = env_setting("KVWEAVE_DENSE_REGISTERS", 0, (0, 96, 128, 168, 192, 255))
 
 
 def dense_registers(dim: int, hidden: bool) -> int | None:
     """The registers a thread of the dense kernel may take at head_dim ``dim`` (None: the compiler's choice)."""
-    if DENSE_REGISTERS:
-        return DENSE_REGISTERS
-    if dim > 128:
-        return DENSE_WIDE_REGISTERS
+    if DENSE_REGISTERS or dim > 128:
+        return DENSE_REGISTERS or DENSE_WIDE_REGISTERS
     return DENSE_HIDDEN_REGISTERS if hidden else DENSE_MAX_REGISTERS
 
 
