@@ -5,8 +5,6 @@ where the programs are one wave at those registers), its switch and the settings
 
 from __future__ import annotations
 
-import os
-import subprocess
 import sys
 from pathlib import Path
 
@@ -20,6 +18,7 @@ from kvweave.kernels import lowbit_dense
 from kvweave.kernels.lowbit_decode import lowbit_decode, plan_launch, torch_lowbit_decode
 
 from conftest import CharTokenizer, tiny_llama
+from env_settings import check_env_setting
 
 SWEEP = Path(__file__).resolve().parents[1] / "benchmarks" / "dense_sweep.toml"
 
@@ -98,14 +97,8 @@ def test_the_launch_loads_values_ahead_where_its_programs_are_one_wave_at_128_re
 
 
 def test_the_rule_is_switched_off_from_the_environment_and_a_wrong_value_refused():
-    script = "from kvweave.kernels import lowbit_dense; print(lowbit_dense.DENSE_AHEAD_WAVE)"
-    for value, expected in (("0", "False"), ("on", "True")):
-        run = subprocess.run([sys.executable, "-c", script], env={**os.environ, "KVWEAVE_DENSE_AHEAD": value},
-                             capture_output=True, text=True)
-        assert run.stdout.strip() == expected, run.stderr
-    run = subprocess.run([sys.executable, "-c", script], env={**os.environ, "KVWEAVE_DENSE_AHEAD": "sometimes"},
-                         capture_output=True, text=True)
-    assert run.returncode != 0 and "KVWEAVE_DENSE_AHEAD='sometimes'" in run.stderr
+    check_env_setting("KVWEAVE_DENSE_AHEAD", "from kvweave.kernels import lowbit_dense; print(lowbit_dense.DENSE_AHEAD_WAVE)",
+                      {"0": "False", "on": "True"}, "sometimes")
 
 
 def test_a_register_cap_from_the_environment_replaces_the_rules_in_the_build_and_in_the_waves(tiled_views, monkeypatch):
@@ -122,14 +115,9 @@ def test_a_register_cap_from_the_environment_replaces_the_rules_in_the_build_and
     many = attrs.evolve(tiled, tokens=tiled.tokens * slots, k_codes=tiled.k_codes.repeat(1, slots, 1))
     waves = plan_launch(many, q, None, 0.1, variant="dense", programs=2 * slots)
     assert waves.grid[0] * waves.grid[1] > slots and waves.constants["maxnreg"] == 168
-    script = "from kvweave.kernels import lowbit_dense; print(lowbit_dense.dense_registers(128, False))"
-    for value, expected in (("0", str(lowbit_dense.DENSE_MAX_REGISTERS)), ("255", "255")):
-        run = subprocess.run([sys.executable, "-c", script], env={**os.environ, "KVWEAVE_DENSE_REGISTERS": value},
-                             capture_output=True, text=True)
-        assert run.stdout.strip() == expected, run.stderr
-    run = subprocess.run([sys.executable, "-c", script], env={**os.environ, "KVWEAVE_DENSE_REGISTERS": "100"},
-                         capture_output=True, text=True)
-    assert run.returncode != 0 and "KVWEAVE_DENSE_REGISTERS='100'" in run.stderr
+    check_env_setting("KVWEAVE_DENSE_REGISTERS",
+                      "from kvweave.kernels import lowbit_dense; print(lowbit_dense.dense_registers(128, False))",
+                      {"0": str(lowbit_dense.DENSE_MAX_REGISTERS), "255": "255"}, "100")
 
 
 def test_the_settings_refuse_what_they_cannot_change(tiled_views):

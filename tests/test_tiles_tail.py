@@ -5,10 +5,6 @@ default, under Triton's interpreter."""
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
-
 import attrs
 import pytest
 import torch
@@ -17,6 +13,7 @@ from kvweave.kernels import depthweave_decode, depthweave_tiles_triton, tiles_ta
 from kvweave.kernels.decode_torch import torch_decode
 from kvweave.kernels.decode_view import TILE, version_segments
 
+from env_settings import check_env_setting
 from test_kernels import DEVICE, decode_view, filled
 
 
@@ -76,11 +73,6 @@ def test_the_pass_launched_segment_major_over_a_tail_gives_the_default_launchs_o
 
 
 def test_the_setting_is_read_from_the_environment_and_a_wrong_value_refused():
-    script = "from kvweave.kernels import tiles_tail; print(tiles_tail.TILES_TAIL, tiles_tail.seg_major())"
-    for value, expected in (("0", "0 False"), ("33", "33 True"), ("100", "100 True")):
-        run = subprocess.run([sys.executable, "-c", script], env={**os.environ, "KVWEAVE_TILES_TAIL": value},
-                             capture_output=True, text=True)
-        assert run.stdout.strip() == expected, run.stderr
-    run = subprocess.run([sys.executable, "-c", script], env={**os.environ, "KVWEAVE_TILES_TAIL": "40"},
-                         capture_output=True, text=True)
-    assert run.returncode != 0 and "KVWEAVE_TILES_TAIL='40'" in run.stderr
+    check_env_setting("KVWEAVE_TILES_TAIL",
+                      "from kvweave.kernels import tiles_tail; print(tiles_tail.TILES_TAIL, tiles_tail.seg_major())",
+                      {"0": "0 False", "33": "33 True", "100": "100 True"}, "40")
