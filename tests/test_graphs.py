@@ -154,12 +154,12 @@ def _depthweave_stored(cache) -> list[torch.Tensor]:
     return out
 
 
-def _flagship(pipeline: Any = "depthweave-kv"):
-    """A 4-layer tiny Llama (head_dim 64, one 4-layer window), two rows of a 110-token prompt, a cache of ``pipeline``
-    (``depthweave-kv``'s by default) that holds them, and the token after them."""
+def _flagship(pipeline: Any = "depthweave-kv", rows: int = 2):
+    """A 4-layer tiny Llama (head_dim 64, one 4-layer window), ``rows`` rows of a 110-token prompt, a cache of
+    ``pipeline`` (``depthweave-kv``'s by default) that holds them, and the token after them."""
     net = tiny_llama(torch.float32, hidden=256, layers=4)
     net.generation_config.eos_token_id = None
-    ids = torch.randint(1, 128, (2, 110), generator=torch.Generator().manual_seed(5))
+    ids = torch.randint(1, 128, (rows, 110), generator=torch.Generator().manual_seed(5))
     cache = build_cache(pipeline, net, tokenizer=_Vocabulary())
     with torch.no_grad():
         first = net.generate(input_ids=ids, max_new_tokens=1, do_sample=False, **cache_kwargs(net, cache))[:, 110:]
@@ -204,7 +204,9 @@ def test_graph_decoding_of_depthweave_kv_decodes_and_stores_what_generate_does()
 def test_graph_decoding_of_depthweave_kv_by_the_triton_kernel_decodes_what_generate_does(tmp_path, monkeypatch):
     """The same with the fused Triton kernel (in Triton's interpreter), which reads the kept window to its fill on the
     device: a block of the fewest steps a graph is captured for, the same tokens as ``model.generate`` with that kernel,
-    and each layer call's output the twin's over the same kept window (reading the buffers' rows past the fill fails it)."""
+    and each layer call's output the twin's over the same kept window (reading the buffers' rows past the fill fails
+    it). One row of the prompt (each kernel call is slow in the interpreter): the buffers' two KV heads lie a capacity
+    apart, as their rows do."""
     registry = load_registry()
     registry.add_file(write_registry(tmp_path, "triton", """
 [pipelines.dw-triton]
@@ -213,7 +215,8 @@ extends = "depthweave-kv"
 backend = "triton"
 """))
     pipeline = registry.resolve("dw-triton")
-    net, ids, cache, first = _flagship(pipeline)
+    net, ids, cache, first = _flagship(pipeline, rows=1)
+    assert cache.engine.windows[0].exact.shape()[:2] == (1, 2)  # one row, two KV heads
     steps = MIN_GRAPH_STEPS  # each step calls the kernel in every layer, each call slow in the interpreter
     _, expected = _generated(net, ids, pipeline, steps + 1)
     assert steps_before_flush(cache.engine) >= steps

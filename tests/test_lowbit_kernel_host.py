@@ -4,10 +4,14 @@ operations per call and make their packed views once per storage state (CPU; Tri
 
 from __future__ import annotations
 
+import atexit
 import json
 import os
+import queue
 import subprocess
 import sys
+import tempfile
+import threading
 
 import attrs
 import pytest
@@ -24,23 +28,76 @@ from test_lowbit_kernel import model, registry  # noqa: F401 - the same storages
 
 
 COMPILE = """
-import importlib, json, sys
+import importlib, json, sys, traceback
 from kvweave.kernels.gpu_build import build
-job = json.load(sys.stdin)
-compiled = build(importlib.import_module(job["module"]), job)
-ptx = compiled.asm["ptx"]
-print(json.dumps({"cubin": len(compiled.asm["cubin"]), "ptx": ptx.count("\\n"), "ptx_text": ptx,
-                  "shared": compiled.metadata.shared}))
+for line in sys.stdin:  # one job a line, built in turn; each answer one line after its marker
+    job = json.loads(line)
+    try:
+        compiled = build(importlib.import_module(job["module"]), job)
+        ptx = compiled.asm["ptx"]
+        answer = {"cubin": len(compiled.asm["cubin"]), "ptx": ptx.count("\\n"), "ptx_text": ptx,
+                  "shared": compiled.metadata.shared}
+    except Exception:
+        answer = {"error": traceback.format_exc()}
+    print("\\0compiled", json.dumps(answer), flush=True)
 """
+
+#: the compiling processes (:data:`COMPILE`) started, by the environment and folder they were started in
+_COMPILERS: dict[tuple, subprocess.Popen] = {}
+
+
+def _compiler(env: dict) -> subprocess.Popen:
+    """The process that builds jobs for sm_90 in ``env`` and this folder, started once (a process a job spent most of
+    its time starting Python, Triton and its CUDA backend); one whose environment differs gets its own."""
+    key = (tuple(sorted(env.items())), os.getcwd())
+    process = _COMPILERS.get(key)
+    if process is None or process.poll() is not None:
+        stderr = tempfile.TemporaryFile(mode="w+")
+        process = subprocess.Popen([sys.executable, "-c", COMPILE], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                   stderr=stderr, text=True, env=env)
+        process.stderr_file = stderr  # type: ignore[attr-defined]
+        _COMPILERS[key] = process
+    return process
+
+
+@atexit.register
+def _stop_compilers() -> None:
+    for process in _COMPILERS.values():
+        try:
+            process.stdin.close()
+            process.wait(timeout=60)
+        except (OSError, subprocess.TimeoutExpired):
+            process.kill()
 
 
 def compile_job(job: dict) -> dict:
     """``job`` (:func:`kvweave.kernels.gpu_build.launch_job`) compiled for an H100/H200 (sm_90) outside the
-    interpreter: the cubin's size, the PTX's lines and its text, the shared memory a program takes (bytes)."""
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    done = subprocess.run([sys.executable, "-c", COMPILE], input=json.dumps(job), capture_output=True, text=True, env=env, timeout=600)
-    assert done.returncode == 0, f"{job['kernel']} does not compile for sm_90:\n{done.stderr[-3000:]}"
-    return json.loads(done.stdout.strip().splitlines()[-1])
+    interpreter (in a process of its own, without ``TRITON_INTERPRET``, which builds the jobs given it in turn): the
+    cubin's size, the PTX's lines and its text, the shared memory a program takes (bytes)."""
+    env = {k: v for k, v in os.environ.items() if k not in ("TRITON_INTERPRET", "PYTEST_CURRENT_TEST")}
+    process = _compiler(env)
+    process.stdin.write(json.dumps(job) + "\n")
+    process.stdin.flush()
+    answers: queue.Queue = queue.Queue()
+
+    def read() -> None:
+        for line in process.stdout:
+            if line.startswith("\0compiled "):
+                answers.put(json.loads(line.split(" ", 1)[1]))
+                return
+        answers.put({"error": "the compiling process ended"})
+
+    threading.Thread(target=read, daemon=True).start()
+    try:
+        answer = answers.get(timeout=600)
+    except queue.Empty:
+        process.kill()
+        answer = {"error": "no build in 600 s"}
+    if "error" in answer:
+        process.stderr_file.seek(0)  # type: ignore[attr-defined]
+        details = answer["error"] + process.stderr_file.read()  # type: ignore[attr-defined]
+        raise AssertionError(f"{job['kernel']} does not compile for sm_90:\n{details[-3000:]}")
+    return answer
 
 
 #: the shared memory (bytes) a block may take on an H100 or H200 (Triton's "Hardware limit" there)

@@ -153,9 +153,10 @@ class _Recorder:
 def _depthweave_launches(tmp_path, monkeypatch, early: bool) -> list:
     from kvweave.kernels import decode_triton, depthweave_decode, depthweave_tiles_triton
 
-    from test_kernels import DEVICE, decode_view, filled
+    from test_kernels import DEVICE
+    from test_tiles_pass import filled_view
 
-    view = decode_view(filled(tmp_path, 8, 2, 128, 320), 1)  # (on a GPU the flushes launch the tiles pass too)
+    view = filled_view(tmp_path)  # (on a GPU the flushes launch the tiles pass too)
     launches: list = []
     monkeypatch.setattr(depthweave_decode, "programmatic", lambda device, use: early and use == "exact")
     monkeypatch.setattr(depthweave_tiles_triton, "_tiles_kernel", _Recorder("tiles", launches))

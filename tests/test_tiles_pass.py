@@ -46,15 +46,23 @@ TILES_REGISTRY = REGISTRY + textwrap.dedent(
 )
 
 
-def _tiles_case(tmp_path, name):
-    """A layer of ``name`` (TILES_REGISTRY) filled with 320 tokens of two rows, a query and rows' first positions."""
-    q_heads, kv_heads, dim = (16, 1, 64) if name == "dw-kernel-wide" else (8, 2, 128)
-    pipeline = load_pipeline(name, write_registry(tmp_path, "tiles", TILES_REGISTRY))
-    cache = fill_cache(KVWeaveCache(pipeline, llama_config(q_heads, kv_heads, dim)), 2, 320, chunk=107,
-                       dtype=torch.bfloat16, device=DEVICE, seed=3)
+#: the decode views :func:`_tiles_case` filled, by pipeline and KV heads: each is filled once a session (the tests that
+#: take one only read it; a kernel call and ``attrs.evolve`` leave it as it is)
+_TILES_VIEWS: dict[tuple[str, int] | str, object] = {}
+
+
+def _tiles_case(tmp_path, name, kv_heads: int = 2):
+    """A layer of ``name`` (TILES_REGISTRY) filled with 320 tokens of two rows, a query and rows' first positions
+    (``dw-kernel``: 8 query heads over ``kv_heads`` at head_dim 128; ``dw-kernel-wide``: 16 over one at 64)."""
+    q_heads, kv_heads, dim = (16, 1, 64) if name == "dw-kernel-wide" else (8, kv_heads, 128)
+    if (name, kv_heads) not in _TILES_VIEWS:
+        pipeline = load_pipeline(name, write_registry(tmp_path, "tiles", TILES_REGISTRY))
+        cache = fill_cache(KVWeaveCache(pipeline, llama_config(q_heads, kv_heads, dim)), 2, 320, chunk=107,
+                           dtype=torch.bfloat16, device=DEVICE, seed=3)
+        _TILES_VIEWS[name, kv_heads] = decode_view(cache, 1)
     torch.manual_seed(1)
     query = torch.randn(2, q_heads, dim, device=DEVICE)
-    return decode_view(cache, 1), query, torch.tensor([0, 70], dtype=torch.int32, device=DEVICE), dim
+    return _TILES_VIEWS[name, kv_heads], query, torch.tensor([0, 70], dtype=torch.int32, device=DEVICE), dim
 
 
 @pytest.mark.parametrize("name", ["dw-kernel", "dw-kernel-blocks", "dw-kernel-bases", "dw-kernel-wide"])
@@ -84,32 +92,37 @@ SWITCHES = [(True, False, False, False), (False, True, False, False), (True, Tru
             (True, True, True, False), (False, True, True, False), (True, True, False, True)]
 
 
-@pytest.mark.parametrize("name, block", [("dw-kernel", 64), ("dw-kernel", 32), ("dw-kernel-wide", 64)])
+@pytest.mark.parametrize("name, blocks", [("dw-kernel", (64, 32)), ("dw-kernel-wide", (64,))])
 def test_the_tiles_pass_reads_its_residual_words_as_columns_or_a_step_ahead_to_the_same_sums(tmp_path, monkeypatch, name,
-                                                                                         block):
+                                                                                         blocks):
     """The ``tiles`` pass's switches (``TILES_COLUMNS``: the words read as a column in the residual tile's layout;
     ``TILES_AHEAD``: each step's words loaded during the step before; both on by default since timed on the H200;
     ``TILES_INDEX``: the tile index read two steps ahead, its entries one; ``TILES_QUERY_LATE``: the query's products
     after the first step's loads) change where and when the words are read, not the sums: for each combination of
     :data:`SWITCHES`, the same output as the pass without them and as the twin, over segments of 96 tokens (a last
     step of 32 tokens, whose next steps lie past the segment), rows with a first position, 32- and 64-token steps and
-    64-bit words."""
-    view, query, start, dim = _tiles_case(tmp_path, name)
-    run = lambda: fused_decode(view, query, start, dim**-0.5, split=96, block_tokens=block, variant="tiles")  # noqa: E731
-    monkeypatch.setattr(depthweave_decode, "TILES_COLUMNS", False)
-    monkeypatch.setattr(depthweave_decode, "TILES_AHEAD", False)
-    monkeypatch.setattr(depthweave_decode, "TILES_QUERY_LATE", False)  # on by default: the plain pass has it off
-    plain = run()
+    64-bit words. One KV head of two rows (each program one row's segment; the rows of the other tests' two heads
+    are programs alike), one layer built for both step sizes."""
+    view, query, start, dim = _tiles_case(tmp_path, name, kv_heads=1)
+    assert any(level.entries for level in view.k_levels + view.v_levels)  # residual words to read
     twin = torch_decode(view, query, start, dim**-0.5)
-    for columns, ahead, index, late in SWITCHES:
-        monkeypatch.setattr(depthweave_decode, "TILES_COLUMNS", columns)
-        monkeypatch.setattr(depthweave_decode, "TILES_AHEAD", ahead)
-        monkeypatch.setattr(depthweave_decode, "TILES_INDEX", index)
-        monkeypatch.setattr(depthweave_decode, "TILES_QUERY_LATE", late)
-        switched = run()
-        switches = dict(columns=columns, ahead=ahead, index=index, late=late)
-        assert (switched - plain).abs().max().item() < 1e-5, switches
-        assert (switched - twin).abs().max().item() < 1e-3, switches
+    for block in blocks:
+        run = lambda: fused_decode(view, query, start, dim**-0.5, split=96, block_tokens=block,  # noqa: E731
+                                   variant="tiles")
+        monkeypatch.setattr(depthweave_decode, "TILES_COLUMNS", False)
+        monkeypatch.setattr(depthweave_decode, "TILES_AHEAD", False)
+        monkeypatch.setattr(depthweave_decode, "TILES_INDEX", False)
+        monkeypatch.setattr(depthweave_decode, "TILES_QUERY_LATE", False)  # on by default: the plain pass has it off
+        plain = run()
+        for columns, ahead, index, late in SWITCHES:
+            monkeypatch.setattr(depthweave_decode, "TILES_COLUMNS", columns)
+            monkeypatch.setattr(depthweave_decode, "TILES_AHEAD", ahead)
+            monkeypatch.setattr(depthweave_decode, "TILES_INDEX", index)
+            monkeypatch.setattr(depthweave_decode, "TILES_QUERY_LATE", late)
+            switched = run()
+            switches = dict(block=block, columns=columns, ahead=ahead, index=index, late=late)
+            assert (switched - plain).abs().max().item() < 1e-5, switches
+            assert (switched - twin).abs().max().item() < 1e-3, switches
 
 
 @pytest.mark.parametrize("variant", ["tiles", "gather"])
@@ -176,12 +189,20 @@ def recorded_tiles_launches(call) -> list[tuple[tuple, dict]]:
     return launches
 
 
+def filled_view(tmp_path):
+    """Layer 1's decode view of ``filled(tmp_path, 8, 2, 128, 320)`` (two rows, 8 query heads over 2 KV heads at
+    head_dim 128), filled once a session: the tests that take it only read it."""
+    if "filled" not in _TILES_VIEWS:
+        _TILES_VIEWS["filled"] = decode_view(filled(tmp_path, 8, 2, 128, 320), 1)
+    return _TILES_VIEWS["filled"]
+
+
 def recorded_tiles_job(tmp_path) -> tuple[dict, dict]:
     """The build job (:func:`launch_job`) of the tiles pass as ``fused_decode`` launches it over a filled layer (the
     kernel recorded, not run), and the launch's constants."""
     from kvweave.kernels import depthweave_tiles_triton as tiles_jit
 
-    view = decode_view(filled(tmp_path, 8, 2, 128, 320), 1)
+    view = filled_view(tmp_path)
     query = torch.randn(2, 8, 128, device=DEVICE)
     args, constants = recorded_tiles_launches(lambda: fused_decode(view, query, None, 0.125, variant="tiles"))[0]
     return launch_job(tiles_jit._tiles_kernel, args, constants), constants
@@ -204,8 +225,7 @@ def test_the_tiles_pass_builds_for_a_gpu(tmp_path, monkeypatch, switched):
 @pytest.mark.parametrize("variant", ["gather", "tiles"])
 def test_the_packed_logsumexp_matches_the_twin(tmp_path, variant):
     """The flush's statistics (log-sum-exp over the packed tokens of many query rows a head) by either pass."""
-    cache = filled(tmp_path, 8, 2, 128, 320)
-    view = decode_view(cache, 1)
+    view = filled_view(tmp_path)
     torch.manual_seed(2)
     queries = torch.randn(2, 8 * 8, 128, device=DEVICE)  # eight observed queries of each of 8 query heads
     expected = torch_packed_logsumexp(view, queries, 128**-0.5)
@@ -218,7 +238,7 @@ def test_the_flush_statistics_by_the_tiles_pass_read_no_value(tmp_path):
     """Without values the ``tiles`` pass writes each slot's maximum and sum as with them and leaves the output buffer
     untouched (the values' loads, products and stores are left out of the build), which is what
     ``fused_packed_logsumexp`` launches: it allocates no output buffer for it."""
-    view = decode_view(filled(tmp_path, 8, 2, 128, 320), 1)
+    view = filled_view(tmp_path)
     torch.manual_seed(4)
     queries = torch.randn(2, 8 * 8, 128, device=DEVICE)
     n_seg = view.segments.shape[0]

@@ -175,12 +175,12 @@ def test_on_a_gpu_a_recorded_call_gives_the_same_bits_and_every_program_a_row(ba
 def test_depthweave_s_tiles_pass_passes_a_placeholder_and_in_a_recording_a_trace(tmp_path, monkeypatch):
     """``fused_decode``'s tiles pass (launched outside :class:`Launch`) takes ``TRACE`` = 0 and a placeholder for its
     last argument, and inside a recording a [programs, 6] buffer (recorded) and 1 (the kernel recorded, not run)."""
-    from test_kernels import DEVICE, decode_view, filled
-    from test_tiles_pass import recorded_tiles_launches
+    from test_kernels import DEVICE
+    from test_tiles_pass import filled_view, recorded_tiles_launches
 
     from kvweave.kernels.depthweave_decode import fused_decode
 
-    view = decode_view(filled(tmp_path, 8, 2, 128, 320), 1)
+    view = filled_view(tmp_path)
     query = torch.randn(2, 8, 128, device=DEVICE)
 
     def call():
