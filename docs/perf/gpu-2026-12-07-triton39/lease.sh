@@ -2,7 +2,8 @@
 # The kernels as Triton 3.9 (what a fresh install takes) builds them, on the GPU machine, whose own Triton is
 # 3.6: the same cells with each, in one lease. Triton 3.9 travels in parts (benchmarks/carry_triton.py):
 #   here:  python benchmarks/carry_triton.py pack            (wheels/triton-3.9.0-1 and -2, about 29 MB each)
-#   run 1: carry [wheels/triton-3.9.0-1], command `true`      (what a call carried stays while the machine is warm)
+#   run 1: carry [wheels/triton-3.9.0-1], command `true` (or a lease of its own, e.g. the splits lease with NO_B1=1):
+#          what a call carried stays there while the machine is warm
 #   run 2, within 30 s: carry [wheels/triton-3.9.0-2], command
 #          OUT=$OUT timeout 580 bash docs/perf/gpu-2026-12-07-triton39/lease.sh
 #   run 3, while warm: PART=tests (Triton 3.9's GPU tests of the kernels alone; the parts are already there)
