@@ -94,15 +94,29 @@ def version_segments(version_tokens: list[int], split: int, device: torch.device
     return torch.tensor(rows, dtype=torch.int32, device=device)
 
 
+#: from this many rows (batch x KV heads; B = 8 at 8 KV heads) to :data:`WAVE_MAX_ROWS` (B = 32, the most timed) the
+#: tiles pass's programs are one wave of about
+#: :data:`WAVE_PROGRAMS` (12 one-warp programs an SM of an H100/H200), segments of at most :data:`WAVE_MAX_SPLIT` tokens.
+#: H100, 2026-12-07 (docs/kernels.md "depthweave-kv's splits timed"): B = 8 3.05x -> 3.79x SDPA at 32K (1,536 programs
+#: of 1,376 tokens instead of 1,088 of 1,952), 3.79x -> 4.21x at 64K, 4.47x -> 4.50x at 128K; B = 32 4.38x -> 4.42x,
+#: 4.53x -> 4.59x, 4.72x both; at one row 1,024 programs (the rule below) were the fastest of those timed
+WAVE_ROWS, WAVE_MAX_ROWS = 64, 256
+WAVE_PROGRAMS = 1584
+WAVE_MAX_SPLIT = 5472
+
+
 def choose_split(tokens: int, programs_per_token_split: int, target_programs: int = 1056, max_split: int = 2048) -> int:
-    """Tokens per segment: enough programs to fill the GPU (about ``target_programs`` for all rows and
-    heads), at least 256 and at most ``max_split`` tokens each, a multiple of :data:`TILE`. The cap keeps
-    many programs in flight at large batches: one program per SM slot leaves the last wave nearly empty
-    (on the H200 at 128K tokens, B = 8: 1,088 programs of 7,712 tokens 1,460 us, 4,096 of 2,048 945 us;
-    ``benchmarks/kernel_tuning.py``)."""
+    """Tokens per segment, a multiple of :data:`TILE`, at least 256. From :data:`WAVE_ROWS` to :data:`WAVE_MAX_ROWS`
+    rows (``programs_per_token_split``): ``WAVE_PROGRAMS // rows`` segments a row, one wave, at most
+    :data:`WAVE_MAX_SPLIT` tokens each. Other rows: enough programs to fill the GPU (about ``target_programs`` for all rows and heads), at
+    most ``max_split`` tokens each."""
     if tokens <= 0:
         return 256
-    splits = max(1, math.ceil(target_programs / max(1, programs_per_token_split)))
+    rows = max(1, programs_per_token_split)
+    if WAVE_ROWS <= rows <= WAVE_MAX_ROWS:
+        split = min(max(256, math.ceil(tokens / max(1, WAVE_PROGRAMS // rows))), WAVE_MAX_SPLIT)
+        return math.ceil(split / TILE) * TILE
+    splits = max(1, math.ceil(target_programs / rows))
     split = min(max(256, math.ceil(tokens / splits)), max_split)
     return math.ceil(split / TILE) * TILE
 

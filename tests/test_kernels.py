@@ -133,7 +133,10 @@ def test_kernel_segments_and_splits_agree(tmp_path):
 
 def test_split_fills_the_gpu_without_a_nearly_empty_last_wave():
     assert choose_split(131008, 8) == 1024  # B = 1, 8 KV heads: 128 segments per row, 1,024 programs
-    assert choose_split(131008, 64) == 2048  # B = 8: capped, 4,096 programs instead of 1,088
+    # B = 8 and 32 (64 and 256 rows): one wave of about 1,584 programs (12 an SM), at most 5,472 tokens each
+    assert [-(-32768 // choose_split(32768, rows)) * rows for rows in (64, 256)] == [1536, 1536]
+    assert [choose_split(t, 64) for t in (32768, 65536, 131072)] == [1376, 2752, 5472]
+    assert choose_split(131072, 256) == 5472 and choose_split(131072, 512) == 2048  # past B = 32: the rule below
     assert choose_split(4000, 8) == 256  # short caches: at least 256 tokens per program
     assert all(choose_split(t, rows) % 32 == 0 for t in (999, 65536, 131072) for rows in (1, 8, 960))
 
