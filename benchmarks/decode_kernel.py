@@ -38,9 +38,8 @@ from kvweave.core.registry import load_pipeline
 from kvweave.engine.residuals import ResidualList
 from kvweave.engine.synthetic import fill_cache
 from kvweave.kernels.decode_torch import torch_decode
-from kvweave.kernels.decode_view import TILE, DecodeView, ResidualLevel, choose_split, resplit
+from kvweave.kernels.decode_view import TILE, DecodeView, ResidualLevel, choose_split
 from kvweave.kernels import tiles_tail
-from kvweave.kernels.lowbit_dense import multiprocessors
 from kvweave.kernels import depthweave_decode
 from kvweave.kernels.depthweave_decode import COMBINE, COMBINES, fused_decode
 
@@ -206,15 +205,6 @@ def view_bytes(view: DecodeView) -> int:
     return total
 
 
-def cut(segments: torch.Tensor, split: int, rows: int) -> torch.Tensor:
-    """``segments`` cut again into ``split`` tokens for ``rows`` rows x KV heads, each row's last wave of segments
-    shorter where ``KVWEAVE_TILES_TAIL`` asks for it (as the cache cuts its own: :mod:`kvweave.kernels.tiles_tail`)."""
-    if not tiles_tail.TILES_TAIL:
-        return resplit(segments, split)
-    slots = tiles_tail.TILES_PROGRAMS_PER_SM * multiprocessors(segments.device)
-    return tiles_tail.resplit_rows(segments, split, rows, slots)
-
-
 def first_rows(view: DecodeView, rows: int) -> DecodeView:
     """The view of the batch's first ``rows`` rows: their coefficients, windows, only their residual entries
     (re-indexed), and segments split for their programs (as a cache of that batch would split them)."""
@@ -231,7 +221,7 @@ def first_rows(view: DecodeView, rows: int) -> DecodeView:
         f = lists.fields
         return ResidualLevel(level.rank, level.group, lists.entries, f["q_packed"], f["q_scales"], start, mask, lists.located)
 
-    segments = cut(view.segments, choose_split(view.packed_tokens, rows * heads), rows * heads)
+    segments = tiles_tail.resplit_rows(view.segments, choose_split(view.packed_tokens, rows * heads), rows * heads)
     return DecodeView(
         view.packed_tokens, view.k_codes[:rows], view.k_scales[:rows], view.v_codes[:rows], view.v_scales[:rows],
         view.k_bases[:rows], view.v_bases[:rows], segments,
@@ -301,7 +291,7 @@ def main() -> None:
             twin = torch_decode(own, q, None, scale).float()
             for split in splits:
                 # cut once here: fused_decode's split= cuts on the host each call, which a graph cannot hold
-                view = own if not split else attrs.evolve(own, segments=cut(own.segments, split, batch * KV_HEADS))
+                view = own if not split else attrs.evolve(own, segments=tiles_tail.resplit_rows(own.segments, split, batch * KV_HEADS))
                 views = read_in_turn(view, read, args.cold_l2)
                 for variant in args.variants.split(","):
                     for combine in args.combines.split(","):

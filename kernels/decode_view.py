@@ -121,13 +121,18 @@ def choose_split(tokens: int, programs_per_token_split: int, target_programs: in
     return math.ceil(split / TILE) * TILE
 
 
+def version_counts(segments: torch.Tensor) -> list[int]:
+    """The tokens of each basis version that ``segments`` [S, 3] (start, end, version) hold."""
+    counts = [0] * (int(segments[:, 2].max()) + 1)
+    for lo, hi, version in segments.tolist():
+        counts[version] += hi - lo
+    return counts
+
+
 def resplit(segments: torch.Tensor, split: int) -> torch.Tensor:
     """The tokens of ``segments`` [S, 3] cut again, per version, into segments of at most ``split`` tokens
     (tests and benchmarks; a view's own segments are cut when the cache is read)."""
-    counts = torch.zeros(int(segments[:, 2].max()) + 1, dtype=torch.long)
-    for lo, hi, version in segments.tolist():
-        counts[version] += hi - lo
-    return version_segments(counts.tolist(), split, segments.device)
+    return version_segments(version_counts(segments), split, segments.device)
 
 
 _PLACEHOLDERS: dict[tuple[torch.device, torch.dtype], torch.Tensor] = {}

@@ -253,8 +253,7 @@ def multiprocessors(device: Any) -> int:
 
 
 def dense_slots(sms: int, dim: int, hidden: bool, num_warps: int = 4, registers: int | None = None) -> int:
-    """The dense kernel's programs that ``sms`` multiprocessors hold at once (by their registers: ``registers``, or
-    :func:`dense_registers`): one wave."""
+    """The dense kernel's programs ``sms`` SMs hold at once, one wave, by ``registers`` (or :func:`dense_registers`)."""
     registers = registers or dense_registers(dim, hidden) or 128
     return sms * max(1, 65536 // (registers * 32 * num_warps))
 

@@ -4,9 +4,13 @@ worth of segments shorter than the others, so that the pass drains for less time
 
 from __future__ import annotations
 
+import bisect
+import itertools
+
 from kvweave.core.environment import env_setting
 from kvweave.core.lazy import torch
-from kvweave.kernels.decode_view import TILE, version_segments
+from kvweave.kernels.decode_view import TILE, version_counts, version_segments
+from kvweave.kernels.lowbit_dense import multiprocessors
 
 #: where the tiles pass's programs are more than one wave, each row's last wave's worth of segments this share of the
 #: others' length, in percent, and the programs launched segment-major (0: neither, the launch as timed; 100: segment-
@@ -25,43 +29,36 @@ def seg_major() -> bool:
     return bool(TILES_TAIL)
 
 
-def tail_segments(version_tokens: list[int], split: int, rows: int, slots: int, device,
+def tail_segments(version_tokens: list[int], split: int, rows: int, slots: int | None, device,
                   percent: int | None = None) -> "torch.Tensor":
     """The segments [S, 3] (start, end, version) of ``version_tokens`` for ``rows`` rows (batch x KV heads) and
-    ``slots`` programs at once: cut into ``split`` tokens (:func:`~kvweave.kernels.decode_view.version_segments`), and
-    where the programs are more than one wave with ``percent`` (None: :data:`TILES_TAIL`) below 100, the last
-    ``slots / rows`` segments (a wave's worth, the last programs launched segment-major) that share of the others'
-    length, the others longer to hold the rest. Every segment lies in one version and starts on a :data:`TILE`; together
-    they hold each token once."""
+    ``slots`` programs at once (None: :data:`TILES_PROGRAMS_PER_SM` on each SM of ``device``): cut into ``split``
+    tokens (:func:`~kvweave.kernels.decode_view.version_segments`), and where the programs are more than one wave with
+    ``percent`` (None: :data:`TILES_TAIL`) below 100, the last ``slots / rows`` segments (a wave's worth, the last
+    programs launched segment-major) that share of the others' length, the others longer to hold the rest. Every
+    segment lies in one version and starts on a :data:`TILE`; together they hold each token once."""
     percent = TILES_TAIL if percent is None else percent
     uniform = version_segments(version_tokens, split, device)
+    if not percent or percent >= 100:
+        return uniform
+    if slots is None:
+        slots = TILES_PROGRAMS_PER_SM * multiprocessors(torch.device(device))
     count, total = uniform.shape[0], sum(version_tokens)
-    if not percent or percent >= 100 or rows * count <= slots or count < 2:
+    if rows * count <= slots or count < 2:
         return uniform
     short = min(count - 1, -(-slots // max(1, rows)))
     brief = max(TILE, split * percent // 100 // TILE * TILE)
     tail = max(0, total - short * brief)  # the first token of the short segments (a multiple of TILE)
     length = -(-max(TILE, -(-tail // (count - short))) // TILE) * TILE
-    cuts = set(range(0, tail, length)) | set(range(tail, total, brief))
-    starts, version = [], 0
-    for count_v in version_tokens:  # no segment crosses a version's first token
-        starts.append(version)
-        version += count_v
-    cuts |= {s for s in starts if s < total}
-    bounds = sorted(cuts) + [total]
-    rows_out, v, ends = [], 0, [s + c for s, c in zip(starts, version_tokens)]
-    for lo, hi in zip(bounds[:-1], bounds[1:]):
-        while lo >= ends[v]:
-            v += 1
-        rows_out.append((lo, hi, v))
-    return torch.tensor(rows_out, dtype=torch.int32, device=device)
+    starts = list(itertools.accumulate(version_tokens, initial=0))[:-1]  # no segment crosses a version's first token
+    bounds = sorted(set(range(0, tail, length)) | set(range(tail, total, brief)) | {s for s in starts if s < total})
+    bounds.append(total)
+    return torch.tensor([(lo, hi, bisect.bisect_right(starts, lo) - 1) for lo, hi in zip(bounds, bounds[1:])],
+                        dtype=torch.int32, device=device)
 
 
-def resplit_rows(segments: "torch.Tensor", split: int, rows: int, slots: int, percent: int | None = None) -> "torch.Tensor":
+def resplit_rows(segments: "torch.Tensor", split: int, rows: int, slots: int | None = None,
+                 percent: int | None = None) -> "torch.Tensor":
     """``segments`` [S, 3] cut again into ``split`` tokens, per version, with the shorter last wave of
-    :func:`tail_segments` for ``rows`` rows and ``slots`` programs at once (benchmarks: a view's own segments are cut
-    when the cache is read)."""
-    counts = [0] * (int(segments[:, 2].max()) + 1)
-    for lo, hi, version in segments.tolist():
-        counts[version] += hi - lo
-    return tail_segments(counts, split, rows, slots, segments.device, percent)
+    :func:`tail_segments` for ``rows`` rows (benchmarks: a view's own segments are cut when the cache is read)."""
+    return tail_segments(version_counts(segments), split, rows, slots, segments.device, percent)

@@ -34,11 +34,10 @@ from kvweave.core.lazy import torch
 from kvweave.core.params import choice, integer
 from kvweave.core.view import KindView, LayerView, ResidualLevelView
 from kvweave.kernels.decode_torch import torch_decode, torch_packed_logsumexp
-from kvweave.kernels.decode_view import MAX_LEVELS, TILE, DecodeView, ResidualLevel, choose_split, placeholder, version_segments
+from kvweave.kernels.decode_view import MAX_LEVELS, TILE, DecodeView, ResidualLevel, choose_split, placeholder
 from kvweave.kernels.depthweave_decode import COMBINE, COMBINES, VARIANTS, fused_decode, fused_packed_logsumexp
 from kvweave.kernels.formats import INT4_GROUP, INT8_BLOCK, int4_group_width
 from kvweave.kernels import tiles_tail
-from kvweave.kernels.lowbit_dense import multiprocessors
 
 BACKENDS = ("auto", "triton", "torch")
 HEAD_DIMS = (64, 128, 256)
@@ -222,11 +221,8 @@ class FusedKernel(AttentionKernel):
             if counts != [int(c) for c in view.values.factor_bases[1].tolist()] or sum(counts) != tokens:  # type: ignore[index]
                 raise CacheStateError(f"layer {view.layer}: key and value bases cover different tokens ({counts})")
             split = self.split_tokens or choose_split(tokens, batch * heads)
-            if tiles_tail.TILES_TAIL:  # each row's last wave of segments shorter (off by default, until timed)
-                slots = tiles_tail.TILES_PROGRAMS_PER_SM * multiprocessors(torch.device(device))
-                cached = (stamp, tiles_tail.tail_segments(counts, split, batch * heads, slots, device))
-            else:
-                cached = (stamp, version_segments(counts, split, device))
+            # each row's last wave of segments shorter where KVWEAVE_TILES_TAIL asks (off by default, until timed)
+            cached = (stamp, tiles_tail.tail_segments(counts, split, batch * heads, None, device))
             view.scratch[key] = cached
         return cached[1]
 
