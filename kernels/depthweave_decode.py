@@ -311,11 +311,13 @@ TILES_ROWS = True
 #: (H100, docs/kernels.md "The tiles pass's codes as words a step ahead"). Decode only: a flush's statistics pass
 #: (:func:`fused_packed_logsumexp`, 32 query rows a KV head, no values) keeps the byte loads it was timed with
 TILES_WORDS = 2
-#: the registers a thread of the ``tiles`` pass may take on a GPU (None: the compiler's choice, 168 on Triton 3.6 with
-#: :data:`TILES_WORDS`). Capped at 144 or 128 (14 or 16 one-warp programs an SM instead of 12), the pass was 3-36%
-#: slower at every shape timed, with the same output bits (H100, docs/kernels.md "More programs an SM, shorter steps,
-#: the tile index further ahead"). Decode only
-TILES_REGISTERS: int | None = None
+#: the registers a thread of the ``tiles`` pass may take on a GPU (None or 0: the compiler's choice; KVWEAVE_TILES_REGISTERS).
+#: Triton 3.6 takes 168 with :data:`TILES_WORDS`, Triton 3.9 (a fresh install's) 179: 11 one-warp programs an SM
+#: instead of 12, fewer than :data:`kvweave.kernels.decode_view.WAVE_PROGRAMS` counts on. At 160 both build it without a
+#: spill in 12 (`KVWEAVE_TILES_REGISTERS=160 benchmarks/kernel_sass.py --method depthweave-kv`). Capped at 144 or 128 (14 or 16
+#: programs an SM), the pass was 3-36% slower at every shape timed, with the same output bits (H100, docs/kernels.md
+#: "More programs an SM, shorter steps, the tile index further ahead"). Decode only
+TILES_REGISTERS: int | None = env_setting("KVWEAVE_TILES_REGISTERS", 0, (0, 128, 144, 160, 168, 192, 255)) or None
 #: the ``tiles`` pass reads each step's tile index two steps ahead and the entries it points to one step ahead (with
 #: :data:`TILES_AHEAD`), instead of both a step ahead. Off: built in 254 registers (Triton 3.6), 8 programs an SM, it
 #: was 1-5% faster at one batch row and 3-23% slower at B = 8 and 32 (H100, docs/kernels.md "More programs an SM,
