@@ -5,7 +5,7 @@
 #   run 1: carry [wheels/triton-3.9.0-1], any command (what a call carried stays while the machine is warm)
 #   run 2, within 30 s: carry [wheels/triton-3.9.0-2], command
 #          OUT=$OUT timeout 580 bash docs/perf/gpu-2026-12-07-tiles-regs/lease.sh
-# Each step's table in $OUT/NAME.md: the GPU test of the cap, then t36-r0, t36-r160, t39-r0, t39-r160.
+# Each step's table in $OUT/NAME.md: the GPU test of the cap, then t36-r0, t36-r160, t39-r0, t39-r160, builds.
 source benchmarks/lease_preamble.sh
 cells="--tokens ${TOKENS:-32768} --batches ${BATCHES:-1,8,32} --reps 20 --cold-l2"
 step 60 t36-test.md python -m pytest -q -p no:cacheprovider tests/test_tiles_registers.py
@@ -19,3 +19,5 @@ for regs in 0 160; do
   KVWEAVE_TILES_REGISTERS=$regs step ${LIMIT39:-130} t39-r$regs.md python benchmarks/decode_kernel.py $cells --out "$OUT/t39-r$regs"
 done
 step 60 t39-test.md python -m pytest -q -p no:cacheprovider tests/test_tiles_registers.py
+# the registers, stack and spills of every build the lease timed, both Tritons' (benchmarks/triton_cache_resources.py)
+step 90 builds.md python benchmarks/triton_cache_resources.py
