@@ -3,7 +3,7 @@ without a GPU: Triton compiles the launch ``benchmarks/lowbit_kernel.py`` makes 
 
     python benchmarks/kernel_sass.py [--storages k4v2,qa35v3,k4v2-post] [--configs wide:,wide:magic,...] [--arch 90] [--asm 1|2]
         [--batch 1] [--tokens 512] [--out FILE]
-    python benchmarks/kernel_sass.py --method depthweave-kv [--tokens 2048] [--batch 1]   (KVWEAVE_TILES_REGISTERS: its cap)
+    python benchmarks/kernel_sass.py --method depthweave-kv [--tokens 2048] [--batch 1]   (KVWEAVE_TILES_REGISTERS: its cap; 0: none)
 
 A configuration is ``variant:tricks`` (tricks "+"-separated names of ``kvweave.kernels.lowbit_decode.TRICKS``, empty
 for none); ``k4v2-post`` is prerope-k4v2's storage read as keys stored after RoPE, a ``-uniform`` suffix puts its
@@ -124,8 +124,8 @@ def tiles_counts(tokens: int, batch: int = 1, arch: int = 90) -> dict:
     args, constants = launches[0]
     job = launch_job(kernel, args, constants)
     job["constants"].update(ASM=True, BYTES=bool(depthweave_decode.TILES_BYTES))  # a GPU's launch (ASM: is_cuda)
-    if depthweave_decode.TILES_REGISTERS:  # the cap a GPU's launch passes (KVWEAVE_TILES_REGISTERS)
-        job["maxnreg"] = depthweave_decode.TILES_REGISTERS
+    if depthweave_decode.tiles_register_cap():  # the cap a GPU's launch passes (KVWEAVE_TILES_REGISTERS, else the rule)
+        job["maxnreg"] = depthweave_decode.tiles_register_cap()
     return _row(build(importlib.import_module(job["module"]), job, arch=arch).asm["cubin"], "depthweave-kv", "tiles:",
                 arch, batch, tokens, constants["BLOCK"] * HEAD_DIM * 2 / (32 * constants.get("num_warps", 4)))
 

@@ -96,7 +96,8 @@ def version_segments(version_tokens: list[int], split: int, device: torch.device
 
 #: from this many rows (batch x KV heads; B = 8 at 8 KV heads) to :data:`WAVE_MAX_ROWS` (B = 32, the most timed) the
 #: tiles pass's programs are one wave of about
-#: :data:`WAVE_PROGRAMS` (12 one-warp programs an SM of an H100/H200), segments of at most :data:`WAVE_MAX_SPLIT` tokens.
+#: :data:`WAVE_PROGRAMS` (12 one-warp programs an SM of an H100/H200: a build in at most 168 registers; Triton 3.9's is
+#: capped at 160 for it, kvweave.kernels.depthweave_decode.tiles_register_cap), segments of at most :data:`WAVE_MAX_SPLIT` tokens.
 #: H100, 2026-12-07 (docs/kernels.md "depthweave-kv's splits timed"): B = 8 3.05x -> 3.79x SDPA at 32K (1,536 programs
 #: of 1,376 tokens instead of 1,088 of 1,952), 3.79x -> 4.21x at 64K, 4.47x -> 4.50x at 128K; B = 32 4.38x -> 4.42x,
 #: 4.53x -> 4.59x, 4.72x both; at one row 1,024 programs (the rule below) were the fastest of those timed

@@ -311,13 +311,20 @@ TILES_ROWS = True
 #: (H100, docs/kernels.md "The tiles pass's codes as words a step ahead"). Decode only: a flush's statistics pass
 #: (:func:`fused_packed_logsumexp`, 32 query rows a KV head, no values) keeps the byte loads it was timed with
 TILES_WORDS = 2
-#: the registers a thread of the ``tiles`` pass may take on a GPU (None or 0: the compiler's choice; KVWEAVE_TILES_REGISTERS).
-#: Triton 3.6 takes 168 with :data:`TILES_WORDS`, Triton 3.9 (a fresh install's) 179: 11 one-warp programs an SM
-#: instead of 12, fewer than :data:`kvweave.kernels.decode_view.WAVE_PROGRAMS` counts on. At 160 both build it without a
-#: spill in 12 (`KVWEAVE_TILES_REGISTERS=160 benchmarks/kernel_sass.py --method depthweave-kv`). Capped at 144 or 128 (14 or 16
-#: programs an SM), the pass was 3-36% slower at every shape timed, with the same output bits (H100, docs/kernels.md
-#: "More programs an SM, shorter steps, the tile index further ahead"). Decode only
-TILES_REGISTERS: int | None = env_setting("KVWEAVE_TILES_REGISTERS", 0, (0, 128, 144, 160, 168, 192, 255)) or None
+#: the registers a thread of the ``tiles`` pass may take on a GPU: unset (None), :func:`tiles_register_cap`'s rule; 0
+#: the compiler's choice; else that cap (KVWEAVE_TILES_REGISTERS). Triton 3.6 builds the pass in 168 registers with
+#: :data:`TILES_WORDS`, Triton 3.9 (a fresh install's) in 179-185: 10-11 one-warp programs an SM instead of the 12 that
+#: :data:`kvweave.kernels.decode_view.WAVE_PROGRAMS` counts on. At 160 both build it without a spill in 12
+#: (`KVWEAVE_TILES_REGISTERS=160 benchmarks/kernel_sass.py --method depthweave-kv`). Timed (H100, 32K, graph time,
+#: docs/kernels.md "The tiles pass at 160 registers"): with Triton 3.9, 160 against the compiler's choice 3.08-3.10x ->
+#: 4.15-4.30x SDPA at B = 8 and 3.79x -> 5.12-5.17x at B = 32, the same at one row; with Triton 3.6, 3.71x -> 3.59x at
+#: B = 8, 4.39x -> 4.35x at B = 32, 2.35x -> 2.47x at one row. Capped at 144 or 128 (14 or 16 programs an SM), the pass
+#: was 3-36% slower at every shape timed with Triton 3.6 (the section "More programs an SM, shorter steps, the tile index
+#: further ahead"). The output bits are the same at every cap. Decode only
+TILES_REGISTERS: int | None = (env_setting("KVWEAVE_TILES_REGISTERS", 0, (0, 128, 144, 160, 168, 192, 255))
+                               if "KVWEAVE_TILES_REGISTERS" in os.environ else None)
+#: the cap :func:`tiles_register_cap` takes for a Triton after 3.6
+TILES_LATER_TRITON_REGISTERS = 160
 #: the ``tiles`` pass reads each step's tile index two steps ahead and the entries it points to one step ahead (with
 #: :data:`TILES_AHEAD`), instead of both a step ahead. Off: built in 254 registers (Triton 3.6), 8 programs an SM, it
 #: was 1-5% faster at one batch row and 3-23% slower at B = 8 and 32 (H100, docs/kernels.md "More programs an SM,
@@ -351,6 +358,18 @@ def pick_variant(view: DecodeView, variant: str) -> str:
     return "gather" if variant == "gather" or refusal else "tiles"
 
 
+def tiles_register_cap() -> int | None:
+    """The register cap the decode call's ``tiles`` pass is built with on a GPU (None: the compiler's choice):
+    :data:`TILES_REGISTERS` where set (0: none); else :data:`TILES_LATER_TRITON_REGISTERS` for a Triton after 3.6
+    and none for 3.6 and before (the builds and timings of :data:`TILES_REGISTERS`)."""
+    if TILES_REGISTERS is not None:
+        return TILES_REGISTERS or None
+    import triton
+
+    major, minor = (int(part) for part in triton.__version__.split(".")[:2])
+    return TILES_LATER_TRITON_REGISTERS if (major, minor) > (3, 6) else None
+
+
 def _launch_tiles(view, query, segments, start, m, l, acc, partials, heads, gq, dim, qk_scale, block_tokens, num_warps,
                   num_stages=None, values: bool = True, early: bool = False) -> None:
     """Launch the ``tiles`` packed-token pass over ``segments`` (:mod:`kvweave.kernels.depthweave_tiles_triton`);
@@ -375,5 +394,5 @@ def _launch_tiles(view, query, segments, start, m, l, acc, partials, heads, gq, 
         WORDS=TILES_WORDS if values and TILES_WORDS and TILES_ROWS and word_codes(view, constants) else 0,
         num_warps=num_warps, **({"launch_pdl": True} if early else {}),
         **({} if num_stages is None else {"num_stages": num_stages}),
-        **({"maxnreg": TILES_REGISTERS} if TILES_REGISTERS and asm and values else {}),
+        **({"maxnreg": cap} if asm and values and (cap := tiles_register_cap()) else {}),
     )

@@ -1,6 +1,7 @@
 """depthweave-kv's ``tiles`` pass with a shorter last wave (:func:`tail_segments`): its programs launched segment by
 segment (grid (B x H, S): the last segments of every row are the last programs to start) and each row's last wave's
-worth of segments shorter than the others, so that the pass drains for less time. Off by default, until timed."""
+worth of segments shorter than the others, so that the pass drains for less time. Off by default: timed, it was slower
+where it applies (:data:`TILES_TAIL`)."""
 
 from __future__ import annotations
 
@@ -16,10 +17,14 @@ from kvweave.kernels.lowbit_dense import multiprocessors
 #: others' length, in percent, and the programs launched segment-major (0: neither, the launch as timed; 100: segment-
 #: major with every segment alike). At B = 32, 32K the pass drained for a quarter of its span (a 76.8 us tail of 300 on
 #: an H200, docs/kernels.md "depthweave-kv's tiles pass and the one-row dense pass, SM by SM"); the dense kernel's
-#: last wave at a third of its length took 1-8% off its calls ("The last wave of splits shorter, timed").
-#: KVWEAVE_TILES_TAIL sets it
+#: last wave at a third of its length took 1-8% off its calls ("The last wave of splits shorter, timed"). Timed for the
+#: tiles pass (H100, Triton 3.6, graph time, docs/kernels.md "The tiles pass at 160 registers"): at B = 32, 64K (two
+#: waves, the one cell timed where it applies) 4.57x SDPA off and at 100, 4.26x at 33, 4.32x at 25; the one-wave cells
+#: (B = 8 at 32K and 64K, B = 32 at 32K; the same segments, launched segment-major) 1-4% faster, within the spread of
+#: repeated runs (3.66-3.80x at B = 8, 32K). KVWEAVE_TILES_TAIL sets it
 TILES_TAIL = env_setting("KVWEAVE_TILES_TAIL", 0, (0, 25, 33, 50, 100))
-#: the tiles pass's programs an SM at once: one warp at 168 registers (Triton 3.6), 12; 1,584 seen at once on 132 SMs
+#: the tiles pass's programs an SM at once: one warp at 168 registers (Triton 3.6) or at 160 (Triton 3.9's build capped,
+#: kvweave.kernels.depthweave_decode.tiles_register_cap), 12; 1,584 seen at once on 132 SMs
 #: (H200, 2026-12-07, the section above)
 TILES_PROGRAMS_PER_SM = 12
 
