@@ -311,16 +311,14 @@ TILES_ROWS = True
 #: (H100, docs/kernels.md "The tiles pass's codes as words a step ahead"). Decode only: a flush's statistics pass
 #: (:func:`fused_packed_logsumexp`, 32 query rows a KV head, no values) keeps the byte loads it was timed with
 TILES_WORDS = 2
-#: the registers a thread of the ``tiles`` pass may take on a GPU: unset (None), :func:`tiles_register_cap`'s rule; 0
-#: the compiler's choice; else that cap (KVWEAVE_TILES_REGISTERS). Triton 3.6 builds the pass in 168 registers with
-#: :data:`TILES_WORDS`, Triton 3.9 (a fresh install's) in 179-185: 10-11 one-warp programs an SM instead of the 12 that
-#: :data:`kvweave.kernels.decode_view.WAVE_PROGRAMS` counts on. At 160 both build it without a spill in 12
-#: (`KVWEAVE_TILES_REGISTERS=160 benchmarks/kernel_sass.py --method depthweave-kv`). Timed (H100, 32K, graph time,
-#: docs/kernels.md "The tiles pass at 160 registers"): with Triton 3.9, 160 against the compiler's choice 3.08-3.10x ->
-#: 4.15-4.30x SDPA at B = 8 and 3.79x -> 5.12-5.17x at B = 32, the same at one row; with Triton 3.6, 3.71x -> 3.59x at
-#: B = 8, 4.39x -> 4.35x at B = 32, 2.35x -> 2.47x at one row. Capped at 144 or 128 (14 or 16 programs an SM), the pass
-#: was 3-36% slower at every shape timed with Triton 3.6 (the section "More programs an SM, shorter steps, the tile index
-#: further ahead"). The output bits are the same at every cap. Decode only
+#: the registers a thread of the ``tiles`` pass may take on a GPU: unset (None), :func:`tiles_register_cap`'s rule; 0 the
+#: compiler's choice; else that cap (KVWEAVE_TILES_REGISTERS). Triton 3.6 builds it in 168 with :data:`TILES_WORDS`,
+#: Triton 3.9 in 179-185: 10-11 one-warp programs an SM, not the 12 :data:`kvweave.kernels.decode_view.WAVE_PROGRAMS`
+#: counts on. At 160 both build it without a spill in 12. Timed (H100, 32K, graph time, docs/kernels.md "The tiles pass
+#: at 160 registers"): Triton 3.9 at 160 against its own choice 3.08-3.10x -> 4.15-4.30x SDPA at B = 8, 3.79x ->
+#: 5.12-5.17x at B = 32, the same at one row; Triton 3.6 3.71x -> 3.59x, 4.39x -> 4.35x, 2.35x -> 2.47x. At 144 or 128
+#: (14 or 16 programs an SM) 3-36% slower everywhere with Triton 3.6 ("More programs an SM, shorter steps, the tile
+#: index further ahead"). The same output bits at every cap. Decode only
 TILES_REGISTERS: int | None = (env_setting("KVWEAVE_TILES_REGISTERS", 0, (0, 128, 144, 160, 168, 192, 255))
                                if "KVWEAVE_TILES_REGISTERS" in os.environ else None)
 #: the cap :func:`tiles_register_cap` takes for a Triton after 3.6
@@ -366,8 +364,12 @@ def tiles_register_cap() -> int | None:
         return TILES_REGISTERS or None
     import triton
 
-    major, minor = (int(part) for part in triton.__version__.split(".")[:2])
-    return TILES_LATER_TRITON_REGISTERS if (major, minor) > (3, 6) else None
+    return TILES_LATER_TRITON_REGISTERS if _after_triton_3_6(triton.__version__) else None
+
+
+@functools.lru_cache(maxsize=8)
+def _after_triton_3_6(version: str) -> bool:
+    return tuple(int(part) for part in version.split(".")[:2]) > (3, 6)
 
 
 def _launch_tiles(view, query, segments, start, m, l, acc, partials, heads, gq, dim, qk_scale, block_tokens, num_warps,
