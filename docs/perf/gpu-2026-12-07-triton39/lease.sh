@@ -6,7 +6,8 @@
 #          what a call carried stays there while the machine is warm
 #   run 2, within 30 s: carry [wheels/triton-3.9.0-2], command
 #          OUT=$OUT timeout 580 bash docs/perf/gpu-2026-12-07-triton39/lease.sh
-#   run 3, while warm: PART=tests (Triton 3.9's GPU tests of the kernels alone; the parts are already there)
+#   run 3, while warm: PART=tests OUT=$OUT timeout 590 bash ... (Triton 3.9's GPU tests of the kernels, a step a file, TEST_LIMIT
+#          seconds each, default 200; FILES: which, e.g. FILES="test_timeline test_kernels" for a second call)
 # Each step's table in $OUT/NAME.md; 3.6 first (the machine's), then 3.9: the dense kernel
 # at the launch's register caps (Triton 3.9's sm_90 build spills there) and at 168 (no spill, 3 programs an SM), and
 # depthweave-kv's tiles pass (179 registers with 3.9, 168 with 3.6: 11 programs an SM instead of 12).
@@ -14,8 +15,11 @@ source benchmarks/lease_preamble.sh
 if [ "$PART" = tests ]; then
   step 30 unpack.md python benchmarks/carry_triton.py unpack
   source results/triton-3.9.0/env.sh
-  step 500 t39-tests.md python -m pytest -q -p no:cacheprovider tests/test_lowbit_gpu.py tests/test_dense_ahead.py \
-    tests/test_timeline.py tests/test_kernels.py
+  # a step a file, each under its own limit, so that what ran is kept when a later one is cut (run under an outer
+  # timeout of at least the sum: 30 + 4 x TEST_LIMIT)
+  for file in ${FILES:-test_lowbit_gpu test_dense_ahead test_timeline test_kernels}; do
+    step ${TEST_LIMIT:-200} t39-$file.md python -m pytest -q -p no:cacheprovider -rs tests/$file.py
+  done
   exit
 fi
 cells="--reps 10 --tokens ${TOKENS:-32768} --batches ${BATCHES:-1,8} --post-rope --configs dense:64:4:0 --cold-l2"
