@@ -13,6 +13,11 @@ if not torch.cuda.is_available():  # Triton kernels run in its interpreter on a 
     os.environ.setdefault("TRITON_INTERPRET", "1")
 from transformers import LlamaConfig, LlamaForCausalLM
 
+from interpreter_launches import patch_the_language_once_a_launch
+
+if os.environ.get("TRITON_INTERPRET") == "1":
+    patch_the_language_once_a_launch()
+
 
 def tiny_llama(
     dtype: torch.dtype = torch.float32, layers: int = 3, seed: int = 0, hidden: int = 64

@@ -16,7 +16,7 @@ import torch
 from kvweave.core.registry import load_registry
 from kvweave.engine import build_cache, importance
 from kvweave.kernels import lowbit_combine
-from kvweave.kernels.lowbit_decode import lowbit_decode, plan_combine, plan_launch, torch_lowbit_decode
+from kvweave.kernels.lowbit_decode import plan_combine, plan_launch, torch_lowbit_decode
 from kvweave.plugins.quantizers.rotated_token import hadamard, rotation_matrix
 
 from conftest import CharTokenizer, tiny_llama
@@ -47,16 +47,30 @@ def _sinks_view(dim: int):
     return cache.engine.kernel.lowbit_view(cache.engine.view(1), torch.device("cpu"))
 
 
+def _packed(view, q, start=None):
+    """The dense kernel's packed pass as ``lowbit_decode(view, q, start, ..., variant="dense")`` launches it, run: what
+    its combine reads. The pass never reads the values' rotation, so one run serves the combine by the transform and
+    the one by the matrix (the combine only reads the pass's outputs)."""
+    packed = plan_launch(view, q, start, q.shape[-1] ** -0.5, variant="dense")
+    packed.run()
+    return packed
+
+
+def _combined(view, q, start, packed, out_dtype=None):
+    """``lowbit_decode``'s output for ``view`` from its packed pass ``packed`` (:func:`_packed`): the combine run."""
+    return plan_combine(view, q, start, q.shape[-1] ** -0.5, packed, out_dtype).run()[0]
+
+
 def _as_the_matrix_and_the_twin(view, q, start=None):
-    """The dense kernel's output with the transform: the matrix's to float32 rounding, the twin's within its
-    tolerance; returned."""
-    scaling = q.shape[-1] ** -0.5
-    fast = lowbit_decode(view, q, start, scaling, variant="dense")
-    slow = lowbit_decode(attrs.evolve(view, rotation_hadamard=False), q, start, scaling, variant="dense")
+    """The dense kernel's output with the transform: the matrix's to float32 rounding (the same packed pass combined
+    both ways), the twin's within its tolerance; returned with the packed pass."""
+    packed = _packed(view, q, start)
+    fast = _combined(view, q, start, packed)
+    slow = _combined(attrs.evolve(view, rotation_hadamard=False), q, start, packed)
     assert torch.allclose(fast, slow, atol=2e-6, rtol=0), (fast - slow).abs().max()
-    twin = torch_lowbit_decode(view, q, start, scaling)
+    twin = torch_lowbit_decode(view, q, start, q.shape[-1] ** -0.5)
     assert torch.allclose(fast, twin, atol=1e-5), (fast - twin).abs().max()
-    return fast
+    return fast, packed
 
 
 @pytest.fixture(scope="module")
@@ -94,13 +108,13 @@ def test_the_transform_gives_the_matrixs_output(dim):
     launch = plan_launch(view, q, None, dim ** -0.5, variant="dense")
     assert plan_combine(view, q, None, dim ** -0.5, launch).constants["HAD"] == int(math.log2(dim))
     for start in (None, torch.tensor([30], dtype=torch.int32)):
-        fast = _as_the_matrix_and_the_twin(view, q, start)
-        low = lowbit_decode(view, q, start, dim ** -0.5, variant="dense", out_dtype=torch.bfloat16)
+        fast, packed = _as_the_matrix_and_the_twin(view, q, start)
+        low = _combined(view, q, start, packed, out_dtype=torch.bfloat16)
         assert low.dtype == torch.bfloat16 and torch.allclose(low.float(), fast, atol=1e-2)
-    wrong = attrs.evolve(view, rotation=rotation_matrix("random", 1, dim))
-    assert (lowbit_decode(wrong, q, None, dim ** -0.5, variant="dense")
-            - lowbit_decode(attrs.evolve(wrong, rotation_hadamard=False), q, None, dim ** -0.5,
-                            variant="dense")).abs().max() > 1e-3
+    wrong = attrs.evolve(view, rotation=rotation_matrix("random", 1, dim))  # the packed pass reads no rotation
+    packed = _packed(wrong, q)
+    assert (_combined(wrong, q, None, packed) - _combined(attrs.evolve(wrong, rotation_hadamard=False), q, None, packed)
+            ).abs().max() > 1e-3
 
 
 @pytest.mark.interpreter
@@ -147,8 +161,9 @@ def test_the_benchmarks_storage_takes_the_transform():
         launch = plan_launch(view, q, None, 128 ** -0.5, variant="dense")
         combine = plan_combine(view, q, None, 128 ** -0.5, launch)
         assert combine.constants["HAD"] == 7 and combine.constants["WHOLE"] and launch.grid[1] >= 2  # splits to combine
-        fast = lowbit_decode(view, q, None, 128 ** -0.5, variant="dense")
-        slow = lowbit_decode(attrs.evolve(view, rotation_hadamard=False), q, None, 128 ** -0.5, variant="dense")
+        launch.run()  # lowbit_decode's packed pass, combined by the transform and by the matrix
+        fast = combine.run()[0]
+        slow = _combined(attrs.evolve(view, rotation_hadamard=False), q, None, launch)
         assert torch.allclose(fast, slow, atol=2e-6, rtol=0), (fast - slow).abs().max()
 
 

@@ -36,26 +36,39 @@ def sinks_view():
     return cache.engine.kernel.lowbit_view(cache.engine.view(1), torch.device("cpu"))
 
 
+@pytest.fixture(scope="module")
+def packed_passes(sinks_view):
+    """A query and, per first visible position (none, 30), the dense kernel's packed pass over ``sinks_view`` as
+    ``lowbit_decode`` launches it, run once (the combine's settings change only the combine, which reads the pass's
+    outputs and writes its own), with the one-program-a-query-head combine's output of it and the twin's output."""
+    q = torch.randn(1, 8, 128, generator=torch.Generator().manual_seed(5))
+    runs = []
+    for start in (None, torch.tensor([30], dtype=torch.int32)):
+        assert lowbit_combine.COMBINE_SLICES == 1
+        packed = plan_launch(sinks_view, q, start, 128 ** -0.5, variant="dense")
+        packed.run()
+        whole = plan_combine(sinks_view, q, start, 128 ** -0.5, packed).run()[0]
+        runs.append((start, packed, whole, torch_lowbit_decode(sinks_view, q, start, 128 ** -0.5)))
+    return q, runs
+
+
 @pytest.mark.interpreter
 @pytest.mark.parametrize("slices, warps", [(2, 4), (4, 4), (8, 2), (4, 8)])
-def test_a_combine_in_slices_gives_the_one_program_output(sinks_view, monkeypatch, slices, warps):
+def test_a_combine_in_slices_gives_the_one_program_output(sinks_view, packed_passes, monkeypatch, slices, warps):
     """Restored sinks, the exact window, the splits rotated back: each slice's channels as one program a query head
     gives them (float32 sums in other tiles: to 1e-6), in the model's dtype too, with and without a first visible
     position, and within the twin's rounding."""
     view = sinks_view
     assert view.restored_k is not None and view.rotation is not None and view.exact_k.shape[-2] > 0
-    q = torch.randn(1, 8, 128, generator=torch.Generator().manual_seed(5))
-    for start in (None, torch.tensor([30], dtype=torch.int32)):
-        whole = lowbit_decode(view, q, start, 128 ** -0.5, variant="dense")
-        twin = torch_lowbit_decode(view, q, start, 128 ** -0.5)
+    q, runs = packed_passes
+    for start, packed, whole, twin in runs:
         monkeypatch.setattr(lowbit_combine, "COMBINE_SLICES", slices)
         monkeypatch.setattr(lowbit_combine, "COMBINE_WARPS", warps)
-        packed = plan_launch(view, q, start, 128 ** -0.5, variant="dense")
         combine = plan_combine(view, q, start, 128 ** -0.5, packed)
         assert combine.grid == (8 * slices,) and combine.constants["SLICES"] == slices
         assert combine.constants["num_warps"] == warps
-        sliced = lowbit_decode(view, q, start, 128 ** -0.5, variant="dense")
-        rounded = lowbit_decode(view, q, start, 128 ** -0.5, variant="dense", out_dtype=torch.bfloat16)
+        sliced = combine.run()[0]
+        rounded = plan_combine(view, q, start, 128 ** -0.5, packed, torch.bfloat16).run()[0]
         monkeypatch.undo()
         assert torch.allclose(sliced, whole, atol=1e-6, rtol=0), (sliced - whole).abs().max()
         assert torch.allclose(sliced, twin, atol=1e-5) and float(twin.abs().max()) > 0.05
