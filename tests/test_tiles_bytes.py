@@ -161,7 +161,7 @@ def test_the_byte_permutes_build_for_a_gpu(tmp_path):
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
-@pytest.mark.parametrize("switch, off, value", [("TILES_REGISTERS", None, 144), ("TILES_REGISTERS", None, 128),
+@pytest.mark.parametrize("switch, off, value", [("TILES_REGISTERS", 0, 144), ("TILES_REGISTERS", 0, 128),
                                                 ("TILES_INDEX", False, True), ("TILES_QUERY_LATE", False, True),
                                                 ("TILES_L2AHEAD", 0, 4)])
 def test_a_register_cap_or_loads_moved_give_the_same_bits_on_the_gpu(tmp_path, monkeypatch, switch, off, value):
